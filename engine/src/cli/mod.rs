@@ -1,0 +1,46 @@
+//! The `ds4` command-line tool. One file per subcommand; [`main`] parses arguments and dispatches.
+//!
+//! The argument shapes of `logits`, `generate`, `tokenize`, `render`, `convert` and `inspect` are a contract that
+//! external checks rely on: keep them stable.
+
+use clap::{Parser, Subcommand};
+
+mod inspect;
+
+/// `ds4`: run, inspect and convert DeepSeek V4 Flash models.
+#[derive(Parser, Debug)]
+#[command(name = "ds4", version, about)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Print a GGUF file's metadata and tensor table.
+    Inspect(inspect::Args),
+}
+
+/// Initializes logging (`RUST_LOG` controls the level; default `info`) on stderr.
+pub fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+}
+
+/// Entry point of the `ds4` binary. Returns the process exit code.
+pub fn main() -> i32 {
+    init_logging();
+    let cli = Cli::parse();
+    let r = match cli.command {
+        Command::Inspect(a) => inspect::run(a),
+    };
+    match r {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            1
+        }
+    }
+}

@@ -1,0 +1,1 @@
+//! Executors: run a [`crate::graph`] job graph on a backend.

@@ -1,0 +1,36 @@
+//! # ds4-engine
+//!
+//! A native inference engine for one model, DeepSeek V4 Flash. This crate holds everything that turns a model
+//! file and token ids into logits:
+//!
+//! | folder | what lives there |
+//! | --- | --- |
+//! | [`gguf`] | the GGUF v3 container: memory-mapped reader with validated, zero-copy tensor views, and a writer |
+//! | [`quant`] | block quant formats (F32, F16, BF16, Q8_0, Q2_K, Q4_K, IQ2_XXS, Q8_K): dequantize, quantize, dot products |
+//! | [`convert`] | official checkpoint folder (safetensors, FP8/FP4) → DS4 GGUF |
+//! | [`model`] | hyperparameters read from GGUF metadata, the weight table, the forward-pass math |
+//! | [`tables`] | flat component tables (struct-of-arrays): sessions and their KV state |
+//! | [`graph`] | the per-step job graph: ops with declared reads/writes, as plain data |
+//! | [`exec`] | executors that run a job graph on a backend |
+//! | [`backend`] | op implementations: `cpu` (reference + SIMD) and `wgpu` |
+//! | [`tokenizer`], [`chat`], [`sampler`] | text in, text out |
+//! | [`cli`] | the `ds4` command-line tool |
+//!
+//! Errors: every fallible function returns [`Result`], whose [`Error`] names the op, file or tensor involved.
+#![forbid(unsafe_op_in_unsafe_fn)]
+
+pub mod backend;
+pub mod chat;
+pub mod cli;
+pub mod convert;
+pub mod error;
+pub mod exec;
+pub mod gguf;
+pub mod graph;
+pub mod model;
+pub mod quant;
+pub mod sampler;
+pub mod tables;
+pub mod tokenizer;
+
+pub use error::{Error, Result};

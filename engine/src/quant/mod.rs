@@ -1,0 +1,248 @@
+//! Block quant formats as ggml defines them, and the arithmetic on them.
+//!
+//! [`GgmlType`] names every type a GGUF file may hold and knows each one's block geometry (values per block, bytes
+//! per block). The per-format modules hold the scalar reference code (dequantize, quantize, dot products); the SIMD
+//! variants live under `simd` and are tested against the scalar code.
+//!
+//! Invariant: a tensor row of `n` values of type `t` occupies `t.row_bytes(n)` bytes and `n` is a multiple of
+//! `t.block_values()`; callers check this with [`GgmlType::row_bytes`] (which returns `None` otherwise) before
+//! slicing.
+
+use std::fmt;
+
+/// A ggml tensor type, with the numeric id GGUF stores.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum GgmlType {
+    F32,
+    F16,
+    Q4_0,
+    Q4_1,
+    Q5_0,
+    Q5_1,
+    Q8_0,
+    Q8_1,
+    Q2K,
+    Q3K,
+    Q4K,
+    Q5K,
+    Q6K,
+    Q8K,
+    Iq2Xxs,
+    Iq2Xs,
+    Iq3Xxs,
+    Iq1S,
+    Iq4Nl,
+    Iq3S,
+    Iq2S,
+    Iq4Xs,
+    I8,
+    I16,
+    I32,
+    I64,
+    F64,
+    Iq1M,
+    Bf16,
+}
+
+/// Values per block of the k-quants.
+pub const QK_K: usize = 256;
+
+impl GgmlType {
+    /// Maps a GGUF type id to a type; `None` for ids ggml does not define.
+    pub fn from_id(id: u32) -> Option<Self> {
+        use GgmlType::*;
+        Some(match id {
+            0 => F32,
+            1 => F16,
+            2 => Q4_0,
+            3 => Q4_1,
+            6 => Q5_0,
+            7 => Q5_1,
+            8 => Q8_0,
+            9 => Q8_1,
+            10 => Q2K,
+            11 => Q3K,
+            12 => Q4K,
+            13 => Q5K,
+            14 => Q6K,
+            15 => Q8K,
+            16 => Iq2Xxs,
+            17 => Iq2Xs,
+            18 => Iq3Xxs,
+            19 => Iq1S,
+            20 => Iq4Nl,
+            21 => Iq3S,
+            22 => Iq2S,
+            23 => Iq4Xs,
+            24 => I8,
+            25 => I16,
+            26 => I32,
+            27 => I64,
+            28 => F64,
+            29 => Iq1M,
+            30 => Bf16,
+            _ => return None,
+        })
+    }
+
+    /// The GGUF type id.
+    pub fn id(self) -> u32 {
+        use GgmlType::*;
+        match self {
+            F32 => 0,
+            F16 => 1,
+            Q4_0 => 2,
+            Q4_1 => 3,
+            Q5_0 => 6,
+            Q5_1 => 7,
+            Q8_0 => 8,
+            Q8_1 => 9,
+            Q2K => 10,
+            Q3K => 11,
+            Q4K => 12,
+            Q5K => 13,
+            Q6K => 14,
+            Q8K => 15,
+            Iq2Xxs => 16,
+            Iq2Xs => 17,
+            Iq3Xxs => 18,
+            Iq1S => 19,
+            Iq4Nl => 20,
+            Iq3S => 21,
+            Iq2S => 22,
+            Iq4Xs => 23,
+            I8 => 24,
+            I16 => 25,
+            I32 => 26,
+            I64 => 27,
+            F64 => 28,
+            Iq1M => 29,
+            Bf16 => 30,
+        }
+    }
+
+    /// ggml's name for the type (`"q8_0"`, `"iq2_xxs"`, ...).
+    pub fn name(self) -> &'static str {
+        use GgmlType::*;
+        match self {
+            F32 => "f32",
+            F16 => "f16",
+            Q4_0 => "q4_0",
+            Q4_1 => "q4_1",
+            Q5_0 => "q5_0",
+            Q5_1 => "q5_1",
+            Q8_0 => "q8_0",
+            Q8_1 => "q8_1",
+            Q2K => "q2_K",
+            Q3K => "q3_K",
+            Q4K => "q4_K",
+            Q5K => "q5_K",
+            Q6K => "q6_K",
+            Q8K => "q8_K",
+            Iq2Xxs => "iq2_xxs",
+            Iq2Xs => "iq2_xs",
+            Iq3Xxs => "iq3_xxs",
+            Iq1S => "iq1_s",
+            Iq4Nl => "iq4_nl",
+            Iq3S => "iq3_s",
+            Iq2S => "iq2_s",
+            Iq4Xs => "iq4_xs",
+            I8 => "i8",
+            I16 => "i16",
+            I32 => "i32",
+            I64 => "i64",
+            F64 => "f64",
+            Iq1M => "iq1_m",
+            Bf16 => "bf16",
+        }
+    }
+
+    /// Values per block.
+    pub fn block_values(self) -> usize {
+        use GgmlType::*;
+        match self {
+            F32 | F16 | Bf16 | I8 | I16 | I32 | I64 | F64 => 1,
+            Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q8_1 | Iq4Nl => 32,
+            Q2K | Q3K | Q4K | Q5K | Q6K | Q8K | Iq2Xxs | Iq2Xs | Iq3Xxs | Iq1S | Iq3S | Iq2S | Iq4Xs | Iq1M => QK_K,
+        }
+    }
+
+    /// Bytes per block.
+    pub fn block_bytes(self) -> usize {
+        use GgmlType::*;
+        match self {
+            F32 => 4,
+            F16 | Bf16 => 2,
+            I8 => 1,
+            I16 => 2,
+            I32 => 4,
+            I64 | F64 => 8,
+            Q4_0 => 18,
+            Q4_1 => 20,
+            Q5_0 => 22,
+            Q5_1 => 24,
+            Q8_0 => 34,
+            Q8_1 => 36,
+            Q2K => 84,
+            Q3K => 110,
+            Q4K => 144,
+            Q5K => 176,
+            Q6K => 210,
+            Q8K => 292,
+            Iq2Xxs => 66,
+            Iq2Xs => 74,
+            Iq3Xxs => 98,
+            Iq1S => 50,
+            Iq4Nl => 18,
+            Iq3S => 110,
+            Iq2S => 82,
+            Iq4Xs => 136,
+            Iq1M => 56,
+        }
+    }
+
+    /// Bytes taken by a row of `n` values, or `None` when `n` is not a whole number of blocks (or overflows).
+    pub fn row_bytes(self, n: u64) -> Option<u64> {
+        let bv = self.block_values() as u64;
+        if n % bv != 0 {
+            return None;
+        }
+        (n / bv).checked_mul(self.block_bytes() as u64)
+    }
+
+    /// Whether the engine can compute with this type (dequantize and dot products). Other types can be read and
+    /// inspected but not run.
+    pub fn is_supported(self) -> bool {
+        use GgmlType::*;
+        matches!(self, F32 | F16 | Bf16 | Q8_0 | Q2K | Q4K | Iq2Xxs | Q8K | I32)
+    }
+}
+
+impl fmt::Display for GgmlType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_round_trip() {
+        for id in 0..40 {
+            if let Some(t) = GgmlType::from_id(id) {
+                assert_eq!(t.id(), id);
+            }
+        }
+        assert_eq!(GgmlType::from_id(4), None);
+    }
+
+    #[test]
+    fn row_bytes_checks_block_multiples() {
+        assert_eq!(GgmlType::Q8_0.row_bytes(64), Some(68));
+        assert_eq!(GgmlType::Q8_0.row_bytes(33), None);
+        assert_eq!(GgmlType::Iq2Xxs.row_bytes(4096), Some(16 * 66));
+        assert_eq!(GgmlType::F32.row_bytes(u64::MAX), None);
+    }
+}
