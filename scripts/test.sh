@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The whole ds4 test suite. Installs what it needs (Vulkan software driver for the wgpu tests, Python SDK clients for
+# the server tests), then runs: formatting and lint checks, every Rust test in the workspace (golden checkpoints,
+# quant fixtures, GGUF fuzz, server, kv faults, wgpu on lavapipe), and the Python SDK tests against a live server.
+#
+# Needs ../shared (golden checkpoints, client fixtures) beside the repository; with CI=true a missing ../shared fails.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+log() { printf '\n== %s\n' "$*"; }
+
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  if ! ldconfig -p 2>/dev/null | grep -q libvulkan.so.1 || [ ! -e /usr/share/vulkan/icd.d/lvp_icd.x86_64.json ]; then
+    log "installing Mesa software Vulkan (lavapipe)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mesa-vulkan-drivers libvulkan1 >/dev/null
+  fi
+fi
+export WGPU_BACKEND="${WGPU_BACKEND:-vulkan}"
+export XDG_RUNTIME_DIR="${XDG_RUNTIME_DIR:-/tmp}"
+
+PY=python3
+if [ -d tests/python ]; then
+  log "installing Python test clients"
+  $PY -m pip install -q --disable-pip-version-check openai anthropic pytest prometheus-client >/dev/null
+fi
+
+log "cargo fmt --check"
+cargo fmt --all -- --check
+log "cargo clippy"
+cargo clippy --workspace --all-targets -- -D warnings
+
+log "cargo build (release binaries for the end-to-end tests)"
+cargo build --release -p ds4-engine -p ds4-server -p ds4-bench
+
+log "cargo test"
+cargo test --workspace
+
+if [ -d tests/python ]; then
+  log "Python SDK tests"
+  DS4_SERVER_BIN="$PWD/target/release/ds4-server" $PY -m pytest -q tests/python
+fi
