@@ -1,2 +1,135 @@
 //! WGSL compute shaders for every op of the ds4 forward pass. Sources are embedded as strings so the engine can
 //! build pipelines without touching the filesystem; tests validate each one with naga.
+//!
+//! Layout: one `.wgsl` file per op family under `src/wgsl/`. WGSL has no `#include`, so kernels that read quantized
+//! weights are composed at compile time with `concat!`: `bytes.wgsl` (byte-addressed loads from the `u32` weight
+//! buffer `w`) + one `quant_*.wgsl` (defines `BLOCK_VALUES`, `BLOCK_BYTES`, `block_value(b, i)` and
+//! `block_dot(b, x0)` for one ggml block format) + the kernel body (`matmul.wgsl`, `get_rows.wgsl`).
+//! Weights are read directly in their file format: no dequantized copies of the model exist on the device.
+//!
+//! Every kernel has entry point `main`; its bindings and uniform `Params` struct are documented at the top of its
+//! file, and the engine's wgpu backend (`ds4_engine::backend::wgpu`) mirrors those structs with `#[repr(C)]` types.
+
+/// A weight format the WGSL kernels can read directly.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum WeightFormat {
+    F32,
+    F16,
+    Bf16,
+    Q8_0,
+    Q2K,
+    Q4K,
+    Iq2Xxs,
+}
+
+impl WeightFormat {
+    /// Every format, for tests and pipeline warm-up.
+    pub const ALL: [WeightFormat; 7] = [
+        WeightFormat::F32,
+        WeightFormat::F16,
+        WeightFormat::Bf16,
+        WeightFormat::Q8_0,
+        WeightFormat::Q2K,
+        WeightFormat::Q4K,
+        WeightFormat::Iq2Xxs,
+    ];
+
+    /// (values per block, bytes per block), as the shader sees them.
+    pub fn block(self) -> (usize, usize) {
+        match self {
+            WeightFormat::F32 => (1, 4),
+            WeightFormat::F16 | WeightFormat::Bf16 => (1, 2),
+            WeightFormat::Q8_0 => (32, 34),
+            WeightFormat::Q2K => (256, 84),
+            WeightFormat::Q4K => (256, 144),
+            WeightFormat::Iq2Xxs => (256, 66),
+        }
+    }
+
+    /// The quantized matrix product kernel (`matmul.wgsl`) for this format.
+    pub fn matmul_source(self) -> &'static str {
+        match self {
+            WeightFormat::F32 => MATMUL_F32,
+            WeightFormat::F16 => MATMUL_F16,
+            WeightFormat::Bf16 => MATMUL_BF16,
+            WeightFormat::Q8_0 => MATMUL_Q8_0,
+            WeightFormat::Q2K => MATMUL_Q2_K,
+            WeightFormat::Q4K => MATMUL_Q4_K,
+            WeightFormat::Iq2Xxs => MATMUL_IQ2_XXS,
+        }
+    }
+
+    /// The row-gather (embedding lookup) kernel (`get_rows.wgsl`) for this format.
+    pub fn get_rows_source(self) -> &'static str {
+        match self {
+            WeightFormat::F32 => GET_ROWS_F32,
+            WeightFormat::F16 => GET_ROWS_F16,
+            WeightFormat::Bf16 => GET_ROWS_BF16,
+            WeightFormat::Q8_0 => GET_ROWS_Q8_0,
+            WeightFormat::Q2K => GET_ROWS_Q2_K,
+            WeightFormat::Q4K => GET_ROWS_Q4_K,
+            WeightFormat::Iq2Xxs => GET_ROWS_IQ2_XXS,
+        }
+    }
+}
+
+macro_rules! quant_kernels {
+    ($($matmul:ident, $get_rows:ident, $file:literal;)*) => {
+        $(
+            #[doc = concat!("`matmul.wgsl` over `", $file, "` weights.")]
+            pub const $matmul: &str =
+                concat!(include_str!("wgsl/bytes.wgsl"), include_str!($file), include_str!("wgsl/matmul.wgsl"));
+            #[doc = concat!("`get_rows.wgsl` over `", $file, "` weights.")]
+            pub const $get_rows: &str =
+                concat!(include_str!("wgsl/bytes.wgsl"), include_str!($file), include_str!("wgsl/get_rows.wgsl"));
+        )*
+    };
+}
+
+quant_kernels! {
+    MATMUL_F32, GET_ROWS_F32, "wgsl/quant_f32.wgsl";
+    MATMUL_F16, GET_ROWS_F16, "wgsl/quant_f16.wgsl";
+    MATMUL_BF16, GET_ROWS_BF16, "wgsl/quant_bf16.wgsl";
+    MATMUL_Q8_0, GET_ROWS_Q8_0, "wgsl/quant_q8_0.wgsl";
+    MATMUL_Q2_K, GET_ROWS_Q2_K, "wgsl/quant_q2_k.wgsl";
+    MATMUL_Q4_K, GET_ROWS_Q4_K, "wgsl/quant_q4_k.wgsl";
+    MATMUL_IQ2_XXS, GET_ROWS_IQ2_XXS, "wgsl/quant_iq2_xxs.wgsl";
+}
+
+/// Every shader source with a name, for validation and pipeline warm-up.
+pub fn all_sources() -> Vec<(&'static str, &'static str)> {
+    let mut v = Vec::new();
+    for f in WeightFormat::ALL {
+        v.push(("matmul", f.matmul_source()));
+        v.push(("get_rows", f.get_rows_source()));
+    }
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn validate(name: &str, src: &str) -> Result<(), String> {
+        let module =
+            naga::front::wgsl::parse_str(src).map_err(|e| format!("{name}: parse: {}", e.emit_to_string(src)))?;
+        naga::valid::Validator::new(naga::valid::ValidationFlags::all(), naga::valid::Capabilities::all())
+            .validate(&module)
+            .map_err(|e| format!("{name}: validate: {}", e.emit_to_string(src)))?;
+        if !module.entry_points.iter().any(|e| e.name == "main") {
+            return Err(format!("{name}: no entry point `main`"));
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn every_shader_validates_with_naga() {
+        let errors: Vec<String> = all_sources().into_iter().filter_map(|(n, s)| validate(n, s).err()).collect();
+        assert!(errors.is_empty(), "{}", errors.join("\n\n"));
+    }
+
+    #[test]
+    fn validator_rejects_a_broken_shader() {
+        assert!(validate("broken", "@compute @workgroup_size(1) fn main() { let a: u32 = 1.5; }").is_err());
+    }
+}
