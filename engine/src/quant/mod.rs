@@ -1,12 +1,47 @@
 //! Block quant formats as ggml defines them, and the arithmetic on them.
 //!
 //! [`GgmlType`] names every type a GGUF file may hold and knows each one's block geometry (values per block, bytes
-//! per block). The per-format modules hold the scalar reference code (dequantize, quantize, dot products); the SIMD
-//! variants live under `simd` and are tested against the scalar code.
+//! per block). The engine computes with F32, F16, BF16, Q8_0, Q2_K, Q4_K and IQ2_XXS weights; Q8_K (and Q8_0) serve
+//! as quantized activation formats.
+//!
+//! The public API (everything callers need) lives in this file:
+//! - [`dequantize_row`] / [`quantize_row`]: bytes ⇄ f32 for one row (quantizers are round-to-nearest with an
+//!   optional importance-weighted scale search).
+//! - [`dot_f32_kernel`] → [`DotF32`]: weight row bytes · f32 activations.
+//! - [`act_type`] + [`quantize_acts`] + [`dot_q_kernel`] → [`DotQ`]: weight row bytes · quantized activations (the
+//!   fast path: integer dot products, AVX2 `maddubs` style).
+//! - [`matvec`] / [`matvec_with_scratch`]: `y = W·x`, single-threaded, best path.
+//!
+//! Kernels are resolved once (runtime CPU feature detection: AVX2+FMA(+F16C) on x86-64, NEON on aarch64, scalar
+//! otherwise) and handed out as plain `fn` pointers; callers cache them. Kernel contract: a `DotF32`/`DotQ` computes
+//! over `n = x.len()` values (resp. the whole blocks of the activation row) and expects `w` to hold exactly the
+//! bytes of `n` values; given shorter buffers it only covers the whole blocks both hold — it never panics and never
+//! reads out of bounds, but the result is then meaningless, so check lengths once outside the hot loop.
+//!
+//! Per-format scalar reference code lives in `f16`, `q8_0`, `q2_k`, `q4_k`, `iq2_xxs`, `q8_k` (each documents its
+//! block layout); SIMD variants under `simd` are tested against it. Scalar kernels are also public through
+//! [`dot_f32_kernel_scalar`] / [`dot_q_kernel_scalar`] for benches and cross-checks.
 //!
 //! Invariant: a tensor row of `n` values of type `t` occupies `t.row_bytes(n)` bytes and `n` is a multiple of
 //! `t.block_values()`; callers check this with [`GgmlType::row_bytes`] (which returns `None` otherwise) before
-//! slicing.
+//! slicing. Nothing in this module panics on bad input: lengths, types and non-finite inputs become
+//! [`crate::Error::Quant`].
+
+mod api;
+mod f16;
+mod iq2_tables;
+mod iq2_xxs;
+mod kquant_search;
+mod q2_k;
+mod q4_k;
+mod q8_0;
+mod q8_k;
+pub mod simd;
+
+pub use api::{
+    act_type, dequantize_row, dot_f32_kernel, dot_f32_kernel_scalar, dot_q_kernel, dot_q_kernel_scalar, matvec,
+    matvec_with_scratch, quantize_acts, quantize_row, DotF32, DotQ,
+};
 
 use std::fmt;
 

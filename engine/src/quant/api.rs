@@ -1,0 +1,259 @@
+//! The public quant API (re-exported from [`crate::quant`]): length/type validation, then dispatch to the scalar
+//! per-format code or the SIMD kernels. Every check happens here so the kernels can stay branch-free.
+
+use super::{f16, iq2_xxs, q2_k, q4_k, q8_0, q8_k, simd, GgmlType};
+use crate::{Error, Result};
+
+/// Weight row bytes · f32 activations (`x.len()` values). See the module docs for the length contract.
+pub type DotF32 = fn(&[u8], &[f32]) -> f32;
+
+/// Weight row bytes · quantized activation row bytes (in [`act_type`] of the weight type).
+pub type DotQ = fn(&[u8], &[u8]) -> f32;
+
+fn qerr(op: &'static str, ty: GgmlType, what: impl Into<String>) -> Error {
+    Error::Quant { op, ty: ty.name().to_string(), what: what.into() }
+}
+
+/// Bytes of a row of `n` values, or an error naming the op.
+fn row_len(op: &'static str, ty: GgmlType, n: usize) -> Result<usize> {
+    ty.row_bytes(n as u64)
+        .and_then(|b| usize::try_from(b).ok())
+        .ok_or_else(|| qerr(op, ty, format!("{n} values is not a whole number of {}-value blocks", ty.block_values())))
+}
+
+fn check_finite(op: &'static str, ty: GgmlType, what: &str, v: &[f32]) -> Result<()> {
+    match v.iter().position(|x| !x.is_finite()) {
+        None => Ok(()),
+        Some(i) => Err(qerr(op, ty, format!("{what}[{i}] = {} is not finite", v[i]))),
+    }
+}
+
+/// Dequantizes one row: `dst.len()` values from `src`, which must be exactly `ty.row_bytes(dst.len())` bytes.
+pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<()> {
+    const OP: &str = "dequantize_row";
+    let need = row_len(OP, ty, dst.len())?;
+    if src.len() != need {
+        return Err(qerr(OP, ty, format!("{} values need {need} bytes, got {}", dst.len(), src.len())));
+    }
+    match ty {
+        GgmlType::F32 => f16::dequantize_f32(src, dst),
+        GgmlType::F16 => f16::dequantize_f16(src, dst),
+        GgmlType::Bf16 => f16::dequantize_bf16(src, dst),
+        GgmlType::Q8_0 => q8_0::dequantize(src, dst),
+        GgmlType::Q8K => q8_k::dequantize(src, dst),
+        GgmlType::Q2K => q2_k::dequantize(src, dst),
+        GgmlType::Q4K => q4_k::dequantize(src, dst),
+        GgmlType::Iq2Xxs => iq2_xxs::dequantize(src, dst),
+        _ => return Err(qerr(OP, ty, "type not supported")),
+    }
+    Ok(())
+}
+
+/// Quantizes one row (round-to-nearest with a scale search). `importance`, if given, holds one non-negative weight
+/// per value (an imatrix row): the scale search minimises the importance-weighted squared error. `dst` must be
+/// exactly `ty.row_bytes(src.len())` bytes. Quant types reject non-finite input; F32/F16/BF16 convert anything.
+pub fn quantize_row(ty: GgmlType, src: &[f32], importance: Option<&[f32]>, dst: &mut [u8]) -> Result<()> {
+    const OP: &str = "quantize_row";
+    let need = row_len(OP, ty, src.len())?;
+    if dst.len() != need {
+        return Err(qerr(OP, ty, format!("{} values need {need} bytes, got {}", src.len(), dst.len())));
+    }
+    if let Some(imp) = importance {
+        if imp.len() != src.len() {
+            return Err(qerr(OP, ty, format!("importance has {} values, row has {}", imp.len(), src.len())));
+        }
+        if let Some(i) = imp.iter().position(|w| !(w.is_finite() && *w >= 0.0)) {
+            return Err(qerr(OP, ty, format!("importance[{i}] = {} is not a finite non-negative weight", imp[i])));
+        }
+    }
+    if !matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16) {
+        check_finite(OP, ty, "src", src)?;
+    }
+    match ty {
+        GgmlType::F32 => f16::quantize_f32(src, dst),
+        GgmlType::F16 => f16::quantize_f16(src, dst),
+        GgmlType::Bf16 => f16::quantize_bf16(src, dst),
+        GgmlType::Q8_0 => q8_0::quantize(src, importance, dst),
+        GgmlType::Q8K => q8_k::quantize(src, dst),
+        GgmlType::Q2K => q2_k::quantize(src, importance, dst),
+        GgmlType::Q4K => q4_k::quantize(src, importance, dst),
+        GgmlType::Iq2Xxs => iq2_xxs::quantize(src, importance, dst),
+        _ => return Err(qerr(OP, ty, "type not supported")),
+    }
+    Ok(())
+}
+
+/// The scalar reference kernel for weight type `ty` · f32 activations.
+pub fn dot_f32_kernel_scalar(ty: GgmlType) -> Result<DotF32> {
+    Ok(match ty {
+        GgmlType::F32 => f16::dot_f32_f32,
+        GgmlType::F16 => f16::dot_f16_f32,
+        GgmlType::Bf16 => f16::dot_bf16_f32,
+        GgmlType::Q8_0 => q8_0::dot_f32,
+        GgmlType::Q2K => q2_k::dot_f32,
+        GgmlType::Q4K => q4_k::dot_f32,
+        GgmlType::Iq2Xxs => iq2_xxs::dot_f32,
+        _ => return Err(qerr("dot_f32_kernel", ty, "no f32 dot product for this type")),
+    })
+}
+
+/// The best kernel for weight type `ty` · f32 activations on this CPU (resolve once, cache the pointer).
+pub fn dot_f32_kernel(ty: GgmlType) -> Result<DotF32> {
+    let scalar = dot_f32_kernel_scalar(ty)?;
+    Ok(simd::dot_f32(ty).unwrap_or(scalar))
+}
+
+/// The activation format paired with a weight type: Q8_0 for Q8_0; Q8_K for Q2_K, Q4_K and IQ2_XXS; F32 otherwise.
+pub fn act_type(weight_ty: GgmlType) -> GgmlType {
+    match weight_ty {
+        GgmlType::Q8_0 => GgmlType::Q8_0,
+        GgmlType::Q2K | GgmlType::Q4K | GgmlType::Iq2Xxs => GgmlType::Q8K,
+        _ => GgmlType::F32,
+    }
+}
+
+/// Quantizes activations `x` into `dst` (cleared first) in `act_ty` (F32, Q8_0 or Q8_K).
+pub fn quantize_acts(act_ty: GgmlType, x: &[f32], dst: &mut Vec<u8>) -> Result<()> {
+    const OP: &str = "quantize_acts";
+    if !matches!(act_ty, GgmlType::F32 | GgmlType::Q8_0 | GgmlType::Q8K) {
+        return Err(qerr(OP, act_ty, "not an activation type (use F32, Q8_0 or Q8_K)"));
+    }
+    let need = row_len(OP, act_ty, x.len())?;
+    if act_ty != GgmlType::F32 {
+        check_finite(OP, act_ty, "x", x)?;
+    }
+    dst.clear();
+    dst.resize(need, 0);
+    match act_ty {
+        GgmlType::F32 => f16::quantize_f32(x, dst),
+        GgmlType::Q8_0 => x.chunks_exact(q8_0::QK).zip(dst.chunks_exact_mut(q8_0::BLOCK_BYTES)).for_each(|(x, b)| {
+            q8_0::quantize_block_rtn(x, b);
+        }),
+        _ => q8_k::quantize(x, dst),
+    }
+    Ok(())
+}
+
+/// The scalar reference kernel for weight type `weight_ty` · activations in `act_type(weight_ty)`.
+pub fn dot_q_kernel_scalar(weight_ty: GgmlType) -> Result<DotQ> {
+    Ok(match weight_ty {
+        GgmlType::Q8_0 => q8_0::dot_q8_0,
+        GgmlType::Q2K => q2_k::dot_q8k,
+        GgmlType::Q4K => q4_k::dot_q8k,
+        GgmlType::Iq2Xxs => iq2_xxs::dot_q8k,
+        _ => return Err(qerr("dot_q_kernel", weight_ty, "no quantized-activation dot product (use dot_f32)")),
+    })
+}
+
+/// The best kernel for weight type `weight_ty` · quantized activations on this CPU (resolve once, cache it).
+pub fn dot_q_kernel(weight_ty: GgmlType) -> Result<DotQ> {
+    let scalar = dot_q_kernel_scalar(weight_ty)?;
+    Ok(simd::dot_q(weight_ty).unwrap_or(scalar))
+}
+
+/// `y[r] = row r of w · x` for a row-major `n_rows × n_cols` weight matrix of type `ty`, single-threaded, on the
+/// best path (quantized activations for quant types, computed once). Allocates one activation buffer; use
+/// [`matvec_with_scratch`] to reuse one across calls.
+pub fn matvec(ty: GgmlType, w: &[u8], n_rows: usize, n_cols: usize, x: &[f32], y: &mut [f32]) -> Result<()> {
+    let mut scratch = Vec::new();
+    matvec_with_scratch(ty, w, n_rows, n_cols, x, y, &mut scratch)
+}
+
+/// [`matvec`] with a caller-owned activation buffer (no allocation once it has grown).
+pub fn matvec_with_scratch(
+    ty: GgmlType,
+    w: &[u8],
+    n_rows: usize,
+    n_cols: usize,
+    x: &[f32],
+    y: &mut [f32],
+    scratch: &mut Vec<u8>,
+) -> Result<()> {
+    const OP: &str = "matvec";
+    let rb = row_len(OP, ty, n_cols)?;
+    let total = rb.checked_mul(n_rows).ok_or_else(|| qerr(OP, ty, "matrix size overflows"))?;
+    if w.len() != total {
+        return Err(qerr(OP, ty, format!("{n_rows}×{n_cols} matrix needs {total} bytes, got {}", w.len())));
+    }
+    if x.len() != n_cols || y.len() != n_rows {
+        return Err(qerr(
+            OP,
+            ty,
+            format!("x has {} values (want {n_cols}), y has {} (want {n_rows})", x.len(), y.len()),
+        ));
+    }
+    if rb == 0 {
+        y.iter_mut().for_each(|v| *v = 0.0);
+        return Ok(());
+    }
+    let act = act_type(ty);
+    if act == GgmlType::F32 {
+        let k = dot_f32_kernel(ty)?;
+        for (yr, wr) in y.iter_mut().zip(w.chunks_exact(rb)) {
+            *yr = k(wr, x);
+        }
+    } else {
+        let k = dot_q_kernel(ty)?;
+        quantize_acts(act, x, scratch)?;
+        for (yr, wr) in y.iter_mut().zip(w.chunks_exact(rb)) {
+            *yr = k(wr, scratch);
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lengths_and_types_are_checked() {
+        let mut out = [0f32; 32];
+        assert!(dequantize_row(GgmlType::Q8_0, &[0u8; 33], &mut out).is_err());
+        assert!(dequantize_row(GgmlType::Q8_0, &[0u8; 34], &mut out[..31]).is_err());
+        assert!(dequantize_row(GgmlType::Q4_0, &[0u8; 18], &mut out).is_err());
+        let mut b = [0u8; 34];
+        assert!(quantize_row(GgmlType::Q8_0, &[f32::NAN; 32], None, &mut b).is_err());
+        assert!(quantize_row(GgmlType::Q8_0, &[1.0; 32], Some(&[1.0; 31]), &mut b).is_err());
+        assert!(quantize_row(GgmlType::Q8_0, &[1.0; 32], Some(&[-1.0; 32]), &mut b).is_err());
+        assert!(dot_q_kernel(GgmlType::F16).is_err());
+        assert!(quantize_acts(GgmlType::Q4K, &[0.0; 256], &mut Vec::new()).is_err());
+        let mut y = [0f32; 2];
+        assert!(matvec(GgmlType::Q8_0, &[0u8; 68], 2, 32, &[0.0; 31], &mut y).is_err());
+        assert!(matvec(GgmlType::Q8_0, &[0u8; 67], 2, 32, &[0.0; 32], &mut y).is_err());
+    }
+
+    #[test]
+    fn act_types_pair_with_weights() {
+        assert_eq!(act_type(GgmlType::Q8_0), GgmlType::Q8_0);
+        for t in [GgmlType::Q2K, GgmlType::Q4K, GgmlType::Iq2Xxs] {
+            assert_eq!(act_type(t), GgmlType::Q8K);
+        }
+        for t in [GgmlType::F32, GgmlType::F16, GgmlType::Bf16] {
+            assert_eq!(act_type(t), GgmlType::F32);
+        }
+    }
+
+    #[test]
+    fn matvec_matches_row_dots() {
+        let (rows, cols) = (3usize, 64usize);
+        let wf: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919 % 101) as f32 - 50.0) / 50.0).collect();
+        let x: Vec<f32> = (0..cols).map(|i| ((i * 31 % 17) as f32 - 8.0) / 8.0).collect();
+        for ty in [GgmlType::F32, GgmlType::F16, GgmlType::Bf16, GgmlType::Q8_0] {
+            let rb = ty.row_bytes(cols as u64).unwrap() as usize;
+            let mut w = vec![0u8; rb * rows];
+            for (r, chunk) in w.chunks_exact_mut(rb).enumerate() {
+                quantize_row(ty, &wf[r * cols..(r + 1) * cols], None, chunk).unwrap();
+            }
+            let mut y = vec![0f32; rows];
+            matvec(ty, &w, rows, cols, &x, &mut y).unwrap();
+            for r in 0..rows {
+                let mut deq = vec![0f32; cols];
+                dequantize_row(ty, &w[r * rb..(r + 1) * rb], &mut deq).unwrap();
+                let want: f64 = deq.iter().zip(&x).map(|(a, b)| *a as f64 * *b as f64).sum();
+                let mass: f64 = deq.iter().zip(&x).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum();
+                assert!((y[r] as f64 - want).abs() <= 0.01 * mass + 1e-6, "{ty}: {} vs {want}", y[r]);
+            }
+        }
+    }
+}

@@ -1,0 +1,54 @@
+//! SIMD kernels, picked at runtime. [`dot_f32`] / [`dot_q`] return the best kernel this CPU supports for a weight
+//! type, or `None` when only the scalar reference exists (the public API then uses the scalar code).
+//!
+//! - x86-64: AVX2 + FMA (+ F16C for F16 rows), detected with `is_x86_feature_detected!` (see `avx2`).
+//! - aarch64: NEON (baseline on aarch64, see `neon`).
+//!
+//! Every SIMD kernel is tested against the scalar code of its format for odd block counts. Kernels follow the
+//! contract in [`crate::quant`]: they only touch the whole blocks both buffers hold.
+
+use super::api::{DotF32, DotQ};
+use super::GgmlType;
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "aarch64")]
+mod neon;
+
+/// The instruction set the kernels use on this CPU: `"avx2"`, `"neon"` or `"scalar"`.
+pub fn level() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    if avx2::available() {
+        return "avx2";
+    }
+    #[cfg(target_arch = "aarch64")]
+    return "neon";
+    #[allow(unreachable_code)]
+    "scalar"
+}
+
+/// The best SIMD kernel for weight type `ty` · f32 activations, if any.
+pub(crate) fn dot_f32(ty: GgmlType) -> Option<DotF32> {
+    #[cfg(target_arch = "x86_64")]
+    return avx2::dot_f32(ty);
+    #[cfg(target_arch = "aarch64")]
+    return neon::dot_f32(ty);
+    #[allow(unreachable_code)]
+    {
+        let _ = ty;
+        None
+    }
+}
+
+/// The best SIMD kernel for weight type `ty` · its quantized activations, if any.
+pub(crate) fn dot_q(ty: GgmlType) -> Option<DotQ> {
+    #[cfg(target_arch = "x86_64")]
+    return avx2::dot_q(ty);
+    #[cfg(target_arch = "aarch64")]
+    return neon::dot_q(ty);
+    #[allow(unreachable_code)]
+    {
+        let _ = ty;
+        None
+    }
+}
