@@ -12,7 +12,7 @@
 //! Dot with Q8_K activations: `d·d_a/8·Σ_g (2s_g+1)·Σ grid·sign·a` with integer inner sums.
 //!
 //! Quantizer (written for this engine; not ggml's): per group, fix the signs (flipping the smallest-magnitude value
-//! of an octet whose count of negatives is odd), then search ~10 group scales, each picking for every octet the
+//! of an octet whose count of negatives is odd), then search ~15 group scales, each picking for every octet the
 //! nearest grid point under the weighted squared error (exact argmin: a 3^8 lookup when the per-value optimum is a
 //! grid point, brute force over the 256 points otherwise) and refitting the scale by least squares. The group
 //! scales are then quantized to 4 bits against a block `d` (two candidates tried, neighbouring `s` values checked)
@@ -226,8 +226,12 @@ impl Group {
             return 0.0;
         }
         let mut best = (0f32, f32::INFINITY);
-        for k in 0..10 {
-            let gamma = tmax / 43.0 * (0.55 + 0.1 * k as f32);
+        // Mostly "the largest value lands near 43", plus candidates where it lands on 25 or 8 (flat groups).
+        let cands = (0..10)
+            .map(|k| tmax / 43.0 * (0.55 + 0.1 * k as f32))
+            .chain([0.9f32, 1.0, 1.1].map(|f| tmax / 25.0 * f))
+            .chain([0.9f32, 1.0].map(|f| tmax / 8.0 * f));
+        for gamma in cands {
             let (pts, _) = self.pick(gamma);
             if let Some(g2) = self.refit(&pts) {
                 let (_, e2) = self.pick(g2);
