@@ -7,7 +7,7 @@
 //! `block_dot(b, x0)` for one ggml block format) + the kernel body (`matmul.wgsl`, `get_rows.wgsl`).
 //! Weights are read directly in their file format: no dequantized copies of the model exist on the device.
 //!
-//! Every kernel has entry point `main`; its bindings and uniform `Params` struct are documented at the top of its
+//! Entry points are named in [`all_sources`] (`main` unless a file holds several); bindings and uniform `Params` struct are documented at the top of its
 //! file, and the engine's wgpu backend (`ds4_engine::backend::wgpu`) mirrors those structs with `#[repr(C)]` types.
 
 /// A weight format the WGSL kernels can read directly.
@@ -96,13 +96,38 @@ quant_kernels! {
     MATMUL_IQ2_XXS, GET_ROWS_IQ2_XXS, "wgsl/quant_iq2_xxs.wgsl";
 }
 
-/// Every shader source with a name, for validation and pipeline warm-up.
-pub fn all_sources() -> Vec<(&'static str, &'static str)> {
-    let mut v = Vec::new();
+/// RMSNorm over rows, optional weight (`norm.wgsl`, entry `main`).
+pub const RMS_NORM: &str = include_str!("wgsl/norm.wgsl");
+/// Interleaved RoPE / inverse RoPE on the trailing rope dims, CPU-computed cos/sin (`rope.wgsl`, entry `main`).
+pub const ROPE: &str = include_str!("wgsl/rope.wgsl");
+/// Softmax-with-sink attention over listed key rows, K = V (`attention.wgsl`, entry `main`).
+pub const ATTENTION: &str = include_str!("wgsl/attention.wgsl");
+/// mHC: entries `pre` (weights + Sinkhorn + collapse; also the output head) and `post` (expand + mix).
+pub const HC: &str = include_str!("wgsl/hc.wgsl");
+/// Compressor pooling over slot lists (`compress.wgsl`, entry `main`).
+pub const COMPRESS: &str = include_str!("wgsl/compress.wgsl");
+/// Lightning indexer: entries `scores` and `topk`.
+pub const INDEXER: &str = include_str!("wgsl/indexer.wgsl");
+/// MoE: entries `route`, `swiglu`, `gather`, `scatter`.
+pub const MOE: &str = include_str!("wgsl/moe.wgsl");
+/// Activation simulation: entries `fp8`, `fp4`, `hadamard`.
+pub const ACT: &str = include_str!("wgsl/act.wgsl");
+
+/// Every shader source with a name and its entry points, for validation and pipeline warm-up.
+pub fn all_sources() -> Vec<(&'static str, &'static str, &'static [&'static str])> {
+    let mut v: Vec<(&'static str, &'static str, &'static [&'static str])> = Vec::new();
     for f in WeightFormat::ALL {
-        v.push(("matmul", f.matmul_source()));
-        v.push(("get_rows", f.get_rows_source()));
+        v.push(("matmul", f.matmul_source(), &["main"]));
+        v.push(("get_rows", f.get_rows_source(), &["main"]));
     }
+    v.push(("rms_norm", RMS_NORM, &["main"]));
+    v.push(("rope", ROPE, &["main"]));
+    v.push(("attention", ATTENTION, &["main"]));
+    v.push(("hc", HC, &["pre", "post"]));
+    v.push(("compress", COMPRESS, &["main"]));
+    v.push(("indexer", INDEXER, &["scores", "topk"]));
+    v.push(("moe", MOE, &["route", "swiglu", "gather", "scatter"]));
+    v.push(("act", ACT, &["fp8", "fp4", "hadamard"]));
     v
 }
 
@@ -110,26 +135,28 @@ pub fn all_sources() -> Vec<(&'static str, &'static str)> {
 mod tests {
     use super::*;
 
-    fn validate(name: &str, src: &str) -> Result<(), String> {
+    fn validate(name: &str, src: &str, entries: &[&str]) -> Result<(), String> {
         let module =
             naga::front::wgsl::parse_str(src).map_err(|e| format!("{name}: parse: {}", e.emit_to_string(src)))?;
         naga::valid::Validator::new(naga::valid::ValidationFlags::all(), naga::valid::Capabilities::all())
             .validate(&module)
             .map_err(|e| format!("{name}: validate: {}", e.emit_to_string(src)))?;
-        if !module.entry_points.iter().any(|e| e.name == "main") {
-            return Err(format!("{name}: no entry point `main`"));
+        for want in entries {
+            if !module.entry_points.iter().any(|e| e.name == *want) {
+                return Err(format!("{name}: no entry point `{want}`"));
+            }
         }
         Ok(())
     }
 
     #[test]
     fn every_shader_validates_with_naga() {
-        let errors: Vec<String> = all_sources().into_iter().filter_map(|(n, s)| validate(n, s).err()).collect();
+        let errors: Vec<String> = all_sources().into_iter().filter_map(|(n, s, e)| validate(n, s, e).err()).collect();
         assert!(errors.is_empty(), "{}", errors.join("\n\n"));
     }
 
     #[test]
     fn validator_rejects_a_broken_shader() {
-        assert!(validate("broken", "@compute @workgroup_size(1) fn main() { let a: u32 = 1.5; }").is_err());
+        assert!(validate("broken", "@compute @workgroup_size(1) fn main() { let a: u32 = 1.5; }", &["main"]).is_err());
     }
 }

@@ -1,0 +1,97 @@
+// Attention with a per-head sink over an explicit list of key rows (K = V, one KV head shared by all query heads).
+// For query token t and head h: keys are rows kidx[kstart[t] .. kstart[t] + kcount[t]] of `kv` (row r at r * dim);
+// s_j = q . k_j * scale; m = max(max_j s_j, sink[h]); p_j = exp(s_j - m) / (exp(sink[h] - m) + sum_j exp(s_j - m));
+// out[t, h, :] = sum_j p_j k_j. q[t, h, :] at q_offset + t * q_tok_stride + h * dim; out likewise.
+// Scores go to `scratch` (at least n_tok * heads * max_keys floats). One workgroup of 64 per (h, t);
+// dispatch (heads, n_tok, 1).
+struct Params {
+    n_tok: u32,
+    heads: u32,
+    dim: u32,
+    max_keys: u32,
+    q_offset: u32,
+    q_tok_stride: u32,
+    o_offset: u32,
+    o_tok_stride: u32,
+    scale: f32,
+    _p0: u32,
+    _p1: u32,
+    _p2: u32,
+}
+
+@group(0) @binding(0) var<storage, read_write> q: array<f32>;
+@group(0) @binding(1) var<storage, read_write> kv: array<f32>;
+@group(0) @binding(2) var<storage, read> kidx: array<u32>;
+@group(0) @binding(3) var<storage, read> krange: array<u32>;
+@group(0) @binding(4) var<storage, read> sink: array<f32>;
+@group(0) @binding(5) var<storage, read_write> scratch: array<f32>;
+@group(0) @binding(6) var<storage, read_write> o: array<f32>;
+@group(0) @binding(7) var<uniform> p: Params;
+
+var<workgroup> red: array<f32, 64>;
+
+fn reduce_max(li: u32, v: f32) -> f32 {
+    red[li] = v;
+    workgroupBarrier();
+    for (var s = 32u; s > 0u; s >>= 1u) {
+        if (li < s) {
+            red[li] = max(red[li], red[li + s]);
+        }
+        workgroupBarrier();
+    }
+    let r = red[0];
+    workgroupBarrier();
+    return r;
+}
+
+fn reduce_sum(li: u32, v: f32) -> f32 {
+    red[li] = v;
+    workgroupBarrier();
+    for (var s = 32u; s > 0u; s >>= 1u) {
+        if (li < s) {
+            red[li] += red[li + s];
+        }
+        workgroupBarrier();
+    }
+    let r = red[0];
+    workgroupBarrier();
+    return r;
+}
+
+@compute @workgroup_size(64)
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let h = wg.x;
+    let t = wg.y;
+    let k0 = krange[2u * t];
+    let nk = min(krange[2u * t + 1u], p.max_keys);
+    let qb = p.q_offset + t * p.q_tok_stride + h * p.dim;
+    let sb = (t * p.heads + h) * p.max_keys;
+    var m = sink[h];
+    for (var j = li; j < nk; j += 64u) {
+        let kb = kidx[k0 + j] * p.dim;
+        var d = 0.0;
+        for (var c = 0u; c < p.dim; c++) {
+            d += q[qb + c] * kv[kb + c];
+        }
+        d *= p.scale;
+        scratch[sb + j] = d;
+        m = max(m, d);
+    }
+    m = reduce_max(li, m);
+    var l = 0.0;
+    for (var j = li; j < nk; j += 64u) {
+        let e = exp(scratch[sb + j] - m);
+        scratch[sb + j] = e;
+        l += e;
+    }
+    storageBarrier();
+    let denom = reduce_sum(li, l) + exp(sink[h] - m);
+    let ob = p.o_offset + t * p.o_tok_stride + h * p.dim;
+    for (var c = li; c < p.dim; c += 64u) {
+        var acc = 0.0;
+        for (var j = 0u; j < nk; j++) {
+            acc += scratch[sb + j] * kv[kidx[k0 + j] * p.dim + c];
+        }
+        o[ob + c] = acc / denom;
+    }
+}

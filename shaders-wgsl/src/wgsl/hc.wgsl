@@ -1,0 +1,154 @@
+// Manifold-constrained hyper-connections (mHC) with N streams of width d; X[t] is N*d values (stream j at j*d).
+//
+// Entry `pre` (one workgroup of 64 per token, dispatch (n_tok, 1, 1)):
+//   mix = raw mixes from a matmul of the flattened X[t] by fn (mix[t, k] at mix_offset + t * mix_stride + k),
+//   r = rsqrt(mean(X[t]^2) + norm_eps) (the unweighted RMSNorm folded in: fn . (v r) = r (fn . v)).
+//   head == 0 (sublayer): pre_j = sigmoid(r mix_j s0 + b_j) + hc_eps; post_j = 2 sigmoid(r mix_{N+j} s1 + b_{N+j});
+//     comb[j][k] = softmax_k(r mix_{2N+jN+k} s2 + b_{2N+jN+k}) + hc_eps, then Sinkhorn: columns, then
+//     (iters - 1) x (rows, columns), each dividing by (sum + hc_eps). state[t] = (post[N], comb[N*N]).
+//   head != 0 (output head): pre_j = sigmoid(r mix_j s0 + b_j) + hc_eps only.
+//   u[t, c] = sum_j pre_j X[t, j, c]   (u at u_offset + t * u_stride).
+// Entry `post` (dispatch (ceil(d / 64), n_tok, 1)):
+//   Xout[t, k, c] = post_k f[t, c] + sum_j comb[j][k] X[t, j, c]   (f at f_offset + t * f_stride).
+// X and Xout must be different buffers for `post` (every output reads all streams).
+struct Params {
+    n_tok: u32,
+    d: u32,
+    n: u32,
+    iters: u32,
+    head: u32,
+    mix_offset: u32,
+    mix_stride: u32,
+    u_offset: u32,
+    u_stride: u32,
+    f_offset: u32,
+    f_stride: u32,
+    _p0: u32,
+    norm_eps: f32,
+    hc_eps: f32,
+    _p1: u32,
+    _p2: u32,
+}
+
+@group(0) @binding(0) var<storage, read_write> xs: array<f32>;
+@group(0) @binding(1) var<storage, read_write> mix: array<f32>;
+@group(0) @binding(2) var<storage, read> base: array<f32>;
+@group(0) @binding(3) var<storage, read> scale: array<f32>;
+@group(0) @binding(4) var<storage, read_write> state: array<f32>;
+@group(0) @binding(5) var<storage, read_write> u: array<f32>;
+@group(0) @binding(6) var<uniform> p: Params;
+
+const MAX_N: u32 = 8u;
+var<workgroup> red: array<f32, 64>;
+var<workgroup> pre_w: array<f32, 8>;
+
+fn sigmoid(v: f32) -> f32 {
+    return 1.0 / (1.0 + exp(-v));
+}
+
+@compute @workgroup_size(64)
+fn pre(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let t = wg.x;
+    let n = min(p.n, MAX_N);
+    let w = n * p.d;
+    let xb = t * w;
+    var ss = 0.0;
+    for (var i = li; i < w; i += 64u) {
+        let v = xs[xb + i];
+        ss += v * v;
+    }
+    red[li] = ss;
+    workgroupBarrier();
+    for (var s = 32u; s > 0u; s >>= 1u) {
+        if (li < s) {
+            red[li] += red[li + s];
+        }
+        workgroupBarrier();
+    }
+    if (li == 0u) {
+        let r = inverseSqrt(red[0] / f32(w) + p.norm_eps);
+        let mb = p.mix_offset + t * p.mix_stride;
+        for (var j = 0u; j < n; j++) {
+            pre_w[j] = sigmoid(mix[mb + j] * r * scale[0] + base[j]) + p.hc_eps;
+        }
+        if (p.head == 0u) {
+            let sb = t * (n + n * n);
+            for (var j = 0u; j < n; j++) {
+                state[sb + j] = 2.0 * sigmoid(mix[mb + n + j] * r * scale[1] + base[n + j]);
+            }
+            var c: array<f32, 64>;
+            for (var j = 0u; j < n; j++) {
+                var mx = -3.4e38;
+                for (var k = 0u; k < n; k++) {
+                    let v = mix[mb + 2u * n + j * n + k] * r * scale[2] + base[2u * n + j * n + k];
+                    c[j * n + k] = v;
+                    mx = max(mx, v);
+                }
+                var sum = 0.0;
+                for (var k = 0u; k < n; k++) {
+                    let e = exp(c[j * n + k] - mx);
+                    c[j * n + k] = e;
+                    sum += e;
+                }
+                for (var k = 0u; k < n; k++) {
+                    c[j * n + k] = c[j * n + k] / sum + p.hc_eps;
+                }
+            }
+            for (var it = 0u; it < p.iters; it++) {
+                if (it > 0u) {
+                    for (var j = 0u; j < n; j++) {
+                        var sum = 0.0;
+                        for (var k = 0u; k < n; k++) {
+                            sum += c[j * n + k];
+                        }
+                        for (var k = 0u; k < n; k++) {
+                            c[j * n + k] /= sum + p.hc_eps;
+                        }
+                    }
+                }
+                for (var k = 0u; k < n; k++) {
+                    var sum = 0.0;
+                    for (var j = 0u; j < n; j++) {
+                        sum += c[j * n + k];
+                    }
+                    for (var j = 0u; j < n; j++) {
+                        c[j * n + k] /= sum + p.hc_eps;
+                    }
+                }
+            }
+            for (var i = 0u; i < n * n; i++) {
+                state[sb + n + i] = c[i];
+            }
+        }
+    }
+    workgroupBarrier();
+    let ub = p.u_offset + t * p.u_stride;
+    for (var c = li; c < p.d; c += 64u) {
+        var acc = 0.0;
+        for (var j = 0u; j < n; j++) {
+            acc += pre_w[j] * xs[xb + j * p.d + c];
+        }
+        u[ub + c] = acc;
+    }
+}
+
+// For `post`: binding 1 (`mix`) carries f, binding 5 (`u`) receives Xout.
+@compute @workgroup_size(64)
+fn post(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let c = gid.x;
+    let t = gid.y;
+    if (c >= p.d || t >= p.n_tok) {
+        return;
+    }
+    let n = min(p.n, MAX_N);
+    let xb = t * n * p.d;
+    let sb = t * (n + n * n);
+    let f = mix[p.f_offset + t * p.f_stride + c];
+    for (var k = 0u; k < n; k++) {
+        var acc = state[sb + k] * f;
+        for (var j = 0u; j < n; j++) {
+            acc += state[sb + n + j * n + k] * xs[xb + j * p.d + c];
+        }
+        u[xb + k * p.d + c] = acc;
+    }
+}
