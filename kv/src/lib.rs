@@ -2,4 +2,38 @@
 //!
 //! The KV cache as a first-class, paged, multi-tier store: pages of KV state keyed by a chained hash of the token
 //! prefix, living on device, host or disk, shared between sessions, written to disk crash-safely and evicted by a
-//! policy that keeps widely shared prefixes.
+//! policy that keeps widely shared prefixes. The crate does not depend on the engine: it stores typed row blocks
+//! (`rows × width` f32 values with an engine-defined tag) grouped per layer, and hands them back.
+//!
+//! | module | what |
+//! | --- | --- |
+//! | [`store`] | [`KvStore`]: open/scan, `put_page`, `put_checkpoint`, `longest_prefix`, `load`, pins, `gc`, `status` |
+//! | [`key`] | [`Key`], [`ModelIdentity`], [`PrefixHasher`]: chained SHA1 page keys |
+//! | [`format`] | the `.page`/`.ckpt` file format: header, layout with a CRC32 per block, streaming read/write |
+//! | [`codec`] | lossless compact encodings (f32, f16, FP8 e4m3 + power-of-two scale per 64 values) |
+//! | [`disk`] | atomic publish (temp, fsync, rename, fsync dir), temp cleanup, directory scan |
+//! | [`policy`] | eviction: pinned and interior entries stay, then lowest `(1+hits+sharers)·decay/bytes` |
+//! | [`triggers`] | when to save: cold, continued, evict, shutdown |
+//!
+//! A page holds, for one span of `span_tokens` tokens (a multiple of the largest compression ratio), the rows every
+//! layer appended during that span (CSA: compressed KV + indexer rows; HCA: compressed KV rows). A checkpoint holds a
+//! session's non-shareable tail state at a position (raw windows, compressor/indexer frontiers, partial-span rows,
+//! next-token logits). Resuming needs pages + one checkpoint; see [`store`].
+
+pub mod codec;
+pub mod disk;
+pub mod error;
+pub mod format;
+pub mod key;
+pub mod policy;
+pub mod store;
+mod table;
+pub mod triggers;
+
+pub use codec::Encoding;
+pub use error::{KvError, Result};
+pub use format::{BlockDesc, EntryKind, Header, RowBlock, RowsView, SaveReason};
+pub use key::{checkpoint_key, page_key, Key, ModelIdentity, PrefixHasher};
+pub use store::{DiskStatus, EntryInfo, EntryRef, GcReport, KvOptions, KvStore, LoadInfo, PrefixMatch};
+pub use table::{CheckpointId, EntryId, PageId, Tier};
+pub use triggers::SavePolicy;

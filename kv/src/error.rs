@@ -1,0 +1,44 @@
+//! The crate's error type. Every fallible function returns [`Result`]; I/O errors carry the path involved.
+
+use std::path::PathBuf;
+
+/// Errors of the KV store.
+#[derive(Debug, thiserror::Error)]
+pub enum KvError {
+    /// An I/O operation on `path` failed.
+    #[error("{op} {path}: {source}")]
+    Io {
+        /// What was being done ("write", "rename", ...).
+        op: &'static str,
+        /// The file or directory.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A file's bytes do not match its header or checksums.
+    #[error("corrupt KV file: {0}")]
+    Corrupt(String),
+    /// The caller passed inconsistent data (wrong span length, row counts that do not match values, ...).
+    #[error("invalid KV input: {0}")]
+    Invalid(String),
+    /// The requested page or checkpoint is not (or no longer) in the store.
+    #[error("not in the KV store: {0}")]
+    Missing(String),
+    /// Disk caching is switched off (see `DiskStatus::last_error` for why).
+    #[error("disk caching is off: {0}")]
+    DiskOff(String),
+    /// The caller's callback asked to stop loading.
+    #[error("load aborted by the caller: {0}")]
+    Aborted(String),
+}
+
+impl KvError {
+    /// Wraps an I/O error with the operation and path.
+    pub fn io(op: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> KvError {
+        KvError::Io { op, path: path.into(), source }
+    }
+}
+
+/// `Result` with [`KvError`].
+pub type Result<T> = std::result::Result<T, KvError>;

@@ -1,0 +1,57 @@
+//! When the server should save: the four triggers of the reference engine, as a small pure policy.
+//!
+//! * **cold**: a prompt that missed the cache (matched fewer than `cold_min_tokens`) and is at least that long — save
+//!   once its prefill is done, so the next request with the same prefix (system prompt, pasted file) resumes.
+//! * **continued**: every `continued_every` tokens of a live session (bounded loss if the process dies).
+//! * **evict**: before a session is dropped from RAM; **shutdown**: on a clean exit. The server calls those directly.
+//!
+//! Pages are shared and written once, so a save costs only the new spans plus one checkpoint.
+
+use crate::format::SaveReason;
+
+/// Thresholds for the automatic triggers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SavePolicy {
+    /// A prompt at least this long that missed the cache is saved after prefill.
+    pub cold_min_tokens: usize,
+    /// A live session is saved again after this many new tokens.
+    pub continued_every: usize,
+}
+
+impl Default for SavePolicy {
+    fn default() -> SavePolicy {
+        SavePolicy { cold_min_tokens: 512, continued_every: 10240 }
+    }
+}
+
+impl SavePolicy {
+    /// After prefilling a prompt of `prompt_tokens` of which `matched_tokens` came from the cache.
+    pub fn after_prefill(&self, matched_tokens: usize, prompt_tokens: usize) -> Option<SaveReason> {
+        (prompt_tokens >= self.cold_min_tokens
+            && prompt_tokens - matched_tokens.min(prompt_tokens) >= self.cold_min_tokens)
+            .then_some(SaveReason::Cold)
+    }
+
+    /// While a session grows: `last_saved` is the position of its last checkpoint, `position` the current one.
+    pub fn while_running(&self, last_saved: usize, position: usize) -> Option<SaveReason> {
+        (self.continued_every > 0 && position >= last_saved.saturating_add(self.continued_every))
+            .then_some(SaveReason::Continued)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn triggers() {
+        let p = SavePolicy { cold_min_tokens: 100, continued_every: 1000 };
+        assert_eq!(p.after_prefill(0, 99), None);
+        assert_eq!(p.after_prefill(0, 100), Some(SaveReason::Cold));
+        assert_eq!(p.after_prefill(950, 1000), None);
+        assert_eq!(p.after_prefill(2000, 1000), None);
+        assert_eq!(p.while_running(0, 999), None);
+        assert_eq!(p.while_running(0, 1000), Some(SaveReason::Continued));
+        assert_eq!(p.while_running(usize::MAX, 5), None);
+    }
+}
