@@ -5,6 +5,7 @@
 
 use clap::{Parser, Subcommand};
 
+mod convert;
 mod inspect;
 
 /// `ds4`: run, inspect and convert DeepSeek V4 Flash models.
@@ -20,6 +21,8 @@ pub struct Cli {
 pub enum Command {
     /// Print a GGUF file's metadata and tensor table.
     Inspect(inspect::Args),
+    /// Convert an official checkpoint folder (config.json + safetensors) to a DS4 GGUF file.
+    Convert(convert::Args),
 }
 
 /// Initializes logging (`RUST_LOG` controls the level; default `info`) on stderr.
@@ -35,6 +38,7 @@ pub fn main() -> i32 {
     let cli = Cli::parse();
     let r = match cli.command {
         Command::Inspect(a) => inspect::run(a),
+        Command::Convert(a) => convert::run(a),
     };
     match r {
         Ok(code) => code,

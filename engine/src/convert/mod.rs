@@ -1,1 +1,261 @@
-//! The converter: an official checkpoint folder (config.json + safetensors, f32/bf16/f16/FP8/FP4) → a DS4 GGUF file.
+//! The converter: an official checkpoint folder (config.json + safetensors, f32/bf16/f16/FP8/FP4) → a DS4 GGUF file
+//! in the layout of `shared/spec/gguf-ds4.md`.
+//!
+//! Entry point: [`convert`] with [`ConvertOptions`]. Steps:
+//! 1. [`config`]: `config.json` (official key names) → hyperparameters → `deepseek4.*` metadata.
+//! 2. [`checkpoint`]: memory-map the shards (index json or all `*.safetensors`), look tensors up by name.
+//! 3. [`plan`]: the list of GGUF tensors, their sources and expected official shapes; every source is checked
+//!    (present, decodable, right shape) *before* anything is written, so a bad checkpoint fails in seconds.
+//! 4. [`recipe`]: each tensor's GGUF type; values are decoded to f32 and re-encoded one tensor at a time (routed
+//!    experts: one expert at a time into the stacked tensor's bytes). Peak memory ≈ the largest f32 tensor plus one
+//!    encoded expert stack.
+//! 5. The file is written to `OUTPUT.tmp` and renamed to `OUTPUT` when complete; on error the temp file is removed.
+//!
+//! How the official release stores quantized weights (what [`checkpoint`] decodes) is documented there.
+//! Checkpoint tensors the plan does not use (e.g. the MTP block `mtp.*`) are listed in the report and logged.
+//! [`demo`] builds the small random-weight model that `ds4 run` uses without `-m`.
+
+pub mod checkpoint;
+pub mod config;
+pub mod dtypes;
+pub mod plan;
+pub mod recipe;
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::BufWriter;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+pub use checkpoint::Checkpoint;
+pub use config::CheckpointConfig;
+pub use plan::{Class, Planned, Source};
+pub use recipe::Recipe;
+
+use crate::gguf::{GgufWriter, MetaValue, TensorDecl};
+use crate::quant::GgmlType;
+use crate::{Error, Result};
+
+/// What to convert and how.
+#[derive(Clone, Debug)]
+pub struct ConvertOptions {
+    /// The checkpoint folder (config.json + safetensors).
+    pub input: PathBuf,
+    /// The GGUF file to write.
+    pub output: PathBuf,
+    pub recipe: Recipe,
+    /// A `tokenizer.json` whose vocabulary and merges go into `tokenizer.ggml.*`.
+    pub tokenizer: Option<PathBuf>,
+    /// `general.name`; defaults to the input folder's name.
+    pub name: Option<String>,
+    /// Show an indicatif progress bar on stderr.
+    pub progress: bool,
+}
+
+impl ConvertOptions {
+    /// Options with no tokenizer, default name and no progress bar.
+    pub fn new(input: impl Into<PathBuf>, output: impl Into<PathBuf>, recipe: Recipe) -> Self {
+        ConvertOptions {
+            input: input.into(),
+            output: output.into(),
+            recipe,
+            tokenizer: None,
+            name: None,
+            progress: false,
+        }
+    }
+}
+
+/// What a conversion produced.
+#[derive(Clone, Debug, Default)]
+pub struct ConvertReport {
+    /// Tensors written.
+    pub n_tensors: usize,
+    /// Size of the output file in bytes.
+    pub file_bytes: u64,
+    /// Per GGUF type: tensor count and data bytes.
+    pub by_type: BTreeMap<String, (usize, u64)>,
+    /// Checkpoint tensors that were not used (e.g. `mtp.*`).
+    pub unused: Vec<String>,
+    /// Wall time in seconds.
+    pub seconds: f64,
+}
+
+/// Converts a checkpoint folder to a DS4 GGUF file. See the module docs.
+pub fn convert(opts: &ConvertOptions) -> Result<ConvertReport> {
+    let tmp = tmp_path(&opts.output);
+    let r = convert_to(opts, &tmp);
+    match r {
+        Ok(mut report) => {
+            std::fs::rename(&tmp, &opts.output).map_err(|e| Error::io(&opts.output, e))?;
+            report.file_bytes = std::fs::metadata(&opts.output).map_err(|e| Error::io(&opts.output, e))?.len();
+            tracing::info!(
+                tensors = report.n_tensors,
+                bytes = report.file_bytes,
+                seconds = report.seconds,
+                "wrote {}",
+                opts.output.display()
+            );
+            Ok(report)
+        }
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            Err(e)
+        }
+    }
+}
+
+fn tmp_path(out: &Path) -> PathBuf {
+    let mut s = out.as_os_str().to_owned();
+    s.push(".tmp");
+    PathBuf::from(s)
+}
+
+/// Reads `DIR/config.json`.
+pub fn read_config(dir: &Path) -> Result<CheckpointConfig> {
+    let p = dir.join("config.json");
+    let text = std::fs::read_to_string(&p).map_err(|e| Error::io(&p, e))?;
+    CheckpointConfig::from_json_str(&text).map_err(|e| Error::Convert(format!("{}: {e}", p.display())))
+}
+
+/// The GGUF metadata for a conversion: config keys, `general.*`, and tokenizer keys if a tokenizer is given.
+pub fn build_metadata(cfg: &CheckpointConfig, opts: &ConvertOptions) -> Result<Vec<(String, MetaValue)>> {
+    let mut meta = cfg.gguf_metadata();
+    let name = opts.name.clone().unwrap_or_else(|| {
+        opts.input
+            .canonicalize()
+            .ok()
+            .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+            .unwrap_or_else(|| "DeepSeek-V4".into())
+    });
+    meta.push(("general.name".into(), MetaValue::String(name)));
+    meta.push(("general.file_type".into(), MetaValue::U32(opts.recipe.file_type())));
+    meta.push(("general.quantization_version".into(), MetaValue::U32(2)));
+    if let Some(tok) = &opts.tokenizer {
+        meta.extend(tokenizer_metadata(tok)?);
+    }
+    Ok(meta)
+}
+
+/// `tokenizer.ggml.*` keys from a `tokenizer.json`.
+// TODO(tokenizer helper): call `crate::tokenizer::gguf_metadata_from_tokenizer_json(path)` once it exists.
+fn tokenizer_metadata(path: &Path) -> Result<Vec<(String, MetaValue)>> {
+    Err(Error::Convert(format!(
+        "--tokenizer {}: tokenizer metadata export is not available in this build yet",
+        path.display()
+    )))
+}
+
+/// Checks that every source of the plan is present, decodable and of the expected shape.
+pub fn check_plan(ckpt: &Checkpoint, plan: &[Planned]) -> Result<()> {
+    for t in plan {
+        for n in t.source.names() {
+            ckpt.check(n, &t.src_shape)?;
+        }
+    }
+    Ok(())
+}
+
+fn progress_bar(total: u64, show: bool) -> indicatif::ProgressBar {
+    if !show {
+        return indicatif::ProgressBar::hidden();
+    }
+    let pb = indicatif::ProgressBar::with_draw_target(Some(total), indicatif::ProgressDrawTarget::stderr());
+    if let Ok(style) = indicatif::ProgressStyle::with_template(
+        "{spinner} [{elapsed_precise}] {wide_bar} {binary_bytes}/{binary_total_bytes} ({binary_bytes_per_sec}, eta {eta}) {msg}",
+    ) {
+        pb.set_style(style);
+    }
+    pb
+}
+
+/// The bytes of one planned tensor in its declared type.
+fn tensor_bytes(ckpt: &Checkpoint, cfg: &CheckpointConfig, t: &Planned, decl: &TensorDecl) -> Result<Vec<u8>> {
+    let row = t.row_len() as usize;
+    match &t.source {
+        Source::One(n) if t.class == Class::Tid2eid => {
+            let v = ckpt.read_i32(n, &t.src_shape)?;
+            if let Some(bad) = v.iter().find(|&&e| e < 0 || e as usize >= cfg.n_experts) {
+                return Err(Error::Tensor {
+                    name: n.clone(),
+                    what: format!("expert id {bad} out of range (n_routed_experts {})", cfg.n_experts),
+                });
+            }
+            Ok(v.iter().flat_map(|x| x.to_le_bytes()).collect())
+        }
+        Source::One(n) => {
+            let f = ckpt.read_f32(n, &t.src_shape)?;
+            let mut out = Vec::new();
+            encode(decl.ty, &f, row, &mut out, n)?;
+            Ok(out)
+        }
+        Source::Experts(names) => {
+            let mut out = Vec::with_capacity(decl.n_bytes()? as usize);
+            let mut buf = vec![0f32; t.src_shape.iter().product()];
+            for n in names {
+                ckpt.read_f32_into(n, &t.src_shape, &mut buf)?;
+                encode(decl.ty, &buf, row, &mut out, n)?;
+            }
+            Ok(out)
+        }
+    }
+}
+
+fn encode(ty: GgmlType, values: &[f32], row: usize, out: &mut Vec<u8>, name: &str) -> Result<()> {
+    if let Some(i) = values.iter().position(|v| !v.is_finite()) {
+        return Err(Error::Tensor { name: name.into(), what: format!("non-finite value {} at {i}", values[i]) });
+    }
+    recipe::encode_append(ty, values, row, out).map_err(|e| Error::Tensor { name: name.into(), what: e.to_string() })
+}
+
+fn convert_to(opts: &ConvertOptions, tmp: &Path) -> Result<ConvertReport> {
+    let t0 = Instant::now();
+    let cfg = read_config(&opts.input)?;
+    let ckpt = Checkpoint::open(&opts.input)?;
+    let plan = plan::plan(&cfg);
+    check_plan(&ckpt, &plan)?;
+    let decls: Vec<TensorDecl> = plan
+        .iter()
+        .map(|t| TensorDecl {
+            name: t.name.clone(),
+            ty: opts.recipe.type_for(t.class, t.row_len()),
+            dims: t.dims.clone(),
+        })
+        .collect();
+    let meta = build_metadata(&cfg, opts)?;
+    let total: u64 = decls.iter().map(|d| d.n_bytes()).sum::<Result<u64>>()?;
+    tracing::info!(
+        recipe = %opts.recipe,
+        tensors = decls.len(),
+        bytes = total,
+        "converting {} -> {}",
+        opts.input.display(),
+        opts.output.display()
+    );
+    let file = File::create(tmp).map_err(|e| Error::io(tmp, e))?;
+    let mut w = GgufWriter::new(BufWriter::with_capacity(8 << 20, file), &meta, decls.clone())?;
+    let pb = progress_bar(total, opts.progress);
+    let mut report = ConvertReport::default();
+    for (t, decl) in plan.iter().zip(&decls) {
+        pb.set_message(t.name.clone());
+        let bytes = tensor_bytes(&ckpt, &cfg, t, decl)?;
+        w.write_tensor(&decl.name, &bytes)?;
+        tracing::debug!(name = %decl.name, ty = %decl.ty, dims = ?decl.dims, "wrote tensor");
+        let e = report.by_type.entry(decl.ty.name().to_string()).or_default();
+        e.0 += 1;
+        e.1 += bytes.len() as u64;
+        pb.inc(bytes.len() as u64);
+    }
+    let buf = w.finish()?;
+    let file = buf.into_inner().map_err(|e| Error::io(tmp, e.into_error()))?;
+    file.sync_all().map_err(|e| Error::io(tmp, e))?;
+    pb.finish_and_clear();
+    report.n_tensors = decls.len();
+    report.unused = ckpt.unused();
+    if !report.unused.is_empty() {
+        let shown: Vec<&str> = report.unused.iter().take(5).map(|s| s.as_str()).collect();
+        tracing::warn!(count = report.unused.len(), first = ?shown, "checkpoint tensors not used by the DS4 layout");
+    }
+    report.seconds = t0.elapsed().as_secs_f64();
+    Ok(report)
+}

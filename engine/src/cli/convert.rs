@@ -1,0 +1,57 @@
+//! `ds4 convert --input DIR --output FILE.gguf --recipe {f32,f16,q8_0,q2,q4} [--tokenizer tokenizer.json]`: an
+//! official checkpoint folder → DS4 GGUF (see [`crate::convert`]).
+
+use std::path::PathBuf;
+
+use crate::convert::{convert, ConvertOptions, Recipe};
+
+/// Arguments of `ds4 convert`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Checkpoint folder: config.json plus *.safetensors (sharded with model.safetensors.index.json, or single).
+    #[arg(long)]
+    pub input: PathBuf,
+    /// Output GGUF file (written as FILE.tmp, renamed when complete).
+    #[arg(long)]
+    pub output: PathBuf,
+    /// Recipe: f32, f16, q8_0, or the shipped q2 (IQ2_XXS/Q2_K experts) / q4 (Q4_K experts).
+    #[arg(long, default_value = "q2")]
+    pub recipe: Recipe,
+    /// tokenizer.json whose vocabulary and merges go into tokenizer.ggml.*.
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// general.name (default: the input folder's name).
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Hide the progress bar.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// Runs `ds4 convert`.
+pub fn run(a: Args) -> anyhow::Result<i32> {
+    let opts = ConvertOptions {
+        input: a.input,
+        output: a.output,
+        recipe: a.recipe,
+        tokenizer: a.tokenizer,
+        name: a.name,
+        progress: !a.quiet,
+    };
+    let r = convert(&opts)?;
+    println!(
+        "wrote {} ({} tensors, {} bytes, {:.1} s, {:.1} MB/s)",
+        opts.output.display(),
+        r.n_tensors,
+        r.file_bytes,
+        r.seconds,
+        r.file_bytes as f64 / 1e6 / r.seconds.max(1e-9)
+    );
+    for (ty, (n, bytes)) in &r.by_type {
+        println!("  {ty:<8} {n:>6} tensors {bytes:>16} bytes");
+    }
+    if !r.unused.is_empty() {
+        println!("  {} checkpoint tensors not used (e.g. {})", r.unused.len(), r.unused[0]);
+    }
+    Ok(0)
+}
