@@ -1,15 +1,384 @@
-//! AVX2 + FMA kernels (x86-64).
+//! AVX2 + FMA kernels (x86-64), resolved at runtime.
+//!
+//! Soundness: every `#[target_feature]` function here is only reachable through the plain `fn` wrappers that
+//! [`dot_f32`] / [`dot_q`] hand out, and those are handed out only after `is_x86_feature_detected!` confirmed the
+//! features on this CPU (F16C too for F16 rows). Every vector load reads inside a block slice produced by
+//! `chunks_exact` (or below an index bounded by the slice length), so no load goes out of bounds.
+//!
+//! Integer paths: weight quants are unsigned bytes (Q2_K 0..3, Q4_K 0..15, IQ2_XXS grid magnitudes 8..43) and
+//! activation quants signed bytes in -127..127, so `_mm256_maddubs_epi16` never saturates (max 2·43·127 = 10922);
+//! `_mm256_madd_epi16` then applies the small per-sub-block scales into i32 lanes. The Q2_K/Q4_K minimums use the
+//! Q8_K block sums instead of a second pass over the quants.
+
+use std::arch::x86_64::*;
+
 use super::super::api::{DotF32, DotQ};
-use super::super::GgmlType;
+use super::super::iq2_tables::{IQ2XXS_GRID, KSIGNS_IQ2XS};
+use super::super::{f16::f16_at, iq2_xxs, q2_k, q4_k, q8_0, q8_k, GgmlType, QK_K};
 
 pub(super) fn available() -> bool {
     is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
 }
 
-pub(super) fn dot_f32(_ty: GgmlType) -> Option<DotF32> {
-    None
+pub(super) fn dot_f32(ty: GgmlType) -> Option<DotF32> {
+    if !available() {
+        return None;
+    }
+    Some(match ty {
+        GgmlType::F32 => f32_f32,
+        GgmlType::F16 if is_x86_feature_detected!("f16c") => f16_f32,
+        GgmlType::Bf16 => bf16_f32,
+        GgmlType::Q8_0 => q8_0_f32,
+        GgmlType::Q2K => q2_k_f32,
+        GgmlType::Q4K => q4_k_f32,
+        GgmlType::Iq2Xxs => iq2_xxs_f32,
+        _ => return None,
+    })
 }
 
-pub(super) fn dot_q(_ty: GgmlType) -> Option<DotQ> {
-    None
+pub(super) fn dot_q(ty: GgmlType) -> Option<DotQ> {
+    if !available() {
+        return None;
+    }
+    Some(match ty {
+        GgmlType::Q8_0 => q8_0_q8_0,
+        GgmlType::Q2K => q2_k_q8_k,
+        GgmlType::Q4K => q4_k_q8_k,
+        GgmlType::Iq2Xxs => iq2_xxs_q8_k,
+        _ => return None,
+    })
+}
+
+// Safe wrappers (see the module docs for why calling the target-feature functions is sound).
+macro_rules! wrap {
+    ($name:ident, $imp:ident, $b:ty) => {
+        fn $name(w: &[u8], x: $b) -> f32 {
+            // SAFETY: this wrapper is only handed out by `dot_f32`/`dot_q` after runtime detection of the
+            // features `$imp` is compiled for.
+            unsafe { $imp(w, x) }
+        }
+    };
+}
+wrap!(f32_f32, f32_f32_imp, &[f32]);
+wrap!(f16_f32, f16_f32_imp, &[f32]);
+wrap!(bf16_f32, bf16_f32_imp, &[f32]);
+wrap!(q8_0_f32, q8_0_f32_imp, &[f32]);
+wrap!(q2_k_f32, q2_k_f32_imp, &[f32]);
+wrap!(q4_k_f32, q4_k_f32_imp, &[f32]);
+wrap!(iq2_xxs_f32, iq2_xxs_f32_imp, &[f32]);
+wrap!(q8_0_q8_0, q8_0_q8_0_imp, &[u8]);
+wrap!(q2_k_q8_k, q2_k_q8_k_imp, &[u8]);
+wrap!(q4_k_q8_k, q4_k_q8_k_imp, &[u8]);
+wrap!(iq2_xxs_q8_k, iq2_xxs_q8_k_imp, &[u8]);
+
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn hsum_ps(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    _mm_cvtss_f32(s)
+}
+
+/// Loads 8 f32 from `p`.
+///
+/// # Safety
+/// `p` must be valid for reading 32 bytes.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn ld_ps(p: *const u8) -> __m256 {
+    // SAFETY: guaranteed by the caller.
+    unsafe { _mm256_loadu_ps(p as *const f32) }
+}
+
+/// Loads 32 bytes from `p`.
+///
+/// # Safety
+/// `p` must be valid for reading 32 bytes.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn ld_si256(p: *const u8) -> __m256i {
+    // SAFETY: guaranteed by the caller.
+    unsafe { _mm256_loadu_si256(p as *const __m256i) }
+}
+
+/// Σ a[i]·x[i] over `n ≤ min(a.len()/4, x.len())` f32 values stored as bytes.
+#[target_feature(enable = "avx2,fma")]
+fn dot_f32_bytes(a: &[u8], x: &[f32], n: usize) -> f32 {
+    let (ap, xp) = (a.as_ptr(), x.as_ptr() as *const u8);
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut i = 0;
+    while i + 32 <= n {
+        for (k, acc) in acc.iter_mut().enumerate() {
+            let o = 4 * (i + 8 * k);
+            // SAFETY: i + 8k + 8 ≤ n ≤ both lengths (in f32 values), so 32 bytes at offset o are in bounds.
+            *acc = unsafe { _mm256_fmadd_ps(ld_ps(ap.add(o)), ld_ps(xp.add(o)), *acc) };
+        }
+        i += 32;
+    }
+    while i + 8 <= n {
+        // SAFETY: i + 8 ≤ n.
+        acc[0] = unsafe { _mm256_fmadd_ps(ld_ps(ap.add(4 * i)), ld_ps(xp.add(4 * i)), acc[0]) };
+        i += 8;
+    }
+    let mut s = hsum_ps(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+    for j in i..n {
+        s += f32::from_le_bytes([a[4 * j], a[4 * j + 1], a[4 * j + 2], a[4 * j + 3]]) * x[j];
+    }
+    s
+}
+
+#[target_feature(enable = "avx2,fma")]
+fn f32_f32_imp(w: &[u8], x: &[f32]) -> f32 {
+    dot_f32_bytes(w, x, (w.len() / 4).min(x.len()))
+}
+
+/// Shared loop for the 16-bit float formats: `cvt` turns 8 packed 16-bit values into 8 f32.
+macro_rules! half_dot {
+    ($w:ident, $x:ident, $cvt:expr, $scalar:expr) => {{
+        let n = ($w.len() / 2).min($x.len());
+        let (wp, xp) = ($w.as_ptr(), $x.as_ptr() as *const u8);
+        let mut acc0 = _mm256_setzero_ps();
+        let mut acc1 = _mm256_setzero_ps();
+        let mut i = 0;
+        while i + 16 <= n {
+            // SAFETY: i + 16 ≤ n, so 32 bytes of w at 2i and 64 bytes of x at 4i are in bounds.
+            unsafe {
+                let h0 = _mm_loadu_si128(wp.add(2 * i) as *const __m128i);
+                let h1 = _mm_loadu_si128(wp.add(2 * i + 16) as *const __m128i);
+                acc0 = _mm256_fmadd_ps($cvt(h0), ld_ps(xp.add(4 * i)), acc0);
+                acc1 = _mm256_fmadd_ps($cvt(h1), ld_ps(xp.add(4 * i + 32)), acc1);
+            }
+            i += 16;
+        }
+        let mut s = hsum_ps(_mm256_add_ps(acc0, acc1));
+        for j in i..n {
+            s += $scalar(u16::from_le_bytes([$w[2 * j], $w[2 * j + 1]])) * $x[j];
+        }
+        s
+    }};
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+fn f16_f32_imp(w: &[u8], x: &[f32]) -> f32 {
+    half_dot!(w, x, _mm256_cvtph_ps, |b| half::f16::from_bits(b).to_f32())
+}
+
+#[target_feature(enable = "avx2,fma")]
+fn bf16_f32_imp(w: &[u8], x: &[f32]) -> f32 {
+    half_dot!(w, x, bf16x8_to_ps, super::super::f16::bf16_to_f32)
+}
+
+/// 8 packed BF16 values to 8 f32 (exact: shift into the high half).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn bf16x8_to_ps(h: __m128i) -> __m256 {
+    _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+}
+
+#[target_feature(enable = "avx2,fma")]
+fn q8_0_f32_imp(w: &[u8], x: &[f32]) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    for (b, xs) in w.chunks_exact(q8_0::BLOCK_BYTES).zip(x.chunks_exact(q8_0::QK)) {
+        let (bp, xp) = (b.as_ptr(), xs.as_ptr() as *const u8);
+        let mut s = _mm256_setzero_ps();
+        for k in 0..4 {
+            // SAFETY: the block has 34 bytes (8 read at 2 + 8k ≤ 26) and xs 32 f32 (8 read at 8k).
+            unsafe {
+                let q = _mm_loadl_epi64(bp.add(2 + 8 * k) as *const __m128i);
+                let qf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+                s = _mm256_fmadd_ps(qf, ld_ps(xp.add(32 * k)), s);
+            }
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(b, 0)), s, acc);
+    }
+    hsum_ps(acc)
+}
+
+/// Dequantizes block by block (scalar) and dots each block with AVX2.
+macro_rules! deq_dot {
+    ($w:ident, $x:ident, $bytes:expr, $deq:path) => {{
+        let mut y = [0f32; QK_K];
+        let mut acc = 0f32;
+        for (b, xs) in $w.chunks_exact($bytes).zip($x.chunks_exact(QK_K)) {
+            $deq(b, &mut y);
+            acc += dot_f32_bytes(bytemuck_f32(&y), xs, QK_K);
+        }
+        acc
+    }};
+}
+
+/// Views f32s as bytes (little-endian host).
+fn bytemuck_f32(v: &[f32]) -> &[u8] {
+    bytemuck::cast_slice(v)
+}
+
+#[target_feature(enable = "avx2,fma")]
+fn q2_k_f32_imp(w: &[u8], x: &[f32]) -> f32 {
+    deq_dot!(w, x, q2_k::BLOCK_BYTES, q2_k::dequantize_block)
+}
+
+#[target_feature(enable = "avx2,fma")]
+fn q4_k_f32_imp(w: &[u8], x: &[f32]) -> f32 {
+    deq_dot!(w, x, q4_k::BLOCK_BYTES, q4_k::dequantize_block)
+}
+
+#[target_feature(enable = "avx2,fma")]
+fn iq2_xxs_f32_imp(w: &[u8], x: &[f32]) -> f32 {
+    deq_dot!(w, x, iq2_xxs::BLOCK_BYTES, iq2_xxs::dequantize_block)
+}
+
+#[target_feature(enable = "avx2,fma")]
+fn q8_0_q8_0_imp(w: &[u8], a: &[u8]) -> f32 {
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = _mm256_setzero_ps();
+    for (bw, ba) in w.chunks_exact(q8_0::BLOCK_BYTES).zip(a.chunks_exact(q8_0::BLOCK_BYTES)) {
+        // SAFETY: both blocks are 34 bytes; 32 bytes are read at offset 2.
+        let (qw, qa) = unsafe { (ld_si256(bw.as_ptr().add(2)), ld_si256(ba.as_ptr().add(2))) };
+        // |w| · sign(w)·a, so the unsigned × signed multiply sees a non-negative left operand.
+        let p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(qw, qw), _mm256_sign_epi8(qa, qw));
+        let p32 = _mm256_madd_epi16(p16, ones);
+        let d = f16_at(bw, 0) * f16_at(ba, 0);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(p32), acc);
+    }
+    hsum_ps(acc)
+}
+
+#[target_feature(enable = "avx2,fma")]
+fn q4_k_q8_k_imp(w: &[u8], a: &[u8]) -> f32 {
+    let m4 = _mm256_set1_epi8(0x0f);
+    let mut acc = _mm256_setzero_ps();
+    let mut acc_min = 0f32;
+    for (b, qa) in w.chunks_exact(q4_k::BLOCK_BYTES).zip(a.chunks_exact(q8_k::BLOCK_BYTES)) {
+        let da = q8_k::d(qa);
+        let mut sc = [0i16; 8];
+        let mut summ = 0i32;
+        for j in 0..8 {
+            let (s, m) = q4_k::scale_min(&b[4..16], j);
+            sc[j] = s as i16;
+            summ += m as i32 * (q8_k::bsum(qa, 2 * j) + q8_k::bsum(qa, 2 * j + 1));
+        }
+        acc_min += da * f16_at(b, 2) * summ as f32;
+        let (bp, ap) = (b.as_ptr(), qa.as_ptr());
+        let mut sumi = _mm256_setzero_si256();
+        for c in 0..4 {
+            // SAFETY: qs are bytes 16..144 of the 144-byte block (32 read at 16 + 32c ≤ 112); the Q8_K quants are
+            // bytes 4..260 of its 292-byte block (64 read at 4 + 64c ≤ 196).
+            let (q4, a_lo, a_hi) =
+                unsafe { (ld_si256(bp.add(16 + 32 * c)), ld_si256(ap.add(4 + 64 * c)), ld_si256(ap.add(36 + 64 * c))) };
+            let lo = _mm256_and_si256(q4, m4);
+            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q4), m4);
+            let p_lo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, a_lo), _mm256_set1_epi16(sc[2 * c]));
+            let p_hi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, a_hi), _mm256_set1_epi16(sc[2 * c + 1]));
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p_lo, p_hi));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(da * f16_at(b, 0)), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    hsum_ps(acc) - acc_min
+}
+
+#[target_feature(enable = "avx2,fma")]
+fn q2_k_q8_k_imp(w: &[u8], a: &[u8]) -> f32 {
+    let m3 = _mm256_set1_epi8(3);
+    let mut acc = _mm256_setzero_ps();
+    let mut acc_min = 0f32;
+    for (b, qa) in w.chunks_exact(q2_k::BLOCK_BYTES).zip(a.chunks_exact(q8_k::BLOCK_BYTES)) {
+        let da = q8_k::d(qa);
+        let mut summ = 0i32;
+        for s in 0..16 {
+            summ += (b[s] >> 4) as i32 * q8_k::bsum(qa, s);
+        }
+        acc_min += da * f16_at(b, 82) * summ as f32;
+        let (bp, ap) = (b.as_ptr(), qa.as_ptr());
+        let mut sumi = _mm256_setzero_si256();
+        for h in 0..2 {
+            // SAFETY: qs are bytes 16..80 of the 84-byte block (32 read at 16 + 32h ≤ 48).
+            let q2 = unsafe { ld_si256(bp.add(16 + 32 * h)) };
+            for j in 0..4 {
+                let s = 8 * h + 2 * j;
+                // SAFETY: 32 Q8_K quants at 4 + 128h + 32j ≤ 228, inside the 292-byte block.
+                let qa8 = unsafe { ld_si256(ap.add(4 + 128 * h + 32 * j)) };
+                let q = match j {
+                    0 => _mm256_and_si256(q2, m3),
+                    1 => _mm256_and_si256(_mm256_srli_epi16::<2>(q2), m3),
+                    2 => _mm256_and_si256(_mm256_srli_epi16::<4>(q2), m3),
+                    _ => _mm256_and_si256(_mm256_srli_epi16::<6>(q2), m3),
+                };
+                // Low 128-bit lane = sub-block s, high lane = sub-block s + 1.
+                let scv =
+                    _mm256_set_m128i(_mm_set1_epi16((b[s + 1] & 0xf) as i16), _mm_set1_epi16((b[s] & 0xf) as i16));
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(q, qa8), scv));
+            }
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(da * f16_at(b, 80)), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    hsum_ps(acc) - acc_min
+}
+
+/// For each 7-bit sign index, 8 bytes of +1 / -1 (0x01 / 0xff) ready for `_mm256_sign_epi8`.
+const SIGNS_PM1: [u64; 128] = {
+    let mut t = [0u64; 128];
+    let mut k = 0;
+    while k < 128 {
+        let s = KSIGNS_IQ2XS[k];
+        let mut v = 0u64;
+        let mut j = 0;
+        while j < 8 {
+            let byte: u64 = if s & (1 << j) != 0 { 0xff } else { 0x01 };
+            v |= byte << (8 * j);
+            j += 1;
+        }
+        t[k] = v;
+        k += 1;
+    }
+    t
+};
+
+#[target_feature(enable = "avx2,fma")]
+fn iq2_xxs_q8_k_imp(w: &[u8], a: &[u8]) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    for (b, qa) in w.chunks_exact(iq2_xxs::BLOCK_BYTES).zip(a.chunks_exact(q8_k::BLOCK_BYTES)) {
+        let ap = qa.as_ptr();
+        let mut sumi = _mm256_setzero_si256();
+        for g in 0..8 {
+            let o = 2 + 8 * g;
+            let aux = u32::from_le_bytes([b[o + 4], b[o + 5], b[o + 6], b[o + 7]]);
+            let grid = _mm256_set_epi64x(
+                IQ2XXS_GRID[b[o + 3] as usize] as i64,
+                IQ2XXS_GRID[b[o + 2] as usize] as i64,
+                IQ2XXS_GRID[b[o + 1] as usize] as i64,
+                IQ2XXS_GRID[b[o] as usize] as i64,
+            );
+            let signs = _mm256_set_epi64x(
+                SIGNS_PM1[((aux >> 21) & 127) as usize] as i64,
+                SIGNS_PM1[((aux >> 14) & 127) as usize] as i64,
+                SIGNS_PM1[((aux >> 7) & 127) as usize] as i64,
+                SIGNS_PM1[(aux & 127) as usize] as i64,
+            );
+            // SAFETY: 32 Q8_K quants at 4 + 32g ≤ 228, inside the 292-byte block.
+            let qa8 = unsafe { ld_si256(ap.add(4 + 32 * g)) };
+            let p16 = _mm256_maddubs_epi16(grid, _mm256_sign_epi8(qa8, signs));
+            let ls = (2 * (aux >> 28) + 1) as i16;
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p16, _mm256_set1_epi16(ls)));
+        }
+        let d = f16_at(b, 0) * q8_k::d(qa) * 0.125;
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    hsum_ps(acc)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sign_table_matches_ksigns() {
+        for (k, &v) in SIGNS_PM1.iter().enumerate() {
+            for j in 0..8 {
+                let byte = (v >> (8 * j)) as u8;
+                let neg = KSIGNS_IQ2XS[k] & (1 << j) != 0;
+                assert_eq!(byte, if neg { 0xff } else { 0x01 });
+            }
+        }
+    }
 }

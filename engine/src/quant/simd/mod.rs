@@ -52,3 +52,25 @@ pub(crate) fn dot_q(ty: GgmlType) -> Option<DotQ> {
         None
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Where SIMD is available every supported weight type must get a SIMD kernel, otherwise the SIMD-vs-scalar
+    /// tests in `tests/quant_fixtures.rs` would silently compare the scalar code with itself.
+    #[test]
+    fn simd_kernels_resolve_for_every_weight_type() {
+        if level() == "scalar" {
+            eprintln!("no SIMD on this CPU; scalar kernels only");
+            return;
+        }
+        for ty in [GgmlType::F32, GgmlType::Bf16, GgmlType::Q8_0, GgmlType::Q2K, GgmlType::Q4K, GgmlType::Iq2Xxs] {
+            assert!(dot_f32(ty).is_some(), "{ty}: no SIMD f32 dot");
+        }
+        for ty in [GgmlType::Q8_0, GgmlType::Q2K, GgmlType::Q4K, GgmlType::Iq2Xxs] {
+            assert!(dot_q(ty).is_some(), "{ty}: no SIMD quantized dot");
+        }
+        assert!(dot_q(GgmlType::F32).is_none());
+    }
+}
