@@ -27,6 +27,9 @@
 //! slicing. Nothing in this module panics on bad input: lengths, types and non-finite inputs become
 //! [`crate::Error::Quant`].
 
+// Index loops mirror the block-layout formulas in the docs; iterator chains would hide them.
+#![allow(clippy::needless_range_loop)]
+
 mod api;
 mod f16;
 mod iq2_tables;
@@ -239,7 +242,7 @@ impl GgmlType {
     /// Bytes taken by a row of `n` values, or `None` when `n` is not a whole number of blocks (or overflows).
     pub fn row_bytes(self, n: u64) -> Option<u64> {
         let bv = self.block_values() as u64;
-        if n % bv != 0 {
+        if !n.is_multiple_of(bv) {
             return None;
         }
         (n / bv).checked_mul(self.block_bytes() as u64)
