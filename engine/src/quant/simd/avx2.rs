@@ -2,7 +2,7 @@
 //!
 //! Soundness: every `#[target_feature]` function here is only reachable through the plain `fn` wrappers that
 //! [`dot_f32`] / [`dot_q`] hand out, and those are handed out only after `is_x86_feature_detected!` confirmed the
-//! features on this CPU (F16C too for F16 rows). Every vector load reads inside a block slice produced by
+//! features on this CPU (AVX2, FMA and F16C). Every vector load reads inside a block slice produced by
 //! `chunks_exact` (or below an index bounded by the slice length), so no load goes out of bounds.
 //!
 //! Integer paths: weight quants are unsigned bytes (Q2_K 0..3, Q4_K 0..15, IQ2_XXS grid magnitudes 8..43) and
@@ -14,10 +14,11 @@ use std::arch::x86_64::*;
 
 use super::super::api::{DotF32, DotQ};
 use super::super::iq2_tables::{IQ2XXS_GRID, KSIGNS_IQ2XS};
-use super::super::{f16::f16_at, iq2_xxs, q2_k, q4_k, q8_0, q8_k, GgmlType, QK_K};
+use super::super::{iq2_xxs, q2_k, q4_k, q8_0, q8_k, GgmlType, QK_K};
 
+/// AVX2, FMA and F16C (every AVX2 CPU has F16C; the kernels use it for the f16 block scales).
 pub(super) fn available() -> bool {
-    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
 }
 
 pub(super) fn dot_f32(ty: GgmlType) -> Option<DotF32> {
@@ -26,7 +27,7 @@ pub(super) fn dot_f32(ty: GgmlType) -> Option<DotF32> {
     }
     Some(match ty {
         GgmlType::F32 => f32_f32,
-        GgmlType::F16 if is_x86_feature_detected!("f16c") => f16_f32,
+        GgmlType::F16 => f16_f32,
         GgmlType::Bf16 => bf16_f32,
         GgmlType::Q8_0 => q8_0_f32,
         GgmlType::Q2K => q2_k_f32,
@@ -72,7 +73,7 @@ wrap!(q4_k_q8_k, q4_k_q8_k_imp, &[u8]);
 wrap!(iq2_xxs_q8_k, iq2_xxs_q8_k_imp, &[u8]);
 
 #[inline]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 fn hsum_ps(v: __m256) -> f32 {
     let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -80,12 +81,20 @@ fn hsum_ps(v: __m256) -> f32 {
     _mm_cvtss_f32(s)
 }
 
+/// The little-endian f16 at `b[off..off + 2]` as f32 (F16C).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn f16_at(b: &[u8], off: usize) -> f32 {
+    let bits = u16::from_le_bytes([b[off], b[off + 1]]);
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+}
+
 /// Loads 8 f32 from `p`.
 ///
 /// # Safety
 /// `p` must be valid for reading 32 bytes.
 #[inline]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn ld_ps(p: *const u8) -> __m256 {
     // SAFETY: guaranteed by the caller.
     unsafe { _mm256_loadu_ps(p as *const f32) }
@@ -96,14 +105,14 @@ unsafe fn ld_ps(p: *const u8) -> __m256 {
 /// # Safety
 /// `p` must be valid for reading 32 bytes.
 #[inline]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn ld_si256(p: *const u8) -> __m256i {
     // SAFETY: guaranteed by the caller.
     unsafe { _mm256_loadu_si256(p as *const __m256i) }
 }
 
 /// Σ a[i]·x[i] over `n ≤ min(a.len()/4, x.len())` f32 values stored as bytes.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 fn dot_f32_bytes(a: &[u8], x: &[f32], n: usize) -> f32 {
     let (ap, xp) = (a.as_ptr(), x.as_ptr() as *const u8);
     let mut acc = [_mm256_setzero_ps(); 4];
@@ -128,7 +137,7 @@ fn dot_f32_bytes(a: &[u8], x: &[f32], n: usize) -> f32 {
     s
 }
 
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 fn f32_f32_imp(w: &[u8], x: &[f32]) -> f32 {
     dot_f32_bytes(w, x, (w.len() / 4).min(x.len()))
 }
@@ -164,19 +173,19 @@ fn f16_f32_imp(w: &[u8], x: &[f32]) -> f32 {
     half_dot!(w, x, _mm256_cvtph_ps, |b| half::f16::from_bits(b).to_f32())
 }
 
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 fn bf16_f32_imp(w: &[u8], x: &[f32]) -> f32 {
     half_dot!(w, x, bf16x8_to_ps, super::super::f16::bf16_to_f32)
 }
 
 /// 8 packed BF16 values to 8 f32 (exact: shift into the high half).
 #[inline]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 fn bf16x8_to_ps(h: __m128i) -> __m256 {
     _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
 }
 
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 fn q8_0_f32_imp(w: &[u8], x: &[f32]) -> f32 {
     let mut acc = _mm256_setzero_ps();
     for (b, xs) in w.chunks_exact(q8_0::BLOCK_BYTES).zip(x.chunks_exact(q8_0::QK)) {
@@ -213,22 +222,22 @@ fn bytemuck_f32(v: &[f32]) -> &[u8] {
     bytemuck::cast_slice(v)
 }
 
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 fn q2_k_f32_imp(w: &[u8], x: &[f32]) -> f32 {
     deq_dot!(w, x, q2_k::BLOCK_BYTES, q2_k::dequantize_block)
 }
 
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 fn q4_k_f32_imp(w: &[u8], x: &[f32]) -> f32 {
     deq_dot!(w, x, q4_k::BLOCK_BYTES, q4_k::dequantize_block)
 }
 
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 fn iq2_xxs_f32_imp(w: &[u8], x: &[f32]) -> f32 {
     deq_dot!(w, x, iq2_xxs::BLOCK_BYTES, iq2_xxs::dequantize_block)
 }
 
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 fn q8_0_q8_0_imp(w: &[u8], a: &[u8]) -> f32 {
     let ones = _mm256_set1_epi16(1);
     let mut acc = _mm256_setzero_ps();
@@ -244,22 +253,39 @@ fn q8_0_q8_0_imp(w: &[u8], a: &[u8]) -> f32 {
     hsum_ps(acc)
 }
 
-#[target_feature(enable = "avx2,fma")]
+/// Unpacks the 12 packed Q4_K scale bytes into (8 six-bit scales, 8 six-bit mins), one per byte.
+#[inline(always)]
+fn q4_k_scales(s: &[u8]) -> (u64, u64) {
+    const LOW6: u32 = 0x3f3f_3f3f;
+    const LOW4: u32 = 0x0f0f_0f0f;
+    const TOP2: u32 = 0x0303_0303;
+    let w = |i: usize| u32::from_le_bytes([s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]]);
+    let (w0, w1, w2) = (w(0), w(1), w(2));
+    // Scales 0..4: low 6 bits of bytes 0..4; scales 4..8: low nibbles of bytes 8..12 plus the top 2 bits of
+    // bytes 0..4. Mins likewise from bytes 4..8 and the high nibbles of bytes 8..12.
+    let sc_lo = w0 & LOW6;
+    let sc_hi = (w2 & LOW4) | (((w0 >> 6) & TOP2) << 4);
+    let m_lo = w1 & LOW6;
+    let m_hi = ((w2 >> 4) & LOW4) | (((w1 >> 6) & TOP2) << 4);
+    (sc_lo as u64 | (sc_hi as u64) << 32, m_lo as u64 | (m_hi as u64) << 32)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
 fn q4_k_q8_k_imp(w: &[u8], a: &[u8]) -> f32 {
     let m4 = _mm256_set1_epi8(0x0f);
     let mut acc = _mm256_setzero_ps();
-    let mut acc_min = 0f32;
+    let mut acc_min = _mm256_setzero_ps();
     for (b, qa) in w.chunks_exact(q4_k::BLOCK_BYTES).zip(a.chunks_exact(q8_k::BLOCK_BYTES)) {
         let da = q8_k::d(qa);
-        let mut sc = [0i16; 8];
-        let mut summ = 0i32;
-        for j in 0..8 {
-            let (s, m) = q4_k::scale_min(&b[4..16], j);
-            sc[j] = s as i16;
-            summ += m as i32 * (q8_k::bsum(qa, 2 * j) + q8_k::bsum(qa, 2 * j + 1));
-        }
-        acc_min += da * f16_at(b, 2) * summ as f32;
+        let (sc, mins) = q4_k_scales(&b[4..16]);
         let (bp, ap) = (b.as_ptr(), qa.as_ptr());
+        // Σ_j m_j·(bsum_2j + bsum_2j+1): each min duplicated into two i16 lanes, times the 16 block sums.
+        let m8 = _mm_cvtsi64_si128(mins as i64);
+        let m16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));
+        // SAFETY: the 16 i16 block sums are bytes 260..292 of the 292-byte Q8_K block.
+        let bsums = unsafe { ld_si256(ap.add(q8_k::BSUMS)) };
+        let pm = _mm256_cvtepi32_ps(_mm256_madd_epi16(m16, bsums));
+        acc_min = _mm256_fmadd_ps(_mm256_set1_ps(da * f16_at(b, 2)), pm, acc_min);
         let mut sumi = _mm256_setzero_si256();
         for c in 0..4 {
             // SAFETY: qs are bytes 16..144 of the 144-byte block (32 read at 16 + 32c ≤ 112); the Q8_K quants are
@@ -268,34 +294,56 @@ fn q4_k_q8_k_imp(w: &[u8], a: &[u8]) -> f32 {
                 unsafe { (ld_si256(bp.add(16 + 32 * c)), ld_si256(ap.add(4 + 64 * c)), ld_si256(ap.add(36 + 64 * c))) };
             let lo = _mm256_and_si256(q4, m4);
             let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q4), m4);
-            let p_lo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, a_lo), _mm256_set1_epi16(sc[2 * c]));
-            let p_hi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, a_hi), _mm256_set1_epi16(sc[2 * c + 1]));
+            let s_lo = ((sc >> (16 * c)) & 0xff) as i16;
+            let s_hi = ((sc >> (16 * c + 8)) & 0xff) as i16;
+            let p_lo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, a_lo), _mm256_set1_epi16(s_lo));
+            let p_hi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, a_hi), _mm256_set1_epi16(s_hi));
             sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p_lo, p_hi));
         }
         acc = _mm256_fmadd_ps(_mm256_set1_ps(da * f16_at(b, 0)), _mm256_cvtepi32_ps(sumi), acc);
     }
-    hsum_ps(acc) - acc_min
+    hsum_ps(acc) - hsum_ps(acc_min)
 }
 
-#[target_feature(enable = "avx2,fma")]
+/// `_mm256_shuffle_epi8` masks turning the 16 Q2_K scale nibbles (broadcast to both lanes) into i16 lanes holding
+/// scale `2k` (low 128-bit lane) and scale `2k + 1` (high lane); 0x80 bytes produce zeros.
+const Q2_SCALE_SHUF: [[u8; 32]; 8] = {
+    let mut t = [[0x80u8; 32]; 8];
+    let mut k = 0;
+    while k < 8 {
+        let mut i = 0;
+        while i < 8 {
+            t[k][2 * i] = 2 * k as u8;
+            t[k][16 + 2 * i] = 2 * k as u8 + 1;
+            i += 1;
+        }
+        k += 1;
+    }
+    t
+};
+
+#[target_feature(enable = "avx2,fma,f16c")]
 fn q2_k_q8_k_imp(w: &[u8], a: &[u8]) -> f32 {
     let m3 = _mm256_set1_epi8(3);
+    let m4 = _mm_set1_epi8(0x0f);
+    // SAFETY: each mask is a 32-byte array.
+    let shuf: [__m256i; 8] = std::array::from_fn(|k| unsafe { ld_si256(Q2_SCALE_SHUF[k].as_ptr()) });
     let mut acc = _mm256_setzero_ps();
-    let mut acc_min = 0f32;
+    let mut acc_min = _mm256_setzero_ps();
     for (b, qa) in w.chunks_exact(q2_k::BLOCK_BYTES).zip(a.chunks_exact(q8_k::BLOCK_BYTES)) {
         let da = q8_k::d(qa);
-        let mut summ = 0i32;
-        for s in 0..16 {
-            summ += (b[s] >> 4) as i32 * q8_k::bsum(qa, s);
-        }
-        acc_min += da * f16_at(b, 82) * summ as f32;
         let (bp, ap) = (b.as_ptr(), qa.as_ptr());
+        // SAFETY: scales are bytes 0..16 of the 84-byte block; block sums bytes 260..292 of the Q8_K block.
+        let (sc8, bsums) = unsafe { (_mm_loadu_si128(bp as *const __m128i), ld_si256(ap.add(q8_k::BSUMS))) };
+        let mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(sc8), m4));
+        let pm = _mm256_cvtepi32_ps(_mm256_madd_epi16(mins, bsums));
+        acc_min = _mm256_fmadd_ps(_mm256_set1_ps(da * f16_at(b, 82)), pm, acc_min);
+        let scales = _mm256_broadcastsi128_si256(_mm_and_si128(sc8, m4));
         let mut sumi = _mm256_setzero_si256();
         for h in 0..2 {
             // SAFETY: qs are bytes 16..80 of the 84-byte block (32 read at 16 + 32h ≤ 48).
             let q2 = unsafe { ld_si256(bp.add(16 + 32 * h)) };
             for j in 0..4 {
-                let s = 8 * h + 2 * j;
                 // SAFETY: 32 Q8_K quants at 4 + 128h + 32j ≤ 228, inside the 292-byte block.
                 let qa8 = unsafe { ld_si256(ap.add(4 + 128 * h + 32 * j)) };
                 let q = match j {
@@ -304,15 +352,14 @@ fn q2_k_q8_k_imp(w: &[u8], a: &[u8]) -> f32 {
                     2 => _mm256_and_si256(_mm256_srli_epi16::<4>(q2), m3),
                     _ => _mm256_and_si256(_mm256_srli_epi16::<6>(q2), m3),
                 };
-                // Low 128-bit lane = sub-block s, high lane = sub-block s + 1.
-                let scv =
-                    _mm256_set_m128i(_mm_set1_epi16((b[s + 1] & 0xf) as i16), _mm_set1_epi16((b[s] & 0xf) as i16));
+                // Low 128-bit lane = sub-block 8h + 2j, high lane = sub-block 8h + 2j + 1.
+                let scv = _mm256_shuffle_epi8(scales, shuf[4 * h + j]);
                 sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(q, qa8), scv));
             }
         }
         acc = _mm256_fmadd_ps(_mm256_set1_ps(da * f16_at(b, 80)), _mm256_cvtepi32_ps(sumi), acc);
     }
-    hsum_ps(acc) - acc_min
+    hsum_ps(acc) - hsum_ps(acc_min)
 }
 
 /// For each 7-bit sign index, 8 bytes of +1 / -1 (0x01 / 0xff) ready for `_mm256_sign_epi8`.
@@ -334,7 +381,7 @@ const SIGNS_PM1: [u64; 128] = {
     t
 };
 
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 fn iq2_xxs_q8_k_imp(w: &[u8], a: &[u8]) -> f32 {
     let mut acc = _mm256_setzero_ps();
     for (b, qa) in w.chunks_exact(iq2_xxs::BLOCK_BYTES).zip(a.chunks_exact(q8_k::BLOCK_BYTES)) {
@@ -370,6 +417,20 @@ fn iq2_xxs_q8_k_imp(w: &[u8], a: &[u8]) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn q4_k_scale_unpacking_matches_scalar() {
+        let mut s = [0u8; 12];
+        for seed in 0..64u32 {
+            for (i, v) in s.iter_mut().enumerate() {
+                *v = (seed.wrapping_mul(2654435761).rotate_left(i as u32 * 3) >> 7) as u8 ^ (i as u8).wrapping_mul(37);
+            }
+            let (sc, m) = q4_k_scales(&s);
+            for j in 0..8 {
+                assert_eq!(((sc >> (8 * j)) as u8, (m >> (8 * j)) as u8), q4_k::scale_min(&s, j), "j={j}");
+            }
+        }
+    }
 
     #[test]
     fn sign_table_matches_ksigns() {
