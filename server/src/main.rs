@@ -1,6 +1,78 @@
-//! `ds4-server`: OpenAI / Anthropic / Responses compatible HTTP server.
+//! `ds4-server` binary: parse flags, load the model (or the built-in demo model), serve until SIGINT/SIGTERM, drain
+//! in-flight requests, exit 0.
 
-fn main() {
-    eprintln!("ds4-server: not built yet");
-    std::process::exit(2);
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Parser;
+use ds4_server::backend::ModelInfo;
+use ds4_server::cli::Args;
+use ds4_server::fake::{FakeCodec, FakeRunner};
+use ds4_server::scheduler::SchedulerConfig;
+use ds4_server::{build_state, http, Limits};
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info,ds4_server=info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    let config = SchedulerConfig {
+        max_active: args.max_active.max(1),
+        max_queue: args.max_queue,
+        prefill_chunk: args.prefill_chunk.max(1),
+        max_parked: args.max_parked,
+        context_size: 0,
+    };
+    let limits = Limits { max_body_bytes: args.max_body_mb.max(1) << 20, ..Limits::default() };
+    let (runner, codec, info): (Box<dyn ds4_server::backend::Runner>, Arc<dyn ds4_server::backend::Codec>, _) =
+        if args.fake_model || args.model.is_none() {
+            if args.model.is_none() && !args.fake_model {
+                tracing::warn!("no -m given: serving the built-in scripted demo model (not a language model)");
+            }
+            let info =
+                ModelInfo { id: "deepseek-v4-flash".into(), context_size: args.ctx.unwrap_or(32768), demo: true };
+            (Box::new(FakeRunner::new(config.max_active + config.max_parked + 8)), Arc::new(FakeCodec), info)
+        } else {
+            anyhow::bail!("loading a model file needs the ds4 engine, which this build does not have yet");
+        };
+    let state = build_state(runner, codec, info, config, limits);
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting tokio")?;
+    rt.block_on(async {
+        let addr = format!("{}:{}", args.host, args.port);
+        let listener = tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("binding {addr}"))?;
+        let local = listener.local_addr()?;
+        tracing::info!(%local, model = %state.info.id, ctx = state.info.context_size, "ds4-server listening");
+        eprintln!("ds4-server: listening on http://{local}");
+        http::serve(listener, state.clone(), shutdown_signal(), Duration::from_secs(args.drain_timeout_s)).await;
+        anyhow::Ok(())
+    })?;
+    state.scheduler.shutdown();
+    tracing::info!("ds4-server stopped");
+    Ok(())
+}
+
+/// Resolves on SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {}
+        _ = term => {}
+    }
 }

@@ -1,0 +1,443 @@
+//! `POST /v1/messages` and `POST /v1/messages/count_tokens` (Anthropic Messages).
+//!
+//! Accepted: `system` (string or text blocks), `messages` (user / assistant, and the `role: "system"` turn Claude Code
+//! puts inside `messages`; content as a string or blocks: `text`, `thinking`, `redacted_thinking` (dropped),
+//! `tool_use`, `tool_result` with string or block content), `tools` (custom tools; `type`d server tools are
+//! skipped), `tool_choice` (`{"type":"none"}` hides tools), `thinking` (`enabled`/`adaptive` turn reasoning on;
+//! `display: "omitted"` keeps it out of the answer), `max_tokens`, `temperature`, `top_p`, `top_k`,
+//! `stop_sequences`, `stream`. `metadata`, `context_management`, `output_config`, `cache_control` and every
+//! `anthropic-beta` header are accepted and ignored.
+//!
+//! **Billing line normalisation.** Claude Code sends `x-anthropic-billing-header: cc_version=…; cc_entrypoint=…;` as
+//! system block 0, with a suffix that changes per conversation. It carries no instruction for the model and sits in
+//! front of everything else, so it would break every cross-conversation prefix match at the first tokens: any system
+//! block (or first system line) starting with `x-anthropic-billing-header:` is removed before rendering.
+//!
+//! Usage: `input_tokens` counts the prompt tokens that were *not* served from cache, `cache_read_input_tokens` the
+//! ones that were (Anthropic's convention: their sum is the prompt).
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use hyper::{HeaderMap, Response};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::api::errors::{ApiError, Flavor};
+use crate::api::{max_tokens, models, parse_json, sampling, stop_strings};
+use crate::backend::{Conversation, Message, Role, ToolCall, ToolSpec};
+use crate::generate::{new_id, Finish, GenEvent, GenOptions, Generation, Usage};
+use crate::http::{json_response, sse_response, Body};
+use crate::sse;
+use crate::state::AppState;
+
+const BILLING_PREFIX: &str = "x-anthropic-billing-header:";
+
+#[derive(Debug, Deserialize)]
+struct MessagesRequest {
+    model: Option<String>,
+    messages: Vec<AMessage>,
+    system: Option<AContent>,
+    max_tokens: Option<u64>,
+    tools: Option<Vec<ATool>>,
+    tool_choice: Option<Value>,
+    thinking: Option<AThinking>,
+    stream: Option<bool>,
+    temperature: Option<f64>,
+    top_p: Option<f64>,
+    top_k: Option<u64>,
+    stop_sequences: Option<Vec<String>>,
+}
+
+#[derive(Debug, Deserialize)]
+struct AMessage {
+    role: String,
+    content: AContent,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum AContent {
+    Text(String),
+    Blocks(Vec<ABlock>),
+}
+
+#[derive(Debug, Deserialize)]
+struct ABlock {
+    #[serde(rename = "type")]
+    kind: String,
+    text: Option<String>,
+    thinking: Option<String>,
+    id: Option<String>,
+    name: Option<String>,
+    input: Option<Value>,
+    tool_use_id: Option<String>,
+    content: Option<AContent>,
+    is_error: Option<bool>,
+}
+
+#[derive(Debug, Deserialize)]
+struct ATool {
+    #[serde(rename = "type")]
+    kind: Option<String>,
+    name: String,
+    description: Option<String>,
+    input_schema: Option<Value>,
+}
+
+#[derive(Debug, Deserialize)]
+struct AThinking {
+    #[serde(rename = "type")]
+    kind: String,
+    display: Option<String>,
+}
+
+/// Plain text of a content value (text blocks only, joined with newlines).
+fn plain_text(c: AContent, at: &str) -> Result<String, ApiError> {
+    match c {
+        AContent::Text(s) => Ok(s),
+        AContent::Blocks(blocks) => {
+            let mut parts = Vec::new();
+            for b in blocks {
+                match (b.kind.as_str(), b.text) {
+                    ("text", Some(t)) => parts.push(t),
+                    (kind, _) => return Err(ApiError::invalid(format!("{at}: block type `{kind}` is not supported"))),
+                }
+            }
+            Ok(parts.join("\n"))
+        }
+    }
+}
+
+/// The system prompt without Claude Code's per-conversation billing line.
+fn system_text(system: Option<AContent>) -> Result<String, ApiError> {
+    let blocks = match system {
+        None => return Ok(String::new()),
+        Some(AContent::Text(s)) => vec![s],
+        Some(AContent::Blocks(b)) => {
+            let mut v = Vec::new();
+            for blk in b {
+                match (blk.kind.as_str(), blk.text) {
+                    ("text", Some(t)) => v.push(t),
+                    (kind, _) => {
+                        return Err(ApiError::invalid(format!("system: block type `{kind}` is not supported")))
+                    }
+                }
+            }
+            v
+        }
+    };
+    let kept: Vec<String> = blocks
+        .into_iter()
+        .filter_map(|b| {
+            if b.starts_with(BILLING_PREFIX) {
+                // Drop the billing line, keep anything after it.
+                b.split_once('\n').map(|(_, rest)| rest.to_string()).filter(|r| !r.is_empty())
+            } else {
+                Some(b)
+            }
+        })
+        .collect();
+    Ok(kept.join("\n"))
+}
+
+/// Convert the request into a conversation; returns it and whether thinking should be shown.
+fn conversation(req: &mut MessagesRequest) -> Result<(Conversation, bool), ApiError> {
+    let mut conv = Conversation::default();
+    let system = system_text(req.system.take())?;
+    if !system.is_empty() {
+        conv.messages.push(Message::new(Role::System, system));
+    }
+    if req.messages.is_empty() {
+        return Err(ApiError::invalid("messages: at least one message is required"));
+    }
+    for (i, m) in std::mem::take(&mut req.messages).into_iter().enumerate() {
+        let at = format!("messages.{i}.content");
+        match m.role.as_str() {
+            "system" => conv.messages.push(Message::new(Role::System, plain_text(m.content, &at)?)),
+            "user" => match m.content {
+                AContent::Text(t) => conv.messages.push(Message::new(Role::User, t)),
+                AContent::Blocks(blocks) => {
+                    let mut text: Vec<String> = Vec::new();
+                    for b in blocks {
+                        match b.kind.as_str() {
+                            "text" => text.push(b.text.unwrap_or_default()),
+                            "tool_result" => {
+                                let mut content = match b.content {
+                                    Some(c) => plain_text(c, &at)?,
+                                    None => String::new(),
+                                };
+                                if b.is_error == Some(true) && !content.starts_with("Error") {
+                                    content = format!("Error: {content}");
+                                }
+                                let mut msg = Message::new(Role::Tool, content);
+                                msg.tool_call_id = b.tool_use_id;
+                                conv.messages.push(msg);
+                            }
+                            "document" | "image" | "search_result" => {
+                                return Err(ApiError::invalid(format!(
+                                    "{at}: `{}` blocks are not supported by this model",
+                                    b.kind
+                                )))
+                            }
+                            _ => {}
+                        }
+                    }
+                    if !text.is_empty() {
+                        conv.messages.push(Message::new(Role::User, text.join("\n")));
+                    }
+                }
+            },
+            "assistant" => {
+                let mut msg = Message::new(Role::Assistant, "");
+                match m.content {
+                    AContent::Text(t) => msg.content = t,
+                    AContent::Blocks(blocks) => {
+                        for b in blocks {
+                            match b.kind.as_str() {
+                                "text" => msg.content.push_str(b.text.as_deref().unwrap_or("")),
+                                "thinking" => msg.reasoning.push_str(b.thinking.as_deref().unwrap_or("")),
+                                "tool_use" | "server_tool_use" => msg.tool_calls.push(ToolCall {
+                                    id: b.id.unwrap_or_else(|| new_id("toolu_")),
+                                    name: b.name.unwrap_or_default(),
+                                    arguments: b.input.unwrap_or_else(|| json!({})).to_string(),
+                                }),
+                                _ => {}
+                            }
+                        }
+                    }
+                }
+                conv.messages.push(msg);
+            }
+            other => return Err(ApiError::invalid(format!("messages.{i}.role: unknown role `{other}`"))),
+        }
+    }
+    let hide_tools = req.tool_choice.as_ref().and_then(|t| t.get("type")).and_then(Value::as_str) == Some("none");
+    for t in req.tools.take().unwrap_or_default() {
+        if hide_tools || t.kind.as_deref().is_some_and(|k| k != "custom") {
+            continue;
+        }
+        conv.tools.push(ToolSpec {
+            name: t.name,
+            description: t.description.unwrap_or_default(),
+            parameters: t.input_schema.unwrap_or_else(|| json!({"type": "object", "properties": {}})),
+        });
+    }
+    let (thinking, show) = match &req.thinking {
+        Some(t) if t.kind == "enabled" || t.kind == "adaptive" => (true, t.display.as_deref() != Some("omitted")),
+        _ => (false, false),
+    };
+    conv.thinking = thinking;
+    Ok((conv, show))
+}
+
+fn usage_json(u: &Usage) -> Value {
+    let cached = u.cached_tokens.min(u.prompt_tokens);
+    json!({
+        "input_tokens": u.prompt_tokens - cached,
+        "output_tokens": u.completion_tokens,
+        "cache_read_input_tokens": cached,
+        "cache_creation_input_tokens": 0,
+    })
+}
+
+fn stop_reason(f: Finish) -> &'static str {
+    match f {
+        Finish::Stop => "end_turn",
+        Finish::Length => "max_tokens",
+        Finish::ToolCalls => "tool_use",
+        Finish::StopSequence => "stop_sequence",
+    }
+}
+
+fn tool_input(arguments: &str) -> Value {
+    match serde_json::from_str::<Value>(arguments) {
+        Ok(v @ Value::Object(_)) => v,
+        _ => json!({}),
+    }
+}
+
+/// Render, tokenize and start; shared by `handle`.
+fn prepare(state: &Arc<AppState>, body: &[u8]) -> Result<(MessagesRequest, Conversation, bool, GenOptions), ApiError> {
+    let mut req: MessagesRequest = parse_json(body)?;
+    models::check(state, req.model.as_deref())?;
+    let opts = GenOptions {
+        sampling: sampling(req.temperature, req.top_p, req.top_k, None)?,
+        max_tokens: max_tokens("max_tokens", req.max_tokens)?,
+        stop: stop_strings("stop_sequences", req.stop_sequences.take())?,
+        thinking: false,
+        tool_id_prefix: "toolu_",
+        raw: false,
+    };
+    if req.temperature.is_some_and(|t| t > 1.0) {
+        return Err(ApiError::invalid("temperature: must be between 0 and 1"));
+    }
+    let (mut conv, show) = conversation(&mut req)?;
+    state.tools.restore(&mut conv);
+    Ok((req, conv, show, opts))
+}
+
+/// `POST /v1/messages/count_tokens`.
+pub async fn count_tokens(state: Arc<AppState>, _h: HeaderMap, body: Bytes) -> Result<Response<Body>, ApiError> {
+    let (_, conv, _, _) = prepare(&state, &body)?;
+    let prompt = state.codec.render(&conv).map_err(|e| ApiError::invalid(e.0))?;
+    Ok(json_response(200, &json!({"input_tokens": state.codec.encode(&prompt).len()})))
+}
+
+/// `POST /v1/messages`.
+pub async fn handle(state: Arc<AppState>, _headers: HeaderMap, body: Bytes) -> Result<Response<Body>, ApiError> {
+    let (req, conv, show_thinking, opts) = prepare(&state, &body)?;
+    let model = req.model.clone().unwrap_or_else(|| state.info.id.clone());
+    let prompt = state.codec.render(&conv).map_err(|e| ApiError::invalid(e.0))?;
+    let tokens = state.codec.encode(&prompt);
+    let stop_seqs = opts.stop.clone();
+    let gen = Generation::start(&state, tokens, GenOptions { thinking: conv.thinking, ..opts })?;
+    let id = new_id("msg_");
+    if !req.stream.unwrap_or(false) {
+        let out = gen.collect().await?;
+        let mut content = Vec::new();
+        if show_thinking && !out.reasoning.is_empty() {
+            content.push(json!({"type": "thinking", "thinking": out.reasoning, "signature": ""}));
+        }
+        if !out.content.is_empty() {
+            content.push(json!({"type": "text", "text": out.content}));
+        }
+        for c in &out.tool_calls {
+            content.push(json!({"type": "tool_use", "id": c.id, "name": c.name, "input": tool_input(&c.arguments)}));
+        }
+        let stop_sequence = (out.finish == Finish::StopSequence).then(|| stop_seqs.first().cloned()).flatten();
+        return Ok(json_response(
+            200,
+            &json!({
+                "id": id, "type": "message", "role": "assistant", "model": model, "content": content,
+                "stop_reason": stop_reason(out.finish), "stop_sequence": stop_sequence,
+                "usage": usage_json(&out.usage),
+            }),
+        ));
+    }
+    let (tx, response) = sse_response();
+    tokio::spawn(async move {
+        let mut gen = gen;
+        let mut started = false;
+        // (index, kind) of the open content block.
+        let mut open: Option<(usize, &'static str)> = None;
+        let mut next_index = 0usize;
+        loop {
+            let ev = match gen.next().await {
+                None => break,
+                Some(Ok(ev)) => ev,
+                Some(Err(e)) => {
+                    let _ = tx.send(sse::event("error", &e.body(Flavor::Anthropic))).await;
+                    return;
+                }
+            };
+            let mut frames = Vec::new();
+            if !started && ev != GenEvent::KeepAlive {
+                started = true;
+                frames.push(message_start(&id, &model, &gen.usage()));
+            }
+            let kind = match &ev {
+                GenEvent::KeepAlive => {
+                    frames.push(if started {
+                        sse::event("ping", &json!({"type": "ping"}))
+                    } else {
+                        sse::comment("keep-alive")
+                    });
+                    None
+                }
+                GenEvent::Reasoning(_) if !show_thinking => None,
+                GenEvent::Reasoning(_) => Some("thinking"),
+                GenEvent::Content(_) => Some("text"),
+                GenEvent::ToolCall(_) => Some("tool_use"),
+            };
+            if let Some(kind) = kind {
+                if open.map(|(_, k)| k) != Some(kind) || kind == "tool_use" {
+                    if let Some((i, _)) = open.take() {
+                        frames.push(block_stop(i));
+                    }
+                    let block = match &ev {
+                        GenEvent::ToolCall(c) => json!({"type": "tool_use", "id": c.id, "name": c.name, "input": {}}),
+                        GenEvent::Reasoning(_) => json!({"type": "thinking", "thinking": "", "signature": ""}),
+                        _ => json!({"type": "text", "text": ""}),
+                    };
+                    frames.push(sse::event(
+                        "content_block_start",
+                        &json!({"type": "content_block_start", "index": next_index, "content_block": block}),
+                    ));
+                    open = Some((next_index, kind));
+                    next_index += 1;
+                }
+                let index = open.map(|(i, _)| i).unwrap_or(0);
+                let delta = match ev {
+                    GenEvent::Reasoning(r) => json!({"type": "thinking_delta", "thinking": r}),
+                    GenEvent::Content(c) => json!({"type": "text_delta", "text": c}),
+                    GenEvent::ToolCall(c) => json!({"type": "input_json_delta", "partial_json": c.arguments}),
+                    GenEvent::KeepAlive => unreachable!("keep-alive has no block"),
+                };
+                frames.push(sse::event(
+                    "content_block_delta",
+                    &json!({"type": "content_block_delta", "index": index, "delta": delta}),
+                ));
+            }
+            for f in frames {
+                if !tx.send(f).await {
+                    return;
+                }
+            }
+        }
+        let usage = gen.usage();
+        let mut frames = Vec::new();
+        if !started {
+            frames.push(message_start(&id, &model, &usage));
+        }
+        if let Some((i, _)) = open.take() {
+            frames.push(block_stop(i));
+        }
+        let finish = gen.finish();
+        let stop_sequence = (finish == Finish::StopSequence).then(|| stop_seqs.first().cloned()).flatten();
+        frames.push(sse::event(
+            "message_delta",
+            &json!({"type": "message_delta",
+                "delta": {"stop_reason": stop_reason(finish), "stop_sequence": stop_sequence},
+                "usage": usage_json(&usage)}),
+        ));
+        frames.push(sse::event("message_stop", &json!({"type": "message_stop"})));
+        for f in frames {
+            if !tx.send(f).await {
+                return;
+            }
+        }
+    });
+    Ok(response)
+}
+
+fn message_start(id: &str, model: &str, usage: &Usage) -> Bytes {
+    let mut u = usage_json(usage);
+    u["output_tokens"] = json!(0);
+    sse::event(
+        "message_start",
+        &json!({"type": "message_start", "message": {"id": id, "type": "message", "role": "assistant",
+            "model": model, "content": [], "stop_reason": null, "stop_sequence": null, "usage": u}}),
+    )
+}
+
+fn block_stop(index: usize) -> Bytes {
+    sse::event("content_block_stop", &json!({"type": "content_block_stop", "index": index}))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn billing_line_is_removed() {
+        let sys: AContent = serde_json::from_value(json!([
+            {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.332.93d; cc_entrypoint=sdk-cli;"},
+            {"type": "text", "text": "You are an agent.", "cache_control": {"type": "ephemeral"}},
+        ]))
+        .unwrap();
+        assert_eq!(system_text(Some(sys)).unwrap(), "You are an agent.");
+        let sys = AContent::Text("x-anthropic-billing-header: cc_version=1.abc;\nBe brief.".into());
+        assert_eq!(system_text(Some(sys)).unwrap(), "Be brief.");
+    }
+}

@@ -1,0 +1,133 @@
+//! One error type for every API, rendered in each API's JSON error shape.
+//!
+//! OpenAI (chat, completions, responses, models): `{"error":{"message","type","param","code"}}`.
+//! Anthropic: `{"type":"error","error":{"type","message"}}`.
+//! `Retry-After` is set on 503 (queue full). Messages are written for the client's user and never contain a Rust
+//! debug dump.
+
+use serde_json::{json, Value};
+
+/// Which JSON error shape to use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Flavor {
+    OpenAi,
+    Anthropic,
+}
+
+/// An HTTP error answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiError {
+    pub status: u16,
+    pub message: String,
+    pub param: Option<String>,
+    /// Seconds, for 503.
+    pub retry_after: Option<u64>,
+}
+
+impl ApiError {
+    pub fn new(status: u16, message: impl Into<String>) -> Self {
+        ApiError { status, message: message.into(), param: None, retry_after: None }
+    }
+
+    /// 400 invalid request.
+    pub fn invalid(message: impl Into<String>) -> Self {
+        Self::new(400, message)
+    }
+
+    /// 400 about one parameter.
+    pub fn param(param: &str, message: impl Into<String>) -> Self {
+        ApiError { param: Some(param.to_string()), ..Self::new(400, message) }
+    }
+
+    pub fn not_found(message: impl Into<String>) -> Self {
+        Self::new(404, message)
+    }
+
+    pub fn overloaded(retry_after: u64) -> Self {
+        ApiError { retry_after: Some(retry_after), ..Self::new(503, "the server is busy: request queue is full") }
+    }
+
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::new(500, message)
+    }
+
+    /// The prompt does not fit the context.
+    pub fn context_overflow(prompt_tokens: usize, context: usize) -> Self {
+        ApiError {
+            param: Some("messages".into()),
+            ..Self::new(
+                400,
+                format!(
+                    "this model's maximum context length is {context} tokens, but the prompt is {prompt_tokens} \
+                     tokens (context_length_exceeded); shorten the conversation"
+                ),
+            )
+        }
+    }
+
+    /// A JSON body that did not deserialize.
+    pub fn bad_json(e: &serde_json::Error) -> Self {
+        Self::invalid(format!("invalid request body: {e}"))
+    }
+
+    fn openai_type(&self) -> &'static str {
+        match self.status {
+            400 | 413 | 422 => "invalid_request_error",
+            401 => "authentication_error",
+            404 => "invalid_request_error",
+            429 | 503 => "server_error",
+            _ => "server_error",
+        }
+    }
+
+    fn anthropic_type(&self) -> &'static str {
+        match self.status {
+            400 | 422 => "invalid_request_error",
+            404 => "not_found_error",
+            413 => "request_too_large",
+            429 => "rate_limit_error",
+            503 => "overloaded_error",
+            _ => "api_error",
+        }
+    }
+
+    /// The JSON body in `flavor`'s shape.
+    pub fn body(&self, flavor: Flavor) -> Value {
+        match flavor {
+            Flavor::OpenAi => {
+                let code = match (self.status, self.message.contains("context_length_exceeded")) {
+                    (_, true) => Some("context_length_exceeded"),
+                    (404, _) => Some("model_not_found"),
+                    _ => None,
+                };
+                json!({"error": {"message": self.message, "type": self.openai_type(), "param": self.param,
+                    "code": code}})
+            }
+            Flavor::Anthropic => {
+                json!({"type": "error", "error": {"type": self.anthropic_type(), "message": self.message}})
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for ApiError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {}", self.status, self.message)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shapes() {
+        let e = ApiError::context_overflow(5000, 4096);
+        let b = e.body(Flavor::OpenAi);
+        assert_eq!(b["error"]["code"], "context_length_exceeded");
+        assert!(b["error"]["message"].as_str().unwrap().contains("5000"));
+        let b = ApiError::overloaded(1).body(Flavor::Anthropic);
+        assert_eq!(b["type"], "error");
+        assert_eq!(b["error"]["type"], "overloaded_error");
+    }
+}

@@ -1,0 +1,450 @@
+//! `POST /v1/responses` (OpenAI Responses, as Codex uses it: stateless, `store: false`, full history each turn).
+//!
+//! Input items: messages (`role` system/developer → system, user, assistant; content a string or `input_text` /
+//! `output_text` / `text` parts), `function_call` (joined to the preceding assistant turn), `function_call_output`,
+//! `custom_tool_call` / `custom_tool_call_output` (treated as function calls with raw input), `reasoning` (its text
+//! becomes the next assistant turn's reasoning). Other item types are ignored. `instructions` becomes a leading
+//! system message. Tools: `function` tools are offered; `namespace`, `custom`, `web_search`, `tool_search` and any
+//! other type are skipped, not rejected. `reasoning` (any value but `effort: "none"`) turns thinking on.
+//! `previous_response_id` is refused: nothing is stored.
+//!
+//! Stream events (each with `sequence_number`): `response.created`, `response.in_progress`, then per output item
+//! `response.output_item.added` … `response.output_item.done` (reasoning: `response.reasoning_text.delta/done`;
+//! message: `response.content_part.added`, `response.output_text.delta/done`, `response.content_part.done`;
+//! function call: `response.function_call_arguments.delta/done`), and finally `response.completed` or
+//! `response.incomplete` (max tokens). Errors mid-stream: `response.failed`. Keep-alives are SSE comments.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use hyper::{HeaderMap, Response};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::api::errors::ApiError;
+use crate::api::{max_tokens, models, now_unix, parse_json, sampling};
+use crate::backend::{Conversation, Message, Role, ToolCall, ToolSpec};
+use crate::generate::{new_id, Finish, GenEvent, GenOptions, Generation, Usage};
+use crate::http::{json_response, sse_response, Body};
+use crate::sse;
+use crate::state::AppState;
+
+#[derive(Debug, Deserialize)]
+struct ResponsesRequest {
+    model: Option<String>,
+    input: Input,
+    instructions: Option<String>,
+    tools: Option<Vec<Value>>,
+    tool_choice: Option<Value>,
+    stream: Option<bool>,
+    max_output_tokens: Option<u64>,
+    temperature: Option<f64>,
+    top_p: Option<f64>,
+    reasoning: Option<Value>,
+    previous_response_id: Option<String>,
+    parallel_tool_calls: Option<bool>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum Input {
+    Text(String),
+    Items(Vec<Value>),
+}
+
+fn text_of(content: &Value, at: &str) -> Result<String, ApiError> {
+    match content {
+        Value::Null => Ok(String::new()),
+        Value::String(s) => Ok(s.clone()),
+        Value::Array(parts) => {
+            let mut out = Vec::new();
+            for p in parts {
+                let kind = p.get("type").and_then(Value::as_str).unwrap_or("");
+                match (kind, p.get("text").and_then(Value::as_str)) {
+                    ("input_text" | "output_text" | "text" | "summary_text" | "reasoning_text", Some(t)) => {
+                        out.push(t.to_string())
+                    }
+                    ("refusal", _) => {}
+                    _ => return Err(ApiError::param(at, format!("content part type `{kind}` is not supported"))),
+                }
+            }
+            Ok(out.join("\n"))
+        }
+        _ => Err(ApiError::param(at, "content must be a string or a list of content parts")),
+    }
+}
+
+fn str_field<'a>(item: &'a Value, key: &str) -> Option<&'a str> {
+    item.get(key).and_then(Value::as_str)
+}
+
+fn conversation(req: &mut ResponsesRequest) -> Result<Conversation, ApiError> {
+    let mut conv = Conversation::default();
+    if let Some(i) = req.instructions.take().filter(|i| !i.is_empty()) {
+        conv.messages.push(Message::new(Role::System, i));
+    }
+    let items = match std::mem::replace(&mut req.input, Input::Items(Vec::new())) {
+        Input::Text(t) => vec![json!({"type": "message", "role": "user", "content": t})],
+        Input::Items(v) => v,
+    };
+    let mut pending_reasoning = String::new();
+    for (i, item) in items.iter().enumerate() {
+        let at = format!("input[{i}]");
+        if !item.is_object() {
+            return Err(ApiError::param(&at, "each input item must be an object"));
+        }
+        let kind = str_field(item, "type").unwrap_or(if item.get("role").is_some() { "message" } else { "" });
+        let last_assistant = |conv: &mut Conversation| -> usize {
+            match conv.messages.last() {
+                Some(m) if m.role == Role::Assistant => conv.messages.len() - 1,
+                _ => {
+                    conv.messages.push(Message::new(Role::Assistant, ""));
+                    conv.messages.len() - 1
+                }
+            }
+        };
+        match kind {
+            "message" => {
+                let role = match str_field(item, "role") {
+                    Some("system" | "developer") => Role::System,
+                    Some("user") => Role::User,
+                    Some("assistant") => Role::Assistant,
+                    other => {
+                        return Err(ApiError::param(&format!("{at}.role"), format!("unknown role {other:?}")));
+                    }
+                };
+                let text = text_of(item.get("content").unwrap_or(&Value::Null), &format!("{at}.content"))?;
+                let mut m = Message::new(role, text);
+                if role == Role::Assistant {
+                    m.reasoning = std::mem::take(&mut pending_reasoning);
+                }
+                conv.messages.push(m);
+            }
+            "function_call" | "custom_tool_call" => {
+                let name = str_field(item, "name").unwrap_or_default().to_string();
+                let arguments = match kind {
+                    "function_call" => str_field(item, "arguments").unwrap_or("{}").to_string(),
+                    _ => json!({"input": str_field(item, "input").unwrap_or("")}).to_string(),
+                };
+                let id = str_field(item, "call_id").or(str_field(item, "id")).unwrap_or_default().to_string();
+                let idx = last_assistant(&mut conv);
+                let m = &mut conv.messages[idx];
+                if m.reasoning.is_empty() {
+                    m.reasoning = std::mem::take(&mut pending_reasoning);
+                }
+                m.tool_calls.push(ToolCall { id, name, arguments });
+            }
+            "function_call_output" | "custom_tool_call_output" => {
+                let output = match item.get("output") {
+                    Some(Value::String(s)) => s.clone(),
+                    Some(v @ Value::Array(_)) => text_of(v, &format!("{at}.output"))?,
+                    Some(other) => other.to_string(),
+                    None => String::new(),
+                };
+                let mut m = Message::new(Role::Tool, output);
+                m.tool_call_id = str_field(item, "call_id").map(str::to_string);
+                conv.messages.push(m);
+            }
+            "reasoning" => {
+                for key in ["content", "summary"] {
+                    if let Some(v) = item.get(key).filter(|v| v.is_array()) {
+                        let t = text_of(v, &format!("{at}.{key}"))?;
+                        if !t.is_empty() {
+                            pending_reasoning = t;
+                            break;
+                        }
+                    }
+                }
+            }
+            _ => {} // item types this server does not use (web_search_call, compaction, …)
+        }
+    }
+    if !conv.messages.iter().any(|m| m.role != Role::System) {
+        return Err(ApiError::param("input", "input must contain at least one user message"));
+    }
+    let hide_tools = matches!(&req.tool_choice, Some(Value::String(s)) if s == "none");
+    for t in req.tools.take().unwrap_or_default() {
+        if hide_tools || str_field(&t, "type") != Some("function") {
+            continue;
+        }
+        let Some(name) = str_field(&t, "name") else { continue };
+        conv.tools.push(ToolSpec {
+            name: name.to_string(),
+            description: str_field(&t, "description").unwrap_or_default().to_string(),
+            parameters: t.get("parameters").cloned().unwrap_or_else(|| json!({"type": "object", "properties": {}})),
+        });
+    }
+    conv.thinking = match &req.reasoning {
+        None | Some(Value::Null) => false,
+        Some(r) => str_field(r, "effort") != Some("none"),
+    };
+    Ok(conv)
+}
+
+fn usage_json(u: &Usage) -> Value {
+    json!({
+        "input_tokens": u.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": u.cached_tokens},
+        "output_tokens": u.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+    })
+}
+
+/// The parts of a response object that do not depend on the output.
+struct Envelope {
+    id: String,
+    created: u64,
+    model: String,
+    max_output_tokens: Option<u64>,
+    parallel_tool_calls: bool,
+    tool_choice: Value,
+}
+
+impl Envelope {
+    fn object(&self, status: &str, output: &[Value], usage: Option<&Usage>, finish: Option<Finish>) -> Value {
+        let incomplete = (finish == Some(Finish::Length)).then(|| json!({"reason": "max_output_tokens"}));
+        json!({
+            "id": self.id, "object": "response", "created_at": self.created, "status": status,
+            "model": self.model, "output": output, "error": null, "incomplete_details": incomplete,
+            "instructions": null, "max_output_tokens": self.max_output_tokens,
+            "parallel_tool_calls": self.parallel_tool_calls, "tool_choice": self.tool_choice, "tools": [],
+            "previous_response_id": null, "reasoning": null, "store": false, "temperature": null, "top_p": null,
+            "text": {"format": {"type": "text"}}, "truncation": "disabled", "metadata": {},
+            "usage": usage.map(usage_json),
+        })
+    }
+}
+
+fn status_of(finish: Finish) -> &'static str {
+    if finish == Finish::Length {
+        "incomplete"
+    } else {
+        "completed"
+    }
+}
+
+fn reasoning_item(id: &str, text: &str, status: &str) -> Value {
+    json!({"type": "reasoning", "id": id, "status": status, "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}]})
+}
+
+fn message_item(id: &str, text: &str, status: &str) -> Value {
+    let content = if status == "in_progress" {
+        json!([])
+    } else {
+        json!([{"type": "output_text", "text": text, "annotations": [], "logprobs": []}])
+    };
+    json!({"type": "message", "id": id, "status": status, "role": "assistant", "content": content})
+}
+
+fn call_item(id: &str, c: &ToolCall, arguments: &str, status: &str) -> Value {
+    json!({"type": "function_call", "id": id, "call_id": c.id, "name": c.name, "arguments": arguments,
+        "status": status})
+}
+
+/// `POST /v1/responses`.
+pub async fn handle(state: Arc<AppState>, _headers: HeaderMap, body: Bytes) -> Result<Response<Body>, ApiError> {
+    let mut req: ResponsesRequest = parse_json(&body)?;
+    let model = models::check(&state, req.model.as_deref())?;
+    if req.previous_response_id.is_some() {
+        return Err(ApiError::param(
+            "previous_response_id",
+            "previous_response_id is not supported: this server stores nothing; send the whole input",
+        ));
+    }
+    let opts = GenOptions {
+        sampling: sampling(req.temperature, req.top_p, None, None)?,
+        max_tokens: max_tokens("max_output_tokens", req.max_output_tokens)?,
+        stop: Vec::new(),
+        thinking: false,
+        tool_id_prefix: "call_",
+        raw: false,
+    };
+    let mut conv = conversation(&mut req)?;
+    state.tools.restore(&mut conv);
+    let prompt = state.codec.render(&conv).map_err(|e| ApiError::invalid(e.0))?;
+    let tokens = state.codec.encode(&prompt);
+    let gen = Generation::start(&state, tokens, GenOptions { thinking: conv.thinking, ..opts })?;
+    let env = Envelope {
+        id: new_id("resp_"),
+        created: now_unix(),
+        model,
+        max_output_tokens: req.max_output_tokens,
+        parallel_tool_calls: req.parallel_tool_calls.unwrap_or(true),
+        tool_choice: req.tool_choice.clone().unwrap_or_else(|| json!("auto")),
+    };
+    if !req.stream.unwrap_or(false) {
+        let out = gen.collect().await?;
+        let mut output = Vec::new();
+        if !out.reasoning.is_empty() {
+            output.push(reasoning_item(&new_id("rs_"), &out.reasoning, "completed"));
+        }
+        if !out.content.is_empty() || out.tool_calls.is_empty() {
+            output.push(message_item(&new_id("msg_"), &out.content, "completed"));
+        }
+        for c in &out.tool_calls {
+            output.push(call_item(&new_id("fc_"), c, &c.arguments, "completed"));
+        }
+        let status = status_of(out.finish);
+        return Ok(json_response(200, &env.object(status, &output, Some(&out.usage), Some(out.finish))));
+    }
+    let (tx, response) = sse_response();
+    tokio::spawn(async move {
+        let mut w = Writer { tx, seq: 0, output: Vec::new(), open: None };
+        let created = env.object("in_progress", &[], None, None);
+        if !w.emit("response.created", json!({"response": created})).await
+            || !w.emit("response.in_progress", json!({"response": created})).await
+        {
+            return;
+        }
+        let mut gen = gen;
+        while let Some(ev) = gen.next().await {
+            let ok = match ev {
+                Ok(GenEvent::KeepAlive) => w.tx.send(sse::comment("keep-alive")).await,
+                Ok(GenEvent::Reasoning(r)) => w.text("reasoning", &r).await,
+                Ok(GenEvent::Content(c)) => w.text("message", &c).await,
+                Ok(GenEvent::ToolCall(c)) => w.call(&c).await,
+                Err(e) => {
+                    let _ = w.close_open().await;
+                    let mut failed = env.object("failed", &w.output, Some(&gen.usage()), None);
+                    failed["error"] = json!({"code": "server_error", "message": e.message});
+                    let _ = w.emit("response.failed", json!({"response": failed})).await;
+                    return;
+                }
+            };
+            if !ok {
+                return;
+            }
+        }
+        if !w.close_open().await {
+            return;
+        }
+        let finish = gen.finish();
+        let status = status_of(finish);
+        let done = env.object(status, &w.output, Some(&gen.usage()), Some(finish));
+        let _ = w.emit(&format!("response.{status}"), json!({"response": done})).await;
+    });
+    Ok(response)
+}
+
+/// The streaming state: sequence numbers, finished output items, the open text item.
+struct Writer {
+    tx: sse::SseSender,
+    seq: u64,
+    output: Vec<Value>,
+    /// (kind "reasoning"/"message", item id, text so far).
+    open: Option<(&'static str, String, String)>,
+}
+
+impl Writer {
+    async fn emit(&mut self, kind: &str, mut data: Value) -> bool {
+        data["type"] = json!(kind);
+        data["sequence_number"] = json!(self.seq);
+        self.seq += 1;
+        self.tx.send(sse::event(kind, &data)).await
+    }
+
+    /// Append text to an open item of `kind`, opening one (and closing another) as needed.
+    async fn text(&mut self, kind: &'static str, delta: &str) -> bool {
+        if self.open.as_ref().map(|o| o.0) != Some(kind) {
+            if !self.close_open().await {
+                return false;
+            }
+            let (prefix, item) = if kind == "reasoning" { ("rs_", "reasoning") } else { ("msg_", "message") };
+            let id = new_id(prefix);
+            let out_index = self.output.len();
+            let added = if item == "reasoning" {
+                json!({"type": "reasoning", "id": id, "status": "in_progress", "summary": [], "content": []})
+            } else {
+                message_item(&id, "", "in_progress")
+            };
+            if !self.emit("response.output_item.added", json!({"output_index": out_index, "item": added})).await {
+                return false;
+            }
+            let part = if kind == "reasoning" {
+                json!({"type": "reasoning_text", "text": ""})
+            } else {
+                json!({"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+            };
+            let ev = json!({"item_id": id, "output_index": out_index, "content_index": 0, "part": part});
+            if !self.emit("response.content_part.added", ev).await {
+                return false;
+            }
+            self.open = Some((kind, id, String::new()));
+        }
+        let out_index = self.output.len();
+        let (_, id, text) = self.open.as_mut().expect("opened above");
+        text.push_str(delta);
+        let id = id.clone();
+        let name = if kind == "reasoning" { "response.reasoning_text.delta" } else { "response.output_text.delta" };
+        let mut ev = json!({"item_id": id, "output_index": out_index, "content_index": 0, "delta": delta});
+        if kind == "message" {
+            ev["logprobs"] = json!([]);
+        }
+        self.emit(name, ev).await
+    }
+
+    async fn close_open(&mut self) -> bool {
+        let Some((kind, id, text)) = self.open.take() else { return true };
+        let out_index = self.output.len();
+        let (done_name, part, item) = if kind == "reasoning" {
+            (
+                "response.reasoning_text.done",
+                json!({"type": "reasoning_text", "text": text}),
+                reasoning_item(&id, &text, "completed"),
+            )
+        } else {
+            (
+                "response.output_text.done",
+                json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []}),
+                message_item(&id, &text, "completed"),
+            )
+        };
+        let base = json!({"item_id": id, "output_index": out_index, "content_index": 0});
+        let mut done = base.clone();
+        done["text"] = json!(text);
+        if kind == "message" {
+            done["logprobs"] = json!([]);
+        }
+        let mut part_done = base;
+        part_done["part"] = part;
+        let ok = self.emit(done_name, done).await
+            && self.emit("response.content_part.done", part_done).await
+            && self.emit("response.output_item.done", json!({"output_index": out_index, "item": item})).await;
+        self.output.push(item);
+        ok
+    }
+
+    async fn call(&mut self, c: &ToolCall) -> bool {
+        if !self.close_open().await {
+            return false;
+        }
+        let id = new_id("fc_");
+        let i = self.output.len();
+        let done_item = call_item(&id, c, &c.arguments, "completed");
+        let ok = self
+            .emit(
+                "response.output_item.added",
+                json!({"output_index": i, "item": call_item(&id, c, "", "in_progress")}),
+            )
+            .await
+            && self
+                .emit(
+                    "response.function_call_arguments.delta",
+                    json!({"item_id": id, "output_index": i,
+                    "delta": c.arguments}),
+                )
+                .await
+            && self
+                .emit(
+                    "response.function_call_arguments.done",
+                    json!({"item_id": id, "output_index": i,
+                    "name": c.name, "arguments": c.arguments}),
+                )
+                .await
+            && self.emit("response.output_item.done", json!({"output_index": i, "item": done_item})).await;
+        self.output.push(done_item);
+        ok
+    }
+}

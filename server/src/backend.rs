@@ -1,0 +1,163 @@
+//! The seam between the HTTP/API layers and the model.
+//!
+//! Two traits split the work by thread:
+//! - [`Runner`] is the model itself: a table of sessions, `feed` tokens into one, `step` once over all of them
+//!   (continuous batching), read a session's `logits`. Exactly one thread (the scheduler) owns it, so it is `Send` but
+//!   never shared.
+//! - [`Codec`] is text in / text out: chat rendering, tokenizing, streaming detokenizing and parsing the completion
+//!   into reasoning / content / tool calls. Request handlers use it concurrently (`Send + Sync`).
+//!
+//! [`Conversation`] is the one API-neutral chat shape every API layer converts into; the codec renders it to the
+//! prompt text. Invariant: rendering is a pure function of the conversation, so a history that is sent back
+//! unchanged renders to the same bytes (the basis of prefix reuse).
+//!
+//! The deterministic fake used by tests lives in [`crate::fake`]; the real engine adapter in [`crate::engine`].
+
+use serde_json::Value;
+
+/// Engine-side session handle (an index into the engine's session table).
+pub type SessionId = u64;
+
+/// An error from the model side, already phrased for a human.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BackendError(pub String);
+
+impl std::fmt::Display for BackendError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for BackendError {}
+
+/// Bytes of KV state held per storage tier, for `/metrics`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct KvBytes {
+    pub device: u64,
+    pub host: u64,
+    pub disk: u64,
+}
+
+/// The model, owned by the scheduler thread.
+pub trait Runner: Send {
+    /// Number of logits per position.
+    fn vocab_size(&self) -> usize;
+    /// Allocate an empty session.
+    fn create_session(&mut self) -> Result<SessionId, BackendError>;
+    /// Release a session and its KV state. Unknown ids are ignored.
+    fn free_session(&mut self, session: SessionId);
+    /// Drop every token after the first `len` of `session`. Returns `false` when the runner cannot roll back (the
+    /// caller then starts a fresh session instead).
+    fn truncate(&mut self, session: SessionId, len: usize) -> bool;
+    /// Queue tokens for the next [`Runner::step`].
+    fn feed(&mut self, session: SessionId, tokens: &[u32]) -> Result<(), BackendError>;
+    /// Run one tick: every session's queued tokens go through the model together.
+    fn step(&mut self) -> Result<(), BackendError>;
+    /// Logits after the last token fed to `session`, once a step has processed it.
+    fn logits(&self, session: SessionId) -> Option<&[f32]>;
+    /// KV bytes per tier.
+    fn kv_bytes(&self) -> KvBytes {
+        KvBytes::default()
+    }
+}
+
+/// Who said a message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    System,
+    User,
+    Assistant,
+    Tool,
+}
+
+/// One tool call, as produced by the model or echoed back by a client.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ToolCall {
+    pub id: String,
+    pub name: String,
+    /// JSON text of the arguments, byte-exact as the model produced it when known.
+    pub arguments: String,
+}
+
+/// One chat message in API-neutral form.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Message {
+    pub role: Role,
+    pub content: String,
+    /// Reasoning text of an assistant turn (empty when none).
+    pub reasoning: String,
+    pub tool_calls: Vec<ToolCall>,
+    /// For `Role::Tool`: the call this result answers.
+    pub tool_call_id: Option<String>,
+}
+
+impl Message {
+    pub fn new(role: Role, content: impl Into<String>) -> Self {
+        Message { role, content: content.into(), reasoning: String::new(), tool_calls: Vec::new(), tool_call_id: None }
+    }
+}
+
+/// A function tool offered to the model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolSpec {
+    pub name: String,
+    pub description: String,
+    /// JSON Schema of the arguments (any keywords; passed through).
+    pub parameters: Value,
+}
+
+/// A whole chat request in API-neutral form.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Conversation {
+    pub messages: Vec<Message>,
+    pub tools: Vec<ToolSpec>,
+    /// Think before answering (the prompt opens a reasoning block).
+    pub thinking: bool,
+}
+
+/// What the output parser recognised in the completion text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Parsed {
+    Reasoning(String),
+    Content(String),
+    /// A complete tool call (arguments as JSON text). The id is assigned later by the server.
+    ToolCall {
+        name: String,
+        arguments: String,
+    },
+}
+
+/// Incremental detokenizer: token ids in, complete UTF-8 text out.
+pub trait TokenDecoder: Send {
+    fn push(&mut self, token: u32) -> String;
+    /// Whatever is still buffered (lossy at a cut UTF-8 sequence).
+    fn finish(&mut self) -> String;
+}
+
+/// Streaming completion parser: text in, events out.
+pub trait OutputParser: Send {
+    fn push(&mut self, text: &str) -> Vec<Parsed>;
+    fn finish(&mut self) -> Vec<Parsed>;
+}
+
+/// Text side of the model, shared by all request handlers.
+pub trait Codec: Send + Sync {
+    /// Render a conversation to the prompt text, ending where the assistant's reply starts.
+    fn render(&self, conv: &Conversation) -> Result<String, BackendError>;
+    fn encode(&self, text: &str) -> Vec<u32>;
+    fn decoder(&self) -> Box<dyn TokenDecoder>;
+    /// A parser for a completion that starts inside a reasoning block when `thinking` is set.
+    fn parser(&self, thinking: bool) -> Box<dyn OutputParser>;
+    /// Tokens that end a completion.
+    fn eos_tokens(&self) -> Vec<u32>;
+}
+
+/// Static facts about the loaded model.
+#[derive(Debug, Clone)]
+pub struct ModelInfo {
+    /// The id reported by `/v1/models` (requests may name any model; see `api::models`).
+    pub id: String,
+    pub context_size: usize,
+    /// True for the built-in demo/fake model (said at startup and in `/v1/models`).
+    pub demo: bool,
+}

@@ -1,0 +1,297 @@
+//! API-neutral generation: prompt tokens in, a stream of [`GenEvent`]s out, plus usage and the finish reason.
+//!
+//! [`Generation::start`] checks the context, submits a scheduler job (503 when the queue is full) and returns at once;
+//! [`Generation::next`] yields reasoning / content deltas and complete tool calls (with server-made ids, remembered in
+//! [`crate::toolmem`]), and `KeepAlive` whenever nothing happened for `Limits::keepalive` (SSE writers turn it into
+//! a comment; this is also how a vanished client is noticed during a long prefill). Stop strings cut the content
+//! and cancel the job. Dropping a `Generation` cancels its job.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rand::Rng;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+use crate::api::errors::ApiError;
+use crate::backend::{OutputParser, Parsed, TokenDecoder, ToolCall};
+use crate::fake::partial_marker_len;
+use crate::sampling::SamplingParams;
+use crate::scheduler::{Job, JobEvent, StopReason, SubmitError};
+use crate::state::AppState;
+
+/// What the generation produced next.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GenEvent {
+    Reasoning(String),
+    Content(String),
+    ToolCall(ToolCall),
+    /// Nothing for a while (send a keep-alive).
+    KeepAlive,
+}
+
+/// Why the answer ended, in API-neutral terms.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Finish {
+    #[default]
+    Stop,
+    Length,
+    ToolCalls,
+    /// A client stop string matched.
+    StopSequence,
+}
+
+/// Token counts of one request.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub cached_tokens: usize,
+    pub completion_tokens: usize,
+}
+
+/// Per-request generation options.
+#[derive(Debug, Clone)]
+pub struct GenOptions {
+    pub sampling: SamplingParams,
+    pub max_tokens: Option<usize>,
+    pub stop: Vec<String>,
+    /// The prompt opened a reasoning block.
+    pub thinking: bool,
+    /// Prefix of tool call ids (`call_`, `toolu_`).
+    pub tool_id_prefix: &'static str,
+    /// Plain text completion: no reasoning / tool-call parsing.
+    pub raw: bool,
+}
+
+impl Default for GenOptions {
+    fn default() -> Self {
+        GenOptions {
+            sampling: SamplingParams::default(),
+            max_tokens: None,
+            stop: Vec::new(),
+            thinking: false,
+            tool_id_prefix: "call_",
+            raw: false,
+        }
+    }
+}
+
+/// A random id with `prefix` and 24 hex digits.
+pub fn new_id(prefix: &str) -> String {
+    let n: u128 = rand::thread_rng().gen();
+    format!("{prefix}{:024x}", n & ((1u128 << 96) - 1))
+}
+
+/// A running generation.
+pub struct Generation {
+    state: Arc<AppState>,
+    rx: Option<UnboundedReceiver<JobEvent>>,
+    decoder: Box<dyn TokenDecoder>,
+    parser: Box<dyn OutputParser>,
+    opts: GenOptions,
+    queue: VecDeque<GenEvent>,
+    held: String,
+    reasoning: String,
+    usage: Usage,
+    finish: Option<Finish>,
+    saw_tool_call: bool,
+    keepalive: Duration,
+}
+
+impl Generation {
+    /// Submit `prompt`; fails on context overflow (400) or a full queue (503).
+    pub fn start(state: &Arc<AppState>, prompt: Vec<u32>, opts: GenOptions) -> Result<Self, ApiError> {
+        let ctx = state.info.context_size;
+        if prompt.len() >= ctx {
+            return Err(ApiError::context_overflow(prompt.len(), ctx));
+        }
+        if prompt.is_empty() {
+            return Err(ApiError::invalid("the prompt is empty"));
+        }
+        let room = ctx - prompt.len();
+        let max_tokens = opts.max_tokens.unwrap_or(state.limits.default_max_tokens).min(room).max(1);
+        let (tx, rx) = unbounded_channel();
+        let usage = Usage { prompt_tokens: prompt.len(), ..Usage::default() };
+        let job =
+            Job { prompt, sampling: opts.sampling.clone(), max_tokens, eos: state.codec.eos_tokens(), events: tx };
+        state.scheduler.submit(job).map_err(|e| match e {
+            SubmitError::QueueFull => ApiError::overloaded(1),
+            SubmitError::ShuttingDown => ApiError::new(503, "the server is shutting down"),
+        })?;
+        Ok(Generation {
+            state: state.clone(),
+            rx: Some(rx),
+            decoder: state.codec.decoder(),
+            parser: if opts.raw { Box::new(PassThrough) } else { state.codec.parser(opts.thinking) },
+            opts,
+            queue: VecDeque::new(),
+            held: String::new(),
+            reasoning: String::new(),
+            usage,
+            finish: None,
+            saw_tool_call: false,
+            keepalive: state.limits.keepalive,
+        })
+    }
+
+    /// Usage so far (complete once `next` returned `None`).
+    pub fn usage(&self) -> Usage {
+        self.usage
+    }
+
+    /// The finish reason, once `next` returned `None`.
+    pub fn finish(&self) -> Finish {
+        self.finish.unwrap_or(Finish::Stop)
+    }
+
+    /// The next event; `None` when done; an error when the model side failed.
+    pub async fn next(&mut self) -> Option<Result<GenEvent, ApiError>> {
+        loop {
+            if let Some(ev) = self.queue.pop_front() {
+                return Some(Ok(ev));
+            }
+            let rx = self.rx.as_mut()?;
+            let ev = match tokio::time::timeout(self.keepalive, rx.recv()).await {
+                Err(_) => return Some(Ok(GenEvent::KeepAlive)),
+                Ok(ev) => ev,
+            };
+            match ev {
+                Some(JobEvent::Started { prompt_tokens, cached_tokens }) => {
+                    self.usage.prompt_tokens = prompt_tokens;
+                    self.usage.cached_tokens = cached_tokens;
+                }
+                Some(JobEvent::Token(t)) => {
+                    self.usage.completion_tokens += 1;
+                    let text = self.decoder.push(t);
+                    let parsed = self.parser.push(&text);
+                    self.absorb(parsed);
+                }
+                Some(JobEvent::Done(reason)) => {
+                    if reason == StopReason::Eos {
+                        self.usage.completion_tokens += 1;
+                    }
+                    self.end(if reason == StopReason::Length { Finish::Length } else { Finish::Stop });
+                }
+                Some(JobEvent::Error(e)) => {
+                    self.rx = None;
+                    return Some(Err(ApiError::internal(e)));
+                }
+                None => {
+                    self.rx = None;
+                    return Some(Err(ApiError::internal("the scheduler stopped")));
+                }
+            }
+        }
+    }
+
+    /// Flush decoder and parser, then stop.
+    fn end(&mut self, finish: Finish) {
+        if self.rx.is_none() {
+            return;
+        }
+        let tail = self.decoder.finish();
+        let mut parsed = self.parser.push(&tail);
+        parsed.extend(self.parser.finish());
+        self.absorb(parsed);
+        if self.finish.is_none() {
+            if !self.held.is_empty() {
+                self.queue.push_back(GenEvent::Content(std::mem::take(&mut self.held)));
+            }
+            self.finish = Some(if self.saw_tool_call { Finish::ToolCalls } else { finish });
+        }
+        self.rx = None;
+    }
+
+    fn absorb(&mut self, parsed: Vec<Parsed>) {
+        for p in parsed {
+            if self.finish.is_some() {
+                return;
+            }
+            match p {
+                Parsed::Reasoning(r) => {
+                    self.reasoning.push_str(&r);
+                    self.queue.push_back(GenEvent::Reasoning(r));
+                }
+                Parsed::Content(c) => self.content(c),
+                Parsed::ToolCall { name, arguments } => {
+                    if !self.held.is_empty() {
+                        self.queue.push_back(GenEvent::Content(std::mem::take(&mut self.held)));
+                    }
+                    let id = new_id(self.opts.tool_id_prefix);
+                    self.state.tools.remember(&id, &name, &arguments, &self.reasoning);
+                    self.saw_tool_call = true;
+                    self.queue.push_back(GenEvent::ToolCall(ToolCall { id, name, arguments }));
+                }
+            }
+        }
+    }
+
+    /// Content goes through the stop-string filter.
+    fn content(&mut self, text: String) {
+        if self.opts.stop.is_empty() {
+            self.queue.push_back(GenEvent::Content(text));
+            return;
+        }
+        self.held.push_str(&text);
+        let hit = self.opts.stop.iter().filter_map(|s| self.held.find(s.as_str())).min();
+        if let Some(pos) = hit {
+            let before = self.held[..pos].to_string();
+            if !before.is_empty() {
+                self.queue.push_back(GenEvent::Content(before));
+            }
+            self.held.clear();
+            self.finish = Some(Finish::StopSequence);
+            self.rx = None; // cancels the job
+            return;
+        }
+        let keep = self.opts.stop.iter().map(|s| partial_marker_len(&self.held, s)).max().unwrap_or(0);
+        let emit = self.held[..self.held.len() - keep].to_string();
+        self.held.drain(..emit.len());
+        if !emit.is_empty() {
+            self.queue.push_back(GenEvent::Content(emit));
+        }
+    }
+
+    /// Run to the end, collecting everything (non-streaming requests).
+    pub async fn collect(mut self) -> Result<Collected, ApiError> {
+        let mut out = Collected::default();
+        while let Some(ev) = self.next().await {
+            match ev? {
+                GenEvent::Reasoning(r) => out.reasoning.push_str(&r),
+                GenEvent::Content(c) => out.content.push_str(&c),
+                GenEvent::ToolCall(c) => out.tool_calls.push(c),
+                GenEvent::KeepAlive => {}
+            }
+        }
+        out.finish = self.finish();
+        out.usage = self.usage();
+        Ok(out)
+    }
+}
+
+/// The parser of raw completions: everything is content.
+struct PassThrough;
+
+impl OutputParser for PassThrough {
+    fn push(&mut self, text: &str) -> Vec<Parsed> {
+        if text.is_empty() {
+            Vec::new()
+        } else {
+            vec![Parsed::Content(text.to_string())]
+        }
+    }
+
+    fn finish(&mut self) -> Vec<Parsed> {
+        Vec::new()
+    }
+}
+
+/// A whole answer.
+#[derive(Debug, Clone, Default)]
+pub struct Collected {
+    pub reasoning: String,
+    pub content: String,
+    pub tool_calls: Vec<ToolCall>,
+    pub finish: Finish,
+    pub usage: Usage,
+}

@@ -1,0 +1,183 @@
+//! HTTP plumbing: the accept loop with graceful shutdown, routing (on the path *without* its query string, so
+//! `/v1/messages?beta=true` works; a missing `/v1` prefix is tolerated), body size limits (413), response helpers and
+//! per-endpoint request metrics.
+//!
+//! Shutdown: when the `shutdown` future resolves, the listener stops accepting, idle keep-alive connections close,
+//! in-flight requests (streams included) run to completion up to `drain_timeout`, then [`serve`] returns.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper::header::{HeaderValue, CONTENT_TYPE, RETRY_AFTER};
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+
+use crate::api;
+use crate::api::errors::{ApiError, Flavor};
+use crate::sse::{self, SseSender};
+use crate::state::AppState;
+
+/// Every response body.
+pub type Body = BoxBody<Bytes, Infallible>;
+
+/// A JSON response.
+pub fn json_response(status: u16, value: &Value) -> Response<Body> {
+    let mut r = Response::new(Full::new(Bytes::from(value.to_string())).boxed());
+    *r.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    r
+}
+
+/// An error response in `flavor`'s shape.
+pub fn error_response(err: &ApiError, flavor: Flavor) -> Response<Body> {
+    let mut r = json_response(err.status, &err.body(flavor));
+    if let Some(s) = err.retry_after {
+        r.headers_mut().insert(RETRY_AFTER, HeaderValue::from(s));
+    }
+    r
+}
+
+/// A streaming `text/event-stream` response and the sender that feeds it.
+pub fn sse_response() -> (SseSender, Response<Body>) {
+    let (tx, body) = sse::channel();
+    let mut r = Response::new(body.boxed());
+    let h = r.headers_mut();
+    h.insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+    h.insert("cache-control", HeaderValue::from_static("no-cache"));
+    h.insert("x-accel-buffering", HeaderValue::from_static("no"));
+    (tx, r)
+}
+
+fn text_response(status: StatusCode, content_type: &'static str, text: String) -> Response<Body> {
+    let mut r = Response::new(Full::new(Bytes::from(text)).boxed());
+    *r.status_mut() = status;
+    r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    r
+}
+
+/// Read the whole body, refusing more than `limit` bytes.
+pub async fn read_body(req: Request<Incoming>, limit: usize) -> Result<Bytes, ApiError> {
+    let too_large = || ApiError::new(413, format!("request body is larger than the limit of {limit} bytes"));
+    let declared = req.headers().get(hyper::header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(too_large());
+    }
+    match Limited::new(req.into_body(), limit).collect().await {
+        Ok(c) => Ok(c.to_bytes()),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(too_large()),
+        Err(e) => Err(ApiError::invalid(format!("could not read the request body: {e}"))),
+    }
+}
+
+/// Route one request.
+pub async fn handle(state: Arc<AppState>, req: Request<Incoming>) -> Response<Body> {
+    let path = req.uri().path().to_string();
+    let route = path.strip_prefix("/v1").filter(|p| p.starts_with('/')).unwrap_or(&path).trim_end_matches('/');
+    let route = if route.is_empty() { "/" } else { route }.to_string();
+    let flavor = if route.starts_with("/messages") { Flavor::Anthropic } else { Flavor::OpenAi };
+    let method = req.method().clone();
+    let (endpoint, result) = match (route.as_str(), &method) {
+        ("/health", &Method::GET) => ("health", Ok(json_response(200, &json!({"status": "ok"})))),
+        ("/metrics", &Method::GET) => (
+            "metrics",
+            Ok(text_response(StatusCode::OK, "text/plain; version=0.0.4; charset=utf-8", state.metrics.render())),
+        ),
+        ("/models", &Method::GET) => ("models", Ok(api::models::list(&state))),
+        (p, &Method::GET) if p.starts_with("/models/") => ("models", api::models::get(&state, &p["/models/".len()..])),
+        ("/chat/completions", &Method::POST) => {
+            ("chat_completions", with_body(&state, req, api::openai_chat::handle).await)
+        }
+        ("/completions", &Method::POST) => {
+            ("completions", with_body(&state, req, api::openai_completions::handle).await)
+        }
+        ("/messages", &Method::POST) => ("messages", with_body(&state, req, api::anthropic::handle).await),
+        ("/messages/count_tokens", &Method::POST) => {
+            ("count_tokens", with_body(&state, req, api::anthropic::count_tokens).await)
+        }
+        ("/responses", &Method::POST) => ("responses", with_body(&state, req, api::responses::handle).await),
+        (
+            "/health"
+            | "/metrics"
+            | "/models"
+            | "/chat/completions"
+            | "/completions"
+            | "/messages"
+            | "/messages/count_tokens"
+            | "/responses",
+            _,
+        ) => ("other", Err(ApiError::new(405, format!("method {method} is not allowed on {path}")))),
+        _ => ("other", Err(ApiError::not_found(format!("no such endpoint: {method} {path}")))),
+    };
+    let response = result.unwrap_or_else(|e| {
+        if e.status >= 500 {
+            tracing::warn!(endpoint, status = e.status, error = %e.message, "request failed");
+        }
+        error_response(&e, flavor)
+    });
+    state.metrics.request(endpoint, response.status().as_u16());
+    response
+}
+
+/// Read the body, then call `f(state, headers, body)`.
+async fn with_body<F, Fut>(state: &Arc<AppState>, req: Request<Incoming>, f: F) -> Result<Response<Body>, ApiError>
+where
+    F: FnOnce(Arc<AppState>, hyper::HeaderMap, Bytes) -> Fut,
+    Fut: Future<Output = Result<Response<Body>, ApiError>>,
+{
+    let headers = req.headers().clone();
+    let body = read_body(req, state.limits.max_body_bytes).await?;
+    f(state.clone(), headers, body).await
+}
+
+/// Accept connections until `shutdown` resolves, then drain for at most `drain_timeout`.
+pub async fn serve(
+    listener: TcpListener,
+    state: Arc<AppState>,
+    shutdown: impl Future<Output = ()>,
+    drain_timeout: Duration,
+) {
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                let (stream, peer) = match accepted {
+                    Ok(x) => x,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                let _ = stream.set_nodelay(true);
+                let state = state.clone();
+                let service = hyper::service::service_fn(move |req| {
+                    let state = state.clone();
+                    async move { Ok::<_, Infallible>(handle(state, req).await) }
+                });
+                let conn = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), service);
+                let conn = graceful.watch(conn);
+                tokio::spawn(async move {
+                    if let Err(e) = conn.await {
+                        tracing::debug!(%peer, error = %e, "connection ended with an error");
+                    }
+                });
+            }
+            _ = &mut shutdown => break,
+        }
+    }
+    drop(listener);
+    tracing::info!(connections = graceful.count(), "shutting down: draining in-flight requests");
+    if tokio::time::timeout(drain_timeout, graceful.shutdown()).await.is_err() {
+        tracing::warn!("drain timeout: closing the remaining connections");
+    }
+}

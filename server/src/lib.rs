@@ -1,0 +1,52 @@
+//! # ds4-server
+//!
+//! OpenAI Chat Completions / Completions, Anthropic Messages and OpenAI Responses over HTTP (hyper 1 + tokio), for
+//! coding agents, many sessions at once.
+//!
+//! Layers, top to bottom:
+//! - [`http`] — accept loop, routing on the path without its query, body limits, graceful shutdown;
+//! - [`api`] — one module per wire API: parse the request into a [`backend::Conversation`], answer in that API's
+//!   exact shapes ([`sse`] formats the frames), errors in that API's JSON shape ([`api::errors`]);
+//! - [`generate`] — API-neutral generation: submit to the scheduler, detokenize, parse reasoning / content / tool
+//!   calls, stop strings, usage;
+//! - [`scheduler`] — the one thread that owns the model and runs continuous-batching ticks, with prefix reuse;
+//! - [`backend`] — the seam to the model ([`backend::Runner`] + [`backend::Codec`]); [`fake`] is the deterministic
+//!   test model.
+//!
+//! Embedding (tests do this): build an [`AppState`] with [`build_state`], bind a listener, run [`http::serve`].
+
+pub mod api;
+pub mod backend;
+pub mod cli;
+pub mod fake;
+pub mod generate;
+pub mod http;
+pub mod metrics;
+pub mod sampling;
+pub mod scheduler;
+pub mod sse;
+pub mod state;
+pub mod toolmem;
+
+use std::sync::Arc;
+
+pub use state::{AppState, Limits};
+
+use backend::{Codec, ModelInfo, Runner};
+use metrics::Metrics;
+use scheduler::{Scheduler, SchedulerConfig};
+use toolmem::ToolMemory;
+
+/// Start the scheduler on `runner` and assemble the shared state.
+pub fn build_state(
+    runner: Box<dyn Runner>,
+    codec: Arc<dyn Codec>,
+    info: ModelInfo,
+    mut config: SchedulerConfig,
+    limits: Limits,
+) -> Arc<AppState> {
+    let metrics = Arc::new(Metrics::default());
+    config.context_size = info.context_size;
+    let scheduler = Scheduler::start(runner, config, metrics.clone());
+    Arc::new(AppState { info, codec, scheduler, metrics, tools: ToolMemory::new(10_000), limits })
+}

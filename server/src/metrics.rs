@@ -1,0 +1,169 @@
+//! Prometheus text-format metrics, hand-rolled over atomics (no global registry: one [`Metrics`] per server, shared
+//! by `Arc`, so in-process tests do not see each other's counts).
+//!
+//! Names (all prefixed `ds4_`): `requests_total{endpoint,status}`, `prompt_tokens_total`, `completion_tokens_total`,
+//! `time_to_first_token_seconds` and `inter_token_latency_seconds` (histograms), `queue_depth`, `active_sessions`,
+//! `parked_sessions`, `kv_bytes{tier}`, `prefix_cache_hit_tokens_total{tier}`.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+
+const TTFT_BUCKETS: &[f64] = &[0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
+const ITL_BUCKETS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5];
+
+/// A fixed-bucket histogram.
+pub struct Histogram {
+    bounds: &'static [f64],
+    inner: Mutex<(Vec<u64>, f64, u64)>,
+}
+
+impl Histogram {
+    fn new(bounds: &'static [f64]) -> Self {
+        Histogram { bounds, inner: Mutex::new((vec![0; bounds.len()], 0.0, 0)) }
+    }
+
+    pub fn observe(&self, d: Duration) {
+        let v = d.as_secs_f64();
+        let mut g = self.inner.lock();
+        for (i, b) in self.bounds.iter().enumerate() {
+            if v <= *b {
+                g.0[i] += 1;
+            }
+        }
+        g.1 += v;
+        g.2 += 1;
+    }
+
+    fn render(&self, name: &str, help: &str, out: &mut String) {
+        let g = self.inner.lock();
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        for (i, b) in self.bounds.iter().enumerate() {
+            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {}", g.0[i]);
+        }
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}\n{name}_sum {}\n{name}_count {}", g.2, g.1, g.2);
+    }
+}
+
+/// Storage tiers reported for KV bytes and prefix-cache hits.
+#[derive(Debug, Clone, Copy)]
+pub enum Tier {
+    Device = 0,
+    Host = 1,
+    Disk = 2,
+}
+
+const TIERS: [&str; 3] = ["device", "host", "disk"];
+
+/// All server metrics.
+pub struct Metrics {
+    requests: Mutex<BTreeMap<(String, u16), u64>>,
+    pub prompt_tokens: AtomicU64,
+    pub completion_tokens: AtomicU64,
+    pub ttft: Histogram,
+    pub itl: Histogram,
+    pub queue_depth: AtomicU64,
+    pub active_sessions: AtomicU64,
+    pub parked_sessions: AtomicU64,
+    kv_bytes: [AtomicU64; 3],
+    prefix_hits: [AtomicU64; 3],
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics {
+            requests: Mutex::new(BTreeMap::new()),
+            prompt_tokens: AtomicU64::new(0),
+            completion_tokens: AtomicU64::new(0),
+            ttft: Histogram::new(TTFT_BUCKETS),
+            itl: Histogram::new(ITL_BUCKETS),
+            queue_depth: AtomicU64::new(0),
+            active_sessions: AtomicU64::new(0),
+            parked_sessions: AtomicU64::new(0),
+            kv_bytes: Default::default(),
+            prefix_hits: Default::default(),
+        }
+    }
+}
+
+impl Metrics {
+    /// Count one finished request (`endpoint` is a route name, never raw client input).
+    pub fn request(&self, endpoint: &str, status: u16) {
+        *self.requests.lock().entry((endpoint.to_string(), status)).or_insert(0) += 1;
+    }
+
+    pub fn set_kv_bytes(&self, tier: Tier, bytes: u64) {
+        self.kv_bytes[tier as usize].store(bytes, Ordering::Relaxed);
+    }
+
+    pub fn add_prefix_hit(&self, tier: Tier, tokens: u64) {
+        self.prefix_hits[tier as usize].fetch_add(tokens, Ordering::Relaxed);
+    }
+
+    /// Prompt tokens served from `tier` so far.
+    pub fn prefix_hit_tokens(&self, tier: Tier) -> u64 {
+        load(&self.prefix_hits[tier as usize])
+    }
+
+    /// The Prometheus text exposition.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        out.push_str("# HELP ds4_requests_total HTTP requests by endpoint and status.\n");
+        out.push_str("# TYPE ds4_requests_total counter\n");
+        for ((ep, st), n) in self.requests.lock().iter() {
+            let _ = writeln!(out, "ds4_requests_total{{endpoint=\"{ep}\",status=\"{st}\"}} {n}");
+        }
+        let counter = |out: &mut String, name: &str, help: &str, v: u64| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
+        };
+        let gauge = |out: &mut String, name: &str, help: &str, v: u64| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
+        };
+        counter(&mut out, "ds4_prompt_tokens_total", "Prompt tokens of admitted requests.", load(&self.prompt_tokens));
+        counter(&mut out, "ds4_completion_tokens_total", "Generated tokens.", load(&self.completion_tokens));
+        self.ttft.render("ds4_time_to_first_token_seconds", "Submit to first generated token.", &mut out);
+        self.itl.render("ds4_inter_token_latency_seconds", "Time between generated tokens.", &mut out);
+        gauge(&mut out, "ds4_queue_depth", "Requests waiting for a session slot.", load(&self.queue_depth));
+        gauge(&mut out, "ds4_active_sessions", "Sessions generating now.", load(&self.active_sessions));
+        gauge(&mut out, "ds4_parked_sessions", "Idle sessions kept for prefix reuse.", load(&self.parked_sessions));
+        out.push_str("# HELP ds4_kv_bytes KV cache bytes by tier.\n# TYPE ds4_kv_bytes gauge\n");
+        for (i, t) in TIERS.iter().enumerate() {
+            let _ = writeln!(out, "ds4_kv_bytes{{tier=\"{t}\"}} {}", load(&self.kv_bytes[i]));
+        }
+        out.push_str("# HELP ds4_prefix_cache_hit_tokens_total Prompt tokens served from cache, by tier.\n");
+        out.push_str("# TYPE ds4_prefix_cache_hit_tokens_total counter\n");
+        for (i, t) in TIERS.iter().enumerate() {
+            let _ = writeln!(out, "ds4_prefix_cache_hit_tokens_total{{tier=\"{t}\"}} {}", load(&self.prefix_hits[i]));
+        }
+        out
+    }
+}
+
+fn load(a: &AtomicU64) -> u64 {
+    a.load(Ordering::Relaxed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_counts_and_histograms() {
+        let m = Metrics::default();
+        m.request("chat", 200);
+        m.request("chat", 200);
+        m.request("messages", 400);
+        m.ttft.observe(Duration::from_millis(30));
+        m.add_prefix_hit(Tier::Host, 12);
+        let text = m.render();
+        assert!(text.contains("ds4_requests_total{endpoint=\"chat\",status=\"200\"} 2\n"));
+        assert!(text.contains("ds4_requests_total{endpoint=\"messages\",status=\"400\"} 1\n"));
+        assert!(text.contains("ds4_time_to_first_token_seconds_bucket{le=\"0.025\"} 0\n"));
+        assert!(text.contains("ds4_time_to_first_token_seconds_bucket{le=\"0.05\"} 1\n"));
+        assert!(text.contains("ds4_time_to_first_token_seconds_count 1\n"));
+        assert!(text.contains("ds4_prefix_cache_hit_tokens_total{tier=\"host\"} 12\n"));
+    }
+}

@@ -1,0 +1,546 @@
+//! The scheduler thread: the only owner of the [`Runner`]. Requests reach it as [`Job`]s over a channel and get
+//! [`JobEvent`]s back over a per-job tokio channel.
+//!
+//! Each tick: admit waiting jobs (up to `max_active`), drop jobs whose receiver is gone (client disconnected), feed
+//! every decoding session its last sampled token plus at most `prefill_chunk` prompt tokens in total to the sessions
+//! still prefilling (so decoders keep flowing during a long prefill), run one `Runner::step`, then sample for every
+//! session whose prompt is complete.
+//!
+//! Prefix reuse: a finished (or cancelled) job's session is *parked* with exactly the tokens it has processed. A new
+//! job takes the parked session with the longest common token prefix, truncating it when the runner supports it, and
+//! feeds only the rest. At least one prompt token is always fed so there are fresh logits. Parked sessions are evicted
+//! least-recently-used beyond `max_parked`, or when the runner's session table is full.
+//!
+//! Invariants: a job receives exactly one `Started` (or `Error`) first, then `Token`s, then exactly one `Done` or
+//! `Error`. A panic inside the runner fails the jobs of that tick and frees their sessions; it does not kill the
+//! thread.
+
+use std::collections::VecDeque;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use crossbeam::channel::{self, Receiver, Sender, TryRecvError};
+use parking_lot::Mutex;
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::backend::{Runner, SessionId};
+use crate::metrics::{Metrics, Tier};
+use crate::sampling::{Sampler, SamplingParams};
+
+/// Why generation stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopReason {
+    /// The model produced an end-of-sequence token.
+    Eos,
+    /// `max_tokens` or the context size was reached.
+    Length,
+}
+
+/// Messages from the scheduler to one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum JobEvent {
+    /// Admitted: `cached_tokens` of the prompt were reused from a parked session.
+    Started {
+        prompt_tokens: usize,
+        cached_tokens: usize,
+    },
+    Token(u32),
+    Done(StopReason),
+    Error(String),
+}
+
+/// One generation request.
+pub struct Job {
+    pub prompt: Vec<u32>,
+    pub sampling: SamplingParams,
+    /// Generated tokens at most (the EOS token counts).
+    pub max_tokens: usize,
+    /// Token ids that end generation (not emitted).
+    pub eos: Vec<u32>,
+    pub events: UnboundedSender<JobEvent>,
+}
+
+/// Tunables.
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    pub max_active: usize,
+    pub max_queue: usize,
+    pub prefill_chunk: usize,
+    pub max_parked: usize,
+    pub context_size: usize,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        SchedulerConfig { max_active: 32, max_queue: 256, prefill_chunk: 512, max_parked: 16, context_size: 4096 }
+    }
+}
+
+/// Why a job was not accepted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SubmitError {
+    QueueFull,
+    ShuttingDown,
+}
+
+enum Msg {
+    Job(Job, Instant),
+    Shutdown,
+}
+
+/// The handle request handlers use. Cloneable, cheap.
+#[derive(Clone)]
+pub struct Scheduler {
+    tx: Sender<Msg>,
+    queued: Arc<AtomicUsize>,
+    max_queue: usize,
+    thread: Arc<Mutex<Option<JoinHandle<()>>>>,
+}
+
+impl Scheduler {
+    /// Start the scheduler thread owning `runner`.
+    pub fn start(runner: Box<dyn Runner>, config: SchedulerConfig, metrics: Arc<Metrics>) -> Self {
+        let (tx, rx) = channel::unbounded();
+        let queued = Arc::new(AtomicUsize::new(0));
+        let max_queue = config.max_queue;
+        let mut worker = Worker {
+            runner,
+            config,
+            metrics,
+            queued: queued.clone(),
+            waiting: VecDeque::new(),
+            active: Vec::new(),
+            parked: Vec::new(),
+            clock: 0,
+        };
+        let thread = std::thread::Builder::new()
+            .name("ds4-scheduler".into())
+            .spawn(move || worker.run(rx))
+            .expect("spawning the scheduler thread");
+        Scheduler { tx, queued, max_queue, thread: Arc::new(Mutex::new(Some(thread))) }
+    }
+
+    /// Queue a job; fails at once when `max_queue` jobs are already waiting.
+    pub fn submit(&self, job: Job) -> Result<(), SubmitError> {
+        if self.queued.fetch_add(1, Ordering::SeqCst) >= self.max_queue {
+            self.queued.fetch_sub(1, Ordering::SeqCst);
+            return Err(SubmitError::QueueFull);
+        }
+        self.tx.send(Msg::Job(job, Instant::now())).map_err(|_| {
+            self.queued.fetch_sub(1, Ordering::SeqCst);
+            SubmitError::ShuttingDown
+        })
+    }
+
+    /// Jobs submitted but not yet admitted.
+    pub fn queue_depth(&self) -> usize {
+        self.queued.load(Ordering::SeqCst)
+    }
+
+    /// Stop the thread after failing what is still queued or running, and wait for it.
+    pub fn shutdown(&self) {
+        let _ = self.tx.send(Msg::Shutdown);
+        if let Some(t) = self.thread.lock().take() {
+            let _ = t.join();
+        }
+    }
+}
+
+struct Active {
+    job: Job,
+    session: SessionId,
+    /// Prompt + generated tokens; `tokens[..fed]` have been fed to the runner.
+    tokens: Vec<u32>,
+    fed: usize,
+    prompt_len: usize,
+    generated: usize,
+    sampler: Sampler,
+    submitted: Instant,
+    last_token: Option<Instant>,
+}
+
+struct Parked {
+    session: SessionId,
+    tokens: Vec<u32>,
+    last_used: u64,
+}
+
+struct Worker {
+    runner: Box<dyn Runner>,
+    config: SchedulerConfig,
+    metrics: Arc<Metrics>,
+    queued: Arc<AtomicUsize>,
+    waiting: VecDeque<(Job, Instant)>,
+    active: Vec<Active>,
+    parked: Vec<Parked>,
+    clock: u64,
+}
+
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+impl Worker {
+    fn run(&mut self, rx: Receiver<Msg>) {
+        loop {
+            let idle = self.active.is_empty() && self.waiting.is_empty();
+            let msg = if idle {
+                match rx.recv() {
+                    Ok(m) => Some(m),
+                    Err(_) => break,
+                }
+            } else {
+                match rx.try_recv() {
+                    Ok(m) => Some(m),
+                    Err(TryRecvError::Empty) => None,
+                    Err(TryRecvError::Disconnected) => break,
+                }
+            };
+            match msg {
+                Some(Msg::Job(job, at)) => {
+                    self.waiting.push_back((job, at));
+                    continue; // drain everything that is already queued before ticking
+                }
+                Some(Msg::Shutdown) => break,
+                None => {}
+            }
+            self.admit();
+            self.tick();
+            self.publish();
+        }
+        for (job, _) in self.waiting.drain(..) {
+            self.queued.fetch_sub(1, Ordering::SeqCst);
+            let _ = job.events.send(JobEvent::Error("server is shutting down".into()));
+        }
+        for a in std::mem::take(&mut self.active) {
+            let _ = a.job.events.send(JobEvent::Error("server is shutting down".into()));
+            self.runner.free_session(a.session);
+        }
+        for p in std::mem::take(&mut self.parked) {
+            self.runner.free_session(p.session);
+        }
+        self.publish();
+    }
+
+    fn publish(&self) {
+        let m = &self.metrics;
+        m.queue_depth.store(self.queued.load(Ordering::SeqCst) as u64, Ordering::Relaxed);
+        m.active_sessions.store(self.active.len() as u64, Ordering::Relaxed);
+        m.parked_sessions.store(self.parked.len() as u64, Ordering::Relaxed);
+        let kv = self.runner.kv_bytes();
+        m.set_kv_bytes(Tier::Device, kv.device);
+        m.set_kv_bytes(Tier::Host, kv.host);
+        m.set_kv_bytes(Tier::Disk, kv.disk);
+    }
+
+    /// Move waiting jobs into the active set while there is room.
+    fn admit(&mut self) {
+        while self.active.len() < self.config.max_active {
+            let Some((job, submitted)) = self.waiting.pop_front() else { break };
+            self.queued.fetch_sub(1, Ordering::SeqCst);
+            if job.events.is_closed() {
+                continue;
+            }
+            if job.prompt.is_empty() || job.prompt.len() >= self.config.context_size {
+                let msg = format!(
+                    "prompt is {} tokens; it must be between 1 and {} (context size {})",
+                    job.prompt.len(),
+                    self.config.context_size.saturating_sub(1),
+                    self.config.context_size
+                );
+                let _ = job.events.send(JobEvent::Error(msg));
+                continue;
+            }
+            let (session, cached) = match self.acquire(&job.prompt) {
+                Ok(x) => x,
+                Err(e) => {
+                    let _ = job.events.send(JobEvent::Error(e));
+                    continue;
+                }
+            };
+            let prompt_len = job.prompt.len();
+            self.metrics.prompt_tokens.fetch_add(prompt_len as u64, Ordering::Relaxed);
+            if cached > 0 {
+                self.metrics.add_prefix_hit(Tier::Host, cached as u64);
+            }
+            let _ = job.events.send(JobEvent::Started { prompt_tokens: prompt_len, cached_tokens: cached });
+            tracing::debug!(session, prompt_len, cached, "admitted");
+            self.active.push(Active {
+                tokens: job.prompt.clone(),
+                sampler: Sampler::new(job.sampling.clone()),
+                job,
+                session,
+                fed: cached,
+                prompt_len,
+                generated: 0,
+                submitted,
+                last_token: None,
+            });
+        }
+    }
+
+    /// A session for `prompt`: the parked one sharing the longest prefix, else a fresh one. Returns the tokens reused.
+    fn acquire(&mut self, prompt: &[u32]) -> Result<(SessionId, usize), String> {
+        let best = self
+            .parked
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (i, common_prefix(&p.tokens, prompt).min(prompt.len() - 1)))
+            .filter(|&(_, n)| n > 0)
+            .max_by_key(|&(i, n)| (n, self.parked[i].last_used));
+        if let Some((i, n)) = best {
+            let p = self.parked.swap_remove(i);
+            if n == p.tokens.len() || self.runner.truncate(p.session, n) {
+                return Ok((p.session, n));
+            }
+            self.runner.free_session(p.session);
+        }
+        loop {
+            match self.runner.create_session() {
+                Ok(s) => return Ok((s, 0)),
+                Err(e) => {
+                    let Some(lru) = self.parked.iter().enumerate().min_by_key(|(_, p)| p.last_used).map(|(i, _)| i)
+                    else {
+                        return Err(format!("cannot create a session: {e}"));
+                    };
+                    let p = self.parked.swap_remove(lru);
+                    self.runner.free_session(p.session);
+                }
+            }
+        }
+    }
+
+    fn park(&mut self, session: SessionId, mut tokens: Vec<u32>) {
+        self.clock += 1;
+        tokens.shrink_to_fit();
+        self.parked.push(Parked { session, tokens, last_used: self.clock });
+        while self.parked.len() > self.config.max_parked {
+            let lru = self.parked.iter().enumerate().min_by_key(|(_, p)| p.last_used).map(|(i, _)| i).unwrap_or(0);
+            let p = self.parked.swap_remove(lru);
+            self.runner.free_session(p.session);
+        }
+    }
+
+    /// Finish the job at `idx`: park its session with the tokens the runner has processed.
+    fn retire(&mut self, idx: usize, event: Option<JobEvent>) {
+        let a = self.active.swap_remove(idx);
+        if let Some(ev) = event {
+            let _ = a.job.events.send(ev);
+        }
+        let mut tokens = a.tokens;
+        tokens.truncate(a.fed);
+        self.park(a.session, tokens);
+    }
+
+    fn tick(&mut self) {
+        // Cancelled requests free their slot first.
+        let mut i = 0;
+        while i < self.active.len() {
+            if self.active[i].job.events.is_closed() {
+                tracing::debug!(session = self.active[i].session, "client went away; cancelling");
+                self.retire(i, None);
+            } else {
+                i += 1;
+            }
+        }
+        let mut budget = self.config.prefill_chunk.max(1);
+        let mut sample_now = Vec::new();
+        let mut failed = Vec::new();
+        for (i, a) in self.active.iter_mut().enumerate() {
+            let remaining = a.tokens.len() - a.fed;
+            let n = if a.fed >= a.prompt_len {
+                remaining // a decode token (exactly one)
+            } else {
+                let n = remaining.min(budget);
+                budget -= n;
+                n
+            };
+            if n == 0 {
+                continue;
+            }
+            if let Err(e) = self.runner.feed(a.session, &a.tokens[a.fed..a.fed + n]) {
+                failed.push((i, e.0));
+                continue;
+            }
+            a.fed += n;
+            if a.fed == a.tokens.len() {
+                sample_now.push(i);
+            }
+        }
+        if !sample_now.is_empty() || !failed.is_empty() {
+            let stepped = catch_unwind(AssertUnwindSafe(|| self.runner.step()));
+            let err = match stepped {
+                Ok(Ok(())) => None,
+                Ok(Err(e)) => Some(e.0),
+                Err(_) => Some("the model panicked during a step".to_string()),
+            };
+            if let Some(e) = err {
+                tracing::error!(error = %e, "step failed; failing the active requests");
+                for a in std::mem::take(&mut self.active) {
+                    let _ = a.job.events.send(JobEvent::Error(format!("model step failed: {e}")));
+                    self.runner.free_session(a.session);
+                }
+                return;
+            }
+        }
+        let mut finished: Vec<(usize, JobEvent)> = failed.into_iter().map(|(i, e)| (i, JobEvent::Error(e))).collect();
+        for i in sample_now {
+            let a = &mut self.active[i];
+            let Some(logits) = self.runner.logits(a.session) else {
+                finished.push((i, JobEvent::Error("the model returned no logits".into())));
+                continue;
+            };
+            let token = a.sampler.sample(logits);
+            let now = Instant::now();
+            match a.last_token {
+                None => self.metrics.ttft.observe(now - a.submitted),
+                Some(t) => self.metrics.itl.observe(now - t),
+            }
+            a.last_token = Some(now);
+            a.generated += 1;
+            self.metrics.completion_tokens.fetch_add(1, Ordering::Relaxed);
+            if a.job.eos.contains(&token) {
+                finished.push((i, JobEvent::Done(StopReason::Eos)));
+                continue;
+            }
+            let _ = a.job.events.send(JobEvent::Token(token));
+            a.tokens.push(token);
+            if a.generated >= a.job.max_tokens || a.tokens.len() >= self.config.context_size {
+                finished.push((i, JobEvent::Done(StopReason::Length)));
+            }
+        }
+        // Retire from the highest index down so swap_remove keeps the lower indices valid.
+        finished.sort_by(|a, b| b.0.cmp(&a.0));
+        for (i, ev) in finished {
+            self.retire(i, Some(ev));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::Codec;
+    use crate::fake::{FakeCodec, FakeRunner, EOS};
+    use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+    fn job(prompt: Vec<u32>, max_tokens: usize) -> (Job, UnboundedReceiver<JobEvent>) {
+        let (tx, rx) = unbounded_channel();
+        let sampling = SamplingParams { temperature: 0.0, ..Default::default() };
+        (Job { prompt, sampling, max_tokens, eos: vec![EOS], events: tx }, rx)
+    }
+
+    fn collect(rx: &mut UnboundedReceiver<JobEvent>) -> (Vec<JobEvent>, String) {
+        let mut events = Vec::new();
+        let mut text = Vec::new();
+        while let Some(ev) = rx.blocking_recv() {
+            let last = matches!(ev, JobEvent::Done(_) | JobEvent::Error(_));
+            if let JobEvent::Token(t) = ev {
+                text.push(t as u8);
+            }
+            events.push(ev);
+            if last {
+                break;
+            }
+        }
+        (events, String::from_utf8_lossy(&text).into_owned())
+    }
+
+    fn prompt(user: &str) -> Vec<u32> {
+        FakeCodec.encode(&format!("<|user|>{user}\n<|assistant|>"))
+    }
+
+    #[test]
+    fn generates_and_reuses_the_prefix() {
+        let metrics = Arc::new(Metrics::default());
+        let config = SchedulerConfig { prefill_chunk: 7, ..Default::default() };
+        let s = Scheduler::start(Box::new(FakeRunner::new(8)), config, metrics.clone());
+        let p1 = prompt("hello");
+        let (j, mut rx) = job(p1.clone(), 100);
+        s.submit(j).unwrap();
+        let (ev, text) = collect(&mut rx);
+        assert_eq!(text, "Hello! You said: hello.");
+        assert_eq!(ev[0], JobEvent::Started { prompt_tokens: p1.len(), cached_tokens: 0 });
+        assert_eq!(ev.last().unwrap(), &JobEvent::Done(StopReason::Eos));
+        // The follow-up carries the whole history: everything before its new turn comes from the parked session.
+        let mut p2 = p1.clone();
+        p2.extend(FakeCodec.encode("Hello! You said: hello.<|end|>\n<|user|>again\n<|assistant|>"));
+        let (j, mut rx) = job(p2.clone(), 100);
+        s.submit(j).unwrap();
+        let (ev, text) = collect(&mut rx);
+        assert_eq!(text, "Hello! You said: again.");
+        let hello_len = p1.len() + "Hello! You said: hello.".len();
+        assert_eq!(ev[0], JobEvent::Started { prompt_tokens: p2.len(), cached_tokens: hello_len });
+        assert_eq!(metrics.prefix_hit_tokens(Tier::Host), hello_len as u64);
+        s.shutdown();
+    }
+
+    #[test]
+    fn max_tokens_and_context_limits() {
+        let config = SchedulerConfig { context_size: 40, ..Default::default() };
+        let s = Scheduler::start(Box::new(FakeRunner::new(8)), config, Arc::new(Metrics::default()));
+        let (j, mut rx) = job(prompt("hello"), 3);
+        s.submit(j).unwrap();
+        let (ev, text) = collect(&mut rx);
+        assert_eq!(text, "Hel");
+        assert_eq!(ev.last().unwrap(), &JobEvent::Done(StopReason::Length));
+        let (j, mut rx) = job(prompt(&"x".repeat(50)), 3);
+        s.submit(j).unwrap();
+        let (ev, _) = collect(&mut rx);
+        assert!(matches!(&ev[0], JobEvent::Error(m) if m.contains("context size 40")), "{ev:?}");
+        let (j, mut rx) = job(prompt("a long answer"), 1000);
+        s.submit(j).unwrap();
+        let (ev, text) = collect(&mut rx);
+        assert_eq!(ev.last().unwrap(), &JobEvent::Done(StopReason::Length));
+        assert_eq!(text.len() + prompt("a long answer").len(), 40);
+        s.shutdown();
+    }
+
+    #[test]
+    fn concurrent_jobs_match_solo_runs_and_queue_bounds() {
+        let config = SchedulerConfig { max_active: 3, max_queue: 64, prefill_chunk: 5, ..Default::default() };
+        let s = Scheduler::start(Box::new(FakeRunner::new(32)), config, Arc::new(Metrics::default()));
+        let mut rxs = Vec::new();
+        for i in 0..10 {
+            let (j, rx) = job(prompt(&format!("number {i}")), 100);
+            s.submit(j).unwrap();
+            rxs.push((i, rx));
+        }
+        for (i, mut rx) in rxs {
+            assert_eq!(collect(&mut rx).1, format!("Hello! You said: number {i}."));
+        }
+        s.shutdown();
+        let (j, _rx) = job(prompt("late"), 5);
+        assert_eq!(s.submit(j), Err(SubmitError::ShuttingDown));
+
+        let config = SchedulerConfig { max_queue: 0, ..Default::default() };
+        let s = Scheduler::start(Box::new(FakeRunner::new(4)), config, Arc::new(Metrics::default()));
+        let (j, _rx) = job(prompt("x"), 5);
+        assert_eq!(s.submit(j), Err(SubmitError::QueueFull));
+        s.shutdown();
+    }
+
+    #[test]
+    fn a_dropped_receiver_cancels_and_frees_the_slot() {
+        let config = SchedulerConfig { max_active: 1, ..Default::default() };
+        let runner = FakeRunner::new(4).with_delay(std::time::Duration::from_millis(2));
+        let s = Scheduler::start(Box::new(runner), config, Arc::new(Metrics::default()));
+        let (j, mut rx) = job(prompt("a long answer"), 10_000);
+        s.submit(j).unwrap();
+        // Wait for the first token, then hang up.
+        loop {
+            if let Some(JobEvent::Token(_)) = rx.blocking_recv() {
+                break;
+            }
+        }
+        drop(rx);
+        // With max_active = 1 this only completes once the cancelled job has left the active set.
+        let (j, mut rx) = job(prompt("next"), 100);
+        s.submit(j).unwrap();
+        assert_eq!(collect(&mut rx).1, "Hello! You said: next.");
+        s.shutdown();
+    }
+}
