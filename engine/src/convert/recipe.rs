@@ -100,7 +100,20 @@ impl Recipe {
     }
 }
 
-/// Appends the encoding of `values` (whole rows of `row_len`) as `ty` to `out`.
+/// The synthetic importance used when no imatrix is given for IQ2_XXS (as the reference C converter does): per
+/// column, the sum over rows of the squared weight.
+pub fn weight_energy(values: &[f32], row_len: usize) -> Vec<f32> {
+    let mut imp = vec![0f32; row_len];
+    for row in values.chunks_exact(row_len) {
+        for (i, v) in imp.iter_mut().zip(row) {
+            *i += v * v;
+        }
+    }
+    imp
+}
+
+/// Appends the encoding of `values` (whole rows of `row_len`) as `ty` to `out`. IQ2_XXS rows are quantized with
+/// [`weight_energy`] importance; other types without importance.
 pub fn encode_append(ty: GgmlType, values: &[f32], row_len: usize, out: &mut Vec<u8>) -> Result<()> {
     if row_len == 0 || values.len() % row_len != 0 {
         return Err(Error::Convert(format!("{} values are not whole rows of {row_len}", values.len())));
@@ -126,12 +139,31 @@ pub fn encode_append(ty: GgmlType, values: &[f32], row_len: usize, out: &mut Vec
             }
             Ok(())
         }
-        _ => quantize_parallel(ty, values, row_len, rb, dst),
+        _ => {
+            let imp = (ty == GgmlType::Iq2Xxs).then(|| weight_energy(values, row_len));
+            quantize_parallel(ty, values, imp.as_deref(), row_len, rb, dst)
+        }
     }
 }
 
-fn quantize_parallel(ty: GgmlType, values: &[f32], row_len: usize, rb: usize, dst: &mut [u8]) -> Result<()> {
+/// Below this many values a tensor is quantized on the calling thread.
+const PARALLEL_MIN_VALUES: usize = 1 << 16;
+
+fn quantize_parallel(
+    ty: GgmlType,
+    values: &[f32],
+    importance: Option<&[f32]>,
+    row_len: usize,
+    rb: usize,
+    dst: &mut [u8],
+) -> Result<()> {
     let n_rows = values.len() / row_len;
+    if values.len() < PARALLEL_MIN_VALUES {
+        for (r, o) in values.chunks_exact(row_len).zip(dst.chunks_exact_mut(rb)) {
+            crate::quant::quantize_row(ty, r, importance, o)?;
+        }
+        return Ok(());
+    }
     let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).min(n_rows.max(1));
     let rows_per = n_rows.div_ceil(threads);
     std::thread::scope(|s| {
@@ -141,7 +173,7 @@ fn quantize_parallel(ty: GgmlType, values: &[f32], row_len: usize, rb: usize, ds
             .map(|(src, out)| {
                 s.spawn(move || -> Result<()> {
                     for (r, o) in src.chunks_exact(row_len).zip(out.chunks_exact_mut(rb)) {
-                        quantize_one(ty, r, o)?;
+                        crate::quant::quantize_row(ty, r, importance, o)?;
                     }
                     Ok(())
                 })
@@ -152,11 +184,6 @@ fn quantize_parallel(ty: GgmlType, values: &[f32], row_len: usize, rb: usize, ds
             .map(|h| h.join().unwrap_or_else(|_| Err(Error::Convert(format!("{ty} quantizer thread panicked")))))
             .collect::<Result<()>>()
     })
-}
-
-fn quantize_one(ty: GgmlType, row: &[f32], out: &mut [u8]) -> Result<()> {
-    let _ = (row, out);
-    Err(Error::Convert(format!("quantizing to {ty} is not available yet (needs crate::quant::quantize_row)")))
 }
 
 #[cfg(test)]
