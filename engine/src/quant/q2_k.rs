@@ -34,12 +34,18 @@ fn q_pos(i: usize) -> (usize, u32) {
 pub(crate) fn dequantize_block(b: &[u8], y: &mut [f32]) {
     let d = f16_at(b, 80);
     let dmin = f16_at(b, 82);
-    for s in 0..16 {
-        let dl = d * (b[s] & 0xf) as f32;
-        let ml = dmin * (b[s] >> 4) as f32;
-        for i in 16 * s..16 * s + 16 {
-            let (o, sh) = q_pos(i);
-            y[i] = dl * ((b[o] >> sh) & 3) as f32 - ml;
+    for h in 0..2 {
+        for j in 0..4 {
+            for half in 0..2 {
+                let s = 8 * h + 2 * j + half;
+                let dl = d * (b[s] & 0xf) as f32;
+                let ml = dmin * (b[s] >> 4) as f32;
+                let q = &b[16 + 32 * h + 16 * half..16 + 32 * h + 16 * half + 16];
+                let out = &mut y[16 * s..16 * s + 16];
+                for (o, &qb) in out.iter_mut().zip(q) {
+                    *o = dl * ((qb >> (2 * j)) & 3) as f32 - ml;
+                }
+            }
         }
     }
 }
@@ -114,14 +120,21 @@ pub(crate) fn dot_q8k(w: &[u8], a: &[u8]) -> f32 {
     let mut acc = 0f32;
     for (b, qa) in w.chunks_exact(BLOCK_BYTES).zip(a.chunks_exact(q8_k::BLOCK_BYTES)) {
         let (mut sumi, mut summ) = (0i32, 0i32);
-        for s in 0..16 {
-            let mut t = 0i32;
-            for i in 16 * s..16 * s + 16 {
-                let (o, sh) = q_pos(i);
-                t += ((b[o] >> sh) & 3) as i32 * q8_k::q(qa, i);
+        let aq = &qa[q8_k::QS..q8_k::QS + QK_K];
+        for h in 0..2 {
+            for j in 0..4 {
+                for half in 0..2 {
+                    let s = 8 * h + 2 * j + half;
+                    let q = &b[16 + 32 * h + 16 * half..16 + 32 * h + 16 * half + 16];
+                    let t: i32 = q
+                        .iter()
+                        .zip(&aq[16 * s..16 * s + 16])
+                        .map(|(&qb, &av)| ((qb >> (2 * j)) & 3) as i32 * av as i8 as i32)
+                        .sum();
+                    sumi += (b[s] & 0xf) as i32 * t;
+                    summ += (b[s] >> 4) as i32 * q8_k::bsum(qa, s);
+                }
             }
-            sumi += (b[s] & 0xf) as i32 * t;
-            summ += (b[s] >> 4) as i32 * q8_k::bsum(qa, s);
         }
         acc += q8_k::d(qa) * (f16_at(b, 80) * sumi as f32 - f16_at(b, 82) * summ as f32);
     }

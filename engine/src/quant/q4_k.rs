@@ -46,28 +46,21 @@ fn pack_scales(sc: &[u8; 8], m: &[u8; 8], s: &mut [u8]) {
     }
 }
 
-#[inline(always)]
-fn quant(b: &[u8], i: usize) -> u8 {
-    let (c, r) = (i / 64, i % 64);
-    let byte = b[16 + 32 * c + r % 32];
-    if r < 32 {
-        byte & 0xf
-    } else {
-        byte >> 4
-    }
-}
-
 /// Dequantizes one block into 256 values.
 #[inline(always)]
 pub(crate) fn dequantize_block(b: &[u8], y: &mut [f32]) {
     let d = f16_at(b, 0);
     let dmin = f16_at(b, 2);
-    for j in 0..8 {
-        let (sc, m) = scale_min(&b[4..16], j);
-        let d1 = d * sc as f32;
-        let m1 = dmin * m as f32;
-        for i in 32 * j..32 * j + 32 {
-            y[i] = d1 * quant(b, i) as f32 - m1;
+    for c in 0..4 {
+        let (sc1, m1) = scale_min(&b[4..16], 2 * c);
+        let (sc2, m2) = scale_min(&b[4..16], 2 * c + 1);
+        let (d1, m1) = (d * sc1 as f32, dmin * m1 as f32);
+        let (d2, m2) = (d * sc2 as f32, dmin * m2 as f32);
+        let q = &b[16 + 32 * c..16 + 32 * c + 32];
+        let (lo, hi) = y[64 * c..64 * c + 64].split_at_mut(32);
+        for ((l, h), &qb) in lo.iter_mut().zip(hi.iter_mut()).zip(q) {
+            *l = d1 * (qb & 0xf) as f32 - m1;
+            *h = d2 * (qb >> 4) as f32 - m2;
         }
     }
 }
@@ -147,11 +140,20 @@ pub(crate) fn dot_q8k(w: &[u8], a: &[u8]) -> f32 {
     let mut acc = 0f32;
     for (b, qa) in w.chunks_exact(BLOCK_BYTES).zip(a.chunks_exact(q8_k::BLOCK_BYTES)) {
         let (mut sumi, mut summ) = (0i32, 0i32);
-        for j in 0..8 {
-            let (sc, m) = scale_min(&b[4..16], j);
-            let t: i32 = (32 * j..32 * j + 32).map(|i| quant(b, i) as i32 * q8_k::q(qa, i)).sum();
-            sumi += sc as i32 * t;
-            summ += m as i32 * (q8_k::bsum(qa, 2 * j) + q8_k::bsum(qa, 2 * j + 1));
+        let aq = &qa[q8_k::QS..q8_k::QS + QK_K];
+        for c in 0..4 {
+            let q = &b[16 + 32 * c..16 + 32 * c + 32];
+            let (alo, ahi) = aq[64 * c..64 * c + 64].split_at(32);
+            let (mut tl, mut th) = (0i32, 0i32);
+            for ((&qb, &l), &h) in q.iter().zip(alo).zip(ahi) {
+                tl += (qb & 0xf) as i32 * l as i8 as i32;
+                th += (qb >> 4) as i32 * h as i8 as i32;
+            }
+            for (k, t) in [(2 * c, tl), (2 * c + 1, th)] {
+                let (sc, m) = scale_min(&b[4..16], k);
+                sumi += sc as i32 * t;
+                summ += m as i32 * (q8_k::bsum(qa, 2 * k) + q8_k::bsum(qa, 2 * k + 1));
+            }
         }
         acc += q8_k::d(qa) * (f16_at(b, 0) * sumi as f32 - f16_at(b, 2) * summ as f32);
     }
