@@ -10,7 +10,7 @@
 //! - the last turn is a tool result: `Done: <first 20 chars of it>`;
 //! - the last user turn contains `use the tool`: a tool call of the first offered tool with `{"command":"ls"}`;
 //! - it contains `long answer`: `la ` 300 times;
-//! - otherwise `Hello! You said: <last 40 chars of the turn, '<' removed>.`
+//! - otherwise `Hello! You said: <last 40 chars of the turn's last line, '<' removed>.`
 //!
 //! then [`EOS`]. Logits are one-hot with a wide margin, so any temperature gives the same text in practice and
 //! greedy decoding always does. Batching cannot change a session's output (sessions are independent).
@@ -269,7 +269,8 @@ fn script_reply(prompt: &[u8]) -> Vec<u32> {
     }
     let last_user = text.rfind("<|user|>").map(|p| p + "<|user|>".len());
     let last_tool = text.rfind("<|tool|>").map(|p| p + "<|tool|>".len());
-    let turn_end = |start: usize| text[start..].find('\n').map(|e| start + e).unwrap_or(text.len());
+    // A turn runs to the next `\n<|` marker.
+    let turn_end = |start: usize| text[start..].find("\n<|").map(|e| start + e).unwrap_or(text.len());
     let clean = |s: &str| s.chars().filter(|c| *c != '<' && *c != '\n').collect::<String>();
     match (last_user, last_tool) {
         (u, Some(t)) if u.is_none_or(|u| t > u) => {
@@ -280,6 +281,7 @@ fn script_reply(prompt: &[u8]) -> Vec<u32> {
         }
         (Some(u), _) => {
             let turn = &text[u..turn_end(u)];
+            let last_line = turn.rsplit('\n').next().unwrap_or(turn);
             let tool = text.strip_prefix("<|tools|>").and_then(|t| {
                 let s = t.find("\"name\":\"")? + "\"name\":\"".len();
                 Some(t[s..s + t[s..].find('"')?].to_string())
@@ -292,7 +294,7 @@ fn script_reply(prompt: &[u8]) -> Vec<u32> {
                 reply.push_str(&"la ".repeat(300));
             } else {
                 let tail: String = {
-                    let chars: Vec<char> = turn.chars().collect();
+                    let chars: Vec<char> = last_line.chars().collect();
                     chars[chars.len().saturating_sub(40)..].iter().collect()
                 };
                 reply.push_str(&format!("Hello! You said: {}.", clean(&tail)));
