@@ -7,6 +7,8 @@ use clap::{Parser, Subcommand};
 
 mod convert;
 mod inspect;
+mod render;
+mod tokenize;
 
 /// `ds4`: run, inspect and convert DeepSeek V4 Flash models.
 #[derive(Parser, Debug)]
@@ -21,6 +23,10 @@ pub struct Cli {
 pub enum Command {
     /// Print a GGUF file's metadata and tensor table.
     Inspect(inspect::Args),
+    /// Check a tokenizer against {"text","ids"} cases (--jsonl), or print the ids of a text.
+    Tokenize(tokenize::Args),
+    /// Render a conversation (JSON on stdin) into the model's prompt text.
+    Render(render::Args),
     /// Convert an official checkpoint folder (config.json + safetensors) to a DS4 GGUF file.
     Convert(convert::Args),
 }
@@ -38,6 +44,8 @@ pub fn main() -> i32 {
     let cli = Cli::parse();
     let r = match cli.command {
         Command::Inspect(a) => inspect::run(a),
+        Command::Tokenize(a) => tokenize::run(a),
+        Command::Render(a) => render::run(a),
         Command::Convert(a) => convert::run(a),
     };
     match r {

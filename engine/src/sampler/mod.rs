@@ -1,1 +1,24 @@
-//! Token sampling: greedy, temperature, top-k, top-p, min-p, seeds, stop sequences.
+//! Token sampling: greedy, temperature, top-k, top-p, min-p, seeds, penalties, stop sequences.
+//!
+//! Guide:
+//! * [`Sampler`] picks the next id from a logits row. Order of operations: penalties (repetition / presence /
+//!   frequency over the ids passed to [`Sampler::accept`]) → if the best id is a *structural* token (see
+//!   [`Sampler::set_structural_tokens`]) or temperature is 0 → argmax → otherwise logits / temperature → softmax →
+//!   top-k → top-p (smallest set of most likely ids whose mass reaches `top_p`) → min-p (drop ids below
+//!   `min_p × p_max`) → renormalise → draw with the seeded [`Rng`]. [`filtered_distribution`] exposes the final
+//!   distribution for tests and diagnostics.
+//! * Same seed and same logits sequence → same ids, on every platform (the PRNG is xoshiro256** seeded by
+//!   splitmix64, all arithmetic in f64 in a fixed order).
+//! * [`StopChecker`]: text-level stop sequences across token boundaries (text that could start a stop sequence is
+//!   held back) and a max-token limit.
+//!
+//! Errors: invalid settings (negative temperature, top_p outside (0, 1], …) or a logits row with no finite value.
+//! Nothing panics.
+
+mod rng;
+mod sample;
+mod stop;
+
+pub use rng::Rng;
+pub use sample::{argmax, filtered_distribution, Sampler, SamplerConfig};
+pub use stop::{StopChecker, StopReason, StopStatus};
