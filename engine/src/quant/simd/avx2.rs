@@ -232,9 +232,48 @@ fn bytemuck_f32(v: &[f32]) -> &[u8] {
     bytemuck::cast_slice(v)
 }
 
+/// 8 unsigned bytes (the low 8 of `v`) as 8 f32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn u8x8_to_ps(v: __m128i) -> __m256 {
+    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v))
+}
+
 #[target_feature(enable = "avx2,fma,f16c")]
 fn q2_k_f32_imp(w: &[u8], x: &[f32]) -> f32 {
-    deq_dot!(w, x, q2_k::BLOCK_BYTES, q2_k::dequantize_block)
+    let m3 = _mm256_set1_epi8(3);
+    let mut acc = [_mm256_setzero_ps(); 2];
+    for (b, xs) in w.chunks_exact(q2_k::BLOCK_BYTES).zip(x.chunks_exact(QK_K)) {
+        let (d, dmin) = (f16_at(b, 80), f16_at(b, 82));
+        let (bp, xp) = (b.as_ptr(), xs.as_ptr() as *const u8);
+        for h in 0..2 {
+            // SAFETY: qs are bytes 16..80 of the 84-byte block (32 read at 16 + 32h ≤ 48).
+            let q2 = unsafe { ld_si256(bp.add(16 + 32 * h)) };
+            for j in 0..4 {
+                let q = match j {
+                    0 => _mm256_and_si256(q2, m3),
+                    1 => _mm256_and_si256(_mm256_srli_epi16::<2>(q2), m3),
+                    2 => _mm256_and_si256(_mm256_srli_epi16::<4>(q2), m3),
+                    _ => _mm256_and_si256(_mm256_srli_epi16::<6>(q2), m3),
+                };
+                // Bytes 0..16 belong to sub-block s, bytes 16..32 to s + 1.
+                for half in 0..2 {
+                    let s = 8 * h + 2 * j + half;
+                    let dl = _mm256_set1_ps(d * (b[s] & 0xf) as f32);
+                    let ml = _mm256_set1_ps(dmin * (b[s] >> 4) as f32);
+                    let q16 = if half == 0 { _mm256_castsi256_si128(q) } else { _mm256_extracti128_si256::<1>(q) };
+                    let v = 128 * h + 32 * j + 16 * half;
+                    // SAFETY: v + 16 ≤ 256 values of this block's 256 activations.
+                    let (x0, x1) = unsafe { (ld_ps(xp.add(4 * v)), ld_ps(xp.add(4 * v + 32))) };
+                    let w0 = _mm256_fmsub_ps(dl, u8x8_to_ps(q16), ml);
+                    let w1 = _mm256_fmsub_ps(dl, u8x8_to_ps(_mm_srli_si128::<8>(q16)), ml);
+                    acc[0] = _mm256_fmadd_ps(w0, x0, acc[0]);
+                    acc[1] = _mm256_fmadd_ps(w1, x1, acc[1]);
+                }
+            }
+        }
+    }
+    hsum_ps(_mm256_add_ps(acc[0], acc[1]))
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -244,7 +283,29 @@ fn q4_k_f32_imp(w: &[u8], x: &[f32]) -> f32 {
 
 #[target_feature(enable = "avx2,fma,f16c")]
 fn iq2_xxs_f32_imp(w: &[u8], x: &[f32]) -> f32 {
-    deq_dot!(w, x, iq2_xxs::BLOCK_BYTES, iq2_xxs::dequantize_block)
+    let bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    let neg = _mm256_set1_ps(-0.0);
+    let mut acc = [_mm256_setzero_ps(); 2];
+    for (b, xs) in w.chunks_exact(iq2_xxs::BLOCK_BYTES).zip(x.chunks_exact(QK_K)) {
+        let d = f16_at(b, 0);
+        let xp = xs.as_ptr() as *const u8;
+        for g in 0..8 {
+            let o = 2 + 8 * g;
+            let aux = u32::from_le_bytes([b[o + 4], b[o + 5], b[o + 6], b[o + 7]]);
+            let db = _mm256_set1_ps(d * (0.5 + (aux >> 28) as f32) * 0.25);
+            for l in 0..4 {
+                let grid = u8x8_to_ps(_mm_cvtsi64_si128(IQ2XXS_GRID[b[o + l] as usize] as i64));
+                let signs = KSIGNS_IQ2XS[((aux >> (7 * l)) & 127) as usize] as i32;
+                // Lanes whose sign bit is set get the f32 sign bit flipped.
+                let m = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(signs), bit), bit);
+                let wv = _mm256_xor_ps(_mm256_mul_ps(db, grid), _mm256_and_ps(_mm256_castsi256_ps(m), neg));
+                // SAFETY: 8 activations at 32g + 8l ≤ 248 of this block's 256.
+                let xv = unsafe { ld_ps(xp.add(4 * (32 * g + 8 * l))) };
+                acc[l & 1] = _mm256_fmadd_ps(wv, xv, acc[l & 1]);
+            }
+        }
+    }
+    hsum_ps(_mm256_add_ps(acc[0], acc[1]))
 }
 
 /// One Q8_0 · Q8_0 block: the 8 partial integer sums as f32, and `d_w · d_a`.
