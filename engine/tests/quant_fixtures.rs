@@ -145,6 +145,21 @@ fn importance_lowers_the_weighted_error() {
 }
 
 #[test]
+fn zero_importance_gives_finite_output() {
+    // All-zero weights mean "nothing matters"; the quantizers must still produce a valid, finite row.
+    let mut rng = StdRng::seed_from_u64(17);
+    let x = gaussian(&mut rng, 512);
+    let mut imp = vec![0f32; 512];
+    imp[300] = 1.0;
+    for ty in [GgmlType::Q8_0, GgmlType::Q2K, GgmlType::Q4K, GgmlType::Iq2Xxs] {
+        for imp in [&vec![0f32; 512], &imp] {
+            let y = dequant(ty, &quant(ty, &x, Some(imp)));
+            assert!(y.iter().all(|v| v.is_finite()), "{ty}: non-finite output");
+        }
+    }
+}
+
+#[test]
 fn zero_and_constant_rows_survive() {
     for ty in WEIGHT_TYPES {
         let n = 512;
