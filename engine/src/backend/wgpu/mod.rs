@@ -1,1 +1,25 @@
 //! The wgpu backend: every op as a WGSL compute shader (sources in the `ds4-shaders-wgsl` crate).
+//!
+//! Layers, bottom-up:
+//! - [`context`]: adapter/device, limits, pipeline cache, buffer helpers, [`context::test_context`] for tests.
+//! - [`weights`]: weight tensors kept in their file encoding, split at row boundaries across buffers when larger
+//!   than the storage binding limit.
+//! - [`matmul`]: quantized matrix-vector / matrix-matrix products and row gathers over split weights.
+//! - [`ops`]: every other kernel (norm, RoPE, attention, mHC, compressor, indexer, MoE, activation simulation).
+//!
+//! Every function here only records commands into a `wgpu::CommandEncoder` unless it says otherwise; call
+//! [`context::WgpuContext::submit`] to run them and [`context::WgpuContext::read_f32`] to read results.
+
+pub mod context;
+pub mod matmul;
+pub mod ops;
+pub mod weights;
+
+#[cfg(test)]
+mod ops_tests;
+#[cfg(test)]
+mod tests;
+
+pub use context::{ContextOptions, WgpuContext};
+pub use matmul::{get_rows, matmul, View};
+pub use weights::{plan_chunks, GpuWeight};

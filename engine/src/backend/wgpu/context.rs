@@ -1,0 +1,305 @@
+//! Device creation, limits, the pipeline cache and small buffer helpers for the wgpu backend.
+//!
+//! [`WgpuContext::new`] picks an adapter (honouring `WGPU_BACKEND`, e.g. `vulkan`), requests a device with the
+//! adapter's own limits (so `max_storage_buffer_binding_size` is as large as the hardware allows) and records the
+//! effective binding limit in [`WgpuContext::max_binding`]. That limit drives weight splitting
+//! ([`super::weights`]); [`ContextOptions::max_binding_override`] lowers it artificially so tests can exercise the
+//! splitting on tiny tensors.
+//!
+//! Pipelines are compiled once per (kernel name) and cached; shader compile and validation errors are captured with
+//! an error scope and returned as [`Error::Backend`] instead of wgpu's default panic.
+//!
+//! Tests get a context through [`test_context`]: with no adapter it returns `None` (test skipped with a message),
+//! except when `CI=true`, where the missing adapter is a failure (CI installs lavapipe).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use wgpu::util::DeviceExt;
+
+use crate::error::{Error, Result};
+
+/// Options for [`WgpuContext::with_options`].
+#[derive(Clone, Debug, Default)]
+pub struct ContextOptions {
+    /// Use at most this many bytes per storage binding (must be a positive multiple of 4), even when the device
+    /// allows more. For tests of weight splitting.
+    pub max_binding_override: Option<u64>,
+}
+
+/// A wgpu device and queue plus the backend's shared caches.
+pub struct WgpuContext {
+    pub device: wgpu::Device,
+    pub queue: wgpu::Queue,
+    pub info: wgpu::AdapterInfo,
+    pub limits: wgpu::Limits,
+    max_binding: u64,
+    pipelines: Mutex<HashMap<String, Arc<wgpu::ComputePipeline>>>,
+}
+
+pub(crate) fn backend_err(what: impl Into<String>) -> Error {
+    Error::Backend { backend: "wgpu", what: what.into() }
+}
+
+impl WgpuContext {
+    /// Opens the first adapter wgpu offers (see module docs) with default options.
+    pub fn new() -> Result<Self> {
+        Self::with_options(ContextOptions::default())
+    }
+
+    /// Opens an adapter and device; fails with a clear message when no adapter exists.
+    pub fn with_options(opts: ContextOptions) -> Result<Self> {
+        let instance = wgpu::Instance::new(wgpu::InstanceDescriptor::new_without_display_handle_from_env());
+        let adapter = pollster::block_on(instance.request_adapter(&wgpu::RequestAdapterOptions {
+            power_preference: wgpu::PowerPreference::HighPerformance,
+            force_fallback_adapter: false,
+            compatible_surface: None,
+            apply_limit_buckets: false,
+        }))
+        .map_err(|e| {
+            backend_err(format!(
+                "no GPU adapter found ({e}); on Linux install a Vulkan driver \
+                 (e.g. `apt-get install mesa-vulkan-drivers libvulkan1`) or pick a backend with WGPU_BACKEND"
+            ))
+        })?;
+        let info = adapter.get_info();
+        let limits = adapter.limits();
+        let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+            label: Some("ds4"),
+            required_features: wgpu::Features::empty(),
+            required_limits: limits.clone(),
+            experimental_features: wgpu::ExperimentalFeatures::disabled(),
+            memory_hints: wgpu::MemoryHints::Performance,
+            trace: wgpu::Trace::Off,
+        }))
+        .map_err(|e| backend_err(format!("request_device on {}: {e}", info.name)))?;
+        let hw = limits.max_storage_buffer_binding_size.min(limits.max_buffer_size) & !3;
+        let max_binding = match opts.max_binding_override {
+            Some(n) if n == 0 || n % 4 != 0 => {
+                return Err(Error::InvalidArgument(format!(
+                    "max_binding_override {n} must be a positive multiple of 4"
+                )))
+            }
+            Some(n) => n.min(hw),
+            None => hw,
+        };
+        tracing::info!(
+            adapter = %info.name,
+            backend = ?info.backend,
+            max_binding,
+            max_buffer = limits.max_buffer_size,
+            "wgpu device ready"
+        );
+        Ok(Self { device, queue, info, limits, max_binding, pipelines: Mutex::new(HashMap::new()) })
+    }
+
+    /// The largest storage binding (bytes) this context uses; weight tensors larger than this are split.
+    pub fn max_binding(&self) -> u64 {
+        self.max_binding
+    }
+
+    /// The compute pipeline for WGSL `source` (entry point `main`), compiled once per `name`.
+    pub fn pipeline(&self, name: &str, source: &str) -> Result<Arc<wgpu::ComputePipeline>> {
+        self.pipeline_entry(name, source, "main")
+    }
+
+    /// The compute pipeline for entry point `entry` of WGSL `source`, compiled once per (`name`, `entry`).
+    pub fn pipeline_entry(&self, name: &str, source: &str, entry: &str) -> Result<Arc<wgpu::ComputePipeline>> {
+        let key = format!("{name}::{entry}");
+        if let Some(p) = self.pipelines.lock().get(&key) {
+            return Ok(p.clone());
+        }
+        let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let module = self.device.create_shader_module(wgpu::ShaderModuleDescriptor {
+            label: Some(name),
+            source: wgpu::ShaderSource::Wgsl(source.into()),
+        });
+        let pipeline = self.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+            label: Some(name),
+            layout: None,
+            module: &module,
+            entry_point: Some(entry),
+            compilation_options: Default::default(),
+            cache: None,
+        });
+        if let Some(e) = pollster::block_on(scope.pop()) {
+            return Err(backend_err(format!("pipeline {key}: {e}")));
+        }
+        let p = Arc::new(pipeline);
+        self.pipelines.lock().insert(key, p.clone());
+        Ok(p)
+    }
+
+    /// A storage buffer initialised with `data` (padded with zeros to a multiple of 4 bytes).
+    pub fn storage_init(&self, label: &str, data: &[u8]) -> wgpu::Buffer {
+        let mut padded;
+        let bytes = if data.is_empty() || data.len() % 4 != 0 {
+            padded = data.to_vec();
+            padded.resize(data.len().div_ceil(4).max(1) * 4, 0);
+            &padded[..]
+        } else {
+            data
+        };
+        self.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: Some(label),
+            contents: bytes,
+            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
+        })
+    }
+
+    /// A storage buffer holding `data` as f32.
+    pub fn storage_f32(&self, label: &str, data: &[f32]) -> wgpu::Buffer {
+        self.storage_init(label, bytemuck::cast_slice(data))
+    }
+
+    /// A storage buffer holding `data` as u32.
+    pub fn storage_u32(&self, label: &str, data: &[u32]) -> wgpu::Buffer {
+        self.storage_init(label, bytemuck::cast_slice(data))
+    }
+
+    /// A zeroed storage buffer of `len` f32 values.
+    pub fn storage_zeroed(&self, label: &str, len: usize) -> wgpu::Buffer {
+        self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some(label),
+            size: (len.max(1) * 4) as u64,
+            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        })
+    }
+
+    /// A uniform buffer holding one `Params` struct.
+    pub fn uniform<T: bytemuck::Pod>(&self, label: &str, params: &T) -> wgpu::Buffer {
+        self.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: Some(label),
+            contents: bytemuck::bytes_of(params),
+            usage: wgpu::BufferUsages::UNIFORM,
+        })
+    }
+
+    /// Records one dispatch of `pipeline` with `buffers` bound to bindings 0, 1, ... of group 0.
+    pub fn dispatch(
+        &self,
+        enc: &mut wgpu::CommandEncoder,
+        pipeline: &wgpu::ComputePipeline,
+        buffers: &[&wgpu::Buffer],
+        groups: [u32; 3],
+    ) -> Result<()> {
+        let bound: Vec<(u32, &wgpu::Buffer)> = buffers.iter().enumerate().map(|(i, b)| (i as u32, *b)).collect();
+        self.dispatch_at(enc, pipeline, &bound, groups)
+    }
+
+    /// Records one dispatch with explicit `(binding, buffer)` pairs (for entry points that use only some of a
+    /// file's bindings: the derived layout holds only those).
+    pub fn dispatch_at(
+        &self,
+        enc: &mut wgpu::CommandEncoder,
+        pipeline: &wgpu::ComputePipeline,
+        buffers: &[(u32, &wgpu::Buffer)],
+        groups: [u32; 3],
+    ) -> Result<()> {
+        let max = self.limits.max_compute_workgroups_per_dimension;
+        if groups.iter().any(|&g| g > max) {
+            return Err(backend_err(format!("dispatch {groups:?} exceeds {max} workgroups per dimension")));
+        }
+        if groups.contains(&0) {
+            return Ok(());
+        }
+        let entries: Vec<wgpu::BindGroupEntry> = buffers
+            .iter()
+            .map(|(i, b)| wgpu::BindGroupEntry { binding: *i, resource: b.as_entire_binding() })
+            .collect();
+        let bind = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: None,
+            layout: &pipeline.get_bind_group_layout(0),
+            entries: &entries,
+        });
+        let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: None });
+        pass.set_pipeline(pipeline);
+        pass.set_bind_group(0, &bind, &[]);
+        pass.dispatch_workgroups(groups[0], groups[1], groups[2]);
+        Ok(())
+    }
+
+    /// A new command encoder.
+    pub fn encoder(&self) -> wgpu::CommandEncoder {
+        self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None })
+    }
+
+    /// Submits `enc` and waits for the device to finish, reporting validation errors raised meanwhile.
+    pub fn submit(&self, enc: wgpu::CommandEncoder) -> Result<()> {
+        self.queue.submit([enc.finish()]);
+        self.device
+            .poll(wgpu::PollType::Wait { submission_index: None, timeout: None })
+            .map_err(|e| backend_err(format!("poll: {e}")))?;
+        Ok(())
+    }
+
+    /// Copies `len` f32 values starting at element `offset` of `buf` back to the host (waits for the device).
+    pub fn read_f32(&self, buf: &wgpu::Buffer, offset: usize, len: usize) -> Result<Vec<f32>> {
+        let bytes = self.read_words(buf, offset, len)?;
+        Ok(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+    }
+
+    /// Copies `len` u32 values starting at element `offset` of `buf` back to the host (waits for the device).
+    pub fn read_u32(&self, buf: &wgpu::Buffer, offset: usize, len: usize) -> Result<Vec<u32>> {
+        let bytes = self.read_words(buf, offset, len)?;
+        Ok(bytes.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+    }
+
+    /// The bytes of `len` 4-byte words starting at word `offset` of `buf`.
+    fn read_words(&self, buf: &wgpu::Buffer, offset: usize, len: usize) -> Result<Vec<u8>> {
+        if len == 0 {
+            return Ok(Vec::new());
+        }
+        let bytes = (len * 4) as u64;
+        if (offset * 4) as u64 + bytes > buf.size() {
+            return Err(backend_err(format!("read: {len} words at {offset} exceed a buffer of {} bytes", buf.size())));
+        }
+        let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("readback"),
+            size: bytes,
+            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        let mut enc = self.encoder();
+        enc.copy_buffer_to_buffer(buf, (offset * 4) as u64, &staging, 0, bytes);
+        self.submit(enc)?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        staging.map_async(wgpu::MapMode::Read, .., move |r| {
+            let _ = tx.send(r);
+        });
+        self.device
+            .poll(wgpu::PollType::Wait { submission_index: None, timeout: None })
+            .map_err(|e| backend_err(format!("poll: {e}")))?;
+        rx.recv()
+            .map_err(|_| backend_err("readback: map callback dropped"))?
+            .map_err(|e| backend_err(format!("readback map: {e}")))?;
+        let out = {
+            let view = staging.get_mapped_range(..).map_err(|e| backend_err(format!("readback view: {e}")))?;
+            view.to_vec()
+        };
+        staging.unmap();
+        Ok(out)
+    }
+
+    /// Writes f32 values into `buf` at element `offset`.
+    pub fn write_f32(&self, buf: &wgpu::Buffer, offset: usize, data: &[f32]) {
+        self.queue.write_buffer(buf, (offset * 4) as u64, bytemuck::cast_slice(data));
+    }
+}
+
+/// A context for tests: `None` (with a message on stderr) when no adapter exists, unless `CI=true`, where a missing
+/// adapter panics so the test fails.
+pub fn test_context(opts: ContextOptions) -> Option<WgpuContext> {
+    match WgpuContext::with_options(opts) {
+        Ok(c) => Some(c),
+        Err(e) => {
+            if std::env::var("CI").map(|v| v == "true").unwrap_or(false) {
+                panic!("CI=true but no wgpu adapter: {e}");
+            }
+            eprintln!("skipping wgpu test: {e}");
+            None
+        }
+    }
+}
