@@ -17,6 +17,7 @@
 
 pub mod checkpoint;
 pub mod config;
+pub mod demo;
 pub mod dtypes;
 pub mod plan;
 pub mod recipe;
@@ -29,6 +30,7 @@ use std::time::Instant;
 
 pub use checkpoint::Checkpoint;
 pub use config::CheckpointConfig;
+pub use demo::{demo_config, demo_model_gguf};
 pub use plan::{Class, Planned, Source};
 pub use recipe::Recipe;
 
@@ -132,18 +134,9 @@ pub fn build_metadata(cfg: &CheckpointConfig, opts: &ConvertOptions) -> Result<V
     meta.push(("general.file_type".into(), MetaValue::U32(opts.recipe.file_type())));
     meta.push(("general.quantization_version".into(), MetaValue::U32(2)));
     if let Some(tok) = &opts.tokenizer {
-        meta.extend(tokenizer_metadata(tok)?);
+        meta.extend(crate::tokenizer::gguf_metadata_from_tokenizer_json(tok)?);
     }
     Ok(meta)
-}
-
-/// `tokenizer.ggml.*` keys from a `tokenizer.json`.
-// TODO(tokenizer helper): call `crate::tokenizer::gguf_metadata_from_tokenizer_json(path)` once it exists.
-fn tokenizer_metadata(path: &Path) -> Result<Vec<(String, MetaValue)>> {
-    Err(Error::Convert(format!(
-        "--tokenizer {}: tokenizer metadata export is not available in this build yet",
-        path.display()
-    )))
 }
 
 /// Checks that every source of the plan is present, decodable and of the expected shape.
