@@ -1,8 +1,8 @@
 //! SIMD kernels, picked at runtime. [`dot_f32`] / [`dot_q`] return the best kernel this CPU supports for a weight
 //! type, or `None` when only the scalar reference exists (the public API then uses the scalar code).
 //!
-//! - x86-64: AVX2 + FMA (+ F16C for F16 rows), detected with `is_x86_feature_detected!` (see `avx2`).
-//! - aarch64: NEON (baseline on aarch64; compiled when the target enables it, see `neon`).
+//! - x86-64: AVX2 + FMA + F16C (all three required), detected with `is_x86_feature_detected!` (see `avx2`).
+//! - aarch64 (little-endian): NEON (baseline on aarch64; compiled when the target enables it, see `neon`).
 //!
 //! Every SIMD kernel is tested against the scalar code of its format for odd block counts. Kernels follow the
 //! contract in [`crate::quant`]: they only touch the whole blocks both buffers hold.
@@ -12,7 +12,7 @@ use super::GgmlType;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
-#[cfg(all(target_arch = "aarch64", target_feature = "neon"))]
+#[cfg(all(target_arch = "aarch64", target_feature = "neon", target_endian = "little"))]
 mod neon;
 
 /// The instruction set the kernels use on this CPU: `"avx2"`, `"neon"` or `"scalar"`.
@@ -21,7 +21,7 @@ pub fn level() -> &'static str {
     if avx2::available() {
         return "avx2";
     }
-    #[cfg(all(target_arch = "aarch64", target_feature = "neon"))]
+    #[cfg(all(target_arch = "aarch64", target_feature = "neon", target_endian = "little"))]
     return "neon";
     #[allow(unreachable_code)]
     "scalar"
@@ -31,7 +31,7 @@ pub fn level() -> &'static str {
 pub(crate) fn dot_f32(ty: GgmlType) -> Option<DotF32> {
     #[cfg(target_arch = "x86_64")]
     return avx2::dot_f32(ty);
-    #[cfg(all(target_arch = "aarch64", target_feature = "neon"))]
+    #[cfg(all(target_arch = "aarch64", target_feature = "neon", target_endian = "little"))]
     return neon::dot_f32(ty);
     #[allow(unreachable_code)]
     {
@@ -44,7 +44,7 @@ pub(crate) fn dot_f32(ty: GgmlType) -> Option<DotF32> {
 pub(crate) fn dot_q(ty: GgmlType) -> Option<DotQ> {
     #[cfg(target_arch = "x86_64")]
     return avx2::dot_q(ty);
-    #[cfg(all(target_arch = "aarch64", target_feature = "neon"))]
+    #[cfg(all(target_arch = "aarch64", target_feature = "neon", target_endian = "little"))]
     return neon::dot_q(ty);
     #[allow(unreachable_code)]
     {
