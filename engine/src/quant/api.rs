@@ -202,6 +202,36 @@ pub fn matvec_with_scratch(
     Ok(())
 }
 
+/// `y[r] = row r of w · acts` with activations already quantized by [`quantize_acts`] into `act_type(ty)` (quantize
+/// once, share across matrices with the same input — e.g. gate and up — and across threads working on row ranges).
+/// `ty` must have a quantized dot product ([`dot_q_kernel`]); `acts` must hold exactly the bytes of `n_cols` values.
+pub fn matvec_q(ty: GgmlType, w: &[u8], n_rows: usize, n_cols: usize, acts: &[u8], y: &mut [f32]) -> Result<()> {
+    const OP: &str = "matvec_q";
+    let k = dot_q_kernel(ty)?;
+    let rb = row_len(OP, ty, n_cols)?;
+    let total = rb.checked_mul(n_rows).ok_or_else(|| qerr(OP, ty, "matrix size overflows"))?;
+    if w.len() != total {
+        return Err(qerr(OP, ty, format!("{n_rows}×{n_cols} matrix needs {total} bytes, got {}", w.len())));
+    }
+    let act = act_type(ty);
+    let need = row_len(OP, act, n_cols)?;
+    if acts.len() != need || y.len() != n_rows {
+        return Err(qerr(
+            OP,
+            ty,
+            format!("acts has {} bytes (want {need} of {act}), y has {} values (want {n_rows})", acts.len(), y.len()),
+        ));
+    }
+    if rb == 0 {
+        y.iter_mut().for_each(|v| *v = 0.0);
+        return Ok(());
+    }
+    for (yr, wr) in y.iter_mut().zip(w.chunks_exact(rb)) {
+        *yr = k(wr, acts);
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -232,6 +262,29 @@ mod tests {
         for t in [GgmlType::F32, GgmlType::F16, GgmlType::Bf16] {
             assert_eq!(act_type(t), GgmlType::F32);
         }
+    }
+
+    #[test]
+    fn matvec_q_matches_matvec_and_checks_lengths() {
+        let (rows, cols) = (4usize, 512usize);
+        let x: Vec<f32> = (0..cols).map(|i| ((i * 29 % 31) as f32 - 15.0) / 15.0).collect();
+        for ty in [GgmlType::Q8_0, GgmlType::Q2K, GgmlType::Q4K, GgmlType::Iq2Xxs] {
+            let rb = ty.row_bytes(cols as u64).unwrap() as usize;
+            let wf: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919 % 211) as f32 - 105.0) / 105.0).collect();
+            let mut w = vec![0u8; rb * rows];
+            for (r, chunk) in w.chunks_exact_mut(rb).enumerate() {
+                quantize_row(ty, &wf[r * cols..(r + 1) * cols], None, chunk).unwrap();
+            }
+            let (mut y1, mut y2) = (vec![0f32; rows], vec![0f32; rows]);
+            matvec(ty, &w, rows, cols, &x, &mut y1).unwrap();
+            let mut acts = Vec::new();
+            quantize_acts(act_type(ty), &x, &mut acts).unwrap();
+            matvec_q(ty, &w, rows, cols, &acts, &mut y2).unwrap();
+            assert_eq!(y1, y2, "{ty}");
+            assert!(matvec_q(ty, &w, rows, cols, &acts[1..], &mut y2).is_err());
+            assert!(matvec_q(ty, &w[1..], rows, cols, &acts, &mut y2).is_err());
+        }
+        assert!(matvec_q(GgmlType::F16, &[0u8; 64], 1, 32, &[0u8; 128], &mut [0f32]).is_err());
     }
 
     #[test]

@@ -10,7 +10,8 @@
 //! - [`dot_f32_kernel`] → [`DotF32`]: weight row bytes · f32 activations.
 //! - [`act_type`] + [`quantize_acts`] + [`dot_q_kernel`] → [`DotQ`]: weight row bytes · quantized activations (the
 //!   fast path: integer dot products, AVX2 `maddubs` style).
-//! - [`matvec`] / [`matvec_with_scratch`]: `y = W·x`, single-threaded, best path.
+//! - [`matvec`] / [`matvec_with_scratch`]: `y = W·x`, single-threaded, best path; [`matvec_q`] takes activations
+//!   already quantized (quantize once, share across matrices and threads).
 //!
 //! Kernels are resolved once (runtime CPU feature detection: AVX2+FMA(+F16C) on x86-64, NEON on aarch64, scalar
 //! otherwise) and handed out as plain `fn` pointers; callers cache them. Kernel contract: a `DotF32`/`DotQ` computes
@@ -43,7 +44,7 @@ pub mod simd;
 
 pub use api::{
     act_type, dequantize_row, dot_f32_kernel, dot_f32_kernel_scalar, dot_q_kernel, dot_q_kernel_scalar, matvec,
-    matvec_with_scratch, quantize_acts, quantize_row, DotF32, DotQ,
+    matvec_q, matvec_with_scratch, quantize_acts, quantize_row, DotF32, DotQ,
 };
 
 use std::fmt;
