@@ -1,0 +1,111 @@
+//! Every call the benchmark makes into `ds4-engine` that is not plain data access lives here, so API changes in the
+//! engine touch one file.
+//!
+//! [`EngineKernels`] binds [`crate::kernels::Kernels`] to the engine's quant API: `matvec` is
+//! `quant::matvec_with_scratch` (activations quantized once per call, best SIMD path); `matmul` quantizes the whole
+//! activation batch once per call with `quant::quantize_acts` and runs the `quant::dot_q_kernel` (or
+//! `dot_f32_kernel` for float weights) of every weight row against every activation row, row-major, so each
+//! weight row is loaded from memory once and reused from L1 for the whole batch.
+
+use std::cell::RefCell;
+
+use anyhow::{bail, Result};
+use ds4_engine::quant::{self, GgmlType};
+
+use crate::kernels::Kernels;
+
+/// The engine's CPU quant kernels.
+pub struct EngineKernels;
+
+thread_local! {
+    static SCRATCH: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+}
+
+impl Kernels for EngineKernels {
+    fn matvec(&self, ty: GgmlType, w: &[u8], rows: usize, cols: usize, x: &[f32], y: &mut [f32]) -> Result<()> {
+        SCRATCH.with(|s| quant::matvec_with_scratch(ty, w, rows, cols, x, y, &mut s.borrow_mut()))?;
+        Ok(())
+    }
+
+    fn matmul(
+        &self,
+        ty: GgmlType,
+        w: &[u8],
+        rows: usize,
+        cols: usize,
+        xs: &[f32],
+        batch: usize,
+        ys: &mut [f32],
+    ) -> Result<()> {
+        let Some(rb) = ty.row_bytes(cols as u64).map(|b| b as usize) else {
+            bail!("matmul: {cols} values is not whole {ty} blocks");
+        };
+        if w.len() != rows * rb || xs.len() != batch * cols || ys.len() != rows * batch || batch == 0 {
+            bail!("matmul: shapes do not match ({} weight bytes, {} xs, {} ys)", w.len(), xs.len(), ys.len());
+        }
+        let act = quant::act_type(ty);
+        if act == GgmlType::F32 {
+            let k = quant::dot_f32_kernel(ty)?;
+            for (wr, yr) in w.chunks_exact(rb).zip(ys.chunks_exact_mut(batch)) {
+                for (y, x) in yr.iter_mut().zip(xs.chunks_exact(cols)) {
+                    *y = k(wr, x);
+                }
+            }
+            return Ok(());
+        }
+        let k = quant::dot_q_kernel(ty)?;
+        let ab = act.row_bytes(cols as u64).map(|b| b as usize).unwrap_or(0);
+        SCRATCH.with(|s| -> Result<()> {
+            let mut all = s.borrow_mut();
+            all.clear();
+            let mut one = Vec::with_capacity(ab);
+            for x in xs.chunks_exact(cols) {
+                quant::quantize_acts(act, x, &mut one)?;
+                all.extend_from_slice(&one);
+            }
+            for (wr, yr) in w.chunks_exact(rb).zip(ys.chunks_exact_mut(batch)) {
+                for (y, a) in yr.iter_mut().zip(all.chunks_exact(ab)) {
+                    *y = k(wr, a);
+                }
+            }
+            Ok(())
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::blocks::{fill, Rng};
+
+    /// The batched path must agree with the engine's matvec row for row (same quantized activations).
+    #[test]
+    fn matmul_matches_matvec() {
+        let mut rng = Rng::new(3);
+        for ty in [GgmlType::Q8_0, GgmlType::Q2K, GgmlType::Q4K, GgmlType::Iq2Xxs, GgmlType::F16] {
+            let (rows, cols, nb) = (5usize, 512usize, 3usize);
+            let rb = ty.row_bytes(cols as u64).unwrap() as usize;
+            let mut w = vec![0u8; rows * rb];
+            fill(ty, &mut w, 0.1, &mut rng);
+            let xs: Vec<f32> = (0..nb * cols).map(|_| rng.next_sym()).collect();
+            let mut ys = vec![0f32; rows * nb];
+            EngineKernels.matmul(ty, &w, rows, cols, &xs, nb, &mut ys).unwrap();
+            for b in 0..nb {
+                let mut y = vec![0f32; rows];
+                EngineKernels.matvec(ty, &w, rows, cols, &xs[b * cols..(b + 1) * cols], &mut y).unwrap();
+                for r in 0..rows {
+                    assert_eq!(ys[r * nb + b], y[r], "{ty} row {r} batch {b}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn bad_shapes_are_errors() {
+        let w = vec![0u8; 34];
+        let mut ys = vec![0f32; 2];
+        assert!(EngineKernels.matmul(GgmlType::Q8_0, &w, 1, 32, &[0.0; 32], 2, &mut ys).is_err());
+        assert!(EngineKernels.matmul(GgmlType::Q8_0, &w, 1, 31, &[0.0; 62], 2, &mut ys).is_err());
+        assert!(EngineKernels.matvec(GgmlType::Q8_0, &w, 2, 32, &[0.0; 32], &mut ys).is_err());
+    }
+}

@@ -1,0 +1,78 @@
+//! Smoke tests of every `ds4-bench` subcommand on tiny sizes (`--quick`): they run the real binary and check the
+//! shape of its report (machine summary, CSV header, every field parses). No timing is asserted.
+
+use std::process::Command;
+
+fn run(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_ds4-bench")).args(args).output().expect("run ds4-bench");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "ds4-bench {args:?} failed: {stderr}");
+    String::from_utf8(out.stdout).expect("utf-8 report")
+}
+
+/// Splits a report into its `#` summary lines and CSV lines; checks the summary names cpu, cores, simd, backend.
+fn split(report: &str) -> (Vec<&str>, Vec<&str>) {
+    let (comments, csv): (Vec<&str>, Vec<&str>) = report.lines().partition(|l| l.starts_with('#'));
+    for key in ["# cpu: ", "# cores: ", "# simd: ", "# backend: "] {
+        assert!(comments.iter().any(|l| l.starts_with(key)), "summary lacks {key:?}:\n{report}");
+    }
+    (comments, csv)
+}
+
+/// Parses CSV rows against the expected header; returns rows as field vectors.
+fn rows<'a>(csv: &[&'a str], header: &str) -> Vec<Vec<&'a str>> {
+    assert_eq!(csv.first().copied(), Some(header));
+    let n = header.split(',').count();
+    let rows: Vec<Vec<&str>> = csv[1..].iter().map(|l| l.split(',').collect()).collect();
+    for r in &rows {
+        assert_eq!(r.len(), n, "{r:?}");
+    }
+    rows
+}
+
+fn num(s: &str) -> f64 {
+    s.parse::<f64>().unwrap_or_else(|_| panic!("{s:?} is not a number"))
+}
+
+#[test]
+fn kernels_quick() {
+    let report = run(&["kernels", "--quick", "--quiet", "--types", "q8_0,iq2_xxs"]);
+    let (_, csv) = split(&report);
+    let header =
+        "case,type,rows,cols,matrices,bytes,threads,kernel,batch,weights_gbs,gflops,mem_gbs,fraction,target,verdict";
+    let rows = rows(&csv, header);
+    // Default shapes: iq2_xxs expert.gate_up, q8_0 attn.q_b and attn.out_b; matvec + matmul each.
+    assert_eq!(rows.len(), 6, "{report}");
+    for r in &rows {
+        assert!(["q8_0", "iq2_xxs"].contains(&r[1]), "{r:?}");
+        assert!(["matvec", "matmul"].contains(&r[7]));
+        for i in [2, 3, 4, 5, 6, 8] {
+            assert!(num(r[i]) >= 1.0, "{r:?}");
+        }
+        for i in [9, 10, 11, 12] {
+            assert!(num(r[i]) > 0.0, "{r:?}");
+        }
+        assert!(["ok", "short", "-"].contains(&r[14]));
+    }
+}
+
+#[test]
+fn kernels_rejects_unknown_type() {
+    let out = Command::new(env!("CARGO_BIN_EXE_ds4-bench"))
+        .args(["kernels", "--quick", "--quiet", "--types", "q5_k"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("q5_k"));
+}
+
+#[test]
+fn membw_quick() {
+    let report = run(&["membw", "--quick", "--quiet", "--threads", "2"]);
+    let (_, csv) = split(&report);
+    let rows = rows(&csv, "bytes,threads,passes,gbs");
+    assert_eq!(rows.len(), 4);
+    for r in rows {
+        assert!(num(r[0]) >= (1 << 20) as f64 && num(r[3]) > 0.0);
+    }
+}
