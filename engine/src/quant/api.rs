@@ -28,6 +28,18 @@ fn check_finite(op: &'static str, ty: GgmlType, what: &str, v: &[f32]) -> Result
     }
 }
 
+/// The largest magnitude a format with f16 block scales can represent (f16 max 65504 times the largest level).
+fn max_magnitude(ty: GgmlType) -> Option<f32> {
+    const F16_MAX: f32 = 65504.0;
+    match ty {
+        GgmlType::Q8_0 => Some(F16_MAX * 127.0),
+        GgmlType::Q2K => Some(F16_MAX * 15.0 * 3.0),
+        GgmlType::Q4K => Some(F16_MAX * 63.0 * 15.0),
+        GgmlType::Iq2Xxs => Some(F16_MAX * 15.5 * 0.25 * 43.0),
+        _ => None,
+    }
+}
+
 /// Dequantizes one row: `dst.len()` values from `src`, which must be exactly `ty.row_bytes(dst.len())` bytes.
 pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<()> {
     const OP: &str = "dequantize_row";
@@ -51,7 +63,8 @@ pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<()> {
 
 /// Quantizes one row (round-to-nearest with a scale search). `importance`, if given, holds one non-negative weight
 /// per value (an imatrix row): the scale search minimises the importance-weighted squared error. `dst` must be
-/// exactly `ty.row_bytes(src.len())` bytes. Quant types reject non-finite input; F32/F16/BF16 convert anything.
+/// exactly `ty.row_bytes(src.len())` bytes. Quant types reject non-finite input and values beyond what their f16
+/// block scales can represent (e.g. ±8.3e6 for Q8_0); F32/F16/BF16 convert anything (overflowing to ±inf).
 pub fn quantize_row(ty: GgmlType, src: &[f32], importance: Option<&[f32]>, dst: &mut [u8]) -> Result<()> {
     const OP: &str = "quantize_row";
     let need = row_len(OP, ty, src.len())?;
@@ -68,6 +81,11 @@ pub fn quantize_row(ty: GgmlType, src: &[f32], importance: Option<&[f32]>, dst: 
     }
     if !matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16) {
         check_finite(OP, ty, "src", src)?;
+        if let Some(limit) = max_magnitude(ty) {
+            if let Some(i) = src.iter().position(|v| v.abs() > limit) {
+                return Err(qerr(OP, ty, format!("src[{i}] = {} is beyond the format's range (±{limit:e})", src[i])));
+            }
+        }
     }
     match ty {
         GgmlType::F32 => f16::quantize_f32(src, dst),
@@ -121,6 +139,11 @@ pub fn quantize_acts(act_ty: GgmlType, x: &[f32], dst: &mut Vec<u8>) -> Result<(
     let need = row_len(OP, act_ty, x.len())?;
     if act_ty != GgmlType::F32 {
         check_finite(OP, act_ty, "x", x)?;
+    }
+    if let Some(limit) = max_magnitude(act_ty) {
+        if let Some(i) = x.iter().position(|v| v.abs() > limit) {
+            return Err(qerr(OP, act_ty, format!("x[{i}] = {} is beyond the format's range (±{limit:e})", x[i])));
+        }
     }
     dst.clear();
     dst.resize(need, 0);
@@ -244,6 +267,7 @@ mod tests {
         assert!(dequantize_row(GgmlType::Q4_0, &[0u8; 18], &mut out).is_err());
         let mut b = [0u8; 34];
         assert!(quantize_row(GgmlType::Q8_0, &[f32::NAN; 32], None, &mut b).is_err());
+        assert!(quantize_row(GgmlType::Q8_0, &[1e8; 32], None, &mut b).is_err());
         assert!(quantize_row(GgmlType::Q8_0, &[1.0; 32], Some(&[1.0; 31]), &mut b).is_err());
         assert!(quantize_row(GgmlType::Q8_0, &[1.0; 32], Some(&[-1.0; 32]), &mut b).is_err());
         assert!(dot_q_kernel(GgmlType::F16).is_err());
