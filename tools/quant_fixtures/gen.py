@@ -17,6 +17,7 @@ The output is deterministic (fixed seed) for a given gguf/numpy version.
 """
 
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -86,6 +87,8 @@ def gen_tables():
     lines.append("")
     with open(TABLES, "w") as f:
         f.write("\n".join(lines))
+    # Match the committed file's formatting (the repo runs rustfmt on every source file).
+    subprocess.run(["rustfmt", "--edition", "2021", TABLES], check=False)
 
 
 def deq(raw, ty):
