@@ -117,7 +117,7 @@ pub fn f32_to_e4m3_exact(x: f32) -> Option<u8> {
         ((exp + 7) as u8) << 3 | ((bits >> 20) & 0x7) as u8
     } else {
         let m = a * 512.0; // exact: power-of-two multiply of a value >= 2^-149 * 2^9
-        if m.fract() != 0.0 || m >= 8.0 || m < 1.0 {
+        if m.fract() != 0.0 || !(1.0..8.0).contains(&m) {
             return None;
         }
         m as u8

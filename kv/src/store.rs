@@ -218,7 +218,7 @@ impl KvStore {
     /// Opens (creating if needed) the cache in `dir` for `identity`. Fails only on invalid options; disk problems
     /// switch disk caching off (see [`KvStore::status`]).
     pub fn open(dir: impl Into<PathBuf>, identity: ModelIdentity, opts: KvOptions) -> Result<KvStore> {
-        if opts.span_tokens == 0 || opts.span_multiple_of == 0 || opts.span_tokens % opts.span_multiple_of != 0 {
+        if opts.span_tokens == 0 || opts.span_tokens.checked_rem(opts.span_multiple_of) != Some(0) {
             return Err(KvError::Invalid(format!(
                 "span_tokens {} must be a positive multiple of {}",
                 opts.span_tokens, opts.span_multiple_of
@@ -818,7 +818,7 @@ impl KvStore {
                     }
                 })
                 .collect();
-        v.sort_by(|a, b| (a.token_start, a.key).cmp(&(b.token_start, b.key)));
+        v.sort_by_key(|e| (e.token_start, e.key));
         v
     }
 }

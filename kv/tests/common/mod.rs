@@ -86,7 +86,10 @@ pub fn checkpoint_rows(tokens: &[u32], window_values: usize) -> Vec<f32> {
 }
 
 /// Collects every block a load hands over.
-pub fn collect(store: &KvStore, key: &ds4_kv::Key) -> ds4_kv::Result<Vec<(u32, u32, u32, u32, Vec<f32>)>> {
+/// A loaded block: (group, tag, rows, width, values).
+pub type Block = (u32, u32, u32, u32, Vec<f32>);
+
+pub fn collect(store: &KvStore, key: &ds4_kv::Key) -> ds4_kv::Result<Vec<Block>> {
     let mut out = Vec::new();
     store.load(key, |v: RowsView<'_>| {
         out.push((v.group, v.tag, v.rows, v.width, v.values.to_vec()));
