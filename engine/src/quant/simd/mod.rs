@@ -65,7 +65,15 @@ mod tests {
             eprintln!("no SIMD on this CPU; scalar kernels only");
             return;
         }
-        for ty in [GgmlType::F32, GgmlType::Bf16, GgmlType::Q8_0, GgmlType::Q2K, GgmlType::Q4K, GgmlType::Iq2Xxs] {
+        for ty in [
+            GgmlType::F32,
+            GgmlType::F16,
+            GgmlType::Bf16,
+            GgmlType::Q8_0,
+            GgmlType::Q2K,
+            GgmlType::Q4K,
+            GgmlType::Iq2Xxs,
+        ] {
             assert!(dot_f32(ty).is_some(), "{ty}: no SIMD f32 dot");
         }
         for ty in [GgmlType::Q8_0, GgmlType::Q2K, GgmlType::Q4K, GgmlType::Iq2Xxs] {

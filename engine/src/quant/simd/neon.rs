@@ -2,7 +2,7 @@
 //! runtime detection is needed).
 //!
 //! Integer dot products use `vmull_s8` + `vpadalq_s16` (the baseline; the optional `dotprod` extension is not
-//! assumed). F16 rows use the scalar code (Rust's `f16` NEON types are not stable). Every pointer load reads
+//! assumed). F16 rows are converted with integer ops (Rust's `f16` NEON types are not stable). Every pointer load reads
 //! inside a block slice produced by `chunks_exact`, or below an index bounded by the slice length.
 //!
 //! To run the tests on an x86 machine: `rustup target add aarch64-unknown-linux-gnu`, `apt-get install qemu-user
@@ -20,6 +20,7 @@ use super::super::{iq2_xxs, q2_k, q4_k, q8_0, q8_k, GgmlType, QK_K};
 pub(super) fn dot_f32(ty: GgmlType) -> Option<DotF32> {
     Some(match ty {
         GgmlType::F32 => f32_f32,
+        GgmlType::F16 => f16_f32,
         GgmlType::Bf16 => bf16_f32,
         GgmlType::Q8_0 => q8_0_f32,
         GgmlType::Q2K => q2_k_f32,
@@ -50,6 +51,7 @@ macro_rules! wrap {
     };
 }
 wrap!(f32_f32, f32_f32_imp, &[f32]);
+wrap!(f16_f32, f16_f32_imp, &[f32]);
 wrap!(bf16_f32, bf16_f32_imp, &[f32]);
 wrap!(q8_0_f32, q8_0_f32_imp, &[f32]);
 wrap!(q2_k_f32, q2_k_f32_imp, &[f32]);
@@ -104,6 +106,44 @@ fn f32_f32_imp(w: &[u8], x: &[f32]) -> f32 {
     let mut s = vaddvq_f32(vaddq_f32(acc[0], acc[1]));
     for j in i..n {
         s += f32::from_le_bytes([w[4 * j], w[4 * j + 1], w[4 * j + 2], w[4 * j + 3]]) * x[j];
+    }
+    s
+}
+
+/// 4 f16 bit patterns (in u32 lanes) to f32, exact: shift exponent and mantissa into f32 position and scale by
+/// 2^112 (handles normals and subnormals), give infinities/NaNs an all-ones exponent, then restore the sign.
+#[inline]
+#[target_feature(enable = "neon")]
+fn f16x4_to_f32(u: uint32x4_t) -> float32x4_t {
+    let em = vandq_u32(u, vdupq_n_u32(0x7fff));
+    let sign = vshlq_n_u32::<16>(vandq_u32(u, vdupq_n_u32(0x8000)));
+    let shifted = vshlq_n_u32::<13>(em);
+    let scaled = vmulq_f32(vreinterpretq_f32_u32(shifted), vdupq_n_f32(f32::from_bits(0x7780_0000)));
+    let special = vreinterpretq_f32_u32(vorrq_u32(shifted, vdupq_n_u32(0x7f80_0000)));
+    let v = vbslq_f32(vcgeq_u32(em, vdupq_n_u32(0x7c00)), special, scaled);
+    vreinterpretq_f32_u32(vorrq_u32(vreinterpretq_u32_f32(v), sign))
+}
+
+#[target_feature(enable = "neon")]
+fn f16_f32_imp(w: &[u8], x: &[f32]) -> f32 {
+    let n = (w.len() / 2).min(x.len());
+    let (wp, xp) = (w.as_ptr(), x.as_ptr());
+    let mut acc = [vdupq_n_f32(0.0); 2];
+    let mut i = 0;
+    while i + 8 <= n {
+        // SAFETY: i + 8 ≤ n: 16 bytes of w at 2i and 8 f32 of x at i are in bounds.
+        unsafe {
+            let h = vreinterpretq_u16_u8(vld1q_u8(wp.add(2 * i)));
+            let lo = f16x4_to_f32(vmovl_u16(vget_low_u16(h)));
+            let hi = f16x4_to_f32(vmovl_u16(vget_high_u16(h)));
+            acc[0] = vfmaq_f32(acc[0], lo, vld1q_f32(xp.add(i)));
+            acc[1] = vfmaq_f32(acc[1], hi, vld1q_f32(xp.add(i + 4)));
+        }
+        i += 8;
+    }
+    let mut s = vaddvq_f32(vaddq_f32(acc[0], acc[1]));
+    for j in i..n {
+        s += f16_at(w, 2 * j) * x[j];
     }
     s
 }
@@ -315,3 +355,22 @@ const SIGNS_PM1: [u64; 128] = {
     }
     t
 };
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn f16_conversion_is_exact_for_every_bit_pattern() {
+        for h in 0..=u16::MAX {
+            let want = half::f16::from_bits(h).to_f32();
+            // SAFETY: this module only exists where NEON is enabled.
+            let got = unsafe { vgetq_lane_f32::<0>(f16x4_to_f32(vdupq_n_u32(h as u32))) };
+            if want.is_nan() {
+                assert!(got.is_nan(), "{h:#06x}");
+            } else {
+                assert_eq!(got.to_bits(), want.to_bits(), "{h:#06x}");
+            }
+        }
+    }
+}
