@@ -7,7 +7,9 @@ use crate::{Error, Result};
 /// Weight row bytes · f32 activations (`x.len()` values). See the module docs for the length contract.
 pub type DotF32 = fn(&[u8], &[f32]) -> f32;
 
-/// Weight row bytes · quantized activation row bytes (in [`act_type`] of the weight type).
+/// Weight row bytes · quantized activation row bytes (in [`act_type`] of the weight type). Activations must come from
+/// [`quantize_acts`] (whose quants stay within -127..=127; the SIMD kernels negate activation quants, which a -128
+/// would overflow). Weight quants may take any value their format allows.
 pub type DotQ = fn(&[u8], &[u8]) -> f32;
 
 fn qerr(op: &'static str, ty: GgmlType, what: impl Into<String>) -> Error {
