@@ -4,7 +4,7 @@
 //! per block). The engine computes with F32, F16, BF16, Q8_0, Q2_K, Q4_K and IQ2_XXS weights; Q8_K (and Q8_0) serve
 //! as quantized activation formats.
 //!
-//! The public API (everything callers need) lives in this file:
+//! The public API (everything callers need) is re-exported here from `api`:
 //! - [`dequantize_row`] / [`quantize_row`]: bytes ⇄ f32 for one row (quantizers are round-to-nearest with an
 //!   optional importance-weighted scale search).
 //! - [`dot_f32_kernel`] → [`DotF32`]: weight row bytes · f32 activations.
@@ -13,7 +13,7 @@
 //! - [`matvec`] / [`matvec_with_scratch`]: `y = W·x`, single-threaded, best path; [`matvec_q`] takes activations
 //!   already quantized (quantize once, share across matrices and threads).
 //!
-//! Kernels are resolved once (runtime CPU feature detection: AVX2+FMA(+F16C) on x86-64, NEON on aarch64, scalar
+//! Kernels are resolved once (runtime CPU feature detection: AVX2+FMA+F16C on x86-64, NEON on aarch64, scalar
 //! otherwise) and handed out as plain `fn` pointers; callers cache them. Kernel contract: a `DotF32`/`DotQ` computes
 //! over `n = x.len()` values (resp. the whole blocks of the activation row) and expects `w` to hold exactly the
 //! bytes of `n` values; given shorter buffers it only covers the whole blocks both hold — it never panics and never
