@@ -76,7 +76,7 @@ impl WgpuContext {
         .map_err(|e| backend_err(format!("request_device on {}: {e}", info.name)))?;
         let hw = limits.max_storage_buffer_binding_size.min(limits.max_buffer_size) & !3;
         let max_binding = match opts.max_binding_override {
-            Some(n) if n == 0 || n % 4 != 0 => {
+            Some(n) if n == 0 || !n.is_multiple_of(4) => {
                 return Err(Error::InvalidArgument(format!(
                     "max_binding_override {n} must be a positive multiple of 4"
                 )))
@@ -134,7 +134,7 @@ impl WgpuContext {
     /// A storage buffer initialised with `data` (padded with zeros to a multiple of 4 bytes).
     pub fn storage_init(&self, label: &str, data: &[u8]) -> wgpu::Buffer {
         let mut padded;
-        let bytes = if data.is_empty() || data.len() % 4 != 0 {
+        let bytes = if data.is_empty() || !data.len().is_multiple_of(4) {
             padded = data.to_vec();
             padded.resize(data.len().div_ceil(4).max(1) * 4, 0);
             &padded[..]

@@ -73,6 +73,7 @@ pub(crate) fn u32_of(v: usize, what: &str) -> Result<u32> {
 }
 
 /// Records `y[t, r] (+)= W[rows.start + r] · x[t]` for `r < rows.len()`, `t < n_tok` (see module docs).
+#[allow(clippy::too_many_arguments)]
 pub fn matmul(
     ctx: &WgpuContext,
     enc: &mut wgpu::CommandEncoder,

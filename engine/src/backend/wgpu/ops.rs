@@ -113,7 +113,7 @@ pub struct RopeShape {
 
 /// In-place (inverse) RoPE with `cs` = per token, per pair `(cos, sin)` (`n_tok * rope_dim / 2` pairs).
 pub fn rope(ctx: &WgpuContext, enc: &mut Enc, x: &Buf, cs: &Buf, s: RopeShape, inverse: bool) -> Result<()> {
-    if s.rope_dim % 2 != 0 || s.rope_dim > s.head_dim {
+    if !s.rope_dim.is_multiple_of(2) || s.rope_dim > s.head_dim {
         return Err(backend_err(format!("rope: rope_dim {} must be even and <= head_dim {}", s.rope_dim, s.head_dim)));
     }
     if s.n_tok == 0 || s.heads == 0 || s.rope_dim == 0 {
@@ -343,7 +343,7 @@ pub fn compress_pool(
     dim: usize,
     out: (&Buf, usize, usize),
 ) -> Result<()> {
-    if slots_per_window == 0 || slots.len() % slots_per_window != 0 {
+    if slots_per_window == 0 || !slots.len().is_multiple_of(slots_per_window) {
         return Err(backend_err(format!("compress: {} slots for windows of {slots_per_window}", slots.len())));
     }
     let n_windows = slots.len() / slots_per_window;
@@ -549,6 +549,7 @@ pub fn swiglu(
     ctx.dispatch_at(enc, &pl, &[(0, gu), (1, h.0), (2, &idx), (5, rw), (6, &ub)], [groups(n)?, p.rows, 1])
 }
 
+#[allow(clippy::too_many_arguments)]
 fn gather_scatter(
     ctx: &WgpuContext,
     enc: &mut Enc,

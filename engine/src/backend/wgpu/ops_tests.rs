@@ -140,6 +140,7 @@ fn attention_with_sink_matches_cpu() {
 }
 
 /// CPU mHC reference in f64 following the transformers implementation: (u, post, comb).
+#[allow(clippy::too_many_arguments)]
 fn hc_reference(
     x: &[f32],
     mix: &[f32],
