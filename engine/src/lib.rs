@@ -23,6 +23,7 @@ pub mod backend;
 pub mod chat;
 pub mod cli;
 pub mod convert;
+pub mod engine;
 pub mod error;
 pub mod exec;
 pub mod gguf;
@@ -33,4 +34,6 @@ pub mod sampler;
 pub mod tables;
 pub mod tokenizer;
 
+pub use engine::{BackendKind, Engine, EngineOptions};
 pub use error::{Error, Result};
+pub use tables::{SessionId, SessionSnapshot};

@@ -6,7 +6,9 @@
 use clap::{Parser, Subcommand};
 
 mod convert;
+mod generate;
 mod inspect;
+mod logits;
 mod render;
 mod tokenize;
 
@@ -29,6 +31,10 @@ pub enum Command {
     Render(render::Args),
     /// Convert an official checkpoint folder (config.json + safetensors) to a DS4 GGUF file.
     Convert(convert::Args),
+    /// Write the logits of every prompt position (little-endian f32 `[n_tokens, vocab]`).
+    Logits(logits::Args),
+    /// Greedy generation from a token prompt; prints the generated ids.
+    Generate(generate::Args),
 }
 
 /// Initializes logging (`RUST_LOG` controls the level; default `info`) on stderr.
@@ -47,6 +53,8 @@ pub fn main() -> i32 {
         Command::Tokenize(a) => tokenize::run(a),
         Command::Render(a) => render::run(a),
         Command::Convert(a) => convert::run(a),
+        Command::Logits(a) => logits::run(a),
+        Command::Generate(a) => generate::run(a),
     };
     match r {
         Ok(code) => code,

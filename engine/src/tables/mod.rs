@@ -1,1 +1,10 @@
-//! Flat component tables (struct-of-arrays; ids are indices): sessions and their KV state.
+//! Flat component tables (struct-of-arrays; ids are indices): the [`SessionTable`] and each session's KV state
+//! ([`SessionKv`]: raw window rings, compressed rows, indexer rows, compressor frontiers).
+//!
+//! Snapshots are plain data ([`SessionSnapshot`]); the `kv` crate serialises them and pages the growing rows.
+
+pub mod kv;
+pub mod session;
+
+pub use kv::{Frontier, LayerKv, SessionKv};
+pub use session::{SessionId, SessionSnapshot, SessionTable};

@@ -1,0 +1,72 @@
+//! The lightning indexer's selection for one query: score every visible compressed row, keep the top `k`.
+//!
+//! `I(t, s) = Σ_h w_h · ReLU(q_h · K_s) · idx_head_dim^-½`, where `w_h` already carries `idx_heads^-½`. Ties
+//! break toward the lower row index (stable), and the selection is returned in ascending row order.
+
+/// Selects rows for one query. `q`: `heads × dim`; `w`: `heads`; `keys`: `n_vis × dim` (only visible rows);
+/// `scores`: scratch of at least `n_vis`; `out`: receives the selected row indices (ascending); returns the count
+/// (`min(topk, n_vis)`).
+pub fn select(
+    q: &[f32],
+    w: &[f32],
+    keys: &[f32],
+    dim: usize,
+    topk: usize,
+    scores: &mut Vec<f32>,
+    order: &mut Vec<u32>,
+    out: &mut [u32],
+) -> usize {
+    let heads = w.len();
+    let n_vis = keys.len() / dim.max(1);
+    if n_vis <= topk {
+        for (i, o) in out.iter_mut().take(n_vis).enumerate() {
+            *o = i as u32;
+        }
+        return n_vis;
+    }
+    let scale = 1.0 / (dim as f32).sqrt();
+    scores.clear();
+    for s in 0..n_vis {
+        let k = &keys[s * dim..(s + 1) * dim];
+        let mut acc = 0f32;
+        for h in 0..heads {
+            let d = super::matmul::dot_f32(&q[h * dim..(h + 1) * dim], k);
+            acc += d.max(0.0) * scale * w[h];
+        }
+        scores.push(acc);
+    }
+    order.clear();
+    order.extend(0..n_vis as u32);
+    let cmp = |a: &u32, b: &u32| {
+        let (sa, sb) = (scores[*a as usize], scores[*b as usize]);
+        sb.partial_cmp(&sa).unwrap_or(std::cmp::Ordering::Equal).then(a.cmp(b))
+    };
+    order.select_nth_unstable_by(topk - 1, cmp);
+    let sel = &mut order[..topk];
+    sel.sort_unstable();
+    out[..topk].copy_from_slice(sel);
+    topk
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keeps_top_scores_with_low_index_ties() {
+        // one head, dim 1, weight 1: score = relu(q·k)
+        let keys = [1.0f32, 3.0, -2.0, 3.0, 2.0];
+        let (mut s, mut o) = (Vec::new(), Vec::new());
+        let mut out = [0u32; 5];
+        let n = select(&[1.0], &[1.0], &keys, 1, 2, &mut s, &mut o, &mut out);
+        assert_eq!(&out[..n], &[1, 3]);
+        let n = select(&[1.0], &[1.0], &keys, 1, 3, &mut s, &mut o, &mut out);
+        assert_eq!(&out[..n], &[1, 3, 4]);
+        // ReLU ties at zero: negative query makes all scores 0 -> lowest indices win.
+        let n = select(&[-1.0], &[1.0], &[1.0, 2.0, 3.0], 1, 2, &mut s, &mut o, &mut out);
+        assert_eq!(&out[..n], &[0, 1]);
+        // fewer visible rows than k: all of them.
+        let n = select(&[1.0], &[1.0], &[5.0, 6.0], 1, 4, &mut s, &mut o, &mut out);
+        assert_eq!(&out[..n], &[0, 1]);
+    }
+}

@@ -1,0 +1,57 @@
+//! RMSNorm: `x · rsqrt(mean(x²) + eps)` (optionally `· w`). The mean is accumulated in f64 for stability; the
+//! result is f32. Pure functions on slices; lengths must match (callers pass validated shapes).
+
+/// `1 / sqrt(mean(x²) + eps)`.
+#[inline]
+pub fn rms_scale(x: &[f32], eps: f32) -> f32 {
+    let ss: f64 = x.iter().map(|&v| (v as f64) * (v as f64)).sum();
+    let mean = (ss / x.len().max(1) as f64) as f32;
+    1.0 / (mean + eps).sqrt()
+}
+
+/// `out = x · rsqrt(mean(x²)+eps) · w`.
+pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let s = rms_scale(x, eps);
+    for ((o, &v), &g) in out.iter_mut().zip(x).zip(w) {
+        *o = g * (v * s);
+    }
+}
+
+/// In-place weighted RMSNorm.
+pub fn rms_norm_inplace(x: &mut [f32], w: &[f32], eps: f32) {
+    let s = rms_scale(x, eps);
+    for (v, &g) in x.iter_mut().zip(w) {
+        *v = g * (*v * s);
+    }
+}
+
+/// In-place unweighted RMSNorm.
+pub fn rms_norm_unweighted(x: &mut [f32], eps: f32) {
+    let s = rms_scale(x, eps);
+    x.iter_mut().for_each(|v| *v *= s);
+}
+
+/// Batched weighted RMSNorm over `n` rows of `w.len()` values.
+pub fn rms_norm_rows(x: &[f32], w: &[f32], eps: f32, n: usize, out: &mut [f32]) {
+    let d = w.len();
+    for r in 0..n {
+        rms_norm(&x[r * d..(r + 1) * d], w, eps, &mut out[r * d..(r + 1) * d]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn norm_values() {
+        let x = [3.0f32, 4.0];
+        let mut o = [0f32; 2];
+        rms_norm(&x, &[1.0, 2.0], 0.0, &mut o);
+        let s = 1.0 / (12.5f32).sqrt();
+        assert!((o[0] - 3.0 * s).abs() < 1e-6 && (o[1] - 8.0 * s).abs() < 1e-6);
+        let mut y = [0f32; 3];
+        rms_norm_unweighted(&mut y, 1e-6);
+        assert_eq!(y, [0.0; 3]);
+    }
+}

@@ -1,0 +1,397 @@
+//! The public engine API: open a model, create sessions, queue tokens, run ticks, read logits.
+//!
+//! Each [`Engine::step`] builds one tick's batch over every session with queued tokens (continuous batching):
+//! decode sessions (one queued token) first, then prefill chunks, up to `max_batch_tokens` rows in all. The batch
+//! runs through the job graph ([`crate::graph`]) on the chosen backend ([`crate::backend`]). Results do not depend
+//! on how tokens were chunked: one-pass prefill, chunked prefill and token-by-token decode agree.
+//!
+//! ```no_run
+//! use ds4_engine::engine::{Engine, EngineOptions};
+//! # fn main() -> ds4_engine::Result<()> {
+//! let mut engine = Engine::open("model.gguf", EngineOptions::default())?;
+//! let s = engine.create_session();
+//! engine.feed(s, &[0, 5, 17])?;
+//! engine.run_until_idle()?;
+//! let next = ds4_engine::engine::argmax(engine.logits(s)?);
+//! let more = engine.generate_greedy(s, &[next], 8)?;
+//! println!("{next} {more:?}");
+//! # Ok(())
+//! # }
+//! ```
+
+use std::path::Path;
+
+use crate::backend::cpu::CpuBackend;
+use crate::backend::{Activations, Backend, RopeSet, StepCtx};
+use crate::exec::Executor;
+use crate::gguf::GgufFile;
+use crate::graph::{Batch, Graph};
+use crate::model::{Model, ModelConfig};
+use crate::tables::{SessionId, SessionKv, SessionSnapshot, SessionTable};
+use crate::{Error, Result};
+
+/// Which backend runs the ops.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum BackendKind {
+    /// The reference CPU backend.
+    #[default]
+    Cpu,
+    /// WGSL compute shaders via wgpu.
+    Wgpu,
+}
+
+impl std::str::FromStr for BackendKind {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "cpu" => Ok(BackendKind::Cpu),
+            "wgpu" => Ok(BackendKind::Wgpu),
+            _ => Err(Error::InvalidArgument(format!("unknown backend {s:?} (expected cpu or wgpu)"))),
+        }
+    }
+}
+
+/// Engine options.
+#[derive(Clone, Debug)]
+pub struct EngineOptions {
+    pub backend: BackendKind,
+    /// Exact mode: no FP8/FP4 activation simulation (compare with the golden files).
+    pub exact: bool,
+    /// Worker threads (0 = all cores).
+    pub threads: usize,
+    /// Context length per session (0 = the model's trained context).
+    pub ctx: usize,
+    /// Rows per tick (prefill chunk size).
+    pub max_batch_tokens: usize,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions { backend: BackendKind::Cpu, exact: false, threads: 0, ctx: 0, max_batch_tokens: 256 }
+    }
+}
+
+/// Index of the largest value (lowest index on ties); 0 for an empty slice.
+pub fn argmax(v: &[f32]) -> u32 {
+    let mut best = 0usize;
+    for (i, &x) in v.iter().enumerate() {
+        if x > v[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// The engine. See the module docs.
+pub struct Engine {
+    model: Model,
+    rope: RopeSet,
+    backend: Box<dyn Backend>,
+    opts: EngineOptions,
+    ctx: usize,
+    sessions: SessionTable,
+    act: Activations,
+    graph: Graph,
+    exec: Executor,
+    batch: Batch,
+    kv_tmp: Vec<SessionKv>,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine").field("backend", &self.backend.name()).field("opts", &self.opts).finish()
+    }
+}
+
+impl Engine {
+    /// Opens (memory-maps) a DS4 GGUF file.
+    pub fn open(path: impl AsRef<Path>, opts: EngineOptions) -> Result<Engine> {
+        let t0 = std::time::Instant::now();
+        let file = GgufFile::open(path.as_ref())?;
+        let e = Engine::from_gguf(file, opts)?;
+        tracing::info!(path = %path.as_ref().display(), ms = t0.elapsed().as_millis() as u64, "engine ready");
+        Ok(e)
+    }
+
+    /// Builds an engine on an already opened (possibly in-memory) GGUF file.
+    pub fn from_gguf(file: GgufFile, opts: EngineOptions) -> Result<Engine> {
+        let model = Model::load(file)?;
+        let backend: Box<dyn Backend> = match opts.backend {
+            BackendKind::Cpu => Box::new(CpuBackend::new(opts.threads)),
+            BackendKind::Wgpu => {
+                return Err(Error::Backend { backend: "wgpu", what: "the wgpu backend is not available yet".into() })
+            }
+        };
+        if opts.max_batch_tokens == 0 {
+            return Err(Error::InvalidArgument("max_batch_tokens must be > 0".into()));
+        }
+        let ctx = if opts.ctx == 0 { model.config.ctx_len.max(1) } else { opts.ctx };
+        let rope = RopeSet::new(&model);
+        let mut graph = Graph::default();
+        graph.build(model.config.n_layers);
+        Ok(Engine {
+            model,
+            rope,
+            backend,
+            opts,
+            ctx,
+            sessions: SessionTable::default(),
+            act: Activations::default(),
+            graph,
+            exec: Executor::default(),
+            batch: Batch::default(),
+            kv_tmp: Vec::new(),
+        })
+    }
+
+    /// The model's hyperparameters.
+    pub fn config(&self) -> &ModelConfig {
+        &self.model.config
+    }
+
+    /// The loaded model (weights, file).
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    /// Context length per session.
+    pub fn ctx(&self) -> usize {
+        self.ctx
+    }
+
+    /// Options the engine was built with.
+    pub fn options(&self) -> &EngineOptions {
+        &self.opts
+    }
+
+    /// Creates an empty session.
+    pub fn create_session(&mut self) -> SessionId {
+        let (cfg, ctx) = (&self.model.config, self.ctx);
+        self.sessions.create(|| SessionKv::new(cfg, ctx))
+    }
+
+    fn slot(&self, id: SessionId) -> Result<usize> {
+        self.sessions.slot(id).ok_or_else(|| Error::Session(format!("unknown or freed session {id:?}")))
+    }
+
+    /// When on, every processed position's logits are kept (read them with [`Engine::take_all_logits`]).
+    pub fn set_prefill_logits(&mut self, id: SessionId, on: bool) -> Result<()> {
+        let s = self.slot(id)?;
+        self.sessions.want_all_logits[s] = on;
+        Ok(())
+    }
+
+    /// Queues tokens for a session (processed by the next ticks).
+    pub fn feed(&mut self, id: SessionId, tokens: &[u32]) -> Result<()> {
+        let s = self.slot(id)?;
+        let vocab = self.model.config.vocab;
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(Error::InvalidArgument(format!("token id {t} is outside the vocabulary (size {vocab})")));
+        }
+        let total = self.sessions.pos[s] + self.sessions.pending[s].len() + tokens.len();
+        if total > self.ctx {
+            return Err(Error::ContextOverflow { tokens: total, ctx: self.ctx });
+        }
+        self.sessions.pending[s].extend(tokens.iter().copied());
+        Ok(())
+    }
+
+    /// Tokens processed by a session.
+    pub fn position(&self, id: SessionId) -> Result<usize> {
+        Ok(self.sessions.pos[self.slot(id)?])
+    }
+
+    /// Token ids processed by a session.
+    pub fn history(&self, id: SessionId) -> Result<&[u32]> {
+        Ok(&self.sessions.history[self.slot(id)?])
+    }
+
+    /// Whether any session has queued tokens.
+    pub fn has_pending(&self) -> bool {
+        self.sessions.with_pending().next().is_some()
+    }
+
+    /// Runs one tick. Returns false when there was nothing to do.
+    pub fn step(&mut self) -> Result<bool> {
+        let budget = self.opts.max_batch_tokens;
+        self.batch.clear();
+        let mut used = 0usize;
+        // Decode sessions first, then prefill chunks.
+        for pass in 0..2 {
+            for s in 0..self.sessions.alive.len() {
+                let p = &self.sessions.pending[s];
+                if !self.sessions.alive[s] || p.is_empty() || (pass == 0) != (p.len() == 1) || used >= budget {
+                    continue;
+                }
+                let take = p.len().min(budget - used);
+                let pos0 = self.sessions.pos[s];
+                let all = self.sessions.want_all_logits[s];
+                self.batch.push_run(s, pos0, p.iter().copied().take(take), all);
+                used += take;
+            }
+        }
+        if self.batch.rows.is_empty() {
+            return Ok(false);
+        }
+        self.act.ensure(&self.model, self.batch.rows.len(), self.batch.logit_rows.len());
+        self.kv_tmp.clear();
+        for run in &self.batch.runs {
+            self.kv_tmp.push(std::mem::take(&mut self.sessions.kv[run.slot]));
+        }
+        let mut cx = StepCtx {
+            model: &self.model,
+            rope: &self.rope,
+            batch: &self.batch,
+            kv: &mut self.kv_tmp,
+            act: &mut self.act,
+            sim: !self.opts.exact,
+        };
+        let r = self.exec.run(&self.graph, self.backend.as_ref(), &mut cx);
+        for (run, kv) in self.batch.runs.iter().zip(self.kv_tmp.drain(..)) {
+            self.sessions.kv[run.slot] = kv;
+        }
+        r?;
+        let vocab = self.model.config.vocab;
+        let mut out_row = 0usize;
+        for run in &self.batch.runs {
+            let s = run.slot;
+            for row in &self.batch.rows[run.start..run.start + run.len] {
+                self.sessions.history[s].push(row.token);
+            }
+            self.sessions.pending[s].drain(..run.len);
+            self.sessions.pos[s] += run.len;
+            let n_out = if run.all_logits { run.len } else { 1 };
+            let block = &self.act.logits[out_row * vocab..(out_row + n_out) * vocab];
+            if run.all_logits {
+                self.sessions.all_logits[s].extend_from_slice(block);
+            }
+            let last = &block[(n_out - 1) * vocab..];
+            self.sessions.logits[s].clear();
+            self.sessions.logits[s].extend_from_slice(last);
+            out_row += n_out;
+        }
+        Ok(true)
+    }
+
+    /// Runs ticks until no session has queued tokens.
+    pub fn run_until_idle(&mut self) -> Result<()> {
+        while self.step()? {}
+        Ok(())
+    }
+
+    /// Logits of a session's last processed position.
+    pub fn logits(&self, id: SessionId) -> Result<&[f32]> {
+        let s = self.slot(id)?;
+        if self.sessions.logits[s].is_empty() {
+            return Err(Error::Session("no logits yet: the session has not processed any token".into()));
+        }
+        Ok(&self.sessions.logits[s])
+    }
+
+    /// Takes the per-position logits collected since [`Engine::set_prefill_logits`] (`[n, vocab]`).
+    pub fn take_all_logits(&mut self, id: SessionId) -> Result<Vec<f32>> {
+        let s = self.slot(id)?;
+        Ok(std::mem::take(&mut self.sessions.all_logits[s]))
+    }
+
+    /// Frees a session (its slot and allocations are reused).
+    pub fn free_session(&mut self, id: SessionId) -> Result<()> {
+        if self.sessions.free(id) {
+            Ok(())
+        } else {
+            Err(Error::Session(format!("unknown or freed session {id:?}")))
+        }
+    }
+
+    /// The complete state of a session (queued tokens are not part of it).
+    pub fn snapshot(&self, id: SessionId) -> Result<SessionSnapshot> {
+        let s = self.slot(id)?;
+        Ok(SessionSnapshot {
+            pos: self.sessions.pos[s],
+            history: self.sessions.history[s].clone(),
+            kv: self.sessions.kv[s].clone(),
+            logits: self.sessions.logits[s].clone(),
+        })
+    }
+
+    /// Creates a session from a snapshot (validated against this model's shapes).
+    pub fn restore(&mut self, snap: SessionSnapshot) -> Result<SessionId> {
+        let fresh = SessionKv::new(&self.model.config, 0);
+        let bad = |what: String| Error::Session(format!("snapshot does not fit this model: {what}"));
+        if snap.kv.layers.len() != fresh.layers.len() {
+            return Err(bad(format!("{} layers, model has {}", snap.kv.layers.len(), fresh.layers.len())));
+        }
+        if snap.history.len() != snap.pos || snap.pos > self.ctx {
+            return Err(bad(format!(
+                "position {} with {} history tokens (ctx {})",
+                snap.pos,
+                snap.history.len(),
+                self.ctx
+            )));
+        }
+        let c = &self.model.config;
+        for (l, (a, b)) in snap.kv.layers.iter().zip(&fresh.layers).enumerate() {
+            let ratio = c.compress_ratios[l];
+            let n_rows = if ratio > 0 { snap.pos / ratio } else { 0 };
+            let same_front = |x: &Option<crate::tables::Frontier>, y: &Option<crate::tables::Frontier>| match (x, y) {
+                (None, None) => true,
+                (Some(x), Some(y)) => {
+                    x.ratio == y.ratio
+                        && x.dim == y.dim
+                        && x.coff == y.coff
+                        && x.pending_kv.len() == y.pending_kv.len()
+                        && x.pending_gate.len() == y.pending_gate.len()
+                        && x.prev_kv.len() == y.prev_kv.len()
+                        && x.prev_gate.len() == y.prev_gate.len()
+                        && x.n_pending == snap.pos % x.ratio
+                }
+                _ => false,
+            };
+            let ok = a.ring.len() == b.ring.len()
+                && a.comp_rows.len() == if b.comp.is_some() { n_rows * c.head_dim } else { 0 }
+                && a.idx_rows.len() == if b.idx.is_some() { n_rows * c.idx_head_dim } else { 0 }
+                && same_front(&a.comp, &b.comp)
+                && same_front(&a.idx, &b.idx);
+            if !ok {
+                return Err(bad(format!("layer {l} state has the wrong shape")));
+            }
+        }
+        if !snap.logits.is_empty() && snap.logits.len() != c.vocab {
+            return Err(bad(format!("{} logits, vocab is {}", snap.logits.len(), c.vocab)));
+        }
+        let id = self.create_session();
+        let s = id.slot as usize;
+        let mut kv = snap.kv;
+        for l in &mut kv.layers {
+            let (rc, ic) = (l.comp_rows.len(), l.idx_rows.len());
+            let ratio_rows = |n: usize| n + (self.ctx.saturating_sub(snap.pos)) * n / snap.pos.max(1);
+            l.comp_rows.reserve(ratio_rows(rc).saturating_sub(rc));
+            l.idx_rows.reserve(ratio_rows(ic).saturating_sub(ic));
+        }
+        self.sessions.kv[s] = kv;
+        self.sessions.pos[s] = snap.pos;
+        self.sessions.history[s] = snap.history;
+        self.sessions.logits[s] = snap.logits;
+        Ok(id)
+    }
+
+    /// Feeds `prompt`, then greedily generates `n` tokens (argmax, lowest id on ties). Returns the generated ids.
+    /// The last generated id is not fed back (the session's logits are those that chose it).
+    /// With an empty prompt the session must already have logits.
+    pub fn generate_greedy(&mut self, id: SessionId, prompt: &[u32], n: usize) -> Result<Vec<u32>> {
+        if !prompt.is_empty() {
+            self.feed(id, prompt)?;
+            self.run_until_idle()?;
+        }
+        let mut out = Vec::with_capacity(n);
+        for i in 0..n {
+            let t = argmax(self.logits(id)?);
+            out.push(t);
+            if i + 1 < n {
+                self.feed(id, &[t])?;
+                self.run_until_idle()?;
+            }
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,372 @@
+//! The weight table: every tensor the forward pass reads, validated against [`ModelConfig`] at load.
+//!
+//! Layout (struct-of-arrays): [`WeightTable`] holds one entry per tensor — name, type, GGUF dims, index of the
+//! tensor in the file — and, for small tensors (norm weights, biases, sinks, mHC base/scale, compressor `ape`),
+//! an f32 copy made at load. Matrices stay in the GGUF memory map (zero copy) and are read through [`Mat`].
+//! [`GlobalWeights`] and [`LayerWeights`] are index structs of [`WeightId`]s into the table.
+//!
+//! Invariants after [`Model::load`]: every id points at a tensor whose type the engine can compute with and
+//! whose dims match the config (errors name the tensor, expected and found dims); `dense(id)` is only called on
+//! ids loaded as dense (it panics otherwise — a programming error, not bad input); `tid2eid` entries are valid
+//! expert ids.
+
+use crate::gguf::GgufFile;
+use crate::model::config::{LayerKind, ModelConfig};
+use crate::quant::GgmlType;
+use crate::{Error, Result};
+
+/// Index of a tensor in the [`WeightTable`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct WeightId(pub u32);
+
+/// The flat tensor table (struct-of-arrays). See the module docs.
+#[derive(Debug, Default)]
+pub struct WeightTable {
+    pub names: Vec<String>,
+    pub types: Vec<GgmlType>,
+    /// GGUF dims, innermost first.
+    pub dims: Vec<Vec<u64>>,
+    /// Index of the tensor in `GgufFile::tensors()`.
+    pub file_index: Vec<usize>,
+    /// f32 copy for small tensors; empty for matrices read from the map.
+    pub dense: Vec<Vec<f32>>,
+}
+
+/// A row-major matrix view into the map: `rows` rows of `cols` values of type `ty`.
+#[derive(Clone, Copy, Debug)]
+pub struct Mat<'a> {
+    pub ty: GgmlType,
+    pub rows: usize,
+    pub cols: usize,
+    pub row_bytes: usize,
+    pub data: &'a [u8],
+}
+
+impl<'a> Mat<'a> {
+    /// The bytes of row `r`. Panics if `r >= rows` (callers index within the validated shape).
+    pub fn row(&self, r: usize) -> &'a [u8] {
+        &self.data[r * self.row_bytes..(r + 1) * self.row_bytes]
+    }
+
+    /// Rows `start..start + n` as a matrix (used for one expert of a stacked tensor, or a group of `wo_a`).
+    pub fn rows_slice(&self, start: usize, n: usize) -> Mat<'a> {
+        Mat { rows: n, data: &self.data[start * self.row_bytes..(start + n) * self.row_bytes], ..*self }
+    }
+}
+
+/// Global tensors.
+#[derive(Clone, Debug)]
+pub struct GlobalWeights {
+    pub embed: WeightId,
+    pub norm: WeightId,
+    pub head: WeightId,
+    pub hc_fn: WeightId,
+    pub hc_base: WeightId,
+    pub hc_scale: WeightId,
+}
+
+/// One mHC site (attention or FFN side of a layer).
+#[derive(Clone, Copy, Debug)]
+pub struct HcWeights {
+    pub fn_: WeightId,
+    pub base: WeightId,
+    pub scale: WeightId,
+}
+
+/// A compressor (main or indexer).
+#[derive(Clone, Copy, Debug)]
+pub struct CompressorWeights {
+    pub ape: WeightId,
+    pub wkv: WeightId,
+    pub wgate: WeightId,
+    pub norm: WeightId,
+}
+
+/// The indexer of a CSA layer.
+#[derive(Clone, Copy, Debug)]
+pub struct IndexerWeights {
+    pub wq_b: WeightId,
+    pub proj: WeightId,
+    pub comp: CompressorWeights,
+}
+
+/// Tensors of one layer.
+#[derive(Clone, Debug)]
+pub struct LayerWeights {
+    pub hc_attn: HcWeights,
+    pub hc_ffn: HcWeights,
+    pub attn_norm: WeightId,
+    pub wq_a: WeightId,
+    pub q_norm: WeightId,
+    pub wq_b: WeightId,
+    pub wkv: WeightId,
+    pub kv_norm: WeightId,
+    pub sinks: WeightId,
+    pub wo_a: WeightId,
+    pub wo_b: WeightId,
+    pub compressor: Option<CompressorWeights>,
+    pub indexer: Option<IndexerWeights>,
+    pub ffn_norm: WeightId,
+    pub gate: WeightId,
+    pub gate_bias: Option<WeightId>,
+    /// `[n_tokens_vocab * n_used]` expert ids (hash layers only).
+    pub tid2eid: Option<Vec<u32>>,
+    pub gate_exps: WeightId,
+    pub up_exps: WeightId,
+    pub down_exps: WeightId,
+    pub gate_sh: Option<WeightId>,
+    pub up_sh: Option<WeightId>,
+    pub down_sh: Option<WeightId>,
+}
+
+/// A loaded model: config, the file (owning the map) and the weight table.
+pub struct Model {
+    pub config: ModelConfig,
+    pub file: GgufFile,
+    pub table: WeightTable,
+    pub global: GlobalWeights,
+    pub layers: Vec<LayerWeights>,
+}
+
+impl std::fmt::Debug for Model {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Model").field("config", &self.config).field("tensors", &self.table.names.len()).finish()
+    }
+}
+
+/// How a tensor is held.
+#[derive(Clone, Copy, PartialEq)]
+enum Hold {
+    /// f32 copy (F32/F16/BF16 only).
+    Dense,
+    /// Matrix in the map (any computable type).
+    Map,
+}
+
+struct Loader<'a> {
+    f: &'a GgufFile,
+    t: WeightTable,
+}
+
+impl Loader<'_> {
+    fn add(&mut self, name: &str, dims: &[usize], hold: Hold) -> Result<WeightId> {
+        let idx =
+            self.f.tensors().iter().position(|t| t.name == name).ok_or_else(|| Error::MissingTensor(name.into()))?;
+        let info = &self.f.tensors()[idx];
+        let want: Vec<u64> = dims.iter().map(|&d| d as u64).collect();
+        // Trailing 1-dims are insignificant in GGUF.
+        let mut got = info.dims.clone();
+        while got.len() > want.len() && got.last() == Some(&1) {
+            got.pop();
+        }
+        if got != want {
+            return Err(Error::Tensor {
+                name: name.into(),
+                what: format!("expected dims {want:?} (GGUF order), found {:?}", info.dims),
+            });
+        }
+        let dense = match hold {
+            Hold::Dense => {
+                let data = self.f.view(info).data;
+                match info.ty {
+                    GgmlType::F32 => {
+                        data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+                    }
+                    GgmlType::F16 => {
+                        data.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect()
+                    }
+                    GgmlType::Bf16 => {
+                        data.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect()
+                    }
+                    ty => {
+                        return Err(Error::Tensor {
+                            name: name.into(),
+                            what: format!("type {ty} not supported for a vector/small tensor (want f32, f16 or bf16)"),
+                        })
+                    }
+                }
+            }
+            Hold::Map => {
+                if !crate::backend::cpu::matmul::supports(info.ty) {
+                    return Err(Error::Tensor {
+                        name: name.into(),
+                        what: format!("type {} cannot be used for matrix products", info.ty),
+                    });
+                }
+                Vec::new()
+            }
+        };
+        let id = WeightId(self.t.names.len() as u32);
+        self.t.names.push(name.into());
+        self.t.types.push(info.ty);
+        self.t.dims.push(info.dims.clone());
+        self.t.file_index.push(idx);
+        self.t.dense.push(dense);
+        Ok(id)
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.f.tensor_info(name).is_some()
+    }
+}
+
+impl Model {
+    /// Reads the config and builds the weight table of `file`, validating every tensor.
+    pub fn load(file: GgufFile) -> Result<Model> {
+        let config = ModelConfig::from_gguf(&file)?;
+        let c = &config;
+        let (d, hc, mix) = (c.d_model, c.hc_mult, c.hc_mix());
+        let mut ld = Loader { f: &file, t: WeightTable::default() };
+        use Hold::*;
+        let global = GlobalWeights {
+            embed: ld.add("token_embd.weight", &[d, c.vocab], Map)?,
+            norm: ld.add("output_norm.weight", &[d], Dense)?,
+            head: ld.add("output.weight", &[d, c.vocab], Map)?,
+            hc_fn: ld.add("output_hc_fn.weight", &[hc * d, hc], Map)?,
+            hc_base: ld.add("output_hc_base.weight", &[hc], Dense)?,
+            hc_scale: ld.add("output_hc_scale.weight", &[1], Dense)?,
+        };
+        let mut layers = Vec::with_capacity(c.n_layers);
+        for l in 0..c.n_layers {
+            let n = |s: &str| format!("blk.{l}.{s}");
+            let hcw = |ld: &mut Loader, side: &str| -> Result<HcWeights> {
+                Ok(HcWeights {
+                    fn_: ld.add(&n(&format!("hc_{side}_fn.weight")), &[hc * d, mix], Map)?,
+                    base: ld.add(&n(&format!("hc_{side}_base.weight")), &[mix], Dense)?,
+                    scale: ld.add(&n(&format!("hc_{side}_scale.weight")), &[3], Dense)?,
+                })
+            };
+            let hc_attn = hcw(&mut ld, "attn")?;
+            let hc_ffn = hcw(&mut ld, "ffn")?;
+            let kind = c.layer_kind(l);
+            let ratio = c.compress_ratios[l];
+            let comp = |ld: &mut Loader, pre: &str, hd: usize, coff: usize| -> Result<CompressorWeights> {
+                Ok(CompressorWeights {
+                    ape: ld.add(&n(&format!("{pre}_ape.weight")), &[coff * hd, ratio], Dense)?,
+                    wkv: ld.add(&n(&format!("{pre}_kv.weight")), &[d, coff * hd], Map)?,
+                    wgate: ld.add(&n(&format!("{pre}_gate.weight")), &[d, coff * hd], Map)?,
+                    norm: ld.add(&n(&format!("{pre}_norm.weight")), &[hd], Dense)?,
+                })
+            };
+            let (compressor, indexer) = match kind {
+                LayerKind::Window => (None, None),
+                LayerKind::Hca => (Some(comp(&mut ld, "attn_compressor", c.head_dim, 1)?), None),
+                LayerKind::Csa => {
+                    let cw = comp(&mut ld, "attn_compressor", c.head_dim, 2)?;
+                    let iw = IndexerWeights {
+                        wq_b: ld.add(
+                            &n("indexer.attn_q_b.weight"),
+                            &[c.q_lora_rank, c.idx_heads * c.idx_head_dim],
+                            Map,
+                        )?,
+                        proj: ld.add(&n("indexer.proj.weight"), &[d, c.idx_heads], Map)?,
+                        comp: comp(&mut ld, "indexer_compressor", c.idx_head_dim, 2)?,
+                    };
+                    (Some(cw), Some(iw))
+                }
+            };
+            let hash = c.is_hash_layer(l);
+            let tid2eid = if hash {
+                let name = n("ffn_gate_tid2eid.weight");
+                let info = file.tensor_info(&name).ok_or_else(|| Error::MissingTensor(name.clone()))?;
+                let want = vec![c.n_experts_used as u64, c.vocab as u64];
+                if info.ty != GgmlType::I32 || info.dims != want {
+                    return Err(Error::Tensor {
+                        name,
+                        what: format!("expected i32 {want:?}, found {} {:?}", info.ty, info.dims),
+                    });
+                }
+                let data = file.view(info).data;
+                let mut ids = Vec::with_capacity(data.len() / 4);
+                for ch in data.chunks_exact(4) {
+                    let e = i32::from_le_bytes([ch[0], ch[1], ch[2], ch[3]]);
+                    if e < 0 || e as usize >= c.n_experts {
+                        return Err(Error::Tensor {
+                            name,
+                            what: format!("expert id {e} out of range 0..{}", c.n_experts),
+                        });
+                    }
+                    ids.push(e as u32);
+                }
+                Some(ids)
+            } else {
+                None
+            };
+            let gate_bias_name = n("exp_probs_b.bias");
+            let gate_bias = if !hash || ld.has(&gate_bias_name) {
+                Some(ld.add(&gate_bias_name, &[c.n_experts], Dense)?)
+            } else {
+                None
+            };
+            let (gate_sh, up_sh, down_sh) = if c.n_shared_experts == 1 {
+                (
+                    Some(ld.add(&n("ffn_gate_shexp.weight"), &[d, c.expert_ffn], Map)?),
+                    Some(ld.add(&n("ffn_up_shexp.weight"), &[d, c.expert_ffn], Map)?),
+                    Some(ld.add(&n("ffn_down_shexp.weight"), &[c.expert_ffn, d], Map)?),
+                )
+            } else {
+                (None, None, None)
+            };
+            let hd_all = c.n_heads * c.head_dim;
+            layers.push(LayerWeights {
+                hc_attn,
+                hc_ffn,
+                attn_norm: ld.add(&n("attn_norm.weight"), &[d], Dense)?,
+                wq_a: ld.add(&n("attn_q_a.weight"), &[d, c.q_lora_rank], Map)?,
+                q_norm: ld.add(&n("attn_q_a_norm.weight"), &[c.q_lora_rank], Dense)?,
+                wq_b: ld.add(&n("attn_q_b.weight"), &[c.q_lora_rank, hd_all], Map)?,
+                wkv: ld.add(&n("attn_kv.weight"), &[d, c.head_dim], Map)?,
+                kv_norm: ld.add(&n("attn_kv_a_norm.weight"), &[c.head_dim], Dense)?,
+                sinks: ld.add(&n("attn_sinks.weight"), &[c.n_heads], Dense)?,
+                wo_a: ld.add(&n("attn_output_a.weight"), &[hd_all / c.o_groups, c.o_groups * c.o_lora_rank], Map)?,
+                wo_b: ld.add(&n("attn_output_b.weight"), &[c.o_groups * c.o_lora_rank, d], Map)?,
+                compressor,
+                indexer,
+                ffn_norm: ld.add(&n("ffn_norm.weight"), &[d], Dense)?,
+                gate: ld.add(&n("ffn_gate_inp.weight"), &[d, c.n_experts], Map)?,
+                gate_bias,
+                tid2eid,
+                gate_exps: ld.add(&n("ffn_gate_exps.weight"), &[d, c.expert_ffn, c.n_experts], Map)?,
+                up_exps: ld.add(&n("ffn_up_exps.weight"), &[d, c.expert_ffn, c.n_experts], Map)?,
+                down_exps: ld.add(&n("ffn_down_exps.weight"), &[c.expert_ffn, d, c.n_experts], Map)?,
+                gate_sh,
+                up_sh,
+                down_sh,
+            });
+        }
+        let table = ld.t;
+        tracing::info!(
+            layers = config.n_layers,
+            tensors = table.names.len(),
+            d_model = config.d_model,
+            vocab = config.vocab,
+            "model loaded"
+        );
+        Ok(Model { config, file, table, global, layers })
+    }
+
+    /// The f32 copy of a small tensor. Panics if `id` was loaded as a matrix (see module docs).
+    pub fn dense(&self, id: WeightId) -> &[f32] {
+        let v = &self.table.dense[id.0 as usize];
+        assert!(!v.is_empty(), "tensor {} is not held dense", self.table.names[id.0 as usize]);
+        v
+    }
+
+    /// A tensor as a matrix: rows = product of dims after the first, cols = dims[0].
+    pub fn mat(&self, id: WeightId) -> Mat<'_> {
+        let i = id.0 as usize;
+        let info = &self.file.tensors()[self.table.file_index[i]];
+        let data = self.file.view(info).data;
+        let cols = info.row_len() as usize;
+        let rows = info.n_rows() as usize;
+        let ty = info.ty;
+        // Validated at load: whole blocks, and n_bytes == rows * row_bytes.
+        let row_bytes = ty.row_bytes(cols as u64).unwrap_or(0) as usize;
+        Mat { ty, rows, cols, row_bytes, data }
+    }
+
+    /// Name of a tensor (for error messages).
+    pub fn name(&self, id: WeightId) -> &str {
+        &self.table.names[id.0 as usize]
+    }
+}

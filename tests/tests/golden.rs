@@ -1,0 +1,208 @@
+//! Golden checkpoints: the engine (CPU backend) against logits computed by an independent reference
+//! implementation (`../shared/golden`). tiny-a is converted with `ds4 convert --recipe f32` semantics and run in
+//! exact mode; the sim check compares activation-simulation mode with `tiny-a/sim` at its loose tolerances.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use ds4_engine::engine::{argmax, Engine, EngineOptions};
+use ds4_tests::{ds4_bin, golden_gguf, ids, max_abs_diff, read_f32, read_json, row_argmax, shared};
+
+const TOL: f32 = 1e-3;
+
+struct Golden {
+    gguf: PathBuf,
+    prompt: Vec<u32>,
+    greedy: Vec<u32>,
+    prefill: Vec<f32>,
+    decode: Vec<f32>,
+    vocab: usize,
+    dir: PathBuf,
+}
+
+fn tiny_a() -> Option<Golden> {
+    let sh = shared()?;
+    let dir = sh.join("golden/tiny-a");
+    let g = read_json(&dir.join("golden.json"));
+    Some(Golden {
+        gguf: golden_gguf(&sh, "tiny-a", "f32"),
+        prompt: ids(&g["prompt_tokens"]),
+        greedy: ids(&g["greedy_tokens"]),
+        prefill: read_f32(&dir.join("prefill_logits.f32")),
+        decode: read_f32(&dir.join("decode_logits.f32")),
+        vocab: g["vocab_size"].as_u64().unwrap() as usize,
+        dir,
+    })
+}
+
+fn engine(path: &Path, exact: bool, chunk: usize) -> Engine {
+    let opts = EngineOptions { exact, threads: 2, max_batch_tokens: chunk, ..EngineOptions::default() };
+    Engine::open(path, opts).expect("open engine")
+}
+
+/// Every prompt position's logits with prefill chunks of `chunk` tokens.
+fn prefill_logits(path: &Path, prompt: &[u32], exact: bool, chunk: usize) -> Vec<f32> {
+    let mut e = engine(path, exact, chunk);
+    let s = e.create_session();
+    e.set_prefill_logits(s, true).unwrap();
+    e.feed(s, prompt).unwrap();
+    e.run_until_idle().unwrap();
+    e.take_all_logits(s).unwrap()
+}
+
+fn check_against(name: &str, got: &[f32], want: &[f32], vocab: usize) {
+    let d = max_abs_diff(got, want);
+    let (a, b) = (row_argmax(got, vocab), row_argmax(want, vocab));
+    let bad: Vec<usize> = (0..a.len()).filter(|&i| a[i] != b[i]).collect();
+    eprintln!("{name}: max |diff| = {d:.3e}, argmax mismatches at rows {bad:?}");
+    assert!(d <= TOL, "{name}: max |logit - golden| = {d} > {TOL}");
+    assert!(bad.is_empty(), "{name}: argmax differs at rows {bad:?}");
+}
+
+#[test]
+fn tiny_a_exact_prefill_matches_golden() {
+    let Some(g) = tiny_a() else { return };
+    let got = prefill_logits(&g.gguf, &g.prompt, true, 256);
+    assert_eq!(got.len(), g.prompt.len() * g.vocab);
+    check_against("prefill (one pass)", &got, &g.prefill, g.vocab);
+}
+
+#[test]
+fn tiny_a_chunked_prefill_and_decode_agree() {
+    let Some(g) = tiny_a() else { return };
+    let one = prefill_logits(&g.gguf, &g.prompt, true, 256);
+    for chunk in [7usize, 1] {
+        let got = prefill_logits(&g.gguf, &g.prompt, true, chunk);
+        let d = max_abs_diff(&got, &one);
+        eprintln!("chunk {chunk}: max |diff| vs one pass = {d:.3e}");
+        assert!(d <= TOL, "chunk {chunk} differs from one-pass prefill by {d}");
+        check_against(&format!("prefill (chunk {chunk})"), &got, &g.prefill, g.vocab);
+    }
+}
+
+#[test]
+fn tiny_a_greedy_decode_matches_golden() {
+    let Some(g) = tiny_a() else { return };
+    let mut e = engine(&g.gguf, true, 16);
+    let s = e.create_session();
+    e.feed(s, &g.prompt).unwrap();
+    e.run_until_idle().unwrap();
+    let mut gen = Vec::new();
+    let mut decode = Vec::new();
+    for i in 0..g.greedy.len() {
+        let l = e.logits(s).unwrap();
+        decode.extend_from_slice(l);
+        gen.push(argmax(l));
+        if i + 1 < g.greedy.len() {
+            e.feed(s, &[gen[i]]).unwrap();
+            e.run_until_idle().unwrap();
+        }
+    }
+    assert_eq!(gen, g.greedy, "greedy continuation");
+    check_against("decode", &decode, &g.decode, g.vocab);
+    // The convenience API gives the same tokens.
+    let s2 = e.create_session();
+    assert_eq!(e.generate_greedy(s2, &g.prompt, g.greedy.len()).unwrap(), g.greedy);
+}
+
+#[test]
+fn tiny_a_sim_mode_matches_sim_golden_loosely() {
+    let Some(g) = tiny_a() else { return };
+    let sim = g.dir.join("sim");
+    let want = read_f32(&sim.join("prefill_logits_sim.f32"));
+    let gs = read_json(&sim.join("golden_sim.json"));
+    let prompt = ids(&gs["prompt_tokens"]);
+    let got = prefill_logits(&g.gguf, &prompt, false, 256);
+    let d = max_abs_diff(&got, &want);
+    let (a, b) = (row_argmax(&got, g.vocab), row_argmax(&want, g.vocab));
+    let agree = a.iter().zip(&b).filter(|(x, y)| x == y).count();
+    eprintln!("sim: max |diff| = {d:.3e}, argmax agreement {agree}/{}", a.len());
+    assert!(d <= 2e-2, "sim prefill max |diff| {d} > 2e-2");
+    assert!(agree * 100 >= a.len() * 98, "sim argmax agreement {agree}/{}", a.len());
+    // Exact mode must differ from sim mode (the simulation is really applied).
+    assert!(max_abs_diff(&got, &g.prefill) > 1e-2, "sim mode gives exact-mode logits");
+    let want_tokens = ids(&gs["greedy_tokens"]);
+    let mut e = engine(&g.gguf, false, 256);
+    let s = e.create_session();
+    let gen = e.generate_greedy(s, &prompt, 8).unwrap();
+    assert_eq!(gen, want_tokens[..8], "sim greedy continuation");
+}
+
+#[test]
+fn snapshot_restore_is_bit_identical() {
+    let Some(g) = tiny_a() else { return };
+    let mut e = engine(&g.gguf, true, 13);
+    let a = e.create_session();
+    e.feed(a, &g.prompt[..50]).unwrap();
+    e.run_until_idle().unwrap();
+    let snap = e.snapshot(a).unwrap();
+    let b = e.restore(snap.clone()).unwrap();
+    assert_eq!(e.logits(a).unwrap(), e.logits(b).unwrap());
+    // Both sessions continue in the same tick (batched together) and separately afterwards.
+    e.feed(a, &g.prompt[50..77]).unwrap();
+    e.feed(b, &g.prompt[50..77]).unwrap();
+    e.run_until_idle().unwrap();
+    let (la, lb) = (e.logits(a).unwrap().to_vec(), e.logits(b).unwrap().to_vec());
+    assert_eq!(la, lb, "restored session diverged");
+    assert_eq!(e.snapshot(a).unwrap(), e.snapshot(b).unwrap());
+    // And they still match the golden prefill row of that position.
+    let row = &g.prefill[76 * g.vocab..77 * g.vocab];
+    assert!(max_abs_diff(&la, row) <= TOL);
+    // A snapshot of another shape is rejected.
+    let mut bad = snap;
+    bad.kv.layers.pop();
+    assert!(e.restore(bad).is_err());
+}
+
+#[test]
+fn concurrent_sessions_batch_like_single_sessions() {
+    let Some(g) = tiny_a() else { return };
+    let mut e = engine(&g.gguf, true, 32);
+    let a = e.create_session();
+    let b = e.create_session();
+    e.set_prefill_logits(b, true).unwrap();
+    e.feed(a, &g.prompt[..40]).unwrap();
+    e.feed(b, &g.prompt).unwrap();
+    e.run_until_idle().unwrap();
+    let all_b = e.take_all_logits(b).unwrap();
+    check_against("batched session b", &all_b, &g.prefill, g.vocab);
+    assert!(max_abs_diff(e.logits(a).unwrap(), &g.prefill[39 * g.vocab..40 * g.vocab]) <= TOL);
+}
+
+#[test]
+fn cli_logits_and_generate() {
+    let Some(g) = tiny_a() else { return };
+    let bin = ds4_bin();
+    let toks = g.prompt.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(",");
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("logits.f32");
+    let st = Command::new(&bin)
+        .args(["logits", "-m"])
+        .arg(&g.gguf)
+        .args(["--tokens", &toks, "--chunk", "7", "--exact", "--threads", "2", "--out"])
+        .arg(&out)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    check_against("cli logits", &read_f32(&out), &g.prefill, g.vocab);
+    let o = Command::new(&bin)
+        .args(["generate", "-m"])
+        .arg(&g.gguf)
+        .args(["--tokens", &toks, "-n", "24", "--temperature", "0", "--print-ids", "--exact"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let line = String::from_utf8(o.stdout).unwrap();
+    let want = g.greedy.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(",");
+    assert_eq!(line.trim(), want);
+    // Bad input: a token outside the vocabulary is a clear error, not a panic.
+    let o = Command::new(&bin)
+        .args(["logits", "-m"])
+        .arg(&g.gguf)
+        .args(["--tokens", "0,99999", "--out"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("vocabulary"));
+}
