@@ -104,7 +104,8 @@ mod tests {
         let a = t.create(SessionKv::default);
         let b = t.create(SessionKv::default);
         assert_ne!(a.slot, b.slot);
-        t.pending[t.slot(a).unwrap()].push_back(5);
+        let sa = t.slot(a).unwrap();
+        t.pending[sa].push_back(5);
         assert_eq!(t.with_pending().collect::<Vec<_>>(), vec![a.slot as usize]);
         assert!(t.free(a));
         assert!(!t.free(a));
