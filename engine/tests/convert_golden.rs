@@ -93,7 +93,9 @@ fn tiny_a_f32_matches_the_spec_layout() {
     let n_experts = cfg["n_routed_experts"].as_u64().unwrap() as usize;
 
     // Every non-expert official tensor: spec name, reversed dims, F32 (I32 for tid2eid), identical bytes.
-    let mut expert_parts: HashMap<String, Vec<(usize, Vec<usize>, Vec<u8>)>> = HashMap::new();
+    // GGUF name -> (expert index, official shape, bytes) per expert
+    type Parts = Vec<(usize, Vec<usize>, Vec<u8>)>;
+    let mut expert_parts: HashMap<String, Parts> = HashMap::new();
     let mut n_plain = 0;
     for (name, view) in st.tensors() {
         if let Some(pos) = name.find(".ffn.experts.") {

@@ -61,7 +61,7 @@ fn spec_type(recipe: Recipe, name: &str) -> GgmlType {
 fn with_fallback(ty: GgmlType, row: u64) -> GgmlType {
     if ty.row_bytes(row).is_some() {
         ty
-    } else if row % 32 == 0 {
+    } else if row.is_multiple_of(32) {
         GgmlType::Q8_0
     } else {
         GgmlType::F16

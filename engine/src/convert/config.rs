@@ -176,7 +176,7 @@ impl CheckpointConfig {
                 return bad(format!("`{k}` is 0"));
             }
         }
-        if self.n_heads % self.o_groups != 0 {
+        if !self.n_heads.is_multiple_of(self.o_groups) {
             return bad(format!(
                 "num_attention_heads {} is not a multiple of o_groups {}",
                 self.n_heads, self.o_groups

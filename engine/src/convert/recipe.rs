@@ -115,7 +115,7 @@ pub fn weight_energy(values: &[f32], row_len: usize) -> Vec<f32> {
 /// Appends the encoding of `values` (whole rows of `row_len`) as `ty` to `out`. IQ2_XXS rows are quantized with
 /// [`weight_energy`] importance; other types without importance.
 pub fn encode_append(ty: GgmlType, values: &[f32], row_len: usize, out: &mut Vec<u8>) -> Result<()> {
-    if row_len == 0 || values.len() % row_len != 0 {
+    if row_len == 0 || !values.len().is_multiple_of(row_len) {
         return Err(Error::Convert(format!("{} values are not whole rows of {row_len}", values.len())));
     }
     let rb = ty
@@ -179,10 +179,9 @@ fn quantize_parallel(
                 })
             })
             .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().unwrap_or_else(|_| Err(Error::Convert(format!("{ty} quantizer thread panicked")))))
-            .collect::<Result<()>>()
+        handles.into_iter().try_for_each(|h| {
+            h.join().unwrap_or_else(|_| Err(Error::Convert(format!("{ty} quantizer thread panicked"))))
+        })
     })
 }
 
