@@ -146,7 +146,7 @@ pub fn scan_dir(dir: &Path) -> Result<Scan> {
         let path = ent.path();
         match check_file(&path, key, kind) {
             Ok((header, bytes, mtime)) => scan.files.push(Scanned { path, header, bytes, mtime }),
-            Err(KvError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {}
+            Err(KvError::Io { err, .. }) if err.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => scan.corrupt.push((path, e.to_string())),
         }
     }

@@ -6,15 +6,14 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 pub enum KvError {
     /// An I/O operation on `path` failed.
-    #[error("{op} {path}: {source}")]
+    #[error("{op} {path}: {err}")]
     Io {
         /// What was being done ("write", "rename", ...).
         op: &'static str,
         /// The file or directory.
         path: PathBuf,
-        /// The OS error.
-        #[source]
-        source: std::io::Error,
+        /// The OS error (in the message, not chained, so it is printed once).
+        err: std::io::Error,
     },
     /// A file's bytes do not match its header or checksums.
     #[error("corrupt KV file: {0}")]
@@ -35,8 +34,8 @@ pub enum KvError {
 
 impl KvError {
     /// Wraps an I/O error with the operation and path.
-    pub fn io(op: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> KvError {
-        KvError::Io { op, path: path.into(), source }
+    pub fn io(op: &'static str, path: impl Into<PathBuf>, err: std::io::Error) -> KvError {
+        KvError::Io { op, path: path.into(), err }
     }
 }
 

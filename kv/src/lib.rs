@@ -14,12 +14,14 @@
 //! | [`disk`] | atomic publish (temp, fsync, rename, fsync dir), temp cleanup, directory scan |
 //! | [`policy`] | eviction: pinned and interior entries stay, then lowest `(1+hits+sharers)·decay/bytes` |
 //! | [`triggers`] | when to save: cold, continued, evict, shutdown |
+//! | [`admin`] | offline `ls` / `gc` of a directory holding any models' files (for `ds4 kv`) |
 //!
 //! A page holds, for one span of `span_tokens` tokens (a multiple of the largest compression ratio), the rows every
 //! layer appended during that span (CSA: compressed KV + indexer rows; HCA: compressed KV rows). A checkpoint holds a
 //! session's non-shareable tail state at a position (raw windows, compressor/indexer frontiers, partial-span rows,
 //! next-token logits). Resuming needs pages + one checkpoint; see [`store`].
 
+pub mod admin;
 pub mod codec;
 pub mod disk;
 pub mod error;

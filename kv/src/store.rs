@@ -600,7 +600,7 @@ impl KvStore {
                         g.st.corrupt_removed += 1;
                         self.remove_subtree(&mut g, key);
                     }
-                    KvError::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
+                    KvError::Io { err, .. } if err.kind() == std::io::ErrorKind::NotFound => {
                         tracing::warn!(key = %key, "KV file vanished; dropping it from the index");
                         self.remove_subtree(&mut g, key);
                     }

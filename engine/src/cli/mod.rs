@@ -8,6 +8,7 @@ use clap::{Parser, Subcommand};
 mod convert;
 mod generate;
 mod inspect;
+mod kv;
 mod logits;
 mod render;
 mod tokenize;
@@ -35,6 +36,8 @@ pub enum Command {
     Logits(logits::Args),
     /// Greedy generation from a token prompt; prints the generated ids.
     Generate(generate::Args),
+    /// Disk KV cache maintenance: ls, inspect, gc.
+    Kv(kv::Args),
 }
 
 /// Initializes logging (`RUST_LOG` controls the level; default `info`) on stderr.
@@ -55,6 +58,7 @@ pub fn main() -> i32 {
         Command::Convert(a) => convert::run(a),
         Command::Logits(a) => logits::run(a),
         Command::Generate(a) => generate::run(a),
+        Command::Kv(a) => kv::run(a),
     };
     match r {
         Ok(code) => code,
