@@ -332,7 +332,7 @@ impl Engine {
         let c = &self.model.config;
         for (l, (a, b)) in snap.kv.layers.iter().zip(&fresh.layers).enumerate() {
             let ratio = c.compress_ratios[l];
-            let n_rows = if ratio > 0 { snap.pos / ratio } else { 0 };
+            let n_rows = snap.pos.checked_div(ratio).unwrap_or(0);
             let same_front = |x: &Option<crate::tables::Frontier>, y: &Option<crate::tables::Frontier>| match (x, y) {
                 (None, None) => true,
                 (Some(x), Some(y)) => {

@@ -185,7 +185,7 @@ impl ModelConfig {
                 return Err(bad(format!("{P}{k} must be > 0")));
             }
         }
-        if self.rope_dim % 2 != 0 || self.rope_dim > self.head_dim {
+        if !self.rope_dim.is_multiple_of(2) || self.rope_dim > self.head_dim {
             return Err(bad(format!(
                 "rope.dimension_count {} must be even and <= attention.key_length {}",
                 self.rope_dim, self.head_dim
@@ -197,7 +197,7 @@ impl ModelConfig {
         if self.n_shared_experts > 1 {
             return Err(bad(format!("expert_shared_count {} (at most 1 supported)", self.n_shared_experts)));
         }
-        if self.n_heads % self.o_groups != 0 {
+        if !self.n_heads.is_multiple_of(self.o_groups) {
             return Err(bad(format!(
                 "attention.head_count {} is not divisible by attention.output_group_count {}",
                 self.n_heads, self.o_groups

@@ -179,10 +179,22 @@ impl Loader<'_> {
                         data.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect()
                     }
                     ty => {
-                        return Err(Error::Tensor {
-                            name: name.into(),
-                            what: format!("type {ty} not supported for a vector/small tensor (want f32, f16 or bf16)"),
-                        })
+                        // Any dequantizable type, row by row.
+                        let (cols, rows) = (info.row_len() as usize, info.n_rows() as usize);
+                        let rb = ty.row_bytes(cols as u64).unwrap_or(0) as usize;
+                        let mut out = vec![0f32; cols * rows];
+                        for r in 0..rows {
+                            crate::quant::dequantize_row(
+                                ty,
+                                &data[r * rb..(r + 1) * rb],
+                                &mut out[r * cols..(r + 1) * cols],
+                            )
+                            .map_err(|e| Error::Tensor {
+                                name: name.into(),
+                                what: format!("cannot read as f32: {e}"),
+                            })?;
+                        }
+                        out
                     }
                 }
             }

@@ -86,7 +86,7 @@ impl SessionKv {
                         (Some(Frontier::new(ratio, cfg.head_dim, 2)), Some(Frontier::new(ratio, cfg.idx_head_dim, 2)))
                     }
                 };
-                let n_rows = if ratio > 0 { ctx / ratio } else { 0 };
+                let n_rows = ctx.checked_div(ratio).unwrap_or(0);
                 LayerKv {
                     ring: vec![0.0; cfg.window * cfg.head_dim],
                     comp_rows: Vec::with_capacity(n_rows * cfg.head_dim),

@@ -34,7 +34,7 @@ pub fn attention(be: &CpuBackend, sc: &mut Scratch, cx: &mut StepCtx<'_>, layer:
     let lw = &model.layers[layer];
     let batch = cx.batch;
     let n = batch.rows.len();
-    let (d, hd, nh, rd) = (c.d_model, c.head_dim, c.n_heads, c.rope_dim);
+    let (hd, nh, rd) = (c.head_dim, c.n_heads, c.rope_dim);
     let eps = c.rms_eps;
     let rope = cx.rope.for_layer(model, layer);
     let kind = c.layer_kind(layer);
@@ -43,16 +43,16 @@ pub fn attention(be: &CpuBackend, sc: &mut Scratch, cx: &mut StepCtx<'_>, layer:
 
     // Norm and projections.
     rms_norm_rows(&cx.act.collapsed, model.dense(lw.attn_norm), eps, n, &mut sc.xn);
-    matmul(pool, model.mat(lw.wq_a), &sc.xn, n, &mut sc.qr);
+    matmul(pool, model.mat(lw.wq_a), &sc.xn, n, &mut sc.qr)?;
     let q_norm = model.dense(lw.q_norm);
     par_rows(pool, &mut sc.qr[..n * c.q_lora_rank], c.q_lora_rank, &|_, r| rms_norm_inplace(r, q_norm, eps));
-    matmul(pool, model.mat(lw.wq_b), &sc.qr, n, &mut sc.q);
+    matmul(pool, model.mat(lw.wq_b), &sc.qr, n, &mut sc.q)?;
     let rows = &batch.rows;
     par_rows(pool, &mut sc.q[..n * nh * hd], hd, &|i, r| {
         rms_norm_unweighted(r, eps);
         rope.apply(r, rows[i / nh].pos, false);
     });
-    matmul(pool, model.mat(lw.wkv), &sc.xn, n, &mut sc.kv);
+    matmul(pool, model.mat(lw.wkv), &sc.xn, n, &mut sc.kv)?;
     let kv_norm = model.dense(lw.kv_norm);
     par_rows(pool, &mut sc.kv[..n * hd], hd, &|i, r| {
         rms_norm_inplace(r, kv_norm, eps);
@@ -64,14 +64,14 @@ pub fn attention(be: &CpuBackend, sc: &mut Scratch, cx: &mut StepCtx<'_>, layer:
 
     // Compressor (and indexer) projections.
     if let Some(cw) = &lw.compressor {
-        matmul(pool, model.mat(cw.wkv), &sc.xn, n, &mut sc.ckv);
-        matmul(pool, model.mat(cw.wgate), &sc.xn, n, &mut sc.cg);
+        matmul(pool, model.mat(cw.wkv), &sc.xn, n, &mut sc.ckv)?;
+        matmul(pool, model.mat(cw.wgate), &sc.xn, n, &mut sc.cg)?;
     }
     let (ih, ihd) = (c.idx_heads, c.idx_head_dim);
     if let Some(iw) = &lw.indexer {
-        matmul(pool, model.mat(iw.comp.wkv), &sc.xn, n, &mut sc.ikv);
-        matmul(pool, model.mat(iw.comp.wgate), &sc.xn, n, &mut sc.ig);
-        matmul(pool, model.mat(iw.wq_b), &sc.qr, n, &mut sc.iq);
+        matmul(pool, model.mat(iw.comp.wkv), &sc.xn, n, &mut sc.ikv)?;
+        matmul(pool, model.mat(iw.comp.wgate), &sc.xn, n, &mut sc.ig)?;
+        matmul(pool, model.mat(iw.wq_b), &sc.qr, n, &mut sc.iq)?;
         par_rows(pool, &mut sc.iq[..n * ih * ihd], ihd, &|i, r| {
             rope.apply(r, rows[i / ih].pos, false);
             if sim_on {
@@ -79,7 +79,7 @@ pub fn attention(be: &CpuBackend, sc: &mut Scratch, cx: &mut StepCtx<'_>, layer:
                 sim::fp4_blocks(r, 32);
             }
         });
-        matmul(pool, model.mat(iw.proj), &sc.xn, n, &mut sc.iw);
+        matmul(pool, model.mat(iw.proj), &sc.xn, n, &mut sc.iw)?;
         let ws = 1.0 / (ih as f32).sqrt();
         sc.iw[..n * ih].iter_mut().for_each(|v| *v *= ws);
     }
@@ -91,8 +91,8 @@ pub fn attention(be: &CpuBackend, sc: &mut Scratch, cx: &mut StepCtx<'_>, layer:
         let coff = if kind == LayerKind::Csa { 2 } else { 1 };
         for (ri, run) in batch.runs.iter().enumerate() {
             let lk = &mut cx.kv[ri].layers[layer];
-            for r in run.start..run.start + run.len {
-                let pos = rows[r].pos;
+            for (r, row) in rows.iter().enumerate().skip(run.start).take(run.len) {
+                let pos = row.pos;
                 let front = lk.comp.as_mut().expect("compressed layer has a frontier");
                 let w = coff * hd;
                 if compressor::push(front, &sc.ckv[r * w..(r + 1) * w], &sc.cg[r * w..(r + 1) * w], ape, &mut sc.crow) {
@@ -184,7 +184,7 @@ pub fn attention(be: &CpuBackend, sc: &mut Scratch, cx: &mut StepCtx<'_>, layer:
             };
             let first = (t + 1).saturating_sub(window);
             let comp_row = |w: usize| &lk.comp_rows[w * hd..(w + 1) * hd];
-            let n_comp_vis = if ratio > 0 { (t + 1) / ratio } else { 0 };
+            let n_comp_vis = (t + 1).checked_div(ratio).unwrap_or(0);
             let sel_r = &sel[r * topk..(r + 1) * topk];
             let n_sel =
                 if kind == LayerKind::Csa { sel_r.iter().position(|&x| x == u32::MAX).unwrap_or(topk) } else { 0 };
@@ -268,9 +268,8 @@ pub fn attention(be: &CpuBackend, sc: &mut Scratch, cx: &mut StepCtx<'_>, layer:
             (nh * hd, gi * gs),
             &mut sc.oa,
             (g * rank, gi * rank),
-        );
+        )?;
     }
-    matmul(pool, model.mat(lw.wo_b), &sc.oa, n, &mut cx.act.sub_out);
-    let _ = d;
+    matmul(pool, model.mat(lw.wo_b), &sc.oa, n, &mut cx.act.sub_out)?;
     Ok(())
 }

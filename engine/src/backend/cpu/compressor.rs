@@ -26,7 +26,7 @@ pub fn push(f: &mut Frontier, kv: &[f32], gate: &[f32], ape: &[f32], out: &mut [
     }
     let (m, dim) = (f.ratio, f.dim);
     let off = if f.coff == 2 { dim } else { 0 };
-    for c in 0..dim {
+    for (c, o) in out.iter_mut().enumerate().take(dim) {
         let mut mx = f32::NEG_INFINITY;
         if f.coff == 2 && f.has_prev {
             for j in 0..m {
@@ -50,7 +50,7 @@ pub fn push(f: &mut Frontier, kv: &[f32], gate: &[f32], ape: &[f32], out: &mut [
             den += e;
             num += e * f.pending_kv[j * w + off + c];
         }
-        out[c] = num / den;
+        *o = num / den;
     }
     if f.coff == 2 {
         for j in 0..m {

@@ -11,6 +11,7 @@ fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())
 }
 
+#[allow(clippy::too_many_arguments)]
 /// Computes `pre`, `post` and `comb` from one row's `mix` (`(2+hc)·hc` values); `comb` is `[j][k]` row-major.
 pub fn hc_weights(
     mix: &[f32],

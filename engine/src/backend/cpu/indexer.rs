@@ -3,6 +3,7 @@
 //! `I(t, s) = Σ_h w_h · ReLU(q_h · K_s) · idx_head_dim^-½`, where `w_h` already carries `idx_heads^-½`. Ties
 //! break toward the lower row index (stable), and the selection is returned in ascending row order.
 
+#[allow(clippy::too_many_arguments)]
 /// Selects rows for one query. `q`: `heads × dim`; `w`: `heads`; `keys`: `n_vis × dim` (only visible rows);
 /// `scores`: scratch of at least `n_vis`; `out`: receives the selected row indices (ascending); returns the count
 /// (`min(topk, n_vis)`).

@@ -1,22 +1,50 @@
 //! Matrix products against weights in the map: `y[b, o] = W[o, :] · x[b, :]` for a batch of activation rows.
 //!
 //! Work is split over output rows across the pool; each weight row is read once per batch (matrix-matrix work in
-//! prefill). Determinism: every output element is one [`dot`] call whose accumulation order depends only on the
-//! row length, never on the batch size or thread count — so one-pass prefill, chunked prefill and decode produce
-//! bit-identical projections.
+//! prefill). Determinism: every output element is one dot-product call whose accumulation order depends only on
+//! the row length, never on the batch size or thread count — so one-pass prefill, chunked prefill and decode
+//! produce bit-identical projections.
 //!
-//! Weight types: F32, F16, BF16 and Q8_0 (activations stay f32). Other types are rejected at load by
-//! [`supports`].
+//! Kernels: F32 weights use [`dot_f32`] here (the golden-checked path); F16/BF16 use `quant::dot_f32_kernel`;
+//! quantized weights (Q8_0, Q2_K, Q4_K, IQ2_XXS) quantize each activation row once per call into
+//! `quant::act_type` (Q8_0 / Q8_K, as ggml does) and use `quant::dot_q_kernel`. Types without a kernel are
+//! rejected at load by [`supports`].
 
 use std::cell::RefCell;
 
 use crate::backend::cpu::pool::{split, Pool};
 use crate::model::weights::Mat;
-use crate::quant::GgmlType;
+use crate::quant::{self, DotF32, DotQ, GgmlType};
+use crate::{Error, Result};
 
-/// Whether [`dot`] / [`dequant_row`] handle `ty`.
+/// Whether matrices of type `ty` can be multiplied (and their rows dequantized).
 pub fn supports(ty: GgmlType) -> bool {
-    matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 | GgmlType::Q8_0)
+    ty == GgmlType::F32 || quant::dot_f32_kernel(ty).is_ok()
+}
+
+/// The dot product used for a weight type.
+#[derive(Clone, Copy)]
+enum Kernel {
+    F32,
+    F(DotF32),
+    Q { act: GgmlType, dot: DotQ, act_bytes: usize },
+}
+
+fn kernel(ty: GgmlType, cols: usize) -> Result<Kernel> {
+    if ty == GgmlType::F32 {
+        return Ok(Kernel::F32);
+    }
+    let act = quant::act_type(ty);
+    if act != GgmlType::F32 {
+        if let (Ok(dot), Some(b)) = (quant::dot_q_kernel(ty), act.row_bytes(cols as u64)) {
+            return Ok(Kernel::Q { act, dot, act_bytes: b as usize });
+        }
+    }
+    Ok(Kernel::F(quant::dot_f32_kernel(ty)?))
+}
+
+thread_local! {
+    static ACTS: RefCell<(Vec<u8>, Vec<u8>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
 /// f32 dot product with 8 independent accumulators (fixed order for a given length).
@@ -39,76 +67,9 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
 }
 
-thread_local! {
-    static ROW: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
-}
-
 /// Dequantizes one row of `ty` (`bytes` = exactly one row of `out.len()` values).
-pub fn dequant_row(ty: GgmlType, bytes: &[u8], out: &mut [f32]) {
-    match ty {
-        GgmlType::F32 => {
-            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
-                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-            }
-        }
-        GgmlType::F16 => {
-            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                *o = half::f16::from_le_bytes([c[0], c[1]]).to_f32();
-            }
-        }
-        GgmlType::Bf16 => {
-            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                *o = half::bf16::from_le_bytes([c[0], c[1]]).to_f32();
-            }
-        }
-        GgmlType::Q8_0 => {
-            for (ob, blk) in out.chunks_exact_mut(32).zip(bytes.chunks_exact(34)) {
-                let d = half::f16::from_le_bytes([blk[0], blk[1]]).to_f32();
-                for (o, &q) in ob.iter_mut().zip(&blk[2..34]) {
-                    *o = d * (q as i8) as f32;
-                }
-            }
-        }
-        _ => out.fill(f32::NAN),
-    }
-}
-
-/// `row · x` for one weight row of type `ty`.
-#[inline]
-pub fn dot(ty: GgmlType, row: &[u8], x: &[f32]) -> f32 {
-    match ty {
-        GgmlType::F32 => match bytemuck::try_cast_slice::<u8, f32>(row) {
-            Ok(w) => dot_f32(w, x),
-            Err(_) => dot_via_row(ty, row, x),
-        },
-        GgmlType::Q8_0 => {
-            let mut acc = 0f32;
-            for (xb, blk) in x.chunks_exact(32).zip(row.chunks_exact(34)) {
-                let d = half::f16::from_le_bytes([blk[0], blk[1]]).to_f32();
-                let mut s = [0f32; 4];
-                for k in 0..8 {
-                    for j in 0..4 {
-                        s[j] += (blk[2 + k * 4 + j] as i8) as f32 * xb[k * 4 + j];
-                    }
-                }
-                acc += d * ((s[0] + s[1]) + (s[2] + s[3]));
-            }
-            acc
-        }
-        _ => dot_via_row(ty, row, x),
-    }
-}
-
-fn dot_via_row(ty: GgmlType, row: &[u8], x: &[f32]) -> f32 {
-    ROW.with(|r| {
-        let mut r = r.borrow_mut();
-        if r.len() < x.len() {
-            r.resize(x.len(), 0.0);
-        }
-        let buf = &mut r[..x.len()];
-        dequant_row(ty, row, buf);
-        dot_f32(buf, x)
-    })
+pub fn dequant_row(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<()> {
+    quant::dequantize_row(ty, bytes, out)
 }
 
 /// A raw pointer that tasks write through at disjoint indices.
@@ -120,9 +81,16 @@ unsafe impl Send for SyncPtr {}
 // SAFETY: as above.
 unsafe impl Sync for SyncPtr {}
 
+impl SyncPtr {
+    /// The pointer (a method, so closures capture the whole `Sync` wrapper, not the raw field).
+    pub fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
 /// `y[b * w.rows + o] = W[o] · x[b * w.cols ..]` for `b < n`. `x.len() >= n * w.cols`, `y.len() >= n * w.rows`.
-pub fn matmul(pool: &Pool, w: Mat<'_>, x: &[f32], n: usize, y: &mut [f32]) {
-    matmul_strided(pool, w, x, n, (w.cols, 0), y, (w.rows, 0));
+pub fn matmul(pool: &Pool, w: Mat<'_>, x: &[f32], n: usize, y: &mut [f32]) -> Result<()> {
+    matmul_strided(pool, w, x, n, (w.cols, 0), y, (w.rows, 0))
 }
 
 /// Strided form: input row `b` is `x[b * xs.0 + xs.1 ..][..w.cols]`, output element `(b, o)` is
@@ -135,51 +103,80 @@ pub fn matmul_strided(
     xs: (usize, usize),
     y: &mut [f32],
     ys: (usize, usize),
-) {
-    let (rows, cols) = (w.rows, w.cols);
+) -> Result<()> {
     if n == 0 {
-        return;
+        return Ok(());
     }
+    let cols = w.cols;
     assert!((n - 1) * xs.0 + xs.1 + cols <= x.len(), "matmul input shape");
-    assert!((n - 1) * ys.0 + ys.1 + rows <= y.len(), "matmul output shape");
-    assert!(n == 1 || ys.0 >= rows, "matmul output rows overlap");
-    // Tasks: blocks of output rows (enough for load balance, big enough to amortise dispatch).
-    let work = rows * cols * n;
-    let tasks = if work < 32 * 1024 { 1 } else { (pool.threads() * 4).min(rows).max(1) };
-    let yp = SyncPtr(y.as_mut_ptr());
-    pool.run(tasks, &|t| {
-        let yp = yp;
-        for o in split(rows, tasks, t) {
-            let wr = w.row(o);
-            for b in 0..n {
-                let xo = b * xs.0 + xs.1;
-                let v = dot(w.ty, wr, &x[xo..xo + cols]);
-                // SAFETY: (b, o) pairs are disjoint across tasks (o ranges are disjoint) and in bounds (asserted).
-                unsafe { *yp.0.add(b * ys.0 + ys.1 + o) = v };
-            }
-        }
-    });
+    run(pool, w, n, &|b| b * xs.0 + xs.1, x, y, (ys.0, ys.1))
 }
 
 /// Like [`matmul`] but on a subset of batch rows: `y[j * w.rows + o] = W[o] · x[rows_idx[j]]`.
-pub fn matmul_gather(pool: &Pool, w: Mat<'_>, x: &[f32], rows_idx: &[usize], y: &mut [f32]) {
-    let (rows, cols) = (w.rows, w.cols);
-    assert!(y.len() >= rows_idx.len() * rows, "matmul_gather shapes");
+pub fn matmul_gather(pool: &Pool, w: Mat<'_>, x: &[f32], rows_idx: &[usize], y: &mut [f32]) -> Result<()> {
+    let cols = w.cols;
     assert!(rows_idx.iter().all(|&r| (r + 1) * cols <= x.len()), "matmul_gather rows");
-    let work = rows * cols * rows_idx.len().max(1);
+    run(pool, w, rows_idx.len(), &|j| rows_idx[j] * cols, x, y, (w.rows, 0))
+}
+
+/// The shared driver: input row `b` starts at `x[x_off(b)]`.
+fn run(
+    pool: &Pool,
+    w: Mat<'_>,
+    n: usize,
+    x_off: &(dyn Fn(usize) -> usize + Sync),
+    x: &[f32],
+    y: &mut [f32],
+    ys: (usize, usize),
+) -> Result<()> {
+    let (rows, cols) = (w.rows, w.cols);
+    if n == 0 {
+        return Ok(());
+    }
+    assert!((n - 1) * ys.0 + ys.1 + rows <= y.len(), "matmul output shape");
+    assert!(n == 1 || ys.0 >= rows, "matmul output rows overlap");
+    let k = kernel(w.ty, cols)?;
+    let work = rows * cols * n;
     let tasks = if work < 32 * 1024 { 1 } else { (pool.threads() * 4).min(rows).max(1) };
     let yp = SyncPtr(y.as_mut_ptr());
-    pool.run(tasks, &|t| {
-        let yp = yp;
-        for o in split(rows, tasks, t) {
-            let wr = w.row(o);
-            for (j, &b) in rows_idx.iter().enumerate() {
-                let v = dot(w.ty, wr, &x[b * cols..(b + 1) * cols]);
-                // SAFETY: disjoint (j, o) per task, in bounds (asserted).
-                unsafe { *yp.0.add(j * rows + o) = v };
+    let body = |acts: &[u8]| {
+        pool.run(tasks, &|t| {
+            for o in split(rows, tasks, t) {
+                let wr = w.row(o);
+                for b in 0..n {
+                    let v = match k {
+                        Kernel::F32 => match bytemuck::try_cast_slice::<u8, f32>(wr) {
+                            Ok(wf) => dot_f32(wf, &x[x_off(b)..x_off(b) + cols]),
+                            Err(_) => quant::dot_f32_kernel(GgmlType::F32)
+                                .map_or(f32::NAN, |f| f(wr, &x[x_off(b)..x_off(b) + cols])),
+                        },
+                        Kernel::F(f) => f(wr, &x[x_off(b)..x_off(b) + cols]),
+                        Kernel::Q { dot, act_bytes, .. } => dot(wr, &acts[b * act_bytes..(b + 1) * act_bytes]),
+                    };
+                    // SAFETY: (b, o) pairs are disjoint across tasks (o ranges are disjoint) and in bounds (asserted).
+                    unsafe { *yp.get().add(b * ys.0 + ys.1 + o) = v };
+                }
             }
+        })
+    };
+    match k {
+        Kernel::Q { act, act_bytes, .. } => ACTS.with(|a| -> Result<()> {
+            let (all, one) = &mut *a.borrow_mut();
+            all.clear();
+            all.reserve(n * act_bytes);
+            for b in 0..n {
+                quant::quantize_acts(act, &x[x_off(b)..x_off(b) + cols], one)
+                    .map_err(|e| Error::Backend { backend: "cpu", what: format!("matmul activations: {e}") })?;
+                all.extend_from_slice(one);
+            }
+            body(all);
+            Ok(())
+        }),
+        _ => {
+            body(&[]);
+            Ok(())
         }
-    });
+    }
 }
 
 #[cfg(test)]
@@ -206,32 +203,43 @@ mod tests {
         let m = Mat { ty: GgmlType::F32, rows, cols, row_bytes: cols * 4, data: &bytes };
         let pool = Pool::new(3);
         let mut y = vec![0f32; n * rows];
-        matmul(&pool, m, &x, n, &mut y);
+        matmul(&pool, m, &x, n, &mut y).unwrap();
         let r = naive(&w, rows, cols, &x, n);
         for (a, b) in y.iter().zip(&r) {
             assert!((a - b).abs() < 1e-4, "{a} vs {b}");
         }
         // Row 3 alone gives bit-identical values.
         let mut y1 = vec![0f32; rows];
-        matmul(&pool, m, &x[3 * cols..4 * cols], 1, &mut y1);
+        matmul(&pool, m, &x[3 * cols..4 * cols], 1, &mut y1).unwrap();
         assert_eq!(&y1[..], &y[3 * rows..4 * rows]);
     }
 
     #[test]
-    fn q8_0_dot_matches_dequantized() {
-        let mut row = Vec::new();
-        for b in 0..2 {
-            row.extend_from_slice(&half::f16::from_f32(0.5 + b as f32).to_le_bytes());
-            for i in 0..32 {
-                row.push(((i as i32 * 9 - 100) as i8) as u8);
-            }
+    fn quantized_matmul_is_close_to_dequantized_f32() {
+        let (rows, cols, n) = (8usize, 64usize, 3usize);
+        let w: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 300.0).collect();
+        let x: Vec<f32> = (0..n * cols).map(|i| ((i * 104729 % 777) as f32 - 388.0) / 200.0).collect();
+        let mut bytes = vec![0u8; rows * 68];
+        for r in 0..rows {
+            quant::quantize_row(GgmlType::Q8_0, &w[r * cols..(r + 1) * cols], None, &mut bytes[r * 68..(r + 1) * 68])
+                .unwrap();
         }
-        let x: Vec<f32> = (0..64).map(|i| (i as f32 - 30.0) / 10.0).collect();
-        let mut deq = vec![0f32; 64];
-        dequant_row(GgmlType::Q8_0, &row, &mut deq);
-        assert_eq!(deq[0], 0.5 * -100.0);
-        assert_eq!(deq[33], 1.5 * -91.0);
-        let want: f32 = deq.iter().zip(&x).map(|(a, b)| a * b).sum();
-        assert!((dot(GgmlType::Q8_0, &row, &x) - want).abs() < 1e-2);
+        let mut deq = vec![0f32; rows * cols];
+        for r in 0..rows {
+            dequant_row(GgmlType::Q8_0, &bytes[r * 68..(r + 1) * 68], &mut deq[r * cols..(r + 1) * cols]).unwrap();
+        }
+        let m = Mat { ty: GgmlType::Q8_0, rows, cols, row_bytes: 68, data: &bytes };
+        let pool = Pool::new(2);
+        let mut y = vec![0f32; n * rows];
+        matmul(&pool, m, &x, n, &mut y).unwrap();
+        let r = naive(&deq, rows, cols, &x, n);
+        for (a, b) in y.iter().zip(&r) {
+            // Q8_0 activations add ~0.4% relative error per value.
+            assert!((a - b).abs() < 0.05 * (1.0 + b.abs()), "{a} vs {b}");
+        }
+        // Gathered rows give the same values as the full product.
+        let mut g = vec![0f32; rows];
+        matmul_gather(&pool, m, &x, &[2], &mut g).unwrap();
+        assert_eq!(&g[..], &y[2 * rows..3 * rows]);
     }
 }

@@ -135,7 +135,10 @@ impl Backend for CpuBackend {
         let emb = model.mat(model.global.embed);
         let rows = &cx.batch.rows;
         par_rows(&self.pool, &mut cx.act.streams[..rows.len() * hc * d], hc * d, &|r, x| {
-            dequant_row(emb.ty, emb.row(rows[r].token as usize), &mut x[..d]);
+            // Validated at load (supported type, whole rows); a failure here would be a bug: poison the row.
+            if dequant_row(emb.ty, emb.row(rows[r].token as usize), &mut x[..d]).is_err() {
+                x[..d].fill(f32::NAN);
+            }
             for j in 1..hc {
                 x.copy_within(0..d, j * d);
             }
@@ -158,7 +161,7 @@ impl Backend for CpuBackend {
         sc.xnorm[..n * hcd].copy_from_slice(&cx.act.streams[..n * hcd]);
         let eps = c.rms_eps;
         par_rows(&self.pool, &mut sc.xnorm[..n * hcd], hcd, &|_, r| norm::rms_norm_unweighted(r, eps));
-        matmul(&self.pool, model.mat(w.fn_), &sc.xnorm, n, &mut sc.mix);
+        matmul(&self.pool, model.mat(w.fn_), &sc.xnorm, n, &mut sc.mix)?;
         let (base, scale) = (model.dense(w.base), model.dense(w.scale));
         for r in 0..n {
             hc::hc_weights(
@@ -226,7 +229,7 @@ impl Backend for CpuBackend {
         let eps = c.rms_eps;
         sc.xnorm[..n * hcd].copy_from_slice(&cx.act.streams[..n * hcd]);
         par_rows(&self.pool, &mut sc.xnorm[..n * hcd], hcd, &|_, r| norm::rms_norm_unweighted(r, eps));
-        matmul(&self.pool, model.mat(g.hc_fn), &sc.xnorm, n, &mut sc.mix);
+        matmul(&self.pool, model.mat(g.hc_fn), &sc.xnorm, n, &mut sc.mix)?;
         let (base, scale, nw) = (model.dense(g.hc_base), model.dense(g.hc_scale)[0], model.dense(g.norm));
         for r in 0..n {
             let (mix, pre) = (&sc.mix[r * hc..(r + 1) * hc], &mut sc.pre[r * hc..(r + 1) * hc]);
@@ -246,7 +249,6 @@ impl Backend for CpuBackend {
             &cx.act.head_out,
             &cx.batch.logit_rows,
             &mut cx.act.logits,
-        );
-        Ok(())
+        )
     }
 }

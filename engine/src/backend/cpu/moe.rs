@@ -32,6 +32,7 @@ fn swiglu(h1: &mut [f32], h3: &[f32], limit: f32) {
 }
 
 /// Runs [`crate::graph::Op::Moe`] for `layer`.
+#[allow(clippy::needless_range_loop)]
 pub fn moe(be: &CpuBackend, sc: &mut Scratch, cx: &mut StepCtx<'_>, layer: usize) -> Result<()> {
     let pool = &be.pool;
     let model = cx.model;
@@ -43,7 +44,7 @@ pub fn moe(be: &CpuBackend, sc: &mut Scratch, cx: &mut StepCtx<'_>, layer: usize
     let limit = c.swiglu_limit[layer];
 
     rms_norm_rows(&cx.act.collapsed, model.dense(lw.ffn_norm), c.rms_eps, n, &mut sc.xn);
-    matmul(pool, model.mat(lw.gate), &sc.xn, n, &mut sc.router);
+    matmul(pool, model.mat(lw.gate), &sc.xn, n, &mut sc.router)?;
 
     // Selection and weights per row.
     let bias = lw.gate_bias.map(|b| model.dense(b));
@@ -114,10 +115,10 @@ pub fn moe(be: &CpuBackend, sc: &mut Scratch, cx: &mut StepCtx<'_>, layer: usize
             let m = list.len();
             sc.idx.clear();
             sc.idx.extend(list.iter().map(|&(r, _)| r));
-            matmul_gather(pool, gate_m.rows_slice(e * ffn, ffn), &sc.xn, &sc.idx, &mut sc.h1);
-            matmul_gather(pool, up_m.rows_slice(e * ffn, ffn), &sc.xn, &sc.idx, &mut sc.h3);
+            matmul_gather(pool, gate_m.rows_slice(e * ffn, ffn), &sc.xn, &sc.idx, &mut sc.h1)?;
+            matmul_gather(pool, up_m.rows_slice(e * ffn, ffn), &sc.xn, &sc.idx, &mut sc.h3)?;
             swiglu(&mut sc.h1[..m * ffn], &sc.h3[..m * ffn], limit);
-            matmul(pool, down_m.rows_slice(e * d, d), &sc.h1, m, &mut sc.eo);
+            matmul(pool, down_m.rows_slice(e * d, d), &sc.h1, m, &mut sc.eo)?;
             for (i, &(r, j)) in list.iter().enumerate() {
                 let w = sc.w_e[r * k + j];
                 for (o, &v) in out[r * d..(r + 1) * d].iter_mut().zip(&sc.eo[i * d..(i + 1) * d]) {
@@ -130,10 +131,10 @@ pub fn moe(be: &CpuBackend, sc: &mut Scratch, cx: &mut StepCtx<'_>, layer: usize
 
     // Shared expert.
     if let (Some(g), Some(u), Some(dn)) = (lw.gate_sh, lw.up_sh, lw.down_sh) {
-        matmul(pool, model.mat(g), &sc.xn, n, &mut sc.h1);
-        matmul(pool, model.mat(u), &sc.xn, n, &mut sc.h3);
+        matmul(pool, model.mat(g), &sc.xn, n, &mut sc.h1)?;
+        matmul(pool, model.mat(u), &sc.xn, n, &mut sc.h3)?;
         swiglu(&mut sc.h1[..n * ffn], &sc.h3[..n * ffn], limit);
-        matmul(pool, model.mat(dn), &sc.h1, n, &mut sc.eo);
+        matmul(pool, model.mat(dn), &sc.h1, n, &mut sc.eo)?;
         for (o, &v) in out.iter_mut().zip(&sc.eo[..n * d]) {
             *o += v;
         }

@@ -179,11 +179,10 @@ pub fn par_rows<T: Send>(pool: &Pool, buf: &mut [T], width: usize, f: &(dyn Fn(u
     let ptr = RowPtr(buf.as_mut_ptr());
     let tasks = n.min(pool.threads() * 4).max(1);
     pool.run(tasks, &|t| {
-        let ptr = ptr;
         for i in split(n, tasks, t) {
             // SAFETY: row ranges are disjoint across tasks and `i < n` keeps them inside `buf`, which is
             // borrowed mutably for the duration of `run`.
-            let row = unsafe { std::slice::from_raw_parts_mut(ptr.0.add(i * width), width) };
+            let row = unsafe { std::slice::from_raw_parts_mut(ptr.get().add(i * width), width) };
             f(i, row);
         }
     });
@@ -196,6 +195,12 @@ impl<T> Clone for RowPtr<T> {
     }
 }
 impl<T> Copy for RowPtr<T> {}
+impl<T> RowPtr<T> {
+    /// The pointer (a method, so closures capture the whole `Sync` wrapper, not the raw field).
+    fn get(self) -> *mut T {
+        self.0
+    }
+}
 // SAFETY: only used by `par_rows` for disjoint rows of a `T: Send` buffer.
 unsafe impl<T: Send> Send for RowPtr<T> {}
 // SAFETY: as above; no two tasks touch the same element.
