@@ -11,6 +11,7 @@ mod inspect;
 mod kv;
 mod logits;
 mod render;
+mod run;
 mod tokenize;
 
 /// `ds4`: run, inspect and convert DeepSeek V4 Flash models.
@@ -30,6 +31,10 @@ pub enum Command {
     Tokenize(tokenize::Args),
     /// Render a conversation (JSON on stdin) into the model's prompt text.
     Render(render::Args),
+    /// Answer one prompt with a model (reasoning on stderr, answer on stdout).
+    Run(run::RunArgs),
+    /// Interactive chat with a model, one user turn per line.
+    Chat(run::ChatArgs),
     /// Convert an official checkpoint folder (config.json + safetensors) to a DS4 GGUF file.
     Convert(convert::Args),
     /// Write the logits of every prompt position (little-endian f32 `[n_tokens, vocab]`).
@@ -55,6 +60,8 @@ pub fn main() -> i32 {
         Command::Inspect(a) => inspect::run(a),
         Command::Tokenize(a) => tokenize::run(a),
         Command::Render(a) => render::run(a),
+        Command::Run(a) => run::run(a),
+        Command::Chat(a) => run::chat(a),
         Command::Convert(a) => convert::run(a),
         Command::Logits(a) => logits::run(a),
         Command::Generate(a) => generate::run(a),

@@ -1,0 +1,328 @@
+//! `ds4 run` (one prompt → one answer) and `ds4 chat` (interactive), on top of [`crate::engine::Engine`].
+//!
+//! The generation loop ([`generate`]) ties the text pieces together: render the conversation ([`crate::chat`]),
+//! encode it, feed it, then per step: sample ([`crate::sampler::Sampler`], greedy inside DSML syntax and on
+//! structural tokens), decode incrementally ([`crate::tokenizer::StreamDecoder`]), check stop sequences and the token
+//! limit ([`crate::sampler::StopChecker`]) and parse reasoning / content / tool calls ([`crate::chat::StreamParser`]).
+//!
+//! Output: the answer goes to stdout as it is generated; reasoning goes to stderr (so `ds4 run … > answer.txt` keeps
+//! only the answer); tool calls are printed to stdout as one JSON line each once complete.
+
+use std::io::{BufRead, Write};
+use std::path::PathBuf;
+
+use anyhow::Context;
+
+use crate::chat::{render, Message, Mode, ParseEvent, ParsedMessage, ReasoningEffort, RenderInput, Role, StreamParser};
+use crate::engine::{BackendKind, Engine, EngineOptions};
+use crate::gguf::GgufFile;
+use crate::sampler::{Sampler, SamplerConfig, StopChecker, StopStatus};
+use crate::tables::SessionId;
+use crate::tokenizer::{Tokenizer, EOS_TOKEN};
+
+/// Options shared by `ds4 run` and `ds4 chat`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct GenArgs {
+    /// The DS4 GGUF model file.
+    #[arg(short = 'm', long = "model")]
+    pub model: PathBuf,
+    /// A system prompt.
+    #[arg(long)]
+    pub system: Option<String>,
+    /// Thinking mode (the default).
+    #[arg(long, conflicts_with = "nothink")]
+    pub think: bool,
+    /// Chat mode: answer without reasoning.
+    #[arg(long)]
+    pub nothink: bool,
+    /// Reasoning effort in thinking mode: high or max.
+    #[arg(long = "reasoning-effort", default_value = "high")]
+    pub reasoning_effort: String,
+    /// Maximum generated tokens per answer.
+    #[arg(long = "max-tokens", default_value_t = 1024)]
+    pub max_tokens: usize,
+    /// Sampling temperature (0 = greedy).
+    #[arg(long, default_value_t = 1.0)]
+    pub temperature: f32,
+    #[arg(long = "top-p", default_value_t = 1.0)]
+    pub top_p: f32,
+    /// 0 = off.
+    #[arg(long = "top-k", default_value_t = 0)]
+    pub top_k: usize,
+    #[arg(long = "min-p", default_value_t = 0.0)]
+    pub min_p: f32,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Stop when this text appears (repeatable).
+    #[arg(long = "stop")]
+    pub stop: Vec<String>,
+    /// cpu or wgpu.
+    #[arg(long, default_value = "cpu")]
+    pub backend: String,
+    /// Worker threads (0 = all cores).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+    /// Context length (0 = the model's).
+    #[arg(long, default_value_t = 0)]
+    pub ctx: usize,
+}
+
+/// Arguments of `ds4 run`.
+#[derive(clap::Args, Debug)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub gen: GenArgs,
+    /// The user prompt ("-" reads it from stdin).
+    #[arg(short = 'p', long = "prompt")]
+    pub prompt: String,
+}
+
+/// Arguments of `ds4 chat`.
+#[derive(clap::Args, Debug)]
+pub struct ChatArgs {
+    #[command(flatten)]
+    pub gen: GenArgs,
+}
+
+struct Loaded {
+    engine: Engine,
+    tok: Tokenizer,
+    mode: Mode,
+    effort: ReasoningEffort,
+    sampler: SamplerConfig,
+}
+
+fn load(g: &GenArgs) -> anyhow::Result<Loaded> {
+    let effort: ReasoningEffort = g.reasoning_effort.parse()?;
+    let backend: BackendKind = g.backend.parse()?;
+    let sampler = SamplerConfig {
+        temperature: g.temperature,
+        top_p: g.top_p,
+        top_k: g.top_k,
+        min_p: g.min_p,
+        seed: g.seed,
+        ..Default::default()
+    };
+    sampler.validate()?;
+    let file = GgufFile::open(&g.model)?;
+    let tok = Tokenizer::from_gguf(&file).with_context(|| format!("tokenizer of {}", g.model.display()))?;
+    let opts = EngineOptions { backend, threads: g.threads, ctx: g.ctx, ..Default::default() };
+    let engine = Engine::from_gguf(file, opts)?;
+    let mode = if g.nothink { Mode::Chat } else { Mode::Thinking };
+    Ok(Loaded { engine, tok, mode, effort, sampler })
+}
+
+/// How one assistant turn is generated.
+#[derive(Clone, Copy, Debug)]
+pub struct TurnOptions<'a> {
+    /// The mode the prompt was rendered in (where the parser starts).
+    pub mode: Mode,
+    pub sampler: &'a SamplerConfig,
+    pub stops: &'a [String],
+    pub max_tokens: usize,
+}
+
+/// Runs one assistant turn: feeds `new_tokens` to `sess`, then samples until EOS, a stop sequence or the token
+/// limit. `on_event` sees every parser event as it happens. Returns the parsed answer.
+pub fn generate(
+    engine: &mut Engine,
+    sess: SessionId,
+    tok: &Tokenizer,
+    new_tokens: &[u32],
+    opt: &TurnOptions<'_>,
+    on_event: &mut dyn FnMut(&ParseEvent),
+) -> crate::Result<ParsedMessage> {
+    let TurnOptions { mode, sampler: sampler_cfg, stops, max_tokens } = *opt;
+    engine.feed(sess, new_tokens)?;
+    engine.run_until_idle()?;
+    let mut sampler = Sampler::new(sampler_cfg.clone())?;
+    let special = tok.special();
+    sampler.set_structural_tokens([Some(special.eos), special.dsml, special.think_end].into_iter().flatten());
+    let mut parser = StreamParser::new(mode);
+    let mut dec = tok.stream_decoder();
+    let mut stop = StopChecker::new(stops.iter().cloned(), Some(max_tokens));
+    let emit = |parser: &mut StreamParser, text: &str, on_event: &mut dyn FnMut(&ParseEvent)| {
+        for e in parser.push(text) {
+            on_event(&e);
+        }
+    };
+    loop {
+        let id = sampler.sample_with(engine.logits(sess)?, parser.in_tool_syntax())?;
+        sampler.accept(id);
+        if id == special.eos {
+            let rest = dec.finish() + &stop.finish();
+            emit(&mut parser, &rest, on_event);
+            emit(&mut parser, EOS_TOKEN, on_event);
+            // Feed EOS so the session's history holds the whole turn (the next turn continues after it).
+            engine.feed(sess, &[id])?;
+            engine.run_until_idle()?;
+            break;
+        }
+        let piece = dec.push(id)?;
+        engine.feed(sess, &[id])?;
+        match stop.push(&piece) {
+            StopStatus::Continue { emit: text } => emit(&mut parser, &text, on_event),
+            StopStatus::Stop { emit: text, reason } => {
+                tracing::debug!(?reason, "generation stopped");
+                emit(&mut parser, &text, on_event);
+                engine.run_until_idle()?;
+                break;
+            }
+        }
+        engine.run_until_idle()?;
+    }
+    let (last, result) = parser.finish();
+    for e in &last {
+        on_event(e);
+    }
+    Ok(result)
+}
+
+fn printer() -> impl FnMut(&ParseEvent) {
+    move |e: &ParseEvent| match e {
+        ParseEvent::ReasoningDelta(d) => {
+            let mut err = std::io::stderr().lock();
+            let _ = err.write_all(d.as_bytes());
+            let _ = err.flush();
+        }
+        ParseEvent::ContentDelta(d) => {
+            let mut out = std::io::stdout().lock();
+            let _ = out.write_all(d.as_bytes());
+            let _ = out.flush();
+        }
+        ParseEvent::Error(m) => tracing::warn!("model output: {m}"),
+        _ => {}
+    }
+}
+
+fn print_tool_calls(p: &ParsedMessage) {
+    for c in &p.tool_calls {
+        let line = serde_json::json!({"tool_call": {"name": c.name, "arguments": c.arguments}});
+        println!("\n{line}");
+    }
+}
+
+fn conversation_start(g: &GenArgs) -> Vec<Message> {
+    g.system.iter().map(|s| Message::new(Role::System, s.clone())).collect()
+}
+
+/// Runs `ds4 run`.
+pub fn run(a: RunArgs) -> anyhow::Result<i32> {
+    let mut l = load(&a.gen)?;
+    let prompt = if a.prompt == "-" {
+        let mut s = String::new();
+        std::io::Read::read_to_string(&mut std::io::stdin(), &mut s)?;
+        s
+    } else {
+        a.prompt.clone()
+    };
+    let mut messages = conversation_start(&a.gen);
+    messages.push(Message::new(Role::User, prompt));
+    let text = render(&RenderInput { messages }, l.mode, l.effort)?;
+    let ids = l.tok.encode(&text)?;
+    let sess = l.engine.create_session();
+    let mut on_event = printer();
+    let opt = TurnOptions { mode: l.mode, sampler: &l.sampler, stops: &a.gen.stop, max_tokens: a.gen.max_tokens };
+    let parsed = generate(&mut l.engine, sess, &l.tok, &ids, &opt, &mut on_event)?;
+    print_tool_calls(&parsed);
+    println!();
+    Ok(0)
+}
+
+/// Runs `ds4 chat`: one user turn per input line; `/reset` starts over, `/exit` (or end of input) quits.
+pub fn chat(a: ChatArgs) -> anyhow::Result<i32> {
+    let mut l = load(&a.gen)?;
+    let mut messages = conversation_start(&a.gen);
+    let mut sess = l.engine.create_session();
+    let stdin = std::io::stdin();
+    let mut on_event = printer();
+    loop {
+        eprint!("> ");
+        let mut line = String::new();
+        if stdin.lock().read_line(&mut line)? == 0 {
+            break;
+        }
+        let line = line.trim_end_matches(['\n', '\r']);
+        match line.trim() {
+            "" => continue,
+            "/exit" | "/quit" => break,
+            "/reset" => {
+                messages = conversation_start(&a.gen);
+                l.engine.free_session(sess)?;
+                sess = l.engine.create_session();
+                continue;
+            }
+            _ => {}
+        }
+        messages.push(Message::new(Role::User, line));
+        let text = render(&RenderInput { messages: messages.clone() }, l.mode, l.effort)?;
+        let ids = l.tok.encode(&text)?;
+        // Reuse the session when what it has processed is a prefix of the new prompt (earlier reasoning that the
+        // format drops makes it differ; then start over).
+        let done = l.engine.history(sess)?.to_vec();
+        let new = if ids.starts_with(&done) {
+            &ids[done.len()..]
+        } else {
+            l.engine.free_session(sess)?;
+            sess = l.engine.create_session();
+            &ids[..]
+        };
+        let opt = TurnOptions { mode: l.mode, sampler: &l.sampler, stops: &a.gen.stop, max_tokens: a.gen.max_tokens };
+        let parsed = generate(&mut l.engine, sess, &l.tok, new, &opt, &mut on_event)?;
+        print_tool_calls(&parsed);
+        println!();
+        messages.push(parsed.to_message());
+    }
+    Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::chat::ParsedToolCall;
+
+    fn demo() -> (Engine, Tokenizer) {
+        let bytes = crate::convert::demo::demo_model_gguf(3).unwrap();
+        let tok = Tokenizer::from_gguf(&GgufFile::from_bytes(bytes.clone()).unwrap()).unwrap();
+        let engine = Engine::from_gguf(GgufFile::from_bytes(bytes).unwrap(), EngineOptions::default()).unwrap();
+        (engine, tok)
+    }
+
+    fn turn(engine: &mut Engine, tok: &Tokenizer, cfg: &SamplerConfig, max_tokens: usize) -> (ParsedMessage, String) {
+        let text = render(
+            &RenderInput { messages: vec![Message::new(Role::User, "Hello")] },
+            Mode::Thinking,
+            ReasoningEffort::High,
+        )
+        .unwrap();
+        let ids = tok.encode(&text).unwrap();
+        let sess = engine.create_session();
+        let mut seen = String::new();
+        let opt = TurnOptions { mode: Mode::Thinking, sampler: cfg, stops: &[], max_tokens };
+        let p = generate(engine, sess, tok, &ids, &opt, &mut |e| match e {
+            ParseEvent::ReasoningDelta(d) | ParseEvent::ContentDelta(d) => seen += d,
+            _ => {}
+        })
+        .unwrap();
+        let n = engine.history(sess).unwrap().len() - ids.len();
+        assert!(n <= max_tokens + 1, "{n} tokens generated for a limit of {max_tokens}");
+        engine.free_session(sess).unwrap();
+        (p, seen)
+    }
+
+    #[test]
+    fn generation_on_the_demo_model_is_deterministic_and_bounded() {
+        let (mut engine, tok) = demo();
+        let cfg = SamplerConfig { seed: 9, temperature: 0.8, ..Default::default() };
+        let (a, seen_a) = turn(&mut engine, &tok, &cfg, 12);
+        let (b, _) = turn(&mut engine, &tok, &cfg, 12);
+        assert_eq!(a, b);
+        assert_eq!(seen_a, format!("{}{}", a.reasoning_content, a.content));
+        assert!(a
+            .tool_calls
+            .iter()
+            .all(|c: &ParsedToolCall| serde_json::from_str::<serde_json::Value>(&c.arguments).is_ok()));
+        let (g, _) = turn(&mut engine, &tok, &SamplerConfig::greedy(), 6);
+        assert_eq!(g, turn(&mut engine, &tok, &SamplerConfig::greedy(), 6).0);
+    }
+}
