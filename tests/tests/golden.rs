@@ -233,3 +233,108 @@ fn tiny_a_quantized_recipes_track_golden() {
         assert!(agree * 100 >= agree_min * a.len(), "recipe {recipe}: argmax agreement {agree}/{}", a.len());
     }
 }
+
+/// Rewrites a GGUF in memory: `meta` edits the metadata, `rename` maps tensor names (None drops the tensor),
+/// `patch` may edit a tensor's bytes. Returns the engine's load result.
+fn load_modified(
+    src: &Path,
+    meta: impl Fn(&mut Vec<(String, ds4_engine::gguf::MetaValue)>),
+    rename: impl Fn(&str) -> Option<String>,
+    patch: impl Fn(&str, &mut Vec<u8>),
+) -> ds4_engine::Result<Engine> {
+    use ds4_engine::gguf::{GgufFile, GgufWriter, TensorDecl};
+    let f = GgufFile::open(src).unwrap();
+    let mut md = f.metadata().to_vec();
+    meta(&mut md);
+    let mut decls = Vec::new();
+    let mut data = Vec::new();
+    for t in f.tensors() {
+        if let Some(name) = rename(&t.name) {
+            decls.push(TensorDecl { name: name.clone(), ty: t.ty, dims: t.dims.clone() });
+            let mut bytes = f.view(t).data.to_vec();
+            patch(&name, &mut bytes);
+            data.push((name, bytes));
+        }
+    }
+    let mut w = GgufWriter::new(Vec::new(), &md, decls).unwrap();
+    for (name, bytes) in &data {
+        w.write_tensor(name, bytes).unwrap();
+    }
+    let file = GgufFile::from_bytes(w.finish().unwrap()).unwrap();
+    Engine::from_gguf(file, EngineOptions { threads: 1, ..EngineOptions::default() })
+}
+
+fn set_meta(md: &mut [(String, ds4_engine::gguf::MetaValue)], key: &str, v: ds4_engine::gguf::MetaValue) {
+    md.iter_mut().find(|(k, _)| k == key).unwrap_or_else(|| panic!("no key {key}")).1 = v;
+}
+
+fn err_text(r: ds4_engine::Result<Engine>) -> String {
+    match r {
+        Ok(_) => panic!("a broken model file loaded without error"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn bad_model_files_give_clear_errors() {
+    use ds4_engine::gguf::MetaValue;
+    let Some(g) = tiny_a() else { return };
+    let p = &g.gguf;
+    let keep = |n: &str| Some(n.to_string());
+    let same = |_: &str, _: &mut Vec<u8>| {};
+    // The unmodified rewrite loads (the helper itself is sound).
+    assert!(load_modified(p, |_| {}, keep, same).is_ok());
+    let e =
+        err_text(load_modified(p, |m| set_meta(m, "deepseek4.attention.head_count_kv", MetaValue::U32(2)), keep, same));
+    assert!(e.contains("head_count_kv"), "{e}");
+    let e = err_text(load_modified(
+        p,
+        |m| set_meta(m, "deepseek4.attention.output_group_count", MetaValue::U32(3)),
+        keep,
+        same,
+    ));
+    assert!(e.contains("output_group_count"), "{e}");
+    let e = err_text(load_modified(p, |m| m.retain(|(k, _)| k != "deepseek4.swiglu_clamp_exp"), keep, same));
+    assert!(e.contains("missing key deepseek4.swiglu_clamp_exp"), "{e}");
+    let short = MetaValue::Array(ds4_engine::gguf::ValueType::I32, vec![MetaValue::I32(0); 3]);
+    let e =
+        err_text(load_modified(p, |m| set_meta(m, "deepseek4.attention.compress_ratios", short.clone()), keep, same));
+    assert!(e.contains("compress_ratios"), "{e}");
+    let e = err_text(load_modified(
+        p,
+        |m| set_meta(m, "general.architecture", MetaValue::String("llama".into())),
+        keep,
+        same,
+    ));
+    assert!(e.contains("deepseek4"), "{e}");
+    // A missing tensor, and two tensors with swapped names (wrong dims), are named in the error.
+    let drop = |n: &str| (n != "blk.3.attn_compressor_kv.weight").then(|| n.to_string());
+    let e = err_text(load_modified(p, |_| {}, drop, same));
+    assert!(e.contains("blk.3.attn_compressor_kv.weight"), "{e}");
+    let swap = |n: &str| {
+        Some(match n {
+            "blk.0.attn_q_a.weight" => "blk.0.attn_q_b.weight".to_string(),
+            "blk.0.attn_q_b.weight" => "blk.0.attn_q_a.weight".to_string(),
+            _ => n.to_string(),
+        })
+    };
+    let e = err_text(load_modified(p, |_| {}, swap, same));
+    assert!(e.contains("blk.0.attn_q_") && e.contains("expected dims"), "{e}");
+    // A hash-routing table pointing at an expert that does not exist.
+    let bad_tid = |n: &str, b: &mut Vec<u8>| {
+        if n == "blk.0.ffn_gate_tid2eid.weight" {
+            b[..4].copy_from_slice(&99i32.to_le_bytes());
+        }
+    };
+    let e = err_text(load_modified(p, |_| {}, keep, bad_tid));
+    assert!(e.contains("tid2eid") && e.contains("99"), "{e}");
+    // Engine input errors: unknown token, context overflow, stale session.
+    let mut e = Engine::open(p, EngineOptions { threads: 1, ctx: 8, exact: true, ..EngineOptions::default() }).unwrap();
+    let s = e.create_session();
+    assert!(e.feed(s, &[g.vocab as u32]).unwrap_err().to_string().contains("vocabulary"));
+    assert!(e.feed(s, &[0; 9]).unwrap_err().to_string().contains("context overflow"));
+    assert!(e.logits(s).is_err());
+    e.free_session(s).unwrap();
+    assert!(e.feed(s, &[0]).is_err());
+    assert!(e.free_session(s).is_err());
+}
