@@ -144,7 +144,7 @@ pub trait OutputParser: Send {
 pub trait Codec: Send + Sync {
     /// Render a conversation to the prompt text, ending where the assistant's reply starts.
     fn render(&self, conv: &Conversation) -> Result<String, BackendError>;
-    fn encode(&self, text: &str) -> Vec<u32>;
+    fn encode(&self, text: &str) -> Result<Vec<u32>, BackendError>;
     fn decoder(&self) -> Box<dyn TokenDecoder>;
     /// A parser for a completion that starts inside a reasoning block when `thinking` is set.
     fn parser(&self, thinking: bool) -> Box<dyn OutputParser>;
@@ -158,6 +158,8 @@ pub struct ModelInfo {
     /// The id reported by `/v1/models` (requests may name any model; see `api::models`).
     pub id: String,
     pub context_size: usize,
+    /// Token ids are `0..vocab_size`.
+    pub vocab_size: usize,
     /// True for the built-in demo/fake model (said at startup and in `/v1/models`).
     pub demo: bool,
 }

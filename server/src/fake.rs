@@ -77,8 +77,8 @@ impl Codec for FakeCodec {
         Ok(out)
     }
 
-    fn encode(&self, text: &str) -> Vec<u32> {
-        text.bytes().map(u32::from).collect()
+    fn encode(&self, text: &str) -> Result<Vec<u32>, BackendError> {
+        Ok(text.bytes().map(u32::from).collect())
     }
 
     fn decoder(&self) -> Box<dyn TokenDecoder> {
@@ -417,11 +417,14 @@ mod tests {
         let codec = FakeCodec;
         let mut conv = Conversation { messages: vec![Message::new(Role::User, "hi there")], ..Default::default() };
         let mut r = FakeRunner::new(4);
-        assert_eq!(generate(&mut r, &codec.encode(&codec.render(&conv).unwrap())), "Hello! You said: hi there.");
+        assert_eq!(
+            generate(&mut r, &codec.encode(&codec.render(&conv).unwrap()).unwrap()),
+            "Hello! You said: hi there."
+        );
         conv.thinking = true;
         conv.tools.push(ToolSpec { name: "Bash".into(), description: "d".into(), parameters: serde_json::json!({}) });
         conv.messages[0].content = "please use the tool".into();
-        let out = generate(&mut r, &codec.encode(&codec.render(&conv).unwrap()));
+        let out = generate(&mut r, &codec.encode(&codec.render(&conv).unwrap()).unwrap());
         assert_eq!(
             out,
             "Let me think.</think><tool_call>{\"name\":\"Bash\",\"arguments\":{\"command\":\"ls\"}}</tool_call>"

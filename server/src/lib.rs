@@ -18,6 +18,7 @@
 pub mod api;
 pub mod backend;
 pub mod cli;
+pub mod engine;
 pub mod fake;
 pub mod generate;
 pub mod http;

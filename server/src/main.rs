@@ -29,15 +29,37 @@ fn main() -> anyhow::Result<()> {
     };
     let limits = Limits { max_body_bytes: args.max_body_mb.max(1) << 20, ..Limits::default() };
     let (runner, codec, info): (Box<dyn ds4_server::backend::Runner>, Arc<dyn ds4_server::backend::Codec>, _) =
-        if args.fake_model || args.model.is_none() {
-            if args.model.is_none() && !args.fake_model {
-                tracing::warn!("no -m given: serving the built-in scripted demo model (not a language model)");
-            }
-            let info =
-                ModelInfo { id: "deepseek-v4-flash".into(), context_size: args.ctx.unwrap_or(32768), demo: true };
+        if args.fake_model {
+            tracing::warn!("--fake-model: serving the scripted test model (not a language model)");
+            let info = ModelInfo {
+                id: "deepseek-v4-flash".into(),
+                context_size: args.ctx.unwrap_or(32768),
+                vocab_size: ds4_server::fake::VOCAB,
+                demo: true,
+            };
             (Box::new(FakeRunner::new(config.max_active + config.max_parked + 8)), Arc::new(FakeCodec), info)
         } else {
-            anyhow::bail!("loading a model file needs the ds4 engine, which this build does not have yet");
+            if args.model.is_none() {
+                tracing::warn!("no -m given: serving the built-in tiny demo model (random weights: output is noise)");
+                eprintln!("ds4-server: no -m given, serving the built-in demo model (random weights)");
+            }
+            let backend = match args.backend {
+                ds4_server::cli::BackendKind::Cpu => ds4_engine::engine::BackendKind::Cpu,
+                ds4_server::cli::BackendKind::Wgpu => ds4_engine::engine::BackendKind::Wgpu,
+            };
+            let opts = ds4_server::engine::LoadOptions {
+                backend,
+                ctx: args.ctx.unwrap_or(0),
+                max_batch_tokens: config.prefill_chunk + config.max_active,
+                max_sessions: config.max_active + config.max_parked + 8,
+                demo_seed: 1,
+            };
+            let (runner, codec, info) =
+                ds4_server::engine::load(args.model.as_deref(), &opts).map_err(|e| anyhow::anyhow!("{e}"))?;
+            if args.kv_disk_dir.is_some() {
+                tracing::warn!("--kv-disk-dir: the disk KV tier is not wired into the server yet; using RAM only");
+            }
+            (Box::new(runner), Arc::new(codec), info)
         };
     let state = build_state(runner, codec, info, config, limits);
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting tokio")?;

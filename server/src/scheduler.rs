@@ -450,7 +450,7 @@ mod tests {
     }
 
     fn prompt(user: &str) -> Vec<u32> {
-        FakeCodec.encode(&format!("<|user|>{user}\n<|assistant|>"))
+        FakeCodec.encode(&format!("<|user|>{user}\n<|assistant|>")).unwrap()
     }
 
     #[test]
@@ -467,7 +467,7 @@ mod tests {
         assert_eq!(ev.last().unwrap(), &JobEvent::Done(StopReason::Eos));
         // The follow-up carries the whole history: everything before its new turn comes from the parked session.
         let mut p2 = p1.clone();
-        p2.extend(FakeCodec.encode("Hello! You said: hello.<|end|>\n<|user|>again\n<|assistant|>"));
+        p2.extend(FakeCodec.encode("Hello! You said: hello.<|end|>\n<|user|>again\n<|assistant|>").unwrap());
         let (j, mut rx) = job(p2.clone(), 100);
         s.submit(j).unwrap();
         let (ev, text) = collect(&mut rx);

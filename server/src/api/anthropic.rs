@@ -280,16 +280,15 @@ fn prepare(state: &Arc<AppState>, body: &[u8]) -> Result<(MessagesRequest, Conve
 /// `POST /v1/messages/count_tokens`.
 pub async fn count_tokens(state: Arc<AppState>, _h: HeaderMap, body: Bytes) -> Result<Response<Body>, ApiError> {
     let (_, conv, _, _) = prepare(&state, &body)?;
-    let prompt = state.codec.render(&conv).map_err(|e| ApiError::invalid(e.0))?;
-    Ok(json_response(200, &json!({"input_tokens": state.codec.encode(&prompt).len()})))
+    let n = crate::api::prompt_tokens(&state, &conv)?.len();
+    Ok(json_response(200, &json!({"input_tokens": n})))
 }
 
 /// `POST /v1/messages`.
 pub async fn handle(state: Arc<AppState>, _headers: HeaderMap, body: Bytes) -> Result<Response<Body>, ApiError> {
     let (req, conv, show_thinking, opts) = prepare(&state, &body)?;
     let model = req.model.clone().unwrap_or_else(|| state.info.id.clone());
-    let prompt = state.codec.render(&conv).map_err(|e| ApiError::invalid(e.0))?;
-    let tokens = state.codec.encode(&prompt);
+    let tokens = crate::api::prompt_tokens(&state, &conv)?;
     let stop_seqs = opts.stop.clone();
     let gen = Generation::start(&state, tokens, GenOptions { thinking: conv.thinking, ..opts })?;
     let id = new_id("msg_");

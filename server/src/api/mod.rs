@@ -14,7 +14,9 @@ pub mod responses;
 
 use serde::de::DeserializeOwned;
 
+use crate::backend::Conversation;
 use crate::sampling::SamplingParams;
+use crate::state::AppState;
 use errors::ApiError;
 
 /// Decode a JSON body into `T`; syntax and type errors become 400s naming the problem.
@@ -55,6 +57,17 @@ pub fn max_tokens(name: &str, v: Option<u64>) -> Result<Option<usize>, ApiError>
         Some(n) => Ok(Some(n.min(usize::MAX as u64) as usize)),
         None => Ok(None),
     }
+}
+
+/// Tokenize text (a tokenizer failure is a 400 naming it).
+pub fn tokenize(state: &AppState, text: &str) -> Result<Vec<u32>, ApiError> {
+    state.codec.encode(text).map_err(|e| ApiError::invalid(format!("could not tokenize the prompt: {e}")))
+}
+
+/// Render a conversation and tokenize it.
+pub fn prompt_tokens(state: &AppState, conv: &Conversation) -> Result<Vec<u32>, ApiError> {
+    let prompt = state.codec.render(conv).map_err(|e| ApiError::invalid(format!("could not render the chat: {e}")))?;
+    tokenize(state, &prompt)
 }
 
 /// Seconds since the unix epoch.

@@ -71,10 +71,15 @@ pub async fn handle(state: Arc<AppState>, _headers: HeaderMap, body: Bytes) -> R
         return Err(ApiError::param("echo", "echo is not supported"));
     }
     let tokens = match req.prompt {
-        Prompt::Text(t) => state.codec.encode(&t),
-        Prompt::Texts(v) if v.len() == 1 => state.codec.encode(&v[0]),
+        Prompt::Text(t) => crate::api::tokenize(&state, &t)?,
+        Prompt::Texts(v) if v.len() == 1 => crate::api::tokenize(&state, &v[0])?,
         Prompt::Texts(_) => return Err(ApiError::param("prompt", "exactly one prompt is supported")),
-        Prompt::Tokens(t) => t,
+        Prompt::Tokens(t) => {
+            if let Some(bad) = t.iter().find(|&&id| id as usize >= state.info.vocab_size) {
+                return Err(ApiError::param("prompt", format!("token id {bad} is outside the vocabulary")));
+            }
+            t
+        }
     };
     let opts = GenOptions {
         sampling: sampling(req.temperature, req.top_p, req.top_k, req.seed)?,

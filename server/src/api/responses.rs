@@ -263,8 +263,7 @@ pub async fn handle(state: Arc<AppState>, _headers: HeaderMap, body: Bytes) -> R
     };
     let mut conv = conversation(&mut req)?;
     state.tools.restore(&mut conv);
-    let prompt = state.codec.render(&conv).map_err(|e| ApiError::invalid(e.0))?;
-    let tokens = state.codec.encode(&prompt);
+    let tokens = crate::api::prompt_tokens(&state, &conv)?;
     let gen = Generation::start(&state, tokens, GenOptions { thinking: conv.thinking, ..opts })?;
     let env = Envelope {
         id: new_id("resp_"),

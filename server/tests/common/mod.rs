@@ -41,7 +41,12 @@ impl TestServer {
 
     pub fn with(o: Options) -> Self {
         let runner = FakeRunner::new(256).with_delay(o.delay);
-        let info = ModelInfo { id: "deepseek-v4-flash".into(), context_size: o.context, demo: true };
+        let info = ModelInfo {
+            id: "deepseek-v4-flash".into(),
+            context_size: o.context,
+            vocab_size: ds4_server::fake::VOCAB,
+            demo: true,
+        };
         let state = build_state(Box::new(runner), Arc::new(FakeCodec), info, o.config, o.limits);
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
         let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();

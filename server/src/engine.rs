@@ -1,0 +1,273 @@
+//! The real model behind the seam: [`EngineRunner`] adapts `ds4_engine::engine::Engine` to [`Runner`], and
+//! [`EngineCodec`] adapts the DeepSeek-V4 tokenizer, chat renderer and DSML stream parser to [`Codec`].
+//!
+//! [`load`] opens a DS4 GGUF file, or builds the built-in demo model (random weights, real vocabulary and
+//! tokenizer) when no path is given.
+//!
+//! Notes for the next engineer:
+//! - The engine cannot roll a session back, so [`Runner::truncate`] answers `false`: a parked session is reused only
+//!   when the new prompt extends everything it processed. Otherwise the scheduler starts a fresh session.
+//! - `step` loops until the engine has no queued tokens, so one scheduler tick processes everything that was fed
+//!   (the engine's own batch budget may split it into several engine ticks).
+//! - Tools are attached to the first message (the renderer prints them in the system prompt); the function object
+//!   is written with keys `name`, `description`, `parameters` in that order.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use ds4_engine::chat::{self, JsonValue, Mode, ParseEvent, RenderOptions, StreamParser};
+use ds4_engine::engine::{BackendKind, Engine, EngineOptions};
+use ds4_engine::gguf::GgufFile;
+use ds4_engine::tokenizer::{StreamDecoder, Tokenizer};
+
+use crate::backend::{
+    BackendError, Codec, Conversation, ModelInfo, OutputParser, Parsed, Role, Runner, SessionId, TokenDecoder,
+};
+
+fn be(e: impl std::fmt::Display) -> BackendError {
+    BackendError(e.to_string())
+}
+
+/// The engine as a [`Runner`].
+pub struct EngineRunner {
+    engine: Engine,
+    ids: HashMap<SessionId, ds4_engine::tables::SessionId>,
+    next: SessionId,
+    max_sessions: usize,
+}
+
+impl Runner for EngineRunner {
+    fn vocab_size(&self) -> usize {
+        self.engine.config().vocab
+    }
+
+    fn create_session(&mut self) -> Result<SessionId, BackendError> {
+        if self.ids.len() >= self.max_sessions {
+            return Err(BackendError(format!("session table full ({} sessions)", self.max_sessions)));
+        }
+        let sid = self.engine.create_session();
+        self.next += 1;
+        self.ids.insert(self.next, sid);
+        Ok(self.next)
+    }
+
+    fn free_session(&mut self, session: SessionId) {
+        if let Some(sid) = self.ids.remove(&session) {
+            let _ = self.engine.free_session(sid);
+        }
+    }
+
+    fn truncate(&mut self, _session: SessionId, _len: usize) -> bool {
+        false
+    }
+
+    fn feed(&mut self, session: SessionId, tokens: &[u32]) -> Result<(), BackendError> {
+        let sid = *self.ids.get(&session).ok_or_else(|| BackendError(format!("unknown session {session}")))?;
+        self.engine.feed(sid, tokens).map_err(be)
+    }
+
+    fn step(&mut self) -> Result<(), BackendError> {
+        while self.engine.step().map_err(be)? {}
+        Ok(())
+    }
+
+    fn logits(&self, session: SessionId) -> Option<&[f32]> {
+        self.engine.logits(*self.ids.get(&session)?).ok()
+    }
+}
+
+/// Tokenizer + chat template + DSML parser as a [`Codec`].
+pub struct EngineCodec {
+    tok: Tokenizer,
+}
+
+impl EngineCodec {
+    pub fn new(tok: Tokenizer) -> Self {
+        EngineCodec { tok }
+    }
+}
+
+fn tool_json(t: &crate::backend::ToolSpec) -> Result<JsonValue, BackendError> {
+    let text = format!(
+        "{{\"name\":{},\"description\":{},\"parameters\":{}}}",
+        serde_json::Value::String(t.name.clone()),
+        serde_json::Value::String(t.description.clone()),
+        t.parameters
+    );
+    JsonValue::parse(&text).map_err(|e| BackendError(format!("tool {}: {e}", t.name)))
+}
+
+/// Convert a [`Conversation`] to the renderer's messages.
+pub fn to_chat_messages(conv: &Conversation) -> Result<Vec<chat::Message>, BackendError> {
+    let mut out = Vec::with_capacity(conv.messages.len());
+    for m in &conv.messages {
+        let role = match m.role {
+            Role::System => chat::Role::System,
+            Role::User => chat::Role::User,
+            Role::Assistant => chat::Role::Assistant,
+            Role::Tool => chat::Role::Tool,
+        };
+        let mut msg = chat::Message::new(role, m.content.clone());
+        if !m.reasoning.is_empty() {
+            msg.reasoning_content = Some(m.reasoning.clone());
+        }
+        msg.tool_call_id = m.tool_call_id.clone();
+        msg.tool_calls = m
+            .tool_calls
+            .iter()
+            .map(|c| chat::ToolCall { id: Some(c.id.clone()), name: c.name.clone(), arguments: c.arguments.clone() })
+            .collect();
+        out.push(msg);
+    }
+    if !conv.tools.is_empty() {
+        let tools =
+            conv.tools.iter().map(|t| tool_json(t).map(|f| chat::Tool { function: f })).collect::<Result<_, _>>()?;
+        match out.first_mut() {
+            Some(first) if first.role == chat::Role::System => first.tools = tools,
+            _ => {
+                let mut sys = chat::Message::new(chat::Role::System, String::new());
+                sys.tools = tools;
+                out.insert(0, sys);
+            }
+        }
+    }
+    Ok(out)
+}
+
+impl Codec for EngineCodec {
+    fn render(&self, conv: &Conversation) -> Result<String, BackendError> {
+        let messages = to_chat_messages(conv)?;
+        let mode = if conv.thinking { Mode::Thinking } else { Mode::Chat };
+        chat::render_with(&messages, &RenderOptions { mode, ..RenderOptions::default() }).map_err(be)
+    }
+
+    fn encode(&self, text: &str) -> Result<Vec<u32>, BackendError> {
+        self.tok.encode(text).map_err(be)
+    }
+
+    fn decoder(&self) -> Box<dyn TokenDecoder> {
+        Box::new(Decoder(StreamDecoder::new(&self.tok)))
+    }
+
+    fn parser(&self, thinking: bool) -> Box<dyn OutputParser> {
+        let mode = if thinking { Mode::Thinking } else { Mode::Chat };
+        Box::new(DsmlParser { inner: Some(StreamParser::new(mode)), call: None })
+    }
+
+    fn eos_tokens(&self) -> Vec<u32> {
+        vec![self.tok.eos()]
+    }
+}
+
+struct Decoder(StreamDecoder);
+
+impl TokenDecoder for Decoder {
+    fn push(&mut self, token: u32) -> String {
+        self.0.push(token).unwrap_or_default()
+    }
+
+    fn finish(&mut self) -> String {
+        self.0.finish()
+    }
+}
+
+/// DSML stream parser → [`Parsed`] events (a tool call is emitted whole at its end).
+struct DsmlParser {
+    inner: Option<StreamParser>,
+    call: Option<(String, String)>,
+}
+
+impl DsmlParser {
+    fn map(&mut self, events: Vec<ParseEvent>) -> Vec<Parsed> {
+        let mut out = Vec::new();
+        for e in events {
+            match e {
+                ParseEvent::ReasoningDelta(r) => out.push(Parsed::Reasoning(r)),
+                ParseEvent::ContentDelta(c) => out.push(Parsed::Content(c)),
+                ParseEvent::ToolCallStart { name, .. } => self.call = Some((name, String::new())),
+                ParseEvent::ToolArgsDelta { delta, .. } => {
+                    if let Some((_, args)) = self.call.as_mut() {
+                        args.push_str(&delta);
+                    }
+                }
+                ParseEvent::ToolCallEnd { .. } => {
+                    if let Some((name, arguments)) = self.call.take() {
+                        out.push(Parsed::ToolCall { name, arguments });
+                    }
+                }
+                ParseEvent::Error(e) => tracing::debug!(error = %e, "malformed model output"),
+            }
+        }
+        out
+    }
+}
+
+impl OutputParser for DsmlParser {
+    fn push(&mut self, text: &str) -> Vec<Parsed> {
+        let events = match self.inner.as_mut() {
+            Some(p) => p.push(text),
+            None => Vec::new(),
+        };
+        self.map(events)
+    }
+
+    fn finish(&mut self) -> Vec<Parsed> {
+        match self.inner.take() {
+            Some(p) => {
+                let (events, _) = p.finish();
+                self.map(events)
+            }
+            None => Vec::new(),
+        }
+    }
+}
+
+/// Options for [`load`].
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    pub backend: BackendKind,
+    /// Context per session (0: the model's, capped at 32768).
+    pub ctx: usize,
+    /// Engine rows per tick.
+    pub max_batch_tokens: usize,
+    pub max_sessions: usize,
+    /// Seed of the demo model's random weights.
+    pub demo_seed: u64,
+}
+
+/// Open `path` (or build the demo model when `None`): runner, codec and model facts.
+pub fn load(path: Option<&Path>, o: &LoadOptions) -> Result<(EngineRunner, EngineCodec, ModelInfo), BackendError> {
+    let (file, demo) = match path {
+        Some(p) => (GgufFile::open(p).map_err(be)?, false),
+        None => {
+            (GgufFile::from_bytes(ds4_engine::convert::demo_model_gguf(o.demo_seed).map_err(be)?).map_err(be)?, true)
+        }
+    };
+    let tok = Tokenizer::from_gguf(&file).map_err(be)?;
+    let opts = EngineOptions {
+        backend: o.backend,
+        ctx: o.ctx,
+        max_batch_tokens: o.max_batch_tokens.max(1),
+        ..Default::default()
+    };
+    let mut engine = Engine::from_gguf(file, opts.clone()).map_err(be)?;
+    if o.ctx == 0 && engine.ctx() > 32768 {
+        engine = {
+            let file = match path {
+                Some(p) => GgufFile::open(p).map_err(be)?,
+                None => {
+                    GgufFile::from_bytes(ds4_engine::convert::demo_model_gguf(o.demo_seed).map_err(be)?).map_err(be)?
+                }
+            };
+            Engine::from_gguf(file, EngineOptions { ctx: 32768, ..opts }).map_err(be)?
+        };
+    }
+    let info = ModelInfo {
+        id: "deepseek-v4-flash".into(),
+        context_size: engine.ctx(),
+        vocab_size: engine.config().vocab,
+        demo,
+    };
+    let runner = EngineRunner { engine, ids: HashMap::new(), next: 0, max_sessions: o.max_sessions.max(1) };
+    Ok((runner, EngineCodec::new(tok), info))
+}
