@@ -294,6 +294,31 @@ impl Engine {
         Ok(std::mem::take(&mut self.sessions.all_logits[s]))
     }
 
+    /// Rolls a session back to its first `len` processed tokens (queued tokens are dropped). The compressed KV
+    /// state cannot be rewound in place, so the state is cleared and `history[..len]` is queued again; the next
+    /// ticks recompute it (results are identical to never having gone further).
+    pub fn truncate(&mut self, id: SessionId, len: usize) -> Result<()> {
+        let s = self.slot(id)?;
+        let pos = self.sessions.pos[s];
+        if len > pos {
+            return Err(Error::InvalidArgument(format!("cannot truncate a session of {pos} tokens to {len}")));
+        }
+        self.sessions.pending[s].clear();
+        if len == pos {
+            return Ok(());
+        }
+        let mut hist = std::mem::take(&mut self.sessions.history[s]);
+        hist.truncate(len);
+        self.sessions.kv[s].clear();
+        self.sessions.pos[s] = 0;
+        self.sessions.logits[s].clear();
+        self.sessions.all_logits[s].clear();
+        self.sessions.pending[s].extend(hist.iter().copied());
+        hist.clear();
+        self.sessions.history[s] = hist;
+        Ok(())
+    }
+
     /// Frees a session (its slot and allocations are reused).
     pub fn free_session(&mut self, id: SessionId) -> Result<()> {
         if self.sessions.free(id) {

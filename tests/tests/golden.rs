@@ -119,6 +119,8 @@ fn tiny_a_sim_mode_matches_sim_golden_loosely() {
     eprintln!("sim: max |diff| = {d:.3e}, argmax agreement {agree}/{}", a.len());
     assert!(d <= 2e-2, "sim prefill max |diff| {d} > 2e-2");
     assert!(agree * 100 >= a.len() * 98, "sim argmax agreement {agree}/{}", a.len());
+    // Token-by-token decode in sim mode computes exactly the same rows as one-pass prefill.
+    assert_eq!(prefill_logits(&g.gguf, &prompt, false, 1), got, "sim mode: chunk 1 differs from one pass");
     // Exact mode must differ from sim mode (the simulation is really applied).
     assert!(max_abs_diff(&got, &g.prefill) > 1e-2, "sim mode gives exact-mode logits");
     let want_tokens = ids(&gs["greedy_tokens"]);
@@ -148,6 +150,12 @@ fn snapshot_restore_is_bit_identical() {
     // And they still match the golden prefill row of that position.
     let row = &g.prefill[76 * g.vocab..77 * g.vocab];
     assert!(max_abs_diff(&la, row) <= TOL);
+    // Truncation recomputes the prefix: back to 50 tokens gives the snapshot's logits again.
+    e.truncate(b, 50).unwrap();
+    e.run_until_idle().unwrap();
+    assert_eq!(e.position(b).unwrap(), 50);
+    assert_eq!(e.snapshot(b).unwrap(), snap);
+    assert!(e.truncate(b, 51).is_err());
     // A snapshot of another shape is rejected.
     let mut bad = snap;
     bad.kv.layers.pop();
