@@ -470,3 +470,63 @@ fn broken_checkpoints_give_clear_errors() {
     let e = broken(|_, dir| std::fs::remove_file(dir.join("config.json")).unwrap());
     assert!(e.contains("config.json"), "{e}");
 }
+
+#[test]
+fn tokenizer_metadata_is_embedded_and_vocab_checked() {
+    let fx = Fixture::new(5);
+    let tmp = tempfile::tempdir().unwrap();
+    fx.write(tmp.path(), 1);
+    let write_tok = |n: usize| {
+        let tokens: Vec<String> = (0..n).map(|i| format!("<t{i}>")).collect();
+        let refs: Vec<&str> = tokens.iter().map(|s| s.as_str()).collect();
+        let json = ds4_engine::tokenizer::tokenizer_json_from_parts(&refs, &[], None).unwrap();
+        let p = tmp.path().join(format!("tokenizer-{n}.json"));
+        std::fs::write(&p, json).unwrap();
+        p
+    };
+    let out = tmp.path().join("tok.gguf");
+    let mut opts = ConvertOptions::new(tmp.path(), &out, Recipe::F16);
+    opts.tokenizer = Some(write_tok(256));
+    convert(&opts).unwrap();
+    let g = GgufFile::open(&out).unwrap();
+    let tokens = g.get_str_array("tokenizer.ggml.tokens").unwrap();
+    assert_eq!(tokens.len(), 256);
+    assert_eq!((tokens[0], tokens[255]), ("<t0>", "<t255>"));
+
+    let out2 = tmp.path().join("tok-bad.gguf");
+    let mut opts = ConvertOptions::new(tmp.path(), &out2, Recipe::F16);
+    opts.tokenizer = Some(write_tok(255));
+    let e = convert(&opts).unwrap_err().to_string();
+    assert!(e.contains("255 tokens") && e.contains("vocab_size is 256"), "{e}");
+    assert!(!out2.exists());
+}
+
+#[test]
+fn cli_convert_writes_a_file_and_rejects_bad_arguments() {
+    let fx = Fixture::new(9);
+    let tmp = tempfile::tempdir().unwrap();
+    fx.write(tmp.path(), 2);
+    let out = tmp.path().join("cli.gguf");
+    let bin = env!("CARGO_BIN_EXE_ds4");
+    let input = tmp.path().to_str().unwrap();
+    let st = std::process::Command::new(bin)
+        .args(["convert", "--input", input, "--output", out.to_str().unwrap(), "--recipe", "q8_0", "--quiet"])
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap();
+    assert!(st.status.success(), "{}", String::from_utf8_lossy(&st.stderr));
+    let g = GgufFile::open(&out).unwrap();
+    assert_eq!(g.tensor_info("blk.0.attn_q_b.weight").unwrap().ty, GgmlType::Q8_0);
+    let st = std::process::Command::new(bin)
+        .args(["convert", "--input", input, "--output", "x.gguf", "--recipe", "q3"])
+        .output()
+        .unwrap();
+    assert!(!st.status.success());
+    assert!(String::from_utf8_lossy(&st.stderr).contains("q3"));
+    let st = std::process::Command::new(bin)
+        .args(["convert", "--input", "/nonexistent-ds4-dir", "--output", out.to_str().unwrap(), "--recipe", "f32"])
+        .output()
+        .unwrap();
+    assert!(!st.status.success());
+    assert!(String::from_utf8_lossy(&st.stderr).contains("nonexistent-ds4-dir"));
+}

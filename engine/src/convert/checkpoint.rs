@@ -5,18 +5,27 @@
 //! files it names are opened, and every name it lists must be in its file), or else every `*.safetensors` file in the
 //! folder. A name present in two shards is an error.
 //!
-//! Quantized weights are recognised by dtype and decoded with their scale companion (looked up as `<base>.scale`,
-//! `<name>_scale_inv` or `<name>.scale`, where `<base>` is the name without `.weight`):
-//! - `F8_E4M3` weight `[out, in]` with a scale of shape `[ceil(out/b0), ceil(in/b1)]` (128×128 blocks in the release;
-//!   the block size is inferred from the two shapes as the power of two that fits), scale dtype F32/BF16/F16/E8M0.
-//!   A scale is optional for FP8 (none means 1).
-//! - FP4 e2m1 packed two per byte in an `I8`/`U8` tensor `[out, in/2]` (logical `[out, in]`), or a safetensors `F4`
-//!   tensor with its logical shape, with a scale `[out, in/32]` (usually `F8_E8M0`). A scale is required for I8/U8.
-//! - A scale tensor with a single element is a per-tensor scale.
+//! ## How the official DeepSeek-V4 release stores weights
+//! Established from the reference converter of the C engine (antirez/ds4 `gguf-tools/deepseek4-quantize.c`, which
+//! reads the Hugging Face release) and checked against the safetensors dtype list:
+//! - Dense FP8 tensors (attention projections, shared experts, ...): weight dtype `F8_E4M3` (`float8_e4m3fn`),
+//!   shape `[out, in]`, plus a scale tensor named `<base>.scale` (`<base>` = weight name without `.weight`, e.g.
+//!   `layers.0.attn.wq_a.scale`) of dtype `F8_E8M0` (ue8m0: power-of-two exponents) and shape
+//!   `[out/128, in/128]`: one scale per 128×128 block. (DeepSeek-V3 used `weight_scale_inv` in F32 with the same
+//!   blocks; that name and dtype are accepted too.) Value = e4m3 × scale; the release has no NaN codes in use.
+//! - Routed experts `layers.N.ffn.experts.E.w{1,2,3}.weight`: FP4 e2m1 packed two per byte in an `I8` tensor
+//!   `[out, in/2]`, element `2i` in the low nibble, with `<base>.scale` `F8_E8M0` `[out, in/32]` (one scale per 32
+//!   consecutive inputs of a row).
+//! - Everything else BF16 or F32 (norms, HC, router, embedding, head); `ffn.gate.tid2eid` is `I64` `[vocab, top_k]`.
+//! - The MTP block lives under `mtp.*` (in the same shards); the main-model conversion ignores it.
 //!
-//! Dequantized value = decoded element × its block's scale (the release's `weight_scale_inv`/`scale` is a multiplier
-//! despite the name). Every tensor and scale read is remembered, so [`Checkpoint::unused`] lists what the
-//! conversion ignored. Errors name the file and tensor; no bit pattern or header panics.
+//! Decoding here is general: FP8 weights with a scale of shape `[ceil(out/b0), ceil(in/b1)]` (block edges inferred
+//! as the powers of two that fit), scale dtypes F32/BF16/F16/E8M0, a single-element scale as a per-tensor scale,
+//! FP8 without any scale (scale 1), FP4 in `I8`/`U8` (scale required) or as a safetensors `F4` tensor.
+//! Scale companions are looked up as `<base>.scale`, `<name>_scale_inv`, `<name>.scale`.
+//!
+//! Every tensor and scale read is remembered, so [`Checkpoint::unused`] lists what the conversion ignored. Errors
+//! name the file and tensor; no bit pattern or header panics.
 
 use std::collections::{BTreeSet, HashMap};
 use std::fs::File;

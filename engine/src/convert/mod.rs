@@ -134,7 +134,20 @@ pub fn build_metadata(cfg: &CheckpointConfig, opts: &ConvertOptions) -> Result<V
     meta.push(("general.file_type".into(), MetaValue::U32(opts.recipe.file_type())));
     meta.push(("general.quantization_version".into(), MetaValue::U32(2)));
     if let Some(tok) = &opts.tokenizer {
-        meta.extend(crate::tokenizer::gguf_metadata_from_tokenizer_json(tok)?);
+        let tmeta = crate::tokenizer::gguf_metadata_from_tokenizer_json(tok)?;
+        let n_tokens = tmeta
+            .iter()
+            .find(|(k, _)| k == "tokenizer.ggml.tokens")
+            .and_then(|(_, v)| v.as_array())
+            .map_or(0, |a| a.len());
+        if n_tokens != cfg.vocab_size {
+            return Err(Error::Convert(format!(
+                "{}: {n_tokens} tokens, but config.json vocab_size is {}",
+                tok.display(),
+                cfg.vocab_size
+            )));
+        }
+        meta.extend(tmeta);
     }
     Ok(meta)
 }
