@@ -1,10 +1,12 @@
 //! `ds4 generate -m FILE --tokens 0,5,17 -n N --temperature 0 --print-ids [--exact] [--backend cpu] [--threads N]`:
-//! greedy continuation of a token prompt, printed as comma-separated ids on one line.
+//! continuation of a token prompt (greedy at temperature 0, else sampled with [`crate::sampler::Sampler`]), printed
+//! as comma-separated ids on one line.
 
 use std::path::PathBuf;
 
 use super::logits::{engine_options, parse_tokens};
 use crate::engine::Engine;
+use crate::sampler::{Sampler, SamplerConfig};
 
 /// Arguments of `ds4 generate` (a contract: keep stable).
 #[derive(clap::Args, Debug)]
@@ -18,9 +20,18 @@ pub struct Args {
     /// Tokens to generate.
     #[arg(short = 'n', long = "n-predict", default_value_t = 16)]
     pub n: usize,
-    /// Sampling temperature (only 0 = greedy is supported for now).
+    /// Sampling temperature (0 = greedy).
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f32,
+    /// Keep only the k most likely ids when sampling (0 = off).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// Nucleus sampling mass (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Sampling seed.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
     /// Print the generated ids (comma-separated, one line).
     #[arg(long)]
     pub print_ids: bool,
@@ -44,14 +55,35 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
     if tokens.is_empty() {
         anyhow::bail!("--tokens is empty");
     }
-    if a.temperature != 0.0 {
-        anyhow::bail!("only --temperature 0 (greedy) is supported by this build");
-    }
+    let cfg = SamplerConfig {
+        temperature: a.temperature,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        seed: a.seed,
+        ..Default::default()
+    };
+    let mut sampler = Sampler::new(cfg)?;
     let opts = engine_options(&a.backend, a.exact, a.threads, a.chunk, 0)?;
     let mut engine = Engine::open(&a.model, opts)?;
     let s = engine.create_session();
     let t0 = std::time::Instant::now();
-    let ids = engine.generate_greedy(s, &tokens, a.n)?;
+    let ids = if a.temperature == 0.0 {
+        engine.generate_greedy(s, &tokens, a.n)?
+    } else {
+        engine.feed(s, &tokens)?;
+        engine.run_until_idle()?;
+        let mut ids = Vec::with_capacity(a.n);
+        for i in 0..a.n {
+            let t = sampler.sample(engine.logits(s)?)?;
+            sampler.accept(t);
+            ids.push(t);
+            if i + 1 < a.n {
+                engine.feed(s, &[t])?;
+                engine.run_until_idle()?;
+            }
+        }
+        ids
+    };
     tracing::info!(generated = ids.len(), ms = t0.elapsed().as_millis() as u64, "generate done");
     let line = ids.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(",");
     // Without a tokenizer in this path the ids are the output either way; `--print-ids` keeps the contract.
