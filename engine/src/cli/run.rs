@@ -195,11 +195,15 @@ fn printer() -> impl FnMut(&ParseEvent) {
     }
 }
 
-fn print_tool_calls(p: &ParsedMessage) {
+/// Prints the completed tool calls (one JSON line each) and ends the answer's line.
+fn print_turn_end(p: &ParsedMessage) -> std::io::Result<()> {
+    let mut out = std::io::stdout().lock();
     for c in &p.tool_calls {
         let line = serde_json::json!({"tool_call": {"name": c.name, "arguments": c.arguments}});
-        println!("\n{line}");
+        writeln!(out, "\n{line}")?;
     }
+    writeln!(out)?;
+    out.flush()
 }
 
 fn conversation_start(g: &GenArgs) -> Vec<Message> {
@@ -224,8 +228,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<i32> {
     let mut on_event = printer();
     let opt = TurnOptions { mode: l.mode, sampler: &l.sampler, stops: &a.gen.stop, max_tokens: a.gen.max_tokens };
     let parsed = generate(&mut l.engine, sess, &l.tok, &ids, &opt, &mut on_event)?;
-    print_tool_calls(&parsed);
-    println!();
+    print_turn_end(&parsed)?;
     Ok(0)
 }
 
@@ -269,8 +272,7 @@ pub fn chat(a: ChatArgs) -> anyhow::Result<i32> {
         };
         let opt = TurnOptions { mode: l.mode, sampler: &l.sampler, stops: &a.gen.stop, max_tokens: a.gen.max_tokens };
         let parsed = generate(&mut l.engine, sess, &l.tok, new, &opt, &mut on_event)?;
-        print_tool_calls(&parsed);
-        println!();
+        print_turn_end(&parsed)?;
         messages.push(parsed.to_message());
     }
     Ok(0)

@@ -5,6 +5,7 @@
 //! to its text, prints each failure on stderr and `N passed, M failed` as the last line, and exits non-zero on any
 //! failure. `ds4 tokenize [--tokenizer …] TEXT` prints the ids of TEXT as a JSON list.
 
+use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::Context;
@@ -45,7 +46,7 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
     let tok = load(a.tokenizer.as_ref(), a.model.as_ref())?;
     let Some(cases) = a.jsonl else {
         let text = a.text.context("give --jsonl CASES or a TEXT to tokenize")?;
-        println!("{}", serde_json::to_string(&tok.encode(&text)?)?);
+        writeln!(std::io::stdout().lock(), "{}", serde_json::to_string(&tok.encode(&text)?)?)?;
         return Ok(0);
     };
     let data = std::fs::read_to_string(&cases).with_context(|| format!("reading {}", cases.display()))?;
@@ -99,6 +100,6 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
             failed += 1;
         }
     }
-    println!("{passed} passed, {failed} failed");
+    writeln!(std::io::stdout().lock(), "{passed} passed, {failed} failed")?;
     Ok(if failed == 0 && passed > 0 { 0 } else { 1 })
 }
