@@ -387,11 +387,15 @@ impl Engine {
         let id = self.create_session();
         let s = id.slot as usize;
         let mut kv = snap.kv;
-        for l in &mut kv.layers {
-            let (rc, ic) = (l.comp_rows.len(), l.idx_rows.len());
-            let ratio_rows = |n: usize| n + (self.ctx.saturating_sub(snap.pos)) * n / snap.pos.max(1);
-            l.comp_rows.reserve(ratio_rows(rc).saturating_sub(rc));
-            l.idx_rows.reserve(ratio_rows(ic).saturating_sub(ic));
+        let room = self.ctx.min(SessionKv::RESERVE_TOKENS_MAX).saturating_sub(snap.pos);
+        let c = &self.model.config;
+        for (l, lk) in kv.layers.iter_mut().enumerate() {
+            if let Some(rows) = room.checked_div(c.compress_ratios[l]) {
+                lk.comp_rows.reserve(rows * c.head_dim);
+                if lk.idx.is_some() {
+                    lk.idx_rows.reserve(rows * c.idx_head_dim);
+                }
+            }
         }
         self.sessions.kv[s] = kv;
         self.sessions.pos[s] = snap.pos;

@@ -73,8 +73,13 @@ pub struct SessionKv {
 }
 
 impl SessionKv {
-    /// Empty state for `cfg`, with row capacity reserved for `ctx` tokens (no growth in the decode loop).
+    /// Tokens whose compressed rows are reserved up front; longer sessions grow (amortised doubling).
+    pub const RESERVE_TOKENS_MAX: usize = 32768;
+
+    /// Empty state for `cfg`, with row capacity reserved for `min(ctx, RESERVE_TOKENS_MAX)` tokens (no growth in
+    /// the decode loop below that).
     pub fn new(cfg: &ModelConfig, ctx: usize) -> SessionKv {
+        let ctx = ctx.min(Self::RESERVE_TOKENS_MAX);
         let layers = (0..cfg.n_layers)
             .map(|l| {
                 let ratio = cfg.compress_ratios[l];
