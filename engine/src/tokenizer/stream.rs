@@ -106,6 +106,27 @@ mod tests {
     }
 
     #[test]
+    fn random_ids_stream_equals_decode() {
+        use rand::{Rng, SeedableRng};
+        let tok = crate::tokenizer::Tokenizer::bundled().unwrap();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        // Mostly single-byte tokens (ids below 256 hold the byte alphabet), so characters get split across ids.
+        for _ in 0..200 {
+            let ids: Vec<u32> = (0..rng.gen_range(1..40))
+                .map(|_| if rng.gen_bool(0.7) { rng.gen_range(3..259) } else { rng.gen_range(0..129280) })
+                .collect();
+            let mut d = tok.stream_decoder();
+            let mut out = String::new();
+            for &id in &ids {
+                out += &d.push(id).unwrap();
+            }
+            out += &d.finish();
+            assert_eq!(out, tok.decode(&ids).unwrap(), "{ids:?}");
+            assert_eq!(out, tok.hf().decode(&ids, false).unwrap());
+        }
+    }
+
+    #[test]
     fn tokens_stream_equals_decode() {
         let tok = crate::tokenizer::Tokenizer::bundled().unwrap();
         let text = "Ciao 世界! 🎉🎉 naïve — <think>x</think><｜end▁of▁sentence｜>";
