@@ -424,3 +424,18 @@ impl Engine {
         Ok(out)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn engine_can_move_across_threads() {
+        fn assert_send<T: Send>() {}
+        assert_send::<Engine>();
+        assert_eq!(argmax(&[1.0, 3.0, 3.0, -1.0]), 1);
+        assert_eq!(argmax(&[]), 0);
+        assert_eq!("cpu".parse::<BackendKind>().unwrap(), BackendKind::Cpu);
+        assert!("tpu".parse::<BackendKind>().is_err());
+    }
+}

@@ -2,7 +2,8 @@
 //! the workers and the calling thread, and returns when all tasks are done.
 //!
 //! Tasks are claimed from an atomic counter, so `f` must not depend on which thread runs a task. The pool runs
-//! one job at a time (a `run` from several threads at once is serialised by a lock). Panics inside `f` are caught
+//! one job at a time (a `run` from several threads at once is serialised by a lock); a `run` from inside a task
+//! (nested) executes inline on the calling thread instead of deadlocking. Panics inside `f` are caught
 //! on workers and re-raised on the caller after the job completes, so a panicking task cannot leave the borrowed
 //! closure in use after `run` returns.
 
@@ -14,6 +15,11 @@ use std::thread::JoinHandle;
 use parking_lot::{Condvar, Mutex};
 
 type Task = dyn Fn(usize) + Sync;
+
+thread_local! {
+    /// Set while this thread executes pool tasks (workers always; the caller during its share of a job).
+    static IN_TASK: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
 
 /// A job posted to the workers: a type-erased pointer to the caller's closure plus the task count.
 #[derive(Clone, Copy)]
@@ -95,7 +101,7 @@ impl Pool {
         if n == 0 {
             return;
         }
-        if self.workers.is_empty() || n == 1 {
+        if self.workers.is_empty() || n == 1 || IN_TASK.get() {
             (0..n).for_each(f);
             return;
         }
@@ -113,7 +119,9 @@ impl Pool {
             st.panicked = false;
             self.shared.wake.notify_all();
         }
+        IN_TASK.set(true);
         let mine = catch_unwind(AssertUnwindSafe(|| run_tasks(f, n, &self.shared.next)));
+        IN_TASK.set(false);
         let mut st = self.shared.state.lock();
         while st.active > 0 {
             self.shared.done.wait(&mut st);
@@ -131,6 +139,7 @@ impl Pool {
 }
 
 fn worker(sh: Arc<Shared>) {
+    IN_TASK.set(true);
     let mut seen = 0u64;
     loop {
         let job = {
@@ -231,6 +240,18 @@ mod tests {
             });
             assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
         }
+    }
+
+    #[test]
+    fn nested_runs_do_not_deadlock() {
+        let pool = Pool::new(3);
+        let total = AtomicU64::new(0);
+        pool.run(8, &|_| {
+            pool.run(4, &|j| {
+                total.fetch_add(j as u64, Ordering::Relaxed);
+            })
+        });
+        assert_eq!(total.load(Ordering::Relaxed), 8 * 6);
     }
 
     #[test]
