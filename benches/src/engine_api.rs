@@ -6,6 +6,8 @@
 //! activation batch once per call with `quant::quantize_acts` and runs the `quant::dot_q_kernel` (or
 //! `dot_f32_kernel` for float weights) of every weight row against every activation row, row-major, so each
 //! weight row is loaded from memory once and reused from L1 for the whole batch.
+//!
+//! [`engine_for`] builds an [`Engine`] from an opened GGUF (file or in-memory synthetic) with the bench's options.
 
 use std::cell::RefCell;
 
@@ -13,6 +15,34 @@ use anyhow::{bail, Result};
 use ds4_engine::quant::{self, GgmlType};
 
 use crate::kernels::Kernels;
+use ds4_engine::engine::{BackendKind, Engine, EngineOptions};
+use ds4_engine::gguf::GgufFile;
+
+/// How the benchmark builds an engine.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Worker threads (0 = all cores).
+    pub threads: usize,
+    /// Context per session.
+    pub ctx: usize,
+    /// Rows per engine tick (prefill chunk).
+    pub batch_tokens: usize,
+    /// `cpu` or `wgpu`.
+    pub backend: String,
+}
+
+/// An engine on an opened (file-backed or in-memory) model.
+pub fn engine_for(file: GgufFile, c: &EngineConfig) -> Result<Engine> {
+    let backend: BackendKind = c.backend.parse()?;
+    let opts = EngineOptions {
+        backend,
+        threads: c.threads,
+        ctx: c.ctx,
+        max_batch_tokens: c.batch_tokens,
+        ..EngineOptions::default()
+    };
+    Ok(Engine::from_gguf(file, opts)?)
+}
 
 /// The engine's CPU quant kernels.
 pub struct EngineKernels;

@@ -1,6 +1,9 @@
 //! `ds4-bench`: throughput, kernel bandwidth, KV restore and cross-backend correctness, every figure next to what
 //! the hardware allows.
 //!
+//! Without a subcommand: prefill/decode throughput over growing context frontiers for `-m FILE` or `--synthetic
+//! SPEC`, with the decode bandwidth roofline ([`throughput`], [`synth`], [`roofline`]).
+//!
 //! Subcommands (each report starts with a `#`-prefixed machine summary, then CSV on stdout; progress on stderr):
 //! - `kernels`: quant matvec/matmul GB/s on the real Flash shapes vs measured memory bandwidth ([`kernels`]).
 //! - `membw`: the bandwidth roofline alone, per buffer size and thread count ([`membw`]).
@@ -14,6 +17,9 @@ mod machine;
 mod membw;
 mod par;
 mod progress;
+mod roofline;
+mod synth;
+mod throughput;
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -26,11 +32,50 @@ use clap::{Args, Parser, Subcommand};
 #[command(
     name = "ds4-bench",
     version,
-    about = "ds4 benchmarks: every figure as a fraction of what the hardware allows"
+    about = "ds4 benchmarks: every figure as a fraction of what the hardware allows",
+    long_about = "ds4 benchmarks. Without a subcommand: prefill/decode throughput over growing context frontiers \
+                  (CSV ctx_tokens,prefill_tokens,prefill_tps,gen_tokens,gen_tps,kvcache_bytes) for -m FILE or \
+                  --synthetic flash[:layers=N][:from=K][:recipe=q2|q4], with the decode bandwidth roofline.",
+    args_conflicts_with_subcommands = true
 )]
 struct Cli {
     #[command(subcommand)]
-    cmd: Cmd,
+    cmd: Option<Cmd>,
+    #[command(flatten)]
+    run: RunArgs,
+}
+
+#[derive(Args, Debug)]
+struct RunArgs {
+    #[command(flatten)]
+    common: Common,
+    /// A DS4 GGUF model file.
+    #[arg(short = 'm', long = "model", conflicts_with = "synthetic")]
+    model: Option<std::path::PathBuf>,
+    /// A random-weight model built in memory: flash[:layers=N][:from=K][:recipe=q2|q4] or tiny[:layers=N].
+    #[arg(long)]
+    synthetic: Option<String>,
+    /// First context frontier (tokens).
+    #[arg(long, default_value_t = 128)]
+    ctx_start: usize,
+    /// Last context frontier.
+    #[arg(long, default_value_t = 256)]
+    ctx_max: usize,
+    /// Frontier increment (0: only --ctx-start).
+    #[arg(long, default_value_t = 128)]
+    step: usize,
+    /// Tokens decoded per session at each frontier.
+    #[arg(long, default_value_t = 8)]
+    gen_tokens: usize,
+    /// Concurrent decoding sessions (continuous batching); gen_tps is their aggregate.
+    #[arg(long, default_value_t = 1)]
+    sessions: usize,
+    /// Rows per engine tick (prefill chunk size).
+    #[arg(long, default_value_t = 256)]
+    batch_tokens: usize,
+    /// Compute backend: cpu or wgpu.
+    #[arg(long, default_value = "cpu")]
+    backend: String,
 }
 
 #[derive(Subcommand, Debug)]
@@ -141,6 +186,106 @@ fn run_membw(a: &MembwArgs) -> Result<()> {
     Ok(())
 }
 
+fn run_throughput(a: &RunArgs) -> Result<()> {
+    let m = machine::Machine::detect();
+    let threads = a.common.threads();
+    let quick = a.common.quick;
+    let opts = throughput::Options {
+        ctx_start: if quick { 8 } else { a.ctx_start },
+        ctx_max: if quick { 16 } else { a.ctx_max },
+        step: if quick { 8 } else { a.step },
+        gen_tokens: if quick { 2 } else { a.gen_tokens },
+        sessions: a.sessions,
+    };
+    opts.frontiers()?;
+    let mut out = std::io::stdout().lock();
+    write!(out, "{}", m.summary(&format!("{} (ds4_engine::engine::Engine)", a.backend), threads))?;
+
+    // The roofline's denominator, measured before the model takes the memory.
+    let bw_bytes = if quick { 4 << 20 } else { kernels::default_working_set(m.llc_bytes) as usize };
+    let mut buf = vec![0u8; bw_bytes];
+    blocks::Rng::new(1).fill_bytes(&mut buf);
+    let passes = if quick { 1 } else { 3 };
+    let bw = membw::measure(&buf, threads, passes, Duration::from_millis(if quick { 0 } else { 400 }), || {});
+    drop(buf);
+    writeln!(
+        out,
+        "# memory bandwidth: {:.2} GB/s ({} MiB streaming read, {} threads)",
+        bw.gbs,
+        bw_bytes >> 20,
+        threads
+    )?;
+
+    let pb = progress::bar(0, a.common.quiet);
+    let file = match (&a.model, &a.synthetic) {
+        (Some(path), _) => ds4_engine::gguf::GgufFile::open(path)?,
+        (None, Some(spec)) => {
+            let spec = synth::Spec::parse(spec)?;
+            let (_, need) = synth::footprint(&spec)?;
+            if let Some(avail) = m.mem_available {
+                if need > avail {
+                    anyhow::bail!(
+                        "synthetic {} needs {:.1} GiB of weights, only {:.1} GiB of memory is available (use fewer layers)",
+                        synth::spec_name(&spec),
+                        need as f64 / (1u64 << 30) as f64,
+                        avail as f64 / (1u64 << 30) as f64
+                    );
+                }
+            }
+            let s = synth::build(&spec, threads, &pb)?;
+            tracing::debug!(bytes_per_token = s.bytes_per_token, "synthetic model built");
+            writeln!(
+                out,
+                "# model: synthetic {} ({:.2} GiB of weights, built in {:.1} s)",
+                synth::spec_name(&spec),
+                s.tensor_bytes as f64 / (1u64 << 30) as f64,
+                s.build_secs
+            )?;
+            s.file
+        }
+        (None, None) => anyhow::bail!("give a model: -m FILE or --synthetic flash[:layers=N] (see --help)"),
+    };
+    if let Some(p) = &a.model {
+        writeln!(out, "# model: {} ({:.2} GiB)", p.display(), file.file_size() as f64 / (1u64 << 30) as f64)?;
+    }
+    pb.set_position(0);
+    let cfg = engine_api::EngineConfig {
+        threads,
+        ctx: opts.ctx_needed(),
+        batch_tokens: a.batch_tokens,
+        backend: a.backend.clone(),
+    };
+    let mut engine = engine_api::engine_for(file, &cfg)?;
+    let c = engine.config();
+    let per_token = roofline::weight_bytes_per_token(&engine.model().file, c.n_experts, c.n_experts_used);
+    let roof = roofline::roofline_tps(bw.gbs, per_token);
+    writeln!(
+        out,
+        "# decode roofline: {:.1} MB of weights per token / {:.2} GB/s = {:.2} tokens/s (single session)",
+        per_token as f64 / 1e6,
+        bw.gbs,
+        roof
+    )?;
+    if opts.sessions > 1 {
+        writeln!(out, "# gen_tps and kvcache_bytes: aggregate over {} concurrent sessions", opts.sessions)?;
+    }
+    out.flush()?;
+    let rows = throughput::run(&mut engine, &opts, &mut out, &pb)?;
+    pb.finish_and_clear();
+    for r in &rows {
+        writeln!(
+            out,
+            "# ctx {}: decode {:.2} t/s = {:.1}% of the roofline ({:.2} GB/s of weights), prefill {:.2} t/s",
+            r.ctx_tokens,
+            r.gen_tps,
+            100.0 * r.gen_tps / roof,
+            r.gen_tps * per_token as f64 / 1e9,
+            r.prefill_tps
+        )?;
+    }
+    Ok(())
+}
+
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
@@ -148,8 +293,9 @@ fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     let r = match &cli.cmd {
-        Cmd::Kernels(a) => run_kernels(a),
-        Cmd::Membw(a) => run_membw(a),
+        None => run_throughput(&cli.run),
+        Some(Cmd::Kernels(a)) => run_kernels(a),
+        Some(Cmd::Membw(a)) => run_membw(a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

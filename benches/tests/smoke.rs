@@ -76,3 +76,59 @@ fn membw_quick() {
         assert!(num(r[0]) >= (1 << 20) as f64 && num(r[3]) > 0.0);
     }
 }
+
+fn check_throughput(report: &str, frontiers: &[u64], gen_tokens: u64) {
+    let (comments, csv) = split(report);
+    assert!(comments.iter().any(|l| l.starts_with("# decode roofline: ")), "{report}");
+    assert!(comments.iter().any(|l| l.starts_with("# memory bandwidth: ")), "{report}");
+    let rows = rows(&csv, "ctx_tokens,prefill_tokens,prefill_tps,gen_tokens,gen_tps,kvcache_bytes");
+    assert_eq!(rows.len(), frontiers.len(), "{report}");
+    let mut prev = 0u64;
+    for (r, &f) in rows.iter().zip(frontiers) {
+        assert_eq!(r[0].parse::<u64>().unwrap(), f);
+        assert_eq!(r[1].parse::<u64>().unwrap(), f - prev);
+        assert_eq!(r[3].parse::<u64>().unwrap(), gen_tokens);
+        assert!(num(r[2]) > 0.0 && num(r[4]) > 0.0);
+        assert!(r[5].parse::<u64>().unwrap() > 0);
+        prev = f;
+    }
+}
+
+#[test]
+fn throughput_quick_on_a_tiny_synthetic_model() {
+    let report = run(&["--synthetic", "tiny:recipe=f16", "--quick", "--quiet"]);
+    check_throughput(&report, &[8, 16], 2);
+}
+
+#[test]
+fn throughput_with_concurrent_sessions() {
+    let one = run(&["--synthetic", "tiny:recipe=f16", "--quick", "--quiet", "--sessions", "1"]);
+    let three = run(&["--synthetic", "tiny:recipe=f16", "--quick", "--quiet", "--sessions", "3"]);
+    check_throughput(&three, &[8, 16], 2);
+    assert!(three.contains("aggregate over 3 concurrent sessions"));
+    // kvcache_bytes is summed over the decoding sessions.
+    let kv = |r: &str| -> Vec<u64> {
+        r.lines()
+            .filter(|l| !l.starts_with('#'))
+            .skip(1)
+            .map(|l| l.rsplit(',').next().unwrap().parse().unwrap())
+            .collect()
+    };
+    let (k1, k3) = (kv(&one), kv(&three));
+    assert_eq!(k1.iter().map(|k| k * 3).collect::<Vec<_>>(), k3);
+}
+
+#[test]
+fn throughput_needs_a_model_and_valid_specs() {
+    for args in [
+        vec!["--quick", "--quiet"],
+        vec!["--synthetic", "llama", "--quick", "--quiet"],
+        vec!["--synthetic", "tiny", "--ctx-start", "64", "--ctx-max", "32", "--quiet"],
+        vec!["-m", "/nonexistent/model.gguf", "--quick", "--quiet"],
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_ds4-bench")).args(&args).output().unwrap();
+        assert!(!out.status.success(), "{args:?} succeeded");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.starts_with("ds4-bench: "), "{args:?}: {err}");
+    }
+}

@@ -1,0 +1,219 @@
+//! The default `ds4-bench` run: prefill and decode throughput over growing context frontiers, in the reference
+//! engine's table shape `ctx_tokens,prefill_tokens,prefill_tps,gen_tokens,gen_tps,kvcache_bytes`.
+//!
+//! For each frontier `ctx_start, ctx_start + step, ... <= ctx_max`: the session is prefilled from the previous
+//! frontier to this one (`prefill_tokens` = the difference, timed), snapshotted, and `sessions` copies of the
+//! snapshot decode `gen_tokens` greedy tokens each, all copies in the same engine ticks (continuous batching), so
+//! `gen_tps` is the aggregate decode rate. The prefilled session itself is untouched by decoding and goes on to
+//! the next frontier. `kvcache_bytes` is the engine's KV state at the frontier (f32 values × 4) summed over the
+//! decoding sessions. Prompt tokens are deterministic pseudo-random ids (what they are does not change the work).
+//!
+//! Rows are flushed as they are produced, so an interrupted sweep keeps its rows.
+
+use std::io::Write;
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use ds4_engine::engine::{argmax, Engine};
+use indicatif::ProgressBar;
+
+use crate::blocks::Rng;
+
+/// The CSV header (the reference engine's).
+pub const CSV_HEADER: &str = "ctx_tokens,prefill_tokens,prefill_tps,gen_tokens,gen_tps,kvcache_bytes";
+
+/// Sweep options.
+#[derive(Clone, Debug)]
+pub struct Options {
+    pub ctx_start: usize,
+    pub ctx_max: usize,
+    /// Frontier increment (0: only `ctx_start`).
+    pub step: usize,
+    pub gen_tokens: usize,
+    /// Concurrent decoding sessions.
+    pub sessions: usize,
+}
+
+impl Options {
+    /// The frontiers visited.
+    pub fn frontiers(&self) -> Result<Vec<usize>> {
+        if self.ctx_start == 0 {
+            bail!("--ctx-start must be at least 1");
+        }
+        if self.ctx_max < self.ctx_start {
+            bail!("--ctx-max {} is below --ctx-start {}", self.ctx_max, self.ctx_start);
+        }
+        if self.sessions == 0 {
+            bail!("--sessions must be at least 1");
+        }
+        if self.step == 0 {
+            return Ok(vec![self.ctx_start]);
+        }
+        Ok((self.ctx_start..=self.ctx_max).step_by(self.step).collect())
+    }
+
+    /// The context the engine must allow per session.
+    pub fn ctx_needed(&self) -> usize {
+        self.ctx_max + self.gen_tokens + 1
+    }
+}
+
+/// One row of the table.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Row {
+    pub ctx_tokens: usize,
+    pub prefill_tokens: usize,
+    pub prefill_tps: f64,
+    pub gen_tokens: usize,
+    pub gen_tps: f64,
+    pub kvcache_bytes: u64,
+}
+
+impl Row {
+    /// The CSV line matching [`CSV_HEADER`].
+    pub fn csv(&self) -> String {
+        format!(
+            "{},{},{:.2},{},{:.2},{}",
+            self.ctx_tokens, self.prefill_tokens, self.prefill_tps, self.gen_tokens, self.gen_tps, self.kvcache_bytes
+        )
+    }
+}
+
+/// Deterministic pseudo-random prompt of `n` token ids below `vocab`.
+pub fn prompt(n: usize, vocab: usize) -> Vec<u32> {
+    let mut rng = Rng::new(0x70_6b);
+    (0..n).map(|_| (rng.next_u64() % vocab.max(1) as u64) as u32).collect()
+}
+
+/// Runs the sweep on `engine`, writing the header and one flushed row per frontier to `out`.
+pub fn run(engine: &mut Engine, opts: &Options, out: &mut dyn Write, pb: &ProgressBar) -> Result<Vec<Row>> {
+    let frontiers = opts.frontiers()?;
+    if opts.ctx_needed() > engine.ctx() {
+        bail!(
+            "--ctx-max {} + --gen-tokens {} exceed the engine context {}",
+            opts.ctx_max,
+            opts.gen_tokens,
+            engine.ctx()
+        );
+    }
+    let last = *frontiers.last().unwrap_or(&opts.ctx_start);
+    let tokens = prompt(last, engine.config().vocab);
+    pb.set_length((last + frontiers.len() * opts.gen_tokens * opts.sessions) as u64);
+    writeln!(out, "{CSV_HEADER}")?;
+    out.flush()?;
+    let main = engine.create_session();
+    let mut rows = Vec::with_capacity(frontiers.len());
+    let mut prev = 0usize;
+    for &frontier in &frontiers {
+        pb.set_message(format!("prefill to {frontier}"));
+        engine.feed(main, &tokens[prev..frontier])?;
+        let t0 = Instant::now();
+        let mut done = engine.position(main)?;
+        while engine.step()? {
+            let now = engine.position(main)?;
+            pb.inc((now - done) as u64);
+            done = now;
+        }
+        let prefill_secs = t0.elapsed().as_secs_f64();
+        let snap = engine.snapshot(main)?;
+        let kv_bytes = snap.kv.n_values() as u64 * 4;
+
+        pb.set_message(format!("decode {} x {} at {frontier}", opts.sessions, opts.gen_tokens));
+        let ids = (0..opts.sessions).map(|_| engine.restore(snap.clone())).collect::<ds4_engine::Result<Vec<_>>>()?;
+        let mut next: Vec<u32> =
+            ids.iter().map(|&s| engine.logits(s).map(argmax)).collect::<ds4_engine::Result<_>>()?;
+        let t0 = Instant::now();
+        for _ in 0..opts.gen_tokens {
+            for (&s, &t) in ids.iter().zip(&next) {
+                engine.feed(s, &[t])?;
+            }
+            engine.run_until_idle()?;
+            for (n, &s) in next.iter_mut().zip(&ids) {
+                *n = argmax(engine.logits(s)?);
+            }
+            pb.inc(opts.sessions as u64);
+        }
+        let gen_secs = t0.elapsed().as_secs_f64();
+        for s in ids {
+            engine.free_session(s)?;
+        }
+        let row = Row {
+            ctx_tokens: frontier,
+            prefill_tokens: frontier - prev,
+            prefill_tps: (frontier - prev) as f64 / prefill_secs.max(1e-9),
+            gen_tokens: opts.gen_tokens,
+            gen_tps: (opts.gen_tokens * opts.sessions) as f64 / gen_secs.max(1e-9),
+            kvcache_bytes: kv_bytes * opts.sessions as u64,
+        };
+        writeln!(out, "{}", row.csv())?;
+        out.flush()?;
+        rows.push(row);
+        prev = frontier;
+    }
+    engine.free_session(main)?;
+    Ok(rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts(start: usize, max: usize, step: usize) -> Options {
+        Options { ctx_start: start, ctx_max: max, step, gen_tokens: 2, sessions: 1 }
+    }
+
+    #[test]
+    fn frontiers_step_up_to_the_max() {
+        assert_eq!(opts(64, 256, 64).frontiers().unwrap(), vec![64, 128, 192, 256]);
+        assert_eq!(opts(64, 250, 64).frontiers().unwrap(), vec![64, 128, 192]);
+        assert_eq!(opts(64, 1000, 0).frontiers().unwrap(), vec![64]);
+        assert!(opts(0, 10, 1).frontiers().is_err());
+        assert!(opts(64, 32, 1).frontiers().is_err());
+        assert!(Options { sessions: 0, ..opts(1, 1, 1) }.frontiers().is_err());
+    }
+
+    #[test]
+    fn prompt_is_deterministic_and_in_vocab() {
+        let a = prompt(500, 100);
+        assert_eq!(a, prompt(500, 100));
+        assert!(a.iter().all(|&t| t < 100));
+        assert!(a.iter().any(|&t| t != a[0]));
+    }
+
+    #[test]
+    fn sweep_on_a_tiny_synthetic_model() {
+        let spec = crate::synth::Spec::parse("tiny:layers=3:recipe=f16").unwrap();
+        let o = Options { ctx_start: 8, ctx_max: 24, step: 8, gen_tokens: 2, sessions: 2 };
+        let mut engine = crate::engine_api::engine_for(
+            crate::synth::build(&spec, 2, &ProgressBar::hidden()).unwrap().file,
+            &crate::engine_api::EngineConfig {
+                threads: 2,
+                ctx: o.ctx_needed(),
+                batch_tokens: 16,
+                backend: "cpu".into(),
+            },
+        )
+        .unwrap();
+        let mut out = Vec::new();
+        let rows = run(&mut engine, &o, &mut out, &ProgressBar::hidden()).unwrap();
+        assert_eq!(rows.iter().map(|r| r.ctx_tokens).collect::<Vec<_>>(), vec![8, 16, 24]);
+        assert_eq!(rows.iter().map(|r| r.prefill_tokens).sum::<usize>(), 24);
+        // Compressed layers (ratios 4 and 8) add rows as the context grows; two sessions hold two copies.
+        assert!(rows.windows(2).all(|w| w[1].kvcache_bytes > w[0].kvcache_bytes), "{rows:?}");
+        assert!(rows.iter().all(|r| r.gen_tokens == 2 && r.gen_tps > 0.0 && r.prefill_tps > 0.0));
+        let text = String::from_utf8(out).unwrap();
+        assert_eq!(text.lines().next(), Some(CSV_HEADER));
+        assert_eq!(text.lines().count(), 4);
+        // Context overflow is refused up front.
+        let big = Options { ctx_max: 10_000, ..o };
+        assert!(run(&mut engine, &big, &mut Vec::new(), &ProgressBar::hidden()).is_err());
+    }
+
+    #[test]
+    fn csv_line_has_the_header_fields() {
+        let r =
+            Row { ctx_tokens: 8, prefill_tokens: 8, prefill_tps: 1.5, gen_tokens: 2, gen_tps: 0.25, kvcache_bytes: 9 };
+        assert_eq!(r.csv(), "8,8,1.50,2,0.25,9");
+        assert_eq!(r.csv().split(',').count(), CSV_HEADER.split(',').count());
+    }
+}
