@@ -22,6 +22,9 @@ pub fn supports(ty: GgmlType) -> bool {
     ty == GgmlType::F32 || quant::dot_f32_kernel(ty).is_ok()
 }
 
+/// Batch rows processed together against each weight row (cache blocking; results do not depend on it).
+const BATCH_BLOCK: usize = 8;
+
 /// The dot product used for a weight type.
 #[derive(Clone, Copy)]
 enum Kernel {
@@ -141,20 +144,27 @@ fn run(
     let yp = SyncPtr(y.as_mut_ptr());
     let body = |acts: &[u8]| {
         pool.run(tasks, &|t| {
-            for o in split(rows, tasks, t) {
-                let wr = w.row(o);
-                for b in 0..n {
-                    let v = match k {
-                        Kernel::F32 => match bytemuck::try_cast_slice::<u8, f32>(wr) {
-                            Ok(wf) => dot_f32(wf, &x[x_off(b)..x_off(b) + cols]),
-                            Err(_) => quant::dot_f32_kernel(GgmlType::F32)
-                                .map_or(f32::NAN, |f| f(wr, &x[x_off(b)..x_off(b) + cols])),
-                        },
-                        Kernel::F(f) => f(wr, &x[x_off(b)..x_off(b) + cols]),
-                        Kernel::Q { dot, act_bytes, .. } => dot(wr, &acts[b * act_bytes..(b + 1) * act_bytes]),
-                    };
-                    // SAFETY: (b, o) pairs are disjoint across tasks (o ranges are disjoint) and in bounds (asserted).
-                    unsafe { *yp.get().add(b * ys.0 + ys.1 + o) = v };
+            // Batch rows in blocks of BATCH_BLOCK so a block of activations stays in cache while this task's
+            // weight rows stream past it once per block.
+            let range = split(rows, tasks, t);
+            for b0 in (0..n).step_by(BATCH_BLOCK) {
+                let b1 = (b0 + BATCH_BLOCK).min(n);
+                for o in range.clone() {
+                    let wr = w.row(o);
+                    for b in b0..b1 {
+                        let v = match k {
+                            Kernel::F32 => match bytemuck::try_cast_slice::<u8, f32>(wr) {
+                                Ok(wf) => dot_f32(wf, &x[x_off(b)..x_off(b) + cols]),
+                                Err(_) => quant::dot_f32_kernel(GgmlType::F32)
+                                    .map_or(f32::NAN, |f| f(wr, &x[x_off(b)..x_off(b) + cols])),
+                            },
+                            Kernel::F(f) => f(wr, &x[x_off(b)..x_off(b) + cols]),
+                            Kernel::Q { dot, act_bytes, .. } => dot(wr, &acts[b * act_bytes..(b + 1) * act_bytes]),
+                        };
+                        // SAFETY: (b, o) pairs are disjoint across tasks (o ranges are disjoint) and in bounds
+                        // (asserted).
+                        unsafe { *yp.get().add(b * ys.0 + ys.1 + o) = v };
+                    }
                 }
             }
         })
