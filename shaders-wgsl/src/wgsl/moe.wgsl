@@ -3,7 +3,7 @@
 // Entry `route` (one invocation per token, dispatch (ceil(n_tok / 64), 1, 1)):
 //   s_e = sqrt(softplus(logit[t, e])) for e < n_exp (logits at t * n_exp + e).
 //   hash != 0: selection = tid2eid[tok[t] * k + i]; else the k largest s_e + bias[e] (ties: lowest index).
-//   w_i = s_sel_i / (sum_i s_sel_i + 1e-20) * route_scale. Writes sel[t * k + i] (u32) and rw[t * k + i].
+//   w_i = s_sel_i / (sum_i s_sel_i + 1e-20) * route_scale (without the division when renorm == 0). Writes sel[t * k + i] (u32) and rw[t * k + i].
 // Entry `swiglu` (dispatch (ceil(n / 64), rows, 1)): h[r, c] = silu(min(g, L)) * clamp(u, -L, L) * (use_w ? rw[wi[r]] : 1)
 //   with g = gu[r * gu_stride + c], u = gu[r * gu_stride + up_offset + c], h at h_offset + r * h_stride + c.
 // Entry `gather` (dispatch (ceil(n / 64), rows, 1)): dst[r * n + c] = src[rows_idx[r] * src_stride + c].
@@ -24,7 +24,7 @@ struct Params {
     stride: u32,
     route_scale: f32,
     limit: f32,
-    _p0: u32,
+    renorm: u32,
     _p1: u32,
 }
 
@@ -80,7 +80,11 @@ fn route(@builtin(global_invocation_id) gid: vec3<u32>) {
         total += s;
     }
     for (var i = 0u; i < p.k; i++) {
-        rw[ob + i] = rw[ob + i] / (total + 1e-20) * p.route_scale;
+        var v = rw[ob + i];
+        if (p.renorm != 0u) {
+            v = v / (total + 1e-20);
+        }
+        rw[ob + i] = v * p.route_scale;
     }
 }
 

@@ -6,20 +6,26 @@
 //!   than the storage binding limit.
 //! - [`matmul`]: quantized matrix-vector / matrix-matrix products and row gathers over split weights.
 //! - [`ops`]: every other kernel (norm, RoPE, attention, mHC, compressor, indexer, MoE, activation simulation).
+//! - [`backend`] (+ `attn`): [`WgpuBackend`], the [`crate::backend::Backend`] op surface on those kernels.
 //!
 //! Every function here only records commands into a `wgpu::CommandEncoder` unless it says otherwise; call
 //! [`context::WgpuContext::submit`] to run them and [`context::WgpuContext::read_f32`] to read results.
 
+mod attn;
+pub mod backend;
 pub mod context;
 pub mod matmul;
 pub mod ops;
 pub mod weights;
 
 #[cfg(test)]
+mod golden_tests;
+#[cfg(test)]
 mod ops_tests;
 #[cfg(test)]
 mod tests;
 
+pub use backend::WgpuBackend;
 pub use context::{ContextOptions, WgpuContext};
 pub use matmul::{get_rows, matmul, View};
 pub use weights::{plan_chunks, GpuWeight};

@@ -443,7 +443,8 @@ struct MoeParams {
     stride: u32,
     route_scale: f32,
     limit: f32,
-    _p: [u32; 2],
+    renorm: u32,
+    _p: u32,
 }
 
 fn moe_params() -> MoeParams {
@@ -459,7 +460,7 @@ pub enum Routing<'a> {
 }
 
 /// MoE routing: `logits` `[n_tok, n_exp]` → `sel` (u32 `[n_tok, k]`) and weights `rw` (`[n_tok, k]`,
-/// renormalised, × `route_scale`).
+/// renormalised to sum 1 when `renorm`, × `route_scale`).
 #[allow(clippy::too_many_arguments)]
 pub fn moe_route(
     ctx: &WgpuContext,
@@ -470,6 +471,7 @@ pub fn moe_route(
     n_exp: usize,
     k: usize,
     route_scale: f32,
+    renorm: bool,
     sel: &Buf,
     rw: &Buf,
 ) -> Result<()> {
@@ -484,6 +486,7 @@ pub fn moe_route(
     p.n_exp = u32_of(n_exp, "n_exp")?;
     p.k = k as u32;
     p.route_scale = route_scale;
+    p.renorm = renorm as u32;
     let pl = ctx.pipeline_entry("moe", sh::MOE, "route")?;
     let dummy_f = ctx.storage_zeroed("moe dummy", 1);
     let dummy_u = ctx.storage_u32("moe dummy", &[0]);

@@ -368,7 +368,7 @@ fn moe_route_swiglu_gather_scatter() {
     for hash in [false, true] {
         let routing = if hash { Routing::Hash { tid2eid: &tb, tokens: &tk } } else { Routing::Learned { bias: &bb } };
         let mut enc = ctx.encoder();
-        moe_route(&ctx, &mut enc, &lb, routing, n_tok, n_exp, k, scale, &sel, &rw).unwrap();
+        moe_route(&ctx, &mut enc, &lb, routing, n_tok, n_exp, k, scale, true, &sel, &rw).unwrap();
         ctx.submit(enc).unwrap();
         let got_sel = ctx.read_u32(&sel, 0, n_tok * k).unwrap();
         let got_w = ctx.read_f32(&rw, 0, n_tok * k).unwrap();

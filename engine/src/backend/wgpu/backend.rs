@@ -1,0 +1,351 @@
+//! [`WgpuBackend`]: the [`Backend`] op surface on the GPU kernels of this folder.
+//!
+//! Weights are uploaded once, lazily on first use, in their file encoding (split across bindings when large) and
+//! cached by weight id; small f32 tensors (norms, sinks, biases, mHC base/scale) likewise. The trait hands every op
+//! host activations and host KV tables, so each op uploads its inputs, runs its kernels and downloads its outputs.
+//! The bulk of the arithmetic (every projection, norm, RoPE, the mHC mixes, indexer scores and top-k, attention,
+//! routing, experts) runs on the device; the sequential per-token bookkeeping stays on the host: the compressor
+//! frontiers ([`crate::backend::cpu::compressor::push`] plus RMSNorm/RoPE of each finished row) and the sliding
+//! window ring, exactly as the CPU backend keeps them, so sessions move freely between backends.
+//!
+//! RoPE cos/sin are computed on the host the way [`crate::model::RopeFreqs::apply`] does (`pos as f32 * f`, then
+//! `sin_cos`) and uploaded per op, so both backends rotate by identical angles.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use super::context::{backend_err, WgpuContext};
+use super::matmul::{get_rows, matmul, View};
+use super::ops::{self, HcShape, Routing};
+use super::weights::GpuWeight;
+use crate::backend::{Backend, StepCtx};
+use crate::graph::Sub;
+use crate::model::{Model, RopeFreqs, WeightId};
+use crate::Result;
+
+type Buf = wgpu::Buffer;
+
+/// The wgpu backend (see module docs).
+pub struct WgpuBackend {
+    ctx: WgpuContext,
+    mats: Mutex<HashMap<u32, Arc<GpuWeight>>>,
+    dense: Mutex<HashMap<u32, Arc<Buf>>>,
+}
+
+impl std::fmt::Debug for WgpuBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WgpuBackend").field("adapter", &self.ctx.info.name).finish()
+    }
+}
+
+/// `(cos, sin)` per row and pair for `rope` at each position in `pos`.
+pub(super) fn rope_table(rope: &RopeFreqs, pos: impl Iterator<Item = usize>) -> Vec<f32> {
+    let mut out = Vec::new();
+    for p in pos {
+        for &f in &rope.inv_freq {
+            let (s, c) = (p as f32 * f).sin_cos();
+            out.extend([c, s]);
+        }
+    }
+    out
+}
+
+impl WgpuBackend {
+    /// Opens the default adapter (see [`WgpuContext::new`]).
+    pub fn new() -> Result<Self> {
+        Ok(Self::with_context(WgpuContext::new()?))
+    }
+
+    /// A backend on an existing context.
+    pub fn with_context(ctx: WgpuContext) -> Self {
+        Self { ctx, mats: Mutex::new(HashMap::new()), dense: Mutex::new(HashMap::new()) }
+    }
+
+    /// The device context.
+    pub fn context(&self) -> &WgpuContext {
+        &self.ctx
+    }
+
+    fn mat(&self, model: &Model, id: WeightId) -> Result<Arc<GpuWeight>> {
+        if let Some(w) = self.mats.lock().get(&id.0) {
+            return Ok(w.clone());
+        }
+        let m = model.mat(id);
+        // Expert tensors: keep each expert's rows in one binding when possible.
+        let group = if m.rows > model.config.n_experts && m.rows % model.config.n_experts == 0 {
+            m.rows / model.config.n_experts
+        } else {
+            1
+        };
+        let w = Arc::new(GpuWeight::upload(&self.ctx, model.name(id), m.ty, m.cols, m.rows, m.data, group)?);
+        self.mats.lock().insert(id.0, w.clone());
+        Ok(w)
+    }
+
+    fn dense(&self, model: &Model, id: WeightId) -> Arc<Buf> {
+        if let Some(b) = self.dense.lock().get(&id.0) {
+            return b.clone();
+        }
+        let b = Arc::new(self.ctx.storage_f32(model.name(id), model.dense(id)));
+        self.dense.lock().insert(id.0, b.clone());
+        b
+    }
+
+    fn buf(&self, len: usize) -> Buf {
+        self.ctx.storage_zeroed("act", len)
+    }
+
+    fn up(&self, data: &[f32]) -> Buf {
+        self.ctx.storage_f32("act", data)
+    }
+
+    /// `y[t] = W x[t]` over all rows of `w`.
+    fn mm(&self, enc: &mut wgpu::CommandEncoder, w: &GpuWeight, x: View<'_>, n: usize, y: View<'_>) -> Result<()> {
+        matmul(&self.ctx, enc, w, 0..w.rows, x, n, y, false)
+    }
+
+    /// Streams → `mix = fn · flatten(X)` (raw) → mHC pre kernel. Returns the collapsed input and the state.
+    fn hc_common(
+        &self,
+        cx: &StepCtx<'_>,
+        fn_: WeightId,
+        base: WeightId,
+        scale: WeightId,
+        head: bool,
+    ) -> Result<(Buf, Buf)> {
+        let model = cx.model;
+        let c = &model.config;
+        let (n, hc, d) = (cx.batch.rows.len(), c.hc_mult, c.d_model);
+        let w = self.mat(model, fn_)?;
+        let mixn = w.rows;
+        let xs = self.up(&cx.act.streams[..n * hc * d]);
+        let mix = self.buf(n * mixn);
+        let u = self.buf(n * d);
+        let state = self.buf(n * (hc + hc * hc));
+        let (bb, sb) = (self.dense(model, base), self.dense(model, scale));
+        let shape =
+            HcShape { n_tok: n, d, n: hc, sinkhorn_iters: c.hc_sinkhorn_iters, norm_eps: c.rms_eps, hc_eps: c.hc_eps };
+        let mut enc = self.ctx.encoder();
+        self.mm(&mut enc, &w, View::new(&xs, hc * d), n, View::new(&mix, mixn))?;
+        ops::hc_pre(&self.ctx, &mut enc, &shape, &xs, (&mix, 0, mixn), &bb, &sb, &state, (&u, 0, d), head)?;
+        self.ctx.submit(enc)?;
+        Ok((u, state))
+    }
+}
+
+impl Backend for WgpuBackend {
+    fn name(&self) -> &'static str {
+        "wgpu"
+    }
+
+    fn embed(&self, cx: &mut StepCtx<'_>) -> Result<()> {
+        let model = cx.model;
+        let c = &model.config;
+        let (n, hc, d) = (cx.batch.rows.len(), c.hc_mult, c.d_model);
+        let emb = self.mat(model, model.global.embed)?;
+        let ids: Vec<(usize, usize)> =
+            cx.batch.rows.iter().enumerate().map(|(r, row)| (row.token as usize, r)).collect();
+        let out = self.buf(n * hc * d);
+        let mut enc = self.ctx.encoder();
+        for j in 0..hc {
+            get_rows(&self.ctx, &mut enc, &emb, &ids, View::new(&out, hc * d).at(j * d))?;
+        }
+        self.ctx.submit(enc)?;
+        cx.act.streams[..n * hc * d].copy_from_slice(&self.ctx.read_f32(&out, 0, n * hc * d)?);
+        Ok(())
+    }
+
+    fn hc_pre(&self, cx: &mut StepCtx<'_>, layer: usize, sub: Sub) -> Result<()> {
+        let lw = &cx.model.layers[layer];
+        let w = match sub {
+            Sub::Attn => lw.hc_attn,
+            Sub::Ffn => lw.hc_ffn,
+        };
+        let c = &cx.model.config;
+        let (n, hc, d) = (cx.batch.rows.len(), c.hc_mult, c.d_model);
+        let (u, state) = self.hc_common(cx, w.fn_, w.base, w.scale, false)?;
+        cx.act.collapsed[..n * d].copy_from_slice(&self.ctx.read_f32(&u, 0, n * d)?);
+        let st = self.ctx.read_f32(&state, 0, n * (hc + hc * hc))?;
+        for r in 0..n {
+            let s = &st[r * (hc + hc * hc)..(r + 1) * (hc + hc * hc)];
+            cx.act.post[r * hc..(r + 1) * hc].copy_from_slice(&s[..hc]);
+            cx.act.comb[r * hc * hc..(r + 1) * hc * hc].copy_from_slice(&s[hc..]);
+        }
+        Ok(())
+    }
+
+    fn attention(&self, cx: &mut StepCtx<'_>, layer: usize) -> Result<()> {
+        super::attn::attention(self, cx, layer)
+    }
+
+    fn hc_post(&self, cx: &mut StepCtx<'_>, _layer: usize, _sub: Sub) -> Result<()> {
+        let c = &cx.model.config;
+        let (n, hc, d) = (cx.batch.rows.len(), c.hc_mult, c.d_model);
+        let xs = self.up(&cx.act.streams[..n * hc * d]);
+        let f = self.up(&cx.act.sub_out[..n * d]);
+        let mut st = Vec::with_capacity(n * (hc + hc * hc));
+        for r in 0..n {
+            st.extend_from_slice(&cx.act.post[r * hc..(r + 1) * hc]);
+            st.extend_from_slice(&cx.act.comb[r * hc * hc..(r + 1) * hc * hc]);
+        }
+        let state = self.up(&st);
+        let out = self.buf(n * hc * d);
+        let shape =
+            HcShape { n_tok: n, d, n: hc, sinkhorn_iters: c.hc_sinkhorn_iters, norm_eps: c.rms_eps, hc_eps: c.hc_eps };
+        let mut enc = self.ctx.encoder();
+        ops::hc_post(&self.ctx, &mut enc, &shape, &xs, (&f, 0, d), &state, &out)?;
+        self.ctx.submit(enc)?;
+        cx.act.streams[..n * hc * d].copy_from_slice(&self.ctx.read_f32(&out, 0, n * hc * d)?);
+        Ok(())
+    }
+
+    fn moe(&self, cx: &mut StepCtx<'_>, layer: usize) -> Result<()> {
+        let model = cx.model;
+        let c = &model.config;
+        let lw = &model.layers[layer];
+        let rows = &cx.batch.rows;
+        let n = rows.len();
+        let (d, ne, k, ffn) = (c.d_model, c.n_experts, c.n_experts_used, c.expert_ffn);
+        let limit = c.swiglu_limit[layer];
+        let u = self.up(&cx.act.collapsed[..n * d]);
+        let xn = self.buf(n * d);
+        let logits = self.buf(n * ne);
+        let sel = self.buf(n * k);
+        let rw = self.buf(n * k);
+        let gate = self.mat(model, lw.gate)?;
+        let mut enc = self.ctx.encoder();
+        let fnorm = self.dense(model, lw.ffn_norm);
+        ops::rms_norm(&self.ctx, &mut enc, (&u, 0, d), (&xn, 0, d), Some(&fnorm), d, n, c.rms_eps)?;
+        self.mm(&mut enc, &gate, View::new(&xn, d), n, View::new(&logits, ne))?;
+        let zero_bias;
+        let (tid, toks);
+        let routing = match (&lw.tid2eid, lw.gate_bias) {
+            (Some(t), _) => {
+                tid = self.ctx.storage_u32("tid2eid", t);
+                toks = self.ctx.storage_u32("tokens", &rows.iter().map(|r| r.token).collect::<Vec<_>>());
+                Routing::Hash { tid2eid: &tid, tokens: &toks }
+            }
+            (None, Some(b)) => {
+                zero_bias = self.dense(model, b);
+                Routing::Learned { bias: &zero_bias }
+            }
+            (None, None) => {
+                zero_bias = Arc::new(self.buf(ne));
+                Routing::Learned { bias: &zero_bias }
+            }
+        };
+        ops::moe_route(&self.ctx, &mut enc, &logits, routing, n, ne, k, c.routed_scale, c.weights_norm, &sel, &rw)?;
+        self.ctx.submit(enc)?;
+        let sel_h = self.ctx.read_u32(&sel, 0, n * k)?;
+        let mut per_expert: Vec<Vec<(u32, u32)>> = vec![Vec::new(); ne];
+        for r in 0..n {
+            for j in 0..k {
+                let e = sel_h[r * k + j] as usize;
+                if e >= ne {
+                    return Err(backend_err(format!("moe layer {layer}: expert id {e} out of 0..{ne}")));
+                }
+                per_expert[e].push((r as u32, (r * k + j) as u32));
+            }
+        }
+        let (gm, um, dm) =
+            (self.mat(model, lw.gate_exps)?, self.mat(model, lw.up_exps)?, self.mat(model, lw.down_exps)?);
+        let (packed, gu, h, eo, out) =
+            (self.buf(n * d), self.buf(n * 2 * ffn), self.buf(n * ffn), self.buf(n * d), self.buf(n * d));
+        let mut enc = self.ctx.encoder();
+        for (e, list) in per_expert.iter().enumerate() {
+            if list.is_empty() {
+                continue;
+            }
+            let m = list.len();
+            let rix: Vec<u32> = list.iter().map(|p| p.0).collect();
+            let wix: Vec<u32> = list.iter().map(|p| p.1).collect();
+            ops::gather_rows(&self.ctx, &mut enc, &xn, &packed, &rix, d, d)?;
+            let xv = View::new(&packed, d);
+            matmul(&self.ctx, &mut enc, &gm, e * ffn..(e + 1) * ffn, xv, m, View::new(&gu, 2 * ffn), false)?;
+            matmul(&self.ctx, &mut enc, &um, e * ffn..(e + 1) * ffn, xv, m, View::new(&gu, 2 * ffn).at(ffn), false)?;
+            ops::swiglu(&self.ctx, &mut enc, &gu, 2 * ffn, ffn, (&h, 0, ffn), ffn, m, limit, Some((&rw, &wix)))?;
+            matmul(&self.ctx, &mut enc, &dm, e * d..(e + 1) * d, View::new(&h, ffn), m, View::new(&eo, d), false)?;
+            ops::scatter_add_rows(&self.ctx, &mut enc, &eo, &out, &rix, d, d)?;
+        }
+        if let (Some(g), Some(up), Some(dn)) = (lw.gate_sh, lw.up_sh, lw.down_sh) {
+            let (g, up, dn) = (self.mat(model, g)?, self.mat(model, up)?, self.mat(model, dn)?);
+            let xv = View::new(&xn, d);
+            self.mm(&mut enc, &g, xv, n, View::new(&gu, 2 * ffn))?;
+            self.mm(&mut enc, &up, xv, n, View::new(&gu, 2 * ffn).at(ffn))?;
+            ops::swiglu(&self.ctx, &mut enc, &gu, 2 * ffn, ffn, (&h, 0, ffn), ffn, n, limit, None)?;
+            self.mm(&mut enc, &dn, View::new(&h, ffn), n, View::new(&eo, d))?;
+            let all: Vec<u32> = (0..n as u32).collect();
+            ops::scatter_add_rows(&self.ctx, &mut enc, &eo, &out, &all, d, d)?;
+        }
+        self.ctx.submit(enc)?;
+        cx.act.sub_out[..n * d].copy_from_slice(&self.ctx.read_f32(&out, 0, n * d)?);
+        Ok(())
+    }
+
+    fn hc_head(&self, cx: &mut StepCtx<'_>) -> Result<()> {
+        let model = cx.model;
+        let c = &model.config;
+        let g = &model.global;
+        let (n, d) = (cx.batch.rows.len(), c.d_model);
+        let (u, _) = self.hc_common(cx, g.hc_fn, g.hc_base, g.hc_scale, true)?;
+        let nw = self.dense(model, g.norm);
+        let mut enc = self.ctx.encoder();
+        ops::rms_norm(&self.ctx, &mut enc, (&u, 0, d), (&u, 0, d), Some(&nw), d, n, c.rms_eps)?;
+        self.ctx.submit(enc)?;
+        cx.act.head_out[..n * d].copy_from_slice(&self.ctx.read_f32(&u, 0, n * d)?);
+        Ok(())
+    }
+
+    fn logits(&self, cx: &mut StepCtx<'_>) -> Result<()> {
+        let model = cx.model;
+        let c = &model.config;
+        let (d, v) = (c.d_model, c.vocab);
+        let lr = &cx.batch.logit_rows;
+        if lr.is_empty() {
+            return Ok(());
+        }
+        let head = self.mat(model, model.global.head)?;
+        let mut x = Vec::with_capacity(lr.len() * d);
+        for &r in lr {
+            x.extend_from_slice(&cx.act.head_out[r * d..(r + 1) * d]);
+        }
+        let xb = self.up(&x);
+        let out = self.buf(lr.len() * v);
+        let mut enc = self.ctx.encoder();
+        self.mm(&mut enc, &head, View::new(&xb, d), lr.len(), View::new(&out, v))?;
+        self.ctx.submit(enc)?;
+        cx.act.logits[..lr.len() * v].copy_from_slice(&self.ctx.read_f32(&out, 0, lr.len() * v)?);
+        Ok(())
+    }
+}
+
+/// Helpers shared with the attention op.
+impl WgpuBackend {
+    pub(super) fn ctx(&self) -> &WgpuContext {
+        &self.ctx
+    }
+    pub(super) fn weight(&self, model: &Model, id: WeightId) -> Result<Arc<GpuWeight>> {
+        self.mat(model, id)
+    }
+    pub(super) fn dense_buf(&self, model: &Model, id: WeightId) -> Arc<Buf> {
+        self.dense(model, id)
+    }
+    pub(super) fn zeros(&self, len: usize) -> Buf {
+        self.buf(len)
+    }
+    pub(super) fn upload(&self, data: &[f32]) -> Buf {
+        self.up(data)
+    }
+    pub(super) fn matvec(
+        &self,
+        enc: &mut wgpu::CommandEncoder,
+        w: &GpuWeight,
+        x: View<'_>,
+        n: usize,
+        y: View<'_>,
+    ) -> Result<()> {
+        self.mm(enc, w, x, n, y)
+    }
+}

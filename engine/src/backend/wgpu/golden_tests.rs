@@ -1,0 +1,99 @@
+//! End-to-end check of [`WgpuBackend`] on the tiny-a golden checkpoint (f32 recipe): logits from a chunked
+//! prefill and from token-by-token decode must match the reference implementation's within 1e-3, driving the
+//! backend through the engine's own job graph and executor. Skipped (with a message) when `../shared` is absent
+//! outside CI or when no adapter exists outside CI.
+
+use std::path::PathBuf;
+
+use super::context::test_context;
+use super::WgpuBackend;
+use crate::backend::{Activations, RopeSet, StepCtx};
+use crate::convert::{convert, ConvertOptions, Recipe};
+use crate::exec::Executor;
+use crate::gguf::GgufFile;
+use crate::graph::{Batch, Graph, Row, Run};
+use crate::model::Model;
+use crate::tables::SessionKv;
+
+fn golden_dir() -> Option<PathBuf> {
+    let d = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/golden/tiny-a");
+    if d.join("model.safetensors").exists() {
+        return Some(d);
+    }
+    let ci = std::env::var("CI").map(|v| v == "true").unwrap_or(false);
+    assert!(!ci, "CI=true but the golden checkpoint {} is missing", d.display());
+    eprintln!("skipping golden test: {} not found", d.display());
+    None
+}
+
+fn read_f32(path: PathBuf) -> Vec<f32> {
+    let b = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
+/// Runs `tokens` (positions `pos0..`) as one batch; returns logits of every row.
+fn run_chunk(
+    be: &WgpuBackend,
+    model: &Model,
+    rope: &RopeSet,
+    kv: &mut SessionKv,
+    act: &mut Activations,
+    tokens: &[u32],
+    pos0: usize,
+) -> Vec<f32> {
+    let n = tokens.len();
+    let batch = Batch {
+        rows: tokens.iter().enumerate().map(|(i, &t)| Row { run: 0, pos: pos0 + i, token: t }).collect(),
+        runs: vec![Run { slot: 0, start: 0, len: n, all_logits: true }],
+        logit_rows: (0..n).collect(),
+    };
+    act.ensure(model, n, n);
+    let mut graph = Graph::default();
+    graph.build(model.config.n_layers);
+    let mut cx = StepCtx { model, rope, batch: &batch, kv: std::slice::from_mut(kv), act, sim: false };
+    Executor::default().run(&graph, be, &mut cx).expect("tick");
+    act.logits[..n * model.config.vocab].to_vec()
+}
+
+#[test]
+fn tiny_a_logits_match_golden_prefill_and_decode() {
+    let Some(dir) = golden_dir() else { return };
+    let Some(ctx) = test_context(Default::default()) else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("tiny-a.gguf");
+    convert(&ConvertOptions::new(&dir, &out, Recipe::F32)).expect("convert tiny-a");
+    let model = Model::load(GgufFile::open(&out).unwrap()).unwrap();
+    let golden: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
+    let prompt: Vec<u32> =
+        golden["prompt_tokens"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+    let greedy: Vec<u32> =
+        golden["greedy_tokens"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+    let prefill = read_f32(dir.join("prefill_logits.f32"));
+    let decode = read_f32(dir.join("decode_logits.f32"));
+    let v = model.config.vocab;
+    let be = WgpuBackend::with_context(ctx);
+    let rope = RopeSet::new(&model);
+    let mut kv = SessionKv::new(&model.config, prompt.len() + greedy.len() + 1);
+    let mut act = Activations::default();
+
+    // Prefill in two uneven chunks (the second one crosses compressor blocks and the window).
+    let cut = prompt.len() * 2 / 5;
+    let mut got = run_chunk(&be, &model, &rope, &mut kv, &mut act, &prompt[..cut], 0);
+    got.extend(run_chunk(&be, &model, &rope, &mut kv, &mut act, &prompt[cut..], cut));
+    let max_err = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+    assert_eq!(got.len(), prefill.len());
+    let e = max_err(&got, &prefill);
+    assert!(e <= 1e-3, "prefill max |logit - golden| = {e}");
+
+    // Decode the greedy continuation token by token (row i = logits after greedy[..i]).
+    let steps = greedy.len().min(decode.len() / v).min(4);
+    let last = &got[(prompt.len() - 1) * v..prompt.len() * v];
+    assert!(max_err(last, &decode[..v]) <= 1e-3, "decode row 0");
+    for i in 1..steps {
+        let l = run_chunk(&be, &model, &rope, &mut kv, &mut act, &greedy[i - 1..i], prompt.len() + i - 1);
+        let e = max_err(&l, &decode[i * v..(i + 1) * v]);
+        assert!(e <= 1e-3, "decode row {i}: max err {e}");
+        assert_eq!(crate::engine::argmax(&l), greedy[i], "greedy token {i}");
+    }
+}
