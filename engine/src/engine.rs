@@ -233,6 +233,7 @@ impl Engine {
         if self.batch.rows.is_empty() {
             return Ok(false);
         }
+        tracing::debug!(rows = self.batch.rows.len(), runs = self.batch.runs.len(), "tick");
         self.act.ensure(&self.model, self.batch.rows.len(), self.batch.logit_rows.len());
         self.kv_tmp.clear();
         for run in &self.batch.runs {
