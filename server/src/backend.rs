@@ -49,6 +49,15 @@ pub trait Runner: Send {
     /// Drop every token after the first `len` of `session`. Returns `false` when the runner cannot roll back (the
     /// caller then starts a fresh session instead).
     fn truncate(&mut self, session: SessionId, len: usize) -> bool;
+    /// Whether [`Runner::truncate`] can work at all (lets the scheduler plan reuse without trying).
+    fn can_truncate(&self) -> bool {
+        false
+    }
+    /// A new session with a copy of `session`'s state (processed tokens and last logits), or `None` when the runner
+    /// cannot copy sessions or has no room.
+    fn fork(&mut self, _session: SessionId) -> Option<SessionId> {
+        None
+    }
     /// Queue tokens for the next [`Runner::step`].
     fn feed(&mut self, session: SessionId, tokens: &[u32]) -> Result<(), BackendError>;
     /// Run one tick: every session's queued tokens go through the model together.

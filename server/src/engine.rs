@@ -6,7 +6,9 @@
 //!
 //! Notes for the next engineer:
 //! - The engine cannot roll a session back, so [`Runner::truncate`] answers `false`: a parked session is reused only
-//!   when the new prompt extends everything it processed. Otherwise the scheduler starts a fresh session.
+//!   when the new prompt extends everything it processed. [`Runner::fork`] (snapshot + restore) lets the scheduler
+//!   keep a copy of each prompt's state, so a follow-up that diverges after the prompt (regenerate, a re-rendered
+//!   assistant turn) still reuses the prompt.
 //! - `step` loops until the engine has no queued tokens, so one scheduler tick processes everything that was fed
 //!   (the engine's own batch budget may split it into several engine ticks).
 //! - Tools are attached to the first message (the renderer prints them in the system prompt); the function object
@@ -59,6 +61,17 @@ impl Runner for EngineRunner {
 
     fn truncate(&mut self, _session: SessionId, _len: usize) -> bool {
         false
+    }
+
+    fn fork(&mut self, session: SessionId) -> Option<SessionId> {
+        if self.ids.len() >= self.max_sessions {
+            return None;
+        }
+        let snap = self.engine.snapshot(*self.ids.get(&session)?).ok()?;
+        let sid = self.engine.restore(snap).ok()?;
+        self.next += 1;
+        self.ids.insert(self.next, sid);
+        Some(self.next)
     }
 
     fn feed(&mut self, session: SessionId, tokens: &[u32]) -> Result<(), BackendError> {

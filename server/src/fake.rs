@@ -339,6 +339,23 @@ impl Runner for FakeRunner {
         }
     }
 
+    fn can_truncate(&self) -> bool {
+        true
+    }
+
+    fn fork(&mut self, session: SessionId) -> Option<SessionId> {
+        let s = self.sessions.get(&session)?;
+        let copy = FakeSession {
+            tokens: s.tokens.clone(),
+            pending: Vec::new(),
+            logits: s.logits.clone(),
+            script: s.script.clone(),
+        };
+        let id = self.create_session().ok()?;
+        self.sessions.insert(id, copy);
+        Some(id)
+    }
+
     fn feed(&mut self, session: SessionId, tokens: &[u32]) -> Result<(), BackendError> {
         let s = self.sessions.get_mut(&session).ok_or_else(|| BackendError(format!("no session {session}")))?;
         if let Some(t) = tokens.iter().find(|&&t| t as usize >= VOCAB) {

@@ -7,9 +7,12 @@
 //! session whose prompt is complete.
 //!
 //! Prefix reuse: a finished (or cancelled) job's session is *parked* with exactly the tokens it has processed. A new
-//! job takes the parked session with the longest common token prefix, truncating it when the runner supports it, and
-//! feeds only the rest. At least one prompt token is always fed so there are fresh logits. Parked sessions are evicted
-//! least-recently-used beyond `max_parked`, or when the runner's session table is full.
+//! job takes the parked session that lets it skip the most prompt tokens and feeds only the rest: a parked session
+//! whose tokens are a prefix of the prompt is used as is (when they equal the whole prompt, its stored logits are
+//! sampled directly); otherwise it is truncated to the common prefix when the runner can do that. Runners that
+//! cannot truncate get a copy of every freshly prefilled prompt parked too ([`Runner::fork`]), so a request that
+//! diverges right after the prompt (a retry, a re-rendered assistant turn) still skips it. Parked sessions are
+//! evicted least-recently-used beyond `max_parked`, or when the runner's session table is full.
 //!
 //! Invariants: a job receives exactly one `Started` (or `Error`) first, then `Token`s, then exactly one `Done` or
 //! `Error`. A panic inside the runner fails the jobs of that tick and frees their sessions; it does not kill the
@@ -156,6 +159,8 @@ struct Active {
     tokens: Vec<u32>,
     fed: usize,
     prompt_len: usize,
+    /// Prompt tokens reused from a parked session.
+    cached: usize,
     generated: usize,
     sampler: Sampler,
     submitted: Instant,
@@ -275,6 +280,7 @@ impl Worker {
                 session,
                 fed: cached,
                 prompt_len,
+                cached,
                 generated: 0,
                 submitted,
                 last_token: None,
@@ -282,16 +288,37 @@ impl Worker {
         }
     }
 
-    /// A session for `prompt`: the parked one sharing the longest prefix, else a fresh one. Returns the tokens reused.
+    /// A session for `prompt`: the parked one that lets the most prompt tokens be skipped, else a fresh one.
+    /// Returns the session and the number of prompt tokens it already holds (`== prompt.len()` only when the
+    /// session also holds the logits that follow the prompt).
     fn acquire(&mut self, prompt: &[u32]) -> Result<(SessionId, usize), String> {
+        let can_truncate = self.runner.can_truncate();
+        let usable = |runner: &dyn Runner, p: &Parked| -> usize {
+            let lcp = common_prefix(&p.tokens, prompt);
+            if lcp == p.tokens.len() && (lcp < prompt.len() || runner.logits(p.session).is_some()) {
+                lcp // the prompt extends the parked tokens (or equals them, logits included)
+            } else if can_truncate {
+                lcp.min(prompt.len() - 1)
+            } else {
+                0
+            }
+        };
         let best = self
             .parked
             .iter()
             .enumerate()
-            .map(|(i, p)| (i, common_prefix(&p.tokens, prompt).min(prompt.len() - 1)))
+            .map(|(i, p)| (i, usable(self.runner.as_ref(), p)))
             .filter(|&(_, n)| n > 0)
             .max_by_key(|&(i, n)| (n, self.parked[i].last_used));
         if let Some((i, n)) = best {
+            if !can_truncate {
+                // Keep the parked state for the next request that shares it; the job continues on a copy.
+                if let Some(copy) = self.runner.fork(self.parked[i].session) {
+                    self.clock += 1;
+                    self.parked[i].last_used = self.clock;
+                    return Ok((copy, n));
+                }
+            }
             let p = self.parked.swap_remove(i);
             if n == p.tokens.len() || self.runner.truncate(p.session, n) {
                 return Ok((p.session, n));
@@ -302,14 +329,40 @@ impl Worker {
             match self.runner.create_session() {
                 Ok(s) => return Ok((s, 0)),
                 Err(e) => {
-                    let Some(lru) = self.parked.iter().enumerate().min_by_key(|(_, p)| p.last_used).map(|(i, _)| i)
-                    else {
+                    if !self.evict_lru() {
                         return Err(format!("cannot create a session: {e}"));
-                    };
-                    let p = self.parked.swap_remove(lru);
-                    self.runner.free_session(p.session);
+                    }
                 }
             }
+        }
+    }
+
+    /// Free the least recently used parked session; `false` when there is none.
+    fn evict_lru(&mut self) -> bool {
+        let Some(lru) = self.parked.iter().enumerate().min_by_key(|(_, p)| p.last_used).map(|(i, _)| i) else {
+            return false;
+        };
+        let p = self.parked.swap_remove(lru);
+        self.runner.free_session(p.session);
+        true
+    }
+
+    /// Keep a copy of a session whose prompt was just processed (when the runner cannot truncate, this is what lets
+    /// a request that diverges after the prompt reuse it).
+    fn checkpoint_prompt(&mut self, session: SessionId, prompt: &[u32]) {
+        if self.runner.can_truncate() || self.config.max_parked == 0 {
+            return;
+        }
+        if self.parked.iter().any(|p| p.tokens == prompt) {
+            return;
+        }
+        let copy = match self.runner.fork(session) {
+            Some(c) => Some(c),
+            None if self.evict_lru() => self.runner.fork(session),
+            None => None,
+        };
+        if let Some(c) = copy {
+            self.park(c, prompt.to_vec());
         }
     }
 
@@ -318,9 +371,7 @@ impl Worker {
         tokens.shrink_to_fit();
         self.parked.push(Parked { session, tokens, last_used: self.clock });
         while self.parked.len() > self.config.max_parked {
-            let lru = self.parked.iter().enumerate().min_by_key(|(_, p)| p.last_used).map(|(i, _)| i).unwrap_or(0);
-            let p = self.parked.swap_remove(lru);
-            self.runner.free_session(p.session);
+            self.evict_lru();
         }
     }
 
@@ -349,6 +400,7 @@ impl Worker {
         let mut budget = self.config.prefill_chunk.max(1);
         let mut sample_now = Vec::new();
         let mut failed = Vec::new();
+        let mut fed_any = false;
         for (i, a) in self.active.iter_mut().enumerate() {
             let remaining = a.tokens.len() - a.fed;
             let n = if a.fed >= a.prompt_len {
@@ -359,6 +411,9 @@ impl Worker {
                 n
             };
             if n == 0 {
+                if a.generated == 0 && a.fed == a.tokens.len() {
+                    sample_now.push(i); // full prefix hit: the parked session holds the prompt's logits
+                }
                 continue;
             }
             if let Err(e) = self.runner.feed(a.session, &a.tokens[a.fed..a.fed + n]) {
@@ -366,11 +421,12 @@ impl Worker {
                 continue;
             }
             a.fed += n;
+            fed_any = true;
             if a.fed == a.tokens.len() {
                 sample_now.push(i);
             }
         }
-        if !sample_now.is_empty() || !failed.is_empty() {
+        if fed_any {
             let stepped = catch_unwind(AssertUnwindSafe(|| self.runner.step()));
             let err = match stepped {
                 Ok(Ok(())) => None,
@@ -387,6 +443,15 @@ impl Worker {
             }
         }
         let mut finished: Vec<(usize, JobEvent)> = failed.into_iter().map(|(i, e)| (i, JobEvent::Error(e))).collect();
+        let checkpoints: Vec<(SessionId, Vec<u32>)> = sample_now
+            .iter()
+            .map(|&i| &self.active[i])
+            .filter(|a| a.generated == 0 && a.cached < a.prompt_len)
+            .map(|a| (a.session, a.tokens[..a.prompt_len].to_vec()))
+            .collect();
+        for (session, prompt) in checkpoints {
+            self.checkpoint_prompt(session, &prompt);
+        }
         for i in sample_now {
             let a = &mut self.active[i];
             let Some(logits) = self.runner.logits(a.session) else {
@@ -475,6 +540,61 @@ mod tests {
         let hello_len = p1.len() + "Hello! You said: hello.".len();
         assert_eq!(ev[0], JobEvent::Started { prompt_tokens: p2.len(), cached_tokens: hello_len });
         assert_eq!(metrics.prefix_hit_tokens(Tier::Host), hello_len as u64);
+        s.shutdown();
+    }
+
+    /// The fake model without rollback, like the real engine.
+    struct NoTruncate(FakeRunner);
+
+    impl Runner for NoTruncate {
+        fn vocab_size(&self) -> usize {
+            self.0.vocab_size()
+        }
+        fn create_session(&mut self) -> Result<SessionId, crate::backend::BackendError> {
+            self.0.create_session()
+        }
+        fn free_session(&mut self, session: SessionId) {
+            self.0.free_session(session)
+        }
+        fn truncate(&mut self, _: SessionId, _: usize) -> bool {
+            false
+        }
+        fn fork(&mut self, session: SessionId) -> Option<SessionId> {
+            self.0.fork(session)
+        }
+        fn feed(&mut self, session: SessionId, tokens: &[u32]) -> Result<(), crate::backend::BackendError> {
+            self.0.feed(session, tokens)
+        }
+        fn step(&mut self) -> Result<(), crate::backend::BackendError> {
+            self.0.step()
+        }
+        fn logits(&self, session: SessionId) -> Option<&[f32]> {
+            self.0.logits(session)
+        }
+    }
+
+    #[test]
+    fn without_truncate_prompt_checkpoints_serve_repeats_and_divergent_follow_ups() {
+        let s = Scheduler::start(Box::new(NoTruncate(FakeRunner::new(8))), Default::default(), Default::default());
+        let p1 = prompt("hello");
+        let (j, mut rx) = job(p1.clone(), 100);
+        s.submit(j).unwrap();
+        let (ev, solo) = collect(&mut rx);
+        assert_eq!(ev[0], JobEvent::Started { prompt_tokens: p1.len(), cached_tokens: 0 });
+        // The same prompt again: served from the prompt checkpoint, logits included, nothing re-fed.
+        let (j, mut rx) = job(p1.clone(), 100);
+        s.submit(j).unwrap();
+        let (ev, again) = collect(&mut rx);
+        assert_eq!(ev[0], JobEvent::Started { prompt_tokens: p1.len(), cached_tokens: p1.len() });
+        assert_eq!(again, solo);
+        // A follow-up whose assistant turn was re-rendered differently still reuses the first prompt.
+        let mut p2 = p1.clone();
+        p2.extend(FakeCodec.encode("Hi!<|end|>\n<|user|>more\n<|assistant|>").unwrap());
+        let (j, mut rx) = job(p2.clone(), 100);
+        s.submit(j).unwrap();
+        let (ev, text) = collect(&mut rx);
+        assert_eq!(ev[0], JobEvent::Started { prompt_tokens: p2.len(), cached_tokens: p1.len() });
+        assert_eq!(text, "Hello! You said: more.");
         s.shutdown();
     }
 
