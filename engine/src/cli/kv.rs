@@ -9,6 +9,8 @@
 //!
 //! `--json` on `ls` and `inspect` prints the same data as JSON for scripts.
 
+use std::fmt::Write as _;
+use std::io::Write as _;
 use std::path::PathBuf;
 
 use ds4_kv::{admin, disk};
@@ -90,22 +92,44 @@ fn resolve(file: &str, dir: Option<PathBuf>) -> PathBuf {
 }
 
 /// Runs `ds4 kv`.
+/// `writeln!` into the output buffer (writing to a `String` cannot fail).
+macro_rules! out {
+    ($o:expr, $($t:tt)*) => {{
+        let _ = writeln!($o, $($t)*);
+    }};
+}
+
 pub fn run(a: Args) -> anyhow::Result<i32> {
+    let mut o = String::new();
+    let code = run_into(a, &mut o)?;
+    // Ignore a closed pipe (`ds4 kv ls | head`): the output was not wanted any more.
+    let _ = std::io::stdout().lock().write_all(o.as_bytes());
+    Ok(code)
+}
+
+fn run_into(a: Args, o: &mut String) -> anyhow::Result<i32> {
     match a.cmd {
         KvCmd::Ls { dir, json } => {
             let l = admin::list(&dir)?;
             if json {
-                println!("{}", serde_json::to_string_pretty(&l)?);
+                out!(o, "{}", serde_json::to_string_pretty(&l)?);
                 return Ok(0);
             }
-            println!(
+            out!(
+                o,
                 "{:<40}  {:<4}  {:>17}  {:>12}  {:<19}  {:>4}  model",
-                "key", "kind", "tokens", "bytes", "last use (UTC)", "refs"
+                "key",
+                "kind",
+                "tokens",
+                "bytes",
+                "last use (UTC)",
+                "refs"
             );
             for f in &l.files {
                 let h = &f.header;
                 let end = h.token_start + h.tokens.len() as u64;
-                println!(
+                out!(
+                    o,
                     "{:<40}  {:<4}  {:>17}  {:>12}  {:<19}  {:>4}  {}{}",
                     h.key.hex(),
                     h.kind.ext(),
@@ -118,12 +142,12 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
                 );
             }
             let total: u64 = l.files.iter().map(|f| f.bytes).sum();
-            println!("{} files, {} bytes ({:.1} MiB)", l.files.len(), total, total as f64 / (1 << 20) as f64);
+            out!(o, "{} files, {} bytes ({:.1} MiB)", l.files.len(), total, total as f64 / (1 << 20) as f64);
             for (p, why) in &l.corrupt {
-                println!("corrupt: {} ({why})", p.display());
+                out!(o, "corrupt: {} ({why})", p.display());
             }
             for p in &l.temp {
-                println!("temp: {}", p.display());
+                out!(o, "temp: {}", p.display());
             }
             Ok(0)
         }
@@ -146,22 +170,23 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
                     "path": path, "bytes": size, "header": header,
                     "checksum": match &check { Ok(()) => "ok".to_string(), Err(e) => e.to_string() },
                 });
-                println!("{}", serde_json::to_string_pretty(&v)?);
+                out!(o, "{}", serde_json::to_string_pretty(&v)?);
             } else {
                 let h = &header;
-                println!("file: {} ({size} bytes)", path.display());
-                println!("kind: {:?}, saved on {:?}, created {}", h.kind, h.reason, utc(h.created));
-                println!("key: {}", h.key.hex());
-                println!("parent: {}", h.parent.hex());
-                println!("model: {} ({})", h.identity, h.model.hex());
-                println!(
+                out!(o, "file: {} ({size} bytes)", path.display());
+                out!(o, "kind: {:?}, saved on {:?}, created {}", h.kind, h.reason, utc(h.created));
+                out!(o, "key: {}", h.key.hex());
+                out!(o, "parent: {}", h.parent.hex());
+                out!(o, "model: {} ({})", h.identity, h.model.hex());
+                out!(
+                    o,
                     "tokens: {}..{} ({} own, page span {})",
                     h.token_start,
                     h.token_start + h.tokens.len() as u64,
                     h.tokens.len(),
                     h.span_tokens
                 );
-                println!("layout: {} groups, {} blocks, payload {} bytes", h.groups, h.blocks.len(), h.payload_bytes);
+                out!(o, "layout: {} groups, {} blocks, payload {} bytes", h.groups, h.blocks.len(), h.payload_bytes);
                 for g in 0..h.groups {
                     let blocks: Vec<String> = h
                         .blocks
@@ -169,20 +194,26 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
                         .filter(|b| b.group == g)
                         .map(|b| format!("tag {} {}x{} {} {}B", b.tag, b.rows, b.width, b.encoding.name(), b.bytes))
                         .collect();
-                    println!("  group {g:>3}: {}", if blocks.is_empty() { "-".to_string() } else { blocks.join(", ") });
+                    out!(o, "  group {g:>3}: {}", if blocks.is_empty() { "-".to_string() } else { blocks.join(", ") });
                 }
                 match &check {
-                    Ok(()) => println!("checksum: ok"),
-                    Err(e) => println!("checksum: FAILED: {e}"),
+                    Ok(()) => out!(o, "checksum: ok"),
+                    Err(e) => out!(o, "checksum: FAILED: {e}"),
                 }
             }
             Ok(if check.is_ok() { 0 } else { 2 })
         }
         KvCmd::Gc { dir, max_mb, verify, half_life_hours } => {
             let s = admin::gc(&dir, max_mb.map(|m| m << 20), verify, half_life_hours * 3600.0)?;
-            println!(
+            out!(
+                o,
                 "removed {} temp, {} corrupt, {} orphaned files; evicted {}; {} -> {} bytes",
-                s.temp_removed, s.corrupt_removed, s.orphans_removed, s.evicted, s.bytes_before, s.bytes_after
+                s.temp_removed,
+                s.corrupt_removed,
+                s.orphans_removed,
+                s.evicted,
+                s.bytes_before,
+                s.bytes_after
             );
             Ok(0)
         }
