@@ -202,7 +202,7 @@ def test_anthropic_messages_thinking_and_tools(ant):
         thinking={"type": "enabled", "budget_tokens": 1024},
         tools=tools,
         messages=[{"role": "user", "content": "list the files here"}],
-        temperature=0,
+        extra_body={"temperature": 0},  # this SDK version has no temperature parameter
     )
     m = ant.messages.create(**kwargs)
     assert m.type == "message" and m.role == "assistant"
@@ -227,7 +227,7 @@ def test_anthropic_tool_round_trip_and_count_tokens(ant):
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "README.md"}]},
     ]
     tools = [{"name": "Bash", "description": "Run", "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}}}]
-    m = ant.messages.create(model=MODEL, max_tokens=8, tools=tools, messages=messages, temperature=0)
+    m = ant.messages.create(model=MODEL, max_tokens=8, tools=tools, messages=messages, extra_body={"temperature": 0})
     assert m.role == "assistant"
     n = ant.messages.count_tokens(model=MODEL, tools=tools, messages=messages).input_tokens
     assert n == m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0)
