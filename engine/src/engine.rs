@@ -118,8 +118,14 @@ impl Engine {
         let model = Model::load(file)?;
         let backend: Box<dyn Backend> = match opts.backend {
             BackendKind::Cpu => Box::new(CpuBackend::new(opts.threads)),
+            #[cfg(feature = "wgpu")]
+            BackendKind::Wgpu => Box::new(crate::backend::wgpu::WgpuBackend::new()?),
+            #[cfg(not(feature = "wgpu"))]
             BackendKind::Wgpu => {
-                return Err(Error::Backend { backend: "wgpu", what: "the wgpu backend is not available yet".into() })
+                return Err(Error::Backend {
+                    backend: "wgpu",
+                    what: "this build has no wgpu support (feature off)".into(),
+                })
             }
         };
         if opts.max_batch_tokens == 0 {

@@ -346,3 +346,32 @@ fn bad_model_files_give_clear_errors() {
     assert!(e.feed(s, &[0]).is_err());
     assert!(e.free_session(s).is_err());
 }
+
+#[test]
+fn tiny_a_wgpu_backend_through_the_engine() {
+    use ds4_engine::engine::BackendKind;
+    let Some(g) = tiny_a() else { return };
+    let opts =
+        EngineOptions { backend: BackendKind::Wgpu, exact: true, max_batch_tokens: 32, ..EngineOptions::default() };
+    let mut e = match Engine::open(&g.gguf, opts) {
+        Ok(e) => e,
+        Err(err) => {
+            // No adapter (or a build without the feature): only acceptable outside CI.
+            let ci = std::env::var("CI").map(|v| v == "true").unwrap_or(false);
+            assert!(!ci, "CI=true but the wgpu engine did not start: {err}");
+            eprintln!("skipping: wgpu engine unavailable: {err}");
+            return;
+        }
+    };
+    let s = e.create_session();
+    e.set_prefill_logits(s, true).unwrap();
+    e.feed(s, &g.prompt).unwrap();
+    e.run_until_idle().unwrap();
+    check_against("wgpu prefill (chunk 32)", &e.take_all_logits(s).unwrap(), &g.prefill, g.vocab);
+    // Two decode steps continue the greedy sequence.
+    let gen = e.generate_greedy(s, &[], 1).unwrap();
+    assert_eq!(gen[0], g.greedy[0]);
+    e.feed(s, &gen).unwrap();
+    e.run_until_idle().unwrap();
+    assert_eq!(argmax(e.logits(s).unwrap()), g.greedy[1]);
+}
