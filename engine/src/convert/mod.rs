@@ -195,22 +195,51 @@ fn tensor_bytes(ckpt: &Checkpoint, cfg: &CheckpointConfig, t: &Planned, decl: &T
             encode(decl.ty, &f, row, &mut out, n)?;
             Ok(out)
         }
-        Source::Experts(names) => {
-            let mut out = Vec::with_capacity(decl.n_bytes()? as usize);
-            let mut buf = vec![0f32; t.src_shape.iter().product()];
-            for n in names {
-                ckpt.read_f32_into(n, &t.src_shape, &mut buf)?;
-                encode(decl.ty, &buf, row, &mut out, n)?;
-            }
-            Ok(out)
-        }
+        Source::Experts(names) => expert_stack_bytes(ckpt, t, decl, names),
+    }
+}
+
+/// The stacked experts of one tensor: experts are decoded and encoded in parallel, one expert per worker at a time,
+/// each into its own slice of the output (memory: the encoded stack plus one f32 expert per worker).
+fn expert_stack_bytes(ckpt: &Checkpoint, t: &Planned, decl: &TensorDecl, names: &[String]) -> Result<Vec<u8>> {
+    let row = t.row_len() as usize;
+    let n_values: usize = t.src_shape.iter().product();
+    let per = recipe::encoded_len(decl.ty, n_values, row)?;
+    let mut out = vec![0u8; per * names.len()];
+    let workers = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).min(names.len()).max(1);
+    // Work queue: (expert name, its slice of the output); each worker takes the next one.
+    let queue = parking_lot::Mutex::new(names.iter().zip(out.chunks_mut(per)));
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..workers)
+            .map(|_| {
+                s.spawn(|| -> Result<()> {
+                    let mut buf = vec![0f32; n_values];
+                    loop {
+                        let Some((name, dst)) = queue.lock().next() else { return Ok(()) };
+                        ckpt.read_f32_into(name, &t.src_shape, &mut buf)?;
+                        check_finite(&buf, name)?;
+                        recipe::encode_into(decl.ty, &buf, row, dst, false)
+                            .map_err(|err| Error::Tensor { name: name.clone(), what: err.to_string() })?;
+                    }
+                })
+            })
+            .collect();
+        handles.into_iter().try_for_each(|h| {
+            h.join().unwrap_or_else(|_| Err(Error::Convert(format!("{}: expert worker panicked", t.name))))
+        })
+    })?;
+    Ok(out)
+}
+
+fn check_finite(values: &[f32], name: &str) -> Result<()> {
+    match values.iter().position(|v| !v.is_finite()) {
+        None => Ok(()),
+        Some(i) => Err(Error::Tensor { name: name.into(), what: format!("non-finite value {} at {i}", values[i]) }),
     }
 }
 
 fn encode(ty: GgmlType, values: &[f32], row: usize, out: &mut Vec<u8>, name: &str) -> Result<()> {
-    if let Some(i) = values.iter().position(|v| !v.is_finite()) {
-        return Err(Error::Tensor { name: name.into(), what: format!("non-finite value {} at {i}", values[i]) });
-    }
+    check_finite(values, name)?;
     recipe::encode_append(ty, values, row, out).map_err(|e| Error::Tensor { name: name.into(), what: e.to_string() })
 }
 

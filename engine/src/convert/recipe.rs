@@ -112,20 +112,33 @@ pub fn weight_energy(values: &[f32], row_len: usize) -> Vec<f32> {
     imp
 }
 
-/// Appends the encoding of `values` (whole rows of `row_len`) as `ty` to `out`. IQ2_XXS rows are quantized with
-/// [`weight_energy`] importance; other types without importance.
+/// Appends the encoding of `values` (whole rows of `row_len`) as `ty` to `out`, quantizing rows in parallel.
+/// IQ2_XXS rows are quantized with [`weight_energy`] importance; other types without importance.
 pub fn encode_append(ty: GgmlType, values: &[f32], row_len: usize, out: &mut Vec<u8>) -> Result<()> {
-    if row_len == 0 || !values.len().is_multiple_of(row_len) {
-        return Err(Error::Convert(format!("{} values are not whole rows of {row_len}", values.len())));
+    let n = encoded_len(ty, values.len(), row_len)?;
+    let start = out.len();
+    out.resize(start + n, 0);
+    encode_into(ty, values, row_len, &mut out[start..], true)
+}
+
+/// Bytes of `n_values` (whole rows of `row_len`) encoded as `ty`.
+pub fn encoded_len(ty: GgmlType, n_values: usize, row_len: usize) -> Result<usize> {
+    if row_len == 0 || !n_values.is_multiple_of(row_len) {
+        return Err(Error::Convert(format!("{n_values} values are not whole rows of {row_len}")));
     }
     let rb = ty
         .row_bytes(row_len as u64)
-        .ok_or_else(|| Error::Convert(format!("row of {row_len} values is not whole {ty} blocks")))?
-        as usize;
-    let n_rows = values.len() / row_len;
-    let start = out.len();
-    out.resize(start + n_rows * rb, 0);
-    let dst = &mut out[start..];
+        .ok_or_else(|| Error::Convert(format!("row of {row_len} values is not whole {ty} blocks")))?;
+    Ok(rb as usize * (n_values / row_len))
+}
+
+/// Encodes `values` as `ty` into `dst`, which must be exactly [`encoded_len`] bytes. `parallel`: quantize rows on
+/// scoped threads (callers that already run one encode per thread pass `false`).
+pub fn encode_into(ty: GgmlType, values: &[f32], row_len: usize, dst: &mut [u8], parallel: bool) -> Result<()> {
+    let n = encoded_len(ty, values.len(), row_len)?;
+    if dst.len() != n {
+        return Err(Error::Convert(format!("{ty}: {} bytes of output for {n}", dst.len())));
+    }
     match ty {
         GgmlType::F32 => {
             for (d, v) in dst.chunks_exact_mut(4).zip(values) {
@@ -141,7 +154,8 @@ pub fn encode_append(ty: GgmlType, values: &[f32], row_len: usize, out: &mut Vec
         }
         _ => {
             let imp = (ty == GgmlType::Iq2Xxs).then(|| weight_energy(values, row_len));
-            quantize_parallel(ty, values, imp.as_deref(), row_len, rb, dst)
+            let rb = n / (values.len() / row_len);
+            quantize_rows(ty, values, imp.as_deref(), row_len, rb, dst, parallel)
         }
     }
 }
@@ -149,16 +163,17 @@ pub fn encode_append(ty: GgmlType, values: &[f32], row_len: usize, out: &mut Vec
 /// Below this many values a tensor is quantized on the calling thread.
 const PARALLEL_MIN_VALUES: usize = 1 << 16;
 
-fn quantize_parallel(
+fn quantize_rows(
     ty: GgmlType,
     values: &[f32],
     importance: Option<&[f32]>,
     row_len: usize,
     rb: usize,
     dst: &mut [u8],
+    parallel: bool,
 ) -> Result<()> {
     let n_rows = values.len() / row_len;
-    if values.len() < PARALLEL_MIN_VALUES {
+    if !parallel || values.len() < PARALLEL_MIN_VALUES {
         for (r, o) in values.chunks_exact(row_len).zip(dst.chunks_exact_mut(rb)) {
             crate::quant::quantize_row(ty, r, importance, o)?;
         }
