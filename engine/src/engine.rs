@@ -217,7 +217,8 @@ impl Engine {
         self.sessions.with_pending().next().is_some()
     }
 
-    /// Runs one tick. Returns false when there was nothing to do.
+    /// Runs one tick. Returns false when there was nothing to do. If an op fails, the tick's sessions are reset to
+    /// empty with their processed tokens queued again (consistent state), and the error is returned.
     pub fn step(&mut self) -> Result<bool> {
         let budget = self.opts.max_batch_tokens;
         self.batch.clear();
@@ -257,7 +258,25 @@ impl Engine {
         for (run, kv) in self.batch.runs.iter().zip(self.kv_tmp.drain(..)) {
             self.sessions.kv[run.slot] = kv;
         }
-        r?;
+        if let Err(e) = r {
+            // The tick's sessions may hold half-updated KV state: reset them and queue their whole history again,
+            // so they stay consistent (the next ticks recompute them).
+            for run in &self.batch.runs {
+                let s = run.slot;
+                self.sessions.kv[s].clear();
+                let hist = std::mem::take(&mut self.sessions.history[s]);
+                for &t in hist.iter().rev() {
+                    self.sessions.pending[s].push_front(t);
+                }
+                self.sessions.history[s] = hist;
+                self.sessions.history[s].clear();
+                self.sessions.pos[s] = 0;
+                self.sessions.logits[s].clear();
+                self.sessions.all_logits[s].clear();
+            }
+            tracing::warn!(error = %e, sessions = self.batch.runs.len(), "tick failed; its sessions were reset");
+            return Err(e);
+        }
         let vocab = self.model.config.vocab;
         let mut out_row = 0usize;
         for run in &self.batch.runs {

@@ -375,3 +375,24 @@ fn tiny_a_wgpu_backend_through_the_engine() {
     e.run_until_idle().unwrap();
     assert_eq!(argmax(e.logits(s).unwrap()), g.greedy[1]);
 }
+
+#[test]
+fn failed_tick_leaves_sessions_consistent() {
+    let Some(sh) = shared() else { return };
+    let Some(g) = tiny_a() else { return };
+    // q8_0 weights quantize their activations; a NaN norm weight makes that fail inside the first attention op.
+    let path = golden_gguf(&sh, "tiny-a", "q8_0");
+    let nan_norm = |n: &str, b: &mut Vec<u8>| {
+        if n == "blk.0.attn_norm.weight" {
+            b[..4].copy_from_slice(&f32::NAN.to_le_bytes());
+        }
+    };
+    let mut e = load_modified(&path, |_| {}, |n| Some(n.to_string()), nan_norm).unwrap();
+    let s = e.create_session();
+    e.feed(s, &g.prompt[..5]).unwrap();
+    let err = e.step().unwrap_err().to_string();
+    assert!(err.contains("not finite"), "{err}");
+    assert_eq!(e.position(s).unwrap(), 0);
+    assert!(e.logits(s).is_err());
+    assert!(e.has_pending(), "the tokens are queued again");
+}
