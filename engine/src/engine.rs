@@ -173,7 +173,13 @@ impl Engine {
     /// Creates an empty session.
     pub fn create_session(&mut self) -> SessionId {
         let (cfg, ctx) = (&self.model.config, self.ctx);
-        self.sessions.create(|| SessionKv::new(cfg, ctx))
+        let id = self.sessions.create(|| SessionKv::new(cfg, ctx));
+        let s = id.slot as usize;
+        let want = ctx.min(SessionKv::RESERVE_TOKENS_MAX);
+        let h = &mut self.sessions.history[s];
+        h.reserve(want.saturating_sub(h.len()));
+        self.sessions.logits[s].reserve(cfg.vocab);
+        id
     }
 
     fn slot(&self, id: SessionId) -> Result<usize> {
