@@ -171,6 +171,8 @@ mod tests {
         assert_eq!(f.tensor_info("blk.1.exp_probs_b.bias").unwrap().ty, GgmlType::F32);
         let norm = f.tensor("output_norm.weight").unwrap();
         assert!(norm.data.chunks_exact(4).all(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) == 1.0));
+        // the engine's model loader accepts it
+        crate::model::Model::load(GgufFile::from_bytes(bytes.clone()).unwrap()).unwrap();
         // deterministic per seed, different across seeds
         assert!(demo_model_gguf(1).unwrap() == bytes);
         assert!(demo_model_gguf(2).unwrap() != bytes);
