@@ -26,6 +26,13 @@ thread_local! {
     static SCORES: RefCell<(Vec<f32>, Vec<u32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
+/// Grows `v`'s capacity to at least `n` (no-op when already there).
+fn reserve_to<T>(v: &mut Vec<T>, n: usize) {
+    if v.capacity() < n {
+        v.reserve(n - v.len());
+    }
+}
+
 /// Runs [`crate::graph::Op::Attention`] for `layer`.
 pub fn attention(be: &CpuBackend, sc: &mut Scratch, cx: &mut StepCtx<'_>, layer: usize) -> Result<()> {
     let pool = &be.pool;
@@ -140,6 +147,9 @@ pub fn attention(be: &CpuBackend, sc: &mut Scratch, cx: &mut StepCtx<'_>, layer:
             let n_vis = (row.pos + 1) / ratio;
             SCORES.with(|s| {
                 let (scores, order) = &mut *s.borrow_mut();
+                // Size the scratch for every row this session can hold, once (no growth while decoding).
+                reserve_to(scores, lk.idx_rows.capacity() / ihd.max(1));
+                reserve_to(order, lk.idx_rows.capacity() / ihd.max(1));
                 let cnt = indexer::select(
                     &iq[r * ih * ihd..(r + 1) * ih * ihd],
                     &iwb[r * ih..(r + 1) * ih],
@@ -190,6 +200,7 @@ pub fn attention(be: &CpuBackend, sc: &mut Scratch, cx: &mut StepCtx<'_>, layer:
                 if kind == LayerKind::Csa { sel_r.iter().position(|&x| x == u32::MAX).unwrap_or(topk) } else { 0 };
             SCORES.with(|s| {
                 let (scores, _) = &mut *s.borrow_mut();
+                reserve_to(scores, window + lk.comp_rows.capacity() / hd);
                 scores.clear();
                 for p in first..=t {
                     scores.push(dot_f32(qh, key(p)) * scale);
