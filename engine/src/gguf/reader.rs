@@ -257,7 +257,7 @@ impl GgufFile {
             let ty_id = c.u32(&format!("{name}: type")).map_err(err)?;
             let ty = GgmlType::from_id(ty_id).ok_or_else(|| err(format!("{name}: unknown tensor type {ty_id}")))?;
             let offset = c.u64(&format!("{name}: offset")).map_err(err)?;
-            if dims.iter().any(|&d| d == 0) {
+            if dims.contains(&0) {
                 return Err(err(format!("{name}: zero-sized dim in {dims:?}")));
             }
             let n_rows = dims[1..]
