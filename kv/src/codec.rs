@@ -187,20 +187,24 @@ pub fn encode(values: &[f32]) -> (Encoding, Vec<u8>) {
             blocked.extend_from_slice(&chunk_buf);
             continue;
         }
-        let halves: Option<Vec<f16>> = chunk.iter().map(|&v| f16_exact(v)).collect();
-        match halves {
-            Some(h) => {
-                blocked.push(TAG_F16);
-                for x in h {
-                    blocked.extend_from_slice(&x.to_le_bytes());
+        blocked.push(TAG_F16);
+        let at = blocked.len();
+        let mut ok = true;
+        for &v in chunk {
+            match f16_exact(v) {
+                Some(h) => blocked.extend_from_slice(&h.to_le_bytes()),
+                None => {
+                    ok = false;
+                    break;
                 }
             }
-            None => {
-                all_f16 = false;
-                blocked.push(TAG_F32);
-                for v in chunk {
-                    blocked.extend_from_slice(&v.to_le_bytes());
-                }
+        }
+        if !ok {
+            all_f16 = false;
+            blocked.truncate(at);
+            *blocked.last_mut().expect("tag pushed above") = TAG_F32;
+            for v in chunk {
+                blocked.extend_from_slice(&v.to_le_bytes());
             }
         }
     }
@@ -215,7 +219,10 @@ pub fn encode(values: &[f32]) -> (Encoding, Vec<u8>) {
         }
         return (Encoding::F16, out);
     }
-    (Encoding::F32, bytemuck::cast_slice::<f32, u8>(values).to_vec())
+    if cfg!(target_endian = "little") {
+        return (Encoding::F32, bytemuck::cast_slice::<f32, u8>(values).to_vec());
+    }
+    (Encoding::F32, values.iter().flat_map(|v| v.to_le_bytes()).collect())
 }
 
 /// Decodes `bytes` (encoded as `enc`) into exactly `out.len()` values.
