@@ -478,7 +478,7 @@ impl Worker {
             }
         }
         // Retire from the highest index down so swap_remove keeps the lower indices valid.
-        finished.sort_by(|a, b| b.0.cmp(&a.0));
+        finished.sort_by_key(|f| std::cmp::Reverse(f.0));
         for (i, ev) in finished {
             self.retire(i, Some(ev));
         }
