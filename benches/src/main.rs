@@ -7,12 +7,15 @@
 //! Subcommands (each report starts with a `#`-prefixed machine summary, then CSV on stdout; progress on stderr):
 //! - `kernels`: quant matvec/matmul GB/s on the real Flash shapes vs measured memory bandwidth ([`kernels`]).
 //! - `membw`: the bandwidth roofline alone, per buffer size and thread count ([`membw`]).
+//! - `kv`: restore-from-disk vs recompute per prefix length, cache write vs raw write ([`kvbench`], [`kvbridge`]).
 //!
 //! Every run is short by default (seconds); flags make it longer. `--quick` shrinks everything for smoke tests.
 
 mod blocks;
 mod engine_api;
 mod kernels;
+mod kvbench;
+mod kvbridge;
 mod machine;
 mod membw;
 mod par;
@@ -84,6 +87,32 @@ enum Cmd {
     Kernels(KernelsArgs),
     /// Memory read bandwidth for buffer sizes (MiB) and 1..=threads threads: the roofline every figure divides by.
     Membw(MembwArgs),
+    /// KV cache: restore-from-disk vs recompute time per prefix length, cache write vs raw sequential write.
+    Kv(KvArgs),
+}
+
+#[derive(Args, Debug)]
+struct KvArgs {
+    #[command(flatten)]
+    common: Common,
+    /// A DS4 GGUF model file.
+    #[arg(short = 'm', long = "model", conflicts_with = "synthetic")]
+    model: Option<std::path::PathBuf>,
+    /// A random-weight model built in memory (see the main --help).
+    #[arg(long, default_value = "flash:layers=2:from=2")]
+    synthetic: String,
+    /// Prefix lengths in tokens, ascending.
+    #[arg(long, value_delimiter = ',', default_values_t = [256usize, 512, 1024])]
+    lengths: Vec<usize>,
+    /// Tokens per KV page (rounded up to a multiple of the model's largest compress ratio).
+    #[arg(long, default_value_t = 256)]
+    span: u32,
+    /// Directory for the stores (default: a temporary directory under the system temp dir).
+    #[arg(long)]
+    dir: Option<std::path::PathBuf>,
+    /// Rows per engine tick (prefill chunk size).
+    #[arg(long, default_value_t = 256)]
+    batch_tokens: usize,
 }
 
 #[derive(Args, Debug)]
@@ -217,37 +246,8 @@ fn run_throughput(a: &RunArgs) -> Result<()> {
     )?;
 
     let pb = progress::bar(0, a.common.quiet);
-    let file = match (&a.model, &a.synthetic) {
-        (Some(path), _) => ds4_engine::gguf::GgufFile::open(path)?,
-        (None, Some(spec)) => {
-            let spec = synth::Spec::parse(spec)?;
-            let (_, need) = synth::footprint(&spec)?;
-            if let Some(avail) = m.mem_available {
-                if need > avail {
-                    anyhow::bail!(
-                        "synthetic {} needs {:.1} GiB of weights, only {:.1} GiB of memory is available (use fewer layers)",
-                        synth::spec_name(&spec),
-                        need as f64 / (1u64 << 30) as f64,
-                        avail as f64 / (1u64 << 30) as f64
-                    );
-                }
-            }
-            let s = synth::build(&spec, threads, &pb)?;
-            tracing::debug!(bytes_per_token = s.bytes_per_token, "synthetic model built");
-            writeln!(
-                out,
-                "# model: synthetic {} ({:.2} GiB of weights, built in {:.1} s)",
-                synth::spec_name(&spec),
-                s.tensor_bytes as f64 / (1u64 << 30) as f64,
-                s.build_secs
-            )?;
-            s.file
-        }
-        (None, None) => anyhow::bail!("give a model: -m FILE or --synthetic flash[:layers=N] (see --help)"),
-    };
-    if let Some(p) = &a.model {
-        writeln!(out, "# model: {} ({:.2} GiB)", p.display(), file.file_size() as f64 / (1u64 << 30) as f64)?;
-    }
+    let (file, line) = open_model(&m, a.model.as_deref(), a.synthetic.as_deref(), threads, &pb)?;
+    writeln!(out, "{line}")?;
     pb.set_position(0);
     let cfg = engine_api::EngineConfig {
         threads,
@@ -286,6 +286,78 @@ fn run_throughput(a: &RunArgs) -> Result<()> {
     Ok(())
 }
 
+/// Opens `-m FILE` or builds the synthetic spec (refusing one that does not fit in memory); returns the file and a
+/// `# model:` line.
+fn open_model(
+    m: &machine::Machine,
+    path: Option<&std::path::Path>,
+    spec: Option<&str>,
+    threads: usize,
+    pb: &indicatif::ProgressBar,
+) -> Result<(ds4_engine::gguf::GgufFile, String)> {
+    if let Some(p) = path {
+        let f = ds4_engine::gguf::GgufFile::open(p)?;
+        let line = format!("# model: {} ({:.2} GiB)", p.display(), f.file_size() as f64 / (1u64 << 30) as f64);
+        return Ok((f, line));
+    }
+    let Some(spec) = spec else {
+        anyhow::bail!("give a model: -m FILE or --synthetic flash[:layers=N] (see --help)");
+    };
+    let spec = synth::Spec::parse(spec)?;
+    let (_, need) = synth::footprint(&spec)?;
+    if let Some(avail) = m.mem_available {
+        if need > avail {
+            anyhow::bail!(
+                "synthetic {} needs {:.1} GiB of weights, only {:.1} GiB of memory is available (use fewer layers)",
+                synth::spec_name(&spec),
+                need as f64 / (1u64 << 30) as f64,
+                avail as f64 / (1u64 << 30) as f64
+            );
+        }
+    }
+    let s = synth::build(&spec, threads, pb)?;
+    tracing::debug!(bytes_per_token = s.bytes_per_token, "synthetic model built");
+    let line = format!(
+        "# model: synthetic {} ({:.2} GiB of weights, built in {:.1} s)",
+        synth::spec_name(&spec),
+        s.tensor_bytes as f64 / (1u64 << 30) as f64,
+        s.build_secs
+    );
+    Ok((s.file, line))
+}
+
+fn run_kv(a: &KvArgs) -> Result<()> {
+    let m = machine::Machine::detect();
+    let threads = a.common.threads();
+    let quick = a.common.quick;
+    let mut out = std::io::stdout().lock();
+    write!(out, "{}", m.summary("cpu (ds4_engine::engine::Engine) + ds4_kv::KvStore", threads))?;
+    let pb = progress::bar(0, a.common.quiet);
+    let spec = if quick { "tiny:layers=3:recipe=f16" } else { a.synthetic.as_str() };
+    let (file, line) = open_model(&m, a.model.as_deref(), Some(spec), threads, &pb)?;
+    writeln!(out, "{line}")?;
+    let lengths = if quick { vec![5, 16, 27] } else { a.lengths.clone() };
+    let max = lengths.iter().copied().max().unwrap_or(0);
+    let cfg = engine_api::EngineConfig { threads, ctx: max + 1, batch_tokens: a.batch_tokens, backend: "cpu".into() };
+    let mut engine = engine_api::engine_for(file, &cfg)?;
+    let max_ratio = engine.config().compress_ratios.iter().copied().max().unwrap_or(0);
+    let span = kvbench::span_for(max_ratio, if quick { 8 } else { a.span });
+    let tmp;
+    let dir = match &a.dir {
+        Some(d) => d.clone(),
+        None => {
+            tmp = tempfile::Builder::new().prefix("ds4-bench-kv").tempdir()?;
+            tmp.path().to_path_buf()
+        }
+    };
+    writeln!(out, "# store: {} (span {span} tokens)", dir.display())?;
+    pb.set_position(0);
+    let opts = kvbench::Options { lengths, span, dir };
+    kvbench::run(&mut engine, &opts, &mut out, &pb)?;
+    pb.finish_and_clear();
+    Ok(())
+}
+
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
@@ -296,6 +368,7 @@ fn main() -> ExitCode {
         None => run_throughput(&cli.run),
         Some(Cmd::Kernels(a)) => run_kernels(a),
         Some(Cmd::Membw(a)) => run_membw(a),
+        Some(Cmd::Kv(a)) => run_kv(a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

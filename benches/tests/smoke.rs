@@ -132,3 +132,23 @@ fn throughput_needs_a_model_and_valid_specs() {
         assert!(err.starts_with("ds4-bench: "), "{args:?}: {err}");
     }
 }
+
+#[test]
+fn kv_quick() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().to_str().unwrap();
+    let report = run(&["kv", "--quick", "--quiet", "--dir", dir]);
+    let (comments, csv) = split(&report);
+    assert!(comments.iter().any(|l| l.starts_with("# store: ")), "{report}");
+    let header =
+        "prefix_tokens,kv_file_bytes,recompute_s,restore_s,speedup,cache_write_gbs,raw_write_gbs,write_fraction,exact";
+    let rows = rows(&csv, header);
+    assert_eq!(rows.iter().map(|r| r[0]).collect::<Vec<_>>(), vec!["5", "16", "27"]);
+    for r in &rows {
+        assert!(r[1].parse::<u64>().unwrap() > 0);
+        for i in 2..8 {
+            assert!(num(r[i]) >= 0.0, "{r:?}");
+        }
+        assert_eq!(r[8], "true", "restore must be exact: {r:?}");
+    }
+}

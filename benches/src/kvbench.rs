@@ -1,0 +1,242 @@
+//! `ds4-bench kv`: for cached prefixes of growing length, the time to restore a session from the `ds4-kv` disk
+//! store versus recomputing it (prefill), and the store's write throughput versus a raw sequential write of the
+//! same bytes to the same disk.
+//!
+//! Per prefix length `L` (prompt: the same deterministic pseudo-random ids as the throughput sweep):
+//! 1. recompute: a fresh session prefills `L` tokens (timed), its snapshot is the reference;
+//! 2. write: the snapshot is saved into an empty store directory (pages + checkpoint, see [`crate::kvbridge`];
+//!    timed; `kv_file_bytes` = bytes of the files written, including the store's fsyncs);
+//! 3. restore: `longest_prefix` + streamed, checksummed loads + `Engine::restore` (timed); `exact` says whether
+//!    the restored snapshot equals the reference bit for bit;
+//! 4. raw: the same byte count written to one file in the same directory and fsynced (timed).
+//!
+//! CSV header [`CSV_HEADER`]; `speedup` = recompute / restore, `write_fraction` = cache write GB/s / raw GB/s.
+
+use std::io::Write;
+use std::path::Path;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use ds4_engine::engine::Engine;
+use ds4_kv::{KvOptions, KvStore, ModelIdentity};
+use indicatif::ProgressBar;
+
+use crate::{kvbridge, throughput};
+
+/// The CSV header of the kv report.
+pub const CSV_HEADER: &str =
+    "prefix_tokens,kv_file_bytes,recompute_s,restore_s,speedup,cache_write_gbs,raw_write_gbs,write_fraction,exact";
+
+/// One row.
+#[derive(Clone, Copy, Debug)]
+pub struct Row {
+    pub prefix_tokens: usize,
+    pub kv_file_bytes: u64,
+    pub recompute_s: f64,
+    pub restore_s: f64,
+    pub write_s: f64,
+    pub raw_write_s: f64,
+    pub exact: bool,
+}
+
+impl Row {
+    /// The CSV line matching [`CSV_HEADER`].
+    pub fn csv(&self) -> String {
+        let gbs = |s: f64| self.kv_file_bytes as f64 / s.max(1e-9) / 1e9;
+        format!(
+            "{},{},{:.4},{:.4},{:.2},{:.3},{:.3},{:.3},{}",
+            self.prefix_tokens,
+            self.kv_file_bytes,
+            self.recompute_s,
+            self.restore_s,
+            self.recompute_s / self.restore_s.max(1e-9),
+            gbs(self.write_s),
+            gbs(self.raw_write_s),
+            self.raw_write_s / self.write_s.max(1e-9),
+            self.exact
+        )
+    }
+}
+
+/// Options of a kv run.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// Prefix lengths, ascending.
+    pub lengths: Vec<usize>,
+    /// Tokens per page (a multiple of the model's largest compress ratio).
+    pub span: u32,
+    /// Directory the stores and raw files go in (one fresh subdirectory per length, removed afterwards).
+    pub dir: std::path::PathBuf,
+}
+
+/// Bytes of the regular files under `dir` (one level).
+fn dir_bytes(dir: &Path) -> Result<u64> {
+    let mut n = 0;
+    for e in std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
+        let m = e?.metadata()?;
+        if m.is_file() {
+            n += m.len();
+        }
+    }
+    Ok(n)
+}
+
+/// Writes `bytes` bytes to `path` in 8 MiB chunks and fsyncs; returns seconds.
+fn raw_write(path: &Path, bytes: u64) -> Result<f64> {
+    let chunk = vec![0x5au8; 8 << 20];
+    let t0 = Instant::now();
+    let mut f = std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
+    let mut left = bytes;
+    while left > 0 {
+        let n = left.min(chunk.len() as u64) as usize;
+        f.write_all(&chunk[..n])?;
+        left -= n as u64;
+    }
+    f.sync_all()?;
+    Ok(t0.elapsed().as_secs_f64())
+}
+
+/// The span to use for a model: `want` rounded up to a multiple of the largest compress ratio.
+pub fn span_for(max_ratio: usize, want: u32) -> u32 {
+    let m = max_ratio.max(1) as u32;
+    want.div_ceil(m).max(1) * m
+}
+
+/// Runs the kv benchmark on `engine`.
+pub fn run(engine: &mut Engine, opts: &Options, out: &mut dyn Write, pb: &ProgressBar) -> Result<Vec<Row>> {
+    if opts.lengths.is_empty() || opts.lengths.windows(2).any(|w| w[0] >= w[1]) || opts.lengths[0] == 0 {
+        bail!("--lengths must be ascending and positive");
+    }
+    let max = *opts.lengths.last().unwrap_or(&0);
+    if max + 1 > engine.ctx() {
+        bail!("prefix {max} does not fit the engine context {}", engine.ctx());
+    }
+    let cfg = engine.config().clone();
+    let max_ratio = cfg.compress_ratios.iter().copied().max().unwrap_or(0);
+    if !(opts.span as usize).is_multiple_of(max_ratio.max(1)) {
+        bail!("span {} is not a multiple of the largest compress ratio {max_ratio}", opts.span);
+    }
+    let tokens = throughput::prompt(max, cfg.vocab);
+    pb.set_length(opts.lengths.iter().map(|&l| l as u64).sum());
+    writeln!(out, "{CSV_HEADER}")?;
+    out.flush()?;
+    let kv_opts =
+        KvOptions { span_tokens: opts.span, span_multiple_of: max_ratio.max(1) as u32, ..KvOptions::default() };
+    let identity = ModelIdentity::new(format!("ds4-bench {} layers vocab {}", cfg.n_layers, cfg.vocab));
+    let mut rows = Vec::new();
+    for (i, &len) in opts.lengths.iter().enumerate() {
+        pb.set_message(format!("recompute {len}"));
+        let s = engine.create_session();
+        engine.feed(s, &tokens[..len])?;
+        let t0 = Instant::now();
+        engine.run_until_idle()?;
+        let recompute_s = t0.elapsed().as_secs_f64();
+        let reference = engine.snapshot(s)?;
+        engine.free_session(s)?;
+
+        pb.set_message(format!("write {len}"));
+        let dir = opts.dir.join(format!("kv-{i}-{len}"));
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        let kv_opts = KvOptions { disk_budget_bytes: u64::MAX / 4, ..kv_opts.clone() };
+        let store = KvStore::open(&dir, identity.clone(), kv_opts)?;
+        let t0 = Instant::now();
+        kvbridge::save(&store, &cfg, &reference)?;
+        let write_s = t0.elapsed().as_secs_f64();
+        let kv_file_bytes = dir_bytes(&dir)?;
+
+        pb.set_message(format!("restore {len}"));
+        let t0 = Instant::now();
+        let snap = kvbridge::restore(&store, &cfg, &tokens[..len])?.context("the store returned no checkpoint")?;
+        let exact = snap == reference;
+        let id = engine.restore(snap)?;
+        let restore_s = t0.elapsed().as_secs_f64();
+        engine.free_session(id)?;
+        drop(store);
+
+        let raw = dir.join("raw-sequential.bin");
+        let raw_write_s = raw_write(&raw, kv_file_bytes)?;
+        std::fs::remove_dir_all(&dir).with_context(|| format!("removing {}", dir.display()))?;
+
+        let row = Row { prefix_tokens: len, kv_file_bytes, recompute_s, restore_s, write_s, raw_write_s, exact };
+        writeln!(out, "{}", row.csv())?;
+        out.flush()?;
+        rows.push(row);
+        pb.inc(len as u64);
+    }
+    Ok(rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spans_round_up_to_the_largest_ratio() {
+        assert_eq!(span_for(128, 256), 256);
+        assert_eq!(span_for(128, 200), 256);
+        assert_eq!(span_for(8, 8), 8);
+        assert_eq!(span_for(0, 5), 5);
+    }
+
+    #[test]
+    fn save_and_restore_round_trip_on_a_tiny_model() {
+        let spec = crate::synth::Spec::parse("tiny:layers=3:recipe=f16").unwrap();
+        let file = crate::synth::build(&spec, 2, &ProgressBar::hidden()).unwrap().file;
+        let cfg = crate::engine_api::EngineConfig { threads: 2, ctx: 64, batch_tokens: 16, backend: "cpu".into() };
+        let mut engine = crate::engine_api::engine_for(file, &cfg).unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        // Lengths inside one span, on a span boundary and across spans with a tail (ratios 4 and 8, span 8).
+        let opts = Options { lengths: vec![5, 16, 27], span: 8, dir: tmp.path().to_path_buf() };
+        let mut out = Vec::new();
+        let rows = run(&mut engine, &opts, &mut out, &ProgressBar::hidden()).unwrap();
+        assert_eq!(rows.len(), 3);
+        for r in &rows {
+            assert!(r.exact, "restored state differs at {}", r.prefix_tokens);
+            assert!(r.kv_file_bytes > 0);
+        }
+        assert!(rows[2].kv_file_bytes > rows[0].kv_file_bytes);
+        let text = String::from_utf8(out).unwrap();
+        assert_eq!(text.lines().next(), Some(CSV_HEADER));
+        for l in text.lines().skip(1) {
+            assert_eq!(l.split(',').count(), CSV_HEADER.split(',').count());
+        }
+        // The work directories are cleaned up.
+        assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0);
+        // Bad options are errors.
+        let bad = Options { lengths: vec![8, 4], ..opts.clone() };
+        assert!(run(&mut engine, &bad, &mut Vec::new(), &ProgressBar::hidden()).is_err());
+        let bad = Options { span: 6, ..opts };
+        assert!(run(&mut engine, &bad, &mut Vec::new(), &ProgressBar::hidden()).is_err());
+    }
+
+    #[test]
+    fn restored_session_decodes_like_the_original() {
+        let spec = crate::synth::Spec::parse("tiny:layers=3:recipe=f16").unwrap();
+        let file = crate::synth::build(&spec, 2, &ProgressBar::hidden()).unwrap().file;
+        let cfg = crate::engine_api::EngineConfig { threads: 2, ctx: 64, batch_tokens: 16, backend: "cpu".into() };
+        let mut engine = crate::engine_api::engine_for(file, &cfg).unwrap();
+        let mcfg = engine.config().clone();
+        let tokens = throughput::prompt(21, mcfg.vocab);
+        let s = engine.create_session();
+        engine.feed(s, &tokens).unwrap();
+        engine.run_until_idle().unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let store = KvStore::open(
+            tmp.path(),
+            ModelIdentity::new("t"),
+            KvOptions { span_tokens: 8, span_multiple_of: 8, ..KvOptions::default() },
+        )
+        .unwrap();
+        let saved = kvbridge::save(&store, &mcfg, &engine.snapshot(s).unwrap()).unwrap();
+        assert_eq!(saved, kvbridge::Saved { pages: 2, tail: 5 });
+        let r = engine.restore(kvbridge::restore(&store, &mcfg, &tokens).unwrap().unwrap()).unwrap();
+        let a = engine.generate_greedy(s, &[], 3).unwrap();
+        let b = engine.generate_greedy(r, &[], 3).unwrap();
+        assert_eq!(a, b);
+        assert_eq!(engine.logits(s).unwrap(), engine.logits(r).unwrap());
+        // A prompt that diverges in its first token restores nothing.
+        let mut other = tokens.clone();
+        other[0] = (other[0] + 1) % mcfg.vocab as u32;
+        assert!(kvbridge::restore(&store, &mcfg, &other).unwrap().is_none());
+    }
+}
