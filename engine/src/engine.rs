@@ -63,11 +63,21 @@ pub struct EngineOptions {
     pub ctx: usize,
     /// Rows per tick (prefill chunk size).
     pub max_batch_tokens: usize,
+    /// New sessions keep every processed position's logits (see [`Engine::take_all_logits`]); per session with
+    /// [`Engine::set_prefill_logits`].
+    pub prefill_logits: bool,
 }
 
 impl Default for EngineOptions {
     fn default() -> Self {
-        EngineOptions { backend: BackendKind::Cpu, exact: false, threads: 0, ctx: 0, max_batch_tokens: 256 }
+        EngineOptions {
+            backend: BackendKind::Cpu,
+            exact: false,
+            threads: 0,
+            ctx: 0,
+            max_batch_tokens: 256,
+            prefill_logits: false,
+        }
     }
 }
 
@@ -179,6 +189,7 @@ impl Engine {
         let h = &mut self.sessions.history[s];
         h.reserve(want.saturating_sub(h.len()));
         self.sessions.logits[s].reserve(cfg.vocab);
+        self.sessions.want_all_logits[s] = self.opts.prefill_logits;
         id
     }
 

@@ -53,7 +53,14 @@ pub fn engine_options(
     if chunk == 0 {
         anyhow::bail!("--chunk must be > 0");
     }
-    Ok(EngineOptions { backend: backend.parse::<BackendKind>()?, exact, threads, ctx, max_batch_tokens: chunk })
+    Ok(EngineOptions {
+        backend: backend.parse::<BackendKind>()?,
+        exact,
+        threads,
+        ctx,
+        max_batch_tokens: chunk,
+        ..EngineOptions::default()
+    })
 }
 
 /// Runs `ds4 logits`.
@@ -62,10 +69,9 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
     if tokens.is_empty() {
         anyhow::bail!("--tokens is empty");
     }
-    let opts = engine_options(&a.backend, a.exact, a.threads, a.chunk, 0)?;
+    let opts = EngineOptions { prefill_logits: true, ..engine_options(&a.backend, a.exact, a.threads, a.chunk, 0)? };
     let mut engine = Engine::open(&a.model, opts)?;
     let s = engine.create_session();
-    engine.set_prefill_logits(s, true)?;
     engine.feed(s, &tokens)?;
     engine.run_until_idle()?;
     let logits = engine.take_all_logits(s)?;
