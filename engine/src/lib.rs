@@ -29,6 +29,7 @@ pub mod exec;
 pub mod gguf;
 pub mod graph;
 pub mod model;
+pub mod persist;
 pub mod quant;
 pub mod sampler;
 pub mod tables;

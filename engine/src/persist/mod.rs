@@ -1,0 +1,137 @@
+//! Sessions ↔ the `ds4-kv` disk tier: save a session as shared pages + one checkpoint, restore the longest cached
+//! prefix of a prompt as a new session.
+//!
+//! How it works (the guide):
+//! * A session at position `n` is stored as `⌊n/S⌋` pages (`S = store.span_tokens()`, a multiple of every compress
+//!   ratio) holding the compressed KV rows and indexer rows each span appended, plus one checkpoint holding what is
+//!   not shareable: the raw sliding windows, the compressor/indexer frontiers, the rows of the partial last span and
+//!   the next-token logits. The mapping is in [`rows`].
+//! * Pages are keyed by a chained hash of the token prefix (and the model identity, [`identity`]), so two sessions
+//!   with a common prefix produce the same page keys: [`save`] asks the store which pages exist and writes only the
+//!   missing ones. Each save writes one new checkpoint (unless the same position was saved before).
+//! * [`restore_longest`] asks the store for the longest token-exact prefix that ends at a checkpoint, streams its
+//!   pages and checkpoint into a [`crate::tables::SessionSnapshot`] and hands it to [`Engine::restore`]. The caller
+//!   then feeds only the suffix. Rows round-trip losslessly, so the restored session's logits are bit-identical to
+//!   those of a session that prefilled everything (tested in `tests/tests/kv_restore.rs`).
+//! * "Cached tokens" = the `matched_tokens` returned: tokens whose state came from the store and were not
+//!   recomputed.
+//!
+//! Errors: store errors become [`Error::Session`] with the store's message. A corrupt entry found while restoring is
+//! removed by the store; `restore_longest` then looks up again (at most a few times) and never returns a session
+//! built from a partial load. Nothing here panics on bad stored data.
+
+pub mod identity;
+pub mod rows;
+
+use ds4_kv::{EntryRef, KvError, KvOptions, KvStore, SaveReason};
+
+use crate::engine::Engine;
+use crate::tables::SessionId;
+use crate::{Error, Result};
+
+pub use identity::{identity_text, model_identity};
+
+/// What [`save`] stored.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SavedInfo {
+    /// The session position saved (tokens).
+    pub position: usize,
+    /// Full pages of the saved prefix.
+    pub pages: usize,
+    /// Pages that were not in the store before this save (and were written now).
+    pub pages_written: usize,
+    /// The checkpoint.
+    pub checkpoint: EntryRef,
+}
+
+fn kv_err(e: KvError) -> Error {
+    Error::Session(format!("kv store: {e}"))
+}
+
+/// Store options fitting `engine`'s model: `span_multiple_of` = the largest compress ratio, `span_tokens` rounded
+/// up to a multiple of it.
+pub fn kv_options(engine: &Engine, span_tokens: u32, disk_budget_bytes: u64) -> KvOptions {
+    let m = engine.config().compress_ratios.iter().copied().max().unwrap_or(1).max(1) as u32;
+    let span = span_tokens.max(1).div_ceil(m) * m;
+    KvOptions { span_tokens: span, span_multiple_of: m, disk_budget_bytes, ..KvOptions::default() }
+}
+
+/// Opens `dir` as the store for `engine`'s model (identity from [`model_identity`]).
+pub fn open_store(engine: &Engine, dir: impl Into<std::path::PathBuf>, opts: KvOptions) -> Result<KvStore> {
+    KvStore::open(dir, model_identity(engine), opts).map_err(kv_err)
+}
+
+fn check_span(engine: &Engine, store: &KvStore) -> Result<usize> {
+    let span = store.span_tokens() as usize;
+    if let Some(r) = engine.config().compress_ratios.iter().find(|&&r| r > 0 && span % r != 0) {
+        return Err(Error::InvalidArgument(format!("kv span {span} is not a multiple of compress ratio {r}")));
+    }
+    Ok(span)
+}
+
+/// Saves session `id` (at its current position; queued tokens are not part of it) to `store`.
+pub fn save(store: &KvStore, engine: &Engine, id: SessionId, reason: SaveReason) -> Result<SavedInfo> {
+    let span = check_span(engine, store)?;
+    let snap = engine.snapshot(id)?;
+    if snap.pos == 0 {
+        return Err(Error::Session("nothing to save: the session has processed no tokens".into()));
+    }
+    let cfg = engine.config();
+    let full = snap.pos / span;
+    let chain = store.page_chain(&snap.history[..full * span]);
+    let mut parent = chain.last().map_or(store.root(), |r| r.key);
+    for p in chain.len()..full {
+        let groups = rows::page_groups(cfg, &snap, p, span);
+        parent = store.put_page(&parent, &snap.history[p * span..(p + 1) * span], &groups, reason).map_err(kv_err)?.key;
+    }
+    let meta = rows::frontier_meta(&snap);
+    let groups = rows::checkpoint_groups(cfg, &snap, full, span, &meta);
+    let checkpoint = store.put_checkpoint(&parent, &snap.history[full * span..], &groups, reason).map_err(kv_err)?;
+    let info = SavedInfo { position: snap.pos, pages: full, pages_written: full - chain.len(), checkpoint };
+    tracing::debug!(pos = info.position, pages = info.pages, written = info.pages_written, ?reason, "kv session saved");
+    Ok(info)
+}
+
+/// Restores the longest cached prefix of `tokens` as a new session. Returns the session and the tokens it covers
+/// (`≤ tokens.len()`; feed `tokens[matched..]` next), or `None` when no checkpointed prefix is stored.
+pub fn restore_longest(store: &KvStore, engine: &mut Engine, tokens: &[u32]) -> Result<Option<(SessionId, usize)>> {
+    check_span(engine, store)?;
+    for _attempt in 0..4 {
+        let m = store.longest_prefix(tokens);
+        let Some(ck) = m.checkpoint else { return Ok(None) };
+        if m.matched_tokens == 0 || m.matched_tokens > engine.ctx() {
+            return Ok(None);
+        }
+        let mut b = rows::SnapshotBuilder::new(engine.config());
+        let mut build_err = None;
+        let mut load_one = |key| {
+            store.load(key, |v| {
+                b.push(v).map_err(|e| {
+                    let msg = e.to_string();
+                    build_err = Some(e);
+                    KvError::Aborted(msg)
+                })
+            })
+        };
+        let mut failed = None;
+        for r in m.pages.iter().chain(std::iter::once(&ck)) {
+            if let Err(e) = load_one(&r.key) {
+                failed = Some(e);
+                break;
+            }
+        }
+        match failed {
+            None => {}
+            Some(KvError::Corrupt(_)) | Some(KvError::Missing(_)) => {
+                tracing::warn!("kv entry vanished or was corrupt while restoring; looking up again");
+                continue;
+            }
+            Some(e) => return Err(build_err.unwrap_or_else(|| kv_err(e))),
+        }
+        let snap = b.finish(tokens[..m.matched_tokens].to_vec());
+        let id = engine.restore(snap)?;
+        tracing::debug!(matched = m.matched_tokens, pages = m.pages.len(), "kv session restored");
+        return Ok(Some((id, m.matched_tokens)));
+    }
+    Ok(None)
+}
