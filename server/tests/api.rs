@@ -397,3 +397,35 @@ fn concurrent_streams_equal_solo_runs() {
         }
     }
 }
+
+#[test]
+fn a_disconnected_non_streaming_client_cancels_too() {
+    let server = TestServer::with(Options {
+        delay: Duration::from_millis(5),
+        config: SchedulerConfig { max_active: 1, ..SchedulerConfig::default() },
+        ..Options::default()
+    });
+    let body = json!({"messages": [{"role": "user", "content": "a long answer"}]}).to_string();
+    let mut s = std::net::TcpStream::connect(server.addr).unwrap();
+    write!(
+        s,
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    // Bounded wait until the request is generating, then hang up.
+    let mut generating = false;
+    for _ in 0..2000 {
+        if server.metric("ds4_completion_tokens_total") >= 1.0 {
+            generating = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(generating);
+    drop(s);
+    let r = server.post("/v1/chat/completions", &json!({"messages": [{"role": "user", "content": "next"}]}));
+    assert_eq!(r.json()["choices"][0]["message"]["content"], "Hello! You said: next.");
+    let generated = server.metric("ds4_completion_tokens_total");
+    assert!(generated < 300.0, "the abandoned request kept generating: {generated} tokens");
+}
