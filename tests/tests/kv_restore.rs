@@ -1,0 +1,183 @@
+//! The KV disk tier end to end at the engine level: a session saved with `ds4_engine::persist::save` and restored
+//! with `restore_longest` (in a fresh engine, as after a restart) continues with bit-identical logits to a session
+//! that prefilled everything; a common prefix of two sessions is stored once; a store written by another model or
+//! mode is never reused. Models: tiny-a converted with the f32 recipe (needs `../shared`) and the built-in demo
+//! model, each in exact and simulation mode.
+
+use std::path::Path;
+
+use ds4_engine::engine::{argmax, Engine, EngineOptions};
+use ds4_engine::gguf::GgufFile;
+use ds4_engine::persist;
+use ds4_kv::SaveReason;
+use ds4_tests::{golden_gguf, shared};
+
+#[derive(Clone, Copy)]
+enum Model<'a> {
+    File(&'a Path),
+    Demo,
+}
+
+fn open(m: Model<'_>, exact: bool) -> Engine {
+    let opts = EngineOptions { exact, threads: 2, max_batch_tokens: 48, ctx: 1024, ..EngineOptions::default() };
+    match m {
+        Model::File(p) => Engine::open(p, opts).expect("open engine"),
+        Model::Demo => {
+            let bytes = ds4_engine::convert::demo_model_gguf(7).expect("demo model");
+            Engine::from_gguf(GgufFile::from_bytes(bytes).expect("demo gguf"), opts).expect("demo engine")
+        }
+    }
+}
+
+/// Deterministic pseudo-random token ids below `vocab` (xorshift).
+fn tokens(seed: u64, n: usize, vocab: usize) -> Vec<u32> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % vocab as u64) as u32
+        })
+        .collect()
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+fn files(dir: &Path, ext: &str) -> (usize, u64) {
+    let mut n = 0;
+    let mut bytes = 0;
+    for e in std::fs::read_dir(dir).unwrap() {
+        let e = e.unwrap();
+        if e.path().extension().is_some_and(|x| x == ext) {
+            n += 1;
+            bytes += e.metadata().unwrap().len();
+        }
+    }
+    (n, bytes)
+}
+
+/// Logits after feeding `all` in one go, then `gen` greedy tokens (each step's logits).
+fn reference(m: Model<'_>, exact: bool, all: &[u32], gen: usize) -> Vec<Vec<u32>> {
+    let mut e = open(m, exact);
+    let s = e.create_session();
+    e.feed(s, all).unwrap();
+    e.run_until_idle().unwrap();
+    let mut out = vec![bits(e.logits(s).unwrap())];
+    for _ in 0..gen {
+        let t = argmax(e.logits(s).unwrap());
+        e.feed(s, &[t]).unwrap();
+        e.run_until_idle().unwrap();
+        out.push(bits(e.logits(s).unwrap()));
+    }
+    out
+}
+
+fn round_trip(m: Model<'_>, exact: bool) {
+    let dir = tempfile::tempdir().unwrap();
+    let e0 = open(m, exact);
+    let vocab = e0.config().vocab;
+    let opts = persist::kv_options(&e0, 32, 64 << 20);
+    let span = opts.span_tokens as usize;
+    drop(e0);
+
+    // A history of 3 full spans + a partial one, then a suffix prompt.
+    let history = tokens(1, 3 * span + 11, vocab);
+    let suffix = tokens(2, 9, vocab);
+    let all: Vec<u32> = history.iter().chain(&suffix).copied().collect();
+    let want = reference(m, exact, &all, 4);
+
+    {
+        let mut e = open(m, exact);
+        let store = persist::open_store(&e, dir.path(), opts.clone()).unwrap();
+        let s = e.create_session();
+        e.feed(s, &history).unwrap();
+        e.run_until_idle().unwrap();
+        let info = persist::save(&store, &e, s, SaveReason::Shutdown).unwrap();
+        assert_eq!((info.position, info.pages, info.pages_written), (history.len(), 3, 3));
+    }
+    assert_eq!(files(dir.path(), "page").0, 3);
+    assert_eq!(files(dir.path(), "ckpt").0, 1);
+
+    // A fresh engine and store on the same directory (a restart).
+    let mut e = open(m, exact);
+    let store = persist::open_store(&e, dir.path(), opts.clone()).unwrap();
+    let (s, matched) = persist::restore_longest(&store, &mut e, &all).unwrap().expect("cached prefix");
+    assert_eq!(matched, history.len());
+    assert_eq!(e.history(s).unwrap(), &history[..]);
+    e.feed(s, &all[matched..]).unwrap();
+    e.run_until_idle().unwrap();
+    let mut got = vec![bits(e.logits(s).unwrap())];
+    for _ in 0..4 {
+        let t = argmax(e.logits(s).unwrap());
+        e.feed(s, &[t]).unwrap();
+        e.run_until_idle().unwrap();
+        got.push(bits(e.logits(s).unwrap()));
+    }
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert!(g == w, "step {i}: restored logits differ from a full prefill (exact={exact})");
+    }
+
+    // A prompt diverging inside the second page reuses only the first page's checkpoint-less chain: no checkpoint
+    // there, so nothing is restored.
+    let mut other = history.clone();
+    other[span + 3] = (other[span + 3] + 1) % vocab as u32;
+    assert!(persist::restore_longest(&store, &mut e, &other).unwrap().is_none());
+
+    // The other mode (or model) never reuses these entries.
+    let mut e2 = open(m, !exact);
+    let store2 = persist::open_store(&e2, dir.path(), opts).unwrap();
+    assert!(persist::restore_longest(&store2, &mut e2, &all).unwrap().is_none());
+}
+
+fn shared_prefix_stored_once(m: Model<'_>) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut e = open(m, true);
+    let vocab = e.config().vocab;
+    let opts = persist::kv_options(&e, 32, 64 << 20);
+    let span = opts.span_tokens as usize;
+    let store = persist::open_store(&e, dir.path(), opts).unwrap();
+    let system = tokens(3, 2 * span, vocab);
+    let a: Vec<u32> = system.iter().copied().chain(tokens(4, span + 5, vocab)).collect();
+    let b: Vec<u32> = system.iter().copied().chain(tokens(5, 7, vocab)).collect();
+    let sa = e.create_session();
+    e.feed(sa, &a).unwrap();
+    e.run_until_idle().unwrap();
+    let ia = persist::save(&store, &e, sa, SaveReason::Cold).unwrap();
+    let (_, a_page_bytes) = files(dir.path(), "page");
+    let sb = e.create_session();
+    e.feed(sb, &b).unwrap();
+    e.run_until_idle().unwrap();
+    let ib = persist::save(&store, &e, sb, SaveReason::Cold).unwrap();
+    assert_eq!((ia.pages, ia.pages_written), (3, 3));
+    assert_eq!((ib.pages, ib.pages_written), (2, 0), "the shared system prompt's pages are written once");
+    let (pages, page_bytes) = files(dir.path(), "page");
+    assert_eq!(pages, 3);
+    assert_eq!(page_bytes, a_page_bytes, "the second conversation wrote no page bytes");
+    assert_eq!(files(dir.path(), "ckpt").0, 2);
+    // Each resumes from its own checkpoint.
+    let (_, ma) = persist::restore_longest(&store, &mut e, &a).unwrap().unwrap();
+    let (_, mb) = persist::restore_longest(&store, &mut e, &b).unwrap().unwrap();
+    assert_eq!((ma, mb), (a.len(), b.len()));
+}
+
+#[test]
+fn tiny_a_restore_is_bit_identical_exact_and_sim() {
+    let Some(sh) = shared() else { return };
+    let gguf = golden_gguf(&sh, "tiny-a", "f32");
+    round_trip(Model::File(&gguf), true);
+    round_trip(Model::File(&gguf), false);
+}
+
+#[test]
+fn demo_restore_is_bit_identical_exact_and_sim() {
+    round_trip(Model::Demo, true);
+    round_trip(Model::Demo, false);
+}
+
+#[test]
+fn shared_prefix_pages_are_stored_once() {
+    shared_prefix_stored_once(Model::Demo);
+}
