@@ -530,3 +530,50 @@ fn cli_convert_writes_a_file_and_rejects_bad_arguments() {
     assert!(!st.status.success());
     assert!(String::from_utf8_lossy(&st.stderr).contains("nonexistent-ds4-dir"));
 }
+
+#[test]
+fn imatrix_steers_quantization_and_is_recorded() {
+    let fx = Fixture::new(13);
+    let tmp = tempfile::tempdir().unwrap();
+    fx.write(tmp.path(), 1);
+    // Packed per-expert vectors for blk.1 down (rows of 256 = moe_intermediate_size, 4 experts): the first half of
+    // every row matters, the second half hardly.
+    let packed: Vec<f32> = (0..4 * 256).map(|i| if i % 256 < 128 { 100.0 } else { 0.01 }).collect();
+    let dat = ds4_engine::convert::imatrix::write_dat(&[("blk.1.ffn_down_exps.weight", 1, &packed)]);
+    let im_path = tmp.path().join("imatrix.dat");
+    std::fs::write(&im_path, dat).unwrap();
+
+    let plain = tmp.path().join("plain.gguf");
+    convert(&ConvertOptions::new(tmp.path(), &plain, Recipe::Q2)).unwrap();
+    let weighted = tmp.path().join("weighted.gguf");
+    let mut opts = ConvertOptions::new(tmp.path(), &weighted, Recipe::Q2);
+    opts.imatrix = Some(im_path.clone());
+    convert(&opts).unwrap();
+    let (p, w) = (GgufFile::open(&plain).unwrap(), GgufFile::open(&weighted).unwrap());
+    assert_eq!(w.get_usize("quantize.imatrix.entries_count").unwrap(), 1);
+    assert!(w.get_str("quantize.imatrix.file").unwrap().ends_with("imatrix.dat"));
+
+    let name = "blk.1.ffn_down_exps.weight";
+    assert_eq!(w.tensor_info(name).unwrap().ty, GgmlType::Q2K);
+    let (_, want) = &fx.expected[name];
+    let important_err = |g: &GgufFile| -> f64 {
+        let got = gguf_values(g, name);
+        got.iter()
+            .zip(want)
+            .enumerate()
+            .filter(|(i, _)| i % 256 < 128)
+            .map(|(_, (a, b))| ((a - b) as f64).powi(2))
+            .sum()
+    };
+    let (ep, ew) = (important_err(&p), important_err(&w));
+    assert!(ew < ep * 0.9, "imatrix did not lower the error on important columns: {ew} vs {ep}");
+    // tensors the imatrix does not cover are unchanged
+    let other = "blk.2.ffn_down_exps.weight";
+    assert_eq!(p.tensor(other).unwrap().data, w.tensor(other).unwrap().data);
+
+    // an entry of the wrong size is an error naming it
+    let bad = ds4_engine::convert::imatrix::write_dat(&[("blk.1.ffn_down_exps.weight", 1, &[1.0; 100])]);
+    std::fs::write(&im_path, bad).unwrap();
+    let e = convert(&opts).unwrap_err().to_string();
+    assert!(e.contains("blk.1.ffn_down_exps.weight") && e.contains("100 values"), "{e}");
+}

@@ -20,6 +20,9 @@ pub struct Args {
     /// tokenizer.json whose vocabulary and merges go into tokenizer.ggml.*.
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
+    /// Importance matrix (llama.cpp legacy .dat, e.g. from the C engine's --imatrix-out) for quantized tensors.
+    #[arg(long)]
+    pub imatrix: Option<PathBuf>,
     /// general.name (default: the input folder's name).
     #[arg(long)]
     pub name: Option<String>,
@@ -35,6 +38,7 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
         output: a.output,
         recipe: a.recipe,
         tokenizer: a.tokenizer,
+        imatrix: a.imatrix,
         name: a.name,
         progress: !a.quiet,
     };

@@ -19,6 +19,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod demo;
 pub mod dtypes;
+pub mod imatrix;
 pub mod plan;
 pub mod recipe;
 
@@ -31,6 +32,7 @@ use std::time::Instant;
 pub use checkpoint::Checkpoint;
 pub use config::CheckpointConfig;
 pub use demo::{demo_config, demo_model_gguf};
+pub use imatrix::Imatrix;
 pub use plan::{Class, Planned, Source};
 pub use recipe::Recipe;
 
@@ -48,6 +50,8 @@ pub struct ConvertOptions {
     pub recipe: Recipe,
     /// A `tokenizer.json` whose vocabulary and merges go into `tokenizer.ggml.*`.
     pub tokenizer: Option<PathBuf>,
+    /// An importance matrix (llama.cpp legacy `.dat`, see [`imatrix`]) for the quantized tensors it covers.
+    pub imatrix: Option<PathBuf>,
     /// `general.name`; defaults to the input folder's name.
     pub name: Option<String>,
     /// Show an indicatif progress bar on stderr.
@@ -62,6 +66,7 @@ impl ConvertOptions {
             output: output.into(),
             recipe,
             tokenizer: None,
+            imatrix: None,
             name: None,
             progress: false,
         }
@@ -176,7 +181,13 @@ fn progress_bar(total: u64, show: bool) -> indicatif::ProgressBar {
 }
 
 /// The bytes of one planned tensor in its declared type.
-fn tensor_bytes(ckpt: &Checkpoint, cfg: &CheckpointConfig, t: &Planned, decl: &TensorDecl) -> Result<Vec<u8>> {
+fn tensor_bytes(
+    ckpt: &Checkpoint,
+    cfg: &CheckpointConfig,
+    t: &Planned,
+    decl: &TensorDecl,
+    im: Option<&Imatrix>,
+) -> Result<Vec<u8>> {
     let row = t.row_len() as usize;
     match &t.source {
         Source::One(n) if t.class == Class::Tid2eid => {
@@ -191,34 +202,44 @@ fn tensor_bytes(ckpt: &Checkpoint, cfg: &CheckpointConfig, t: &Planned, decl: &T
         }
         Source::One(n) => {
             let f = ckpt.read_f32(n, &t.src_shape)?;
-            let mut out = Vec::new();
-            encode(decl.ty, &f, row, &mut out, n)?;
+            check_finite(&f, n)?;
+            let imp = importance(im, decl.ty, &[&t.name, n], row, None, 0)?;
+            let mut out = vec![0u8; recipe::encoded_len(decl.ty, f.len(), row)?];
+            recipe::encode_into(decl.ty, &f, row, imp, &mut out, true)
+                .map_err(|e| Error::Tensor { name: n.clone(), what: e.to_string() })?;
             Ok(out)
         }
-        Source::Experts(names) => expert_stack_bytes(ckpt, t, decl, names),
+        Source::Experts(names) => expert_stack_bytes(ckpt, t, decl, names, im),
     }
 }
 
 /// The stacked experts of one tensor: experts are decoded and encoded in parallel, one expert per worker at a time,
 /// each into its own slice of the output (memory: the encoded stack plus one f32 expert per worker).
-fn expert_stack_bytes(ckpt: &Checkpoint, t: &Planned, decl: &TensorDecl, names: &[String]) -> Result<Vec<u8>> {
+fn expert_stack_bytes(
+    ckpt: &Checkpoint,
+    t: &Planned,
+    decl: &TensorDecl,
+    names: &[String],
+    im: Option<&Imatrix>,
+) -> Result<Vec<u8>> {
     let row = t.row_len() as usize;
     let n_values: usize = t.src_shape.iter().product();
     let per = recipe::encoded_len(decl.ty, n_values, row)?;
     let mut out = vec![0u8; per * names.len()];
     let workers = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).min(names.len()).max(1);
     // Work queue: (expert name, its slice of the output); each worker takes the next one.
-    let queue = parking_lot::Mutex::new(names.iter().zip(out.chunks_mut(per)));
+    let queue = parking_lot::Mutex::new(names.iter().zip(out.chunks_mut(per)).enumerate());
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..workers)
             .map(|_| {
                 s.spawn(|| -> Result<()> {
                     let mut buf = vec![0f32; n_values];
                     loop {
-                        let Some((name, dst)) = queue.lock().next() else { return Ok(()) };
+                        let Some((e, (name, dst))) = queue.lock().next() else { return Ok(()) };
                         ckpt.read_f32_into(name, &t.src_shape, &mut buf)?;
                         check_finite(&buf, name)?;
-                        recipe::encode_into(decl.ty, &buf, row, dst, false)
+                        let imp = importance(im, decl.ty, &[&t.name, name], row, Some(e), names.len())?;
+                        recipe::encode_into(decl.ty, &buf, row, imp, dst, false)
                             .map_err(|err| Error::Tensor { name: name.clone(), what: err.to_string() })?;
                     }
                 })
@@ -238,9 +259,19 @@ fn check_finite(values: &[f32], name: &str) -> Result<()> {
     }
 }
 
-fn encode(ty: GgmlType, values: &[f32], row: usize, out: &mut Vec<u8>, name: &str) -> Result<()> {
-    check_finite(values, name)?;
-    recipe::encode_append(ty, values, row, out).map_err(|e| Error::Tensor { name: name.into(), what: e.to_string() })
+/// The imatrix vector for a quantized tensor (F32/F16 targets ignore importance).
+fn importance<'a>(
+    im: Option<&'a Imatrix>,
+    ty: GgmlType,
+    names: &[&str],
+    row: usize,
+    expert: Option<usize>,
+    n_experts: usize,
+) -> Result<Option<&'a [f32]>> {
+    match im {
+        Some(im) if !matches!(ty, GgmlType::F32 | GgmlType::F16) => im.find(names, row, expert, n_experts),
+        _ => Ok(None),
+    }
 }
 
 fn convert_to(opts: &ConvertOptions, tmp: &Path) -> Result<ConvertReport> {
@@ -257,7 +288,16 @@ fn convert_to(opts: &ConvertOptions, tmp: &Path) -> Result<ConvertReport> {
             dims: t.dims.clone(),
         })
         .collect();
-    let meta = build_metadata(&cfg, opts)?;
+    let mut meta = build_metadata(&cfg, opts)?;
+    let im = match &opts.imatrix {
+        Some(p) => {
+            let im = Imatrix::load(p)?;
+            meta.push(("quantize.imatrix.file".into(), MetaValue::String(p.display().to_string())));
+            meta.push(("quantize.imatrix.entries_count".into(), MetaValue::U64(im.len() as u64)));
+            Some(im)
+        }
+        None => None,
+    };
     let total: u64 = decls.iter().map(|d| d.n_bytes()).sum::<Result<u64>>()?;
     tracing::info!(
         recipe = %opts.recipe,
@@ -273,7 +313,7 @@ fn convert_to(opts: &ConvertOptions, tmp: &Path) -> Result<ConvertReport> {
     let mut report = ConvertReport::default();
     for (t, decl) in plan.iter().zip(&decls) {
         pb.set_message(t.name.clone());
-        let bytes = tensor_bytes(&ckpt, &cfg, t, decl)?;
+        let bytes = tensor_bytes(&ckpt, &cfg, t, decl, im.as_ref())?;
         w.write_tensor(&decl.name, &bytes)?;
         tracing::debug!(name = %decl.name, ty = %decl.ty, dims = ?decl.dims, "wrote tensor");
         let e = report.by_type.entry(decl.ty.name().to_string()).or_default();

@@ -118,7 +118,7 @@ pub fn encode_append(ty: GgmlType, values: &[f32], row_len: usize, out: &mut Vec
     let n = encoded_len(ty, values.len(), row_len)?;
     let start = out.len();
     out.resize(start + n, 0);
-    encode_into(ty, values, row_len, &mut out[start..], true)
+    encode_into(ty, values, row_len, None, &mut out[start..], true)
 }
 
 /// Bytes of `n_values` (whole rows of `row_len`) encoded as `ty`.
@@ -132,9 +132,17 @@ pub fn encoded_len(ty: GgmlType, n_values: usize, row_len: usize) -> Result<usiz
     Ok(rb as usize * (n_values / row_len))
 }
 
-/// Encodes `values` as `ty` into `dst`, which must be exactly [`encoded_len`] bytes. `parallel`: quantize rows on
-/// scoped threads (callers that already run one encode per thread pass `false`).
-pub fn encode_into(ty: GgmlType, values: &[f32], row_len: usize, dst: &mut [u8], parallel: bool) -> Result<()> {
+/// Encodes `values` as `ty` into `dst`, which must be exactly [`encoded_len`] bytes. `importance` (one weight per
+/// column, e.g. from an imatrix) steers quantized types; without it IQ2_XXS uses [`weight_energy`]. `parallel`:
+/// quantize rows on scoped threads (callers that already run one encode per thread pass `false`).
+pub fn encode_into(
+    ty: GgmlType,
+    values: &[f32],
+    row_len: usize,
+    importance: Option<&[f32]>,
+    dst: &mut [u8],
+    parallel: bool,
+) -> Result<()> {
     let n = encoded_len(ty, values.len(), row_len)?;
     if dst.len() != n {
         return Err(Error::Convert(format!("{ty}: {} bytes of output for {n}", dst.len())));
@@ -153,9 +161,9 @@ pub fn encode_into(ty: GgmlType, values: &[f32], row_len: usize, dst: &mut [u8],
             Ok(())
         }
         _ => {
-            let imp = (ty == GgmlType::Iq2Xxs).then(|| weight_energy(values, row_len));
+            let energy = (importance.is_none() && ty == GgmlType::Iq2Xxs).then(|| weight_energy(values, row_len));
             let rb = n / (values.len() / row_len);
-            quantize_rows(ty, values, imp.as_deref(), row_len, rb, dst, parallel)
+            quantize_rows(ty, values, importance.or(energy.as_deref()), row_len, rb, dst, parallel)
         }
     }
 }
