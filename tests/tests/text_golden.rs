@@ -56,7 +56,8 @@ fn run(bin: &Path, args: &[&str], stdin: Option<&[u8]>) -> Output {
         .spawn()
         .expect("spawn ds4");
     if let Some(input) = stdin {
-        child.stdin.take().unwrap().write_all(input).unwrap();
+        // The command may exit (on bad arguments) before reading its input: a broken pipe is fine here.
+        let _ = child.stdin.take().unwrap().write_all(input);
     }
     child.wait_with_output().unwrap()
 }
