@@ -17,8 +17,8 @@ pub struct SamplerConfig {
     /// Drop ids whose probability is below `min_p × p_max`; 0 = off. In [0, 1].
     pub min_p: f32,
     pub seed: u64,
-    /// > 1 discourages ids seen in the last `penalty_last_n` accepted ids (positive logits divided, negative
-    /// multiplied); 1 = off. Must be > 0.
+    /// Values above 1 discourage ids seen in the last `penalty_last_n` accepted ids (positive logits divided,
+    /// negative multiplied); 1 = off. Must be positive.
     pub repetition_penalty: f32,
     /// Subtracted once from the logit of every id seen; 0 = off.
     pub presence_penalty: f32,
