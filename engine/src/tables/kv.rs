@@ -12,6 +12,9 @@
 //!   `ape` already added) and, for CSA, the previous complete block's first-half (`Ca`) features and gates.
 //!
 //! Everything is f32 and owned, so a clone is a complete snapshot and restoring it gives bit-identical results.
+//! In simulation mode the stored rows are already rounded (KV rows: FP8 on the non-rope dims; indexer rows:
+//! Hadamard-rotated, then FP4), exactly as attention reads them; a snapshot taken in one mode must be restored
+//! into an engine running the same mode.
 
 use crate::model::config::{LayerKind, ModelConfig};
 
