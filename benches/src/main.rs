@@ -7,11 +7,13 @@
 //! Subcommands (each report starts with a `#`-prefixed machine summary, then CSV on stdout; progress on stderr):
 //! - `kernels`: quant matvec/matmul GB/s on the real Flash shapes vs measured memory bandwidth ([`kernels`]).
 //! - `membw`: the bandwidth roofline alone, per buffer size and thread count ([`membw`]).
+//! - `correctness`: per backend pair max |Δlogit|, argmax and greedy agreement ([`correctness`]).
 //! - `kv`: restore-from-disk vs recompute per prefix length, cache write vs raw write ([`kvbench`], [`kvbridge`]).
 //!
 //! Every run is short by default (seconds); flags make it longer. `--quick` shrinks everything for smoke tests.
 
 mod blocks;
+mod correctness;
 mod engine_api;
 mod kernels;
 mod kvbench;
@@ -89,6 +91,36 @@ enum Cmd {
     Membw(MembwArgs),
     /// KV cache: restore-from-disk vs recompute time per prefix length, cache write vs raw sequential write.
     Kv(KvArgs),
+    /// Backend agreement: max |Δlogit|, argmax agreement and greedy continuation per backend pair (non-zero exit
+    /// beyond tolerance).
+    Correctness(CorrectnessArgs),
+}
+
+#[derive(Args, Debug)]
+struct CorrectnessArgs {
+    #[command(flatten)]
+    common: Common,
+    /// Comma-separated backends to compare pairwise (cpu, wgpu).
+    #[arg(long, value_delimiter = ',', default_values_t = ["cpu".to_string(), "wgpu".to_string()])]
+    backends: Vec<String>,
+    /// A DS4 GGUF model file.
+    #[arg(short = 'm', long = "model", conflicts_with = "synthetic")]
+    model: Option<std::path::PathBuf>,
+    /// A random-weight model built in memory (see the main --help).
+    #[arg(long)]
+    synthetic: Option<String>,
+    /// Prompt token ids (default: 16 deterministic pseudo-random ids).
+    #[arg(long, value_delimiter = ',')]
+    tokens: Vec<u32>,
+    /// Greedy tokens generated after the prompt.
+    #[arg(long, default_value_t = 8)]
+    gen: usize,
+    /// Largest allowed |Δlogit|.
+    #[arg(long, default_value_t = 0.05)]
+    tol: f32,
+    /// Smallest allowed fraction of prompt positions whose argmax agrees.
+    #[arg(long, default_value_t = 1.0)]
+    min_agree: f64,
 }
 
 #[derive(Args, Debug)]
@@ -358,6 +390,47 @@ fn run_kv(a: &KvArgs) -> Result<()> {
     Ok(())
 }
 
+fn run_correctness(a: &CorrectnessArgs) -> Result<()> {
+    let m = machine::Machine::detect();
+    let threads = a.common.threads();
+    if a.backends.len() < 2 {
+        anyhow::bail!("--backends: give at least two backends to compare");
+    }
+    let mut out = std::io::stdout().lock();
+    write!(out, "{}", m.summary(&a.backends.join(" vs "), threads))?;
+    let pb = progress::bar(a.backends.len() as u64, a.common.quiet);
+    let spec = a.synthetic.as_deref().or(if a.common.quick { Some("tiny:layers=3:recipe=f16") } else { None });
+    let mut outs = Vec::new();
+    for b in &a.backends {
+        pb.set_message(format!("running {b}"));
+        let (file, line) = open_model(&m, a.model.as_deref(), spec, threads, &indicatif::ProgressBar::hidden())?;
+        if outs.is_empty() {
+            writeln!(out, "{line}")?;
+        }
+        let vocab = file.get_usize("deepseek4.vocab_size")?;
+        let tokens = if a.tokens.is_empty() { throughput::prompt(16, vocab) } else { a.tokens.clone() };
+        let gen = if a.common.quick { a.gen.min(2) } else { a.gen };
+        let cfg =
+            engine_api::EngineConfig { threads, ctx: tokens.len() + gen + 1, batch_tokens: 256, backend: b.clone() };
+        let mut engine = engine_api::engine_for(file, &cfg)?;
+        outs.push(correctness::collect(&mut engine, b, &tokens, gen)?);
+        pb.inc(1);
+    }
+    pb.finish_and_clear();
+    let tol = correctness::Tolerance { max_abs: a.tol, min_agree: a.min_agree };
+    let pairs = correctness::report(&outs, tol, &mut out)?;
+    let failed: Vec<String> = pairs.iter().filter(|p| !p.pass).map(|p| format!("{} vs {}", p.a, p.b)).collect();
+    if !failed.is_empty() {
+        anyhow::bail!(
+            "beyond tolerance (|Δlogit| <= {}, argmax agreement >= {}): {}",
+            a.tol,
+            a.min_agree,
+            failed.join(", ")
+        );
+    }
+    Ok(())
+}
+
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
@@ -369,6 +442,7 @@ fn main() -> ExitCode {
         Some(Cmd::Kernels(a)) => run_kernels(a),
         Some(Cmd::Membw(a)) => run_membw(a),
         Some(Cmd::Kv(a)) => run_kv(a),
+        Some(Cmd::Correctness(a)) => run_correctness(a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

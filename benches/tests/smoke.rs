@@ -152,3 +152,32 @@ fn kv_quick() {
         assert_eq!(r[8], "true", "restore must be exact: {r:?}");
     }
 }
+
+#[test]
+fn correctness_quick_cpu_pair() {
+    let report = run(&["correctness", "--quick", "--quiet", "--backends", "cpu,cpu"]);
+    let (_, csv) = split(&report);
+    let rows = rows(&csv, "backend_a,backend_b,positions,max_abs_dlogit,argmax_agree,greedy_tokens,greedy_agree,pass");
+    assert_eq!(rows.len(), 1);
+    let r = &rows[0];
+    assert_eq!((r[0], r[1], r[2]), ("cpu", "cpu", "16"));
+    assert_eq!(num(r[3]), 0.0, "the CPU backend is deterministic");
+    assert_eq!((num(r[4]), r[7]), (1.0, "true"));
+}
+
+#[test]
+fn correctness_exits_non_zero_beyond_tolerance() {
+    // A negative tolerance cannot be met: the run must report the pair and fail.
+    let out = Command::new(env!("CARGO_BIN_EXE_ds4-bench"))
+        .args(["correctness", "--quick", "--quiet", "--backends", "cpu,cpu", "--tol=-1"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("cpu,cpu,16,"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("beyond tolerance"));
+    let out = Command::new(env!("CARGO_BIN_EXE_ds4-bench"))
+        .args(["correctness", "--quick", "--quiet", "--backends", "cpu"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+}
