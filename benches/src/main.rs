@@ -61,16 +61,16 @@ struct RunArgs {
     #[arg(long)]
     synthetic: Option<String>,
     /// First context frontier (tokens).
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = 32)]
     ctx_start: usize,
     /// Last context frontier.
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 64)]
     ctx_max: usize,
     /// Frontier increment (0: only --ctx-start).
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = 32)]
     step: usize,
     /// Tokens decoded per session at each frontier.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 4)]
     gen_tokens: usize,
     /// Concurrent decoding sessions (continuous batching); gen_tps is their aggregate.
     #[arg(long, default_value_t = 1)]
@@ -134,10 +134,10 @@ struct KvArgs {
     #[arg(long, default_value = "flash:layers=2:from=2")]
     synthetic: String,
     /// Prefix lengths in tokens, ascending.
-    #[arg(long, value_delimiter = ',', default_values_t = [256usize, 512, 1024])]
+    #[arg(long, value_delimiter = ',', default_values_t = [64usize, 128, 192])]
     lengths: Vec<usize>,
     /// Tokens per KV page (rounded up to a multiple of the model's largest compress ratio).
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 128)]
     span: u32,
     /// Directory for the stores (default: a temporary directory under the system temp dir).
     #[arg(long)]
