@@ -68,6 +68,17 @@ pub trait Runner: Send {
     fn kv_bytes(&self) -> KvBytes {
         KvBytes::default()
     }
+    /// Disk KV tier: a new session restored from the longest cached prefix of `prompt`, when it covers more than
+    /// `better_than` tokens (returns the session and the tokens it holds). `None` without a disk tier.
+    fn disk_restore(&mut self, _prompt: &[u32], _better_than: usize) -> Option<(SessionId, usize)> {
+        None
+    }
+    /// Disk KV tier: `session` went through `event` (the tier applies its save triggers). No-op without one.
+    fn disk_event(&mut self, _session: SessionId, _event: crate::kvdisk::DiskEvent) {}
+    /// Disk KV tier failures so far (`ds4_kv_disk_errors_total`).
+    fn disk_errors(&self) -> u64 {
+        0
+    }
 }
 
 /// Who said a message.

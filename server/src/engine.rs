@@ -36,6 +36,20 @@ pub struct EngineRunner {
     ids: HashMap<SessionId, ds4_engine::tables::SessionId>,
     next: SessionId,
     max_sessions: usize,
+    disk: Option<crate::kvdisk::DiskTier>,
+}
+
+impl EngineRunner {
+    /// Turns on the disk KV tier in `dir` (budget `space_mb` MiB); see [`crate::kvdisk`].
+    pub fn enable_disk(&mut self, dir: std::path::PathBuf, space_mb: u64) -> Result<(), BackendError> {
+        self.disk = Some(crate::kvdisk::DiskTier::open(&self.engine, dir, space_mb).map_err(BackendError)?);
+        Ok(())
+    }
+
+    /// The disk tier, when on (to adjust its policy).
+    pub fn disk_tier(&mut self) -> Option<&mut crate::kvdisk::DiskTier> {
+        self.disk.as_mut()
+    }
 }
 
 impl Runner for EngineRunner {
@@ -55,6 +69,9 @@ impl Runner for EngineRunner {
 
     fn free_session(&mut self, session: SessionId) {
         if let Some(sid) = self.ids.remove(&session) {
+            if let Some(d) = &mut self.disk {
+                d.forget(sid);
+            }
             let _ = self.engine.free_session(sid);
         }
     }
@@ -86,6 +103,30 @@ impl Runner for EngineRunner {
 
     fn logits(&self, session: SessionId) -> Option<&[f32]> {
         self.engine.logits(*self.ids.get(&session)?).ok()
+    }
+
+    fn kv_bytes(&self) -> crate::backend::KvBytes {
+        crate::backend::KvBytes { disk: self.disk.as_ref().map_or(0, |d| d.disk_bytes()), ..Default::default() }
+    }
+
+    fn disk_restore(&mut self, prompt: &[u32], better_than: usize) -> Option<(SessionId, usize)> {
+        if self.ids.len() >= self.max_sessions {
+            return None;
+        }
+        let (sid, n) = self.disk.as_mut()?.restore(&mut self.engine, prompt, better_than)?;
+        self.next += 1;
+        self.ids.insert(self.next, sid);
+        Some((self.next, n))
+    }
+
+    fn disk_event(&mut self, session: SessionId, event: crate::kvdisk::DiskEvent) {
+        if let (Some(d), Some(&sid)) = (self.disk.as_mut(), self.ids.get(&session)) {
+            d.on_event(&self.engine, sid, event);
+        }
+    }
+
+    fn disk_errors(&self) -> u64 {
+        self.disk.as_ref().map_or(0, |d| d.errors())
     }
 }
 
@@ -281,6 +322,6 @@ pub fn load(path: Option<&Path>, o: &LoadOptions) -> Result<(EngineRunner, Engin
         vocab_size: engine.config().vocab,
         demo,
     };
-    let runner = EngineRunner { engine, ids: HashMap::new(), next: 0, max_sessions: o.max_sessions.max(1) };
+    let runner = EngineRunner { engine, ids: HashMap::new(), next: 0, max_sessions: o.max_sessions.max(1), disk: None };
     Ok((runner, EngineCodec::new(tok), info))
 }

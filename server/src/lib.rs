@@ -22,6 +22,7 @@ pub mod engine;
 pub mod fake;
 pub mod generate;
 pub mod http;
+pub mod kvdisk;
 pub mod metrics;
 pub mod sampling;
 pub mod scheduler;

@@ -54,10 +54,12 @@ fn main() -> anyhow::Result<()> {
                 max_sessions: config.max_active + config.max_parked + 8,
                 demo_seed: 1,
             };
-            let (runner, codec, info) =
+            let (mut runner, codec, info) =
                 ds4_server::engine::load(args.model.as_deref(), &opts).map_err(|e| anyhow::anyhow!("{e}"))?;
-            if args.kv_disk_dir.is_some() {
-                tracing::warn!("--kv-disk-dir: the disk KV tier is not wired into the server yet; using RAM only");
+            if let Some(dir) = &args.kv_disk_dir {
+                if let Err(e) = runner.enable_disk(dir.clone(), args.kv_disk_space_mb) {
+                    tracing::error!(error = %e, "--kv-disk-dir: disk KV tier off");
+                }
             }
             (Box::new(runner), Arc::new(codec), info)
         };

@@ -68,6 +68,8 @@ pub struct Metrics {
     pub queue_depth: AtomicU64,
     pub active_sessions: AtomicU64,
     pub parked_sessions: AtomicU64,
+    /// Disk KV tier failures (saves, restores, store I/O).
+    pub kv_disk_errors: AtomicU64,
     kv_bytes: [AtomicU64; 3],
     prefix_hits: [AtomicU64; 3],
 }
@@ -83,6 +85,7 @@ impl Default for Metrics {
             queue_depth: AtomicU64::new(0),
             active_sessions: AtomicU64::new(0),
             parked_sessions: AtomicU64::new(0),
+            kv_disk_errors: AtomicU64::new(0),
             kv_bytes: Default::default(),
             prefix_hits: Default::default(),
         }
@@ -124,6 +127,12 @@ impl Metrics {
         };
         counter(&mut out, "ds4_prompt_tokens_total", "Prompt tokens of admitted requests.", load(&self.prompt_tokens));
         counter(&mut out, "ds4_completion_tokens_total", "Generated tokens.", load(&self.completion_tokens));
+        counter(
+            &mut out,
+            "ds4_kv_disk_errors_total",
+            "Disk KV tier failures (failed saves, restores, store I/O errors).",
+            load(&self.kv_disk_errors),
+        );
         self.ttft.render("ds4_time_to_first_token_seconds", "Submit to first generated token.", &mut out);
         self.itl.render("ds4_inter_token_latency_seconds", "Time between generated tokens.", &mut out);
         gauge(&mut out, "ds4_queue_depth", "Requests waiting for a session slot.", load(&self.queue_depth));

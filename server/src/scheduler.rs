@@ -30,6 +30,7 @@ use parking_lot::Mutex;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::backend::{Runner, SessionId};
+use crate::kvdisk::DiskEvent;
 use crate::metrics::{Metrics, Tier};
 use crate::sampling::{Sampler, SamplingParams};
 
@@ -222,9 +223,11 @@ impl Worker {
         }
         for a in std::mem::take(&mut self.active) {
             let _ = a.job.events.send(JobEvent::Error("server is shutting down".into()));
+            self.runner.disk_event(a.session, DiskEvent::Shutdown);
             self.runner.free_session(a.session);
         }
         for p in std::mem::take(&mut self.parked) {
+            self.runner.disk_event(p.session, DiskEvent::Shutdown);
             self.runner.free_session(p.session);
         }
         self.publish();
@@ -239,6 +242,7 @@ impl Worker {
         m.set_kv_bytes(Tier::Device, kv.device);
         m.set_kv_bytes(Tier::Host, kv.host);
         m.set_kv_bytes(Tier::Disk, kv.disk);
+        m.kv_disk_errors.store(self.runner.disk_errors(), Ordering::Relaxed);
     }
 
     /// Move waiting jobs into the active set while there is room.
@@ -259,7 +263,7 @@ impl Worker {
                 let _ = job.events.send(JobEvent::Error(msg));
                 continue;
             }
-            let (session, cached) = match self.acquire(&job.prompt) {
+            let (session, cached, tier) = match self.acquire(&job.prompt) {
                 Ok(x) => x,
                 Err(e) => {
                     let _ = job.events.send(JobEvent::Error(e));
@@ -269,7 +273,7 @@ impl Worker {
             let prompt_len = job.prompt.len();
             self.metrics.prompt_tokens.fetch_add(prompt_len as u64, Ordering::Relaxed);
             if cached > 0 {
-                self.metrics.add_prefix_hit(Tier::Host, cached as u64);
+                self.metrics.add_prefix_hit(tier, cached as u64);
             }
             let _ = job.events.send(JobEvent::Started { prompt_tokens: prompt_len, cached_tokens: cached });
             tracing::debug!(session, prompt_len, cached, "admitted");
@@ -291,7 +295,8 @@ impl Worker {
     /// A session for `prompt`: the parked one that lets the most prompt tokens be skipped, else a fresh one.
     /// Returns the session and the number of prompt tokens it already holds (`== prompt.len()` only when the
     /// session also holds the logits that follow the prompt).
-    fn acquire(&mut self, prompt: &[u32]) -> Result<(SessionId, usize), String> {
+    /// A session restored from the disk tier wins when it covers more of the prompt than any parked one.
+    fn acquire(&mut self, prompt: &[u32]) -> Result<(SessionId, usize, Tier), String> {
         let can_truncate = self.runner.can_truncate();
         let usable = |runner: &dyn Runner, p: &Parked| -> usize {
             let lcp = common_prefix(&p.tokens, prompt);
@@ -310,24 +315,27 @@ impl Worker {
             .map(|(i, p)| (i, usable(self.runner.as_ref(), p)))
             .filter(|&(_, n)| n > 0)
             .max_by_key(|&(i, n)| (n, self.parked[i].last_used));
+        if let Some((s, n)) = self.runner.disk_restore(prompt, best.map_or(0, |(_, n)| n)) {
+            return Ok((s, n, Tier::Disk));
+        }
         if let Some((i, n)) = best {
             if !can_truncate {
                 // Keep the parked state for the next request that shares it; the job continues on a copy.
                 if let Some(copy) = self.runner.fork(self.parked[i].session) {
                     self.clock += 1;
                     self.parked[i].last_used = self.clock;
-                    return Ok((copy, n));
+                    return Ok((copy, n, Tier::Host));
                 }
             }
             let p = self.parked.swap_remove(i);
             if n == p.tokens.len() || self.runner.truncate(p.session, n) {
-                return Ok((p.session, n));
+                return Ok((p.session, n, Tier::Host));
             }
             self.runner.free_session(p.session);
         }
         loop {
             match self.runner.create_session() {
-                Ok(s) => return Ok((s, 0)),
+                Ok(s) => return Ok((s, 0, Tier::Host)),
                 Err(e) => {
                     if !self.evict_lru() {
                         return Err(format!("cannot create a session: {e}"));
@@ -343,6 +351,7 @@ impl Worker {
             return false;
         };
         let p = self.parked.swap_remove(lru);
+        self.runner.disk_event(p.session, DiskEvent::Evict);
         self.runner.free_session(p.session);
         true
     }
@@ -381,6 +390,7 @@ impl Worker {
         if let Some(ev) = event {
             let _ = a.job.events.send(ev);
         }
+        self.runner.disk_event(a.session, DiskEvent::Finished);
         let mut tokens = a.tokens;
         tokens.truncate(a.fed);
         self.park(a.session, tokens);
@@ -443,13 +453,14 @@ impl Worker {
             }
         }
         let mut finished: Vec<(usize, JobEvent)> = failed.into_iter().map(|(i, e)| (i, JobEvent::Error(e))).collect();
-        let checkpoints: Vec<(SessionId, Vec<u32>)> = sample_now
+        let checkpoints: Vec<(SessionId, Vec<u32>, usize)> = sample_now
             .iter()
             .map(|&i| &self.active[i])
             .filter(|a| a.generated == 0 && a.cached < a.prompt_len)
-            .map(|a| (a.session, a.tokens[..a.prompt_len].to_vec()))
+            .map(|a| (a.session, a.tokens[..a.prompt_len].to_vec(), a.cached))
             .collect();
-        for (session, prompt) in checkpoints {
+        for (session, prompt, cached) in checkpoints {
+            self.runner.disk_event(session, DiskEvent::Prefilled { cached, prompt_len: prompt.len() });
             self.checkpoint_prompt(session, &prompt);
         }
         for i in sample_now {

@@ -1,0 +1,145 @@
+//! The disk KV tier of the real engine: a `ds4-kv` store plus the save triggers, used by
+//! [`crate::engine::EngineRunner`] through [`crate::backend::Runner::disk_restore`] / `disk_event`.
+//!
+//! How it works:
+//! * Lookup order for a new prompt: parked RAM sessions first (the scheduler), then this tier — it is asked only
+//!   when it could beat the RAM match. A hit restores the longest token-exact cached prefix that ends at a
+//!   checkpoint (`ds4_engine::persist::restore_longest`) as a new session; only the rest of the prompt is prefilled.
+//!   "Cached tokens" in the usage are the prompt tokens whose KV state came from RAM or disk instead of prefill.
+//! * Save triggers ([`DiskEvent`]): **cold** — a prompt that missed (at least `cold_min_tokens` prefilled) is saved
+//!   right after its prefill; **continued** — a session that grew `continued_every` tokens since its last save is
+//!   saved when its request ends; **evict** — a parked session dropped from RAM; **shutdown** — every live session
+//!   on SIGTERM/SIGINT (after the HTTP drain). Pages are shared by prefix key, so a save writes only new spans plus
+//!   one checkpoint.
+//! * Eviction of disk entries is the store's (budget `--kv-disk-space-mb`): pinned and interior pages stay, then the
+//!   lowest `(1 + hits + sharers) · recency decay / bytes` goes (see `ds4_kv::policy`).
+//! * Faults: an I/O error switches disk caching off inside the store (reads and saves then miss); serving goes on.
+//!   Every failure is logged and counted in [`DiskTier::errors`] (`ds4_kv_disk_errors_total`).
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use ds4_engine::engine::Engine;
+use ds4_engine::persist;
+use ds4_engine::tables::SessionId as EngineSession;
+use ds4_kv::{KvStore, SavePolicy, SaveReason};
+
+/// What happened to a session (the scheduler reports these; the tier decides whether to save).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DiskEvent {
+    /// Its prompt was just prefilled; `cached` of `prompt_len` tokens came from a cache.
+    Prefilled { cached: usize, prompt_len: usize },
+    /// Its request ended (it is being parked).
+    Finished,
+    /// It is being dropped from RAM.
+    Evict,
+    /// The server is stopping.
+    Shutdown,
+}
+
+/// The store, the trigger policy and per-session save positions.
+pub struct DiskTier {
+    store: KvStore,
+    policy: SavePolicy,
+    /// Position of the last save of each live engine session.
+    saved_at: HashMap<EngineSession, usize>,
+    errors: u64,
+}
+
+impl DiskTier {
+    /// Opens `dir` for `engine`'s model with a budget of `space_mb` MiB. A directory that cannot be used does not
+    /// fail: the tier is then off (logged, counted).
+    pub fn open(engine: &Engine, dir: PathBuf, space_mb: u64) -> Result<DiskTier, String> {
+        let opts = persist::kv_options(engine, 256, space_mb.saturating_mul(1 << 20));
+        let store = persist::open_store(engine, dir, opts).map_err(|e| e.to_string())?;
+        let st = store.status();
+        tracing::info!(dir = %st.dir.display(), enabled = st.enabled, files = st.files, bytes = st.bytes,
+            span = store.span_tokens(), "KV disk tier ready");
+        Ok(DiskTier { store, policy: SavePolicy::default(), saved_at: HashMap::new(), errors: 0 })
+    }
+
+    /// Overrides the trigger thresholds.
+    pub fn set_policy(&mut self, policy: SavePolicy) {
+        self.policy = policy;
+    }
+
+    /// Failures so far (store write/read errors plus failed saves and restores).
+    pub fn errors(&self) -> u64 {
+        let st = self.store.status();
+        self.errors + st.write_errors + st.read_errors
+    }
+
+    /// Bytes of KV files on disk.
+    pub fn disk_bytes(&self) -> u64 {
+        self.store.status().bytes
+    }
+
+    /// Restores the longest cached prefix of `prompt` when it covers more than `better_than` tokens.
+    pub fn restore(
+        &mut self,
+        engine: &mut Engine,
+        prompt: &[u32],
+        better_than: usize,
+    ) -> Option<(EngineSession, usize)> {
+        if !self.store.status().enabled {
+            return None;
+        }
+        let probe = self.store.longest_prefix(prompt);
+        if probe.checkpoint.is_none() || probe.matched_tokens <= better_than {
+            return None;
+        }
+        match persist::restore_longest(&self.store, engine, prompt) {
+            Ok(Some((sid, n))) if n > better_than => {
+                self.saved_at.insert(sid, n);
+                tracing::debug!(matched = n, "prompt prefix restored from the disk KV tier");
+                Some((sid, n))
+            }
+            Ok(Some((sid, _))) => {
+                let _ = engine.free_session(sid);
+                None
+            }
+            Ok(None) => None,
+            Err(e) => {
+                self.errors += 1;
+                tracing::warn!(error = %e, "KV disk restore failed; prefilling instead");
+                None
+            }
+        }
+    }
+
+    /// Applies the save triggers to `event` on `sid`.
+    pub fn on_event(&mut self, engine: &Engine, sid: EngineSession, event: DiskEvent) {
+        let pos = engine.position(sid).unwrap_or(0);
+        let last = self.saved_at.get(&sid).copied();
+        let reason = match event {
+            DiskEvent::Prefilled { cached, prompt_len } => self.policy.after_prefill(cached, prompt_len),
+            DiskEvent::Finished => self.policy.while_running(last.unwrap_or(0), pos),
+            DiskEvent::Evict => Some(SaveReason::Evict),
+            DiskEvent::Shutdown => Some(SaveReason::Shutdown),
+        };
+        let Some(reason) = reason else { return };
+        if matches!(event, DiskEvent::Evict | DiskEvent::Shutdown) {
+            self.saved_at.remove(&sid);
+        }
+        if pos == 0 || last == Some(pos) || !self.store.status().enabled {
+            return;
+        }
+        match persist::save(&self.store, engine, sid, reason) {
+            Ok(info) => {
+                if !matches!(event, DiskEvent::Evict | DiskEvent::Shutdown) {
+                    self.saved_at.insert(sid, pos);
+                }
+                tracing::debug!(pos, pages = info.pages, written = info.pages_written, ?reason, "KV saved to disk");
+            }
+            Err(e) => {
+                self.errors += 1;
+                tracing::warn!(error = %e, ?reason, "KV disk save failed (serving continues)");
+            }
+        }
+    }
+
+    /// Forgets a freed session.
+    pub fn forget(&mut self, sid: EngineSession) {
+        self.saved_at.remove(&sid);
+    }
+}
