@@ -6,10 +6,15 @@
 //! 2. [`checkpoint`]: memory-map the shards (index json or all `*.safetensors`), look tensors up by name.
 //! 3. [`plan`]: the list of GGUF tensors, their sources and expected official shapes; every source is checked
 //!    (present, decodable, right shape) *before* anything is written, so a bad checkpoint fails in seconds.
-//! 4. [`recipe`]: each tensor's GGUF type; values are decoded to f32 and re-encoded one tensor at a time (routed
-//!    experts: one expert at a time into the stacked tensor's bytes). Peak memory ≈ the largest f32 tensor plus one
-//!    encoded expert stack.
+//! 4. [`recipe`]: each tensor's GGUF type; values are decoded to f32 and re-encoded one tensor at a time, rows
+//!    quantized in parallel; routed experts are decoded and encoded in parallel, one expert per worker, straight
+//!    into the stacked tensor's bytes. Optional [`imatrix`] importance steers the quantizers. Peak memory ≈ the
+//!    largest f32 tensor (Flash: the 2.1 GB embedding/head) plus its encoding, or one encoded expert stack plus one
+//!    f32 expert per worker. Tensors are written in plan order (embedding, layers, output).
 //! 5. The file is written to `OUTPUT.tmp` and renamed to `OUTPUT` when complete; on error the temp file is removed.
+//!
+//! Non-finite decoded values are an error naming the tensor (the release has none); tid2eid ids must be
+//! `< n_routed_experts`; `--tokenizer` vocabularies must have exactly `vocab_size` tokens.
 //!
 //! How the official release stores quantized weights (what [`checkpoint`] decodes) is documented there.
 //! Checkpoint tensors the plan does not use (e.g. the MTP block `mtp.*`) are listed in the report and logged.
