@@ -68,17 +68,22 @@ impl WgpuBackend {
         &self.ctx
     }
 
+    /// Drops every cached device weight (they are keyed by weight id, so call this before using another model).
+    pub fn clear_weights(&self) {
+        self.mats.lock().clear();
+        self.dense.lock().clear();
+    }
+
     fn mat(&self, model: &Model, id: WeightId) -> Result<Arc<GpuWeight>> {
+        self.mat_grouped(model, id, 1)
+    }
+
+    /// Like `mat`, preferring chunk boundaries every `group` rows (one expert's rows) on first upload.
+    fn mat_grouped(&self, model: &Model, id: WeightId, group: usize) -> Result<Arc<GpuWeight>> {
         if let Some(w) = self.mats.lock().get(&id.0) {
             return Ok(w.clone());
         }
         let m = model.mat(id);
-        // Expert tensors: keep each expert's rows in one binding when possible.
-        let group = if m.rows > model.config.n_experts && m.rows % model.config.n_experts == 0 {
-            m.rows / model.config.n_experts
-        } else {
-            1
-        };
         let w = Arc::new(GpuWeight::upload(&self.ctx, model.name(id), m.ty, m.cols, m.rows, m.data, group)?);
         self.mats.lock().insert(id.0, w.clone());
         Ok(w)
@@ -249,8 +254,9 @@ impl Backend for WgpuBackend {
                 per_expert[e].push((r as u32, (r * k + j) as u32));
             }
         }
-        let (gm, um, dm) =
-            (self.mat(model, lw.gate_exps)?, self.mat(model, lw.up_exps)?, self.mat(model, lw.down_exps)?);
+        let gm = self.mat_grouped(model, lw.gate_exps, ffn)?;
+        let um = self.mat_grouped(model, lw.up_exps, ffn)?;
+        let dm = self.mat_grouped(model, lw.down_exps, d)?;
         let (packed, gu, h, eo, out) =
             (self.buf(n * d), self.buf(n * 2 * ffn), self.buf(n * ffn), self.buf(n * d), self.buf(n * d));
         let mut enc = self.ctx.encoder();
