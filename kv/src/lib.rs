@@ -9,7 +9,7 @@
 //! | --- | --- |
 //! | [`store`] | [`KvStore`]: open/scan, `put_page`, `put_checkpoint`, `longest_prefix`, `load`, pins, `gc`, `status` |
 //! | [`key`] | [`Key`], [`ModelIdentity`], [`PrefixHasher`]: chained SHA1 page keys |
-//! | [`format`] | the `.page`/`.ckpt` file format: header, layout with a CRC32 per block, streaming read/write |
+//! | [`format`](mod@format) | the `.page`/`.ckpt` file format: header, layout with a CRC32 per block, streaming read/write |
 //! | [`codec`] | lossless compact encodings (f32, f16, FP8 e4m3 + power-of-two scale per 64 values) |
 //! | [`disk`] | atomic publish (temp, fsync, rename, fsync dir), temp cleanup, directory scan |
 //! | [`policy`] | eviction: pinned and interior entries stay, then lowest `(1+hits+sharers)·decay/bytes` |
@@ -20,6 +20,33 @@
 //! layer appended during that span (CSA: compressed KV + indexer rows; HCA: compressed KV rows). A checkpoint holds a
 //! session's non-shareable tail state at a position (raw windows, compressor/indexer frontiers, partial-span rows,
 //! next-token logits). Resuming needs pages + one checkpoint; see [`store`].
+//!
+//! ## Quick guide
+//! ```no_run
+//! use ds4_kv::{KvOptions, KvStore, ModelIdentity, RowBlock, SaveReason};
+//! # fn main() -> ds4_kv::Result<()> {
+//! let store = KvStore::open("/var/cache/ds4-kv", ModelIdentity::new("flash q2 sim=1"), KvOptions::default())?;
+//! let tokens: Vec<u32> = (0..300).collect();
+//! let rows = vec![0f32; 64 * 512];
+//! // Save: full spans as pages (parent = previous page, the root first), the rest in a checkpoint.
+//! let layers = vec![vec![RowBlock { tag: 0, rows: 64, width: 512, values: &rows }]];
+//! let page = store.put_page(&store.root(), &tokens[..256], &layers, SaveReason::Cold)?;
+//! store.put_checkpoint(&page.key, &tokens[256..], &layers, SaveReason::Cold)?;
+//! // Restore: the longest prefix ending at a checkpoint, streamed block by block.
+//! let m = store.longest_prefix(&tokens);
+//! for e in m.pages.iter().chain(m.checkpoint.iter()) {
+//!     store.load(&e.key, |block| {
+//!         let _ = (block.group, block.tag, block.rows, block.width, block.values);
+//!         Ok(())
+//!     })?;
+//! }
+//! println!("{:?}", store.status()); // DiskStatus: enabled, last_error, error counters, bytes, evictions
+//! # Ok(())
+//! # }
+//! ```
+//! Benchmarks: `put_page`/`put_checkpoint` (encode + write + fsync + rename) and `load` (read + CRC + decode) are the
+//! operations to time; `cargo run --release -p ds4-kv --example kv_synth -- DIR TOKENS` fills a directory with a
+//! Flash-shaped session and prints save/load MB/s next to a raw sequential write.
 
 pub mod admin;
 pub mod codec;

@@ -548,7 +548,7 @@ impl KvStore {
 
     /// Streams the rows of entry `key` to `f`, one verified, decoded block at a time (file order: group by group).
     /// On a checksum or format error the entry (and everything built on it) is removed and `KvError::Corrupt` is
-    /// returned; `f` may already have seen earlier blocks, which the caller must then discard. An error returned by
+    /// returned (a file deleted behind the store's back: removed likewise, `KvError::Missing`); `f` may already have seen earlier blocks, which the caller must then discard. An error returned by
     /// `f` stops the load and is passed through unchanged.
     pub fn load(&self, key: &Key, mut f: impl FnMut(RowsView<'_>) -> Result<()>) -> Result<LoadInfo> {
         let (kind, storage, path) = {
@@ -603,6 +603,7 @@ impl KvStore {
                     KvError::Io { err, .. } if err.kind() == std::io::ErrorKind::NotFound => {
                         tracing::warn!(key = %key, "KV file vanished; dropping it from the index");
                         self.remove_subtree(&mut g, key);
+                        return Err(KvError::Missing(format!("{key} (its file vanished)")));
                     }
                     _ => g.st.read_errors += 1,
                 }

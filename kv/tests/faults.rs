@@ -40,6 +40,11 @@ fn bit_flip_is_detected_at_load_and_the_entry_and_its_descendants_removed() {
     let again = store.longest_prefix(&toks);
     assert_eq!((again.pages.len(), again.checkpoint), (1, None));
     assert!(matches!(collect(&store, &m.checkpoint.unwrap().key), Err(KvError::Missing(_))));
+    // A file deleted behind the store's back: Missing, and dropped from the index.
+    fs::remove_file(file_of(dir.path(), &m.pages[0].key, EntryKind::Page)).unwrap();
+    assert!(matches!(collect(&store, &m.pages[0].key), Err(KvError::Missing(_))));
+    assert_eq!(store.status().files, 0);
+    assert!(store.longest_prefix(&toks).pages.is_empty());
 }
 
 #[test]
