@@ -68,6 +68,11 @@ impl WgpuBackend {
         &self.ctx
     }
 
+    /// How many bindings (chunks) weight `id` occupies on the device (uploading it if needed).
+    pub fn weight_chunks(&self, model: &Model, id: WeightId) -> Result<usize> {
+        Ok(self.mat(model, id)?.chunks.len())
+    }
+
     /// Drops every cached device weight (they are keyed by weight id, so call this before using another model).
     pub fn clear_weights(&self) {
         self.mats.lock().clear();

@@ -154,3 +154,28 @@ fn quantized_recipes_agree_with_cpu_backend() {
         be.clear_weights();
     }
 }
+
+/// The f32 tiny-a prefill with a 64 KiB binding limit: the embedding, head, expert and projection weights are all
+/// split across several bindings (experts on expert boundaries), and the logits still match golden within 1e-3.
+#[test]
+fn tiny_a_with_split_weights_matches_golden() {
+    let Some(dir) = golden_dir() else { return };
+    let opts = super::ContextOptions { max_binding_override: Some(64 * 1024) };
+    let Some(ctx) = test_context(opts) else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("tiny-a.gguf");
+    convert(&ConvertOptions::new(&dir, &out, Recipe::F32)).expect("convert tiny-a");
+    let model = Model::load(GgufFile::open(&out).unwrap()).unwrap();
+    let golden: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
+    let prompt: Vec<u32> =
+        golden["prompt_tokens"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+    let be = WgpuBackend::with_context(ctx);
+    let got = prefill_with(&be, &model, &prompt);
+    let prefill = read_f32(dir.join("prefill_logits.f32"));
+    let e = got.iter().zip(&prefill).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+    assert!(e <= 1e-3, "prefill with split weights: max err {e}");
+    let head = be.weight_chunks(&model, model.global.head).unwrap();
+    let experts = be.weight_chunks(&model, model.layers[0].gate_exps).unwrap();
+    assert!(head > 1 && experts > 1, "weights were not split: head {head} chunks, experts {experts} chunks");
+}
