@@ -47,7 +47,11 @@ impl TestServer {
             vocab_size: ds4_server::fake::VOCAB,
             demo: true,
         };
-        let state = build_state(Box::new(runner), Arc::new(FakeCodec), info, o.config, o.limits);
+        Self::on(build_state(Box::new(runner), Arc::new(FakeCodec), info, o.config, o.limits))
+    }
+
+    /// Serve an already built state.
+    pub fn on(state: Arc<AppState>) -> Self {
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
         let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
         let addr = listener.local_addr().unwrap();
