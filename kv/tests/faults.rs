@@ -222,3 +222,30 @@ fn read_only_directory_when_not_root() {
     fs::set_permissions(&dir, fs::Permissions::from_mode(0o755)).unwrap();
     assert!(store.retry_disk());
 }
+
+#[test]
+fn host_tier_has_its_own_budget_while_disk_is_off() {
+    let base = tempfile::tempdir().unwrap();
+    let file = base.path().join("f");
+    fs::write(&file, b"x").unwrap();
+    let one = {
+        let probe = tempfile::tempdir().unwrap();
+        let s = open(probe.path(), u64::MAX);
+        save_session(&s, &tokens(300, SPAN as usize + 2), 100).unwrap();
+        s.status().bytes
+    };
+    let budget = one * 2 + one / 2;
+    let store =
+        KvStore::open(file.join("kv"), identity(), KvOptions { host_budget_bytes: budget, ..opts(u64::MAX) }).unwrap();
+    for i in 0..6 {
+        let t = tokens(300 + i, SPAN as usize + 2);
+        save_session(&store, &t, 100).unwrap();
+        let st = store.status();
+        assert!(st.host_bytes <= budget, "{} > {budget}", st.host_bytes);
+    }
+    let st = store.status();
+    assert_eq!(st.evicted, 4 * 2);
+    assert_eq!(st.host_entries, 4);
+    let last = tokens(305, SPAN as usize + 2);
+    assert_eq!(store.longest_prefix(&last).matched_tokens, last.len());
+}
