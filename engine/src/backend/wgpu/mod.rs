@@ -10,6 +10,11 @@
 //!
 //! Every function here only records commands into a `wgpu::CommandEncoder` unless it says otherwise; call
 //! [`context::WgpuContext::submit`] to run them and [`context::WgpuContext::read_f32`] to read results.
+//!
+//! Known limits (next steps): activations and KV live on the host between ops (the `Backend` trait passes host
+//! buffers), so every op uploads/downloads; buffers are allocated per op (no pool yet); compressor frontiers and
+//! the window ring are advanced on the host; MoE routing is read back to group rows by expert. Kernels are
+//! written for correctness (one workgroup per output row, scalar decode) and are untuned.
 
 mod attn;
 pub mod backend;
