@@ -63,7 +63,7 @@ pub fn open_store(engine: &Engine, dir: impl Into<std::path::PathBuf>, opts: KvO
 
 fn check_span(engine: &Engine, store: &KvStore) -> Result<usize> {
     let span = store.span_tokens() as usize;
-    if let Some(r) = engine.config().compress_ratios.iter().find(|&&r| r > 0 && span % r != 0) {
+    if let Some(r) = engine.config().compress_ratios.iter().find(|&&r| r > 0 && !span.is_multiple_of(r)) {
         return Err(Error::InvalidArgument(format!("kv span {span} is not a multiple of compress ratio {r}")));
     }
     Ok(span)
