@@ -174,3 +174,16 @@ fn a_shared_system_prompt_is_stored_once() {
     let shared = (only_a + only_b).saturating_sub(both);
     assert!(shared >= 2, "shared pages were stored twice ({both} pages for a+b; a {only_a}, b {only_b})");
 }
+
+#[cfg(unix)]
+#[test]
+fn an_unusable_cache_dir_turns_caching_off_and_serving_continues() {
+    let tmp = tempfile::tempdir().unwrap();
+    let not_a_dir = tmp.path().join("file");
+    std::fs::write(&not_a_dir, b"x").unwrap();
+    let s = Server::start(Some(&not_a_dir.join("kv")));
+    let r = s.chat(&[json!({"role": "user", "content": long_text(4, 30)})]);
+    assert!(usage_u64(&r, &["completion_tokens"]) >= 1);
+    assert!(s.metric("ds4_kv_disk_errors_total") >= 1.0, "the disk failure is not visible in /metrics");
+    s.stop();
+}
