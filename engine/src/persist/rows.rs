@@ -205,3 +205,93 @@ impl<'c> SnapshotBuilder<'c> {
         SessionSnapshot { pos: history.len(), history, kv: self.kv, logits: self.logits }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf::GgufFile;
+
+    fn cfg() -> ModelConfig {
+        let f = GgufFile::from_bytes(crate::convert::demo_model_gguf(3).unwrap()).unwrap();
+        ModelConfig::from_gguf(&f).unwrap()
+    }
+
+    /// A snapshot with distinct values everywhere, at `pos` tokens.
+    fn snapshot(cfg: &ModelConfig, pos: usize) -> SessionSnapshot {
+        let mut kv = SessionKv::new(cfg, 0);
+        let mut x = 0.0f32;
+        let mut next = || {
+            x += 0.25;
+            x
+        };
+        for (l, lk) in kv.layers.iter_mut().enumerate() {
+            lk.ring.iter_mut().for_each(|v| *v = next());
+            if let Some(r) = (cfg.compress_ratios[l] > 0).then_some(cfg.compress_ratios[l]) {
+                lk.comp_rows = (0..pos / r * cfg.head_dim).map(|_| next()).collect();
+                if lk.idx.is_some() {
+                    lk.idx_rows = (0..pos / r * cfg.idx_head_dim).map(|_| next()).collect();
+                }
+            }
+            for f in [&mut lk.comp, &mut lk.idx].into_iter().flatten() {
+                f.pending_kv.iter_mut().chain(f.pending_gate.iter_mut()).for_each(|v| *v = next());
+                f.prev_kv.iter_mut().chain(f.prev_gate.iter_mut()).for_each(|v| *v = next());
+                f.n_pending = pos % f.ratio;
+                f.has_prev = f.coff == 2;
+            }
+        }
+        let logits = (0..cfg.vocab).map(|_| next()).collect();
+        SessionSnapshot { pos, history: (0..pos as u32).collect(), kv, logits }
+    }
+
+    fn views<'a>(groups: &'a [Vec<RowBlock<'a>>]) -> impl Iterator<Item = RowsView<'a>> {
+        groups.iter().enumerate().flat_map(|(g, bs)| {
+            bs.iter().map(move |b| RowsView {
+                group: g as u32,
+                tag: b.tag,
+                rows: b.rows,
+                width: b.width,
+                values: b.values,
+            })
+        })
+    }
+
+    #[test]
+    fn pages_and_checkpoint_rebuild_the_snapshot() {
+        let c = cfg();
+        let span = *c.compress_ratios.iter().max().unwrap() * 4;
+        let snap = snapshot(&c, 2 * span + 5);
+        let pages: Vec<_> = (0..2).map(|p| page_groups(&c, &snap, p, span)).collect();
+        let meta = frontier_meta(&snap);
+        let ck = checkpoint_groups(&c, &snap, 2, span, &meta);
+        let mut b = SnapshotBuilder::new(&c);
+        for g in pages.iter().chain(std::iter::once(&ck)) {
+            for v in views(g) {
+                b.push(v).unwrap();
+            }
+        }
+        assert_eq!(b.finish(snap.history.clone()), snap);
+    }
+
+    #[test]
+    fn foreign_blocks_are_errors_not_panics() {
+        let c = cfg();
+        let w = c.head_dim + 1; // no layer has rows this wide
+        let vals = vec![0.0f32; w];
+        let ring_short = vec![0.0f32; c.head_dim];
+        let hca = (0..c.n_layers).find(|&l| c.compress_ratios[l] > 0).expect("a compressed layer") as u32;
+        let cases = [
+            RowsView { group: 99, tag: TAG_COMP, rows: 1, width: w as u32, values: &vals },
+            RowsView { group: 0, tag: TAG_RING, rows: 1, width: c.head_dim as u32, values: &ring_short },
+            RowsView { group: hca, tag: TAG_COMP, rows: 1, width: w as u32, values: &vals },
+            RowsView { group: 0, tag: TAG_COMP, rows: 1, width: c.head_dim as u32, values: &ring_short },
+            RowsView { group: hca, tag: 77, rows: 1, width: w as u32, values: &vals },
+            RowsView { group: c.n_layers as u32, tag: TAG_LOGITS, rows: 1, width: w as u32, values: &vals },
+            RowsView { group: hca, tag: TAG_FRONT_COMP + F_META, rows: 1, width: 2, values: &[1e9, 0.5] },
+        ];
+        for v in cases {
+            let (g, t) = (v.group, v.tag);
+            let mut b = SnapshotBuilder::new(&c);
+            assert!(b.push(v).is_err(), "accepted group {g} tag {t}");
+        }
+    }
+}
