@@ -10,13 +10,17 @@
 //! [`engine_for`] builds an [`Engine`] from an opened GGUF (file or in-memory synthetic) with the bench's options.
 
 use std::cell::RefCell;
+use std::sync::OnceLock;
 
 use anyhow::{bail, Result};
 use ds4_engine::quant::{self, GgmlType};
 
 use crate::kernels::Kernels;
+use ds4_engine::backend::cpu::matmul;
+use ds4_engine::backend::cpu::pool::Pool;
 use ds4_engine::engine::{BackendKind, Engine, EngineOptions};
 use ds4_engine::gguf::GgufFile;
+use ds4_engine::model::Mat;
 
 /// How the benchmark builds an engine.
 #[derive(Clone, Debug)]
@@ -44,8 +48,22 @@ pub fn engine_for(file: GgufFile, c: &EngineConfig) -> Result<Engine> {
     Ok(Engine::from_gguf(file, opts)?)
 }
 
-/// The engine's CPU quant kernels.
-pub struct EngineKernels;
+/// The engine's CPU quant kernels (and, for `pooled_matvec`, its CPU backend's matmul on its worker pool).
+pub struct EngineKernels {
+    threads: usize,
+    pool: OnceLock<Pool>,
+}
+
+impl EngineKernels {
+    /// Kernels whose pooled path uses `threads` threads.
+    pub fn new(threads: usize) -> EngineKernels {
+        EngineKernels { threads, pool: OnceLock::new() }
+    }
+
+    fn pool(&self) -> &Pool {
+        self.pool.get_or_init(|| Pool::new(self.threads))
+    }
+}
 
 thread_local! {
     static SCRATCH: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
@@ -55,6 +73,23 @@ impl Kernels for EngineKernels {
     fn matvec(&self, ty: GgmlType, w: &[u8], rows: usize, cols: usize, x: &[f32], y: &mut [f32]) -> Result<()> {
         SCRATCH.with(|s| quant::matvec_with_scratch(ty, w, rows, cols, x, y, &mut s.borrow_mut()))?;
         Ok(())
+    }
+
+    fn pooled_matvec(
+        &self,
+        ty: GgmlType,
+        w: &[u8],
+        rows: usize,
+        cols: usize,
+        x: &[f32],
+        y: &mut [f32],
+    ) -> Result<bool> {
+        let Some(row_bytes) = ty.row_bytes(cols as u64).map(|b| b as usize) else {
+            bail!("matvec: {cols} values is not whole {ty} blocks");
+        };
+        let m = Mat { ty, rows, cols, row_bytes, data: w };
+        matmul::matmul(self.pool(), m, x, 1, y)?;
+        Ok(true)
     }
 
     fn matmul(
@@ -119,13 +154,33 @@ mod tests {
             fill(ty, &mut w, 0.1, &mut rng);
             let xs: Vec<f32> = (0..nb * cols).map(|_| rng.next_sym()).collect();
             let mut ys = vec![0f32; rows * nb];
-            EngineKernels.matmul(ty, &w, rows, cols, &xs, nb, &mut ys).unwrap();
+            EngineKernels::new(2).matmul(ty, &w, rows, cols, &xs, nb, &mut ys).unwrap();
             for b in 0..nb {
                 let mut y = vec![0f32; rows];
-                EngineKernels.matvec(ty, &w, rows, cols, &xs[b * cols..(b + 1) * cols], &mut y).unwrap();
+                EngineKernels::new(2).matvec(ty, &w, rows, cols, &xs[b * cols..(b + 1) * cols], &mut y).unwrap();
                 for r in 0..rows {
                     assert_eq!(ys[r * nb + b], y[r], "{ty} row {r} batch {b}");
                 }
+            }
+        }
+    }
+
+    /// The engine's pooled decode matmul agrees with the quant matvec.
+    #[test]
+    fn pooled_matvec_matches_matvec() {
+        let mut rng = Rng::new(5);
+        let k = EngineKernels::new(2);
+        for ty in [GgmlType::Q8_0, GgmlType::Q2K, GgmlType::Q4K, GgmlType::Iq2Xxs, GgmlType::F16] {
+            let (rows, cols) = (64usize, 512usize);
+            let rb = ty.row_bytes(cols as u64).unwrap() as usize;
+            let mut w = vec![0u8; rows * rb];
+            fill(ty, &mut w, 0.1, &mut rng);
+            let x: Vec<f32> = (0..cols).map(|_| rng.next_sym()).collect();
+            let (mut a, mut b) = (vec![0f32; rows], vec![0f32; rows]);
+            assert!(k.pooled_matvec(ty, &w, rows, cols, &x, &mut a).unwrap());
+            k.matvec(ty, &w, rows, cols, &x, &mut b).unwrap();
+            for (p, q) in a.iter().zip(&b) {
+                assert!((p - q).abs() <= 1e-4 * (1.0 + q.abs()), "{ty}: {p} vs {q}");
             }
         }
     }
@@ -134,8 +189,8 @@ mod tests {
     fn bad_shapes_are_errors() {
         let w = vec![0u8; 34];
         let mut ys = vec![0f32; 2];
-        assert!(EngineKernels.matmul(GgmlType::Q8_0, &w, 1, 32, &[0.0; 32], 2, &mut ys).is_err());
-        assert!(EngineKernels.matmul(GgmlType::Q8_0, &w, 1, 31, &[0.0; 62], 2, &mut ys).is_err());
-        assert!(EngineKernels.matvec(GgmlType::Q8_0, &w, 2, 32, &[0.0; 32], &mut ys).is_err());
+        assert!(EngineKernels::new(2).matmul(GgmlType::Q8_0, &w, 1, 32, &[0.0; 32], 2, &mut ys).is_err());
+        assert!(EngineKernels::new(2).matmul(GgmlType::Q8_0, &w, 1, 31, &[0.0; 62], 2, &mut ys).is_err());
+        assert!(EngineKernels::new(2).matvec(GgmlType::Q8_0, &w, 2, 32, &[0.0; 32], &mut ys).is_err());
     }
 }

@@ -11,7 +11,9 @@
 //! much one pass read).
 //!
 //! The kernels are reached through the [`Kernels`] trait so the harness can be tested with a trivial kernel; the
-//! engine binding is `crate::engine_api::EngineKernels`.
+//! engine binding is `crate::engine_api::EngineKernels`. Besides the bench's own row split (`matvec`, `matmul`), the
+//! `engine-matvec` line runs the engine's CPU decode matmul (its worker pool, one call per matrix) on the same
+//! buffer: the rate decode actually gets.
 //!
 //! Output: CSV on stdout (header [`CSV_HEADER`]), one line per (case, kernel); shortfalls against the issue's
 //! targets are repeated as `#` comment lines at the end.
@@ -35,6 +37,19 @@ pub const CSV_HEADER: &str =
 pub trait Kernels: Sync {
     /// `y[r] = W[r] · x` for `rows` rows of `cols` values of type `ty` packed in `w`.
     fn matvec(&self, ty: GgmlType, w: &[u8], rows: usize, cols: usize, x: &[f32], y: &mut [f32]) -> Result<()>;
+    /// The engine's own decode path, which does its own threading: `y = W · x` over a whole stacked matrix of
+    /// `matrices` matrices of `rows × cols`, one call per matrix. `Ok(false)` when not available.
+    fn pooled_matvec(
+        &self,
+        _ty: GgmlType,
+        _w: &[u8],
+        _rows: usize,
+        _cols: usize,
+        _x: &[f32],
+        _y: &mut [f32],
+    ) -> Result<bool> {
+        Ok(false)
+    }
     /// The batched form: `xs` holds `batch` activation rows of `cols` values; `ys[r * batch + b] = W[r] · xs[b]`.
     /// (Flat arguments on purpose: they mirror `quant::matvec` so the two are easy to compare.)
     #[allow(clippy::too_many_arguments)]
@@ -128,9 +143,9 @@ impl Row {
         self.weights_gbs / self.mem_gbs
     }
 
-    /// The target applies to the decode (matvec) kernel only.
+    /// The target applies to the decode (matvec) kernels only.
     pub fn target(&self) -> Option<f64> {
-        if self.kernel == "matvec" {
+        if self.kernel.ends_with("matvec") {
             self.case.target
         } else {
             None
@@ -322,6 +337,31 @@ pub fn run_case(k: &dyn Kernels, case: &Case, opts: &Options, pb: &ProgressBar) 
     check_finite(&y).with_context(|| format!("{label}: matvec"))?;
     out.push(row("matvec", 1, t));
 
+    // The engine's decode matmul (its worker pool, one call per matrix), if the kernels offer it.
+    if k.pooled_matvec(case.ty, &w[..matrix_bytes], case.rows, case.cols, &x, &mut y[..case.rows])? {
+        pb.set_message(format!("{label}: engine matvec"));
+        let mut err = None;
+        let t = par::best_of(
+            opts.min_passes,
+            50,
+            opts.budget,
+            || {
+                for (m, ym) in y.chunks_exact_mut(case.rows).enumerate() {
+                    let wm = &w[m * matrix_bytes..(m + 1) * matrix_bytes];
+                    if let Err(e) = k.pooled_matvec(case.ty, wm, case.rows, case.cols, &x, ym) {
+                        err.get_or_insert(e);
+                    }
+                }
+            },
+            || pb.inc(1),
+        );
+        if let Some(e) = err {
+            return Err(e.context(format!("{label}: engine matvec")));
+        }
+        check_finite(&y).with_context(|| format!("{label}: engine matvec"))?;
+        out.push(Row { threads: opts.threads, ..row("engine-matvec", 1, t) });
+    }
+
     // Prefill: `batch` activation rows against every weight row. The batched kernel is compute-bound, so a pass
     // covers a window of `k` matrices sized to the time budget (calibrated on one matrix); the window moves through
     // the buffer pass by pass so every pass still reads weights that are not in cache.
@@ -374,7 +414,7 @@ fn check_finite(y: &[f32]) -> Result<()> {
 /// Passes the progress bar needs per case.
 pub fn passes_hint(opts: &Options) -> u64 {
     let per = opts.min_passes.max(1) as u64;
-    per * if opts.batch > 0 { 3 } else { 2 }
+    per * if opts.batch > 0 { 4 } else { 3 }
 }
 
 /// Runs every selected case, printing the CSV to `out` as it goes; returns all rows.

@@ -223,7 +223,7 @@ fn run_kernels(a: &KernelsArgs) -> Result<()> {
     write!(out, "{}", m.summary("cpu (ds4_engine::quant, std scoped threads)", threads))?;
     writeln!(out, "# working set per case: {} MiB", opts.working_set >> 20)?;
     let pb = progress::bar(0, a.common.quiet);
-    kernels::run(&engine_api::EngineKernels, &opts, &mut out, &pb)?;
+    kernels::run(&engine_api::EngineKernels::new(threads), &opts, &mut out, &pb)?;
     pb.finish_and_clear();
     Ok(())
 }
