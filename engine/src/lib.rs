@@ -9,6 +9,7 @@
 //! | [`quant`] | block quant formats (F32, F16, BF16, Q8_0, Q2_K, Q4_K, IQ2_XXS, Q8_K): dequantize, quantize, dot products |
 //! | [`convert`] | official checkpoint folder (safetensors, FP8/FP4) → DS4 GGUF |
 //! | [`model`] | hyperparameters read from GGUF metadata, the weight table, the forward-pass math |
+//! | [`persist`] | sessions ↔ the `ds4-kv` disk tier: shared pages + a checkpoint; restore the longest cached prefix |
 //! | [`tables`] | flat component tables (struct-of-arrays): sessions and their KV state |
 //! | [`graph`] | the per-step job graph: ops with declared reads/writes, as plain data |
 //! | [`exec`] | executors that run a job graph on a backend |
