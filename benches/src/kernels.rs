@@ -436,9 +436,10 @@ pub fn run(k: &dyn Kernels, opts: &Options, out: &mut dyn std::io::Write, pb: &P
         let t = r.target().unwrap_or(0.0);
         writeln!(
             out,
-            "# SHORT: {} {} matvec at {:.0}% of measured bandwidth, target {:.0}% ({:.2} of {:.2} GB/s, needs {:.2})",
+            "# SHORT: {} {} {} at {:.0}% of measured bandwidth, target {:.0}% ({:.2} of {:.2} GB/s, needs {:.2})",
             r.case.name,
             r.case.ty,
+            r.kernel,
             100.0 * r.fraction(),
             100.0 * t,
             r.weights_gbs,
