@@ -33,6 +33,8 @@ pub struct EngineConfig {
     pub batch_tokens: usize,
     /// `cpu` or `wgpu`.
     pub backend: String,
+    /// Activation simulation off, cached state in f32 (the golden-comparison mode).
+    pub exact: bool,
 }
 
 /// An engine on an opened (file-backed or in-memory) model.
@@ -43,6 +45,7 @@ pub fn engine_for(file: GgufFile, c: &EngineConfig) -> Result<Engine> {
         threads: c.threads,
         ctx: c.ctx,
         max_batch_tokens: c.batch_tokens,
+        exact: c.exact,
         ..EngineOptions::default()
     };
     Ok(Engine::from_gguf(file, opts)?)

@@ -182,7 +182,7 @@ mod tests {
     fn save_and_restore_round_trip_on_a_tiny_model() {
         let spec = crate::synth::Spec::parse("tiny:layers=3:recipe=f16").unwrap();
         let file = crate::synth::build(&spec, 2, &ProgressBar::hidden()).unwrap().file;
-        let cfg = crate::engine_api::EngineConfig { threads: 2, ctx: 64, batch_tokens: 16, backend: "cpu".into() };
+        let cfg = crate::engine_api::EngineConfig { threads: 2, ctx: 64, batch_tokens: 16, backend: "cpu".into(), exact: false };
         let mut engine = crate::engine_api::engine_for(file, &cfg).unwrap();
         let tmp = tempfile::tempdir().unwrap();
         // Lengths inside one span, on a span boundary and across spans with a tail (ratios 4 and 8, span 8).
@@ -213,7 +213,7 @@ mod tests {
     fn restored_session_decodes_like_the_original() {
         let spec = crate::synth::Spec::parse("tiny:layers=3:recipe=f16").unwrap();
         let file = crate::synth::build(&spec, 2, &ProgressBar::hidden()).unwrap().file;
-        let cfg = crate::engine_api::EngineConfig { threads: 2, ctx: 64, batch_tokens: 16, backend: "cpu".into() };
+        let cfg = crate::engine_api::EngineConfig { threads: 2, ctx: 64, batch_tokens: 16, backend: "cpu".into(), exact: false };
         let mut engine = crate::engine_api::engine_for(file, &cfg).unwrap();
         let mcfg = engine.config().clone();
         let tokens = throughput::prompt(21, mcfg.vocab);

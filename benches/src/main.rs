@@ -121,6 +121,10 @@ struct CorrectnessArgs {
     /// Smallest allowed fraction of prompt positions whose argmax agrees.
     #[arg(long, default_value_t = 1.0)]
     min_agree: f64,
+    /// Exact mode on every backend (no FP8/FP4 activation simulation, f32 caches): compares the arithmetic alone,
+    /// without whole-step rounding flips amplifying tiny float differences.
+    #[arg(long)]
+    exact: bool,
 }
 
 #[derive(Args, Debug)]
@@ -286,6 +290,7 @@ fn run_throughput(a: &RunArgs) -> Result<()> {
         ctx: opts.ctx_needed(),
         batch_tokens: a.batch_tokens,
         backend: a.backend.clone(),
+        exact: false,
     };
     let mut engine = engine_api::engine_for(file, &cfg)?;
     let c = engine.config();
@@ -370,7 +375,7 @@ fn run_kv(a: &KvArgs) -> Result<()> {
     writeln!(out, "{line}")?;
     let lengths = if quick { vec![5, 16, 27] } else { a.lengths.clone() };
     let max = lengths.iter().copied().max().unwrap_or(0);
-    let cfg = engine_api::EngineConfig { threads, ctx: max + 1, batch_tokens: a.batch_tokens, backend: "cpu".into() };
+    let cfg = engine_api::EngineConfig { threads, ctx: max + 1, batch_tokens: a.batch_tokens, backend: "cpu".into(), exact: false };
     let mut engine = engine_api::engine_for(file, &cfg)?;
     let max_ratio = engine.config().compress_ratios.iter().copied().max().unwrap_or(0);
     let span = kvbench::span_for(max_ratio, if quick { 8 } else { a.span });
@@ -411,7 +416,7 @@ fn run_correctness(a: &CorrectnessArgs) -> Result<()> {
         let tokens = if a.tokens.is_empty() { throughput::prompt(16, vocab) } else { a.tokens.clone() };
         let gen = if a.common.quick { a.gen.min(2) } else { a.gen };
         let cfg =
-            engine_api::EngineConfig { threads, ctx: tokens.len() + gen + 1, batch_tokens: 256, backend: b.clone() };
+            engine_api::EngineConfig { threads, ctx: tokens.len() + gen + 1, batch_tokens: 256, backend: b.clone(), exact: a.exact };
         let mut engine = engine_api::engine_for(file, &cfg)?;
         outs.push(correctness::collect(&mut engine, b, &tokens, gen)?);
         pb.inc(1);

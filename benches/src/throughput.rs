@@ -191,6 +191,7 @@ mod tests {
                 ctx: o.ctx_needed(),
                 batch_tokens: 16,
                 backend: "cpu".into(),
+                exact: false,
             },
         )
         .unwrap();

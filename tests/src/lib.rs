@@ -64,24 +64,46 @@ pub fn golden_gguf(shared: &Path, name: &str, recipe: &str) -> PathBuf {
 /// Path of the `ds4` binary of this build profile, building it first if needed.
 pub fn ds4_bin() -> PathBuf {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
-    BIN.get_or_init(|| {
-        // target/<profile>/deps/<test-exe> -> target/<profile>/ds4
-        let exe = std::env::current_exe().expect("current exe");
-        let profile_dir = exe.parent().and_then(Path::parent).expect("target profile dir").to_path_buf();
-        let bin = profile_dir.join(format!("ds4{}", std::env::consts::EXE_SUFFIX));
-        let release = profile_dir.file_name().is_some_and(|n| n == "release");
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let mut cmd = Command::new(cargo);
-        cmd.args(["build", "-q", "-p", "ds4-engine", "--bin", "ds4"]).current_dir(repo_root());
-        if release {
-            cmd.arg("--release");
+    BIN.get_or_init(|| workspace_bin("ds4-engine", "ds4")).clone()
+}
+
+/// Path of the `ds4-bench` binary of this build profile, building it first if needed.
+pub fn ds4_bench_bin() -> PathBuf {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| workspace_bin("ds4-bench", "ds4-bench")).clone()
+}
+
+/// Builds binary `bin` of workspace package `package` in this test's build profile and returns its path.
+pub fn workspace_bin(package: &str, bin: &str) -> PathBuf {
+    // target/<profile>/deps/<test-exe> -> target/<profile>/<bin>
+    let exe = std::env::current_exe().expect("current exe");
+    let profile_dir = exe.parent().and_then(Path::parent).expect("target profile dir").to_path_buf();
+    let path = profile_dir.join(format!("{bin}{}", std::env::consts::EXE_SUFFIX));
+    let release = profile_dir.file_name().is_some_and(|n| n == "release");
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let mut cmd = Command::new(cargo);
+    cmd.args(["build", "-q", "-p", package, "--bin", bin]).current_dir(repo_root());
+    if release {
+        cmd.arg("--release");
+    }
+    let st = cmd.status().expect("running cargo build");
+    assert!(st.success(), "building the {bin} binary failed");
+    assert!(path.exists(), "{} missing after build", path.display());
+    path
+}
+
+/// Whether a wgpu adapter is usable here. Without one, wgpu tests skip with a message — except under `CI=true`,
+/// where CI installs the software Vulkan driver and a missing adapter is a failure.
+pub fn wgpu_available() -> bool {
+    match ds4_engine::backend::wgpu::WgpuContext::new() {
+        Ok(_) => true,
+        Err(e) => {
+            let ci = std::env::var("CI").map(|v| v == "true").unwrap_or(false);
+            assert!(!ci, "CI=true but no wgpu adapter: {e}");
+            eprintln!("skipping: no wgpu adapter: {e}");
+            false
         }
-        let st = cmd.status().expect("running cargo build for the ds4 binary");
-        assert!(st.success(), "building the ds4 binary failed");
-        assert!(bin.exists(), "{} missing after build", bin.display());
-        bin
-    })
-    .clone()
+    }
 }
 
 /// Max absolute difference of two equally long slices.
