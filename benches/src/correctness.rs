@@ -181,7 +181,13 @@ mod tests {
         let mut o = Vec::new();
         for threads in [1, 2] {
             let file = crate::synth::build(&spec, 2, &indicatif::ProgressBar::hidden()).unwrap().file;
-            let cfg = crate::engine_api::EngineConfig { threads, ctx: 64, batch_tokens: 5, backend: "cpu".into(), exact: false };
+            let cfg = crate::engine_api::EngineConfig {
+                threads,
+                ctx: 64,
+                batch_tokens: 5,
+                backend: "cpu".into(),
+                exact: false,
+            };
             let mut e = crate::engine_api::engine_for(file, &cfg).unwrap();
             let toks = crate::throughput::prompt(12, e.config().vocab);
             o.push(collect(&mut e, &format!("cpu{threads}"), &toks, 4).unwrap());

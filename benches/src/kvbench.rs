@@ -4,10 +4,10 @@
 //!
 //! Per prefix length `L` (prompt: the same deterministic pseudo-random ids as the throughput sweep):
 //! 1. recompute: a fresh session prefills `L` tokens (timed), its snapshot is the reference;
-//! 2. write: the snapshot is saved into an empty store directory (pages + checkpoint, see [`crate::kvbridge`];
+//! 2. write: the session is saved into an empty store directory (pages + checkpoint, `ds4_engine::persist::save`;
 //!    timed; `kv_file_bytes` = bytes of the files written, including the store's fsyncs);
-//! 3. restore: `longest_prefix` + streamed, checksummed loads + `Engine::restore` (timed); `exact` says whether
-//!    the restored snapshot equals the reference bit for bit;
+//! 3. restore: `ds4_engine::persist::restore_longest` — lookup, streamed checksummed loads, `Engine::restore`
+//!    (timed); `exact` says whether the restored session's state equals the reference bit for bit;
 //! 4. raw: the same byte count written to one file in the same directory and fsynced (timed).
 //!
 //! CSV header [`CSV_HEADER`]; `speedup` = recompute / restore, `write_fraction` = cache write GB/s / raw GB/s.
@@ -18,10 +18,11 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use ds4_engine::engine::Engine;
-use ds4_kv::{KvOptions, KvStore, ModelIdentity};
+use ds4_engine::persist;
+use ds4_kv::SaveReason;
 use indicatif::ProgressBar;
 
-use crate::{kvbridge, throughput};
+use crate::throughput;
 
 /// The CSV header of the kv report.
 pub const CSV_HEADER: &str =
@@ -120,9 +121,7 @@ pub fn run(engine: &mut Engine, opts: &Options, out: &mut dyn Write, pb: &Progre
     pb.set_length(opts.lengths.iter().map(|&l| l as u64).sum());
     writeln!(out, "{CSV_HEADER}")?;
     out.flush()?;
-    let kv_opts =
-        KvOptions { span_tokens: opts.span, span_multiple_of: max_ratio.max(1) as u32, ..KvOptions::default() };
-    let identity = ModelIdentity::new(format!("ds4-bench {} layers vocab {}", cfg.n_layers, cfg.vocab));
+    let kv_opts = persist::kv_options(engine, opts.span, u64::MAX / 4);
     let mut rows = Vec::new();
     for (i, &len) in opts.lengths.iter().enumerate() {
         pb.set_message(format!("recompute {len}"));
@@ -132,24 +131,23 @@ pub fn run(engine: &mut Engine, opts: &Options, out: &mut dyn Write, pb: &Progre
         engine.run_until_idle()?;
         let recompute_s = t0.elapsed().as_secs_f64();
         let reference = engine.snapshot(s)?;
-        engine.free_session(s)?;
 
         pb.set_message(format!("write {len}"));
         let dir = opts.dir.join(format!("kv-{i}-{len}"));
         std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-        let kv_opts = KvOptions { disk_budget_bytes: u64::MAX / 4, ..kv_opts.clone() };
-        let store = KvStore::open(&dir, identity.clone(), kv_opts)?;
+        let store = persist::open_store(engine, &dir, kv_opts.clone())?;
         let t0 = Instant::now();
-        kvbridge::save(&store, &cfg, &reference)?;
+        persist::save(&store, engine, s, SaveReason::Cold)?;
         let write_s = t0.elapsed().as_secs_f64();
+        engine.free_session(s)?;
         let kv_file_bytes = dir_bytes(&dir)?;
 
         pb.set_message(format!("restore {len}"));
         let t0 = Instant::now();
-        let snap = kvbridge::restore(&store, &cfg, &tokens[..len])?.context("the store returned no checkpoint")?;
-        let exact = snap == reference;
-        let id = engine.restore(snap)?;
+        let (id, matched) =
+            persist::restore_longest(&store, engine, &tokens[..len])?.context("the store returned no checkpoint")?;
         let restore_s = t0.elapsed().as_secs_f64();
+        let exact = matched == len && engine.snapshot(id)? == reference;
         engine.free_session(id)?;
         drop(store);
 
@@ -182,7 +180,13 @@ mod tests {
     fn save_and_restore_round_trip_on_a_tiny_model() {
         let spec = crate::synth::Spec::parse("tiny:layers=3:recipe=f16").unwrap();
         let file = crate::synth::build(&spec, 2, &ProgressBar::hidden()).unwrap().file;
-        let cfg = crate::engine_api::EngineConfig { threads: 2, ctx: 64, batch_tokens: 16, backend: "cpu".into(), exact: false };
+        let cfg = crate::engine_api::EngineConfig {
+            threads: 2,
+            ctx: 64,
+            batch_tokens: 16,
+            backend: "cpu".into(),
+            exact: false,
+        };
         let mut engine = crate::engine_api::engine_for(file, &cfg).unwrap();
         let tmp = tempfile::tempdir().unwrap();
         // Lengths inside one span, on a span boundary and across spans with a tail (ratios 4 and 8, span 8).
@@ -213,7 +217,13 @@ mod tests {
     fn restored_session_decodes_like_the_original() {
         let spec = crate::synth::Spec::parse("tiny:layers=3:recipe=f16").unwrap();
         let file = crate::synth::build(&spec, 2, &ProgressBar::hidden()).unwrap().file;
-        let cfg = crate::engine_api::EngineConfig { threads: 2, ctx: 64, batch_tokens: 16, backend: "cpu".into(), exact: false };
+        let cfg = crate::engine_api::EngineConfig {
+            threads: 2,
+            ctx: 64,
+            batch_tokens: 16,
+            backend: "cpu".into(),
+            exact: false,
+        };
         let mut engine = crate::engine_api::engine_for(file, &cfg).unwrap();
         let mcfg = engine.config().clone();
         let tokens = throughput::prompt(21, mcfg.vocab);
@@ -221,15 +231,11 @@ mod tests {
         engine.feed(s, &tokens).unwrap();
         engine.run_until_idle().unwrap();
         let tmp = tempfile::tempdir().unwrap();
-        let store = KvStore::open(
-            tmp.path(),
-            ModelIdentity::new("t"),
-            KvOptions { span_tokens: 8, span_multiple_of: 8, ..KvOptions::default() },
-        )
-        .unwrap();
-        let saved = kvbridge::save(&store, &mcfg, &engine.snapshot(s).unwrap()).unwrap();
-        assert_eq!(saved, kvbridge::Saved { pages: 2, tail: 5 });
-        let r = engine.restore(kvbridge::restore(&store, &mcfg, &tokens).unwrap().unwrap()).unwrap();
+        let store = persist::open_store(&engine, tmp.path(), persist::kv_options(&engine, 8, u64::MAX / 4)).unwrap();
+        let saved = persist::save(&store, &engine, s, SaveReason::Cold).unwrap();
+        assert_eq!((saved.pages, saved.pages_written, saved.position), (2, 2, 21));
+        let (r, matched) = persist::restore_longest(&store, &mut engine, &tokens).unwrap().unwrap();
+        assert_eq!(matched, 21);
         let a = engine.generate_greedy(s, &[], 3).unwrap();
         let b = engine.generate_greedy(r, &[], 3).unwrap();
         assert_eq!(a, b);
@@ -237,6 +243,6 @@ mod tests {
         // A prompt that diverges in its first token restores nothing.
         let mut other = tokens.clone();
         other[0] = (other[0] + 1) % mcfg.vocab as u32;
-        assert!(kvbridge::restore(&store, &mcfg, &other).unwrap().is_none());
+        assert!(persist::restore_longest(&store, &mut engine, &other).unwrap().is_none());
     }
 }

@@ -8,7 +8,7 @@
 //! - `kernels`: quant matvec/matmul GB/s on the real Flash shapes vs measured memory bandwidth ([`kernels`]).
 //! - `membw`: the bandwidth roofline alone, per buffer size and thread count ([`membw`]).
 //! - `correctness`: per backend pair max |Δlogit|, argmax and greedy agreement ([`correctness`]).
-//! - `kv`: restore-from-disk vs recompute per prefix length, cache write vs raw write ([`kvbench`], [`kvbridge`]).
+//! - `kv`: restore-from-disk vs recompute per prefix length, cache write vs raw write ([`kvbench`], on `ds4_engine::persist`).
 //!
 //! Every run is short by default (seconds); flags make it longer. `--quick` shrinks everything for smoke tests.
 
@@ -17,7 +17,6 @@ mod correctness;
 mod engine_api;
 mod kernels;
 mod kvbench;
-mod kvbridge;
 mod machine;
 mod membw;
 mod par;
@@ -375,7 +374,13 @@ fn run_kv(a: &KvArgs) -> Result<()> {
     writeln!(out, "{line}")?;
     let lengths = if quick { vec![5, 16, 27] } else { a.lengths.clone() };
     let max = lengths.iter().copied().max().unwrap_or(0);
-    let cfg = engine_api::EngineConfig { threads, ctx: max + 1, batch_tokens: a.batch_tokens, backend: "cpu".into(), exact: false };
+    let cfg = engine_api::EngineConfig {
+        threads,
+        ctx: max + 1,
+        batch_tokens: a.batch_tokens,
+        backend: "cpu".into(),
+        exact: false,
+    };
     let mut engine = engine_api::engine_for(file, &cfg)?;
     let max_ratio = engine.config().compress_ratios.iter().copied().max().unwrap_or(0);
     let span = kvbench::span_for(max_ratio, if quick { 8 } else { a.span });
@@ -415,8 +420,13 @@ fn run_correctness(a: &CorrectnessArgs) -> Result<()> {
         let vocab = file.get_usize("deepseek4.vocab_size")?;
         let tokens = if a.tokens.is_empty() { throughput::prompt(16, vocab) } else { a.tokens.clone() };
         let gen = if a.common.quick { a.gen.min(2) } else { a.gen };
-        let cfg =
-            engine_api::EngineConfig { threads, ctx: tokens.len() + gen + 1, batch_tokens: 256, backend: b.clone(), exact: a.exact };
+        let cfg = engine_api::EngineConfig {
+            threads,
+            ctx: tokens.len() + gen + 1,
+            batch_tokens: 256,
+            backend: b.clone(),
+            exact: a.exact,
+        };
         let mut engine = engine_api::engine_for(file, &cfg)?;
         outs.push(correctness::collect(&mut engine, b, &tokens, gen)?);
         pb.inc(1);
