@@ -23,9 +23,9 @@ use crate::tokenizer::{Tokenizer, EOS_TOKEN};
 /// Options shared by `ds4 run` and `ds4 chat`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct GenArgs {
-    /// The DS4 GGUF model file.
+    /// The DS4 GGUF model file (default: the built-in tiny demo model: random weights, real tokenizer).
     #[arg(short = 'm', long = "model")]
-    pub model: PathBuf,
+    pub model: Option<PathBuf>,
     /// A system prompt.
     #[arg(long)]
     pub system: Option<String>,
@@ -92,6 +92,9 @@ struct Loaded {
     sampler: SamplerConfig,
 }
 
+/// Seed of the built-in demo model used when no `-m` is given.
+pub const DEMO_SEED: u64 = 1;
+
 fn load(g: &GenArgs) -> anyhow::Result<Loaded> {
     let effort: ReasoningEffort = g.reasoning_effort.parse()?;
     let backend: BackendKind = g.backend.parse()?;
@@ -104,8 +107,15 @@ fn load(g: &GenArgs) -> anyhow::Result<Loaded> {
         ..Default::default()
     };
     sampler.validate()?;
-    let file = GgufFile::open(&g.model)?;
-    let tok = Tokenizer::from_gguf(&file).with_context(|| format!("tokenizer of {}", g.model.display()))?;
+    let file = match &g.model {
+        Some(path) => GgufFile::open(path)?,
+        None => {
+            tracing::info!("no -m given: using the built-in tiny demo model (random weights, real tokenizer)");
+            GgufFile::from_bytes(crate::convert::demo::demo_model_gguf(DEMO_SEED)?)?
+        }
+    };
+    let name = g.model.as_ref().map_or_else(|| "the demo model".to_string(), |p| p.display().to_string());
+    let tok = Tokenizer::from_gguf(&file).with_context(|| format!("tokenizer of {name}"))?;
     let opts = EngineOptions { backend, threads: g.threads, ctx: g.ctx, ..Default::default() };
     let engine = Engine::from_gguf(file, opts)?;
     let mode = if g.nothink { Mode::Chat } else { Mode::Thinking };
