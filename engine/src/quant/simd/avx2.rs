@@ -99,6 +99,21 @@ fn f16_at(b: &[u8], off: usize) -> f32 {
     f32::from_bits(v.to_bits() | ((h & 0x8000) << 16))
 }
 
+/// How far ahead (bytes) the quantized dots prefetch the weight row: enough to cover DRAM latency at the kernels'
+/// per-core rate. Measured with `ds4-bench kernels --batch 0`.
+const PF_AHEAD: usize = 768;
+
+/// Prefetches the cache lines at `p + PF_AHEAD + 64·k`, `k < LINES`, into L1. A hint only: it never faults, and the
+/// address is formed with `wrapping_add` so running past the end of the weights is harmless.
+#[inline(always)]
+fn prefetch_ahead<const LINES: usize>(p: *const u8) {
+    for k in 0..LINES {
+        // SAFETY: `_mm_prefetch` is a hint that never faults (SSE, baseline on x86-64); the address is not
+        // dereferenced by Rust code.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PF_AHEAD + 64 * k) as *const i8) };
+    }
+}
+
 /// Loads 8 f32 from `p`.
 ///
 /// # Safety
@@ -327,6 +342,7 @@ fn q8_0_q8_0_imp(w: &[u8], a: &[u8]) -> f32 {
     // Two accumulators: the FMA latency, not throughput, bounds a single chain.
     let mut acc = [_mm256_setzero_ps(); 2];
     for (pw, pa) in w[..n * B].chunks_exact(2 * B).zip(a[..n * B].chunks_exact(2 * B)) {
+        prefetch_ahead::<2>(pw.as_ptr());
         for k in 0..2 {
             let (p, d) = q8_0_block(&pw[k * B..(k + 1) * B], &pa[k * B..(k + 1) * B]);
             acc[k] = _mm256_fmadd_ps(_mm256_set1_ps(d), p, acc[k]);
@@ -365,6 +381,7 @@ fn q4_k_q8_k_imp(w: &[u8], a: &[u8]) -> f32 {
         let da = q8_k::d(qa);
         let (sc, mins) = q4_k_scales(&b[4..16]);
         let (bp, ap) = (b.as_ptr(), qa.as_ptr());
+        prefetch_ahead::<3>(bp);
         // Σ_j m_j·(bsum_2j + bsum_2j+1): each min duplicated into two i16 lanes, times the 16 block sums.
         let m8 = _mm_cvtsi64_si128(mins as i64);
         let m16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));
@@ -419,6 +436,7 @@ fn q2_k_q8_k_imp(w: &[u8], a: &[u8]) -> f32 {
     for (b, qa) in w.chunks_exact(q2_k::BLOCK_BYTES).zip(a.chunks_exact(q8_k::BLOCK_BYTES)) {
         let da = q8_k::d(qa);
         let (bp, ap) = (b.as_ptr(), qa.as_ptr());
+        prefetch_ahead::<2>(bp);
         // SAFETY: scales are bytes 0..16 of the 84-byte block; block sums bytes 260..292 of the Q8_K block.
         let (sc8, bsums) = unsafe { (_mm_loadu_si128(bp as *const __m128i), ld_si256(ap.add(q8_k::BSUMS))) };
         let mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(sc8), m4));
@@ -472,6 +490,7 @@ fn iq2_xxs_q8_k_imp(w: &[u8], a: &[u8]) -> f32 {
     let mut acc = _mm256_setzero_ps();
     for (b, qa) in w.chunks_exact(iq2_xxs::BLOCK_BYTES).zip(a.chunks_exact(q8_k::BLOCK_BYTES)) {
         let ap = qa.as_ptr();
+        prefetch_ahead::<2>(b.as_ptr());
         let mut sumi = _mm256_setzero_si256();
         for g in 0..8 {
             let o = 2 + 8 * g;
