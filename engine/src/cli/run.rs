@@ -10,6 +10,8 @@
 
 use std::io::{BufRead, Write};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use anyhow::Context;
 
@@ -130,6 +132,8 @@ pub struct TurnOptions<'a> {
     pub sampler: &'a SamplerConfig,
     pub stops: &'a [String],
     pub max_tokens: usize,
+    /// When set (e.g. by Ctrl-C), generation stops after the current token and the flag is cleared.
+    pub cancel: Option<&'a AtomicBool>,
 }
 
 /// Runs one assistant turn: feeds `new_tokens` to `sess`, then samples until EOS, a stop sequence or the token
@@ -142,7 +146,7 @@ pub fn generate(
     opt: &TurnOptions<'_>,
     on_event: &mut dyn FnMut(&ParseEvent),
 ) -> crate::Result<ParsedMessage> {
-    let TurnOptions { mode, sampler: sampler_cfg, stops, max_tokens } = *opt;
+    let TurnOptions { mode, sampler: sampler_cfg, stops, max_tokens, cancel } = *opt;
     engine.feed(sess, new_tokens)?;
     engine.run_until_idle()?;
     let mut sampler = Sampler::new(sampler_cfg.clone())?;
@@ -157,6 +161,12 @@ pub fn generate(
         }
     };
     loop {
+        if cancel.is_some_and(|c| c.swap(false, Ordering::SeqCst)) {
+            tracing::info!("generation stopped (interrupted)");
+            let rest = dec.finish() + &stop.finish();
+            emit(&mut parser, &rest, on_event);
+            break;
+        }
         let id = sampler.sample_with(engine.logits(sess)?, parser.in_tool_syntax())?;
         sampler.accept(id);
         if id == special.eos {
@@ -236,26 +246,84 @@ pub fn run(a: RunArgs) -> anyhow::Result<i32> {
     let ids = l.tok.encode(&text)?;
     let sess = l.engine.create_session();
     let mut on_event = printer();
-    let opt = TurnOptions { mode: l.mode, sampler: &l.sampler, stops: &a.gen.stop, max_tokens: a.gen.max_tokens };
+    let opt = TurnOptions {
+        mode: l.mode,
+        sampler: &l.sampler,
+        stops: &a.gen.stop,
+        max_tokens: a.gen.max_tokens,
+        cancel: None,
+    };
     let parsed = generate(&mut l.engine, sess, &l.tok, &ids, &opt, &mut on_event)?;
     print_turn_end(&parsed)?;
     Ok(0)
 }
 
-/// Runs `ds4 chat`: one user turn per input line; `/reset` starts over, `/exit` (or end of input) quits.
+/// Reads one user message: a line, or several lines when a line ends with `\\` (continued) or between two lines
+/// holding only `"""`. Returns `None` at end of input.
+fn read_message(input: &mut dyn BufRead) -> std::io::Result<Option<String>> {
+    let mut msg = String::new();
+    let mut in_block = false;
+    loop {
+        let mut line = String::new();
+        if input.read_line(&mut line)? == 0 {
+            return Ok(if msg.is_empty() { None } else { Some(msg) });
+        }
+        let line = line.trim_end_matches(['\n', '\r']);
+        if line.trim() == "\"\"\"" {
+            if in_block {
+                return Ok(Some(msg));
+            }
+            in_block = true;
+            continue;
+        }
+        if in_block {
+            if !msg.is_empty() {
+                msg.push('\n');
+            }
+            msg.push_str(line);
+            continue;
+        }
+        if let Some(head) = line.strip_suffix('\\') {
+            msg.push_str(head);
+            msg.push('\n');
+            continue;
+        }
+        msg.push_str(line);
+        return Ok(Some(msg));
+    }
+}
+
+/// Installs the Ctrl-C handler of `ds4 chat`: during generation it sets `cancel` (generation stops, the REPL goes
+/// on); at the prompt it quits.
+fn install_interrupt(cancel: Arc<AtomicBool>, generating: Arc<AtomicBool>) {
+    let r = ctrlc::set_handler(move || {
+        if generating.load(Ordering::SeqCst) {
+            cancel.store(true, Ordering::SeqCst);
+        } else {
+            eprintln!();
+            std::process::exit(130);
+        }
+    });
+    if let Err(e) = r {
+        tracing::warn!("Ctrl-C handler not installed: {e}");
+    }
+}
+
+/// Runs `ds4 chat`: one user turn per message (see [`read_message`] for multi-line input). Commands: `/think`,
+/// `/nothink` switch the mode, `/reset` starts over, `/exit` (or end of input) quits; Ctrl-C stops a generation
+/// without quitting.
 pub fn chat(a: ChatArgs) -> anyhow::Result<i32> {
     let mut l = load(&a.gen)?;
     let mut messages = conversation_start(&a.gen);
     let mut sess = l.engine.create_session();
     let stdin = std::io::stdin();
     let mut on_event = printer();
+    let cancel = Arc::new(AtomicBool::new(false));
+    let generating = Arc::new(AtomicBool::new(false));
+    install_interrupt(cancel.clone(), generating.clone());
     loop {
         eprint!("> ");
-        let mut line = String::new();
-        if stdin.lock().read_line(&mut line)? == 0 {
-            break;
-        }
-        let line = line.trim_end_matches(['\n', '\r']);
+        let Some(line) = read_message(&mut stdin.lock())? else { break };
         match line.trim() {
             "" => continue,
             "/exit" | "/quit" => break,
@@ -265,13 +333,23 @@ pub fn chat(a: ChatArgs) -> anyhow::Result<i32> {
                 sess = l.engine.create_session();
                 continue;
             }
+            "/think" => {
+                l.mode = Mode::Thinking;
+                eprintln!("(thinking mode)");
+                continue;
+            }
+            "/nothink" => {
+                l.mode = Mode::Chat;
+                eprintln!("(chat mode)");
+                continue;
+            }
             _ => {}
         }
         messages.push(Message::new(Role::User, line));
         let text = render(&RenderInput { messages: messages.clone() }, l.mode, l.effort)?;
         let ids = l.tok.encode(&text)?;
         // Reuse the session when what it has processed is a prefix of the new prompt (earlier reasoning that the
-        // format drops makes it differ; then start over).
+        // format drops, or a mode switch, makes it differ; then start over).
         let done = l.engine.history(sess)?.to_vec();
         let new = if ids.starts_with(&done) {
             &ids[done.len()..]
@@ -280,8 +358,18 @@ pub fn chat(a: ChatArgs) -> anyhow::Result<i32> {
             sess = l.engine.create_session();
             &ids[..]
         };
-        let opt = TurnOptions { mode: l.mode, sampler: &l.sampler, stops: &a.gen.stop, max_tokens: a.gen.max_tokens };
-        let parsed = generate(&mut l.engine, sess, &l.tok, new, &opt, &mut on_event)?;
+        let opt = TurnOptions {
+            mode: l.mode,
+            sampler: &l.sampler,
+            stops: &a.gen.stop,
+            max_tokens: a.gen.max_tokens,
+            cancel: Some(&cancel),
+        };
+        cancel.store(false, Ordering::SeqCst);
+        generating.store(true, Ordering::SeqCst);
+        let parsed = generate(&mut l.engine, sess, &l.tok, new, &opt, &mut on_event);
+        generating.store(false, Ordering::SeqCst);
+        let parsed = parsed?;
         print_turn_end(&parsed)?;
         messages.push(parsed.to_message());
     }
@@ -310,7 +398,7 @@ mod tests {
         let ids = tok.encode(&text).unwrap();
         let sess = engine.create_session();
         let mut seen = String::new();
-        let opt = TurnOptions { mode: Mode::Thinking, sampler: cfg, stops: &[], max_tokens };
+        let opt = TurnOptions { mode: Mode::Thinking, sampler: cfg, stops: &[], max_tokens, cancel: None };
         let p = generate(engine, sess, tok, &ids, &opt, &mut |e| match e {
             ParseEvent::ReasoningDelta(d) | ParseEvent::ContentDelta(d) => seen += d,
             _ => {}
@@ -336,5 +424,30 @@ mod tests {
             .all(|c: &ParsedToolCall| serde_json::from_str::<serde_json::Value>(&c.arguments).is_ok()));
         let (g, _) = turn(&mut engine, &tok, &SamplerConfig::greedy(), 6);
         assert_eq!(g, turn(&mut engine, &tok, &SamplerConfig::greedy(), 6).0);
+    }
+
+    #[test]
+    fn multi_line_messages() {
+        let mut input: &[u8] = b"one\ntwo \\\nthree\n\"\"\"\na\n\nb\n\"\"\"\nlast";
+        assert_eq!(read_message(&mut input).unwrap().as_deref(), Some("one"));
+        assert_eq!(read_message(&mut input).unwrap().as_deref(), Some("two \nthree"));
+        assert_eq!(read_message(&mut input).unwrap().as_deref(), Some("a\n\nb"));
+        assert_eq!(read_message(&mut input).unwrap().as_deref(), Some("last"));
+        assert_eq!(read_message(&mut input).unwrap(), None);
+    }
+
+    #[test]
+    fn a_set_cancel_flag_stops_generation_and_is_cleared() {
+        let (mut engine, tok) = demo();
+        let cfg = SamplerConfig { temperature: 0.0, ..Default::default() };
+        let ids = tok.encode("Hello").unwrap();
+        let sess = engine.create_session();
+        let cancel = AtomicBool::new(true);
+        let opt = TurnOptions { mode: Mode::Chat, sampler: &cfg, stops: &[], max_tokens: 50, cancel: Some(&cancel) };
+        generate(&mut engine, sess, &tok, &ids, &opt, &mut |_| {}).unwrap();
+        assert_eq!(engine.history(sess).unwrap().len(), ids.len(), "no token may be generated after a cancel");
+        assert!(!cancel.load(Ordering::SeqCst), "the flag is cleared");
+        generate(&mut engine, sess, &tok, &[], &TurnOptions { max_tokens: 3, ..opt }, &mut |_| {}).unwrap();
+        assert!(engine.history(sess).unwrap().len() > ids.len(), "a later turn generates again");
     }
 }
