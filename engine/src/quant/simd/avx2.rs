@@ -485,36 +485,52 @@ const SIGNS_PM1: [u64; 128] = {
     t
 };
 
+/// One IQ2_XXS group (32 weights: 4 grid indices, then 4×7 sign bits and a 4-bit scale, as one little-endian u64)
+/// times its 32 Q8_K quants `qa8`, as 8 i32 partial sums scaled by `2·scale + 1`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn iq2_xxs_group(q: u64, qa8: __m256i) -> __m256i {
+    let aux = (q >> 32) as u32;
+    let grid = _mm256_set_epi64x(
+        IQ2XXS_GRID[(q >> 24) as u8 as usize] as i64,
+        IQ2XXS_GRID[(q >> 16) as u8 as usize] as i64,
+        IQ2XXS_GRID[(q >> 8) as u8 as usize] as i64,
+        IQ2XXS_GRID[q as u8 as usize] as i64,
+    );
+    let signs = _mm256_set_epi64x(
+        SIGNS_PM1[((aux >> 21) & 127) as usize] as i64,
+        SIGNS_PM1[((aux >> 14) & 127) as usize] as i64,
+        SIGNS_PM1[((aux >> 7) & 127) as usize] as i64,
+        SIGNS_PM1[(aux & 127) as usize] as i64,
+    );
+    let p16 = _mm256_maddubs_epi16(grid, _mm256_sign_epi8(qa8, signs));
+    _mm256_madd_epi16(p16, _mm256_set1_epi16((2 * (aux >> 28) + 1) as i16))
+}
+
 #[target_feature(enable = "avx2,fma,f16c")]
 fn iq2_xxs_q8_k_imp(w: &[u8], a: &[u8]) -> f32 {
     let mut acc = _mm256_setzero_ps();
     for (b, qa) in w.chunks_exact(iq2_xxs::BLOCK_BYTES).zip(a.chunks_exact(q8_k::BLOCK_BYTES)) {
-        let ap = qa.as_ptr();
-        prefetch_ahead::<2>(b.as_ptr());
-        let mut sumi = _mm256_setzero_si256();
-        for g in 0..8 {
-            let o = 2 + 8 * g;
-            let aux = u32::from_le_bytes([b[o + 4], b[o + 5], b[o + 6], b[o + 7]]);
-            let grid = _mm256_set_epi64x(
-                IQ2XXS_GRID[b[o + 3] as usize] as i64,
-                IQ2XXS_GRID[b[o + 2] as usize] as i64,
-                IQ2XXS_GRID[b[o + 1] as usize] as i64,
-                IQ2XXS_GRID[b[o] as usize] as i64,
-            );
-            let signs = _mm256_set_epi64x(
-                SIGNS_PM1[((aux >> 21) & 127) as usize] as i64,
-                SIGNS_PM1[((aux >> 14) & 127) as usize] as i64,
-                SIGNS_PM1[((aux >> 7) & 127) as usize] as i64,
-                SIGNS_PM1[(aux & 127) as usize] as i64,
-            );
-            // SAFETY: 32 Q8_K quants at 4 + 32g ≤ 228, inside the 292-byte block.
-            let qa8 = unsafe { ld_si256(ap.add(4 + 32 * g)) };
-            let p16 = _mm256_maddubs_epi16(grid, _mm256_sign_epi8(qa8, signs));
-            let ls = (2 * (aux >> 28) + 1) as i16;
-            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p16, _mm256_set1_epi16(ls)));
+        let (bp, ap) = (b.as_ptr(), qa.as_ptr());
+        prefetch_ahead::<2>(bp);
+        // Two independent sums, two groups per step, so the table lookups of one overlap the other's arithmetic.
+        let mut sumi = [_mm256_setzero_si256(); 2];
+        for g in (0..8).step_by(2) {
+            // SAFETY: groups g and g + 1 are 8 bytes each at 2 + 8g ≤ 50 inside the 66-byte block; their 32 Q8_K
+            // quants each are at 4 + 32g ≤ 228 inside the 292-byte block.
+            let (q0, q1, a0, a1) = unsafe {
+                (
+                    std::ptr::read_unaligned(bp.add(2 + 8 * g) as *const u64).to_le(),
+                    std::ptr::read_unaligned(bp.add(10 + 8 * g) as *const u64).to_le(),
+                    ld_si256(ap.add(4 + 32 * g)),
+                    ld_si256(ap.add(36 + 32 * g)),
+                )
+            };
+            sumi[0] = _mm256_add_epi32(sumi[0], iq2_xxs_group(q0, a0));
+            sumi[1] = _mm256_add_epi32(sumi[1], iq2_xxs_group(q1, a1));
         }
         let d = f16_at(b, 0) * q8_k::d(qa) * 0.125;
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_add_epi32(sumi[0], sumi[1])), acc);
     }
     hsum_ps(acc)
 }
