@@ -382,6 +382,11 @@ impl Engine {
         })
     }
 
+    /// Bytes of KV state session `id` holds in host memory (see [`SessionKv::bytes`]).
+    pub fn kv_bytes(&self, id: SessionId) -> Result<u64> {
+        Ok(self.sessions.kv[self.slot(id)?].bytes())
+    }
+
     /// Creates a session from a snapshot (validated against this model's shapes).
     pub fn restore(&mut self, snap: SessionSnapshot) -> Result<SessionId> {
         let fresh = SessionKv::new(&self.model.config, 0);

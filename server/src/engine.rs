@@ -106,7 +106,10 @@ impl Runner for EngineRunner {
     }
 
     fn kv_bytes(&self) -> crate::backend::KvBytes {
-        crate::backend::KvBytes { disk: self.disk.as_ref().map_or(0, |d| d.disk_bytes()), ..Default::default() }
+        // Both backends keep session KV state in host memory (the wgpu backend uploads per op), so nothing is
+        // reported on the device tier yet.
+        let host = self.ids.values().filter_map(|&sid| self.engine.kv_bytes(sid).ok()).sum();
+        crate::backend::KvBytes { device: 0, host, disk: self.disk.as_ref().map_or(0, |d| d.disk_bytes()) }
     }
 
     fn disk_restore(&mut self, prompt: &[u32], better_than: usize) -> Option<(SessionId, usize)> {

@@ -44,6 +44,9 @@ fn demo_model_serves_every_api_reproducibly() {
     let (again, u2) = chat_text(&server, "Hello there, how are you?");
     assert_eq!(first, again, "temperature 0 is reproducible");
     assert_eq!(u1["completion_tokens"], 6);
+    // The parked session's KV state is held in host memory and reported by tier.
+    assert!(server.metric("ds4_kv_bytes{tier=\"host\"}") > 0.0, "host KV bytes not reported");
+    assert_eq!(server.metric("ds4_kv_bytes{tier=\"device\"}"), 0.0);
     // The repeat is served from the parked prompt copy.
     assert_eq!(u2["prompt_tokens_details"]["cached_tokens"], u1["prompt_tokens"]);
 

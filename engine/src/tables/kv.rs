@@ -76,6 +76,17 @@ pub struct SessionKv {
 }
 
 impl SessionKv {
+    /// Bytes of KV state the session holds now (rows in use and frontiers; not spare capacity).
+    pub fn bytes(&self) -> u64 {
+        let f = |fr: &Option<Frontier>| fr.as_ref().map_or(0, |f| f.pending_kv.len() + f.pending_gate.len());
+        let values: usize = self
+            .layers
+            .iter()
+            .map(|l| l.ring.len() + l.comp_rows.len() + l.idx_rows.len() + f(&l.comp) + f(&l.idx))
+            .sum();
+        (values * std::mem::size_of::<f32>()) as u64
+    }
+
     /// Tokens whose compressed rows are reserved up front; longer sessions grow (amortised doubling).
     pub const RESERVE_TOKENS_MAX: usize = 32768;
 
