@@ -100,8 +100,9 @@ fn f16_at(b: &[u8], off: usize) -> f32 {
 }
 
 /// How far ahead (bytes) the quantized dots prefetch the weight row: enough to cover DRAM latency at the kernels'
-/// per-core rate. Measured with `ds4-bench kernels --batch 0`.
-const PF_AHEAD: usize = 768;
+/// per-core rate. Measured with `ds4-bench kernels --batch 0`: 768 B < 1536 B < 3072 B (Q2_K 0.55 → 0.76 → 0.85 of
+/// the bandwidth).
+const PF_AHEAD: usize = 3072;
 
 /// Prefetches the cache lines at `p + PF_AHEAD + 64·k`, `k < LINES`, into L1. A hint only: it never faults, and the
 /// address is formed with `wrapping_add` so running past the end of the weights is harmless.
