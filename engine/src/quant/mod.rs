@@ -263,6 +263,28 @@ impl fmt::Display for GgmlType {
     }
 }
 
+/// Scalar `weights · f32` dot of a 256-value-block format, by expanding each block with `dequantize_block` and
+/// summing in four interleaved lanes (the reference order the SIMD kernels are tested against). Covers the whole
+/// blocks both slices hold.
+pub(crate) fn dot_f32_by_blocks(
+    w: &[u8],
+    x: &[f32],
+    block_bytes: usize,
+    dequantize_block: fn(&[u8], &mut [f32]),
+) -> f32 {
+    let mut y = [0f32; QK_K];
+    let mut acc = 0f32;
+    for (b, xs) in w.chunks_exact(block_bytes).zip(x.chunks_exact(QK_K)) {
+        dequantize_block(b, &mut y);
+        let mut s = [0f32; 4];
+        for (i, (a, c)) in y.iter().zip(xs).enumerate() {
+            s[i & 3] += a * c;
+        }
+        acc += (s[0] + s[1]) + (s[2] + s[3]);
+    }
+    acc
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -102,17 +102,7 @@ fn quantize_block(x: &[f32], w: &[f32], b: &mut [u8]) {
 
 /// Q2_K weights · f32 activations over the whole blocks both hold.
 pub(crate) fn dot_f32(w: &[u8], x: &[f32]) -> f32 {
-    let mut y = [0f32; QK_K];
-    let mut acc = 0f32;
-    for (b, xs) in w.chunks_exact(BLOCK_BYTES).zip(x.chunks_exact(QK_K)) {
-        dequantize_block(b, &mut y);
-        let mut s = [0f32; 4];
-        for (i, (a, c)) in y.iter().zip(xs).enumerate() {
-            s[i & 3] += a * c;
-        }
-        acc += (s[0] + s[1]) + (s[2] + s[3]);
-    }
-    acc
+    super::dot_f32_by_blocks(w, x, BLOCK_BYTES, dequantize_block)
 }
 
 /// Q2_K weights · Q8_K activations over the whole blocks both hold.
