@@ -16,6 +16,7 @@
 //! | [`backend`] | op implementations: `cpu` (reference + SIMD) and `wgpu` |
 //! | [`tokenizer`], [`chat`], [`sampler`] | text in, text out |
 //! | [`cli`] | the `ds4` command-line tool |
+//! | [`testdata`] | for tests: where `../shared` is, and the skip-unless-CI rule |
 //!
 //! Errors: every fallible function returns [`Result`], whose [`Error`] names the op, file or tensor involved.
 #![forbid(unsafe_op_in_unsafe_fn)]
@@ -34,6 +35,7 @@ pub mod persist;
 pub mod quant;
 pub mod sampler;
 pub mod tables;
+pub mod testdata;
 pub mod tokenizer;
 
 pub use engine::{BackendKind, Engine, EngineOptions};

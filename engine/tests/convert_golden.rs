@@ -12,15 +12,7 @@ use ds4_engine::quant::GgmlType;
 use safetensors::SafeTensors;
 
 fn golden_dir() -> Option<PathBuf> {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/golden/tiny-a");
-    if p.join("model.safetensors").exists() {
-        return Some(p);
-    }
-    if std::env::var("CI").is_ok_and(|v| v == "true") {
-        panic!("golden checkpoint {} missing in CI", p.display());
-    }
-    eprintln!("skipping: {} not found (no ../shared checkout)", p.display());
-    None
+    ds4_engine::testdata::shared("golden/tiny-a", "model.safetensors")
 }
 
 /// The spec's official → GGUF name map (gguf-ds4.md, "Tensors").

@@ -9,15 +9,7 @@ use ds4_engine::gguf::GgufFile;
 use ds4_engine::quant::{dequantize_row, GgmlType};
 
 fn golden_dir() -> Option<PathBuf> {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/golden/tiny-a");
-    if p.join("model.safetensors").exists() {
-        return Some(p);
-    }
-    if std::env::var("CI").is_ok_and(|v| v == "true") {
-        panic!("golden checkpoint {} missing in CI", p.display());
-    }
-    eprintln!("skipping: {} not found (no ../shared checkout)", p.display());
-    None
+    ds4_engine::testdata::shared("golden/tiny-a", "model.safetensors")
 }
 
 fn is_vector(name: &str) -> bool {

@@ -17,15 +17,7 @@ pub fn repo_root() -> PathBuf {
 
 /// `../shared` relative to the repository root, if present. Panics when it is missing and `CI=true`.
 pub fn shared() -> Option<PathBuf> {
-    let p = repo_root().join("..").join("shared");
-    if p.join("golden").is_dir() {
-        return Some(p);
-    }
-    if std::env::var("CI").map(|v| v == "true").unwrap_or(false) {
-        panic!("CI=true but the shared folder {} is missing", p.display());
-    }
-    eprintln!("skipping: {} not found (golden tests need ../shared)", p.display());
-    None
+    ds4_engine::testdata::shared("", "golden")
 }
 
 /// Reads a little-endian f32 file.

@@ -357,9 +357,7 @@ fn tiny_a_wgpu_backend_through_the_engine() {
         Ok(e) => e,
         Err(err) => {
             // No adapter (or a build without the feature): only acceptable outside CI.
-            let ci = std::env::var("CI").map(|v| v == "true").unwrap_or(false);
-            assert!(!ci, "CI=true but the wgpu engine did not start: {err}");
-            eprintln!("skipping: wgpu engine unavailable: {err}");
+            ds4_engine::testdata::skip_or_fail(&format!("the wgpu engine did not start: {err}"));
             return;
         }
     };

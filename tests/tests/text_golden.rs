@@ -7,14 +7,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
-fn in_ci() -> bool {
-    std::env::var("CI").map(|v| v == "true").unwrap_or(false)
-}
-
-fn skip_or_fail(what: &str) {
-    assert!(!in_ci(), "CI=true but {what}");
-    eprintln!("skipping: {what}");
-}
+use ds4_engine::testdata::skip_or_fail;
 
 fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")

@@ -5,13 +5,7 @@ use super::*;
 use crate::gguf::{GgufFile, GgufWriter, MetaValue};
 
 fn shared_dir() -> Option<std::path::PathBuf> {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/golden/tokenizer");
-    if p.join("cases.jsonl").exists() {
-        return Some(p);
-    }
-    assert!(std::env::var("CI").map(|v| v != "true").unwrap_or(true), "CI=true but {} is missing", p.display());
-    eprintln!("skipping: {} not found", p.display());
-    None
+    crate::testdata::shared("golden/tokenizer", "cases.jsonl")
 }
 
 fn cases(dir: &Path) -> Vec<(String, Vec<u32>)> {

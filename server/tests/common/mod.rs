@@ -4,7 +4,6 @@
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -197,12 +196,7 @@ pub fn parse_reply(raw: &[u8]) -> Reply {
 
 /// `../shared/clients/<client>/*.json`, sorted; `None` (with a note) when the folder is absent outside CI.
 pub fn fixtures(client: &str) -> Option<Vec<(String, Value)>> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/clients").join(client);
-    if !dir.is_dir() {
-        assert!(std::env::var("CI").is_err(), "fixtures missing in CI: {}", dir.display());
-        eprintln!("skipping: {} not found", dir.display());
-        return None;
-    }
+    let dir = ds4_engine::testdata::shared(&format!("clients/{client}"), "")?;
     let mut files: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).collect();
     files.sort();
     Some(
