@@ -4,6 +4,14 @@
 //!
 //! A backend may keep device copies and scratch of its own; what it must honour is the contract of each op on the
 //! buffers the graph declares (see [`crate::graph::Op::access`]).
+//!
+//! Device-resident backends (wgpu): the executor brackets every tick with [`Backend::begin_tick`] /
+//! [`Backend::end_tick`]. Such a backend keeps the tick's activations in device buffers and fills only
+//! [`Activations::logits`] on the host (at the end of the tick); the other `Activations` fields are then left
+//! untouched — only the CPU backend fills them. Likewise it may keep a session's KV on the device and leave the
+//! host [`SessionKv`] stale (tagged by [`crate::tables::KvSync`]): call [`Backend::sync_kv`] before reading the
+//! host arrays (snapshot, persistence, clone); writing them (restore, clear, a new session) resets the tag, and the
+//! backend uploads them at the session's next tick.
 
 pub mod cpu;
 #[cfg(feature = "wgpu")]
@@ -109,6 +117,24 @@ pub trait Backend: Send + Sync {
     fn hc_head(&self, cx: &mut StepCtx<'_>) -> Result<()>;
     /// [`Op::Logits`].
     fn logits(&self, cx: &mut StepCtx<'_>) -> Result<()>;
+
+    /// Called by the executor before the first op of a tick. Default: nothing.
+    fn begin_tick(&self, _cx: &mut StepCtx<'_>) -> Result<()> {
+        Ok(())
+    }
+
+    /// Called by the executor after the last op of a tick succeeded; a device backend finishes the tick's work
+    /// here if [`Op::Logits`] did not. Default: nothing.
+    fn end_tick(&self, _cx: &mut StepCtx<'_>) -> Result<()> {
+        Ok(())
+    }
+
+    /// Brings the host arrays of `kv` (the state of the session the backend saw at batch slot `slot`) up to date
+    /// with the backend's device copy, if it keeps one and `kv.sync.host_stale`. Default (host KV backends):
+    /// nothing.
+    fn sync_kv(&self, _slot: usize, _kv: &mut SessionKv) -> Result<()> {
+        Ok(())
+    }
 
     /// Runs one op (dispatch on the enum).
     fn run_op(&self, op: Op, cx: &mut StepCtx<'_>) -> Result<()> {

@@ -19,9 +19,12 @@ pub struct Executor {
 }
 
 impl Executor {
-    /// Runs every job of `g` on `backend`. Fails with the first op error, or if the graph has a cycle.
+    /// Runs every job of `g` on `backend`, bracketed by [`Backend::begin_tick`] and [`Backend::end_tick`]. Fails
+    /// with the first op error, or if the graph has a cycle.
     pub fn run(&mut self, g: &Graph, backend: &dyn Backend, cx: &mut StepCtx<'_>) -> Result<()> {
-        self.run_with(g, |op| backend.run_op(op, cx))
+        backend.begin_tick(cx)?;
+        self.run_with(g, |op| backend.run_op(op, cx))?;
+        backend.end_tick(cx)
     }
 
     /// Runs every job of `g` through `f`, in dependency order (ties: lowest job index first).

@@ -69,15 +69,43 @@ pub struct LayerKv {
     pub idx: Option<Frontier>,
 }
 
+/// Bookkeeping for backends that keep a device copy of a session's KV (see
+/// [`crate::backend::Backend::sync_kv`]). Not part of the state: two tags always compare equal.
+///
+/// A backend that advances its device copy gives it a fresh, process-unique `epoch`, stores the same epoch here and
+/// sets `host_stale`; the host arrays of [`SessionKv`] are then out of date until the backend's `sync_kv` copies the
+/// device state back (which clears `host_stale`). Anything that writes the host arrays must reset the tag
+/// ([`SessionKv::clear`] and [`SessionKv::new`] do), so the backend uploads them instead of using its copy.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct KvSync {
+    /// Epoch of the device copy these arrays correspond to (0: host only, never on a device).
+    pub epoch: u64,
+    /// The device copy is newer than the host arrays.
+    pub host_stale: bool,
+    /// [`SessionKv::bytes`] of the device copy (what `bytes` reports while `host_stale`).
+    pub device_bytes: u64,
+}
+
+impl PartialEq for KvSync {
+    fn eq(&self, _: &KvSync) -> bool {
+        true
+    }
+}
+
 /// The complete KV state of a session.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct SessionKv {
     pub layers: Vec<LayerKv>,
+    /// Device-copy bookkeeping (see [`KvSync`]); ignored by `==`.
+    pub sync: KvSync,
 }
 
 impl SessionKv {
     /// Bytes of KV state the session holds now (rows in use and frontiers; not spare capacity).
     pub fn bytes(&self) -> u64 {
+        if self.sync.host_stale {
+            return self.sync.device_bytes;
+        }
         let f = |fr: &Option<Frontier>| fr.as_ref().map_or(0, |f| f.pending_kv.len() + f.pending_gate.len());
         let values: usize = self
             .layers
@@ -115,11 +143,12 @@ impl SessionKv {
                 }
             })
             .collect();
-        SessionKv { layers }
+        SessionKv { layers, sync: KvSync::default() }
     }
 
     /// Zeroes the state (as new) while keeping the allocations.
     pub fn clear(&mut self) {
+        self.sync = KvSync::default();
         for l in &mut self.layers {
             l.ring.fill(0.0);
             l.comp_rows.clear();

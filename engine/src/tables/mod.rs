@@ -6,5 +6,5 @@
 pub mod kv;
 pub mod session;
 
-pub use kv::{Frontier, LayerKv, SessionKv};
+pub use kv::{Frontier, KvSync, LayerKv, SessionKv};
 pub use session::{SessionId, SessionSnapshot, SessionTable};

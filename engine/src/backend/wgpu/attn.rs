@@ -9,6 +9,7 @@
 use super::backend::{rope_table, WgpuBackend};
 use super::matmul::{matmul, View};
 use super::ops::{self, ActSim, KeyLists, RopeShape};
+use super::resident::Tick;
 use crate::backend::cpu::compressor;
 use crate::backend::cpu::norm::rms_norm_inplace;
 use crate::backend::StepCtx;
@@ -16,7 +17,7 @@ use crate::model::{sim, LayerKind};
 use crate::Result;
 
 /// Runs [`crate::graph::Op::Attention`] for `layer` on the device.
-pub fn attention(be: &WgpuBackend, cx: &mut StepCtx<'_>, layer: usize) -> Result<()> {
+pub fn attention(be: &WgpuBackend, t: &mut Tick, cx: &mut StepCtx<'_>, layer: usize) -> Result<()> {
     let ctx = be.ctx();
     let model = cx.model;
     let c = &model.config;
@@ -37,9 +38,9 @@ pub fn attention(be: &WgpuBackend, cx: &mut StepCtx<'_>, layer: usize) -> Result
     let coff = if kind == LayerKind::Csa { 2 } else { 1 };
 
     let cs = be.upload(&rope_table(rope, rows.iter().map(|r| r.pos)));
-    let u = be.upload(&cx.act.collapsed[..n * d]);
-    let (xn, qr, q, kv) = (be.zeros(n * d), be.zeros(n * ql), be.zeros(n * nh * hd), be.zeros(n * hd));
-    let mut enc = ctx.encoder();
+    let u = t.act.collapsed.get(ctx, "collapsed", n * d).clone();
+    let (xn, qr, q, kv) = (ctx.scratch(n * d), ctx.scratch(n * ql), ctx.scratch(n * nh * hd), ctx.scratch(n * hd));
+    let mut enc = t.take_enc(ctx);
     let an = be.dense_buf(model, lw.attn_norm);
     ops::rms_norm(ctx, &mut enc, (&u, 0, d), (&xn, 0, d), Some(&an), d, n, eps)?;
     be.matvec(&mut enc, &*be.weight(model, lw.wq_a)?, View::new(&xn, d), n, View::new(&qr, ql))?;
@@ -59,7 +60,7 @@ pub fn attention(be: &WgpuBackend, cx: &mut StepCtx<'_>, layer: usize) -> Result
     }
     let comp_bufs = match &lw.compressor {
         Some(cw) => {
-            let (ckv, cg) = (be.zeros(n * coff * hd), be.zeros(n * coff * hd));
+            let (ckv, cg) = (ctx.scratch(n * coff * hd), ctx.scratch(n * coff * hd));
             be.matvec(&mut enc, &*be.weight(model, cw.wkv)?, View::new(&xn, d), n, View::new(&ckv, coff * hd))?;
             be.matvec(&mut enc, &*be.weight(model, cw.wgate)?, View::new(&xn, d), n, View::new(&cg, coff * hd))?;
             Some((ckv, cg))
@@ -68,8 +69,8 @@ pub fn attention(be: &WgpuBackend, cx: &mut StepCtx<'_>, layer: usize) -> Result
     };
     let idx_bufs = match &lw.indexer {
         Some(iw) => {
-            let (ikv, ig) = (be.zeros(n * 2 * ihd), be.zeros(n * 2 * ihd));
-            let (iq, iwb) = (be.zeros(n * ih * ihd), be.zeros(n * ih));
+            let (ikv, ig) = (ctx.scratch(n * 2 * ihd), ctx.scratch(n * 2 * ihd));
+            let (iq, iwb) = (ctx.scratch(n * ih * ihd), ctx.scratch(n * ih));
             be.matvec(&mut enc, &*be.weight(model, iw.comp.wkv)?, View::new(&xn, d), n, View::new(&ikv, 2 * ihd))?;
             be.matvec(&mut enc, &*be.weight(model, iw.comp.wgate)?, View::new(&xn, d), n, View::new(&ig, 2 * ihd))?;
             be.matvec(&mut enc, &*be.weight(model, iw.wq_b)?, View::new(&qr, ql), n, View::new(&iq, ih * ihd))?;
@@ -84,8 +85,7 @@ pub fn attention(be: &WgpuBackend, cx: &mut StepCtx<'_>, layer: usize) -> Result
         }
         None => None,
     };
-    ctx.submit(enc)?;
-    let kv_h = ctx.read_f32(&kv, 0, n * hd)?;
+    let kv_h = ctx.submit_read_f32(enc, &kv, 0, n * hd)?;
 
     // Compressor frontiers, token by token (host).
     if let (Some(cw), Some((ckv, cg))) = (&lw.compressor, &comp_bufs) {
@@ -151,17 +151,21 @@ pub fn attention(be: &WgpuBackend, cx: &mut StepCtx<'_>, layer: usize) -> Result
             let m = run.len;
             let limit: Vec<u32> =
                 (run.start..run.start + m).map(|r| ((rows[r].pos + 1) / ratio).min(n_keys) as u32).collect();
-            let (qrun, wrun) = (be.zeros(m * ih * ihd), be.zeros(m * ih));
+            let (qrun, wrun) = (ctx.scratch(m * ih * ihd), ctx.scratch(m * ih));
             let keys = be.upload(if n_keys > 0 { &lk.idx_rows[..n_keys * ihd] } else { &[0.0] });
-            let (sc, sel) = (be.zeros(m * n_keys.max(1)), be.zeros(m * topk));
+            let (sc, sel) = (ctx.scratch(m * n_keys.max(1)), ctx.scratch(m * topk));
             let mut enc = ctx.encoder();
             let f4 = 4u64;
             enc.copy_buffer_to_buffer(iq, (run.start * ih * ihd) as u64 * f4, &qrun, 0, (m * ih * ihd) as u64 * f4);
             enc.copy_buffer_to_buffer(iwb, (run.start * ih) as u64 * f4, &wrun, 0, (m * ih) as u64 * f4);
             let scale = 1.0 / ((ihd as f32).sqrt() * (ih as f32).sqrt());
             ops::indexer_topk(ctx, &mut enc, &qrun, &keys, &wrun, &limit, n_keys, ih, ihd, topk, scale, &sc, &sel)?;
-            ctx.submit(enc)?;
-            sel_h[run.start * topk..(run.start + m) * topk].copy_from_slice(&ctx.read_u32(&sel, 0, m * topk)?);
+            sel_h[run.start * topk..(run.start + m) * topk].copy_from_slice(&ctx.submit_read_u32(
+                enc,
+                &sel,
+                0,
+                m * topk,
+            )?);
         }
     }
 
@@ -206,24 +210,23 @@ pub fn attention(be: &WgpuBackend, cx: &mut StepCtx<'_>, layer: usize) -> Result
         keys.ranges.push((start, keys.rows.len() as u32 - start));
     }
     let kvb = be.upload(&key_rows);
-    let attn = be.zeros(n * nh * hd);
+    let attn = ctx.scratch(n * nh * hd);
     let sinks = be.dense_buf(model, lw.sinks);
     let (g, rank) = (c.o_groups, c.o_lora_rank);
     let gs = nh * hd / g;
-    let (oa, out) = (be.zeros(n * g * rank), be.zeros(n * d));
-    let mut enc = ctx.encoder();
+    let oa = ctx.scratch(n * g * rank);
+    let out = t.act.sub_out.get(ctx, "sub out", n * d).clone();
+    let enc = t.enc(ctx);
     let scale = 1.0 / (hd as f32).sqrt();
-    ops::attention(ctx, &mut enc, (&q, 0, nh * hd), &kvb, &keys, &sinks, (&attn, 0, nh * hd), nh, hd, scale)?;
-    ops::rope(ctx, &mut enc, &attn, &cs, qshape, true)?;
+    ops::attention(ctx, enc, (&q, 0, nh * hd), &kvb, &keys, &sinks, (&attn, 0, nh * hd), nh, hd, scale)?;
+    ops::rope(ctx, enc, &attn, &cs, qshape, true)?;
     let wo_a = be.weight(model, lw.wo_a)?;
     for gi in 0..g {
         let x = View { buf: &attn, offset: gi * gs, stride: nh * hd };
         let y = View { buf: &oa, offset: gi * rank, stride: g * rank };
-        matmul(ctx, &mut enc, &wo_a, gi * rank..(gi + 1) * rank, x, n, y, false)?;
+        matmul(ctx, enc, &wo_a, gi * rank..(gi + 1) * rank, x, n, y, false)?;
     }
-    be.matvec(&mut enc, &*be.weight(model, lw.wo_b)?, View::new(&oa, g * rank), n, View::new(&out, d))?;
-    ctx.submit(enc)?;
-    cx.act.sub_out[..n * d].copy_from_slice(&ctx.read_f32(&out, 0, n * d)?);
+    be.matvec(enc, &*be.weight(model, lw.wo_b)?, View::new(&oa, g * rank), n, View::new(&out, d))?;
 
     // Ring update: the last `window` rows of each run.
     for (ri, run) in batch.runs.iter().enumerate() {

@@ -19,6 +19,7 @@ use parking_lot::Mutex;
 use super::context::{backend_err, WgpuContext};
 use super::matmul::{get_rows, matmul, View};
 use super::ops::{self, HcShape, Routing};
+use super::resident::Tick;
 use super::weights::GpuWeight;
 use crate::backend::{Backend, StepCtx};
 use crate::graph::Sub;
@@ -32,6 +33,7 @@ pub struct WgpuBackend {
     ctx: WgpuContext,
     mats: Mutex<HashMap<u32, Arc<GpuWeight>>>,
     dense: Mutex<HashMap<u32, Arc<Buf>>>,
+    tick: Mutex<Tick>,
 }
 
 impl std::fmt::Debug for WgpuBackend {
@@ -60,7 +62,12 @@ impl WgpuBackend {
 
     /// A backend on an existing context.
     pub fn with_context(ctx: WgpuContext) -> Self {
-        Self { ctx, mats: Mutex::new(HashMap::new()), dense: Mutex::new(HashMap::new()) }
+        Self {
+            ctx,
+            mats: Mutex::new(HashMap::new()),
+            dense: Mutex::new(HashMap::new()),
+            tick: Mutex::new(Tick::default()),
+        }
     }
 
     /// The device context.
@@ -103,51 +110,74 @@ impl WgpuBackend {
         b
     }
 
-    fn buf(&self, len: usize) -> Buf {
-        self.ctx.storage_zeroed("act", len)
-    }
-
-    fn up(&self, data: &[f32]) -> Buf {
-        self.ctx.storage_f32("act", data)
-    }
-
     /// `y[t] = W x[t]` over all rows of `w`.
     fn mm(&self, enc: &mut wgpu::CommandEncoder, w: &GpuWeight, x: View<'_>, n: usize, y: View<'_>) -> Result<()> {
         matmul(&self.ctx, enc, w, 0..w.rows, x, n, y, false)
     }
 
-    /// Streams → `mix = fn · flatten(X)` (raw) → mHC pre kernel. Returns the collapsed input and the state.
+    fn hc_shape(model: &Model, n: usize) -> HcShape {
+        let c = &model.config;
+        HcShape {
+            n_tok: n,
+            d: c.d_model,
+            n: c.hc_mult,
+            sinkhorn_iters: c.hc_sinkhorn_iters,
+            norm_eps: c.rms_eps,
+            hc_eps: c.hc_eps,
+        }
+    }
+
+    /// Current streams → `mix = fn · flatten(X)` (raw) → mHC pre kernel, writing `u` (the collapsed input or the
+    /// head output) and, unless `head`, the post/comb state.
+    #[allow(clippy::too_many_arguments)]
     fn hc_common(
         &self,
+        t: &mut Tick,
         cx: &StepCtx<'_>,
         fn_: WeightId,
         base: WeightId,
         scale: WeightId,
         head: bool,
-    ) -> Result<(Buf, Buf)> {
+    ) -> Result<()> {
         let model = cx.model;
         let c = &model.config;
         let (n, hc, d) = (cx.batch.rows.len(), c.hc_mult, c.d_model);
         let w = self.mat(model, fn_)?;
         let mixn = w.rows;
-        let xs = self.up(&cx.act.streams[..n * hc * d]);
-        let mix = self.buf(n * mixn);
-        let u = self.buf(n * d);
-        let state = self.buf(n * (hc + hc * hc));
+        let mix = self.ctx.scratch(n * mixn);
         let (bb, sb) = (self.dense(model, base), self.dense(model, scale));
-        let shape =
-            HcShape { n_tok: n, d, n: hc, sinkhorn_iters: c.hc_sinkhorn_iters, norm_eps: c.rms_eps, hc_eps: c.hc_eps };
-        let mut enc = self.ctx.encoder();
-        self.mm(&mut enc, &w, View::new(&xs, hc * d), n, View::new(&mix, mixn))?;
-        ops::hc_pre(&self.ctx, &mut enc, &shape, &xs, (&mix, 0, mixn), &bb, &sb, &state, (&u, 0, d), head)?;
-        self.ctx.submit(enc)?;
-        Ok((u, state))
+        let shape = Self::hc_shape(model, n);
+        let ctx = &self.ctx;
+        let act = &mut t.act;
+        let xs = act.streams[act.cur].get(ctx, "streams", n * hc * d).clone();
+        let state = act.state.get(ctx, "hc state", n * (hc + hc * hc)).clone();
+        let u =
+            if head { act.head_out.get(ctx, "head out", n * d) } else { act.collapsed.get(ctx, "collapsed", n * d) };
+        let u = u.clone();
+        let enc = t.enc(ctx);
+        self.mm(enc, &w, View::new(&xs, hc * d), n, View::new(&mix, mixn))?;
+        ops::hc_pre(ctx, enc, &shape, &xs, (&mix, 0, mixn), &bb, &sb, &state, (&u, 0, d), head)
     }
 }
 
 impl Backend for WgpuBackend {
     fn name(&self) -> &'static str {
         "wgpu"
+    }
+
+    fn begin_tick(&self, _cx: &mut StepCtx<'_>) -> Result<()> {
+        // Anything left from a failed tick is dropped.
+        self.tick.lock().discard();
+        Ok(())
+    }
+
+    fn end_tick(&self, _cx: &mut StepCtx<'_>) -> Result<()> {
+        let mut t = self.tick.lock();
+        if t.pending() {
+            let enc = t.take_enc(&self.ctx);
+            self.ctx.submit(enc)?;
+        }
+        Ok(())
     }
 
     fn embed(&self, cx: &mut StepCtx<'_>) -> Result<()> {
@@ -157,13 +187,14 @@ impl Backend for WgpuBackend {
         let emb = self.mat(model, model.global.embed)?;
         let ids: Vec<(usize, usize)> =
             cx.batch.rows.iter().enumerate().map(|(r, row)| (row.token as usize, r)).collect();
-        let out = self.buf(n * hc * d);
-        let mut enc = self.ctx.encoder();
+        let mut t = self.tick.lock();
+        let t = &mut *t;
+        t.act.cur = 0;
+        let out = t.act.streams[0].get(&self.ctx, "streams", n * hc * d).clone();
+        let enc = t.enc(&self.ctx);
         for j in 0..hc {
-            get_rows(&self.ctx, &mut enc, &emb, &ids, View::new(&out, hc * d).at(j * d))?;
+            get_rows(&self.ctx, enc, &emb, &ids, View::new(&out, hc * d).at(j * d))?;
         }
-        self.ctx.submit(enc)?;
-        cx.act.streams[..n * hc * d].copy_from_slice(&self.ctx.read_f32(&out, 0, n * hc * d)?);
         Ok(())
     }
 
@@ -173,42 +204,28 @@ impl Backend for WgpuBackend {
             Sub::Attn => lw.hc_attn,
             Sub::Ffn => lw.hc_ffn,
         };
-        let c = &cx.model.config;
-        let (n, hc, d) = (cx.batch.rows.len(), c.hc_mult, c.d_model);
-        let (u, state) = self.hc_common(cx, w.fn_, w.base, w.scale, false)?;
-        cx.act.collapsed[..n * d].copy_from_slice(&self.ctx.read_f32(&u, 0, n * d)?);
-        let st = self.ctx.read_f32(&state, 0, n * (hc + hc * hc))?;
-        for r in 0..n {
-            let s = &st[r * (hc + hc * hc)..(r + 1) * (hc + hc * hc)];
-            cx.act.post[r * hc..(r + 1) * hc].copy_from_slice(&s[..hc]);
-            cx.act.comb[r * hc * hc..(r + 1) * hc * hc].copy_from_slice(&s[hc..]);
-        }
-        Ok(())
+        self.hc_common(&mut self.tick.lock(), cx, w.fn_, w.base, w.scale, false)
     }
 
     fn attention(&self, cx: &mut StepCtx<'_>, layer: usize) -> Result<()> {
-        super::attn::attention(self, cx, layer)
+        super::attn::attention(self, &mut self.tick.lock(), cx, layer)
     }
 
     fn hc_post(&self, cx: &mut StepCtx<'_>, _layer: usize, _sub: Sub) -> Result<()> {
         let c = &cx.model.config;
         let (n, hc, d) = (cx.batch.rows.len(), c.hc_mult, c.d_model);
-        let xs = self.up(&cx.act.streams[..n * hc * d]);
-        let f = self.up(&cx.act.sub_out[..n * d]);
-        let mut st = Vec::with_capacity(n * (hc + hc * hc));
-        for r in 0..n {
-            st.extend_from_slice(&cx.act.post[r * hc..(r + 1) * hc]);
-            st.extend_from_slice(&cx.act.comb[r * hc * hc..(r + 1) * hc * hc]);
-        }
-        let state = self.up(&st);
-        let out = self.buf(n * hc * d);
-        let shape =
-            HcShape { n_tok: n, d, n: hc, sinkhorn_iters: c.hc_sinkhorn_iters, norm_eps: c.rms_eps, hc_eps: c.hc_eps };
-        let mut enc = self.ctx.encoder();
-        ops::hc_post(&self.ctx, &mut enc, &shape, &xs, (&f, 0, d), &state, &out)?;
-        self.ctx.submit(enc)?;
-        cx.act.streams[..n * hc * d].copy_from_slice(&self.ctx.read_f32(&out, 0, n * hc * d)?);
-        Ok(())
+        let shape = Self::hc_shape(cx.model, n);
+        let ctx = &self.ctx;
+        let mut t = self.tick.lock();
+        let t = &mut *t;
+        let act = &mut t.act;
+        let cur = act.cur;
+        let xs = act.streams[cur].get(ctx, "streams", n * hc * d).clone();
+        let out = act.streams[1 - cur].get(ctx, "streams", n * hc * d).clone();
+        let f = act.sub_out.get(ctx, "sub out", n * d).clone();
+        let state = act.state.get(ctx, "hc state", n * (hc + hc * hc)).clone();
+        act.cur = 1 - cur;
+        ops::hc_post(ctx, t.enc(ctx), &shape, &xs, (&f, 0, d), &state, &out)
     }
 
     fn moe(&self, cx: &mut StepCtx<'_>, layer: usize) -> Result<()> {
@@ -219,22 +236,23 @@ impl Backend for WgpuBackend {
         let n = rows.len();
         let (d, ne, k, ffn) = (c.d_model, c.n_experts, c.n_experts_used, c.expert_ffn);
         let limit = c.swiglu_limit[layer];
-        let u = self.up(&cx.act.collapsed[..n * d]);
-        let xn = self.buf(n * d);
-        let logits = self.buf(n * ne);
-        let sel = self.buf(n * k);
-        let rw = self.buf(n * k);
+        let ctx = &self.ctx;
+        let mut t = self.tick.lock();
+        let t = &mut *t;
+        let u = t.act.collapsed.get(ctx, "collapsed", n * d).clone();
+        let out = t.act.sub_out.get(ctx, "sub out", n * d).clone();
+        let (xn, logits, sel, rw) = (ctx.scratch(n * d), ctx.scratch(n * ne), ctx.scratch(n * k), ctx.scratch(n * k));
         let gate = self.mat(model, lw.gate)?;
-        let mut enc = self.ctx.encoder();
         let fnorm = self.dense(model, lw.ffn_norm);
-        ops::rms_norm(&self.ctx, &mut enc, (&u, 0, d), (&xn, 0, d), Some(&fnorm), d, n, c.rms_eps)?;
-        self.mm(&mut enc, &gate, View::new(&xn, d), n, View::new(&logits, ne))?;
+        let enc = t.enc(ctx);
+        ops::rms_norm(ctx, enc, (&u, 0, d), (&xn, 0, d), Some(&fnorm), d, n, c.rms_eps)?;
+        self.mm(enc, &gate, View::new(&xn, d), n, View::new(&logits, ne))?;
         let zero_bias;
         let (tid, toks);
         let routing = match (&lw.tid2eid, lw.gate_bias) {
-            (Some(t), _) => {
-                tid = self.ctx.storage_u32("tid2eid", t);
-                toks = self.ctx.storage_u32("tokens", &rows.iter().map(|r| r.token).collect::<Vec<_>>());
+            (Some(tt), _) => {
+                tid = ctx.storage_u32("tid2eid", tt);
+                toks = ctx.storage_u32("tokens", &rows.iter().map(|r| r.token).collect::<Vec<_>>());
                 Routing::Hash { tid2eid: &tid, tokens: &toks }
             }
             (None, Some(b)) => {
@@ -242,13 +260,13 @@ impl Backend for WgpuBackend {
                 Routing::Learned { bias: &zero_bias }
             }
             (None, None) => {
-                zero_bias = Arc::new(self.buf(ne));
+                zero_bias = Arc::new(ctx.storage_zeroed("zero bias", ne));
                 Routing::Learned { bias: &zero_bias }
             }
         };
-        ops::moe_route(&self.ctx, &mut enc, &logits, routing, n, ne, k, c.routed_scale, c.weights_norm, &sel, &rw)?;
-        self.ctx.submit(enc)?;
-        let sel_h = self.ctx.read_u32(&sel, 0, n * k)?;
+        ops::moe_route(ctx, enc, &logits, routing, n, ne, k, c.routed_scale, c.weights_norm, &sel, &rw)?;
+        // The expert grouping is decided on the host: the one readback of a MoE layer.
+        let sel_h = ctx.submit_read_u32(t.take_enc(ctx), &sel, 0, n * k)?;
         let mut per_expert: Vec<Vec<(u32, u32)>> = vec![Vec::new(); ne];
         for r in 0..n {
             for j in 0..k {
@@ -262,9 +280,10 @@ impl Backend for WgpuBackend {
         let gm = self.mat_grouped(model, lw.gate_exps, ffn)?;
         let um = self.mat_grouped(model, lw.up_exps, ffn)?;
         let dm = self.mat_grouped(model, lw.down_exps, d)?;
-        let (packed, gu, h, eo, out) =
-            (self.buf(n * d), self.buf(n * 2 * ffn), self.buf(n * ffn), self.buf(n * d), self.buf(n * d));
-        let mut enc = self.ctx.encoder();
+        let (packed, gu, h, eo) =
+            (ctx.scratch(n * d), ctx.scratch(n * 2 * ffn), ctx.scratch(n * ffn), ctx.scratch(n * d));
+        let enc = t.enc(ctx);
+        enc.clear_buffer(&out, 0, Some((n * d * 4) as u64));
         for (e, list) in per_expert.iter().enumerate() {
             if list.is_empty() {
                 continue;
@@ -272,26 +291,24 @@ impl Backend for WgpuBackend {
             let m = list.len();
             let rix: Vec<u32> = list.iter().map(|p| p.0).collect();
             let wix: Vec<u32> = list.iter().map(|p| p.1).collect();
-            ops::gather_rows(&self.ctx, &mut enc, &xn, &packed, &rix, d, d)?;
+            ops::gather_rows(ctx, enc, &xn, &packed, &rix, d, d)?;
             let xv = View::new(&packed, d);
-            matmul(&self.ctx, &mut enc, &gm, e * ffn..(e + 1) * ffn, xv, m, View::new(&gu, 2 * ffn), false)?;
-            matmul(&self.ctx, &mut enc, &um, e * ffn..(e + 1) * ffn, xv, m, View::new(&gu, 2 * ffn).at(ffn), false)?;
-            ops::swiglu(&self.ctx, &mut enc, &gu, 2 * ffn, ffn, (&h, 0, ffn), ffn, m, limit, Some((&rw, &wix)))?;
-            matmul(&self.ctx, &mut enc, &dm, e * d..(e + 1) * d, View::new(&h, ffn), m, View::new(&eo, d), false)?;
-            ops::scatter_add_rows(&self.ctx, &mut enc, &eo, &out, &rix, d, d)?;
+            matmul(ctx, enc, &gm, e * ffn..(e + 1) * ffn, xv, m, View::new(&gu, 2 * ffn), false)?;
+            matmul(ctx, enc, &um, e * ffn..(e + 1) * ffn, xv, m, View::new(&gu, 2 * ffn).at(ffn), false)?;
+            ops::swiglu(ctx, enc, &gu, 2 * ffn, ffn, (&h, 0, ffn), ffn, m, limit, Some((&rw, &wix)))?;
+            matmul(ctx, enc, &dm, e * d..(e + 1) * d, View::new(&h, ffn), m, View::new(&eo, d), false)?;
+            ops::scatter_add_rows(ctx, enc, &eo, &out, &rix, d, d)?;
         }
         if let (Some(g), Some(up), Some(dn)) = (lw.gate_sh, lw.up_sh, lw.down_sh) {
             let (g, up, dn) = (self.mat(model, g)?, self.mat(model, up)?, self.mat(model, dn)?);
             let xv = View::new(&xn, d);
-            self.mm(&mut enc, &g, xv, n, View::new(&gu, 2 * ffn))?;
-            self.mm(&mut enc, &up, xv, n, View::new(&gu, 2 * ffn).at(ffn))?;
-            ops::swiglu(&self.ctx, &mut enc, &gu, 2 * ffn, ffn, (&h, 0, ffn), ffn, n, limit, None)?;
-            self.mm(&mut enc, &dn, View::new(&h, ffn), n, View::new(&eo, d))?;
+            self.mm(enc, &g, xv, n, View::new(&gu, 2 * ffn))?;
+            self.mm(enc, &up, xv, n, View::new(&gu, 2 * ffn).at(ffn))?;
+            ops::swiglu(ctx, enc, &gu, 2 * ffn, ffn, (&h, 0, ffn), ffn, n, limit, None)?;
+            self.mm(enc, &dn, View::new(&h, ffn), n, View::new(&eo, d))?;
             let all: Vec<u32> = (0..n as u32).collect();
-            ops::scatter_add_rows(&self.ctx, &mut enc, &eo, &out, &all, d, d)?;
+            ops::scatter_add_rows(ctx, enc, &eo, &out, &all, d, d)?;
         }
-        self.ctx.submit(enc)?;
-        cx.act.sub_out[..n * d].copy_from_slice(&self.ctx.read_f32(&out, 0, n * d)?);
         Ok(())
     }
 
@@ -300,34 +317,38 @@ impl Backend for WgpuBackend {
         let c = &model.config;
         let g = &model.global;
         let (n, d) = (cx.batch.rows.len(), c.d_model);
-        let (u, _) = self.hc_common(cx, g.hc_fn, g.hc_base, g.hc_scale, true)?;
+        let mut t = self.tick.lock();
+        self.hc_common(&mut t, cx, g.hc_fn, g.hc_base, g.hc_scale, true)?;
         let nw = self.dense(model, g.norm);
-        let mut enc = self.ctx.encoder();
-        ops::rms_norm(&self.ctx, &mut enc, (&u, 0, d), (&u, 0, d), Some(&nw), d, n, c.rms_eps)?;
-        self.ctx.submit(enc)?;
-        cx.act.head_out[..n * d].copy_from_slice(&self.ctx.read_f32(&u, 0, n * d)?);
-        Ok(())
+        let u = t.act.head_out.get(&self.ctx, "head out", n * d).clone();
+        ops::rms_norm(&self.ctx, t.enc(&self.ctx), (&u, 0, d), (&u, 0, d), Some(&nw), d, n, c.rms_eps)
     }
 
     fn logits(&self, cx: &mut StepCtx<'_>) -> Result<()> {
         let model = cx.model;
         let c = &model.config;
-        let (d, v) = (c.d_model, c.vocab);
+        let (n, d, v) = (cx.batch.rows.len(), c.d_model, c.vocab);
         let lr = &cx.batch.logit_rows;
+        let ctx = &self.ctx;
+        let mut t = self.tick.lock();
+        let t = &mut *t;
         if lr.is_empty() {
+            if t.pending() {
+                ctx.submit(t.take_enc(ctx))?;
+            }
             return Ok(());
         }
         let head = self.mat(model, model.global.head)?;
-        let mut x = Vec::with_capacity(lr.len() * d);
-        for &r in lr {
-            x.extend_from_slice(&cx.act.head_out[r * d..(r + 1) * d]);
-        }
-        let xb = self.up(&x);
-        let out = self.buf(lr.len() * v);
-        let mut enc = self.ctx.encoder();
-        self.mm(&mut enc, &head, View::new(&xb, d), lr.len(), View::new(&out, v))?;
-        self.ctx.submit(enc)?;
-        cx.act.logits[..lr.len() * v].copy_from_slice(&self.ctx.read_f32(&out, 0, lr.len() * v)?);
+        let x = ctx.scratch(lr.len() * d);
+        let h = t.act.head_out.get(ctx, "head out", n * d).clone();
+        let out = t.act.logits.get(ctx, "logits", lr.len() * v).clone();
+        let rows: Vec<u32> = lr.iter().map(|&r| r as u32).collect();
+        let enc = t.enc(ctx);
+        ops::gather_rows(ctx, enc, &h, &x, &rows, d, d)?;
+        self.mm(enc, &head, View::new(&x, d), lr.len(), View::new(&out, v))?;
+        // The tick's submission and its one readback.
+        let got = ctx.submit_read_f32(t.take_enc(ctx), &out, 0, lr.len() * v)?;
+        cx.act.logits[..lr.len() * v].copy_from_slice(&got);
         Ok(())
     }
 }
@@ -343,11 +364,8 @@ impl WgpuBackend {
     pub(super) fn dense_buf(&self, model: &Model, id: WeightId) -> Arc<Buf> {
         self.dense(model, id)
     }
-    pub(super) fn zeros(&self, len: usize) -> Buf {
-        self.buf(len)
-    }
     pub(super) fn upload(&self, data: &[f32]) -> Buf {
-        self.up(data)
+        self.ctx.storage_f32("act", data)
     }
     pub(super) fn matvec(
         &self,

@@ -13,6 +13,7 @@
 //! except when `CI=true`, where the missing adapter is a failure (CI installs lavapipe).
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -36,6 +37,48 @@ pub struct WgpuContext {
     pub limits: wgpu::Limits,
     max_binding: u64,
     pipelines: Mutex<HashMap<String, Arc<wgpu::ComputePipeline>>>,
+    /// Scratch buffers by size class (see [`WgpuContext::scratch`]).
+    pool: Arc<Mutex<HashMap<u64, Vec<wgpu::Buffer>>>>,
+    submits: AtomicU64,
+    readbacks: AtomicU64,
+}
+
+/// Queue submissions and host readbacks a context has made (see [`WgpuContext::counters`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Counters {
+    pub submits: u64,
+    pub readbacks: u64,
+}
+
+impl std::ops::Sub for Counters {
+    type Output = Counters;
+    fn sub(self, o: Counters) -> Counters {
+        Counters { submits: self.submits - o.submits, readbacks: self.readbacks - o.readbacks }
+    }
+}
+
+/// A pooled scratch buffer: returned to its context's pool when dropped. Its contents are undefined when handed
+/// out unless it came from [`WgpuContext::scratch_zeroed`] (zeroed in the encoder). Never `queue.write_buffer`
+/// into a scratch buffer: the write would land at the next submit, before commands recorded earlier in the same
+/// encoder that may still read the buffer's previous use.
+pub struct Scratch {
+    buf: Option<wgpu::Buffer>,
+    pool: Arc<Mutex<HashMap<u64, Vec<wgpu::Buffer>>>>,
+}
+
+impl std::ops::Deref for Scratch {
+    type Target = wgpu::Buffer;
+    fn deref(&self) -> &wgpu::Buffer {
+        self.buf.as_ref().expect("scratch buffer present until drop")
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if let Some(b) = self.buf.take() {
+            self.pool.lock().entry(b.size()).or_default().push(b);
+        }
+    }
 }
 
 pub(crate) fn backend_err(what: impl Into<String>) -> Error {
@@ -91,7 +134,49 @@ impl WgpuContext {
             max_buffer = limits.max_buffer_size,
             "wgpu device ready"
         );
-        Ok(Self { device, queue, info, limits, max_binding, pipelines: Mutex::new(HashMap::new()) })
+        Ok(Self {
+            device,
+            queue,
+            info,
+            limits,
+            max_binding,
+            pipelines: Mutex::new(HashMap::new()),
+            pool: Arc::new(Mutex::new(HashMap::new())),
+            submits: AtomicU64::new(0),
+            readbacks: AtomicU64::new(0),
+        })
+    }
+
+    /// Submissions and readbacks so far (monotonic; compare two reads to count a tick's).
+    pub fn counters(&self) -> Counters {
+        Counters { submits: self.submits.load(Ordering::Relaxed), readbacks: self.readbacks.load(Ordering::Relaxed) }
+    }
+
+    /// A pooled storage buffer of at least `len` f32 values (size class: the next power of two, at least 256
+    /// bytes). Contents undefined; see [`Scratch`].
+    pub fn scratch(&self, len: usize) -> Scratch {
+        let size = ((len.max(1) * 4) as u64).next_power_of_two().max(256);
+        let buf = self.pool.lock().get_mut(&size).and_then(|v| v.pop()).unwrap_or_else(|| {
+            self.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("scratch"),
+                size,
+                usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            })
+        });
+        Scratch { buf: Some(buf), pool: self.pool.clone() }
+    }
+
+    /// Like [`WgpuContext::scratch`], zeroed by a clear recorded into `enc`.
+    pub fn scratch_zeroed(&self, enc: &mut wgpu::CommandEncoder, len: usize) -> Scratch {
+        let s = self.scratch(len);
+        enc.clear_buffer(&s, 0, None);
+        s
+    }
+
+    /// Bytes held by idle pooled buffers.
+    pub fn pool_bytes(&self) -> u64 {
+        self.pool.lock().iter().map(|(k, v)| k * v.len() as u64).sum()
     }
 
     /// The largest storage binding (bytes) this context uses; weight tensors larger than this are split.
@@ -228,6 +313,7 @@ impl WgpuContext {
 
     /// Submits `enc` and waits for the device to finish, reporting validation errors raised meanwhile.
     pub fn submit(&self, enc: wgpu::CommandEncoder) -> Result<()> {
+        self.submits.fetch_add(1, Ordering::Relaxed);
         self.queue.submit([enc.finish()]);
         self.device
             .poll(wgpu::PollType::Wait { submission_index: None, timeout: None })
@@ -249,20 +335,56 @@ impl WgpuContext {
 
     /// The bytes of `len` 4-byte words starting at word `offset` of `buf`.
     fn read_words(&self, buf: &wgpu::Buffer, offset: usize, len: usize) -> Result<Vec<u8>> {
+        self.submit_read_words(self.encoder(), buf, offset, len)
+    }
+
+    /// Records a copy of `len` f32 values at element `offset` of `buf` to the host at the end of `enc`, submits
+    /// `enc` and returns the values: one submission, one readback.
+    pub fn submit_read_f32(
+        &self,
+        enc: wgpu::CommandEncoder,
+        buf: &wgpu::Buffer,
+        offset: usize,
+        len: usize,
+    ) -> Result<Vec<f32>> {
+        let bytes = self.submit_read_words(enc, buf, offset, len)?;
+        Ok(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+    }
+
+    /// [`WgpuContext::submit_read_f32`] for u32 values.
+    pub fn submit_read_u32(
+        &self,
+        enc: wgpu::CommandEncoder,
+        buf: &wgpu::Buffer,
+        offset: usize,
+        len: usize,
+    ) -> Result<Vec<u32>> {
+        let bytes = self.submit_read_words(enc, buf, offset, len)?;
+        Ok(bytes.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+    }
+
+    fn submit_read_words(
+        &self,
+        mut enc: wgpu::CommandEncoder,
+        buf: &wgpu::Buffer,
+        offset: usize,
+        len: usize,
+    ) -> Result<Vec<u8>> {
         if len == 0 {
+            self.submit(enc)?;
             return Ok(Vec::new());
         }
         let bytes = (len * 4) as u64;
         if (offset * 4) as u64 + bytes > buf.size() {
             return Err(backend_err(format!("read: {len} words at {offset} exceed a buffer of {} bytes", buf.size())));
         }
+        self.readbacks.fetch_add(1, Ordering::Relaxed);
         let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("readback"),
             size: bytes,
             usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
             mapped_at_creation: false,
         });
-        let mut enc = self.encoder();
         enc.copy_buffer_to_buffer(buf, (offset * 4) as u64, &staging, 0, bytes);
         self.submit(enc)?;
         let (tx, rx) = std::sync::mpsc::channel();

@@ -21,6 +21,7 @@ pub mod backend;
 pub mod context;
 pub mod matmul;
 pub mod ops;
+mod resident;
 pub mod weights;
 
 #[cfg(test)]
