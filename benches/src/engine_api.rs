@@ -39,6 +39,12 @@ pub struct EngineConfig {
 
 /// An engine on an opened (file-backed or in-memory) model.
 pub fn engine_for(file: GgufFile, c: &EngineConfig) -> Result<Engine> {
+    engine_with_acts(file, c, false)
+}
+
+/// [`engine_for`] with the CPU backend's `f32_acts` option (quantized weights times f32 activations, no Q8_0/Q8_K
+/// activation quantization; `ds4_engine::engine::EngineOptions::f32_acts`).
+pub fn engine_with_acts(file: GgufFile, c: &EngineConfig, f32_acts: bool) -> Result<Engine> {
     let backend: BackendKind = c.backend.parse()?;
     let opts = EngineOptions {
         backend,
@@ -46,6 +52,7 @@ pub fn engine_for(file: GgufFile, c: &EngineConfig) -> Result<Engine> {
         ctx: c.ctx,
         max_batch_tokens: c.batch_tokens,
         exact: c.exact,
+        f32_acts,
         ..EngineOptions::default()
     };
     Ok(Engine::from_gguf(file, opts)?)

@@ -57,6 +57,10 @@ pub struct EngineOptions {
     pub backend: BackendKind,
     /// Exact mode: no FP8/FP4 activation simulation (compare with the golden files).
     pub exact: bool,
+    /// CPU backend only: multiply quantized weights with f32 activations instead of quantizing the activations to
+    /// Q8_0/Q8_K first (slower). The wgpu backend always uses f32 activations, so this makes the two compute the
+    /// same products (cross-backend checks). Independent of `exact`.
+    pub f32_acts: bool,
     /// Worker threads (0 = all cores).
     pub threads: usize,
     /// Context length per session (0 = the model's trained context).
@@ -73,6 +77,7 @@ impl Default for EngineOptions {
         EngineOptions {
             backend: BackendKind::Cpu,
             exact: false,
+            f32_acts: false,
             threads: 0,
             ctx: 0,
             max_batch_tokens: 256,
@@ -127,7 +132,7 @@ impl Engine {
     pub fn from_gguf(file: GgufFile, opts: EngineOptions) -> Result<Engine> {
         let model = Model::load(file)?;
         let backend: Box<dyn Backend> = match opts.backend {
-            BackendKind::Cpu => Box::new(CpuBackend::new(opts.threads)),
+            BackendKind::Cpu => Box::new(CpuBackend::new(opts.threads).with_f32_acts(opts.f32_acts)),
             #[cfg(feature = "wgpu")]
             BackendKind::Wgpu => Box::new(crate::backend::wgpu::WgpuBackend::new()?),
             #[cfg(not(feature = "wgpu"))]

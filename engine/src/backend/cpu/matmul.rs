@@ -9,6 +9,11 @@
 //! quantized weights (Q8_0, Q2_K, Q4_K, IQ2_XXS) quantize each activation row once per call into
 //! `quant::act_type` (Q8_0 / Q8_K, as ggml does) and use `quant::dot_q_kernel`. Types without a kernel are
 //! rejected at load by [`supports`].
+//!
+//! Activation quantization is the CPU's one deliberate approximation: each activation is rounded to a grid of
+//! `amax/127` per block of 32 (Q8_0) or 256 (Q8_K) values, an error of up to half a step per activation. When the
+//! pool says [`Pool::f32_acts`] (engine option `f32_acts`), quantized weights use `quant::dot_f32_kernel` with f32
+//! activations instead — what the wgpu backend computes — so cross-backend checks compare the kernels alone.
 
 use std::cell::RefCell;
 
@@ -33,12 +38,12 @@ enum Kernel {
     Q { act: GgmlType, dot: DotQ, act_bytes: usize },
 }
 
-fn kernel(ty: GgmlType, cols: usize) -> Result<Kernel> {
+fn kernel(ty: GgmlType, cols: usize, f32_acts: bool) -> Result<Kernel> {
     if ty == GgmlType::F32 {
         return Ok(Kernel::F32);
     }
     let act = quant::act_type(ty);
-    if act != GgmlType::F32 {
+    if act != GgmlType::F32 && !f32_acts {
         if let (Ok(dot), Some(b)) = (quant::dot_q_kernel(ty), act.row_bytes(cols as u64)) {
             return Ok(Kernel::Q { act, dot, act_bytes: b as usize });
         }
@@ -138,7 +143,7 @@ fn run(
     }
     assert!((n - 1) * ys.0 + ys.1 + rows <= y.len(), "matmul output shape");
     assert!(n == 1 || ys.0 >= rows, "matmul output rows overlap");
-    let k = kernel(w.ty, cols)?;
+    let k = kernel(w.ty, cols, pool.f32_acts())?;
     let work = rows * cols * n;
     let tasks = if work < 32 * 1024 { 1 } else { (pool.threads() * 4).min(rows).max(1) };
     let yp = SyncPtr(y.as_mut_ptr());
@@ -251,5 +256,15 @@ mod tests {
         let mut g = vec![0f32; rows];
         matmul_gather(&pool, m, &x, &[2], &mut g).unwrap();
         assert_eq!(&g[..], &y[2 * rows..3 * rows]);
+        // With f32 activations the product is the dequantized weights · x up to f32 rounding (|w|, |x| <= 2, 64
+        // terms: 64 · 2^-24 · Σ|w·x| < 1e-3), far tighter than the Q8_0-activation path above.
+        let mut pool = Pool::new(2);
+        pool.set_f32_acts(true);
+        let mut yf = vec![0f32; n * rows];
+        matmul(&pool, m, &x, n, &mut yf).unwrap();
+        for (a, b) in yf.iter().zip(&r) {
+            assert!((a - b).abs() < 1e-3, "f32 activations: {a} vs {b}");
+        }
+        assert!(yf.iter().zip(&y).any(|(a, b)| a != b), "f32_acts changed nothing");
     }
 }

@@ -116,6 +116,13 @@ impl CpuBackend {
         CpuBackend { pool: Pool::new(threads), scratch: Mutex::new(Scratch::default()) }
     }
 
+    /// The same backend with quantized weights multiplied by f32 activations (no Q8_0/Q8_K activation
+    /// quantization; slower). See [`Pool::set_f32_acts`].
+    pub fn with_f32_acts(mut self, on: bool) -> CpuBackend {
+        self.pool.set_f32_acts(on);
+        self
+    }
+
     fn scratch(&self, cx: &StepCtx<'_>) -> parking_lot::MutexGuard<'_, Scratch> {
         let mut s = self.scratch.lock();
         s.ensure(cx.model, cx.batch.rows.len());

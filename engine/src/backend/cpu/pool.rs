@@ -52,6 +52,9 @@ pub struct Pool {
     shared: Arc<Shared>,
     workers: Vec<JoinHandle<()>>,
     run_lock: Mutex<()>,
+    /// Matmul policy carried with the pool every CPU op already receives: quantized weights keep f32 activations
+    /// (see `matmul`'s module docs). Off by default.
+    f32_acts: bool,
 }
 
 impl std::fmt::Debug for Pool {
@@ -88,7 +91,18 @@ impl Pool {
                     .expect("failed to spawn a CPU worker thread")
             })
             .collect();
-        Pool { shared, workers, run_lock: Mutex::new(()) }
+        Pool { shared, workers, run_lock: Mutex::new(()), f32_acts: false }
+    }
+
+    /// Sets whether matmuls on this pool multiply quantized weights with f32 activations (slower, no activation
+    /// quantization; see `matmul`'s module docs) instead of Q8_0/Q8_K-quantized ones (the default).
+    pub fn set_f32_acts(&mut self, on: bool) {
+        self.f32_acts = on;
+    }
+
+    /// Whether quantized weights are multiplied with f32 activations (see [`Pool::set_f32_acts`]).
+    pub fn f32_acts(&self) -> bool {
+        self.f32_acts
     }
 
     /// Threads in all, the caller included.

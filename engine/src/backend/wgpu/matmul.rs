@@ -158,3 +158,253 @@ pub fn get_rows(
     }
     Ok(())
 }
+
+/// Per-matrix accuracy of the WGSL quantized matmul against an f64 product of the dequantized weights
+/// (`quant::dequantize_row`) and the f32 activations, next to the CPU backend's two paths (Q8_0/Q8_K-quantized
+/// activations, and f32 activations).
+///
+/// Tolerances are worst-case f32 rounding bounds, derived from each kernel's summation structure (not from observed
+/// errors): a sum whose every term passes through at most `L` roundings is off by at most `L·u·M`, u = 2^-24,
+/// M = the sum of the terms' magnitudes. For the k-quants the kernels sum `d·sc·q·x` and `dmin·m·x` separately,
+/// so M counts both parts (`Σ (|d·sc·q| + |dmin·m|)·|x|`, measured by dequantizing with `dmin` and then `d` zeroed).
+/// The reference's own f32 dequantization adds 3 roundings per weight. A single wrong weight among `cols` moves
+/// a result by ~M/cols, tens of times the bound at these sizes (checked by the mutation assertion).
+#[cfg(test)]
+mod accuracy_tests {
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    use super::super::tests::{ctx_with, dequant_matrix, random_weight};
+    use super::*;
+    use crate::backend::cpu::matmul as cpu;
+    use crate::backend::cpu::pool::Pool;
+    use crate::model::Mat;
+    use crate::quant::{self, GgmlType};
+
+    const U: f64 = 1.0 / (1u64 << 24) as f64;
+
+    const TYPES: [GgmlType; 7] =
+        [GgmlType::F32, GgmlType::F16, GgmlType::Bf16, GgmlType::Q8_0, GgmlType::Q2K, GgmlType::Q4K, GgmlType::Iq2Xxs];
+
+    /// Byte offsets (within a block) of the f16 scale fields `(d, dmin)` of the k-quants.
+    fn kquant_scales(ty: GgmlType) -> Option<(usize, usize)> {
+        match ty {
+            GgmlType::Q2K => Some((80, 82)),
+            GgmlType::Q4K => Some((0, 2)),
+            _ => None,
+        }
+    }
+
+    /// Longest chain of roundings one product goes through in the WGSL kernel (see `quant_*.wgsl`, `matmul.wgsl`):
+    /// the in-block products and partial sums, the invocation's loop over its blocks, the 64-lane tree (6), the
+    /// optional accumulate (1), plus 3 for the reference's dequantization.
+    fn gpu_chain(ty: GgmlType, cols: usize) -> usize {
+        let in_block = match ty {
+            GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 => 1,
+            // i8·x, 4 per line (3 adds), 8 lines, × d.
+            GgmlType::Q8_0 => 1 + 3 + 8 + 1,
+            // q·x, 16 per sub-block, (d·sc)·sq and the min part, subtraction, 16 sub-blocks.
+            GgmlType::Q2K => 1 + 16 + 2 + 1 + 16,
+            // q·x, 32 per sub-block, (d·sc)·sq and the min part, subtraction, 8 sub-blocks.
+            GgmlType::Q4K => 1 + 32 + 2 + 1 + 8,
+            // ±mag·x, 32 per group, d·(0.5+s)·0.25·sg (3), 8 groups.
+            GgmlType::Iq2Xxs => 1 + 32 + 3 + 8,
+            other => panic!("no WGSL matmul for {other}"),
+        };
+        in_block + (cols / ty.block_values()).div_ceil(64) + 6 + 1 + 3
+    }
+
+    /// Per row: the magnitudes `(|d·sc·q|, |dmin·m|)` split as the kernels sum them (the second is zero for the
+    /// non-k-quants), as `|w|`-like matrices.
+    fn magnitudes(ty: GgmlType, data: &[u8], rows: usize, cols: usize) -> Vec<f32> {
+        let w = dequant_matrix(ty, data, rows, cols);
+        let Some((d, dmin)) = kquant_scales(ty) else {
+            return w.iter().map(|v| v.abs()).collect();
+        };
+        let zeroed = |field: usize| {
+            let mut z = data.to_vec();
+            for b in z.chunks_exact_mut(ty.block_bytes()) {
+                b[field..field + 2].fill(0);
+            }
+            dequant_matrix(ty, &z, rows, cols)
+        };
+        let (scaled, mins) = (zeroed(dmin), zeroed(d));
+        scaled.iter().zip(&mins).map(|(a, b)| a.abs() + b.abs()).collect()
+    }
+
+    /// `y[t, r] = Σ_c w[r, c] · x[t, c]` in f64, and `Σ_c mag[r, c] · |x[t, c]|`, token-major `[n_tok, rows]`.
+    fn reference(w: &[f32], mag: &[f32], x: &[f32], rows: usize, cols: usize, n_tok: usize) -> (Vec<f64>, Vec<f64>) {
+        let (mut y, mut m) = (vec![0f64; n_tok * rows], vec![0f64; n_tok * rows]);
+        for t in 0..n_tok {
+            let xt = &x[t * cols..(t + 1) * cols];
+            for r in 0..rows {
+                let (wr, mr) = (&w[r * cols..(r + 1) * cols], &mag[r * cols..(r + 1) * cols]);
+                y[t * rows + r] = wr.iter().zip(xt).map(|(&a, &b)| a as f64 * b as f64).sum();
+                m[t * rows + r] = mr.iter().zip(xt).map(|(&a, &b)| a as f64 * (b as f64).abs()).sum();
+            }
+        }
+        (y, m)
+    }
+
+    /// Index of the first element of `got` beyond `chain·u·M` of `want`, with the error.
+    fn first_beyond(got: &[f32], want: &[f64], mag: &[f64], chain: usize) -> Option<(usize, f64)> {
+        got.iter().zip(want).zip(mag).enumerate().find_map(|(i, ((&g, &w), &m))| {
+            let e = (g as f64 - w).abs();
+            (e > chain as f64 * U * m + f64::MIN_POSITIVE).then_some((i, e))
+        })
+    }
+
+    /// The max and rms of |got − want| / M over all outputs (the figures the report quotes).
+    fn rel_stats(got: &[f32], want: &[f64], mag: &[f64]) -> (f64, f64) {
+        let rel: Vec<f64> = got.iter().zip(want).zip(mag).map(|((&g, &w), &m)| (g as f64 - w).abs() / m).collect();
+        let max = rel.iter().cloned().fold(0.0, f64::max);
+        (max, (rel.iter().map(|v| v * v).sum::<f64>() / rel.len() as f64).sqrt())
+    }
+
+    /// Random activations with a few outliers per row (real activations have them; they set the Q8 step).
+    fn activations(rng: &mut StdRng, n_tok: usize, cols: usize) -> Vec<f32> {
+        let mut x: Vec<f32> = (0..n_tok * cols).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+        for t in 0..n_tok {
+            for _ in 0..2 {
+                let c = rng.gen_range(0..cols);
+                x[t * cols + c] *= 6.0;
+            }
+        }
+        x
+    }
+
+    /// Runs the WGSL matmul over `rows` of `w` with `x` at element offset `x_off` (token stride `cols + 3`); returns
+    /// `[n_tok, rows.len()]`.
+    fn gpu_product(ctx: &WgpuContext, w: &GpuWeight, rows: Range<usize>, x: &[f32], n_tok: usize) -> Vec<f32> {
+        let (cols, x_off, xs) = (w.cols, 7usize, w.cols + 3);
+        let mut xp = vec![f32::NAN; x_off + n_tok * xs];
+        for t in 0..n_tok {
+            xp[x_off + t * xs..x_off + t * xs + cols].copy_from_slice(&x[t * cols..(t + 1) * cols]);
+        }
+        let n = rows.len();
+        let xb = ctx.storage_f32("x", &xp);
+        let yb = ctx.storage_zeroed("y", n_tok * n);
+        let mut enc = ctx.encoder();
+        matmul(ctx, &mut enc, w, rows, View::new(&xb, xs).at(x_off), n_tok, View::new(&yb, n), false).unwrap();
+        ctx.submit(enc).unwrap();
+        ctx.read_f32(&yb, 0, n_tok * n).unwrap()
+    }
+
+    /// Every format at the Flash column counts (d_model 4096, expert/shared down 2048, q/o LoRA rank 1024, wo_b
+    /// 8192) and the tiny model's (256), a multi-block-per-invocation row (65 blocks of 256), batch 1 and 5, and
+    /// a binding limit that splits every weight into chunks of whole "experts" (row groups of 4): each expert's
+    /// rows and a range across chunk boundaries are multiplied separately, as the MoE and `wo_a` paths do.
+    #[test]
+    fn every_format_matches_the_f64_dequantized_product() {
+        let shapes: &[(usize, usize)] = &[(256, 5), (1024, 1), (2048, 5), (4096, 1), (8192, 5), (65 * 256, 1)];
+        let (rows, group) = (12usize, 4usize);
+        for ty in TYPES {
+            for &(cols, n_tok) in shapes {
+                let rb = ty.row_bytes(cols as u64).unwrap();
+                // Five rows fit a binding; chunks are cut on expert boundaries (4 rows).
+                let Some(ctx) = ctx_with(Some((rb * 5).div_ceil(4) * 4)) else { return };
+                let mut rng = StdRng::seed_from_u64(cols as u64 * 31 + ty.id() as u64);
+                let data = random_weight(&mut rng, ty, rows, cols);
+                let w = GpuWeight::upload(&ctx, "w", ty, cols, rows, &data, group).unwrap();
+                assert!(w.chunks.len() == 3 && w.chunks.iter().all(|c| c.rows == group), "{ty}: chunks not per expert");
+                let x = activations(&mut rng, n_tok, cols);
+                let wf = dequant_matrix(ty, &data, rows, cols);
+                let (want, mag) = reference(&wf, &magnitudes(ty, &data, rows, cols), &x, rows, cols, n_tok);
+                let chain = gpu_chain(ty, cols);
+                let pick = |v: &[f64], r: &Range<usize>| -> Vec<f64> {
+                    (0..n_tok).flat_map(|t| v[t * rows + r.start..t * rows + r.end].to_vec()).collect()
+                };
+                for r in [0..group, group..2 * group, 2 * group..rows, 2..11, 0..rows] {
+                    let got = gpu_product(&ctx, &w, r.clone(), &x, n_tok);
+                    let (want_r, mag_r) = (pick(&want, &r), pick(&mag, &r));
+                    if let Some((i, e)) = first_beyond(&got, &want_r, &mag_r, chain) {
+                        let bound = chain as f64 * U * mag_r[i];
+                        panic!("{ty} cols {cols} rows {r:?} n_tok {n_tok}: output {i} off by {e:e} > {bound:e}");
+                    }
+                }
+                // The bound is tight enough to see one sub-block (values 160..192 of a block: sub-block 5 of the
+                // 256-value formats) negated in one row.
+                let mut bad = wf.clone();
+                bad[160..192].iter_mut().for_each(|v| *v = -*v);
+                let (bad_want, _) = reference(&bad, &magnitudes(ty, &data, rows, cols), &x, rows, cols, n_tok);
+                let got = gpu_product(&ctx, &w, 0..rows, &x, n_tok);
+                assert!(first_beyond(&got, &bad_want, &mag, chain).is_some(), "{ty} cols {cols}: bound too loose");
+            }
+        }
+    }
+
+    /// The dispatch grid wraps at 32768 workgroups per dimension: a weight with more rows than that (Flash's
+    /// output head has 129280) still gets every row, for two tokens.
+    #[test]
+    fn rows_beyond_one_grid_dimension() {
+        let Some(ctx) = ctx_with(None) else { return };
+        let (rows, cols, n_tok, ty) = (32768 + 37usize, 32usize, 2usize, GgmlType::Q8_0);
+        let mut rng = StdRng::seed_from_u64(9);
+        let data = random_weight(&mut rng, ty, rows, cols);
+        let w = GpuWeight::upload(&ctx, "head", ty, cols, rows, &data, 1).unwrap();
+        let x = activations(&mut rng, n_tok, cols);
+        let wf = dequant_matrix(ty, &data, rows, cols);
+        let (want, mag) = reference(&wf, &magnitudes(ty, &data, rows, cols), &x, rows, cols, n_tok);
+        let got = gpu_product(&ctx, &w, 0..rows, &x, n_tok);
+        if let Some((i, e)) = first_beyond(&got, &want, &mag, gpu_chain(ty, cols)) {
+            panic!("output {i} (token {}, row {}) off by {e:e}", i / rows, i % rows);
+        }
+    }
+
+    /// The CPU and wgpu products of one matrix side by side, at the Flash column counts, against two f64
+    /// references: `x` itself and `x'`, the activations after the CPU's Q8_0/Q8_K quantization (dequantized).
+    /// - wgpu and the CPU with `f32_acts` are within their f32 bounds of the `x` reference;
+    /// - the CPU's default (quantized-activation) path is within its f32 bound of the `x'` reference: its integer
+    ///   block dots are exact, so only the per-block scale products and the sum over sub-blocks round
+    ///   (chain: one per 16 values, + 8).
+    ///
+    /// So the default CPU and wgpu differ by exactly `W·(x' − x)`, the activation quantization (printed).
+    #[test]
+    fn cpu_differs_from_wgpu_by_activation_quantization_only() {
+        let Some(ctx) = ctx_with(None) else { return };
+        let (rows, n_tok) = (16usize, 3usize);
+        let mut pool = Pool::new(2);
+        for ty in [GgmlType::Q8_0, GgmlType::Q2K, GgmlType::Q4K, GgmlType::Iq2Xxs] {
+            for cols in [4096usize, 2048] {
+                let mut rng = StdRng::seed_from_u64(1000 + cols as u64 + ty.id() as u64);
+                let data = random_weight(&mut rng, ty, rows, cols);
+                let x = activations(&mut rng, n_tok, cols);
+                let wf = dequant_matrix(ty, &data, rows, cols);
+                let mags = magnitudes(ty, &data, rows, cols);
+                let act = quant::act_type(ty);
+                let mut xq = vec![0f32; x.len()];
+                let mut buf = Vec::new();
+                for (xt, qt) in x.chunks_exact(cols).zip(xq.chunks_exact_mut(cols)) {
+                    quant::quantize_acts(act, xt, &mut buf).unwrap();
+                    quant::dequantize_row(act, &buf, qt).unwrap();
+                }
+                let (want, mag) = reference(&wf, &mags, &x, rows, cols, n_tok);
+                let (want_q, mag_q) = reference(&wf, &mags, &xq, rows, cols, n_tok);
+
+                let w = GpuWeight::upload(&ctx, "w", ty, cols, rows, &data, 1).unwrap();
+                let gpu = gpu_product(&ctx, &w, 0..rows, &x, n_tok);
+                let m = Mat { ty, rows, cols, row_bytes: w.row_bytes, data: &data };
+                let mut cpu_q = vec![0f32; n_tok * rows];
+                pool.set_f32_acts(false);
+                cpu::matmul(&pool, m, &x, n_tok, &mut cpu_q).unwrap();
+                let mut cpu_f = vec![0f32; n_tok * rows];
+                pool.set_f32_acts(true);
+                cpu::matmul(&pool, m, &x, n_tok, &mut cpu_f).unwrap();
+
+                let what = format!("{ty} cols {cols}");
+                assert_eq!(first_beyond(&gpu, &want, &mag, gpu_chain(ty, cols)), None, "{what}: wgpu vs W·x");
+                // Any summation order of `cols` products: at most cols − 1 additions after the product and the
+                // block scale(s) (+3), plus the reference's dequantization (+3).
+                assert_eq!(first_beyond(&cpu_f, &want, &mag, cols + 6), None, "{what}: cpu f32_acts vs W·x");
+                assert_eq!(first_beyond(&cpu_q, &want_q, &mag_q, cols / 16 + 8 + 3), None, "{what}: cpu vs W·x'");
+                let (gmax, grms) = rel_stats(&gpu, &want, &mag);
+                let (fmax, frms) = rel_stats(&cpu_f, &want, &mag);
+                let (qmax, qrms) = rel_stats(&cpu_q, &want, &mag);
+                eprintln!(
+                    "{what}: |err|/Σ|w·x| vs W·x (f64): wgpu max {gmax:.1e} rms {grms:.1e}; cpu f32_acts max {fmax:.1e} \
+                     rms {frms:.1e}; cpu Q8 activations max {qmax:.1e} rms {qrms:.1e}"
+                );
+            }
+        }
+    }
+}
