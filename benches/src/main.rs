@@ -92,6 +92,7 @@ enum Cmd {
     Kv(KvArgs),
     /// Backend agreement: max |Δlogit|, argmax agreement and greedy continuation per backend pair (non-zero exit
     /// beyond tolerance).
+    #[command(after_help = correctness::TOLERANCES)]
     Correctness(CorrectnessArgs),
 }
 
