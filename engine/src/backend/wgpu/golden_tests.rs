@@ -118,12 +118,16 @@ fn prefill_with(be: &dyn crate::backend::Backend, model: &Model, prompt: &[u32])
     act.logits[..n * model.config.vocab].to_vec()
 }
 
-/// The quantized recipes (Q8_0 projections, IQ2_XXS/Q2_K or Q4_K experts) through both backends: the wgpu kernels
-/// read the quant blocks directly with f32 activations while the CPU quantizes activations (Q8_0/Q8_K) for its
-/// integer dots, so they agree to within activation-quantization noise (measured: rms 0.022, max 0.17 for Q2; rms
-/// 0.022, max 0.10 for Q4; both ~0.2–0.5 rms from the f32 golden logits, wgpu slightly closer): rms |Δlogit| ≤ 0.05
-/// and max ≤ 0.3 (logit std ≈ 1) over the first 24 prompt positions, and the same argmax on at least 90% of them.
-/// An error in a quant decoder shows up as O(1) differences.
+/// The quantized recipes (Q8_0 projections, IQ2_XXS/Q2_K or Q4_K experts) through both backends, exact mode.
+///
+/// Against the CPU with `f32_acts` (quantized weights times f32 activations, as the WGSL kernels compute) the
+/// two differ by f32 summation order only: max |Δlogit| ≤ 1e-3 (the f32 recipe's bound; measured ≤ 4e-6) and the
+/// same argmax everywhere. An error in a quant decoder shows up as O(0.1–1) differences.
+///
+/// Against the default CPU, which quantizes activations to Q8_0/Q8_K for its integer dots (~1e-4 relative error
+/// per matrix, see `matmul.rs`' accuracy tests), they differ by that noise carried through the layers: measured rms
+/// 0.022, max 0.17 (Q2) / 0.10 (Q4) over the first 24 positions (logit std ≈ 1); asserted rms ≤ 0.05, max ≤ 0.3,
+/// argmax on ≥ 90%. (Q8_0 is left out here: its router/indexer choices flip under that noise, max ≈ 1.2.)
 #[test]
 fn quantized_recipes_agree_with_cpu_backend() {
     let Some(dir) = golden_dir() else { return };
@@ -134,23 +138,35 @@ fn quantized_recipes_agree_with_cpu_backend() {
         golden["prompt_tokens"].as_array().unwrap().iter().take(24).map(|v| v.as_u64().unwrap() as u32).collect();
     let be = WgpuBackend::with_context(ctx);
     let cpu = crate::backend::cpu::CpuBackend::new(2);
+    let cpu_f32 = crate::backend::cpu::CpuBackend::new(2).with_f32_acts(true);
     let tmp = tempfile::tempdir().unwrap();
-    for recipe in [Recipe::Q2, Recipe::Q4] {
+    for recipe in [Recipe::Q8_0, Recipe::Q2, Recipe::Q4] {
         let out = tmp.path().join(format!("tiny-a-{recipe:?}.gguf"));
         convert(&ConvertOptions::new(&dir, &out, recipe)).expect("convert tiny-a");
         let model = Model::load(GgufFile::open(&out).unwrap()).unwrap();
         let v = model.config.vocab;
         let a = prefill_with(&be, &model, &prompt);
-        let b = prefill_with(&cpu, &model, &prompt);
-        let err = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
-        let same = (0..prompt.len())
-            .filter(|&r| crate::engine::argmax(&a[r * v..(r + 1) * v]) == crate::engine::argmax(&b[r * v..(r + 1) * v]))
-            .count();
-        let rms = (a.iter().zip(&b).map(|(x, y)| ((x - y) as f64).powi(2)).sum::<f64>() / a.len() as f64).sqrt();
-        eprintln!("{recipe:?}: max |wgpu - cpu| = {err}, rms {rms}, argmax agree {same}/{}", prompt.len());
-        assert!(rms <= 0.05, "{recipe:?}: rms |wgpu - cpu| = {rms}");
-        assert!(err <= 0.3, "{recipe:?}: max |wgpu - cpu| = {err}");
-        assert!(same * 10 >= prompt.len() * 9, "{recipe:?}: argmax agrees on {same}/{}", prompt.len());
+        let stats = |b: &[f32]| {
+            let err = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+            let same = (0..prompt.len())
+                .filter(|&r| {
+                    crate::engine::argmax(&a[r * v..(r + 1) * v]) == crate::engine::argmax(&b[r * v..(r + 1) * v])
+                })
+                .count();
+            let rms = (a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum::<f64>() / a.len() as f64).sqrt();
+            (err, rms, same)
+        };
+        let (err, rms, same) = stats(&prefill_with(&cpu_f32, &model, &prompt));
+        eprintln!("{recipe:?}: max |wgpu - cpu f32_acts| = {err}, rms {rms}, argmax agree {same}/{}", prompt.len());
+        assert!(err <= 1e-3, "{recipe:?}: max |wgpu - cpu f32_acts| = {err}");
+        assert_eq!(same, prompt.len(), "{recipe:?}: argmax vs cpu f32_acts");
+        if recipe != Recipe::Q8_0 {
+            let (err, rms, same) = stats(&prefill_with(&cpu, &model, &prompt));
+            eprintln!("{recipe:?}: max |wgpu - cpu| = {err}, rms {rms}, argmax agree {same}/{}", prompt.len());
+            assert!(rms <= 0.05, "{recipe:?}: rms |wgpu - cpu| = {rms}");
+            assert!(err <= 0.3, "{recipe:?}: max |wgpu - cpu| = {err}");
+            assert!(same * 10 >= prompt.len() * 9, "{recipe:?}: argmax agrees on {same}/{}", prompt.len());
+        }
         be.clear_weights();
     }
 }
