@@ -376,15 +376,25 @@ impl Engine {
         }
     }
 
-    /// The complete state of a session (queued tokens are not part of it).
+    /// The complete state of a session (queued tokens are not part of it). A device-resident backend's KV is
+    /// synced into the copy ([`Backend::sync_kv`]); the session's own host arrays stay lazily synced.
     pub fn snapshot(&self, id: SessionId) -> Result<SessionSnapshot> {
         let s = self.slot(id)?;
+        let mut kv = self.sessions.kv[s].clone();
+        self.backend.sync_kv(s, &mut kv)?;
         Ok(SessionSnapshot {
             pos: self.sessions.pos[s],
             history: self.sessions.history[s].clone(),
-            kv: self.sessions.kv[s].clone(),
+            kv,
             logits: self.sessions.logits[s].clone(),
         })
+    }
+
+    /// Brings session `id`'s host KV arrays up to date with the backend's device copy (a no-op on the CPU
+    /// backend); afterwards they may be read directly.
+    pub fn sync_kv(&mut self, id: SessionId) -> Result<()> {
+        let s = self.slot(id)?;
+        self.backend.sync_kv(s, &mut self.sessions.kv[s])
     }
 
     /// Bytes of KV state session `id` holds in host memory (see [`SessionKv::bytes`]).
@@ -437,6 +447,9 @@ impl Engine {
         if !snap.logits.is_empty() && snap.logits.len() != c.vocab {
             return Err(bad(format!("{} logits, vocab is {}", snap.logits.len(), c.vocab)));
         }
+        if snap.kv.sync.host_stale {
+            return Err(Error::Session("snapshot KV is stale device state: take snapshots with Engine::snapshot".into()));
+        }
         let id = self.create_session();
         let s = id.slot as usize;
         let mut kv = snap.kv;
@@ -450,6 +463,8 @@ impl Engine {
                 }
             }
         }
+        // Host arrays are authoritative for a restored session: the backend uploads them at its next tick.
+        kv.sync = crate::tables::KvSync::default();
         self.sessions.kv[s] = kv;
         self.sessions.pos[s] = snap.pos;
         self.sessions.history[s] = snap.history;

@@ -100,7 +100,8 @@ quant_kernels! {
 pub const RMS_NORM: &str = include_str!("wgsl/norm.wgsl");
 /// Interleaved RoPE / inverse RoPE on the trailing rope dims, CPU-computed cos/sin (`rope.wgsl`, entry `main`).
 pub const ROPE: &str = include_str!("wgsl/rope.wgsl");
-/// Softmax-with-sink attention over listed key rows, K = V (`attention.wgsl`, entry `main`).
+/// Softmax-with-sink attention over listed key rows, K = V (`attention.wgsl`, entries `main` and `keyed`, the
+/// latter reading keys from the batch rows, the window ring and the compressed rows of device-resident KV).
 pub const ATTENTION: &str = include_str!("wgsl/attention.wgsl");
 /// mHC: entries `pre` (weights + Sinkhorn + collapse; also the output head) and `post` (expand + mix).
 pub const HC: &str = include_str!("wgsl/hc.wgsl");
@@ -112,6 +113,8 @@ pub const INDEXER: &str = include_str!("wgsl/indexer.wgsl");
 pub const MOE: &str = include_str!("wgsl/moe.wgsl");
 /// Activation simulation: entries `fp8`, `fp4`, `hadamard`.
 pub const ACT: &str = include_str!("wgsl/act.wgsl");
+/// Device-resident KV helpers (`kvdev.wgsl`, entry `add_ape`).
+pub const KVDEV: &str = include_str!("wgsl/kvdev.wgsl");
 
 /// Every shader source with a name and its entry points, for validation and pipeline warm-up.
 pub fn all_sources() -> Vec<(&'static str, &'static str, &'static [&'static str])> {
@@ -122,12 +125,13 @@ pub fn all_sources() -> Vec<(&'static str, &'static str, &'static [&'static str]
     }
     v.push(("rms_norm", RMS_NORM, &["main"]));
     v.push(("rope", ROPE, &["main"]));
-    v.push(("attention", ATTENTION, &["main"]));
+    v.push(("attention", ATTENTION, &["main", "keyed"]));
     v.push(("hc", HC, &["pre", "post"]));
     v.push(("compress", COMPRESS, &["main"]));
     v.push(("indexer", INDEXER, &["scores", "topk"]));
     v.push(("moe", MOE, &["route", "swiglu", "gather", "scatter"]));
     v.push(("act", ACT, &["fp8", "fp4", "hadamard"]));
+    v.push(("kvdev", KVDEV, &["add_ape"]));
     v
 }
 

@@ -4,6 +4,10 @@
 // out[t, h, :] = sum_j p_j k_j. q[t, h, :] at q_offset + t * q_tok_stride + h * dim; out likewise.
 // Scores go to `scratch` (at least n_tok * heads * max_keys floats). One workgroup of 64 per (h, t);
 // dispatch (heads, n_tok, 1).
+// Entry `keyed` (device-resident KV): a key entry's top two bits name its source: 0 = row of `kv` (this batch's raw
+// rows), 1 = row of `ring` (the session's window ring), 2 = row of `comp` (its compressed rows), 3 = selection
+// `low` of token t: row sel[t * topk + low] of `comp`, skipped (weight exactly 0) when it is 0xffffffff. Results
+// equal `main` over the same keys with the skipped ones left out.
 struct Params {
     n_tok: u32,
     heads: u32,
@@ -14,7 +18,7 @@ struct Params {
     o_offset: u32,
     o_tok_stride: u32,
     scale: f32,
-    _p0: u32,
+    topk: u32,
     _p1: u32,
     _p2: u32,
 }
@@ -27,6 +31,9 @@ struct Params {
 @group(0) @binding(5) var<storage, read_write> scratch: array<f32>;
 @group(0) @binding(6) var<storage, read_write> o: array<f32>;
 @group(0) @binding(7) var<uniform> p: Params;
+@group(0) @binding(8) var<storage, read> ring: array<f32>;
+@group(0) @binding(9) var<storage, read> comp: array<f32>;
+@group(0) @binding(10) var<storage, read> sel: array<u32>;
 
 var<workgroup> red: array<f32, 64>;
 
@@ -91,6 +98,81 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         var acc = 0.0;
         for (var j = 0u; j < nk; j++) {
             acc += scratch[sb + j] * kv[kidx[k0 + j] * p.dim + c];
+        }
+        o[ob + c] = acc / denom;
+    }
+}
+
+const SKIP: u32 = 4u;
+
+// (source, row) of key entry e of token t; source SKIP for an empty selection.
+fn key_src(t: u32, e: u32) -> vec2<u32> {
+    let tag = e >> 30u;
+    let low = e & 0x3fffffffu;
+    if (tag == 3u) {
+        let w = sel[t * p.topk + low];
+        if (w == 0xffffffffu) {
+            return vec2<u32>(SKIP, 0u);
+        }
+        return vec2<u32>(2u, w);
+    }
+    return vec2<u32>(tag, low);
+}
+
+fn key_val(s: vec2<u32>, c: u32) -> f32 {
+    let i = s.y * p.dim + c;
+    if (s.x == 0u) {
+        return kv[i];
+    }
+    if (s.x == 1u) {
+        return ring[i];
+    }
+    return comp[i];
+}
+
+@compute @workgroup_size(64)
+fn keyed(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let h = wg.x;
+    let t = wg.y;
+    let k0 = krange[2u * t];
+    let nk = min(krange[2u * t + 1u], p.max_keys);
+    let qb = p.q_offset + t * p.q_tok_stride + h * p.dim;
+    let sb = (t * p.heads + h) * p.max_keys;
+    var m = sink[h];
+    for (var j = li; j < nk; j += 64u) {
+        let s = key_src(t, kidx[k0 + j]);
+        if (s.x == SKIP) {
+            continue;
+        }
+        var d = 0.0;
+        for (var c = 0u; c < p.dim; c++) {
+            d += q[qb + c] * key_val(s, c);
+        }
+        d *= p.scale;
+        scratch[sb + j] = d;
+        m = max(m, d);
+    }
+    m = reduce_max(li, m);
+    var l = 0.0;
+    for (var j = li; j < nk; j += 64u) {
+        let s = key_src(t, kidx[k0 + j]);
+        var e = 0.0;
+        if (s.x != SKIP) {
+            e = exp(scratch[sb + j] - m);
+        }
+        scratch[sb + j] = e;
+        l += e;
+    }
+    storageBarrier();
+    let denom = reduce_sum(li, l) + exp(sink[h] - m);
+    let ob = p.o_offset + t * p.o_tok_stride + h * p.dim;
+    for (var c = li; c < p.dim; c += 64u) {
+        var acc = 0.0;
+        for (var j = 0u; j < nk; j++) {
+            let s = key_src(t, kidx[k0 + j]);
+            if (s.x != SKIP) {
+                acc += scratch[sb + j] * key_val(s, c);
+            }
         }
         o[ob + c] = acc / denom;
     }

@@ -1,23 +1,190 @@
 //! The attention op of [`WgpuBackend`] for one layer (same order and semantics as the CPU backend's
-//! `backend::cpu::attention`, whose module docs give the equations).
+//! `backend::cpu::attention`, whose module docs give the equations), entirely on the device.
 //!
-//! Device: every projection, the norms, RoPE, activation simulation, indexer scores + top-k, attention with
-//! sinks, inverse RoPE and the grouped output projection. Host: compressor frontiers (one token at a time, with
-//! RMSNorm · norm and RoPE of each finished row), key-list construction and the sliding-window ring update.
-//! Keys are uploaded per call as one matrix: this batch's raw rows, then per run its ring and compressed rows.
+//! Every projection, norm, RoPE and activation simulation runs as before; the session state lives in the
+//! slot's device mirror ([`super::kvdev`]) and is advanced without any readback:
+//! - compressor (main and indexer), per run: the frontier (carried block + pending block) and the run's projected
+//!   rows are copied into one scratch matrix (`ext`: rows `0..ratio` carried, `ratio..2·ratio` pending,
+//!   then the run's rows with `ape` added by `kvdev.wgsl`), the completed windows are pooled from slot lists into
+//!   that matrix (`compress.wgsl`, the CPU push's exact slot order), RMSNorm·norm, RoPE at the window's first
+//!   position and the simulation are applied, and the rows are appended to the mirror; then the carried block
+//!   (CSA) and the last writer of every pending slot are copied back into the frontier;
+//! - the indexer scores its queries against the mirror's indexer rows, and attention reads keys by tagged entry
+//!   (batch row, ring slot, compressed row, or the indexer's j-th selection) with `attention.wgsl`'s `keyed` entry,
+//!   so the selections never leave the device;
+//! - the ring takes the last `window` raw rows of each run after attention.
+//!
+//! Everything the host decides (slot lists, key lists, positions for RoPE) is a function of the batch positions.
+
+use std::collections::HashMap;
 
 use super::backend::{rope_table, WgpuBackend};
+use super::context::{backend_err, WgpuContext};
+use super::kvdev::{copy_rows, FrontDev, Rows, SlotKv};
 use super::matmul::{matmul, View};
-use super::ops::{self, ActSim, KeyLists, RopeShape};
+use super::ops::{self, key, ActSim, KeyLists, KeySources, RopeShape, Slot};
 use super::resident::Tick;
-use crate::backend::cpu::compressor;
-use crate::backend::cpu::norm::rms_norm_inplace;
 use crate::backend::StepCtx;
-use crate::model::{sim, LayerKind};
+use crate::model::{LayerKind, ModelConfig, RopeFreqs};
+use crate::tables::SessionKv;
 use crate::Result;
 
+type Buf = wgpu::Buffer;
+type Enc = wgpu::CommandEncoder;
+
+/// The mirror of `slot` for session state `kv`, uploading or taking over another slot's mirror as needed (see
+/// [`super::kvdev`] on identity).
+pub(super) fn mirror<'m>(
+    ctx: &WgpuContext,
+    cfg: &ModelConfig,
+    kvs: &'m mut HashMap<usize, SlotKv>,
+    slot: usize,
+    kv: &SessionKv,
+) -> Result<&'m mut SlotKv> {
+    let e = kv.sync.epoch;
+    let here = e != 0 && kvs.get(&slot).is_some_and(|m| m.epoch == e);
+    if !here {
+        let m = if !kv.sync.host_stale {
+            SlotKv::upload(ctx, cfg, kv)?
+        } else {
+            let from = kvs.iter().find(|(_, m)| e != 0 && m.epoch == e).map(|(&s, _)| s);
+            match from.and_then(|s| kvs.remove(&s)) {
+                Some(m) => {
+                    tracing::debug!(slot, "wgpu: session KV moved slots");
+                    m
+                }
+                None => return Err(backend_err("device KV: the host copy is stale and the device copy is gone")),
+            }
+        };
+        kvs.insert(slot, m);
+    }
+    kvs.get_mut(&slot).ok_or_else(|| backend_err("device KV: mirror vanished"))
+}
+
+/// What a compressor applies to its pooled rows after RMSNorm and RoPE.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum RowSim {
+    None,
+    /// FP8 on the non-rope dims (main KV rows).
+    Fp8 {
+        rope_dim: usize,
+    },
+    /// Hadamard then FP4 (indexer rows).
+    Fp4,
+}
+
+/// One compressor over one run (see module docs).
+struct Compress<'a> {
+    src_kv: &'a Buf,
+    src_gate: &'a Buf,
+    /// First batch row of the run, its first position, its length.
+    start: usize,
+    p0: usize,
+    len: usize,
+    ape: &'a Buf,
+    norm: &'a Buf,
+    eps: f32,
+    rope: &'a RopeFreqs,
+    rope_dim: usize,
+    sim: RowSim,
+}
+
+impl Compress<'_> {
+    fn run(&self, ctx: &WgpuContext, enc: &mut Enc, f: &FrontDev, out_rows: &mut Rows) -> Result<()> {
+        let (ratio, dim, coff) = (f.ratio, f.dim, f.coff);
+        let (p0, len) = (self.p0, self.len);
+        let w = coff * dim;
+        if out_rows.rows != p0 / ratio || out_rows.width != dim {
+            return Err(backend_err(format!(
+                "device KV: {} compressed rows for position {p0} (ratio {ratio})",
+                out_rows.rows
+            )));
+        }
+        let ext_rows = 2 * ratio + len;
+        let (ek, eg) = (ctx.scratch(ext_rows * w), ctx.scratch(ext_rows * w));
+        let (fb, rb) = ((2 * ratio * w * 4) as u64, (w * 4) as u64);
+        for (front, src, ext) in [(&f.kv, self.src_kv, &ek), (&f.gate, self.src_gate, &eg)] {
+            enc.copy_buffer_to_buffer(front, 0, ext, 0, fb);
+            enc.copy_buffer_to_buffer(src, self.start as u64 * rb, ext, fb, len as u64 * rb);
+        }
+        ops::add_ape(ctx, enc, &eg, 2 * ratio * w, len, w, self.ape, p0, ratio)?;
+        // ext row of position q: the run's rows, else the pending block, else the carried block.
+        let row = |q: usize| -> usize {
+            if q >= p0 {
+                2 * ratio + q - p0
+            } else if q / ratio == p0 / ratio {
+                ratio + q % ratio
+            } else {
+                q % ratio
+            }
+        };
+        let (w0, w1) = (p0 / ratio, (p0 + len) / ratio);
+        if w1 > w0 {
+            let nw = w1 - w0;
+            let spw = coff * ratio;
+            let mut slots: Vec<Slot> = Vec::with_capacity(nw * spw);
+            for win in w0..w1 {
+                if coff == 2 {
+                    for s in 0..ratio {
+                        slots.push((win >= 1).then(|| (row((win - 1) * ratio + s) as u32, 0, 0)));
+                    }
+                }
+                let off = if coff == 2 { dim as u32 } else { 0 };
+                for s in 0..ratio {
+                    slots.push(Some((row(win * ratio + s) as u32, off, 0)));
+                }
+            }
+            let zero_ape = ctx.storage_zeroed("zero ape", w);
+            let out = ctx.scratch(nw * dim);
+            ops::compress_pool(ctx, enc, &ek, &eg, w, &zero_ape, 0, &slots, spw, dim, (&out, 0, dim))?;
+            ops::rms_norm(ctx, enc, (&out, 0, dim), (&out, 0, dim), Some(self.norm), dim, nw, self.eps)?;
+            let cs = ctx.storage_f32("rope", &rope_table(self.rope, (w0..w1).map(|x| x * ratio)));
+            let shape = RopeShape {
+                n_tok: nw,
+                heads: 1,
+                head_dim: dim,
+                rope_dim: self.rope_dim,
+                offset: 0,
+                tok_stride: dim,
+                head_stride: dim,
+            };
+            ops::rope(ctx, enc, &out, &cs, shape, false)?;
+            match self.sim {
+                RowSim::None => {}
+                RowSim::Fp8 { rope_dim } => ops::act_sim(ctx, enc, &out, ActSim::Fp8, nw, dim - rope_dim, dim, 64)?,
+                RowSim::Fp4 => {
+                    ops::act_sim(ctx, enc, &out, ActSim::Hadamard, nw, dim, dim, 0)?;
+                    ops::act_sim(ctx, enc, &out, ActSim::Fp4, nw, dim, dim, 32)?;
+                }
+            }
+            out_rows.reserve(ctx, enc, nw)?;
+            let at = (out_rows.rows * dim * 4) as u64;
+            enc.copy_buffer_to_buffer(&out, 0, &out_rows.buf, at, (nw * dim * 4) as u64);
+            out_rows.rows += nw;
+            if coff == 2 {
+                let b = w1 - 1;
+                let pairs: Vec<(usize, usize)> = (0..ratio).map(|s| (row(b * ratio + s), s)).collect();
+                copy_rows(enc, &ek, &f.kv, &pairs, w);
+                copy_rows(enc, &eg, &f.gate, &pairs, w);
+            }
+        }
+        // Pending slots: the last position of the run that maps to each slot (as the host push leaves them).
+        let first = p0.max((p0 + len).saturating_sub(ratio));
+        let pairs: Vec<(usize, usize)> = (first..p0 + len).map(|q| (2 * ratio + q - p0, ratio + q % ratio)).collect();
+        copy_rows(enc, &ek, &f.kv, &pairs, w);
+        copy_rows(enc, &eg, &f.gate, &pairs, w);
+        Ok(())
+    }
+}
+
 /// Runs [`crate::graph::Op::Attention`] for `layer` on the device.
-pub fn attention(be: &WgpuBackend, t: &mut Tick, cx: &mut StepCtx<'_>, layer: usize) -> Result<()> {
+pub fn attention(
+    be: &WgpuBackend,
+    t: &mut Tick,
+    kvs: &mut HashMap<usize, SlotKv>,
+    cx: &mut StepCtx<'_>,
+    layer: usize,
+) -> Result<()> {
     let ctx = be.ctx();
     let model = cx.model;
     let c = &model.config;
@@ -39,31 +206,32 @@ pub fn attention(be: &WgpuBackend, t: &mut Tick, cx: &mut StepCtx<'_>, layer: us
 
     let cs = be.upload(&rope_table(rope, rows.iter().map(|r| r.pos)));
     let u = t.act.collapsed.get(ctx, "collapsed", n * d).clone();
+    let out = t.act.sub_out.get(ctx, "sub out", n * d).clone();
     let (xn, qr, q, kv) = (ctx.scratch(n * d), ctx.scratch(n * ql), ctx.scratch(n * nh * hd), ctx.scratch(n * hd));
-    let mut enc = t.take_enc(ctx);
+    let enc = t.enc(ctx);
     let an = be.dense_buf(model, lw.attn_norm);
-    ops::rms_norm(ctx, &mut enc, (&u, 0, d), (&xn, 0, d), Some(&an), d, n, eps)?;
-    be.matvec(&mut enc, &*be.weight(model, lw.wq_a)?, View::new(&xn, d), n, View::new(&qr, ql))?;
+    ops::rms_norm(ctx, enc, (&u, 0, d), (&xn, 0, d), Some(&an), d, n, eps)?;
+    be.matvec(enc, &*be.weight(model, lw.wq_a)?, View::new(&xn, d), n, View::new(&qr, ql))?;
     let qn = be.dense_buf(model, lw.q_norm);
-    ops::rms_norm(ctx, &mut enc, (&qr, 0, ql), (&qr, 0, ql), Some(&qn), ql, n, eps)?;
-    be.matvec(&mut enc, &*be.weight(model, lw.wq_b)?, View::new(&qr, ql), n, View::new(&q, nh * hd))?;
-    ops::rms_norm(ctx, &mut enc, (&q, 0, hd), (&q, 0, hd), None, hd, n * nh, eps)?;
+    ops::rms_norm(ctx, enc, (&qr, 0, ql), (&qr, 0, ql), Some(&qn), ql, n, eps)?;
+    be.matvec(enc, &*be.weight(model, lw.wq_b)?, View::new(&qr, ql), n, View::new(&q, nh * hd))?;
+    ops::rms_norm(ctx, enc, (&q, 0, hd), (&q, 0, hd), None, hd, n * nh, eps)?;
     let qshape =
         RopeShape { n_tok: n, heads: nh, head_dim: hd, rope_dim: rd, offset: 0, tok_stride: nh * hd, head_stride: hd };
-    ops::rope(ctx, &mut enc, &q, &cs, qshape, false)?;
-    be.matvec(&mut enc, &*be.weight(model, lw.wkv)?, View::new(&xn, d), n, View::new(&kv, hd))?;
+    ops::rope(ctx, enc, &q, &cs, qshape, false)?;
+    be.matvec(enc, &*be.weight(model, lw.wkv)?, View::new(&xn, d), n, View::new(&kv, hd))?;
     let kn = be.dense_buf(model, lw.kv_norm);
-    ops::rms_norm(ctx, &mut enc, (&kv, 0, hd), (&kv, 0, hd), Some(&kn), hd, n, eps)?;
-    ops::rope(ctx, &mut enc, &kv, &cs, RopeShape { heads: 1, tok_stride: hd, ..qshape }, false)?;
+    ops::rms_norm(ctx, enc, (&kv, 0, hd), (&kv, 0, hd), Some(&kn), hd, n, eps)?;
+    ops::rope(ctx, enc, &kv, &cs, RopeShape { heads: 1, tok_stride: hd, ..qshape }, false)?;
     if sim_on {
-        ops::act_sim(ctx, &mut enc, &kv, ActSim::Fp8, n, hd - rd, hd, 64)?;
+        ops::act_sim(ctx, enc, &kv, ActSim::Fp8, n, hd - rd, hd, 64)?;
     }
     let comp_bufs = match &lw.compressor {
         Some(cw) => {
             let (ckv, cg) = (ctx.scratch(n * coff * hd), ctx.scratch(n * coff * hd));
-            be.matvec(&mut enc, &*be.weight(model, cw.wkv)?, View::new(&xn, d), n, View::new(&ckv, coff * hd))?;
-            be.matvec(&mut enc, &*be.weight(model, cw.wgate)?, View::new(&xn, d), n, View::new(&cg, coff * hd))?;
-            Some((ckv, cg))
+            be.matvec(enc, &*be.weight(model, cw.wkv)?, View::new(&xn, d), n, View::new(&ckv, coff * hd))?;
+            be.matvec(enc, &*be.weight(model, cw.wgate)?, View::new(&xn, d), n, View::new(&cg, coff * hd))?;
+            Some((ckv, cg, be.dense_buf(model, cw.ape), be.dense_buf(model, cw.norm)))
         }
         None => None,
     };
@@ -71,155 +239,105 @@ pub fn attention(be: &WgpuBackend, t: &mut Tick, cx: &mut StepCtx<'_>, layer: us
         Some(iw) => {
             let (ikv, ig) = (ctx.scratch(n * 2 * ihd), ctx.scratch(n * 2 * ihd));
             let (iq, iwb) = (ctx.scratch(n * ih * ihd), ctx.scratch(n * ih));
-            be.matvec(&mut enc, &*be.weight(model, iw.comp.wkv)?, View::new(&xn, d), n, View::new(&ikv, 2 * ihd))?;
-            be.matvec(&mut enc, &*be.weight(model, iw.comp.wgate)?, View::new(&xn, d), n, View::new(&ig, 2 * ihd))?;
-            be.matvec(&mut enc, &*be.weight(model, iw.wq_b)?, View::new(&qr, ql), n, View::new(&iq, ih * ihd))?;
+            be.matvec(enc, &*be.weight(model, iw.comp.wkv)?, View::new(&xn, d), n, View::new(&ikv, 2 * ihd))?;
+            be.matvec(enc, &*be.weight(model, iw.comp.wgate)?, View::new(&xn, d), n, View::new(&ig, 2 * ihd))?;
+            be.matvec(enc, &*be.weight(model, iw.wq_b)?, View::new(&qr, ql), n, View::new(&iq, ih * ihd))?;
             let ishape = RopeShape { heads: ih, head_dim: ihd, tok_stride: ih * ihd, head_stride: ihd, ..qshape };
-            ops::rope(ctx, &mut enc, &iq, &cs, ishape, false)?;
+            ops::rope(ctx, enc, &iq, &cs, ishape, false)?;
             if sim_on {
-                ops::act_sim(ctx, &mut enc, &iq, ActSim::Hadamard, n * ih, ihd, ihd, 0)?;
-                ops::act_sim(ctx, &mut enc, &iq, ActSim::Fp4, n * ih, ihd, ihd, 32)?;
+                ops::act_sim(ctx, enc, &iq, ActSim::Hadamard, n * ih, ihd, ihd, 0)?;
+                ops::act_sim(ctx, enc, &iq, ActSim::Fp4, n * ih, ihd, ihd, 32)?;
             }
-            be.matvec(&mut enc, &*be.weight(model, iw.proj)?, View::new(&xn, d), n, View::new(&iwb, ih))?;
-            Some((ikv, ig, iq, iwb))
+            be.matvec(enc, &*be.weight(model, iw.proj)?, View::new(&xn, d), n, View::new(&iwb, ih))?;
+            let comp = &iw.comp;
+            Some((ikv, ig, iq, iwb, be.dense_buf(model, comp.ape), be.dense_buf(model, comp.norm)))
         }
         None => None,
     };
-    let kv_h = ctx.submit_read_f32(enc, &kv, 0, n * hd)?;
 
-    // Compressor frontiers, token by token (host).
-    if let (Some(cw), Some((ckv, cg))) = (&lw.compressor, &comp_bufs) {
-        let (ckv, cg) = (ctx.read_f32(ckv, 0, n * coff * hd)?, ctx.read_f32(cg, 0, n * coff * hd)?);
-        let idx_h = match &idx_bufs {
-            Some((ikv, ig, _, _)) => Some((ctx.read_f32(ikv, 0, n * 2 * ihd)?, ctx.read_f32(ig, 0, n * 2 * ihd)?)),
-            None => None,
-        };
-        let (ape, cnorm) = (model.dense(cw.ape), model.dense(cw.norm));
-        let mut crow = vec![0f32; hd.max(ihd)];
-        for (ri, run) in batch.runs.iter().enumerate() {
-            let lk = &mut cx.kv[ri].layers[layer];
-            for r in run.start..run.start + run.len {
-                let pos = rows[r].pos;
-                let w = coff * hd;
-                let front = lk
-                    .comp
-                    .as_mut()
-                    .ok_or_else(|| crate::Error::Session("compressed layer lacks a frontier".into()))?;
-                if compressor::push(front, &ckv[r * w..(r + 1) * w], &cg[r * w..(r + 1) * w], ape, &mut crow) {
-                    let row = &mut crow[..hd];
-                    rms_norm_inplace(row, cnorm, eps);
-                    rope.apply(row, pos + 1 - ratio, false);
-                    if sim_on {
-                        sim::fp8_blocks(&mut row[..hd - rd], 64);
-                    }
-                    lk.comp_rows.extend_from_slice(row);
-                }
-                if let (Some(iw), Some((ikv, ig))) = (&lw.indexer, &idx_h) {
-                    let front = lk
-                        .idx
-                        .as_mut()
-                        .ok_or_else(|| crate::Error::Session("CSA layer lacks an indexer frontier".into()))?;
-                    let w = 2 * ihd;
-                    if compressor::push(
-                        front,
-                        &ikv[r * w..(r + 1) * w],
-                        &ig[r * w..(r + 1) * w],
-                        model.dense(iw.comp.ape),
-                        &mut crow,
-                    ) {
-                        let row = &mut crow[..ihd];
-                        rms_norm_inplace(row, model.dense(iw.comp.norm), eps);
-                        rope.apply(row, pos + 1 - ratio, false);
-                        if sim_on {
-                            sim::hadamard(row);
-                            sim::fp4_blocks(row, 32);
-                        }
-                        lk.idx_rows.extend_from_slice(row);
-                    }
-                }
-            }
-        }
-    }
-
-    // Indexer top-k per run (device), selections back to the host.
-    let topk = c.idx_topk.max(1);
-    let mut sel_h = vec![u32::MAX; n * topk];
-    if let (LayerKind::Csa, Some((_, _, iq, iwb))) = (kind, &idx_bufs) {
-        for (ri, run) in batch.runs.iter().enumerate() {
-            let lk = &cx.kv[ri].layers[layer];
-            let n_keys = lk.idx_rows.len() / ihd;
-            let m = run.len;
-            let limit: Vec<u32> =
-                (run.start..run.start + m).map(|r| ((rows[r].pos + 1) / ratio).min(n_keys) as u32).collect();
-            let (qrun, wrun) = (ctx.scratch(m * ih * ihd), ctx.scratch(m * ih));
-            let keys = be.upload(if n_keys > 0 { &lk.idx_rows[..n_keys * ihd] } else { &[0.0] });
-            let (sc, sel) = (ctx.scratch(m * n_keys.max(1)), ctx.scratch(m * topk));
-            let mut enc = ctx.encoder();
-            let f4 = 4u64;
-            enc.copy_buffer_to_buffer(iq, (run.start * ih * ihd) as u64 * f4, &qrun, 0, (m * ih * ihd) as u64 * f4);
-            enc.copy_buffer_to_buffer(iwb, (run.start * ih) as u64 * f4, &wrun, 0, (m * ih) as u64 * f4);
-            let scale = 1.0 / ((ihd as f32).sqrt() * (ih as f32).sqrt());
-            ops::indexer_topk(ctx, &mut enc, &qrun, &keys, &wrun, &limit, n_keys, ih, ihd, topk, scale, &sc, &sel)?;
-            sel_h[run.start * topk..(run.start + m) * topk].copy_from_slice(&ctx.submit_read_u32(
-                enc,
-                &sel,
-                0,
-                m * topk,
-            )?);
-        }
-    }
-
-    // Key matrix and per-row key lists (host), attention on the device.
-    let window = c.window;
-    let mut key_rows: Vec<f32> = kv_h.clone();
-    let mut ring_base = Vec::with_capacity(batch.runs.len());
-    let mut comp_base = Vec::with_capacity(batch.runs.len());
-    for ri in 0..batch.runs.len() {
-        let lk = &cx.kv[ri].layers[layer];
-        ring_base.push(key_rows.len() / hd);
-        key_rows.extend_from_slice(&lk.ring);
-        comp_base.push(key_rows.len() / hd);
-        key_rows.extend_from_slice(&lk.comp_rows);
-    }
-    let mut keys = KeyLists { rows: Vec::new(), ranges: Vec::with_capacity(n) };
-    for (r, row) in rows.iter().enumerate() {
-        let run = &batch.runs[row.run];
-        let p0 = rows[run.start].pos;
-        let t = row.pos;
-        let start = keys.rows.len() as u32;
-        for p in (t + 1).saturating_sub(window)..=t {
-            keys.rows.push(if p >= p0 {
-                (run.start + p - p0) as u32
-            } else {
-                (ring_base[row.run] + p % window) as u32
-            });
-        }
-        match kind {
-            LayerKind::Window => {}
-            LayerKind::Hca => {
-                for w in 0..(t + 1) / ratio {
-                    keys.rows.push((comp_base[row.run] + w) as u32);
-                }
-            }
-            LayerKind::Csa => {
-                for &w in sel_h[r * topk..(r + 1) * topk].iter().take_while(|&&w| w != u32::MAX) {
-                    keys.rows.push((comp_base[row.run] + w as usize) as u32);
-                }
-            }
-        }
-        keys.ranges.push((start, keys.rows.len() as u32 - start));
-    }
-    let kvb = be.upload(&key_rows);
     let attn = ctx.scratch(n * nh * hd);
     let sinks = be.dense_buf(model, lw.sinks);
+    let topk = c.idx_topk.max(1);
+    let window = c.window;
+    let no_comp = ctx.storage_zeroed("no comp rows", 1);
+    let no_sel = ctx.storage_u32("no selections", &[u32::MAX]);
+    for (ri, run) in batch.runs.iter().enumerate() {
+        let m = mirror(ctx, c, kvs, run.slot, &cx.kv[ri])?;
+        let ld = &mut m.layers[layer];
+        let p0 = rows[run.start].pos;
+        let (start, len) = (run.start, run.len);
+        if let (Some((ckv, cg, ape, norm)), Some(f), Some(out_rows)) = (&comp_bufs, &ld.fcomp, ld.comp.as_mut()) {
+            let sim = if sim_on { RowSim::Fp8 { rope_dim: rd } } else { RowSim::None };
+            let job = Compress { src_kv: ckv, src_gate: cg, start, p0, len, ape, norm, eps, rope, rope_dim: rd, sim };
+            job.run(ctx, enc, f, out_rows)?;
+        }
+        let mut sel = None;
+        if let (Some((ikv, ig, iq, iwb, ape, norm)), Some(f), Some(idx_rows)) = (&idx_bufs, &ld.fidx, ld.idx.as_mut()) {
+            let sim = if sim_on { RowSim::Fp4 } else { RowSim::None };
+            let job = Compress { src_kv: ikv, src_gate: ig, start, p0, len, ape, norm, eps, rope, rope_dim: rd, sim };
+            job.run(ctx, enc, f, idx_rows)?;
+            // Indexer top-k of this run against the session's indexer rows (this tick's included).
+            let n_keys = idx_rows.rows;
+            let limit: Vec<u32> =
+                (start..start + len).map(|r| ((rows[r].pos + 1) / ratio).min(n_keys) as u32).collect();
+            let (qrun, wrun) = (ctx.scratch(len * ih * ihd), ctx.scratch(len * ih));
+            let f4 = 4u64;
+            enc.copy_buffer_to_buffer(iq, (start * ih * ihd) as u64 * f4, &qrun, 0, (len * ih * ihd) as u64 * f4);
+            enc.copy_buffer_to_buffer(iwb, (start * ih) as u64 * f4, &wrun, 0, (len * ih) as u64 * f4);
+            let (sc, s) = (ctx.scratch(len * n_keys.max(1)), ctx.scratch(len * topk));
+            let scale = 1.0 / ((ihd as f32).sqrt() * (ih as f32).sqrt());
+            let keys = &idx_rows.buf;
+            ops::indexer_topk(ctx, enc, &qrun, keys, &wrun, &limit, n_keys, ih, ihd, topk, scale, &sc, &s)?;
+            sel = Some(s);
+        }
+
+        // Key lists of this run's rows (local token index), attention on the device.
+        let mut keys = KeyLists { rows: Vec::new(), ranges: Vec::with_capacity(len) };
+        let n_comp = ld.comp.as_ref().map_or(0, |r| r.rows);
+        if n_comp.max(start + len).max(window) > key::MAX_INDEX as usize {
+            return Err(backend_err(format!("attention: {n_comp} compressed rows exceed the key index range")));
+        }
+        for (j, row) in rows[start..start + len].iter().enumerate() {
+            let tpos = row.pos;
+            let k0 = keys.rows.len() as u32;
+            for p in (tpos + 1).saturating_sub(window)..=tpos {
+                keys.rows.push(if p >= p0 {
+                    key::BATCH | (start + p - p0) as u32
+                } else {
+                    key::RING | (p % window) as u32
+                });
+            }
+            match kind {
+                LayerKind::Window => {}
+                LayerKind::Hca => keys.rows.extend((0..((tpos + 1) / ratio).min(n_comp)).map(|w| key::COMP | w as u32)),
+                LayerKind::Csa => keys.rows.extend((0..topk).map(|i| key::SEL | i as u32)),
+            }
+            debug_assert_eq!(j, keys.ranges.len());
+            keys.ranges.push((k0, keys.rows.len() as u32 - k0));
+        }
+        let src = KeySources {
+            batch: &kv,
+            ring: &ld.ring,
+            comp: ld.comp.as_ref().map_or(&no_comp, |r| &r.buf),
+            sel: sel.as_deref().unwrap_or(&no_sel),
+            topk,
+        };
+        let scale = 1.0 / (hd as f32).sqrt();
+        let (qv, ov) = ((&*q, start * nh * hd, nh * hd), (&*attn, start * nh * hd, nh * hd));
+        ops::attention_keyed(ctx, enc, qv, &src, &keys, &sinks, ov, nh, hd, scale)?;
+
+        // Ring update: the last `window` rows of the run.
+        let pairs: Vec<(usize, usize)> =
+            (len.saturating_sub(window)..len).map(|j| (start + j, (p0 + j) % window)).collect();
+        copy_rows(enc, &kv, &ld.ring, &pairs, hd);
+        ld.pos = Some(p0 + len);
+        m.stamp(&mut cx.kv[ri].sync);
+    }
+
+    ops::rope(ctx, enc, &attn, &cs, qshape, true)?;
     let (g, rank) = (c.o_groups, c.o_lora_rank);
     let gs = nh * hd / g;
     let oa = ctx.scratch(n * g * rank);
-    let out = t.act.sub_out.get(ctx, "sub out", n * d).clone();
-    let enc = t.enc(ctx);
-    let scale = 1.0 / (hd as f32).sqrt();
-    ops::attention(ctx, enc, (&q, 0, nh * hd), &kvb, &keys, &sinks, (&attn, 0, nh * hd), nh, hd, scale)?;
-    ops::rope(ctx, enc, &attn, &cs, qshape, true)?;
     let wo_a = be.weight(model, lw.wo_a)?;
     for gi in 0..g {
         let x = View { buf: &attn, offset: gi * gs, stride: nh * hd };
@@ -227,15 +345,5 @@ pub fn attention(be: &WgpuBackend, t: &mut Tick, cx: &mut StepCtx<'_>, layer: us
         matmul(ctx, enc, &wo_a, gi * rank..(gi + 1) * rank, x, n, y, false)?;
     }
     be.matvec(enc, &*be.weight(model, lw.wo_b)?, View::new(&oa, g * rank), n, View::new(&out, d))?;
-
-    // Ring update: the last `window` rows of each run.
-    for (ri, run) in batch.runs.iter().enumerate() {
-        let lk = &mut cx.kv[ri].layers[layer];
-        for j in run.len.saturating_sub(window)..run.len {
-            let r = run.start + j;
-            let s = rows[r].pos % window;
-            lk.ring[s * hd..(s + 1) * hd].copy_from_slice(&kv_h[r * hd..(r + 1) * hd]);
-        }
-    }
     Ok(())
 }

@@ -17,6 +17,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use super::context::{backend_err, WgpuContext};
+use super::kvdev::SlotKv;
 use super::matmul::{get_rows, matmul, View};
 use super::ops::{self, HcShape, Routing};
 use super::resident::Tick;
@@ -24,6 +25,7 @@ use super::weights::GpuWeight;
 use crate::backend::{Backend, StepCtx};
 use crate::graph::Sub;
 use crate::model::{Model, RopeFreqs, WeightId};
+use crate::tables::SessionKv;
 use crate::Result;
 
 type Buf = wgpu::Buffer;
@@ -34,6 +36,8 @@ pub struct WgpuBackend {
     mats: Mutex<HashMap<u32, Arc<GpuWeight>>>,
     dense: Mutex<HashMap<u32, Arc<Buf>>>,
     tick: Mutex<Tick>,
+    /// Device KV mirrors by batch slot (see [`super::kvdev`]).
+    kv: Mutex<HashMap<usize, SlotKv>>,
 }
 
 impl std::fmt::Debug for WgpuBackend {
@@ -67,6 +71,7 @@ impl WgpuBackend {
             mats: Mutex::new(HashMap::new()),
             dense: Mutex::new(HashMap::new()),
             tick: Mutex::new(Tick::default()),
+            kv: Mutex::new(HashMap::new()),
         }
     }
 
@@ -80,10 +85,19 @@ impl WgpuBackend {
         Ok(self.mat(model, id)?.chunks.len())
     }
 
-    /// Drops every cached device weight (they are keyed by weight id, so call this before using another model).
+    /// Drops every cached device weight (they are keyed by weight id, so call this before using another model)
+    /// and every device KV mirror (sessions whose host copy is stale can then no longer be synced).
     pub fn clear_weights(&self) {
         self.mats.lock().clear();
         self.dense.lock().clear();
+        self.kv.lock().clear();
+    }
+
+    /// Slots with a device KV mirror.
+    pub fn kv_slots(&self) -> Vec<usize> {
+        let mut v: Vec<usize> = self.kv.lock().keys().copied().collect();
+        v.sort_unstable();
+        v
     }
 
     fn mat(&self, model: &Model, id: WeightId) -> Result<Arc<GpuWeight>> {
@@ -180,6 +194,29 @@ impl Backend for WgpuBackend {
         Ok(())
     }
 
+    fn sync_kv(&self, slot: usize, kv: &mut SessionKv) -> Result<()> {
+        if !kv.sync.host_stale {
+            return Ok(());
+        }
+        {
+            let mut t = self.tick.lock();
+            if t.pending() {
+                let enc = t.take_enc(&self.ctx);
+                self.ctx.submit(enc)?;
+            }
+        }
+        let kvs = self.kv.lock();
+        let e = kv.sync.epoch;
+        let m = match kvs.get(&slot).filter(|m| m.epoch == e) {
+            Some(m) => m,
+            None => kvs
+                .values()
+                .find(|m| m.epoch == e)
+                .ok_or_else(|| backend_err("device KV: the host copy is stale and the device copy is gone"))?,
+        };
+        m.download(&self.ctx, kv)
+    }
+
     fn embed(&self, cx: &mut StepCtx<'_>) -> Result<()> {
         let model = cx.model;
         let c = &model.config;
@@ -208,7 +245,7 @@ impl Backend for WgpuBackend {
     }
 
     fn attention(&self, cx: &mut StepCtx<'_>, layer: usize) -> Result<()> {
-        super::attn::attention(self, &mut self.tick.lock(), cx, layer)
+        super::attn::attention(self, &mut self.tick.lock(), &mut self.kv.lock(), cx, layer)
     }
 
     fn hc_post(&self, cx: &mut StepCtx<'_>, _layer: usize, _sub: Sub) -> Result<()> {
@@ -265,8 +302,22 @@ impl Backend for WgpuBackend {
             }
         };
         ops::moe_route(ctx, enc, &logits, routing, n, ne, k, c.routed_scale, c.weights_norm, &sel, &rw)?;
-        // The expert grouping is decided on the host: the one readback of a MoE layer.
-        let sel_h = ctx.submit_read_u32(t.take_enc(ctx), &sel, 0, n * k)?;
+        // The expert grouping is decided on the host: hash layers know it from the token ids; learned routing
+        // costs the one readback of the layer.
+        let sel_h = match &lw.tid2eid {
+            Some(tt) => {
+                let mut v = Vec::with_capacity(n * k);
+                for r in rows {
+                    let at = r.token as usize * k;
+                    let ids = tt
+                        .get(at..at + k)
+                        .ok_or_else(|| backend_err(format!("moe layer {layer}: token {} outside tid2eid", r.token)))?;
+                    v.extend_from_slice(ids);
+                }
+                v
+            }
+            None => ctx.submit_read_u32(t.take_enc(ctx), &sel, 0, n * k)?,
+        };
         let mut per_expert: Vec<Vec<(u32, u32)>> = vec![Vec::new(); ne];
         for r in 0..n {
             for j in 0..k {

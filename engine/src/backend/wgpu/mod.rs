@@ -19,6 +19,7 @@
 mod attn;
 pub mod backend;
 pub mod context;
+pub mod kvdev;
 pub mod matmul;
 pub mod ops;
 mod resident;
@@ -28,6 +29,8 @@ pub mod weights;
 mod golden_tests;
 #[cfg(test)]
 mod ops_tests;
+#[cfg(test)]
+mod resident_tests;
 #[cfg(test)]
 mod tests;
 

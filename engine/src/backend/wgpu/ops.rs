@@ -146,7 +146,8 @@ struct AttnParams {
     o_offset: u32,
     o_tok_stride: u32,
     scale: f32,
-    _pad: [u32; 3],
+    topk: u32,
+    _pad: [u32; 2],
 }
 
 /// Key lists for [`attention`]: token t attends to rows `rows[start_t .. start_t + count_t]` of the KV buffer.
@@ -192,7 +193,8 @@ pub fn attention(
         o_offset: u32_of(o.1, "o offset")?,
         o_tok_stride: u32_of(o.2, "o stride")?,
         scale,
-        _pad: [0; 3],
+        topk: 0,
+        _pad: [0; 2],
     };
     let u = ctx.uniform("attention", &p);
     let rows = ctx.storage_u32("attn rows", &keys.rows);
@@ -200,6 +202,132 @@ pub fn attention(
     let rng = ctx.storage_u32("attn ranges", &ranges);
     let scratch = ctx.storage_zeroed("attn scratch", n_tok * heads * max_keys);
     ctx.dispatch(enc, &pl, &[q.0, kv, &rows, &rng, sink, &scratch, o.0, &u], [u32_of(heads, "heads")?, p.n_tok, 1])
+}
+
+/// Key-entry tags of [`attention_keyed`] (top two bits of an entry; the low 30 bits are the row or selection index).
+pub mod key {
+    /// Row of the batch's raw KV rows.
+    pub const BATCH: u32 = 0;
+    /// Slot of the session's window ring.
+    pub const RING: u32 = 1 << 30;
+    /// Row of the session's compressed rows.
+    pub const COMP: u32 = 2 << 30;
+    /// Selection j of the token: compressed row `sel[t * topk + j]`, skipped when `u32::MAX`.
+    pub const SEL: u32 = 3 << 30;
+    /// Largest index an entry can carry.
+    pub const MAX_INDEX: u32 = (1 << 30) - 1;
+}
+
+/// Sources of [`attention_keyed`]: batch rows, ring, compressed rows and the selections (`topk` per token).
+pub struct KeySources<'a> {
+    pub batch: &'a Buf,
+    pub ring: &'a Buf,
+    pub comp: &'a Buf,
+    pub sel: &'a Buf,
+    pub topk: usize,
+}
+
+/// Like [`attention`], with key entries tagged by source (see [`key`] and `attention.wgsl`, entry `keyed`). The
+/// four source buffers must be distinct from each other and from `q`/`o`.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_keyed(
+    ctx: &WgpuContext,
+    enc: &mut Enc,
+    q: (&Buf, usize, usize),
+    src: &KeySources<'_>,
+    keys: &KeyLists,
+    sink: &Buf,
+    o: (&Buf, usize, usize),
+    heads: usize,
+    dim: usize,
+    scale: f32,
+) -> Result<()> {
+    let n_tok = keys.ranges.len();
+    if n_tok == 0 || heads == 0 {
+        return Ok(());
+    }
+    let max_keys = keys.ranges.iter().map(|r| r.1 as usize).max().unwrap_or(0).max(1);
+    for &(s, c) in &keys.ranges {
+        if s as usize + c as usize > keys.rows.len() {
+            return Err(backend_err(format!("attention: key range {s}+{c} exceeds {} rows", keys.rows.len())));
+        }
+    }
+    let pl = ctx.pipeline_entry("attention", sh::ATTENTION, "keyed")?;
+    let p = AttnParams {
+        n_tok: u32_of(n_tok, "n_tok")?,
+        heads: u32_of(heads, "heads")?,
+        dim: u32_of(dim, "dim")?,
+        max_keys: u32_of(max_keys, "max_keys")?,
+        q_offset: u32_of(q.1, "q offset")?,
+        q_tok_stride: u32_of(q.2, "q stride")?,
+        o_offset: u32_of(o.1, "o offset")?,
+        o_tok_stride: u32_of(o.2, "o stride")?,
+        scale,
+        topk: u32_of(src.topk, "topk")?,
+        _pad: [0; 2],
+    };
+    let u = ctx.uniform("attention", &p);
+    let rows = ctx.storage_u32("attn rows", &keys.rows);
+    let ranges: Vec<u32> = keys.ranges.iter().flat_map(|&(s, c)| [s, c]).collect();
+    let rng = ctx.storage_u32("attn ranges", &ranges);
+    let scratch = ctx.scratch(n_tok * heads * max_keys);
+    let bound = [
+        (0, q.0),
+        (1, src.batch),
+        (2, &rows),
+        (3, &rng),
+        (4, sink),
+        (5, &*scratch),
+        (6, o.0),
+        (7, &u),
+        (8, src.ring),
+        (9, src.comp),
+        (10, src.sel),
+    ];
+    ctx.dispatch_at(enc, &pl, &bound, [u32_of(heads, "heads")?, p.n_tok, 1])
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct ApeParams {
+    rows: u32,
+    w: u32,
+    pos0: u32,
+    ratio: u32,
+    off: u32,
+    _p: [u32; 3],
+}
+
+/// `g[off + r·w + c] += ape[((pos0 + r) % ratio)·w + c]` for `rows` rows of `w` (see `kvdev.wgsl`).
+#[allow(clippy::too_many_arguments)]
+pub fn add_ape(
+    ctx: &WgpuContext,
+    enc: &mut Enc,
+    g: &Buf,
+    off: usize,
+    rows: usize,
+    w: usize,
+    ape: &Buf,
+    pos0: usize,
+    ratio: usize,
+) -> Result<()> {
+    if rows == 0 || w == 0 {
+        return Ok(());
+    }
+    if ratio == 0 {
+        return Err(backend_err("add_ape: ratio 0"));
+    }
+    let p = ApeParams {
+        rows: u32_of(rows, "rows")?,
+        w: u32_of(w, "w")?,
+        pos0: u32_of(pos0 % ratio, "pos0")?,
+        ratio: u32_of(ratio, "ratio")?,
+        off: u32_of(off, "off")?,
+        _p: [0; 3],
+    };
+    let pl = ctx.pipeline_entry("kvdev", sh::KVDEV, "add_ape")?;
+    let ub = ctx.uniform("add_ape", &p);
+    ctx.dispatch(enc, &pl, &[g, ape, &ub], [groups(w)?, p.rows, 1])
 }
 
 #[repr(C)]
