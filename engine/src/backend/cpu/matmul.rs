@@ -1,23 +1,30 @@
 //! Matrix products against weights in the map: `y[b, o] = W[o, :] · x[b, :]` for a batch of activation rows.
 //!
-//! Work is split over output rows across the pool; each weight row is read once per batch (matrix-matrix work in
-//! prefill). Determinism: every output element is one dot-product call whose accumulation order depends only on
-//! the row length, never on the batch size or thread count — so one-pass prefill, chunked prefill and decode
-//! produce bit-identical projections.
+//! Work is split over output rows across the pool ([`Pool::for_ranges`]: long contiguous row ranges per thread,
+//! smaller ones at the tail); each weight row is read once per batch (matrix-matrix work in prefill).
+//! Determinism: every output element is one dot-product call whose accumulation order depends only on the row
+//! length, never on the batch size, thread count or how rows are grouped — so one-pass prefill, chunked prefill,
+//! decode and the grouped MoE dispatch produce bit-identical projections.
 //!
 //! Kernels: F32 weights use [`dot_f32`] here (the golden-checked path); F16/BF16 use `quant::dot_f32_kernel`;
-//! quantized weights (Q8_0, Q2_K, Q4_K, IQ2_XXS) quantize each activation row once per call into
-//! `quant::act_type` (Q8_0 / Q8_K, as ggml does) and use `quant::dot_q_kernel`. Types without a kernel are
-//! rejected at load by [`supports`].
+//! quantized weights (Q8_0, Q2_K, Q4_K, IQ2_XXS) quantize each activation row into `quant::act_type` (Q8_0 /
+//! Q8_K, as ggml does) and use `quant::dot_q_kernel`. Types without a kernel are rejected at load by [`supports`].
 //!
 //! Activation quantization is the CPU's one deliberate approximation: each activation is rounded to a grid of
 //! `amax/127` per block of 32 (Q8_0) or 256 (Q8_K) values, an error of up to half a step per activation. When the
 //! pool says [`Pool::f32_acts`] (engine option `f32_acts`), quantized weights use `quant::dot_f32_kernel` with f32
 //! activations instead — what the wgpu backend computes — so cross-backend checks compare the kernels alone.
+//!
+//! Two layers: [`matmul`] / [`matmul_strided`] / [`matmul_gather`] are one product each (activations quantized per
+//! call into a thread-local buffer, no allocation once it has grown). Under them, a [`Product`] is one prepared
+//! product (kernel chosen, input located, output described by a raw pointer); [`run_group`] runs many products
+//! in ONE pool dispatch (the MoE runs all selected experts' gate+up at once, then all downs), with activations
+//! quantized once by the caller ([`Acts`]) and shared by every product that reads the same rows.
 
 use std::cell::RefCell;
+use std::ops::Range;
 
-use crate::backend::cpu::pool::{split, Pool};
+use crate::backend::cpu::pool::Pool;
 use crate::model::weights::Mat;
 use crate::quant::{self, DotF32, DotQ, GgmlType};
 use crate::{Error, Result};
@@ -29,30 +36,75 @@ pub fn supports(ty: GgmlType) -> bool {
 
 /// Batch rows processed together against each weight row (cache blocking; results do not depend on it).
 const BATCH_BLOCK: usize = 8;
+/// Weight bytes of the row sub-block that one batch block streams over (kept in L2 across batch blocks).
+const ROW_BLOCK_BYTES: usize = 64 * 1024;
+/// Smallest row range handed to one thread, in weight bytes (keeps a range long enough to stream).
+const GRAIN_BYTES: usize = 32 * 1024;
+/// Products with fewer multiply-adds than this run on the calling thread (a dispatch would cost more).
+const INLINE_WORK: usize = 32 * 1024;
 
 /// The dot product used for a weight type.
-#[derive(Clone, Copy)]
-enum Kernel {
+#[derive(Clone, Copy, Debug)]
+pub enum Kernel {
+    /// F32 weights, [`dot_f32`].
     F32,
+    /// Float weights (F16/BF16) against f32 activations.
     F(DotF32),
+    /// Quantized weights against activations quantized to `act` (`act_bytes` per row).
     Q { act: GgmlType, dot: DotQ, act_bytes: usize },
 }
 
-fn kernel(ty: GgmlType, cols: usize, f32_acts: bool) -> Result<Kernel> {
-    if ty == GgmlType::F32 {
-        return Ok(Kernel::F32);
+impl Kernel {
+    /// The kernel for `ty` weights with rows of `cols` values.
+    pub fn for_type(ty: GgmlType, cols: usize) -> Result<Kernel> {
+        if ty == GgmlType::F32 {
+            return Ok(Kernel::F32);
+        }
+        let act = quant::act_type(ty);
+        if act != GgmlType::F32 {
+            if let (Ok(dot), Some(b)) = (quant::dot_q_kernel(ty), act.row_bytes(cols as u64)) {
+                return Ok(Kernel::Q { act, dot, act_bytes: b as usize });
+            }
+        }
+        Ok(Kernel::F(quant::dot_f32_kernel(ty)?))
     }
-    let act = quant::act_type(ty);
-    if act != GgmlType::F32 && !f32_acts {
-        if let (Ok(dot), Some(b)) = (quant::dot_q_kernel(ty), act.row_bytes(cols as u64)) {
-            return Ok(Kernel::Q { act, dot, act_bytes: b as usize });
+
+    /// The kernel the pool's settings ask for: [`Kernel::for_type`], or f32 activations for every weight type when
+    /// [`Pool::f32_acts`] is on.
+    pub fn for_pool(pool: &Pool, ty: GgmlType, cols: usize) -> Result<Kernel> {
+        if pool.f32_acts() && ty != GgmlType::F32 {
+            return Ok(Kernel::F(quant::dot_f32_kernel(ty)?));
+        }
+        Kernel::for_type(ty, cols)
+    }
+
+    /// The activation format (`F32` when activations stay f32).
+    pub fn act_type(&self) -> GgmlType {
+        match self {
+            Kernel::Q { act, .. } => *act,
+            _ => GgmlType::F32,
         }
     }
-    Ok(Kernel::F(quant::dot_f32_kernel(ty)?))
 }
 
 thread_local! {
-    static ACTS: RefCell<(Vec<u8>, Vec<u8>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+    static ACTS: RefCell<Acts> = const { RefCell::new(Acts::new()) };
+    /// One quantized row (per thread) for [`Acts::prepare_par`].
+    static ONE: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+}
+
+/// A byte pointer that tasks write through at disjoint rows.
+#[derive(Clone, Copy)]
+struct BytePtr(*mut u8);
+// SAFETY: used only by `Acts::prepare_par` for disjoint rows of a buffer it borrows mutably.
+unsafe impl Send for BytePtr {}
+// SAFETY: as above.
+unsafe impl Sync for BytePtr {}
+impl BytePtr {
+    /// The pointer (a method, so closures capture the whole `Sync` wrapper, not the raw field).
+    fn get(self) -> *mut u8 {
+        self.0
+    }
 }
 
 /// f32 dot product with 8 independent accumulators (fixed order for a given length).
@@ -81,7 +133,7 @@ pub fn dequant_row(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<()> {
 }
 
 /// A raw pointer that tasks write through at disjoint indices.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 pub struct SyncPtr(pub *mut f32);
 // SAFETY: used only for writes to disjoint indices from pool tasks, while the owning slice is borrowed mutably by
 // the function that spawned them.
@@ -94,6 +146,301 @@ impl SyncPtr {
     pub fn get(self) -> *mut f32 {
         self.0
     }
+}
+
+/// Where input row `b` of a product starts, in elements of the input buffer (f32 values or activation bytes).
+#[derive(Clone, Copy, Debug)]
+pub enum RowAt<'a> {
+    /// `b * stride + off`.
+    Strided { stride: usize, off: usize },
+    /// `idx[b] * stride`.
+    Gather { idx: &'a [usize], stride: usize },
+}
+
+impl RowAt<'_> {
+    #[inline]
+    fn at(&self, b: usize) -> usize {
+        match *self {
+            RowAt::Strided { stride, off } => b * stride + off,
+            RowAt::Gather { idx, stride } => idx[b] * stride,
+        }
+    }
+}
+
+/// The input rows of a product: f32 values, or activations already quantized for the product's kernel.
+#[derive(Clone, Copy, Debug)]
+pub enum Input<'a> {
+    F32 { x: &'a [f32], rows: RowAt<'a> },
+    Q { acts: &'a [u8], rows: RowAt<'a> },
+}
+
+/// Activation rows quantized once for every product that reads them (grown, never shrunk: no allocation once
+/// large enough).
+#[derive(Debug, Default)]
+pub struct Acts {
+    act: Option<GgmlType>,
+    row_bytes: usize,
+    data: Vec<u8>,
+    one: Vec<u8>,
+}
+
+impl Acts {
+    /// An empty buffer.
+    pub const fn new() -> Acts {
+        Acts { act: None, row_bytes: 0, data: Vec::new(), one: Vec::new() }
+    }
+
+    /// For a quantized kernel `k`, quantizes rows `rows.at(b)..+cols` of `x` for `b < n` into rows `0..n` here;
+    /// for float kernels does nothing (the product reads `x` directly).
+    pub fn prepare(&mut self, k: &Kernel, x: &[f32], rows: RowAt<'_>, n: usize, cols: usize) -> Result<()> {
+        let Kernel::Q { act, act_bytes, .. } = *k else {
+            self.act = None;
+            return Ok(());
+        };
+        self.act = Some(act);
+        self.row_bytes = act_bytes;
+        if self.data.len() < n * act_bytes {
+            self.data.resize(n * act_bytes, 0);
+        }
+        for b in 0..n {
+            let at = rows.at(b);
+            let xr = x.get(at..at + cols).ok_or_else(|| backend_err("activation row out of range".into()))?;
+            quant::quantize_acts(act, xr, &mut self.one)
+                .map_err(|e| backend_err(format!("matmul activations: {e}")))?;
+            self.data[b * act_bytes..(b + 1) * act_bytes].copy_from_slice(&self.one);
+        }
+        Ok(())
+    }
+
+    /// [`Acts::prepare`] with the rows quantized across the pool (one task per row).
+    pub fn prepare_par(
+        &mut self,
+        pool: &Pool,
+        k: &Kernel,
+        x: &[f32],
+        rows: RowAt<'_>,
+        n: usize,
+        cols: usize,
+    ) -> Result<()> {
+        let Kernel::Q { act, act_bytes, .. } = *k else {
+            self.act = None;
+            return Ok(());
+        };
+        if n <= 1 || pool.threads() == 1 {
+            return self.prepare(k, x, rows, n, cols);
+        }
+        self.act = Some(act);
+        self.row_bytes = act_bytes;
+        if self.data.len() < n * act_bytes {
+            self.data.resize(n * act_bytes, 0);
+        }
+        for b in 0..n {
+            if rows.at(b) + cols > x.len() {
+                return Err(backend_err("activation row out of range".into()));
+            }
+        }
+        let first_err: parking_lot::Mutex<Option<Error>> = parking_lot::Mutex::new(None);
+        let dst = BytePtr(self.data.as_mut_ptr());
+        pool.run(n, &|b| {
+            ONE.with(|one| {
+                let mut one = one.borrow_mut();
+                let at = rows.at(b);
+                match quant::quantize_acts(act, &x[at..at + cols], &mut one) {
+                    // SAFETY: row `b` (in bounds: `data` holds `n` rows) is written by this task only, while `self`
+                    // is borrowed mutably by this function.
+                    Ok(()) => unsafe {
+                        std::ptr::copy_nonoverlapping(one.as_ptr(), dst.get().add(b * act_bytes), act_bytes)
+                    },
+                    Err(e) => {
+                        first_err.lock().get_or_insert(backend_err(format!("matmul activations: {e}")));
+                    }
+                }
+            })
+        });
+        match first_err.into_inner() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// The quantized rows `0..n` as written by [`Acts::prepare`], as bytes (empty for float kernels).
+    pub fn bytes(&self) -> &[u8] {
+        if self.act.is_some() {
+            &self.data
+        } else {
+            &[]
+        }
+    }
+
+    /// Bytes per quantized row (0 for float kernels).
+    pub fn row_bytes(&self) -> usize {
+        if self.act.is_some() {
+            self.row_bytes
+        } else {
+            0
+        }
+    }
+
+    /// The input of a product reading rows `at(b)` (in row units of `x`, whose rows are `cols` long) — prepared
+    /// quantized rows for quantized kernels, `x` itself for float ones. `at` maps the product's batch row to a row
+    /// index of `x` (and of the prepared rows, which were prepared for the same row indices).
+    pub fn input<'a>(&'a self, k: &Kernel, x: &'a [f32], cols: usize, at: RowAt<'a>) -> Input<'a> {
+        let scale = |stride: usize| match at {
+            RowAt::Strided { stride: s, off } => RowAt::Strided { stride: s * stride, off: off * stride },
+            RowAt::Gather { idx, stride: s } => RowAt::Gather { idx, stride: s * stride },
+        };
+        match k {
+            Kernel::Q { act_bytes, .. } if self.act.is_some() => Input::Q { acts: &self.data, rows: scale(*act_bytes) },
+            _ => Input::F32 { x, rows: scale(cols) },
+        }
+    }
+}
+
+fn backend_err(what: String) -> Error {
+    Error::Backend { backend: "cpu", what }
+}
+
+/// Where a product writes: element `(b, o)` at `ptr[b * stride + off + o]`, all inside `len` elements.
+#[derive(Clone, Copy, Debug)]
+pub struct Out {
+    ptr: SyncPtr,
+    len: usize,
+    stride: usize,
+    off: usize,
+}
+
+impl Out {
+    /// Output into `y` with the given row stride and offset. Writing happens only in the `unsafe` [`Product::rows`]
+    /// / [`run_group`], whose callers guarantee `y` outlives them and nobody else touches the written elements.
+    pub fn new(y: &mut [f32], stride: usize, off: usize) -> Out {
+        Out { ptr: SyncPtr(y.as_mut_ptr()), len: y.len(), stride, off }
+    }
+
+    /// The same output moved `by` elements further into the buffer.
+    pub fn shifted(self, by: usize) -> Out {
+        Out { off: self.off + by, ..self }
+    }
+}
+
+/// One prepared product: `out(b, o) = W[o] · input(b)` for `b < n`, `o < w.rows`.
+#[derive(Clone, Copy, Debug)]
+pub struct Product<'a> {
+    pub w: Mat<'a>,
+    pub k: Kernel,
+    pub input: Input<'a>,
+    pub n: usize,
+    pub out: Out,
+}
+
+impl Product<'_> {
+    /// Computes output rows `range` for every batch row.
+    ///
+    /// # Safety
+    /// `self.out` points into a live buffer that no other thread reads or writes at the elements of these rows
+    /// during the call (other rows may be written concurrently). Index bounds are checked (a bad shape panics).
+    pub unsafe fn rows(&self, range: Range<usize>) {
+        let (w, n, cols) = (self.w, self.n, self.w.cols);
+        if range.is_empty() || n == 0 {
+            return;
+        }
+        assert!(range.end <= w.rows, "matmul rows out of range");
+        let o = self.out;
+        assert!((n - 1) * o.stride + o.off + range.end <= o.len, "matmul output out of range");
+        // SAFETY: in bounds (asserted); exclusive access to these elements is the caller's contract.
+        let put = |b: usize, r: usize, v: f32| unsafe { *o.ptr.get().add(b * o.stride + o.off + r) = v };
+        let rb = w.row_bytes.max(1);
+        let sub = if n <= BATCH_BLOCK { range.len() } else { (ROW_BLOCK_BYTES / rb).max(1) };
+        let mut s0 = range.start;
+        while s0 < range.end {
+            let s1 = (s0 + sub).min(range.end);
+            for b0 in (0..n).step_by(BATCH_BLOCK) {
+                let b1 = (b0 + BATCH_BLOCK).min(n);
+                match (self.k, self.input) {
+                    (Kernel::Q { dot, act_bytes, .. }, Input::Q { acts, rows }) => {
+                        for r in s0..s1 {
+                            let wr = w.row(r);
+                            for b in b0..b1 {
+                                let a = rows.at(b);
+                                put(b, r, dot(wr, &acts[a..a + act_bytes]));
+                            }
+                        }
+                    }
+                    (Kernel::F(f), Input::F32 { x, rows }) => {
+                        for r in s0..s1 {
+                            let wr = w.row(r);
+                            for b in b0..b1 {
+                                let a = rows.at(b);
+                                put(b, r, f(wr, &x[a..a + cols]));
+                            }
+                        }
+                    }
+                    (Kernel::F32, Input::F32 { x, rows }) => {
+                        for r in s0..s1 {
+                            let wr = w.row(r);
+                            for b in b0..b1 {
+                                let a = rows.at(b);
+                                let xr = &x[a..a + cols];
+                                let v = match bytemuck::try_cast_slice::<u8, f32>(wr) {
+                                    Ok(wf) => dot_f32(wf, xr),
+                                    Err(_) => quant::dot_f32_kernel(GgmlType::F32).map_or(f32::NAN, |f| f(wr, xr)),
+                                };
+                                put(b, r, v);
+                            }
+                        }
+                    }
+                    _ => panic!("matmul input does not match the kernel"),
+                }
+            }
+            s0 = s1;
+        }
+    }
+}
+
+/// Runs `units` products of `unit_rows` output rows each in one pool dispatch: `product(u)` describes product
+/// `u` (called from the tasks, so it must be cheap and must not fail). Row ranges are cut at product boundaries.
+///
+/// # Safety
+/// Every product's output buffer is live for the call, and no two products (and nothing else during the call)
+/// write or read the same output element.
+pub unsafe fn run_group<'a>(
+    pool: &Pool,
+    units: usize,
+    unit_rows: usize,
+    grain: usize,
+    product: &(dyn Fn(usize) -> Product<'a> + Sync),
+) {
+    let total = units * unit_rows;
+    if total == 0 {
+        return;
+    }
+    pool.for_ranges(total, grain, &|r| {
+        let mut a = r.start;
+        while a < r.end {
+            let u = a / unit_rows;
+            let b = ((u + 1) * unit_rows).min(r.end);
+            let p = product(u);
+            // SAFETY: disjoint ranges of disjoint products (the caller's contract and `for_ranges`').
+            unsafe { p.rows(a - u * unit_rows..b - u * unit_rows) };
+            a = b;
+        }
+    });
+}
+
+/// A row grain for `for_ranges` over rows of `row_bytes` weight bytes.
+pub fn grain_rows(row_bytes: usize) -> usize {
+    (GRAIN_BYTES / row_bytes.max(1)).max(1)
+}
+
+/// Runs one product on the pool (inline when small).
+fn run_one(pool: &Pool, p: &Product<'_>) {
+    let work = p.w.rows * p.w.cols * p.n;
+    if work < INLINE_WORK {
+        // SAFETY: `p.out` came from a `&mut` slice borrowed by our caller for this call; one thread.
+        unsafe { p.rows(0..p.w.rows) };
+        return;
+    }
+    // SAFETY: as above; `for_ranges` hands out disjoint row ranges.
+    pool.for_ranges(p.w.rows, grain_rows(p.w.row_bytes), &|r| unsafe { p.rows(r) });
 }
 
 /// `y[b * w.rows + o] = W[o] · x[b * w.cols ..]` for `b < n`. `x.len() >= n * w.cols`, `y.len() >= n * w.rows`.
@@ -115,83 +462,46 @@ pub fn matmul_strided(
     if n == 0 {
         return Ok(());
     }
-    let cols = w.cols;
-    assert!((n - 1) * xs.0 + xs.1 + cols <= x.len(), "matmul input shape");
-    run(pool, w, n, &|b| b * xs.0 + xs.1, x, y, (ys.0, ys.1))
+    assert!((n - 1) * xs.0 + xs.1 + w.cols <= x.len(), "matmul input shape");
+    run(pool, w, n, RowAt::Strided { stride: xs.0, off: xs.1 }, x, y, ys)
 }
 
 /// Like [`matmul`] but on a subset of batch rows: `y[j * w.rows + o] = W[o] · x[rows_idx[j]]`.
 pub fn matmul_gather(pool: &Pool, w: Mat<'_>, x: &[f32], rows_idx: &[usize], y: &mut [f32]) -> Result<()> {
     let cols = w.cols;
     assert!(rows_idx.iter().all(|&r| (r + 1) * cols <= x.len()), "matmul_gather rows");
-    run(pool, w, rows_idx.len(), &|j| rows_idx[j] * cols, x, y, (w.rows, 0))
+    run(pool, w, rows_idx.len(), RowAt::Gather { idx: rows_idx, stride: cols }, x, y, (w.rows, 0))
 }
 
-/// The shared driver: input row `b` starts at `x[x_off(b)]`.
-fn run(
-    pool: &Pool,
-    w: Mat<'_>,
-    n: usize,
-    x_off: &(dyn Fn(usize) -> usize + Sync),
-    x: &[f32],
-    y: &mut [f32],
-    ys: (usize, usize),
-) -> Result<()> {
+/// The shared driver: input row `b` starts at `x[at.at(b)]`.
+fn run(pool: &Pool, w: Mat<'_>, n: usize, at: RowAt<'_>, x: &[f32], y: &mut [f32], ys: (usize, usize)) -> Result<()> {
     let (rows, cols) = (w.rows, w.cols);
     if n == 0 {
         return Ok(());
     }
     assert!((n - 1) * ys.0 + ys.1 + rows <= y.len(), "matmul output shape");
     assert!(n == 1 || ys.0 >= rows, "matmul output rows overlap");
-    let k = kernel(w.ty, cols, pool.f32_acts())?;
-    let work = rows * cols * n;
-    let tasks = if work < 32 * 1024 { 1 } else { (pool.threads() * 4).min(rows).max(1) };
-    let yp = SyncPtr(y.as_mut_ptr());
-    let body = |acts: &[u8]| {
-        pool.run(tasks, &|t| {
-            // Batch rows in blocks of BATCH_BLOCK so a block of activations stays in cache while this task's
-            // weight rows stream past it once per block.
-            let range = split(rows, tasks, t);
-            for b0 in (0..n).step_by(BATCH_BLOCK) {
-                let b1 = (b0 + BATCH_BLOCK).min(n);
-                for o in range.clone() {
-                    let wr = w.row(o);
-                    for b in b0..b1 {
-                        let v = match k {
-                            Kernel::F32 => match bytemuck::try_cast_slice::<u8, f32>(wr) {
-                                Ok(wf) => dot_f32(wf, &x[x_off(b)..x_off(b) + cols]),
-                                Err(_) => quant::dot_f32_kernel(GgmlType::F32)
-                                    .map_or(f32::NAN, |f| f(wr, &x[x_off(b)..x_off(b) + cols])),
-                            },
-                            Kernel::F(f) => f(wr, &x[x_off(b)..x_off(b) + cols]),
-                            Kernel::Q { dot, act_bytes, .. } => dot(wr, &acts[b * act_bytes..(b + 1) * act_bytes]),
-                        };
-                        // SAFETY: (b, o) pairs are disjoint across tasks (o ranges are disjoint) and in bounds
-                        // (asserted).
-                        unsafe { *yp.get().add(b * ys.0 + ys.1 + o) = v };
-                    }
-                }
+    let k = Kernel::for_pool(pool, w.ty, cols)?;
+    let out = Out::new(y, ys.0, ys.1);
+    let go = |acts: &mut Acts| -> Result<()> {
+        acts.prepare(&k, x, at, n, cols)?;
+        let input = match k {
+            Kernel::Q { act_bytes, .. } => {
+                Input::Q { acts: acts.bytes(), rows: RowAt::Strided { stride: act_bytes, off: 0 } }
             }
-        })
+            _ => Input::F32 { x, rows: at },
+        };
+        run_one(pool, &Product { w, k, input, n, out });
+        Ok(())
     };
-    match k {
-        Kernel::Q { act, act_bytes, .. } => ACTS.with(|a| -> Result<()> {
-            let (all, one) = &mut *a.borrow_mut();
-            all.clear();
-            all.reserve(n * act_bytes);
-            for b in 0..n {
-                quant::quantize_acts(act, &x[x_off(b)..x_off(b) + cols], one)
-                    .map_err(|e| Error::Backend { backend: "cpu", what: format!("matmul activations: {e}") })?;
-                all.extend_from_slice(one);
-            }
-            body(all);
-            Ok(())
-        }),
-        _ => {
-            body(&[]);
-            Ok(())
-        }
+    if !matches!(k, Kernel::Q { .. }) {
+        return go(&mut Acts::new());
     }
+    ACTS.with(|a| match a.try_borrow_mut() {
+        Ok(mut acts) => go(&mut acts),
+        // Re-entered on this thread (a matmul inside a pool task): a private buffer.
+        Err(_) => go(&mut Acts::new()),
+    })
 }
 
 #[cfg(test)]
@@ -209,11 +519,24 @@ mod tests {
         y
     }
 
+    fn quantized(ty: GgmlType, w: &[f32], rows: usize, cols: usize) -> (Vec<u8>, usize) {
+        let rb = ty.row_bytes(cols as u64).unwrap() as usize;
+        let mut bytes = vec![0u8; rows * rb];
+        for r in 0..rows {
+            quant::quantize_row(ty, &w[r * cols..(r + 1) * cols], None, &mut bytes[r * rb..(r + 1) * rb]).unwrap();
+        }
+        (bytes, rb)
+    }
+
+    fn vals(n: usize, mul: usize, m: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|i| ((i * mul % m) as f32 - m as f32 / 2.0) / scale).collect()
+    }
+
     #[test]
     fn f32_matmul_matches_naive_and_is_batch_invariant() {
         let (rows, cols, n) = (37usize, 70usize, 5usize);
-        let w: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 300.0).collect();
-        let x: Vec<f32> = (0..n * cols).map(|i| ((i * 104729 % 777) as f32 - 388.0) / 200.0).collect();
+        let w = vals(rows * cols, 7919, 1000, 300.0);
+        let x = vals(n * cols, 104729, 777, 200.0);
         let bytes: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
         let m = Mat { ty: GgmlType::F32, rows, cols, row_bytes: cols * 4, data: &bytes };
         let pool = Pool::new(3);
@@ -232,18 +555,14 @@ mod tests {
     #[test]
     fn quantized_matmul_is_close_to_dequantized_f32() {
         let (rows, cols, n) = (8usize, 64usize, 3usize);
-        let w: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 300.0).collect();
-        let x: Vec<f32> = (0..n * cols).map(|i| ((i * 104729 % 777) as f32 - 388.0) / 200.0).collect();
-        let mut bytes = vec![0u8; rows * 68];
-        for r in 0..rows {
-            quant::quantize_row(GgmlType::Q8_0, &w[r * cols..(r + 1) * cols], None, &mut bytes[r * 68..(r + 1) * 68])
-                .unwrap();
-        }
+        let w = vals(rows * cols, 7919, 1000, 300.0);
+        let x = vals(n * cols, 104729, 777, 200.0);
+        let (bytes, rb) = quantized(GgmlType::Q8_0, &w, rows, cols);
         let mut deq = vec![0f32; rows * cols];
         for r in 0..rows {
-            dequant_row(GgmlType::Q8_0, &bytes[r * 68..(r + 1) * 68], &mut deq[r * cols..(r + 1) * cols]).unwrap();
+            dequant_row(GgmlType::Q8_0, &bytes[r * rb..(r + 1) * rb], &mut deq[r * cols..(r + 1) * cols]).unwrap();
         }
-        let m = Mat { ty: GgmlType::Q8_0, rows, cols, row_bytes: 68, data: &bytes };
+        let m = Mat { ty: GgmlType::Q8_0, rows, cols, row_bytes: rb, data: &bytes };
         let pool = Pool::new(2);
         let mut y = vec![0f32; n * rows];
         matmul(&pool, m, &x, n, &mut y).unwrap();
@@ -266,5 +585,91 @@ mod tests {
             assert!((a - b).abs() < 1e-3, "f32 activations: {a} vs {b}");
         }
         assert!(yf.iter().zip(&y).any(|(a, b)| a != b), "f32_acts changed nothing");
+    }
+
+    /// Every output is exactly the type's single-row kernel on the quantized activation row, whatever the batch
+    /// size, pool size, matrix size (inline or pooled, with batch and row blocking) and gather.
+    #[test]
+    fn every_output_is_the_row_kernel() {
+        for (ty, rows, cols, n) in [
+            (GgmlType::Q2K, 300usize, 512usize, 1usize),
+            (GgmlType::Q4K, 97, 256, 11),
+            (GgmlType::Iq2Xxs, 130, 256, 2),
+            (GgmlType::Q8_0, 513, 128, 19),
+            (GgmlType::F16, 70, 64, 9),
+        ] {
+            let w = vals(rows * cols, 7919, 1013, 400.0);
+            let x = vals(n * cols, 104729, 777, 200.0);
+            let (bytes, rb) = quantized(ty, &w, rows, cols);
+            let m = Mat { ty, rows, cols, row_bytes: rb, data: &bytes };
+            let mut want = vec![0f32; n * rows];
+            for b in 0..n {
+                quant::matvec(
+                    ty,
+                    &bytes,
+                    rows,
+                    cols,
+                    &x[b * cols..(b + 1) * cols],
+                    &mut want[b * rows..(b + 1) * rows],
+                )
+                .unwrap();
+            }
+            for threads in [1usize, 2, 3] {
+                let pool = Pool::new(threads);
+                let mut y = vec![f32::NAN; n * rows];
+                matmul(&pool, m, &x, n, &mut y).unwrap();
+                assert_eq!(y, want, "{ty} {threads} threads");
+                let idx: Vec<usize> = (0..n).rev().collect();
+                let mut g = vec![f32::NAN; n * rows];
+                matmul_gather(&pool, m, &x, &idx, &mut g).unwrap();
+                for (j, &b) in idx.iter().enumerate() {
+                    assert_eq!(&g[j * rows..(j + 1) * rows], &want[b * rows..(b + 1) * rows], "{ty} gather");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn grouped_products_match_single_products() {
+        // Three products of 40 rows each (different matrices and inputs) in one dispatch, written to one buffer.
+        let (rows, cols, n) = (40usize, 256usize, 2usize);
+        let ty = GgmlType::Q4K;
+        let w = vals(3 * rows * cols, 7919, 1013, 400.0);
+        let (bytes, rb) = quantized(ty, &w, 3 * rows, cols);
+        let all = Mat { ty, rows: 3 * rows, cols, row_bytes: rb, data: &bytes };
+        let x = vals(4 * cols, 104729, 777, 200.0);
+        let k = Kernel::for_type(ty, cols).unwrap();
+        let mut acts = Acts::new();
+        acts.prepare(&k, &x, RowAt::Strided { stride: cols, off: 0 }, 4, cols).unwrap();
+        let idx = [[3usize, 0], [1, 2], [2, 2]];
+        let pool = Pool::new(2);
+        let mut y = vec![f32::NAN; 3 * n * rows];
+        let out = Out::new(&mut y, rows, 0);
+        let product = |u: usize| Product {
+            w: all.rows_slice(u * rows, rows),
+            k,
+            input: acts.input(&k, &x, cols, RowAt::Gather { idx: &idx[u], stride: 1 }),
+            n,
+            out: out.shifted(u * n * rows),
+        };
+        // SAFETY: product `u` writes only y[u*n*rows..(u+1)*n*rows]; `y` outlives the call.
+        unsafe { run_group(&pool, 3, rows, 7, &product) };
+        for u in 0..3 {
+            let mut want = vec![0f32; n * rows];
+            matmul_gather(&pool, all.rows_slice(u * rows, rows), &x, &idx[u], &mut want).unwrap();
+            assert_eq!(&y[u * n * rows..(u + 1) * n * rows], &want[..], "product {u}");
+        }
+    }
+
+    #[test]
+    fn bad_activations_are_an_error() {
+        let (rows, cols) = (4usize, 256usize);
+        let w = vals(rows * cols, 7919, 1013, 400.0);
+        let (bytes, rb) = quantized(GgmlType::Q2K, &w, rows, cols);
+        let m = Mat { ty: GgmlType::Q2K, rows, cols, row_bytes: rb, data: &bytes };
+        let mut x = vals(cols, 104729, 777, 200.0);
+        x[5] = f32::NAN;
+        let mut y = vec![0f32; rows];
+        assert!(matmul(&Pool::new(2), m, &x, 1, &mut y).is_err());
     }
 }

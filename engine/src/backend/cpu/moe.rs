@@ -6,10 +6,13 @@
 //! Rows are grouped by expert so each expert's weights are read once per batch; contributions are added in
 //! ascending expert order, then the shared expert (same clamped SwiGLU, weight 1).
 
-use super::matmul::{matmul, matmul_gather};
+use super::matmul::{grain_rows, matmul, run_group, Acts, Kernel, Out, Product, RowAt};
 use super::norm::rms_norm_rows;
+use super::pool::{par_rows, Pool};
 use super::{CpuBackend, Scratch};
 use crate::backend::StepCtx;
+use crate::model::Mat;
+use crate::quant::GgmlType;
 use crate::Result;
 
 fn softplus(x: f32) -> f32 {
@@ -105,41 +108,173 @@ pub fn moe(be: &CpuBackend, sc: &mut Scratch, cx: &mut StepCtx<'_>, layer: usize
         }
     }
 
-    // Routed experts, ascending id.
-    let out = &mut cx.act.sub_out[..n * d];
-    out.fill(0.0);
-    let (gate_m, up_m, down_m) = (model.mat(lw.gate_exps), model.mat(lw.up_exps), model.mat(lw.down_exps));
+    // Routed experts in ascending id, then the shared expert, as slots of consecutive rows of h1/h3/eo.
+    let ms = &mut sc.moe;
+    ms.slots.clear();
+    ms.idx.clear();
+    ms.pick.clear();
     for e in 0..ne {
-        let list = std::mem::take(&mut sc.expert_rows[e]);
+        let list = &sc.expert_rows[e];
         if !list.is_empty() {
-            let m = list.len();
-            sc.idx.clear();
-            sc.idx.extend(list.iter().map(|&(r, _)| r));
-            matmul_gather(pool, gate_m.rows_slice(e * ffn, ffn), &sc.xn, &sc.idx, &mut sc.h1)?;
-            matmul_gather(pool, up_m.rows_slice(e * ffn, ffn), &sc.xn, &sc.idx, &mut sc.h3)?;
-            swiglu(&mut sc.h1[..m * ffn], &sc.h3[..m * ffn], limit);
-            matmul(pool, down_m.rows_slice(e * d, d), &sc.h1, m, &mut sc.eo)?;
-            for (i, &(r, j)) in list.iter().enumerate() {
-                let w = sc.w_e[r * k + j];
-                for (o, &v) in out[r * d..(r + 1) * d].iter_mut().zip(&sc.eo[i * d..(i + 1) * d]) {
-                    *o += w * v;
-                }
-            }
+            ms.slots.push(Slot { expert: Some(e), start: ms.idx.len(), m: list.len() });
+            ms.idx.extend(list.iter().map(|&(r, _)| r));
+            ms.pick.extend_from_slice(list);
         }
-        sc.expert_rows[e] = list;
+    }
+    let routed = ms.idx.len();
+    let shared = match (lw.gate_sh, lw.up_sh, lw.down_sh) {
+        (Some(g), Some(u), Some(dn)) => Some((model.mat(g), model.mat(u), model.mat(dn))),
+        _ => None,
+    };
+    if shared.is_some() {
+        ms.slots.push(Slot { expert: None, start: routed, m: n });
+    }
+    let total = routed + if shared.is_some() { n } else { 0 };
+    grow(&mut ms.h1, total * ffn);
+    grow(&mut ms.h3, total * ffn);
+    grow(&mut ms.eo, total * d);
+
+    let (gate_m, up_m, down_m) = (model.mat(lw.gate_exps), model.mat(lw.up_exps), model.mat(lw.down_exps));
+    let kr = Kinds::new(pool, gate_m, up_m, down_m)?;
+    let ks = shared.map(|(g, u, dn)| Kinds::new(pool, g, u, dn)).transpose()?;
+
+    // Activations of the normalized input, quantized once per activation type for all gate/up products.
+    let all_rows = RowAt::Strided { stride: d, off: 0 };
+    let mut prepared = [false; 2];
+    for k in [kr.gate, kr.up].into_iter().chain(ks.iter().flat_map(|s| [s.gate, s.up])) {
+        let slot = act_slot(&k);
+        if matches!(k, Kernel::Q { .. }) && !prepared[slot] {
+            ms.xacts[slot].prepare(&k, &sc.xn, all_rows, n, d)?;
+            prepared[slot] = true;
+        }
     }
 
-    // Shared expert.
-    if let (Some(g), Some(u), Some(dn)) = (lw.gate_sh, lw.up_sh, lw.down_sh) {
-        matmul(pool, model.mat(g), &sc.xn, n, &mut sc.h1)?;
-        matmul(pool, model.mat(u), &sc.xn, n, &mut sc.h3)?;
-        swiglu(&mut sc.h1[..n * ffn], &sc.h3[..n * ffn], limit);
-        matmul(pool, model.mat(dn), &sc.h1, n, &mut sc.eo)?;
-        for (o, &v) in out.iter_mut().zip(&sc.eo[..n * d]) {
+    // Gate and up of every slot in one dispatch.
+    {
+        let (slots, idx, xacts, xn) = (&ms.slots, &ms.idx, &ms.xacts, &sc.xn);
+        let (o1, o3) = (Out::new(&mut ms.h1, ffn, 0), Out::new(&mut ms.h3, ffn, 0));
+        let product = |u: usize| {
+            let s = slots[u / 2];
+            let (w, k, at) = match (s.expert, shared) {
+                (Some(e), _) => {
+                    let (w, k) = if u & 1 == 0 { (gate_m, kr.gate) } else { (up_m, kr.up) };
+                    (w.rows_slice(e * ffn, ffn), k, RowAt::Gather { idx: &idx[s.start..s.start + s.m], stride: 1 })
+                }
+                (None, Some((g, up, _))) => {
+                    let ks = ks.as_ref().expect("shared kernels");
+                    let (w, k) = if u & 1 == 0 { (g, ks.gate) } else { (up, ks.up) };
+                    (w, k, RowAt::Strided { stride: 1, off: 0 })
+                }
+                (None, None) => unreachable!("shared slot without shared weights"),
+            };
+            let out = if u & 1 == 0 { o1 } else { o3 };
+            Product { w, k, input: xacts[act_slot(&k)].input(&k, xn, d, at), n: s.m, out: out.shifted(s.start * ffn) }
+        };
+        // SAFETY: product `u` writes rows `start..start + m` of h1 (even `u`) or h3 (odd `u`) of its own slot;
+        // slots do not overlap; h1/h3 outlive the call and are not otherwise used during it.
+        unsafe { run_group(pool, 2 * ms.slots.len(), ffn, grain_rows(gate_m.row_bytes), &product) };
+    }
+
+    // SwiGLU, then the down inputs quantized (routed rows and shared rows may use different activation types).
+    let h3 = &ms.h3;
+    par_rows(pool, &mut ms.h1[..total * ffn], ffn, &|i, h| swiglu(h, &h3[i * ffn..(i + 1) * ffn], limit));
+    ms.hacts[0].prepare_par(pool, &kr.down, &ms.h1, RowAt::Strided { stride: ffn, off: 0 }, routed, ffn)?;
+    if let Some(ks) = &ks {
+        ms.hacts[1].prepare_par(pool, &ks.down, &ms.h1, RowAt::Strided { stride: ffn, off: routed * ffn }, n, ffn)?;
+    }
+
+    // Every slot's down projection in one dispatch.
+    {
+        let (slots, hacts, h1) = (&ms.slots, &ms.hacts, &ms.h1);
+        let oe = Out::new(&mut ms.eo, d, 0);
+        let product = |u: usize| {
+            let s = slots[u];
+            let (w, k, base, acts) = match (s.expert, shared) {
+                (Some(e), _) => (down_m.rows_slice(e * d, d), kr.down, 0, &hacts[0]),
+                (None, Some((_, _, dn))) => (dn, ks.as_ref().expect("shared kernels").down, routed, &hacts[1]),
+                (None, None) => unreachable!("shared slot without shared weights"),
+            };
+            let input = acts.input(&k, &h1[base * ffn..], ffn, RowAt::Strided { stride: 1, off: s.start - base });
+            Product { w, k, input, n: s.m, out: oe.shifted(s.start * d) }
+        };
+        // SAFETY: product `u` writes rows `start..start + m` of eo for its own slot; slots do not overlap; eo
+        // outlives the call and is not otherwise used during it.
+        unsafe { run_group(pool, ms.slots.len(), d, grain_rows(down_m.row_bytes), &product) };
+    }
+
+    // Weighted sum: routed contributions in ascending expert id, then the shared expert (weight 1).
+    let out = &mut cx.act.sub_out[..n * d];
+    out.fill(0.0);
+    for (i, &(r, j)) in ms.pick.iter().enumerate() {
+        let w = sc.w_e[r * k + j];
+        for (o, &v) in out[r * d..(r + 1) * d].iter_mut().zip(&ms.eo[i * d..(i + 1) * d]) {
+            *o += w * v;
+        }
+    }
+    if shared.is_some() {
+        for (o, &v) in out.iter_mut().zip(&ms.eo[routed * d..(routed + n) * d]) {
             *o += v;
         }
     }
     Ok(())
+}
+
+/// Grows `v` to at least `len` values (never shrinks, so a smaller batch does not reallocate later).
+fn grow(v: &mut Vec<f32>, len: usize) {
+    if v.len() < len {
+        v.resize(len, 0.0);
+    }
+}
+
+/// The kernels of one expert's three matrices.
+#[derive(Clone, Copy)]
+struct Kinds {
+    gate: Kernel,
+    up: Kernel,
+    down: Kernel,
+}
+
+impl Kinds {
+    fn new(pool: &Pool, g: Mat<'_>, u: Mat<'_>, dn: Mat<'_>) -> Result<Kinds> {
+        Ok(Kinds {
+            gate: Kernel::for_pool(pool, g.ty, g.cols)?,
+            up: Kernel::for_pool(pool, u.ty, u.cols)?,
+            down: Kernel::for_pool(pool, dn.ty, dn.cols)?,
+        })
+    }
+}
+
+/// Which `xacts` buffer holds activations for kernel `k` (one per activation type).
+fn act_slot(k: &Kernel) -> usize {
+    match k.act_type() {
+        GgmlType::Q8_0 => 1,
+        _ => 0,
+    }
+}
+
+/// One expert of the grouped dispatch: rows `start..start + m` of h1/h3/eo (`expert: None` = the shared expert).
+#[derive(Clone, Copy, Debug)]
+pub struct Slot {
+    expert: Option<usize>,
+    start: usize,
+    m: usize,
+}
+
+/// Buffers of the grouped MoE dispatch, grown to the largest batch seen and then reused (no allocation in decode).
+#[derive(Debug, Default)]
+pub struct MoeScratch {
+    slots: Vec<Slot>,
+    /// Batch row of every routed row, slot after slot.
+    idx: Vec<usize>,
+    /// `(batch row, selection index)` of every routed row (for its routing weight).
+    pick: Vec<(usize, usize)>,
+    /// Normalized input quantized per activation type (Q8_K, Q8_0).
+    xacts: [Acts; 2],
+    /// SwiGLU outputs quantized for the routed downs and the shared down.
+    hacts: [Acts; 2],
+    h1: Vec<f32>,
+    h3: Vec<f32>,
+    eo: Vec<f32>,
 }
 
 #[cfg(test)]

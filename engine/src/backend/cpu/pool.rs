@@ -1,20 +1,34 @@
 //! A fixed worker pool, created once per backend: [`Pool::run`] calls `f(i)` for every task index `i < n` across
-//! the workers and the calling thread, and returns when all tasks are done.
+//! the workers and the calling thread, and returns when all tasks are done; [`Pool::for_ranges`] hands out
+//! contiguous ranges of `0..total` (large first, smaller towards the end) for streaming work such as matmul rows.
 //!
 //! Tasks are claimed from an atomic counter, so `f` must not depend on which thread runs a task. The pool runs
 //! one job at a time (a `run` from several threads at once is serialised by a lock); a `run` from inside a task
 //! (nested) executes inline on the calling thread instead of deadlocking. Panics inside `f` are caught
 //! on workers and re-raised on the caller after the job completes, so a panicking task cannot leave the borrowed
 //! closure in use after `run` returns.
+//!
+//! Latency: decode issues hundreds of small jobs per token (one expert matrix is ~0.1–0.3 ms of work), and waking
+//! a parked thread costs tens of µs on a VM. So after a job, workers spin (reading one atomic) for up to
+//! [`SPIN`] before parking on a condvar, and the caller spins the same way while it waits for the last worker. Job
+//! hand-off is one atomic generation bump; the lock/condvar pair is touched only when someone has parked.
+//! Every worker takes part in every job (it decrements `pending` once per generation), which is what lets the
+//! job description live in a plain cell: it is rewritten only while no worker is inside a job.
 
+use std::cell::UnsafeCell;
+use std::ops::Range;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
 type Task = dyn Fn(usize) + Sync;
+
+/// How long an idle worker (or a waiting caller) spins before parking.
+pub const SPIN: Duration = Duration::from_micros(1000);
 
 thread_local! {
     /// Set while this thread executes pool tasks (workers always; the caller during its share of a job).
@@ -28,32 +42,38 @@ struct Job {
     n: usize,
 }
 
-// SAFETY: the pointee is `Sync` and `run` keeps it alive (blocks) until every worker has finished with it.
-unsafe impl Send for Job {}
-
-struct State {
-    generation: u64,
-    job: Option<Job>,
-    /// Workers still inside the current job.
-    active: usize,
-    panicked: bool,
-    shutdown: bool,
-}
-
 struct Shared {
-    state: Mutex<State>,
+    /// Bumped (after `job` is written) to post a job; workers compare it with the last generation they ran.
+    generation: AtomicU64,
+    job: UnsafeCell<Job>,
+    /// The next task index to claim.
+    next: AtomicUsize,
+    /// Workers that have not finished the current job.
+    pending: AtomicUsize,
+    panicked: AtomicBool,
+    shutdown: AtomicBool,
+    /// Workers parked (or about to park) on `wake`.
+    sleepers: AtomicUsize,
+    /// Whether the caller parked on `done` waiting for `pending == 0`.
+    caller_parked: AtomicBool,
+    lock: Mutex<()>,
     wake: Condvar,
     done: Condvar,
-    next: AtomicUsize,
+    spin: Duration,
 }
+
+// SAFETY: `job` is written only by the thread holding `Pool::run_lock`, while `pending == 0` (no worker is inside a
+// job) and before the generation bump that publishes it (SeqCst); workers read it only after observing that bump and
+// before decrementing `pending`. The pointee closure is `Sync`. Every other field is a sync primitive.
+unsafe impl Sync for Shared {}
+// SAFETY: as above; the raw closure pointer is only dereferenced under that protocol.
+unsafe impl Send for Shared {}
 
 /// The worker pool. See the module docs.
 pub struct Pool {
     shared: Arc<Shared>,
     workers: Vec<JoinHandle<()>>,
     run_lock: Mutex<()>,
-    /// Matmul policy carried with the pool every CPU op already receives: quantized weights keep f32 activations
-    /// (see `matmul`'s module docs). Off by default.
     f32_acts: bool,
 }
 
@@ -73,14 +93,47 @@ fn run_tasks(f: &(dyn Fn(usize) + Sync + '_), n: usize, next: &AtomicUsize) {
     }
 }
 
+/// Spins until `ready()` or until `budget` has passed; returns whether `ready()` became true.
+#[inline]
+fn spin_until(budget: Duration, ready: impl Fn() -> bool) -> bool {
+    if ready() {
+        return true;
+    }
+    let start = Instant::now();
+    loop {
+        for _ in 0..64 {
+            std::hint::spin_loop();
+            if ready() {
+                return true;
+            }
+        }
+        if start.elapsed() >= budget {
+            return false;
+        }
+    }
+}
+
 impl Pool {
     /// A pool using `threads` threads in all (the caller counts as one; `threads <= 1` runs everything inline).
     pub fn new(threads: usize) -> Pool {
+        Pool::with_spin(threads, SPIN)
+    }
+
+    /// [`Pool::new`] with a chosen spin time before parking (zero parks at once, as a plain condvar pool does).
+    pub fn with_spin(threads: usize, spin: Duration) -> Pool {
         let shared = Arc::new(Shared {
-            state: Mutex::new(State { generation: 0, job: None, active: 0, panicked: false, shutdown: false }),
+            generation: AtomicU64::new(0),
+            job: UnsafeCell::new(Job { f: std::ptr::null::<fn(usize)>() as *const Task, n: 0 }),
+            next: AtomicUsize::new(0),
+            pending: AtomicUsize::new(0),
+            panicked: AtomicBool::new(false),
+            shutdown: AtomicBool::new(false),
+            sleepers: AtomicUsize::new(0),
+            caller_parked: AtomicBool::new(false),
+            lock: Mutex::new(()),
             wake: Condvar::new(),
             done: Condvar::new(),
-            next: AtomicUsize::new(0),
+            spin,
         });
         let workers = (1..threads.max(1))
             .map(|w| {
@@ -94,13 +147,14 @@ impl Pool {
         Pool { shared, workers, run_lock: Mutex::new(()), f32_acts: false }
     }
 
-    /// Sets whether matmuls on this pool multiply quantized weights with f32 activations (slower, no activation
-    /// quantization; see `matmul`'s module docs) instead of Q8_0/Q8_K-quantized ones (the default).
+    /// Makes the CPU matmul multiply quantized weights with f32 activations (no Q8_0/Q8_K activation
+    /// quantization; slower, but the same products the wgpu backend computes). Carried by the pool because every
+    /// CPU op receives it.
     pub fn set_f32_acts(&mut self, on: bool) {
         self.f32_acts = on;
     }
 
-    /// Whether quantized weights are multiplied with f32 activations (see [`Pool::set_f32_acts`]).
+    /// Whether [`Pool::set_f32_acts`] is on.
     pub fn f32_acts(&self) -> bool {
         self.f32_acts
     }
@@ -120,29 +174,34 @@ impl Pool {
             return;
         }
         let _guard = self.run_lock.lock();
+        let sh = &*self.shared;
         // SAFETY: only the lifetime is erased; the pointer is dereferenced by workers strictly before they
-        // decrement `active`, and this function does not return until `active == 0`.
+        // decrement `pending`, and this function does not return until `pending == 0`.
         let f_static: *const Task =
             unsafe { std::mem::transmute::<*const (dyn Fn(usize) + Sync + '_), *const Task>(f) };
-        {
-            let mut st = self.shared.state.lock();
-            self.shared.next.store(0, Ordering::Relaxed);
-            st.job = Some(Job { f: f_static, n });
-            st.generation += 1;
-            st.active = self.workers.len();
-            st.panicked = false;
-            self.shared.wake.notify_all();
+        // SAFETY: we hold `run_lock` and the previous job ended with `pending == 0`, so no worker reads `job` now
+        // (see `Shared`).
+        unsafe { *sh.job.get() = Job { f: f_static, n } };
+        sh.next.store(0, Ordering::Relaxed);
+        sh.pending.store(self.workers.len(), Ordering::Relaxed);
+        sh.panicked.store(false, Ordering::Relaxed);
+        sh.generation.fetch_add(1, Ordering::SeqCst);
+        if sh.sleepers.load(Ordering::SeqCst) > 0 {
+            let _g = sh.lock.lock();
+            sh.wake.notify_all();
         }
         IN_TASK.set(true);
-        let mine = catch_unwind(AssertUnwindSafe(|| run_tasks(f, n, &self.shared.next)));
+        let mine = catch_unwind(AssertUnwindSafe(|| run_tasks(f, n, &sh.next)));
         IN_TASK.set(false);
-        let mut st = self.shared.state.lock();
-        while st.active > 0 {
-            self.shared.done.wait(&mut st);
+        if !spin_until(sh.spin, || sh.pending.load(Ordering::Acquire) == 0) {
+            let mut g = sh.lock.lock();
+            sh.caller_parked.store(true, Ordering::SeqCst);
+            while sh.pending.load(Ordering::SeqCst) != 0 {
+                sh.done.wait(&mut g);
+            }
+            sh.caller_parked.store(false, Ordering::Relaxed);
         }
-        st.job = None;
-        let panicked = st.panicked;
-        drop(st);
+        let panicked = sh.panicked.load(Ordering::Acquire);
         if let Err(p) = mine {
             std::panic::resume_unwind(p);
         }
@@ -150,34 +209,72 @@ impl Pool {
             panic!("a CPU worker task panicked");
         }
     }
+
+    /// Calls `f(range)` for disjoint ranges that together cover `0..total`, on all threads. Ranges are claimed
+    /// largest first (about `remaining / (2 · threads)`, never under `grain` except the last), so each thread
+    /// streams long contiguous stretches while the tail still balances.
+    pub fn for_ranges(&self, total: usize, grain: usize, f: &(dyn Fn(Range<usize>) + Sync)) {
+        if total == 0 {
+            return;
+        }
+        let grain = grain.max(1);
+        let threads = self.threads();
+        if threads == 1 || total <= grain || IN_TASK.get() {
+            f(0..total);
+            return;
+        }
+        let next = AtomicUsize::new(0);
+        let div = 2 * threads;
+        self.run(threads, &|_| loop {
+            let mut start = next.load(Ordering::Relaxed);
+            let end = loop {
+                if start >= total {
+                    return;
+                }
+                let left = total - start;
+                let end = start + (left / div).max(grain).min(left);
+                match next.compare_exchange_weak(start, end, Ordering::Relaxed, Ordering::Relaxed) {
+                    Ok(_) => break end,
+                    Err(s) => start = s,
+                }
+            };
+            f(start..end);
+        });
+    }
+}
+
+/// Waits for a generation other than `seen` (spinning, then parked); `None` on shutdown.
+fn next_job(sh: &Shared, seen: u64) -> Option<u64> {
+    let ready = || sh.generation.load(Ordering::Acquire) != seen || sh.shutdown.load(Ordering::Acquire);
+    if !spin_until(sh.spin, ready) {
+        let mut g = sh.lock.lock();
+        sh.sleepers.fetch_add(1, Ordering::SeqCst);
+        while sh.generation.load(Ordering::SeqCst) == seen && !sh.shutdown.load(Ordering::SeqCst) {
+            sh.wake.wait(&mut g);
+        }
+        sh.sleepers.fetch_sub(1, Ordering::SeqCst);
+    }
+    if sh.shutdown.load(Ordering::Acquire) {
+        return None;
+    }
+    Some(sh.generation.load(Ordering::Acquire))
 }
 
 fn worker(sh: Arc<Shared>) {
     IN_TASK.set(true);
     let mut seen = 0u64;
-    loop {
-        let job = {
-            let mut st = sh.state.lock();
-            while st.generation == seen && !st.shutdown {
-                sh.wake.wait(&mut st);
-            }
-            if st.shutdown {
-                return;
-            }
-            seen = st.generation;
-            st.job
-        };
-        let ok = match job {
-            // SAFETY: `run` keeps the closure alive until this worker decrements `active` below.
-            Some(j) => catch_unwind(AssertUnwindSafe(|| run_tasks(unsafe { &*j.f }, j.n, &sh.next))).is_ok(),
-            None => true,
-        };
-        let mut st = sh.state.lock();
+    while let Some(g) = next_job(&sh, seen) {
+        seen = g;
+        // SAFETY: the generation bump we observed (Acquire) published this job, and `run` does not rewrite it or
+        // return before we decrement `pending` below.
+        let job = unsafe { *sh.job.get() };
+        // SAFETY: `run` keeps the closure alive until this worker decrements `pending`.
+        let ok = catch_unwind(AssertUnwindSafe(|| run_tasks(unsafe { &*job.f }, job.n, &sh.next))).is_ok();
         if !ok {
-            st.panicked = true;
+            sh.panicked.store(true, Ordering::Release);
         }
-        st.active -= 1;
-        if st.active == 0 {
+        if sh.pending.fetch_sub(1, Ordering::SeqCst) == 1 && sh.caller_parked.load(Ordering::SeqCst) {
+            let _g = sh.lock.lock();
             sh.done.notify_all();
         }
     }
@@ -185,8 +282,11 @@ fn worker(sh: Arc<Shared>) {
 
 impl Drop for Pool {
     fn drop(&mut self) {
-        self.shared.state.lock().shutdown = true;
-        self.shared.wake.notify_all();
+        self.shared.shutdown.store(true, Ordering::SeqCst);
+        {
+            let _g = self.shared.lock.lock();
+            self.shared.wake.notify_all();
+        }
         for w in self.workers.drain(..) {
             let _ = w.join();
         }
@@ -246,13 +346,35 @@ mod tests {
 
     #[test]
     fn runs_every_task_once() {
-        let pool = Pool::new(4);
-        for n in [0usize, 1, 3, 100] {
-            let hits: Vec<AtomicU64> = (0..n).map(|_| AtomicU64::new(0)).collect();
-            pool.run(n, &|i| {
-                hits[i].fetch_add(1, Ordering::Relaxed);
-            });
-            assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
+        for spin in [Duration::ZERO, SPIN] {
+            let pool = Pool::with_spin(4, spin);
+            for n in [0usize, 1, 3, 100] {
+                let hits: Vec<AtomicU64> = (0..n).map(|_| AtomicU64::new(0)).collect();
+                pool.run(n, &|i| {
+                    hits[i].fetch_add(1, Ordering::Relaxed);
+                });
+                assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
+            }
+        }
+    }
+
+    #[test]
+    fn many_back_to_back_jobs_complete() {
+        // Exercises the spin hand-off and the park/wake paths (zero spin parks after every job).
+        for spin in [Duration::ZERO, Duration::from_micros(50), SPIN] {
+            let pool = Pool::with_spin(3, spin);
+            let total = AtomicU64::new(0);
+            for j in 0..2000u64 {
+                pool.run(3, &|i| {
+                    total.fetch_add(j * 3 + i as u64, Ordering::Relaxed);
+                });
+                if j % 500 == 0 {
+                    // Long enough for the workers to park.
+                    std::thread::sleep(Duration::from_millis(3));
+                }
+            }
+            let n = 2000u64 * 3;
+            assert_eq!(total.load(Ordering::Relaxed), n * (n - 1) / 2);
         }
     }
 
@@ -266,6 +388,27 @@ mod tests {
             })
         });
         assert_eq!(total.load(Ordering::Relaxed), 8 * 6);
+    }
+
+    #[test]
+    fn for_ranges_covers_each_index_once() {
+        let pool = Pool::new(3);
+        for (total, grain) in [(0usize, 1usize), (1, 1), (5, 8), (1000, 1), (1000, 7), (4096, 64)] {
+            let hits: Vec<AtomicU64> = (0..total).map(|_| AtomicU64::new(0)).collect();
+            let calls = AtomicU64::new(0);
+            pool.for_ranges(total, grain, &|r| {
+                assert!(!r.is_empty());
+                calls.fetch_add(1, Ordering::Relaxed);
+                for i in r {
+                    hits[i].fetch_add(1, Ordering::Relaxed);
+                }
+            });
+            assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1), "total {total} grain {grain}");
+            // Large first: far fewer ranges than indices once the grain allows it.
+            if total >= 1000 && grain == 1 {
+                assert!(calls.load(Ordering::Relaxed) < 200, "{} ranges", calls.load(Ordering::Relaxed));
+            }
+        }
     }
 
     #[test]
@@ -292,5 +435,14 @@ mod tests {
             sum.fetch_add(i as u64, Ordering::Relaxed);
         });
         assert_eq!(sum.load(Ordering::Relaxed), 45);
+    }
+
+    #[test]
+    fn drop_stops_parked_and_spinning_workers() {
+        for spin in [Duration::ZERO, SPIN] {
+            let pool = Pool::with_spin(4, spin);
+            pool.run(4, &|_| {});
+            drop(pool); // Joins every worker; a lost shutdown wake-up would hang here.
+        }
     }
 }
