@@ -54,6 +54,8 @@ pub struct Scratch {
     pub h1: Vec<f32>,
     pub h3: Vec<f32>,
     pub eo: Vec<f32>,
+    /// The grouped MoE dispatch's own buffers (grown on first use).
+    pub moe: moe::MoeScratch,
 }
 
 impl Scratch {
