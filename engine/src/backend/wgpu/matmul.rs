@@ -291,15 +291,17 @@ mod accuracy_tests {
     }
 
     /// Every format at the Flash column counts (d_model 4096, expert/shared down 2048, q/o LoRA rank 1024, wo_b
-    /// 8192) and the tiny model's (256), a multi-block-per-invocation row (65 blocks of 256), batch 1 and 5, and
+    /// 8192) and the tiny model's (256; 64 and 128 for the formats with blocks of at most 32, which the converter
+    /// falls back to on rows shorter than 256), a multi-block-per-invocation row (65 blocks of 256), batch 1 and 5, and
     /// a binding limit that splits every weight into chunks of whole "experts" (row groups of 4): each expert's
     /// rows and a range across chunk boundaries are multiplied separately, as the MoE and `wo_a` paths do.
     #[test]
     fn every_format_matches_the_f64_dequantized_product() {
-        let shapes: &[(usize, usize)] = &[(256, 5), (1024, 1), (2048, 5), (4096, 1), (8192, 5), (65 * 256, 1)];
+        let shapes: &[(usize, usize)] =
+            &[(64, 5), (128, 1), (256, 5), (1024, 1), (2048, 5), (4096, 1), (8192, 5), (65 * 256, 1)];
         let (rows, group) = (12usize, 4usize);
         for ty in TYPES {
-            for &(cols, n_tok) in shapes {
+            for &(cols, n_tok) in shapes.iter().filter(|&&(c, _)| c % ty.block_values() == 0) {
                 let rb = ty.row_bytes(cols as u64).unwrap();
                 // Five rows fit a binding; chunks are cut on expert boundaries (4 rows).
                 let Some(ctx) = ctx_with(Some((rb * 5).div_ceil(4) * 4)) else { return };
@@ -322,10 +324,11 @@ mod accuracy_tests {
                         panic!("{ty} cols {cols} rows {r:?} n_tok {n_tok}: output {i} off by {e:e} > {bound:e}");
                     }
                 }
-                // The bound is tight enough to see one sub-block (values 160..192 of a block: sub-block 5 of the
-                // 256-value formats) negated in one row.
+                // The bound is tight enough to see 32 values negated in one row (values 160..192 of a block:
+                // sub-block 5 of the 256-value formats; 32..64 on the shortest rows).
                 let mut bad = wf.clone();
-                bad[160..192].iter_mut().for_each(|v| *v = -*v);
+                let lo = if cols >= 256 { 160 } else { 32 };
+                bad[lo..lo + 32].iter_mut().for_each(|v| *v = -*v);
                 let (bad_want, _) = reference(&bad, &magnitudes(ty, &data, rows, cols), &x, rows, cols, n_tok);
                 let got = gpu_product(&ctx, &w, 0..rows, &x, n_tok);
                 assert!(first_beyond(&got, &bad_want, &mag, chain).is_some(), "{ty} cols {cols}: bound too loose");
