@@ -448,7 +448,9 @@ impl Engine {
             return Err(bad(format!("{} logits, vocab is {}", snap.logits.len(), c.vocab)));
         }
         if snap.kv.sync.host_stale {
-            return Err(Error::Session("snapshot KV is stale device state: take snapshots with Engine::snapshot".into()));
+            return Err(Error::Session(
+                "snapshot KV is stale device state: take snapshots with Engine::snapshot".into(),
+            ));
         }
         let id = self.create_session();
         let s = id.slot as usize;

@@ -1,12 +1,19 @@
-//! [`WgpuBackend`]: the [`Backend`] op surface on the GPU kernels of this folder.
+//! [`WgpuBackend`]: the [`Backend`] op surface on the GPU kernels of this folder, device-resident.
 //!
 //! Weights are uploaded once, lazily on first use, in their file encoding (split across bindings when large) and
-//! cached by weight id; small f32 tensors (norms, sinks, biases, mHC base/scale) likewise. The trait hands every op
-//! host activations and host KV tables, so each op uploads its inputs, runs its kernels and downloads its outputs.
-//! The bulk of the arithmetic (every projection, norm, RoPE, the mHC mixes, indexer scores and top-k, attention,
-//! routing, experts) runs on the device; the sequential per-token bookkeeping stays on the host: the compressor
-//! frontiers ([`crate::backend::cpu::compressor::push`] plus RMSNorm/RoPE of each finished row) and the sliding
-//! window ring, exactly as the CPU backend keeps them, so sessions move freely between backends.
+//! cached by weight id; small f32 tensors (norms, sinks, biases, mHC base/scale) likewise.
+//!
+//! A tick ([`Backend::begin_tick`] … [`Backend::end_tick`], called by the executor) records every op into one
+//! command encoder ([`super::resident::Tick`]) over device buffers that stand in for [`crate::backend::Activations`]
+//! (grown, never shrunk; per-op scratch comes from the context's size-class pool). The host arrays of
+//! `Activations` are not written except `logits`, which [`Op::Logits`](crate::graph::Op::Logits) downloads with the
+//! tick's submission. The only other host sync points are the learned-routing MoE layers: the expert ids are read
+//! back to group rows by expert (hash-routed layers take them from the token ids on the host). A decode tick thus
+//! submits `1 + learned MoE layers` times and reads back as often (counted by [`WgpuContext::counters`]).
+//!
+//! Session KV lives on the device ([`super::kvdev`], advanced by [`super::attn`] without readbacks); the host
+//! [`SessionKv`] is a lazily synced mirror: [`Backend::sync_kv`] downloads it, and a host state the device has not
+//! seen (new, restored, cleared) is uploaded at its session's next attention op.
 //!
 //! RoPE cos/sin are computed on the host the way [`crate::model::RopeFreqs::apply`] does (`pos as f32 * f`, then
 //! `sin_cos`) and uploaded per op, so both backends rotate by identical angles.

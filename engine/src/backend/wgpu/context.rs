@@ -6,6 +6,10 @@
 //! ([`super::weights`]); [`ContextOptions::max_binding_override`] lowers it artificially so tests can exercise the
 //! splitting on tiny tensors.
 //!
+//! Scratch buffers come from a pool keyed by size class ([`WgpuContext::scratch`]: power-of-two sizes, returned
+//! on drop, contents undefined); the context counts queue submissions and host readbacks ([`Counters`]) so tests
+//! can pin how often a tick syncs with the host.
+//!
 //! Pipelines are compiled once per (kernel name) and cached; shader compile and validation errors are captured with
 //! an error scope and returned as [`Error::Backend`] instead of wgpu's default panic.
 //!

@@ -1,20 +1,26 @@
 //! The wgpu backend: every op as a WGSL compute shader (sources in the `ds4-shaders-wgsl` crate).
 //!
 //! Layers, bottom-up:
-//! - [`context`]: adapter/device, limits, pipeline cache, buffer helpers, [`context::test_context`] for tests.
+//! - [`context`]: adapter/device, limits, pipeline cache, scratch-buffer pool, submission/readback counters,
+//!   buffer helpers, [`context::test_context`] for tests.
 //! - [`weights`]: weight tensors kept in their file encoding, split at row boundaries across buffers when larger
 //!   than the storage binding limit.
 //! - [`matmul`]: quantized matrix-vector / matrix-matrix products and row gathers over split weights.
-//! - [`ops`]: every other kernel (norm, RoPE, attention, mHC, compressor, indexer, MoE, activation simulation).
+//! - [`ops`]: every other kernel (norm, RoPE, attention, mHC, compressor, indexer, MoE, activation simulation,
+//!   compressor `ape`).
+//! - `resident`: the tick's command encoder and the device buffers that mirror the activations.
+//! - [`kvdev`]: device-resident session KV (ring, compressed and indexer rows in page order, frontiers), upload and
+//!   sync to the host.
 //! - [`backend`] (+ `attn`): [`WgpuBackend`], the [`crate::backend::Backend`] op surface on those kernels.
 //!
 //! Every function here only records commands into a `wgpu::CommandEncoder` unless it says otherwise; call
 //! [`context::WgpuContext::submit`] to run them and [`context::WgpuContext::read_f32`] to read results.
 //!
-//! Known limits (next steps): activations and KV live on the host between ops (the `Backend` trait passes host
-//! buffers), so every op uploads/downloads; buffers are allocated per op (no pool yet); compressor frontiers and
-//! the window ring are advanced on the host; MoE routing is read back to group rows by expert. Kernels are
-//! written for correctness (one workgroup per output row, scalar decode) and are untuned.
+//! Known limits (next steps): learned-routing MoE layers read the expert ids back to group rows by expert (an
+//! indirect, expert-indexed matmul would remove the last mid-tick readback); a device KV row buffer is one binding
+//! (at most the storage binding limit: ~128 MiB on lavapipe), so very long contexts need real page tables;
+//! uniform blocks, key lists and RoPE tables are small fresh buffers per dispatch; kernels are written for
+//! correctness (one workgroup per output row, scalar decode) and are untuned.
 
 mod attn;
 pub mod backend;
