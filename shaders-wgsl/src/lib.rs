@@ -113,6 +113,43 @@ pub const INDEXER: &str = include_str!("wgsl/indexer.wgsl");
 pub const MOE: &str = include_str!("wgsl/moe.wgsl");
 /// Activation simulation: entries `fp8`, `fp4`, `hadamard`.
 pub const ACT: &str = include_str!("wgsl/act.wgsl");
+/// Combine of expert-indexed MoE outputs in ascending expert order (`moe_ids.wgsl`, entry `combine`).
+pub const MOE_IDS: &str = include_str!("wgsl/moe_ids.wgsl");
+
+macro_rules! ids_kernels {
+    ($($name:ident, $file:literal;)*) => {
+        $(
+            #[doc = concat!("`matmul_ids.wgsl` over `", $file, "` weights.")]
+            pub const $name: &str =
+                concat!(include_str!("wgsl/bytes.wgsl"), include_str!($file), include_str!("wgsl/matmul_ids.wgsl"));
+        )*
+    };
+}
+
+ids_kernels! {
+    MATMUL_IDS_F32, "wgsl/quant_f32.wgsl";
+    MATMUL_IDS_F16, "wgsl/quant_f16.wgsl";
+    MATMUL_IDS_BF16, "wgsl/quant_bf16.wgsl";
+    MATMUL_IDS_Q8_0, "wgsl/quant_q8_0.wgsl";
+    MATMUL_IDS_Q2_K, "wgsl/quant_q2_k.wgsl";
+    MATMUL_IDS_Q4_K, "wgsl/quant_q4_k.wgsl";
+    MATMUL_IDS_IQ2_XXS, "wgsl/quant_iq2_xxs.wgsl";
+}
+
+/// The expert-indexed matrix product (`matmul_ids.wgsl`: each (row, pair) reads the rows of the expert the
+/// device-side router chose) for weights in format `f`.
+pub fn matmul_ids_source(f: WeightFormat) -> &'static str {
+    match f {
+        WeightFormat::F32 => MATMUL_IDS_F32,
+        WeightFormat::F16 => MATMUL_IDS_F16,
+        WeightFormat::Bf16 => MATMUL_IDS_BF16,
+        WeightFormat::Q8_0 => MATMUL_IDS_Q8_0,
+        WeightFormat::Q2K => MATMUL_IDS_Q2_K,
+        WeightFormat::Q4K => MATMUL_IDS_Q4_K,
+        WeightFormat::Iq2Xxs => MATMUL_IDS_IQ2_XXS,
+    }
+}
+
 /// Device-resident KV helpers (`kvdev.wgsl`, entry `add_ape`).
 pub const KVDEV: &str = include_str!("wgsl/kvdev.wgsl");
 
@@ -132,6 +169,10 @@ pub fn all_sources() -> Vec<(&'static str, &'static str, &'static [&'static str]
     v.push(("moe", MOE, &["route", "swiglu", "gather", "scatter"]));
     v.push(("act", ACT, &["fp8", "fp4", "hadamard"]));
     v.push(("kvdev", KVDEV, &["add_ape"]));
+    v.push(("moe_ids", MOE_IDS, &["combine"]));
+    for f in WeightFormat::ALL {
+        v.push(("matmul_ids", matmul_ids_source(f), &["main"]));
+    }
     v
 }
 

@@ -26,6 +26,7 @@ use parking_lot::Mutex;
 use super::context::{backend_err, WgpuContext};
 use super::kvdev::SlotKv;
 use super::matmul::{get_rows, matmul, View};
+use super::moe_ids;
 use super::ops::{self, HcShape, Routing};
 use super::resident::Tick;
 use super::weights::GpuWeight;
@@ -309,54 +310,70 @@ impl Backend for WgpuBackend {
             }
         };
         ops::moe_route(ctx, enc, &logits, routing, n, ne, k, c.routed_scale, c.weights_norm, &sel, &rw)?;
-        // The expert grouping is decided on the host: hash layers know it from the token ids; learned routing
-        // costs the one readback of the layer.
-        let sel_h = match &lw.tid2eid {
-            Some(tt) => {
-                let mut v = Vec::with_capacity(n * k);
-                for r in rows {
-                    let at = r.token as usize * k;
-                    let ids = tt
-                        .get(at..at + k)
-                        .ok_or_else(|| backend_err(format!("moe layer {layer}: token {} outside tid2eid", r.token)))?;
-                    v.extend_from_slice(ids);
-                }
-                v
-            }
-            None => ctx.submit_read_u32(t.take_enc(ctx), &sel, 0, n * k)?,
-        };
-        let mut per_expert: Vec<Vec<(u32, u32)>> = vec![Vec::new(); ne];
-        for r in 0..n {
-            for j in 0..k {
-                let e = sel_h[r * k + j] as usize;
-                if e >= ne {
-                    return Err(backend_err(format!("moe layer {layer}: expert id {e} out of 0..{ne}")));
-                }
-                per_expert[e].push((r as u32, (r * k + j) as u32));
-            }
-        }
         let gm = self.mat_grouped(model, lw.gate_exps, ffn)?;
         let um = self.mat_grouped(model, lw.up_exps, ffn)?;
         let dm = self.mat_grouped(model, lw.down_exps, d)?;
+        // Small batches with learned routing read the router's choice on the device (weights read once per
+        // (row, slot), at most about once per expert); otherwise rows are grouped by expert on the host: hash
+        // layers know the experts from the token ids, learned ones read them back (the layer's one readback).
+        let on_device = lw.tid2eid.is_none() && n * k <= ne;
+        let pr = if on_device { n * k } else { n };
         let (packed, gu, h, eo) =
-            (ctx.scratch(n * d), ctx.scratch(n * 2 * ffn), ctx.scratch(n * ffn), ctx.scratch(n * d));
-        let enc = t.enc(ctx);
-        enc.clear_buffer(&out, 0, Some((n * d * 4) as u64));
-        for (e, list) in per_expert.iter().enumerate() {
-            if list.is_empty() {
-                continue;
+            (ctx.scratch(n * d), ctx.scratch(pr * 2 * ffn), ctx.scratch(pr * ffn), ctx.scratch(pr * d));
+        if on_device {
+            let enc = t.enc(ctx);
+            let np = n * k;
+            let (xv, gv) = (View::new(&xn, d), View::new(&gu, 2 * ffn));
+            moe_ids::matmul_ids(ctx, enc, &gm, ffn, &sel, np, xv, k, gv)?;
+            moe_ids::matmul_ids(ctx, enc, &um, ffn, &sel, np, xv, k, gv.at(ffn))?;
+            let wix: Vec<u32> = (0..np as u32).collect();
+            ops::swiglu(ctx, enc, &gu, 2 * ffn, ffn, (&h, 0, ffn), ffn, np, limit, Some((&rw, &wix)))?;
+            moe_ids::matmul_ids(ctx, enc, &dm, d, &sel, np, View::new(&h, ffn), 1, View::new(&eo, d))?;
+            moe_ids::combine(ctx, enc, &eo, &sel, &out, d, n, k)?;
+        } else {
+            let sel_h = match &lw.tid2eid {
+                Some(tt) => {
+                    let mut v = Vec::with_capacity(n * k);
+                    for r in rows {
+                        let at = r.token as usize * k;
+                        let ids = tt.get(at..at + k).ok_or_else(|| {
+                            backend_err(format!("moe layer {layer}: token {} outside tid2eid", r.token))
+                        })?;
+                        v.extend_from_slice(ids);
+                    }
+                    v
+                }
+                None => ctx.submit_read_u32(t.take_enc(ctx), &sel, 0, n * k)?,
+            };
+            let mut per_expert: Vec<Vec<(u32, u32)>> = vec![Vec::new(); ne];
+            for r in 0..n {
+                for j in 0..k {
+                    let e = sel_h[r * k + j] as usize;
+                    if e >= ne {
+                        return Err(backend_err(format!("moe layer {layer}: expert id {e} out of 0..{ne}")));
+                    }
+                    per_expert[e].push((r as u32, (r * k + j) as u32));
+                }
             }
-            let m = list.len();
-            let rix: Vec<u32> = list.iter().map(|p| p.0).collect();
-            let wix: Vec<u32> = list.iter().map(|p| p.1).collect();
-            ops::gather_rows(ctx, enc, &xn, &packed, &rix, d, d)?;
-            let xv = View::new(&packed, d);
-            matmul(ctx, enc, &gm, e * ffn..(e + 1) * ffn, xv, m, View::new(&gu, 2 * ffn), false)?;
-            matmul(ctx, enc, &um, e * ffn..(e + 1) * ffn, xv, m, View::new(&gu, 2 * ffn).at(ffn), false)?;
-            ops::swiglu(ctx, enc, &gu, 2 * ffn, ffn, (&h, 0, ffn), ffn, m, limit, Some((&rw, &wix)))?;
-            matmul(ctx, enc, &dm, e * d..(e + 1) * d, View::new(&h, ffn), m, View::new(&eo, d), false)?;
-            ops::scatter_add_rows(ctx, enc, &eo, &out, &rix, d, d)?;
+            let enc = t.enc(ctx);
+            enc.clear_buffer(&out, 0, Some((n * d * 4) as u64));
+            for (e, list) in per_expert.iter().enumerate() {
+                if list.is_empty() {
+                    continue;
+                }
+                let m = list.len();
+                let rix: Vec<u32> = list.iter().map(|p| p.0).collect();
+                let wix: Vec<u32> = list.iter().map(|p| p.1).collect();
+                ops::gather_rows(ctx, enc, &xn, &packed, &rix, d, d)?;
+                let xv = View::new(&packed, d);
+                matmul(ctx, enc, &gm, e * ffn..(e + 1) * ffn, xv, m, View::new(&gu, 2 * ffn), false)?;
+                matmul(ctx, enc, &um, e * ffn..(e + 1) * ffn, xv, m, View::new(&gu, 2 * ffn).at(ffn), false)?;
+                ops::swiglu(ctx, enc, &gu, 2 * ffn, ffn, (&h, 0, ffn), ffn, m, limit, Some((&rw, &wix)))?;
+                matmul(ctx, enc, &dm, e * d..(e + 1) * d, View::new(&h, ffn), m, View::new(&eo, d), false)?;
+                ops::scatter_add_rows(ctx, enc, &eo, &out, &rix, d, d)?;
+            }
         }
+        let enc = t.enc(ctx);
         if let (Some(g), Some(up), Some(dn)) = (lw.gate_sh, lw.up_sh, lw.down_sh) {
             let (g, up, dn) = (self.mat(model, g)?, self.mat(model, up)?, self.mat(model, dn)?);
             let xv = View::new(&xn, d);

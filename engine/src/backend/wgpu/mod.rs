@@ -27,6 +27,7 @@ pub mod backend;
 pub mod context;
 pub mod kvdev;
 pub mod matmul;
+pub mod moe_ids;
 pub mod ops;
 mod resident;
 pub mod weights;

@@ -248,24 +248,26 @@ fn stale_host_kv_without_its_device_copy_is_an_error() {
     feed(&be, &model, &mut stale, 3, 0, &toks, &[4], false);
 }
 
-/// A decode tick records everything into one encoder; the host waits only for the learned-routing MoE layers'
-/// expert ids (hash layers route from the token ids on the host) and the logits at the end. Attention, the
-/// compressors and the ring never read back.
+/// A decode tick records everything into one encoder and submits it once, with the logits as its one readback:
+/// attention, the compressors, the ring and the MoE routing (hash and learned) never wait for the host. A prefill
+/// tick reads back the expert ids of each learned-routing layer (rows are grouped by expert there).
 #[test]
-fn decode_tick_submits_once_per_host_sync_point() {
+fn decode_tick_submits_once_and_reads_back_once() {
     let Some((model, be)) = setup() else { return };
     let c = &model.config;
     let toks = tokens(6, 20, c.vocab);
     let mut k = SessionKv::new(c, 64);
+    let before = be.context().counters();
     feed(&be, &model, &mut k, 0, 0, &toks[..19], &[19], true);
-    let learned = model.layers.iter().filter(|l| l.tid2eid.is_none()).count();
-    assert!(learned < c.n_layers, "tiny-a has hash-routed layers");
+    let learned = model.layers.iter().filter(|l| l.tid2eid.is_none()).count() as u64;
+    assert!(learned > 0 && learned < c.n_layers as u64, "tiny-a has hash-routed and learned layers");
+    let d = be.context().counters() - before;
+    assert_eq!((d.submits, d.readbacks), (learned + 1, learned + 1), "prefill tick");
     let before = be.context().counters();
     // Position 19 completes a CSA block (ratio 4): compressor, indexer and ring all advance in this tick.
     tick(&be, &model, std::slice::from_mut(&mut k), &[(0, 19, &toks[19..20])], true);
     let d = be.context().counters() - before;
-    assert_eq!(d.readbacks, learned as u64 + 1, "readbacks per decode tick");
-    assert_eq!(d.submits, learned as u64 + 1, "submissions per decode tick");
+    assert_eq!((d.submits, d.readbacks), (1, 1), "decode tick");
     // Syncing is the only other traffic.
     let before = be.context().counters();
     be.sync_kv(0, &mut k).unwrap();
@@ -273,6 +275,63 @@ fn decode_tick_submits_once_per_host_sync_point() {
     let before = be.context().counters();
     be.sync_kv(0, &mut k).unwrap();
     assert_eq!(be.context().counters() - before, Default::default(), "a synced session reads nothing");
+}
+
+/// The expert-indexed product equals the plain product over the chosen expert's rows, bit for bit (same block
+/// order and reduction), for every format, with experts split across bindings.
+#[test]
+fn matmul_ids_matches_matmul_on_the_chosen_experts() {
+    use super::matmul::{matmul, View};
+    use super::moe_ids::{combine, matmul_ids};
+    use super::tests::{ctx_with, random_weight};
+    use crate::quant::GgmlType;
+    use rand::{Rng, SeedableRng};
+    let (experts, er, cols) = (5usize, 3usize, 256usize);
+    for ty in [GgmlType::F32, GgmlType::Q8_0, GgmlType::Q2K, GgmlType::Q4K, GgmlType::Iq2Xxs] {
+        let rb = ty.row_bytes(cols as u64).unwrap();
+        // Four rows per binding, no expert grouping: experts of three rows straddle chunks.
+        let Some(ctx) = ctx_with(Some((rb * 4).div_ceil(4) * 4)) else { return };
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7 + ty.id() as u64);
+        let data = random_weight(&mut rng, ty, experts * er, cols);
+        let w = super::weights::GpuWeight::upload(&ctx, "w", ty, cols, experts * er, &data, 1).unwrap();
+        assert!(w.chunks.len() > 2);
+        let (rows, k) = (2usize, 3usize);
+        let sel: Vec<u32> = vec![4, 0, 2, 1, 4, 3];
+        let x: Vec<f32> = (0..rows * cols).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+        let (xb, ib) = (ctx.storage_f32("x", &x), ctx.storage_u32("ids", &sel));
+        let (got, want) = (ctx.storage_zeroed("y", rows * k * er), ctx.storage_zeroed("y", rows * k * er));
+        let mut enc = ctx.encoder();
+        matmul_ids(&ctx, &mut enc, &w, er, &ib, rows * k, View::new(&xb, cols), k, View::new(&got, er)).unwrap();
+        for (q, &e) in sel.iter().enumerate() {
+            let xv = View { buf: &xb, offset: (q / k) * cols, stride: cols };
+            let yv = View { buf: &want, offset: q * er, stride: er };
+            let e = e as usize;
+            matmul(&ctx, &mut enc, &w, e * er..(e + 1) * er, xv, 1, yv, false).unwrap();
+        }
+        ctx.submit(enc).unwrap();
+        let (g, wv) = (ctx.read_f32(&got, 0, rows * k * er).unwrap(), ctx.read_f32(&want, 0, rows * k * er).unwrap());
+        assert_eq!(g, wv, "{ty}");
+        // combine: ascending expert order per row.
+        let out = ctx.storage_zeroed("out", rows * er);
+        let mut enc = ctx.encoder();
+        combine(&ctx, &mut enc, &got, &ib, &out, er, rows, k).unwrap();
+        ctx.submit(enc).unwrap();
+        let o = ctx.read_f32(&out, 0, rows * er).unwrap();
+        for r in 0..rows {
+            let mut order: Vec<usize> = (0..k).collect();
+            order.sort_by_key(|&j| (sel[r * k + j], j));
+            for c in 0..er {
+                let s = order.iter().fold(0f32, |a, &j| a + g[(r * k + j) * er + c]);
+                assert_eq!(o[r * er + c], s, "{ty} combine row {r}");
+            }
+        }
+    }
+    let Some(ctx) = ctx_with(None) else { return };
+    let w = super::weights::GpuWeight::upload(&ctx, "w", GgmlType::F32, 32, 4, &[0u8; 512], 1).unwrap();
+    let b = ctx.storage_zeroed("b", 64);
+    let ids = ctx.storage_u32("ids", &[0]);
+    let mut enc = ctx.encoder();
+    assert!(matmul_ids(&ctx, &mut enc, &w, 3, &ids, 1, View::new(&b, 32), 1, View::new(&b, 3)).is_err());
 }
 
 /// Through the engine: a wgpu session's snapshot (synced from the device) matches the CPU engine's, reports the
