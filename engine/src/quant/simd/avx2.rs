@@ -88,7 +88,7 @@ fn hsum_ps(v: __m256) -> f32 {
 /// Q8_0 dots). Shifting the exponent/mantissa into f32 position and scaling by 2^112 is exact for normal and
 /// subnormal halves; infinities and NaNs get an all-ones exponent.
 #[inline(always)]
-fn f16_at(b: &[u8], off: usize) -> f32 {
+pub(super) fn f16_at(b: &[u8], off: usize) -> f32 {
     let h = u16::from_le_bytes([b[off], b[off + 1]]) as u32;
     let em = h & 0x7fff;
     let v = if em >= 0x7c00 {
@@ -107,7 +107,7 @@ const PF_AHEAD: usize = 3072;
 /// Prefetches the cache lines at `p + PF_AHEAD + 64·k`, `k < LINES`, into L1. A hint only: it never faults, and the
 /// address is formed with `wrapping_add` so running past the end of the weights is harmless.
 #[inline(always)]
-fn prefetch_ahead<const LINES: usize>(p: *const u8) {
+pub(super) fn prefetch_ahead<const LINES: usize>(p: *const u8) {
     for k in 0..LINES {
         // SAFETY: `_mm_prefetch` is a hint that never faults (SSE, baseline on x86-64); the address is not
         // dereferenced by Rust code.

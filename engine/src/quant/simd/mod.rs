@@ -2,6 +2,9 @@
 //! type, or `None` when only the scalar reference exists (the public API then uses the scalar code).
 //!
 //! - x86-64: AVX2 + FMA + F16C (all three required), detected with `is_x86_feature_detected!` (see `avx2`).
+//!   Where AVX-512 F/BW/VBMI/VNNI are also present (Ice Lake and later), [`dot_q`] prefers the `avx512`
+//!   kernel for the formats that have one (IQ2_XXS) and falls back to AVX2 for the rest; [`level`] then reports
+//!   `"avx512-vbmi"`. [`dot_q_variants`] lists every kernel this CPU can run, for side-by-side benchmarks.
 //! - aarch64 (little-endian): NEON (baseline on aarch64; compiled when the target enables it, see `neon`).
 //!
 //! Every SIMD kernel is tested against the scalar code of its format for odd block counts. Kernels follow the
@@ -12,11 +15,18 @@ use super::GgmlType;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 #[cfg(all(target_arch = "aarch64", target_feature = "neon", target_endian = "little"))]
 mod neon;
 
-/// The instruction set the kernels use on this CPU: `"avx2"`, `"neon"` or `"scalar"`.
+/// The instruction set the kernels use on this CPU: `"avx512-vbmi"` (AVX-512 kernels where they exist, AVX2 for
+/// the rest), `"avx2"`, `"neon"` or `"scalar"`.
 pub fn level() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    if avx512::available() {
+        return "avx512-vbmi";
+    }
     #[cfg(target_arch = "x86_64")]
     if avx2::available() {
         return "avx2";
@@ -43,7 +53,7 @@ pub(crate) fn dot_f32(ty: GgmlType) -> Option<DotF32> {
 /// The best SIMD kernel for weight type `ty` · its quantized activations, if any.
 pub(crate) fn dot_q(ty: GgmlType) -> Option<DotQ> {
     #[cfg(target_arch = "x86_64")]
-    return avx2::dot_q(ty);
+    return avx512::dot_q(ty).or_else(|| avx2::dot_q(ty));
     #[cfg(all(target_arch = "aarch64", target_feature = "neon", target_endian = "little"))]
     return neon::dot_q(ty);
     #[allow(unreachable_code)]
@@ -51,6 +61,22 @@ pub(crate) fn dot_q(ty: GgmlType) -> Option<DotQ> {
         let _ = ty;
         None
     }
+}
+
+/// Every SIMD kernel this CPU can run for weight type `ty` · its quantized activations, best first, named by
+/// instruction set (e.g. `[("avx512-vbmi", ..), ("avx2", ..)]`); empty where only the scalar code exists. For
+/// benchmarks comparing the kernels on the same data; the engine uses [`crate::quant::dot_q_kernel`].
+pub fn dot_q_variants(ty: GgmlType) -> Vec<(&'static str, DotQ)> {
+    let mut v = Vec::new();
+    #[cfg(target_arch = "x86_64")]
+    {
+        v.extend(avx512::dot_q(ty).map(|k| ("avx512-vbmi", k)));
+        v.extend(avx2::dot_q(ty).map(|k| ("avx2", k)));
+    }
+    #[cfg(all(target_arch = "aarch64", target_feature = "neon", target_endian = "little"))]
+    v.extend(neon::dot_q(ty).map(|k| ("neon", k)));
+    let _ = ty;
+    v
 }
 
 #[cfg(test)]
@@ -80,5 +106,100 @@ mod tests {
             assert!(dot_q(ty).is_some(), "{ty}: no SIMD quantized dot");
         }
         assert!(dot_q(GgmlType::F32).is_none());
+    }
+}
+
+/// Side-by-side throughput of every SIMD kernel on the same data (not a test: prints, asserts nothing about
+/// speed). `cargo test --release -p ds4-engine --lib quant::simd::bench -- --ignored --nocapture`; set
+/// `DS4_BENCH_MIB` for the streamed size (default 256). "hot" repeats 1 MiB of weights (cache-resident: the
+/// kernel's compute rate), "stream" reads the whole buffer once per pass (the memory-bound rate), one thread.
+/// Rates use on-CPU time (Linux), so they hold up on a busy machine better than wall time; each kernel runs three
+/// times, interleaved, and the best run is printed.
+#[cfg(test)]
+mod bench {
+    use super::*;
+    use crate::quant::{act_type, quantize_acts};
+    use std::time::Instant;
+
+    #[repr(C)]
+    struct Timespec {
+        sec: i64,
+        nsec: i64,
+    }
+    extern "C" {
+        fn clock_gettime(clock: i32, tp: *mut Timespec) -> i32;
+    }
+
+    /// Nanoseconds of CPU time this thread has used (`CLOCK_THREAD_CPUTIME_ID`), so time-slicing with other
+    /// processes on a busy machine does not count; `None` where that clock is unavailable (wall time is used).
+    fn cpu_ns() -> Option<u64> {
+        if !cfg!(all(target_os = "linux", target_pointer_width = "64")) {
+            return None;
+        }
+        let mut t = Timespec { sec: 0, nsec: 0 };
+        // SAFETY: `t` is a valid, writable timespec (two 64-bit fields on 64-bit Linux); clock 3 is
+        // CLOCK_THREAD_CPUTIME_ID.
+        let rc = unsafe { clock_gettime(3, &mut t) };
+        (rc == 0).then(|| t.sec as u64 * 1_000_000_000 + t.nsec as u64)
+    }
+
+    /// GB/s of weights over `passes` passes, by on-CPU time where available.
+    fn run(k: DotQ, w: &[u8], acts: &[u8], rb: usize, passes: usize) -> f64 {
+        let mut sink = 0f32;
+        let (t, c0) = (Instant::now(), cpu_ns());
+        for _ in 0..passes {
+            for row in w.chunks_exact(rb) {
+                sink += k(row, acts);
+            }
+        }
+        let s = match (c0, cpu_ns()) {
+            (Some(a), Some(b)) => (b - a) as f64 / 1e9,
+            _ => t.elapsed().as_secs_f64(),
+        };
+        assert!(sink.is_finite());
+        (w.len() * passes) as f64 / s / 1e9
+    }
+
+    #[test]
+    #[ignore = "benchmark; run with --ignored --nocapture"]
+    fn dot_q_variants_side_by_side() {
+        let mib: usize = std::env::var("DS4_BENCH_MIB").ok().and_then(|v| v.parse().ok()).unwrap_or(256);
+        let cols = 4096usize;
+        let x: Vec<f32> = (0..cols).map(|i| ((i * 7919 % 1013) as f32 - 506.0) / 506.0).collect();
+        for ty in [GgmlType::Iq2Xxs, GgmlType::Q2K, GgmlType::Q4K, GgmlType::Q8_0] {
+            let rb = ty.row_bytes(cols as u64).unwrap_or(0) as usize;
+            let rows = (mib << 20) / rb;
+            // Random bytes with the f16 block scales set to 1/8 (random scale bytes could be inf/nan).
+            let mut w: Vec<u8> = (0..rows * rb).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
+            let scale_offsets: &[usize] = match ty {
+                GgmlType::Q2K => &[80, 82],
+                GgmlType::Q4K => &[0, 2],
+                _ => &[0],
+            };
+            for b in w.chunks_exact_mut(ty.block_bytes()) {
+                for &o in scale_offsets {
+                    b[o..o + 2].copy_from_slice(&0x3000u16.to_le_bytes());
+                }
+            }
+            let mut acts = Vec::new();
+            quantize_acts(act_type(ty), &x, &mut acts).unwrap();
+            let hot_rows = ((1 << 20) / rb).max(1);
+            let variants = dot_q_variants(ty);
+            let mut best = vec![(0f64, 0f64); variants.len()];
+            for _ in 0..3 {
+                for (i, (_, k)) in variants.iter().enumerate() {
+                    let hot = run(*k, &w[..hot_rows * rb], &acts, rb, 64 * mib.max(1) / 16);
+                    let cold = run(*k, &w, &acts, rb, 2);
+                    best[i] = (best[i].0.max(hot), best[i].1.max(cold));
+                }
+            }
+            let wps = |gbs: f64| gbs / ty.block_bytes() as f64 * ty.block_values() as f64;
+            for ((name, _), (hot, cold)) in variants.iter().zip(best) {
+                println!(
+                    "{ty:>8} {name:>12}: hot {hot:6.2} GB/s ({:5.2} G weights/s), stream {cold:6.2} GB/s",
+                    wps(hot)
+                );
+            }
+        }
     }
 }
