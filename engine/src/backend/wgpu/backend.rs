@@ -101,6 +101,33 @@ impl WgpuBackend {
         self.kv.lock().clear();
     }
 
+    /// Rows `rows` of one layer's compressed or indexer rows of the session whose state is `kv` (by its
+    /// [`crate::tables::KvSync`] epoch), straight from the device: one contiguous range, the values of the
+    /// session's persist row block for that layer when `rows` is a page's row range. Works whether or not the host
+    /// copy is stale; errors when the device holds no copy of this state.
+    pub fn kv_rows(
+        &self,
+        kv: &SessionKv,
+        layer: usize,
+        table: super::kvdev::RowTable,
+        rows: std::ops::Range<usize>,
+    ) -> Result<Vec<f32>> {
+        {
+            let mut t = self.tick.lock();
+            if t.pending() {
+                let enc = t.take_enc(&self.ctx);
+                self.ctx.submit(enc)?;
+            }
+        }
+        let kvs = self.kv.lock();
+        let e = kv.sync.epoch;
+        let m = kvs
+            .values()
+            .find(|m| e != 0 && m.epoch == e)
+            .ok_or_else(|| backend_err("device KV: no device copy of this session state"))?;
+        m.read_rows(&self.ctx, layer, table, rows)
+    }
+
     /// Slots with a device KV mirror.
     pub fn kv_slots(&self) -> Vec<usize> {
         let mut v: Vec<usize> = self.kv.lock().keys().copied().collect();

@@ -34,6 +34,15 @@ pub fn next_epoch() -> u64 {
     NEXT_EPOCH.fetch_add(1, Ordering::Relaxed)
 }
 
+/// Which growing row table of a layer (the persist tags `TAG_COMP` / `TAG_IDX`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RowTable {
+    /// Compressed KV rows (`head_dim` wide).
+    Comp,
+    /// Indexer key rows (`idx_head_dim` wide, CSA layers).
+    Idx,
+}
+
 /// A growing sequence of rows of `width` f32 values in one device buffer (see module docs).
 pub struct Rows {
     pub buf: Buf,
@@ -205,6 +214,27 @@ impl SlotKv {
     pub fn stamp(&mut self, sync: &mut KvSync) {
         self.epoch = next_epoch();
         *sync = KvSync { epoch: self.epoch, host_stale: true, device_bytes: self.bytes() };
+    }
+
+    /// Rows `rows` of `table` in layer `layer`, read as one contiguous device range: for the row range of a
+    /// persist page this is exactly that page's row block for the layer (see module docs). Waits for the device.
+    pub fn read_rows(
+        &self,
+        ctx: &WgpuContext,
+        layer: usize,
+        table: RowTable,
+        rows: std::ops::Range<usize>,
+    ) -> Result<Vec<f32>> {
+        let ld = self.layers.get(layer).ok_or_else(|| backend_err(format!("device KV: no layer {layer}")))?;
+        let r = match table {
+            RowTable::Comp => ld.comp.as_ref(),
+            RowTable::Idx => ld.idx.as_ref(),
+        }
+        .ok_or_else(|| backend_err(format!("device KV: layer {layer} has no {table:?} rows")))?;
+        if rows.start > rows.end || rows.end > r.rows {
+            return Err(backend_err(format!("device KV: rows {rows:?} out of 0..{}", r.rows)));
+        }
+        ctx.read_f32(&r.buf, rows.start * r.width, rows.len() * r.width)
     }
 
     /// Copies the device state into `kv`'s host arrays (waits for the device) and clears `host_stale`.

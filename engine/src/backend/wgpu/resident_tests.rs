@@ -384,3 +384,40 @@ fn engine_snapshot_persist_and_restore_with_device_kv() {
         }
     }
 }
+
+/// A persist page's row block for a compressed layer is one contiguous range of the device rows: read straight
+/// from the device, it equals the block `persist::rows` builds from the synced snapshot, for both tables.
+#[test]
+fn device_rows_of_a_page_equal_its_persist_row_block() {
+    use super::kvdev::RowTable;
+    use crate::persist::rows::{page_groups, TAG_COMP, TAG_IDX};
+    let Some((model, be)) = setup() else { return };
+    let c = &model.config;
+    let toks = tokens(8, 40, c.vocab);
+    let mut k = SessionKv::new(c, 64);
+    feed(&be, &model, &mut k, 0, 0, &toks, &[16, 16], false);
+    let stale = k.clone();
+    be.sync_kv(0, &mut k).unwrap();
+    let snap = crate::tables::SessionSnapshot { pos: 40, history: toks.clone(), kv: k.clone(), logits: Vec::new() };
+    let span = 16;
+    let groups = page_groups(c, &snap, 1, span);
+    let mut checked = 0;
+    for l in 0..c.n_layers {
+        let ratio = c.compress_ratios[l];
+        for b in &groups[l] {
+            let table = match b.tag {
+                TAG_COMP => RowTable::Comp,
+                TAG_IDX => RowTable::Idx,
+                _ => continue,
+            };
+            let rows = span / ratio..2 * span / ratio;
+            // The stale host copy still names the same device state (same epoch).
+            let got = be.kv_rows(&stale, l, table, rows).unwrap();
+            assert_eq!(got, b.values, "layer {l} {table:?}");
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, 6, "two CSA layers (comp + idx) and two HCA layers (comp)");
+    assert!(be.kv_rows(&stale, 2, RowTable::Comp, 0..11).is_err(), "past the rows written");
+    assert!(be.kv_rows(&SessionKv::new(c, 8), 2, RowTable::Comp, 0..1).is_err(), "never on the device");
+}
