@@ -402,9 +402,9 @@ fn device_rows_of_a_page_equal_its_persist_row_block() {
     let span = 16;
     let groups = page_groups(c, &snap, 1, span);
     let mut checked = 0;
-    for l in 0..c.n_layers {
+    for (l, blocks) in groups.iter().enumerate() {
         let ratio = c.compress_ratios[l];
-        for b in &groups[l] {
+        for b in blocks {
             let table = match b.tag {
                 TAG_COMP => RowTable::Comp,
                 TAG_IDX => RowTable::Idx,
