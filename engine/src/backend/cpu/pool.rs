@@ -9,9 +9,12 @@
 //! closure in use after `run` returns.
 //!
 //! Latency: decode issues hundreds of small jobs per token (one expert matrix is ~0.1–0.3 ms of work), and waking
-//! a parked thread costs tens of µs on a VM. So after a job, workers spin (reading one atomic) for up to
-//! [`SPIN`] before parking on a condvar, and the caller spins the same way while it waits for the last worker. Job
-//! hand-off is one atomic generation bump; the lock/condvar pair is touched only when someone has parked.
+//! a parked thread costs 50–70 µs on an idle VM (the vCPU has halted). So after a job, workers spin (reading one
+//! atomic) for up to [`SPIN`] before parking on a condvar, and the caller spins up to `WAIT_SPIN` while it waits
+//! for the last worker. Job hand-off is one atomic generation bump; the lock/condvar pair is touched only when
+//! someone has parked. On a machine busy with other work spinning backfires (a spinning thread is descheduled and
+//! the one it waits for cannot run), so a spinning thread that notices it was preempted (a long gap between two
+//! looks at the clock) makes every wait park at once for the next `CONTENDED_FOR`.
 //! Every worker takes part in every job (it decrements `pending` once per generation), which is what lets the
 //! job description live in a plain cell: it is rewritten only while no worker is inside a job.
 
@@ -29,6 +32,10 @@ type Task = dyn Fn(usize) + Sync;
 
 /// How long an idle worker (or a waiting caller) spins before parking.
 pub const SPIN: Duration = Duration::from_micros(1000);
+/// How long the caller spins waiting for the last worker of a job before parking. Shorter than [`SPIN`]: ranges
+/// at the end of a job are small, so a longer wait means that worker lost its CPU, and a spinning caller would only
+/// keep it off one.
+const WAIT_SPIN: Duration = Duration::from_micros(100);
 
 thread_local! {
     /// Set while this thread executes pool tasks (workers always; the caller during its share of a job).
@@ -60,6 +67,10 @@ struct Shared {
     wake: Condvar,
     done: Condvar,
     spin: Duration,
+    /// Time origin of `contended_until`.
+    epoch: Instant,
+    /// Nanoseconds after `epoch` until which waits park without spinning (see [`PREEMPTED`]).
+    contended_until: AtomicU64,
 }
 
 // SAFETY: `job` is written only by the thread holding `Pool::run_lock`, while `pending == 0` (no worker is inside a
@@ -93,22 +104,43 @@ fn run_tasks(f: &(dyn Fn(usize) + Sync + '_), n: usize, next: &AtomicUsize) {
     }
 }
 
-/// Spins until `ready()` or until `budget` has passed; returns whether `ready()` became true.
-#[inline]
-fn spin_until(budget: Duration, ready: impl Fn() -> bool) -> bool {
-    if ready() {
-        return true;
-    }
-    let start = Instant::now();
-    loop {
-        for _ in 0..64 {
-            std::hint::spin_loop();
-            if ready() {
-                return true;
-            }
+/// A gap this long between two looks at the clock while spinning means the thread was descheduled: the CPUs are
+/// shared with other work, and spinning there only steals time from the threads we wait for.
+const PREEMPTED: Duration = Duration::from_micros(50);
+/// After a preemption is seen, every wait parks at once for this long (then spinning is tried again).
+const CONTENDED_FOR: Duration = Duration::from_millis(100);
+
+impl Shared {
+    /// Spins until `ready()` or until the spin budget has passed; returns whether `ready()` became true. Gives up
+    /// at once (and marks the pool contended for [`CONTENDED_FOR`]) when the spinning thread gets preempted.
+    #[inline]
+    fn spin_until(&self, budget: Duration, ready: impl Fn() -> bool) -> bool {
+        if ready() {
+            return true;
         }
-        if start.elapsed() >= budget {
+        let start = Instant::now();
+        let now_ns = |t: Instant| t.duration_since(self.epoch).as_nanos() as u64;
+        if budget.is_zero() || now_ns(start) < self.contended_until.load(Ordering::Relaxed) {
             return false;
+        }
+        let mut last = start;
+        loop {
+            for _ in 0..64 {
+                std::hint::spin_loop();
+                if ready() {
+                    return true;
+                }
+            }
+            let now = Instant::now();
+            if now.duration_since(last) >= PREEMPTED {
+                let until = now_ns(now) + CONTENDED_FOR.as_nanos() as u64;
+                self.contended_until.fetch_max(until, Ordering::Relaxed);
+                return ready();
+            }
+            if now.duration_since(start) >= budget {
+                return false;
+            }
+            last = now;
         }
     }
 }
@@ -134,6 +166,8 @@ impl Pool {
             wake: Condvar::new(),
             done: Condvar::new(),
             spin,
+            epoch: Instant::now(),
+            contended_until: AtomicU64::new(0),
         });
         let workers = (1..threads.max(1))
             .map(|w| {
@@ -193,7 +227,7 @@ impl Pool {
         IN_TASK.set(true);
         let mine = catch_unwind(AssertUnwindSafe(|| run_tasks(f, n, &sh.next)));
         IN_TASK.set(false);
-        if !spin_until(sh.spin, || sh.pending.load(Ordering::Acquire) == 0) {
+        if !sh.spin_until(sh.spin.min(WAIT_SPIN), || sh.pending.load(Ordering::Acquire) == 0) {
             let mut g = sh.lock.lock();
             sh.caller_parked.store(true, Ordering::SeqCst);
             while sh.pending.load(Ordering::SeqCst) != 0 {
@@ -210,9 +244,10 @@ impl Pool {
         }
     }
 
-    /// Calls `f(range)` for disjoint ranges that together cover `0..total`, on all threads. Ranges are claimed
-    /// largest first (about `remaining / (2 · threads)`, never under `grain` except the last), so each thread
-    /// streams long contiguous stretches while the tail still balances.
+    /// Calls `f(range)` for disjoint ranges that together cover `0..total`, on all threads. Each thread owns one
+    /// contiguous part of `0..total` and works through it front to back in chunks (so it streams one long
+    /// stretch, and what the kernels prefetch past a chunk's end is its own next chunk); a thread that runs out
+    /// steals half of what is left of the fullest part, from its back end, down to `grain` items.
     pub fn for_ranges(&self, total: usize, grain: usize, f: &(dyn Fn(Range<usize>) + Sync)) {
         if total == 0 {
             return;
@@ -223,30 +258,93 @@ impl Pool {
             f(0..total);
             return;
         }
-        let next = AtomicUsize::new(0);
-        let div = 2 * threads;
-        self.run(threads, &|_| loop {
-            let mut start = next.load(Ordering::Relaxed);
-            let end = loop {
-                if start >= total {
-                    return;
-                }
-                let left = total - start;
-                let end = start + (left / div).max(grain).min(left);
-                match next.compare_exchange_weak(start, end, Ordering::Relaxed, Ordering::Relaxed) {
-                    Ok(_) => break end,
-                    Err(s) => start = s,
-                }
-            };
-            f(start..end);
+        if total > u32::MAX as usize {
+            // Larger than the packed parts can hold: fixed chunks.
+            let chunks = total.div_ceil(grain.max(total / (16 * threads)));
+            return self.run(chunks, &|i| f(split(total, chunks, i)));
+        }
+        let n_parts = threads.min(MAX_PARTS);
+        let parts: [AtomicU64; MAX_PARTS] = std::array::from_fn(|p| {
+            let r = split(total, n_parts, p);
+            AtomicU64::new(if p < n_parts { pack(r.start, r.end) } else { 0 })
         });
+        let own_chunk = (total / n_parts / OWN_CHUNKS).max(grain);
+        self.run(threads, &|t| {
+            if let Some(own) = parts.get(t).filter(|_| t < n_parts) {
+                while let Some(r) = take_front(own, own_chunk) {
+                    f(r);
+                }
+            }
+            loop {
+                let fullest = parts[..n_parts].iter().max_by_key(|p| {
+                    let (lo, hi) = unpack(p.load(Ordering::Relaxed));
+                    hi.saturating_sub(lo)
+                });
+                match fullest.and_then(|p| take_back(p, grain)) {
+                    Some(r) => f(r),
+                    None => {
+                        if parts[..n_parts].iter().all(|p| {
+                            let (lo, hi) = unpack(p.load(Ordering::Relaxed));
+                            lo >= hi
+                        }) {
+                            return;
+                        }
+                    }
+                }
+            }
+        });
+    }
+}
+
+/// Parts [`Pool::for_ranges`] splits into at most (more threads only steal).
+const MAX_PARTS: usize = 64;
+/// Chunks an owner takes its part in (the most a stealer can be left waiting for is one of them).
+const OWN_CHUNKS: usize = 16;
+
+fn pack(lo: usize, hi: usize) -> u64 {
+    lo as u64 | (hi as u64) << 32
+}
+
+fn unpack(v: u64) -> (usize, usize) {
+    ((v & 0xffff_ffff) as usize, (v >> 32) as usize)
+}
+
+/// Takes up to `chunk` items from the front of a part.
+fn take_front(part: &AtomicU64, chunk: usize) -> Option<Range<usize>> {
+    let mut v = part.load(Ordering::Relaxed);
+    loop {
+        let (lo, hi) = unpack(v);
+        if lo >= hi {
+            return None;
+        }
+        let end = hi.min(lo + chunk);
+        match part.compare_exchange_weak(v, pack(end, hi), Ordering::Relaxed, Ordering::Relaxed) {
+            Ok(_) => return Some(lo..end),
+            Err(now) => v = now,
+        }
+    }
+}
+
+/// Takes half of what is left of a part (at least `grain` items, or all of it) from its back end.
+fn take_back(part: &AtomicU64, grain: usize) -> Option<Range<usize>> {
+    let mut v = part.load(Ordering::Relaxed);
+    loop {
+        let (lo, hi) = unpack(v);
+        if lo >= hi {
+            return None;
+        }
+        let start = hi - (hi - lo).div_ceil(2).max(grain).min(hi - lo);
+        match part.compare_exchange_weak(v, pack(lo, start), Ordering::Relaxed, Ordering::Relaxed) {
+            Ok(_) => return Some(start..hi),
+            Err(now) => v = now,
+        }
     }
 }
 
 /// Waits for a generation other than `seen` (spinning, then parked); `None` on shutdown.
 fn next_job(sh: &Shared, seen: u64) -> Option<u64> {
     let ready = || sh.generation.load(Ordering::Acquire) != seen || sh.shutdown.load(Ordering::Acquire);
-    if !spin_until(sh.spin, ready) {
+    if !sh.spin_until(sh.spin, ready) {
         let mut g = sh.lock.lock();
         sh.sleepers.fetch_add(1, Ordering::SeqCst);
         while sh.generation.load(Ordering::SeqCst) == seen && !sh.shutdown.load(Ordering::SeqCst) {
