@@ -370,6 +370,7 @@ impl Engine {
     /// Frees a session (its slot and allocations are reused).
     pub fn free_session(&mut self, id: SessionId) -> Result<()> {
         if self.sessions.free(id) {
+            self.backend.release_kv(id.slot as usize);
             Ok(())
         } else {
             Err(Error::Session(format!("unknown or freed session {id:?}")))

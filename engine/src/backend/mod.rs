@@ -136,6 +136,10 @@ pub trait Backend: Send + Sync {
         Ok(())
     }
 
+    /// The session at batch slot `slot` was freed: a backend may drop its device copy of the KV (a stale host copy
+    /// of that session can then no longer be synced). Default: nothing.
+    fn release_kv(&self, _slot: usize) {}
+
     /// Runs one op (dispatch on the enum).
     fn run_op(&self, op: Op, cx: &mut StepCtx<'_>) -> Result<()> {
         match op {

@@ -252,6 +252,10 @@ impl Backend for WgpuBackend {
         m.download(&self.ctx, kv)
     }
 
+    fn release_kv(&self, slot: usize) {
+        self.kv.lock().remove(&slot);
+    }
+
     fn embed(&self, cx: &mut StepCtx<'_>) -> Result<()> {
         let model = cx.model;
         let c = &model.config;

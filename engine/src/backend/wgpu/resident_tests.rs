@@ -214,6 +214,9 @@ fn two_interleaved_sessions_match_solo_runs() {
         assert_kv_close(&mine, &k, 1e-3, 0.0, "interleaved");
     }
     assert_eq!(be.kv_slots(), vec![0, 1]);
+    // Freeing a session drops its device copy; the other one stays.
+    be.release_kv(0);
+    assert_eq!(be.kv_slots(), vec![1]);
 }
 
 #[test]
