@@ -45,6 +45,7 @@ pub struct WgpuContext {
     pool: Arc<Mutex<HashMap<u64, Vec<wgpu::Buffer>>>>,
     submits: AtomicU64,
     readbacks: AtomicU64,
+    dispatches: AtomicU64,
 }
 
 /// Queue submissions and host readbacks a context has made (see [`WgpuContext::counters`]).
@@ -52,12 +53,18 @@ pub struct WgpuContext {
 pub struct Counters {
     pub submits: u64,
     pub readbacks: u64,
+    /// Compute dispatches recorded.
+    pub dispatches: u64,
 }
 
 impl std::ops::Sub for Counters {
     type Output = Counters;
     fn sub(self, o: Counters) -> Counters {
-        Counters { submits: self.submits - o.submits, readbacks: self.readbacks - o.readbacks }
+        Counters {
+            submits: self.submits - o.submits,
+            readbacks: self.readbacks - o.readbacks,
+            dispatches: self.dispatches - o.dispatches,
+        }
     }
 }
 
@@ -148,12 +155,17 @@ impl WgpuContext {
             pool: Arc::new(Mutex::new(HashMap::new())),
             submits: AtomicU64::new(0),
             readbacks: AtomicU64::new(0),
+            dispatches: AtomicU64::new(0),
         })
     }
 
     /// Submissions and readbacks so far (monotonic; compare two reads to count a tick's).
     pub fn counters(&self) -> Counters {
-        Counters { submits: self.submits.load(Ordering::Relaxed), readbacks: self.readbacks.load(Ordering::Relaxed) }
+        Counters {
+            submits: self.submits.load(Ordering::Relaxed),
+            readbacks: self.readbacks.load(Ordering::Relaxed),
+            dispatches: self.dispatches.load(Ordering::Relaxed),
+        }
     }
 
     /// A pooled storage buffer of at least `len` f32 values (size class: the next power of two, at least 256
@@ -303,6 +315,7 @@ impl WgpuContext {
             layout: &pipeline.get_bind_group_layout(0),
             entries: &entries,
         });
+        self.dispatches.fetch_add(1, Ordering::Relaxed);
         let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: None });
         pass.set_pipeline(pipeline);
         pass.set_bind_group(0, &bind, &[]);
