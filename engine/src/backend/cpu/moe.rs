@@ -111,37 +111,39 @@ pub fn moe(be: &CpuBackend, sc: &mut Scratch, cx: &mut StepCtx<'_>, layer: usize
     // Routed experts in ascending id, then the shared expert, as slots of consecutive rows of h1/h3/eo.
     let ms = &mut sc.moe;
     ms.slots.clear();
-    ms.idx.clear();
+    sc.idx.clear();
     ms.pick.clear();
     for e in 0..ne {
         let list = &sc.expert_rows[e];
         if !list.is_empty() {
-            ms.slots.push(Slot { expert: Some(e), start: ms.idx.len(), m: list.len() });
-            ms.idx.extend(list.iter().map(|&(r, _)| r));
+            ms.slots.push(Slot { expert: Some(e), start: sc.idx.len(), m: list.len() });
+            sc.idx.extend(list.iter().map(|&(r, _)| r));
             ms.pick.extend_from_slice(list);
         }
     }
-    let routed = ms.idx.len();
+    let routed = sc.idx.len();
     let shared = match (lw.gate_sh, lw.up_sh, lw.down_sh) {
-        (Some(g), Some(u), Some(dn)) => Some((model.mat(g), model.mat(u), model.mat(dn))),
+        (Some(g), Some(u), Some(dn)) => {
+            let (g, u, dn) = (model.mat(g), model.mat(u), model.mat(dn));
+            Some((g, u, dn, Kinds::new(pool, g, u, dn)?))
+        }
         _ => None,
     };
     if shared.is_some() {
         ms.slots.push(Slot { expert: None, start: routed, m: n });
     }
     let total = routed + if shared.is_some() { n } else { 0 };
-    grow(&mut ms.h1, total * ffn);
-    grow(&mut ms.h3, total * ffn);
-    grow(&mut ms.eo, total * d);
+    grow(&mut sc.h1, total * ffn);
+    grow(&mut sc.h3, total * ffn);
+    grow(&mut sc.eo, total * d);
 
     let (gate_m, up_m, down_m) = (model.mat(lw.gate_exps), model.mat(lw.up_exps), model.mat(lw.down_exps));
     let kr = Kinds::new(pool, gate_m, up_m, down_m)?;
-    let ks = shared.map(|(g, u, dn)| Kinds::new(pool, g, u, dn)).transpose()?;
 
     // Activations of the normalized input, quantized once per activation type for all gate/up products.
     let all_rows = RowAt::Strided { stride: d, off: 0 };
     let mut prepared = [false; 2];
-    for k in [kr.gate, kr.up].into_iter().chain(ks.iter().flat_map(|s| [s.gate, s.up])) {
+    for k in [kr.gate, kr.up].into_iter().chain(shared.iter().flat_map(|s| [s.3.gate, s.3.up])) {
         let slot = act_slot(&k);
         if matches!(k, Kernel::Q { .. }) && !prepared[slot] {
             ms.xacts[slot].prepare(&k, &sc.xn, all_rows, n, d)?;
@@ -151,8 +153,8 @@ pub fn moe(be: &CpuBackend, sc: &mut Scratch, cx: &mut StepCtx<'_>, layer: usize
 
     // Gate and up of every slot in one dispatch.
     {
-        let (slots, idx, xacts, xn) = (&ms.slots, &ms.idx, &ms.xacts, &sc.xn);
-        let (o1, o3) = (Out::new(&mut ms.h1, ffn, 0), Out::new(&mut ms.h3, ffn, 0));
+        let (slots, idx, xacts, xn) = (&ms.slots, &sc.idx, &ms.xacts, &sc.xn);
+        let (o1, o3) = (Out::new(&mut sc.h1, ffn, 0), Out::new(&mut sc.h3, ffn, 0));
         let product = |u: usize| {
             let s = slots[u / 2];
             let (w, k, at) = match (s.expert, shared) {
@@ -160,8 +162,7 @@ pub fn moe(be: &CpuBackend, sc: &mut Scratch, cx: &mut StepCtx<'_>, layer: usize
                     let (w, k) = if u & 1 == 0 { (gate_m, kr.gate) } else { (up_m, kr.up) };
                     (w.rows_slice(e * ffn, ffn), k, RowAt::Gather { idx: &idx[s.start..s.start + s.m], stride: 1 })
                 }
-                (None, Some((g, up, _))) => {
-                    let ks = ks.as_ref().expect("shared kernels");
+                (None, Some((g, up, _, ks))) => {
                     let (w, k) = if u & 1 == 0 { (g, ks.gate) } else { (up, ks.up) };
                     (w, k, RowAt::Strided { stride: 1, off: 0 })
                 }
@@ -176,22 +177,22 @@ pub fn moe(be: &CpuBackend, sc: &mut Scratch, cx: &mut StepCtx<'_>, layer: usize
     }
 
     // SwiGLU, then the down inputs quantized (routed rows and shared rows may use different activation types).
-    let h3 = &ms.h3;
-    par_rows(pool, &mut ms.h1[..total * ffn], ffn, &|i, h| swiglu(h, &h3[i * ffn..(i + 1) * ffn], limit));
-    ms.hacts[0].prepare_par(pool, &kr.down, &ms.h1, RowAt::Strided { stride: ffn, off: 0 }, routed, ffn)?;
-    if let Some(ks) = &ks {
-        ms.hacts[1].prepare_par(pool, &ks.down, &ms.h1, RowAt::Strided { stride: ffn, off: routed * ffn }, n, ffn)?;
+    let h3 = &sc.h3;
+    par_rows(pool, &mut sc.h1[..total * ffn], ffn, &|i, h| swiglu(h, &h3[i * ffn..(i + 1) * ffn], limit));
+    ms.hacts[0].prepare_par(pool, &kr.down, &sc.h1, RowAt::Strided { stride: ffn, off: 0 }, routed, ffn)?;
+    if let Some((_, _, _, ks)) = &shared {
+        ms.hacts[1].prepare_par(pool, &ks.down, &sc.h1, RowAt::Strided { stride: ffn, off: routed * ffn }, n, ffn)?;
     }
 
     // Every slot's down projection in one dispatch.
     {
-        let (slots, hacts, h1) = (&ms.slots, &ms.hacts, &ms.h1);
-        let oe = Out::new(&mut ms.eo, d, 0);
+        let (slots, hacts, h1) = (&ms.slots, &ms.hacts, &sc.h1);
+        let oe = Out::new(&mut sc.eo, d, 0);
         let product = |u: usize| {
             let s = slots[u];
             let (w, k, base, acts) = match (s.expert, shared) {
                 (Some(e), _) => (down_m.rows_slice(e * d, d), kr.down, 0, &hacts[0]),
-                (None, Some((_, _, dn))) => (dn, ks.as_ref().expect("shared kernels").down, routed, &hacts[1]),
+                (None, Some((_, _, dn, ks))) => (dn, ks.down, routed, &hacts[1]),
                 (None, None) => unreachable!("shared slot without shared weights"),
             };
             let input = acts.input(&k, &h1[base * ffn..], ffn, RowAt::Strided { stride: 1, off: s.start - base });
@@ -207,12 +208,12 @@ pub fn moe(be: &CpuBackend, sc: &mut Scratch, cx: &mut StepCtx<'_>, layer: usize
     out.fill(0.0);
     for (i, &(r, j)) in ms.pick.iter().enumerate() {
         let w = sc.w_e[r * k + j];
-        for (o, &v) in out[r * d..(r + 1) * d].iter_mut().zip(&ms.eo[i * d..(i + 1) * d]) {
+        for (o, &v) in out[r * d..(r + 1) * d].iter_mut().zip(&sc.eo[i * d..(i + 1) * d]) {
             *o += w * v;
         }
     }
     if shared.is_some() {
-        for (o, &v) in out.iter_mut().zip(&ms.eo[routed * d..(routed + n) * d]) {
+        for (o, &v) in out.iter_mut().zip(&sc.eo[routed * d..(routed + n) * d]) {
             *o += v;
         }
     }
@@ -261,25 +262,49 @@ pub struct Slot {
 }
 
 /// Buffers of the grouped MoE dispatch, grown to the largest batch seen and then reused (no allocation in decode).
+/// The slot rows themselves live in `Scratch::{idx, h1, h3, eo}` (batch row of every routed row; gate, up and down
+/// outputs of every slot row), grown here past their per-batch-row size to `(n_experts_used + 1) · n` rows.
 #[derive(Debug, Default)]
 pub struct MoeScratch {
     slots: Vec<Slot>,
-    /// Batch row of every routed row, slot after slot.
-    idx: Vec<usize>,
     /// `(batch row, selection index)` of every routed row (for its routing weight).
     pick: Vec<(usize, usize)>,
     /// Normalized input quantized per activation type (Q8_K, Q8_0).
     xacts: [Acts; 2],
     /// SwiGLU outputs quantized for the routed downs and the shared down.
     hacts: [Acts; 2],
-    h1: Vec<f32>,
-    h3: Vec<f32>,
-    eo: Vec<f32>,
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::{Engine, EngineOptions};
+    use crate::gguf::GgufFile;
+
+    /// All positions' logits of `tokens` on the demo model (8 routed experts, top 2, plus the shared expert), fed
+    /// `chunk` tokens per tick.
+    fn demo_logits(tokens: &[u32], chunk: usize, threads: usize) -> Vec<f32> {
+        let file = GgufFile::from_bytes(crate::convert::demo::demo_model_gguf(7).unwrap()).unwrap();
+        let opts = EngineOptions { threads, max_batch_tokens: chunk, ..EngineOptions::default() };
+        let mut e = Engine::from_gguf(file, opts).unwrap();
+        let s = e.create_session();
+        e.set_prefill_logits(s, true).unwrap();
+        e.feed(s, tokens).unwrap();
+        e.run_until_idle().unwrap();
+        e.take_all_logits(s).unwrap()
+    }
+
+    #[test]
+    fn grouped_dispatch_is_batch_and_thread_invariant() {
+        // One pass groups several rows per expert (m > 1 products); chunk 1 is decode (m = 1); 5 mixes both.
+        let tokens: Vec<u32> = (0..14u32).map(|i| (i * 7919 + 11) % 129_000).collect();
+        let want = demo_logits(&tokens, 256, 1);
+        assert!(want.iter().all(|v| v.is_finite()));
+        for (chunk, threads) in [(256usize, 3usize), (1, 2), (5, 3), (1, 1)] {
+            let got = demo_logits(&tokens, chunk, threads);
+            assert!(got == want, "chunk {chunk}, {threads} threads: logits differ from one pass on one thread");
+        }
+    }
 
     #[test]
     fn activations() {
