@@ -1,5 +1,6 @@
 //! AVX-512 kernels (x86-64 with AVX-512 F/BW/VBMI/VNNI and GFNI, e.g. Ice Lake and later), resolved at runtime.
-//! Only the formats where they beat AVX2 are here; [`super::dot_q`] falls back to AVX2 for the rest.
+//! Only the formats where they beat AVX2 are here (IQ2_XXS below, Q2_K in `avx512_q2k`); [`super::dot_q`] falls
+//! back to AVX2 for the rest.
 //!
 //! Soundness: as in `avx2`, every `#[target_feature]` function is reachable only through the plain `fn` wrappers
 //! that [`dot_q`] hands out after [`available`] confirmed every feature they are compiled for; every vector load
@@ -48,6 +49,7 @@ pub(super) fn dot_q(ty: GgmlType) -> Option<DotQ> {
     }
     match ty {
         GgmlType::Iq2Xxs => Some(iq2_xxs_q8_k),
+        GgmlType::Q2K => Some(q2_k_q8_k),
         _ => None,
     }
 }
@@ -57,9 +59,14 @@ fn iq2_xxs_q8_k(w: &[u8], a: &[u8]) -> f32 {
     unsafe { iq2_xxs_q8_k_imp(w, a) }
 }
 
+fn q2_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
+    // SAFETY: only handed out by `dot_q` after `available()` confirmed the features `q2_k_q8_k_imp` needs.
+    unsafe { super::avx512_q2k::q2_k_q8_k_imp(w, a) }
+}
+
 /// 64 bytes, 64-byte aligned (vector constants).
 #[repr(C, align(64))]
-struct A64([u8; 64]);
+pub(super) struct A64(pub(super) [u8; 64]);
 
 /// Loads 64 bytes from `p`.
 ///
@@ -67,14 +74,14 @@ struct A64([u8; 64]);
 /// `p` must be valid for reading 64 bytes.
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn ld(p: *const u8) -> __m512i {
+pub(super) unsafe fn ld(p: *const u8) -> __m512i {
     // SAFETY: guaranteed by the caller.
     unsafe { _mm512_loadu_si512(p as *const __m512i) }
 }
 
 #[inline]
 #[target_feature(enable = "avx512f")]
-fn ld64(t: &A64) -> __m512i {
+pub(super) fn ld64(t: &A64) -> __m512i {
     // SAFETY: `t` is 64 readable bytes.
     unsafe { ld(t.0.as_ptr()) }
 }

@@ -3,7 +3,7 @@
 //!
 //! - x86-64: AVX2 + FMA + F16C (all three required), detected with `is_x86_feature_detected!` (see `avx2`).
 //!   Where AVX-512 F/BW/VBMI/VNNI are also present (Ice Lake and later), [`dot_q`] prefers the `avx512`
-//!   kernel for the formats that have one (IQ2_XXS) and falls back to AVX2 for the rest; [`level`] then reports
+//!   kernels for the formats that have one (IQ2_XXS, Q2_K) and falls back to AVX2 for the rest; [`level`] then reports
 //!   `"avx512-vbmi"`. [`dot_q_variants`] lists every kernel this CPU can run, for side-by-side benchmarks.
 //! - aarch64 (little-endian): NEON (baseline on aarch64; compiled when the target enables it, see `neon`).
 //!
@@ -17,6 +17,8 @@ use super::GgmlType;
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod avx512_q2k;
 #[cfg(all(target_arch = "aarch64", target_feature = "neon", target_endian = "little"))]
 mod neon;
 

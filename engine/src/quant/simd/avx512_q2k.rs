@@ -1,0 +1,225 @@
+//! AVX-512 (BW/VBMI/VNNI) Q2_K · Q8_K kernel, resolved at runtime through [`super::avx512::dot_q`].
+//!
+//! Soundness: the `#[target_feature]` function is only reachable through the plain `fn` wrapper that
+//! `avx512::dot_q` hands out after `avx512::available()` confirmed its features; every load reads inside a block
+//! slice produced by `chunks_exact`.
+//!
+//! Per 256-value block, the 64 bytes of 2-bit quants are one register; shift `j` (0..4) of it holds values
+//! `32j..32j+32` (bytes 0..32) and `128+32j..` (bytes 32..64), so their activations are two 32-byte loads. The
+//! 4-bit sub-block scales are folded into the quants before the multiply: a 64-byte table holds `q·scale` for
+//! every (sub-block, q) pair (`scale·[0, 1, 2, 3]`, built with one `vpermb` and one `vpmullw` per block), and a
+//! `vpermb` indexed by `4·sub-block + q` replaces each quant by its scaled value (≤ 45, an unsigned byte). One
+//! `vpdpbusd` per 64 values then accumulates `Σ scale·q·a` straight into i32 lanes (each < 4·4·45·127 < 2^17, so
+//! the per-block conversion to f32 is exact). The minimums use the Q8_K block sums, as in `avx2`. Only the f32
+//! accumulation order differs from the scalar reference.
+
+use std::arch::x86_64::*;
+
+use super::super::{q2_k, q8_k};
+use super::avx2::{f16_at, prefetch_ahead};
+use super::avx512::A64;
+
+/// Fills a 64-byte constant from an expression in the byte index `i`.
+macro_rules! bytes64 {
+    (|$i:ident| $f:expr) => {{
+        let mut t = [0u8; 64];
+        let mut $i = 0;
+        while $i < 64 {
+            t[$i] = $f;
+            $i += 1;
+        }
+        A64(t)
+    }};
+}
+
+/// For shift `j`, byte `p` of the quants belongs to sub-block `8·(p/32) + 2j + (p%32)/16`; its table offset is 4×.
+const SUB_OFFSET: [A64; 4] = [
+    bytes64!(|p| (4 * (8 * (p / 32) + (p % 32) / 16)) as u8),
+    bytes64!(|p| (4 * (8 * (p / 32) + 2 + (p % 32) / 16)) as u8),
+    bytes64!(|p| (4 * (8 * (p / 32) + 4 + (p % 32) / 16)) as u8),
+    bytes64!(|p| (4 * (8 * (p / 32) + 6 + (p % 32) / 16)) as u8),
+];
+
+/// `vpermb` indices spreading scale byte `s` to bytes `4s` and `4s + 2` (the odd bytes are zeroed by the mask).
+const SCALE_SPREAD: A64 = bytes64!(|i| (i / 4) as u8);
+
+/// Per 16-bit word of the table: `scale · (v_lo + 256·v_hi)` gives bytes `scale·v` for `v` = 0, 1 (even words)
+/// and 2, 3 (odd words); no carries since `3·15 < 256`.
+const LEVEL_MUL: A64 = bytes64!(|i| match i % 4 {
+    1 => 1,
+    2 => 2,
+    3 => 3,
+    _ => 0,
+});
+
+/// Q2_K weights · Q8_K activations over the whole blocks both hold.
+#[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx512vnni,avx2,fma,f16c")]
+pub(super) fn q2_k_q8_k_imp(w: &[u8], a: &[u8]) -> f32 {
+    let offsets = SUB_OFFSET.each_ref().map(|t| super::avx512::ld64(t));
+    let spread = super::avx512::ld64(&SCALE_SPREAD);
+    let level_mul = super::avx512::ld64(&LEVEL_MUL);
+    let low4 = _mm_set1_epi8(0x0f);
+    let three = _mm512_set1_epi8(3);
+    let mut acc = _mm512_setzero_ps();
+    let mut acc_min = _mm256_setzero_ps();
+    for (b, qa) in w.chunks_exact(q2_k::BLOCK_BYTES).zip(a.chunks_exact(q8_k::BLOCK_BYTES)) {
+        let (bp, ap) = (b.as_ptr(), qa.as_ptr());
+        prefetch_ahead::<2>(bp);
+        let da = q8_k::d(qa);
+        // SAFETY: scales are bytes 0..16 and quants bytes 16..80 of the 84-byte block; the block sums are bytes
+        // 260..292 of the 292-byte Q8_K block.
+        let (sc, qs, bsums) = unsafe {
+            (
+                _mm_loadu_si128(bp as *const __m128i),
+                super::avx512::ld(bp.add(16)),
+                _mm256_loadu_si256(ap.add(q8_k::BSUMS) as *const __m256i),
+            )
+        };
+        // Minimums: Σ_s min_s · bsum_s.
+        let mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(sc), low4));
+        let pm = _mm256_cvtepi32_ps(_mm256_madd_epi16(mins, bsums));
+        acc_min = _mm256_fmadd_ps(_mm256_set1_ps(da * f16_at(b, 82)), pm, acc_min);
+        // The q·scale table: byte 4s + v = v·scale_s.
+        let sc_lo = _mm512_castsi128_si512(_mm_and_si128(sc, low4));
+        let table = _mm512_mullo_epi16(_mm512_maskz_permutexvar_epi8(0x5555_5555_5555_5555, spread, sc_lo), level_mul);
+        let mut sumi = _mm512_setzero_si512();
+        for (j, off) in offsets.iter().enumerate() {
+            let q = match j {
+                0 => qs,
+                1 => _mm512_srli_epi16::<2>(qs),
+                2 => _mm512_srli_epi16::<4>(qs),
+                _ => _mm512_srli_epi16::<6>(qs),
+            };
+            // (q & 3) | offset, the table index of each quant.
+            let scaled = _mm512_permutexvar_epi8(_mm512_ternarylogic_epi64::<0xea>(q, three, *off), table);
+            // SAFETY: 32 Q8_K quants at 4 + 32j ≤ 100 and at 132 + 32j ≤ 228, inside the 292-byte block.
+            let act = unsafe {
+                let lo = _mm256_loadu_si256(ap.add(4 + 32 * j) as *const __m256i);
+                let hi = _mm256_loadu_si256(ap.add(132 + 32 * j) as *const __m256i);
+                _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+            };
+            sumi = _mm512_dpbusd_epi32(sumi, scaled, act);
+        }
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(da * f16_at(b, 80)), _mm512_cvtepi32_ps(sumi), acc);
+    }
+    let m = _mm_add_ps(_mm256_castps256_ps128(acc_min), _mm256_extractf128_ps::<1>(acc_min));
+    let m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+    let m = _mm_add_ss(m, _mm_movehdup_ps(m));
+    _mm512_reduce_add_ps(acc) - _mm_cvtss_f32(m)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::avx512;
+    use crate::quant::{q2_k, q8_k, GgmlType, QK_K};
+    use rand::{rngs::StdRng, Rng, SeedableRng};
+
+    fn kernel() -> Option<crate::quant::DotQ> {
+        let k = avx512::dot_q(GgmlType::Q2K);
+        if k.is_none() {
+            eprintln!("no AVX-512 VBMI/VNNI on this CPU: the avx512 Q2_K kernel is not selected, nothing to test");
+        }
+        k
+    }
+
+    fn q8k_blocks(n: usize, d: f32, mut q: impl FnMut(usize) -> i8) -> Vec<u8> {
+        let mut v = vec![0u8; n * q8_k::BLOCK_BYTES];
+        for (bi, b) in v.chunks_exact_mut(q8_k::BLOCK_BYTES).enumerate() {
+            b[..4].copy_from_slice(&d.to_le_bytes());
+            for i in 0..QK_K {
+                b[q8_k::QS + i] = q(bi * QK_K + i) as u8;
+            }
+            for j in 0..16 {
+                let s: i32 = (0..16).map(|i| b[q8_k::QS + 16 * j + i] as i8 as i32).sum();
+                b[q8_k::BSUMS + 2 * j..q8_k::BSUMS + 2 * j + 2].copy_from_slice(&(s as i16).to_le_bytes());
+            }
+        }
+        v
+    }
+
+    /// Σ |term| of the dot (dequantized weights · dequantized activations): the scale of rounding errors.
+    fn mass(w: &[u8], a: &[u8]) -> f64 {
+        let mut y = [0f32; QK_K];
+        let mut m = 0f64;
+        for (b, qa) in w.chunks_exact(q2_k::BLOCK_BYTES).zip(a.chunks_exact(q8_k::BLOCK_BYTES)) {
+            q2_k::dequantize_block(b, &mut y);
+            m += (0..QK_K).map(|i| (y[i] as f64 * (q8_k::d(qa) * q8_k::q(qa, i) as f32) as f64).abs()).sum::<f64>();
+        }
+        m
+    }
+
+    /// Integer sums are exact in both kernels; the f32 accumulation differs in order (scalar: one `d·sumi −
+    /// dmin·summ` per block; here 16 + 8 lanes per block, two trees, one subtraction), so the results agree to a
+    /// few ulps of the summed magnitudes (1e-6 relative ≈ 8 ulps).
+    #[test]
+    fn q2_k_random_blocks_match_scalar() {
+        let Some(k) = kernel() else { return };
+        let mut rng = StdRng::seed_from_u64(5);
+        for n in [1usize, 2, 3, 7, 8, 16, 17] {
+            for _ in 0..8 {
+                let mut w = vec![0u8; n * q2_k::BLOCK_BYTES];
+                rng.fill(&mut w[..]);
+                for b in w.chunks_exact_mut(q2_k::BLOCK_BYTES) {
+                    for o in [80, 82] {
+                        let v = half::f16::from_f32(rng.gen_range(-2.0f32..2.0));
+                        b[o..o + 2].copy_from_slice(&v.to_le_bytes());
+                    }
+                }
+                let a = q8k_blocks(n, rng.gen_range(1e-3f32..1.0), |_| rng.gen_range(-127i8..=127));
+                let (got, want) = (k(&w, &a), q2_k::dot_q8k(&w, &a));
+                let tol = 1e-6 * mass(&w, &a);
+                assert!((got as f64 - want as f64).abs() <= tol, "{n} blocks: avx512 {got}, scalar {want}");
+            }
+        }
+    }
+
+    /// Unit scales keep every intermediate an exact integer: the kernels must agree bit for bit.
+    #[test]
+    fn q2_k_extremes_are_exact() {
+        let Some(k) = kernel() else { return };
+        let one = half::f16::from_f32(1.0).to_le_bytes();
+        for (scales, quants, act) in [(0xffu8, 0xffu8, 127i8), (0xff, 0xff, -127), (0x0f, 0xff, 127), (0xf0, 0, -127)] {
+            let n = 3;
+            let mut w = vec![0u8; n * q2_k::BLOCK_BYTES];
+            for b in w.chunks_exact_mut(q2_k::BLOCK_BYTES) {
+                b[..16].fill(scales);
+                b[16..80].fill(quants);
+                b[80..82].copy_from_slice(&one);
+                b[82..84].copy_from_slice(&one);
+            }
+            let a = q8k_blocks(n, 1.0, |_| act);
+            let want = q2_k::dot_q8k(&w, &a);
+            assert_eq!(k(&w, &a), want, "scales {scales:#x} quants {quants:#x} act {act}");
+            let (sc, m, q) = ((scales & 15) as i32, (scales >> 4) as i32, (quants & 3) as i32);
+            assert_eq!(want, (n as i32 * 256 * act as i32 * (sc * q - m)) as f32);
+        }
+        // Every scale, min and quant pattern, mixed activations.
+        let mut rng = StdRng::seed_from_u64(9);
+        let mut w = vec![0u8; 16 * q2_k::BLOCK_BYTES];
+        rng.fill(&mut w[..]);
+        for (bi, b) in w.chunks_exact_mut(q2_k::BLOCK_BYTES).enumerate() {
+            for s in 0..16 {
+                b[s] = (16 * bi + s) as u8;
+            }
+            b[80..82].copy_from_slice(&one);
+            b[82..84].copy_from_slice(&one);
+        }
+        let a = q8k_blocks(16, 1.0, |i| if i % 5 == 0 { -127 } else { 127 - (i % 7) as i8 });
+        assert_eq!(k(&w, &a), q2_k::dot_q8k(&w, &a));
+    }
+
+    #[test]
+    fn q2_k_uses_only_whole_blocks() {
+        let Some(k) = kernel() else { return };
+        let mut rng = StdRng::seed_from_u64(4);
+        let mut w = vec![0u8; 3 * q2_k::BLOCK_BYTES];
+        rng.fill(&mut w[..]);
+        for b in w.chunks_exact_mut(q2_k::BLOCK_BYTES) {
+            b[80..84].copy_from_slice(&[0, 0x30, 0, 0x2c]);
+        }
+        let a = q8k_blocks(3, 0.02, |_| rng.gen_range(-127i8..=127));
+        let two = k(&w[..2 * q2_k::BLOCK_BYTES], &a);
+        assert_eq!(k(&w[..3 * q2_k::BLOCK_BYTES - 1], &a), two);
+        assert_eq!(k(&w, &a[..3 * q8_k::BLOCK_BYTES - 1]), two);
+    }
+}
