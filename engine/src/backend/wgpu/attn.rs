@@ -261,7 +261,13 @@ pub fn attention(
     let window = c.window;
     let no_comp = ctx.storage_zeroed("no comp rows", 1);
     let no_sel = ctx.storage_u32("no selections", &[u32::MAX]);
+    if cx.kv.len() != batch.runs.len() {
+        return Err(backend_err(format!("attention: {} KV states for {} runs", cx.kv.len(), batch.runs.len())));
+    }
     for (ri, run) in batch.runs.iter().enumerate() {
+        if run.len == 0 {
+            continue;
+        }
         let m = mirror(ctx, c, kvs, run.slot, &cx.kv[ri])?;
         let ld = &mut m.layers[layer];
         let p0 = rows[run.start].pos;

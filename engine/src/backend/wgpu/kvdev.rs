@@ -53,16 +53,19 @@ pub struct Rows {
 
 impl Rows {
     fn new(ctx: &WgpuContext, width: usize, data: &[f32]) -> Result<Rows> {
-        let rows = data.len() / width.max(1);
+        if width == 0 || !data.len().is_multiple_of(width) {
+            return Err(backend_err(format!("device KV: {} values are not rows of {width}", data.len())));
+        }
+        let rows = data.len() / width;
         let cap = rows.max(64).next_power_of_two();
-        let bytes = (cap * width.max(1) * 4) as u64;
+        let bytes = (cap * width * 4) as u64;
         if bytes > ctx.max_binding() {
             return Err(backend_err(format!(
                 "device KV: {cap} rows of {width} values exceed the storage binding limit {}",
                 ctx.max_binding()
             )));
         }
-        let mut init = vec![0f32; cap * width.max(1)];
+        let mut init = vec![0f32; cap * width];
         init[..data.len()].copy_from_slice(data);
         Ok(Rows { buf: ctx.storage_f32("kv rows", &init), rows, cap, width })
     }
@@ -100,8 +103,18 @@ pub struct FrontDev {
 }
 
 impl FrontDev {
-    fn upload(ctx: &WgpuContext, f: &Frontier) -> FrontDev {
+    fn upload(ctx: &WgpuContext, f: &Frontier) -> Result<FrontDev> {
         let w = f.coff * f.dim;
+        let prev = if f.coff == 2 { f.ratio * f.dim } else { 0 };
+        if f.ratio == 0
+            || !(1..=2).contains(&f.coff)
+            || f.pending_kv.len() != f.ratio * w
+            || f.pending_gate.len() != f.ratio * w
+            || f.prev_kv.len() != prev
+            || f.prev_gate.len() != prev
+        {
+            return Err(backend_err("device KV: a compressor frontier has the wrong shape"));
+        }
         let pack = |prev: &[f32], pending: &[f32]| {
             let mut v = vec![0f32; 2 * f.ratio * w];
             if f.coff == 2 {
@@ -112,13 +125,13 @@ impl FrontDev {
             v[f.ratio * w..].copy_from_slice(pending);
             v
         };
-        FrontDev {
+        Ok(FrontDev {
             kv: ctx.storage_f32("frontier kv", &pack(&f.prev_kv, &f.pending_kv)),
             gate: ctx.storage_f32("frontier gate", &pack(&f.prev_gate, &f.pending_gate)),
             ratio: f.ratio,
             dim: f.dim,
             coff: f.coff,
-        }
+        })
     }
 
     fn download(&self, ctx: &WgpuContext, pos: usize) -> Result<Frontier> {
@@ -182,15 +195,24 @@ impl SlotKv {
                     Some(Rows::new(ctx, cfg.idx_head_dim, &lk.idx_rows)?),
                 ),
             };
-            if (kind != LayerKind::Window) != lk.comp.is_some() || (kind == LayerKind::Csa) != lk.idx.is_some() {
+            let coff = if kind == LayerKind::Csa { 2 } else { 1 };
+            let ratio = cfg.compress_ratios[l];
+            let fits = |f: &Option<Frontier>, want: Option<(usize, usize)>| match (f, want) {
+                (None, None) => true,
+                (Some(f), Some((dim, coff))) => f.ratio == ratio && f.dim == dim && f.coff == coff,
+                _ => false,
+            };
+            let comp_want = (kind != LayerKind::Window).then_some((cfg.head_dim, coff));
+            let idx_want = (kind == LayerKind::Csa).then_some((cfg.idx_head_dim, 2));
+            if !fits(&lk.comp, comp_want) || !fits(&lk.idx, idx_want) {
                 return Err(bad("frontiers do not match the layer kind"));
             }
             layers.push(LayerDev {
                 ring: ctx.storage_f32("ring", &lk.ring),
                 comp,
                 idx,
-                fcomp: lk.comp.as_ref().map(|f| FrontDev::upload(ctx, f)),
-                fidx: lk.idx.as_ref().map(|f| FrontDev::upload(ctx, f)),
+                fcomp: lk.comp.as_ref().map(|f| FrontDev::upload(ctx, f)).transpose()?,
+                fidx: lk.idx.as_ref().map(|f| FrontDev::upload(ctx, f)).transpose()?,
                 pos: None,
             });
         }

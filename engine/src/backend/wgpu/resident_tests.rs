@@ -249,6 +249,23 @@ fn stale_host_kv_without_its_device_copy_is_an_error() {
     // Clearing the host state makes it authoritative again.
     stale.clear();
     feed(&be, &model, &mut stale, 3, 0, &toks, &[4], false);
+    // Malformed host state is an error at upload, not a panic (a well-formed one at position 0 runs).
+    let mut batch0 = Batch::default();
+    batch0.push_run(3, 0, [1u32], false);
+    let breakers: [fn(&mut SessionKv); 4] = [
+        |_| {},
+        |k| k.layers[2].comp.as_mut().unwrap().pending_kv.truncate(5),
+        |k| k.layers[3].comp_rows.extend([1.0; 3]),
+        |k| k.layers[4].comp = None,
+    ];
+    for (i, brk) in breakers.iter().enumerate() {
+        let mut kv = SessionKv::new(c, 32);
+        brk(&mut kv);
+        let kv = std::slice::from_mut(&mut kv);
+        let mut cx = StepCtx { model: &model, rope: &rope, batch: &batch0, kv, act: &mut act, sim: false };
+        let r = Executor::default().run(&graph, &be, &mut cx);
+        assert_eq!(r.is_ok(), i == 0, "state {i}: {r:?}");
+    }
 }
 
 /// A decode tick records everything into one encoder and submits it once, with the logits as its one readback:
