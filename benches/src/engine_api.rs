@@ -15,8 +15,8 @@ use std::sync::OnceLock;
 use anyhow::{bail, Result};
 use ds4_engine::quant::{self, GgmlType};
 
-use crate::kernels::Kernels;
-use ds4_engine::backend::cpu::matmul;
+use crate::kernels::{Kernels, MoeWeights};
+use ds4_engine::backend::cpu::matmul::{self, Acts, Kernel, Out, Product, RowAt};
 use ds4_engine::backend::cpu::pool::Pool;
 use ds4_engine::engine::{BackendKind, Engine, EngineOptions};
 use ds4_engine::gguf::GgufFile;
@@ -77,6 +77,25 @@ impl EngineKernels {
 
 thread_local! {
     static SCRATCH: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+    static MOE: RefCell<MoeBufs> = RefCell::new(MoeBufs::default());
+}
+
+/// A stacked expert tensor as a matrix of whole rows.
+fn moe_mat(ty: GgmlType, cols: usize, data: &[u8]) -> Result<Mat<'_>> {
+    let Some(rb) = ty.row_bytes(cols as u64).map(|b| b as usize).filter(|&b| b > 0) else {
+        bail!("moe: {cols} values is not whole {ty} blocks");
+    };
+    Ok(Mat { ty, rows: data.len() / rb, cols, row_bytes: rb, data })
+}
+
+/// Buffers of [`EngineKernels::pooled_moe`] (grown once, reused).
+#[derive(Default)]
+struct MoeBufs {
+    xa: Acts,
+    ha: Acts,
+    h1: Vec<f32>,
+    h3: Vec<f32>,
+    eo: Vec<f32>,
 }
 
 impl Kernels for EngineKernels {
@@ -99,6 +118,65 @@ impl Kernels for EngineKernels {
         };
         let m = Mat { ty, rows, cols, row_bytes, data: w };
         matmul::matmul(self.pool(), m, x, 1, y)?;
+        Ok(true)
+    }
+
+    /// The CPU backend's grouped MoE dispatch (`backend::cpu::moe`), without routing: input quantized once, one
+    /// `run_group` for every selected expert's gate and up, SwiGLU (unclamped), the down inputs quantized across the
+    /// pool, one `run_group` for every down, then the sum.
+    fn pooled_moe(&self, w: &MoeWeights<'_>, sel: &[usize], x: &[f32], y: &mut [f32]) -> Result<bool> {
+        let (d, ffn, k) = (w.d, w.ffn, sel.len());
+        let (gm, um, dm) =
+            (moe_mat(w.gate_ty, d, w.gate)?, moe_mat(w.gate_ty, d, w.up)?, moe_mat(w.down_ty, ffn, w.down)?);
+        if x.len() != d || y.len() != d || sel.iter().any(|&e| (e + 1) * ffn > gm.rows || (e + 1) * d > dm.rows) {
+            bail!("moe: shapes do not match");
+        }
+        let pool = self.pool();
+        let (kg, kd) = (Kernel::for_pool(pool, w.gate_ty, d)?, Kernel::for_pool(pool, w.down_ty, ffn)?);
+        MOE.with(|b| -> Result<()> {
+            let b = &mut *b.borrow_mut();
+            for v in [&mut b.h1, &mut b.h3] {
+                v.resize(k * ffn, 0.0);
+            }
+            b.eo.resize(k * d, 0.0);
+            b.xa.prepare(&kg, x, RowAt::Strided { stride: d, off: 0 }, 1, d)?;
+            {
+                let (xa, o1, o3) = (&b.xa, Out::new(&mut b.h1, ffn, 0), Out::new(&mut b.h3, ffn, 0));
+                let p = |u: usize| {
+                    let (m, out) = if u & 1 == 0 { (gm, o1) } else { (um, o3) };
+                    let input = xa.input(&kg, x, d, RowAt::Strided { stride: 1, off: 0 });
+                    Product {
+                        w: m.rows_slice(sel[u / 2] * ffn, ffn),
+                        k: kg,
+                        input,
+                        n: 1,
+                        out: out.shifted(u / 2 * ffn),
+                    }
+                };
+                // SAFETY: product `u` writes row `u / 2` of h1 (even) or h3 (odd) only; both outlive the call.
+                unsafe { matmul::run_group(pool, 2 * k, ffn, matmul::grain_rows(gm.row_bytes), &p) };
+            }
+            for (a, &g) in b.h1.iter_mut().zip(&b.h3) {
+                *a = *a / (1.0 + (-*a).exp()) * g;
+            }
+            b.ha.prepare_par(pool, &kd, &b.h1, RowAt::Strided { stride: ffn, off: 0 }, k, ffn)?;
+            {
+                let (ha, h1, oe) = (&b.ha, &b.h1, Out::new(&mut b.eo, d, 0));
+                let p = |u: usize| {
+                    let input = ha.input(&kd, h1, ffn, RowAt::Strided { stride: 1, off: u });
+                    Product { w: dm.rows_slice(sel[u] * d, d), k: kd, input, n: 1, out: oe.shifted(u * d) }
+                };
+                // SAFETY: product `u` writes row `u` of eo only; eo outlives the call.
+                unsafe { matmul::run_group(pool, k, d, matmul::grain_rows(dm.row_bytes), &p) };
+            }
+            y.fill(0.0);
+            for e in b.eo.chunks_exact(d) {
+                for (o, v) in y.iter_mut().zip(e) {
+                    *o += v;
+                }
+            }
+            Ok(())
+        })?;
         Ok(true)
     }
 
@@ -193,6 +271,40 @@ mod tests {
                 assert!((p - q).abs() <= 1e-4 * (1.0 + q.abs()), "{ty}: {p} vs {q}");
             }
         }
+    }
+
+    /// The grouped MoE dispatch equals per-expert quant matvecs exactly (same quantized activations and dots).
+    #[test]
+    fn pooled_moe_matches_per_expert_matvecs() {
+        let mut rng = Rng::new(9);
+        let (d, ffn, ne) = (512usize, 256usize, 5usize);
+        let (gt, dt) = (GgmlType::Iq2Xxs, GgmlType::Q2K);
+        let (grb, drb) = (gt.row_bytes(d as u64).unwrap() as usize, dt.row_bytes(ffn as u64).unwrap() as usize);
+        let (mut gate, mut up, mut down) =
+            (vec![0u8; ne * ffn * grb], vec![0u8; ne * ffn * grb], vec![0u8; ne * d * drb]);
+        fill(gt, &mut gate, 0.1, &mut rng);
+        fill(gt, &mut up, 0.1, &mut rng);
+        fill(dt, &mut down, 0.1, &mut rng);
+        let x: Vec<f32> = (0..d).map(|_| rng.next_sym()).collect();
+        let w = MoeWeights { gate_ty: gt, down_ty: dt, d, ffn, gate: &gate, up: &up, down: &down };
+        let sel = [3usize, 0, 4];
+        let mut y = vec![0f32; d];
+        assert!(EngineKernels::new(3).pooled_moe(&w, &sel, &x, &mut y).unwrap());
+        let mut want = vec![0f32; d];
+        for &e in &sel {
+            let (mut g, mut u, mut o) = (vec![0f32; ffn], vec![0f32; ffn], vec![0f32; d]);
+            quant::matvec(gt, &gate[e * ffn * grb..(e + 1) * ffn * grb], ffn, d, &x, &mut g).unwrap();
+            quant::matvec(gt, &up[e * ffn * grb..(e + 1) * ffn * grb], ffn, d, &x, &mut u).unwrap();
+            for (a, b) in g.iter_mut().zip(&u) {
+                *a = *a / (1.0 + (-*a).exp()) * b;
+            }
+            quant::matvec(dt, &down[e * d * drb..(e + 1) * d * drb], d, ffn, &g, &mut o).unwrap();
+            for (s, v) in want.iter_mut().zip(&o) {
+                *s += v;
+            }
+        }
+        assert_eq!(y, want);
+        assert!(EngineKernels::new(2).pooled_moe(&w, &[ne], &x, &mut y).is_err(), "expert out of range");
     }
 
     #[test]

@@ -13,7 +13,9 @@
 //! The kernels are reached through the [`Kernels`] trait so the harness can be tested with a trivial kernel; the
 //! engine binding is `crate::engine_api::EngineKernels`. Besides the bench's own row split (`matvec`, `matmul`), the
 //! `engine-matvec` line runs the engine's CPU decode matmul (its worker pool, one call per matrix) on the same
-//! buffer: the rate decode actually gets.
+//! buffer: the rate decode actually gets. The `engine-moe` line ([`run_moe`]) runs the engine's grouped MoE
+//! dispatch on Flash's routed experts (IQ2_XXS gate/up, Q2_K down), six experts per token cycling through ≥ 1 GiB
+//! of stacked experts: the rate the routed experts of a decoded token get, dispatch and activation work included.
 //!
 //! Output: CSV on stdout (header [`CSV_HEADER`]), one line per (case, kernel); shortfalls against the issue's
 //! targets are repeated as `#` comment lines at the end.
@@ -50,6 +52,12 @@ pub trait Kernels: Sync {
     ) -> Result<bool> {
         Ok(false)
     }
+    /// The engine's MoE decode dispatch for one token (its worker pool; gate+up of every selected expert in one
+    /// dispatch, SwiGLU, every down in one): `y = Σ_e down_e(silu(gate_e·x) · up_e·x)` over the experts in `sel`.
+    /// `Ok(false)` when not available.
+    fn pooled_moe(&self, _w: &MoeWeights<'_>, _sel: &[usize], _x: &[f32], _y: &mut [f32]) -> Result<bool> {
+        Ok(false)
+    }
     /// The batched form: `xs` holds `batch` activation rows of `cols` values; `ys[r * batch + b] = W[r] · xs[b]`.
     /// (Flat arguments on purpose: they mirror `quant::matvec` so the two are easy to compare.)
     #[allow(clippy::too_many_arguments)]
@@ -63,6 +71,19 @@ pub trait Kernels: Sync {
         batch: usize,
         ys: &mut [f32],
     ) -> Result<()>;
+}
+
+/// Stacked routed-expert weights for [`Kernels::pooled_moe`]: expert `e` is rows `e·ffn..(e+1)·ffn` of `gate` and
+/// `up` (rows of `d` values of `gate_ty`) and rows `e·d..(e+1)·d` of `down` (rows of `ffn` values of `down_ty`).
+#[derive(Clone, Copy, Debug)]
+pub struct MoeWeights<'a> {
+    pub gate_ty: GgmlType,
+    pub down_ty: GgmlType,
+    pub d: usize,
+    pub ffn: usize,
+    pub gate: &'a [u8],
+    pub up: &'a [u8],
+    pub down: &'a [u8],
 }
 
 /// One benchmarked weight shape.
@@ -103,6 +124,14 @@ pub const CASES: &[Case] = &[
     case("compressor.kv", GgmlType::F16, 4096, 1024, None, false),
     case("router", GgmlType::F16, 4096, 256, None, false),
 ];
+
+/// The MoE decode line (`engine-moe`): Flash's routed experts (IQ2_XXS gate/up 4096→2048, Q2_K down 2048→4096),
+/// [`MOE_USED`] of them per token. Its `type` column names the gate/up type; `rows`/`cols` are the gate's.
+pub const MOE_CASE: Case = case("expert.moe", GgmlType::Iq2Xxs, 4096, 2048, Some(0.70), true);
+/// Experts per token in the `engine-moe` line (Flash's `n_experts_used`).
+pub const MOE_USED: usize = 6;
+/// The down projections' type in the `engine-moe` line.
+pub const MOE_DOWN: GgmlType = GgmlType::Q2K;
 
 /// Options of a kernels run.
 #[derive(Clone, Debug)]
@@ -145,7 +174,7 @@ impl Row {
 
     /// The target applies to the decode (matvec) kernels only.
     pub fn target(&self) -> Option<f64> {
-        if self.kernel.ends_with("matvec") {
+        if self.kernel.ends_with("matvec") || self.kernel == "engine-moe" {
             self.case.target
         } else {
             None
@@ -403,6 +432,74 @@ pub fn run_case(k: &dyn Kernels, case: &Case, opts: &Options, pb: &ProgressBar) 
     Ok(out)
 }
 
+/// Runs the `engine-moe` line if the kernels offer it and the type filter keeps both expert types: enough experts
+/// stacked to fill the working set, one pass = consecutive tokens whose [`MOE_USED`] experts cycle through all of
+/// them (each expert's weights read once per pass, from DRAM), best of N passes.
+pub fn run_moe(k: &dyn Kernels, opts: &Options, pb: &ProgressBar) -> Result<Option<Row>> {
+    let c = MOE_CASE;
+    let wanted = |t: GgmlType| opts.types.is_empty() || opts.types.contains(&t);
+    if !(wanted(c.ty) && wanted(MOE_DOWN)) {
+        return Ok(None);
+    }
+    let (d, ffn) = (c.cols, c.rows);
+    let grb = c.ty.row_bytes(d as u64).context("moe gate width")? as usize;
+    let drb = MOE_DOWN.row_bytes(ffn as u64).context("moe down width")? as usize;
+    let (gate_bytes, down_bytes) = (ffn * grb, d * drb);
+    let per_expert = 2 * gate_bytes + down_bytes;
+    let experts = (opts.working_set as usize).div_ceil(per_expert).max(MOE_USED).div_ceil(MOE_USED) * MOE_USED;
+    let label = "expert.moe iq2_xxs+q2_K";
+    pb.set_message(format!("{label}: filling {} MiB", (experts * per_expert) >> 20));
+    let mut buf = vec![0u8; experts * per_expert];
+    {
+        let (gu, down) = buf.split_at_mut(2 * experts * gate_bytes);
+        blocks::fill_par(c.ty, gu, 1.0, 0x6a7e, opts.threads);
+        blocks::fill_par(MOE_DOWN, down, 1.0, 0xd0e5, opts.threads);
+    }
+    let (gu, down) = buf.split_at(2 * experts * gate_bytes);
+    let (gate, up) = gu.split_at(experts * gate_bytes);
+    let w = MoeWeights { gate_ty: c.ty, down_ty: MOE_DOWN, d, ffn, gate, up, down };
+    let mut rng = Rng::new(7);
+    let x: Vec<f32> = (0..d).map(|_| rng.next_sym() * 0.1).collect();
+    let mut y = vec![0f32; d];
+    let sel = |t: usize| std::array::from_fn::<usize, MOE_USED, _>(|j| t * MOE_USED + j);
+    if !k.pooled_moe(&w, &sel(0), &x, &mut y)? {
+        return Ok(None);
+    }
+    pb.set_message(format!("{label}: memory bandwidth"));
+    let bw = membw::measure(&buf, opts.threads, opts.min_passes, opts.budget, || pb.inc(1));
+    pb.set_message(format!("{label}: engine moe"));
+    let mut err = None;
+    let t = par::best_of(
+        opts.min_passes,
+        50,
+        opts.budget,
+        || {
+            for tok in 0..experts / MOE_USED {
+                if let Err(e) = k.pooled_moe(&w, &sel(tok), &x, &mut y) {
+                    err.get_or_insert(e);
+                }
+            }
+        },
+        || pb.inc(1),
+    );
+    if let Some(e) = err {
+        return Err(e.context(format!("{label}: engine moe")));
+    }
+    check_finite(&y).with_context(|| format!("{label}: engine moe"))?;
+    let bytes = (experts * per_expert) as u64;
+    Ok(Some(Row {
+        case: c,
+        matrices: experts,
+        bytes,
+        threads: opts.threads,
+        kernel: "engine-moe",
+        batch: 1,
+        weights_gbs: par::gbs(bytes, t.best),
+        gflops: 2.0 * (experts * 3 * ffn * d) as f64 / t.best.as_secs_f64().max(1e-12) / 1e9,
+        mem_gbs: bw.gbs,
+    }))
+}
+
 /// Random valid weights times bounded activations must give finite results; anything else is a kernel bug.
 fn check_finite(y: &[f32]) -> Result<()> {
     match y.iter().position(|v| !v.is_finite()) {
@@ -431,6 +528,10 @@ pub fn run(k: &dyn Kernels, opts: &Options, out: &mut dyn std::io::Write, pb: &P
             writeln!(out, "{}", r.csv())?;
             rows.push(r);
         }
+    }
+    if let Some(r) = run_moe(k, opts, pb)? {
+        writeln!(out, "{}", r.csv())?;
+        rows.push(r);
     }
     for r in rows.iter().filter(|r| r.verdict() == "short") {
         let t = r.target().unwrap_or(0.0);
@@ -489,6 +590,60 @@ mod tests {
             }
             Ok(())
         }
+    }
+
+    /// [`ByteSum`] plus a MoE that touches every byte of the selected experts.
+    struct WithMoe;
+
+    impl Kernels for WithMoe {
+        fn matvec(&self, ty: GgmlType, w: &[u8], rows: usize, cols: usize, x: &[f32], y: &mut [f32]) -> Result<()> {
+            ByteSum.matvec(ty, w, rows, cols, x, y)
+        }
+        fn matmul(
+            &self,
+            t: GgmlType,
+            w: &[u8],
+            r: usize,
+            c: usize,
+            xs: &[f32],
+            nb: usize,
+            ys: &mut [f32],
+        ) -> Result<()> {
+            ByteSum.matmul(t, w, r, c, xs, nb, ys)
+        }
+        fn pooled_moe(&self, w: &MoeWeights<'_>, sel: &[usize], x: &[f32], y: &mut [f32]) -> Result<bool> {
+            let g = w.ffn * w.gate_ty.row_bytes(w.d as u64).unwrap() as usize;
+            let dn = w.d * w.down_ty.row_bytes(w.ffn as u64).unwrap() as usize;
+            let mut s = 0f32;
+            for &e in sel {
+                let bytes = [&w.gate[e * g..(e + 1) * g], &w.up[e * g..(e + 1) * g], &w.down[e * dn..(e + 1) * dn]];
+                s += bytes.iter().flat_map(|b| b.iter()).map(|&b| b as f32).sum::<f32>();
+            }
+            y.fill(s * x[0]);
+            Ok(true)
+        }
+    }
+
+    #[test]
+    fn moe_line_appears_when_offered() {
+        let opts = Options { types: vec![GgmlType::Iq2Xxs, GgmlType::Q2K], batch: 0, working_set: 40 << 20, ..quick() };
+        let rows = run(&WithMoe, &opts, &mut Vec::new(), &ProgressBar::hidden()).unwrap();
+        let moe: Vec<&Row> = rows.iter().filter(|r| r.kernel == "engine-moe").collect();
+        assert_eq!(moe.len(), 1);
+        let r = moe[0];
+        assert!(r.weights_gbs > 0.0 && r.mem_gbs > 0.0 && r.target() == Some(0.70), "{}", r.csv());
+        assert_eq!(r.matrices % MOE_USED, 0);
+        assert!(r.bytes >= 40 << 20);
+        // Kernels without a MoE, or a type filter without both expert types: no line.
+        assert!(run(&ByteSum, &opts, &mut Vec::new(), &ProgressBar::hidden())
+            .unwrap()
+            .iter()
+            .all(|r| r.kernel != "engine-moe"));
+        let q2_only = Options { types: vec![GgmlType::Q2K], ..opts };
+        assert!(run(&WithMoe, &q2_only, &mut Vec::new(), &ProgressBar::hidden())
+            .unwrap()
+            .iter()
+            .all(|r| r.kernel != "engine-moe"));
     }
 
     struct Failing;
