@@ -32,7 +32,7 @@ use std::arch::x86_64::*;
 use super::super::api::DotQ;
 use super::super::iq2_tables::{IQ2XXS_GRID, KSIGNS_IQ2XS};
 use super::super::{iq2_xxs, q8_k, GgmlType};
-use super::avx2::{f16_at, prefetch_ahead};
+use super::avx2::prefetch_ahead;
 
 /// AVX-512 F/BW/VBMI/VNNI + GFNI, plus what `avx2` needs (the scalar f16 helper and prefetch are shared).
 pub(super) fn available() -> bool {
@@ -172,6 +172,7 @@ fn iq2_xxs_q8_k_imp(w: &[u8], a: &[u8]) -> f32 {
     let sign_spread = [0, 1, 2, 3].map(|c| ld64(&SIGN_SPREAD[c]));
     let scale_idx = [0, 1, 2, 3].map(|c| ld64(&SCALE_IDX[c]));
     let one = _mm512_set1_epi64(1);
+    let eighth = _mm512_set1_ps(0.125);
     let zero = _mm512_setzero_si512();
     let grid = IQ2XXS_GRID.as_ptr() as *const i64;
     let mut acc = _mm512_setzero_ps();
@@ -194,8 +195,17 @@ fn iq2_xxs_q8_k_imp(w: &[u8], a: &[u8]) -> f32 {
             let dot = _mm512_dpbusd_epi32(zero, mag, _mm512_mask_sub_epi8(q, neg, zero, q));
             sumi = dpwssd(sumi, dot, _mm512_permutexvar_epi32(scale_idx[c], scales));
         }
-        let d = f16_at(b, 0) * q8_k::d(qa) * 0.125;
-        acc = _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(sumi), acc);
+        // d_w·d_a/8 in the scalar code's order, broadcast: the f16 converts exactly (`vcvtph2ps`); cheaper than the
+        // scalar conversion plus a broadcast (measured ~3%).
+        // SAFETY: the f16 scale is bytes 0..2 of the weight block, the f32 scale bytes 0..4 of the Q8_K block.
+        let (dw, da) = unsafe {
+            (
+                std::ptr::read_unaligned(bp as *const i16).to_le(),
+                f32::from_bits(std::ptr::read_unaligned(ap as *const u32).to_le()),
+            )
+        };
+        let d = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtph_ps(_mm256_set1_epi16(dw)), _mm512_set1_ps(da)), eighth);
+        acc = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(sumi), acc);
     }
     _mm512_reduce_add_ps(acc)
 }
