@@ -1,4 +1,4 @@
-//! AVX-512 kernels (x86-64 with AVX-512 F/BW/VBMI/VNNI and GFNI, e.g. Ice Lake and later), resolved at runtime.
+//! AVX-512 kernels (x86-64 with AVX-512 F/BW/VBMI/VNNI, e.g. Ice Lake and later), resolved at runtime.
 //! Only the formats where they beat AVX2 are here (IQ2_XXS below, Q2_K in `avx512_q2k`); [`super::dot_q`] falls
 //! back to AVX2 for the rest.
 //!
@@ -20,12 +20,14 @@
 //!   paired with a zero). Per block the i32 lanes (< 2^22) are converted exactly to f32 and scaled by
 //!   `d_w·d_a/8`; only that f32 accumulation differs in order from the scalar reference.
 //!
-//! Measured alternatives (one core of the Xeon this was tuned on, cache-resident weights, vs AVX2 at 15.5 G
-//! weights/s): this kernel 26 G/s; grid as two bit planes looked up with `vpermi2b` and turned into magnitudes by
-//! `gf2p8affineqb` 22 G/s (two-source byte permutes cost 2 cycles each there); k-masks read back from a stored
-//! vector (`kmovq k, m64`) 15 G/s (the store-to-mask forwarding stalls every block); the sign mask through
-//! `gf2p8affineqb` + `vpmovb2m` instead of `vptestmb`, or the gather indices by broadcast loads and shifts
-//! instead of `vpermb`, 23-24 G/s (port 0, which the gather and VNNI also use, is the tighter one).
+//! Measured (one core of the Sapphire-Rapids-class Xeon this was tuned on, ~3.8 GHz, cache-resident weights;
+//! AVX2 does 15.5 G weights/s): this kernel 26-27 G/s, ~37 cycles per block; without the gathers the rest takes
+//! ~28, and gathers of 32 distinct grid entries cost clearly more than the same count repeating 8 entries. Tried
+//! and slower or no better: the grid as two bit planes looked up with `vpermi2b` and turned into magnitudes by
+//! `gf2p8affineqb` (22 G/s); k-masks read back from a stored vector with `kmovq k, m64` (15 G/s: the store-to-mask
+//! forwarding stalls every block; 24 G/s when read two blocks later); the sign mask by `gf2p8affineqb` +
+//! `vpmovb2m` or by `vpshufbitqmb`, the gather indices by broadcast loads and shifts, dword-index gathers, the
+//! gathers issued one block ahead, two rows per call sharing the activation loads (all 22-27 G/s).
 
 use std::arch::x86_64::*;
 
@@ -34,7 +36,7 @@ use super::super::iq2_tables::{IQ2XXS_GRID, KSIGNS_IQ2XS};
 use super::super::{iq2_xxs, q8_k, GgmlType};
 use super::avx2::prefetch_ahead;
 
-/// AVX-512 F/BW/VBMI/VNNI + GFNI, plus what `avx2` needs (the scalar f16 helper and prefetch are shared).
+/// AVX-512 F/BW/VBMI/VNNI, plus what `avx2` needs (the scalar f16 helper and prefetch are shared).
 pub(super) fn available() -> bool {
     is_x86_feature_detected!("avx512f")
         && is_x86_feature_detected!("avx512bw")
