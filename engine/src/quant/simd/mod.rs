@@ -123,26 +123,28 @@ mod bench {
     use crate::quant::{act_type, quantize_acts};
     use std::time::Instant;
 
-    #[repr(C)]
-    struct Timespec {
-        sec: i64,
-        nsec: i64,
-    }
-    extern "C" {
-        fn clock_gettime(clock: i32, tp: *mut Timespec) -> i32;
-    }
-
     /// Nanoseconds of CPU time this thread has used (`CLOCK_THREAD_CPUTIME_ID`), so time-slicing with other
-    /// processes on a busy machine does not count; `None` where that clock is unavailable (wall time is used).
+    /// processes on a busy machine does not count; `None` off 64-bit Linux (wall time is used then).
+    #[cfg(all(target_os = "linux", target_pointer_width = "64"))]
     fn cpu_ns() -> Option<u64> {
-        if !cfg!(all(target_os = "linux", target_pointer_width = "64")) {
-            return None;
+        #[repr(C)]
+        struct Timespec {
+            sec: i64,
+            nsec: i64,
+        }
+        extern "C" {
+            fn clock_gettime(clock: i32, tp: *mut Timespec) -> i32;
         }
         let mut t = Timespec { sec: 0, nsec: 0 };
         // SAFETY: `t` is a valid, writable timespec (two 64-bit fields on 64-bit Linux); clock 3 is
         // CLOCK_THREAD_CPUTIME_ID.
         let rc = unsafe { clock_gettime(3, &mut t) };
         (rc == 0).then(|| t.sec as u64 * 1_000_000_000 + t.nsec as u64)
+    }
+
+    #[cfg(not(all(target_os = "linux", target_pointer_width = "64")))]
+    fn cpu_ns() -> Option<u64> {
+        None
     }
 
     /// GB/s of weights over `passes` passes, by on-CPU time where available.
@@ -169,7 +171,7 @@ mod bench {
         let cols = 4096usize;
         let x: Vec<f32> = (0..cols).map(|i| ((i * 7919 % 1013) as f32 - 506.0) / 506.0).collect();
         for ty in [GgmlType::Iq2Xxs, GgmlType::Q2K, GgmlType::Q4K, GgmlType::Q8_0] {
-            let rb = ty.row_bytes(cols as u64).unwrap_or(0) as usize;
+            let rb = ty.row_bytes(cols as u64).expect("4096 columns are whole blocks") as usize;
             let rows = (mib << 20) / rb;
             // Random bytes with the f16 block scales set to 1/8 (random scale bytes could be inf/nan).
             let mut w: Vec<u8> = (0..rows * rb).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
