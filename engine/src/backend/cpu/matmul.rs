@@ -24,7 +24,7 @@
 use std::cell::RefCell;
 use std::ops::Range;
 
-use crate::backend::cpu::pool::Pool;
+use crate::backend::cpu::pool::{split, Pool};
 use crate::model::weights::Mat;
 use crate::quant::{self, DotF32, DotQ, GgmlType};
 use crate::{Error, Result};
@@ -39,7 +39,9 @@ const BATCH_BLOCK: usize = 8;
 /// Weight bytes of the row sub-block that one batch block streams over (kept in L2 across batch blocks).
 const ROW_BLOCK_BYTES: usize = 64 * 1024;
 /// Smallest row range handed to one thread, in weight bytes (keeps a range long enough to stream).
-const GRAIN_BYTES: usize = 32 * 1024;
+const GRAIN_BYTES: usize = 16 * 1024;
+/// Activation values from which a product quantizes its input across the pool (below, on the calling thread).
+const PAR_ACTS: usize = 2048;
 /// Products with fewer multiply-adds than this run on the calling thread (a dispatch would cost more).
 const INLINE_WORK: usize = 32 * 1024;
 
@@ -212,7 +214,9 @@ impl Acts {
         Ok(())
     }
 
-    /// [`Acts::prepare`] with the rows quantized across the pool (one task per row).
+    /// [`Acts::prepare`] with the quantization spread over the pool: one task per row, or per run of whole
+    /// activation blocks when there are fewer rows than threads (blocks are quantized independently, so the bytes
+    /// are the same as [`Acts::prepare`]'s).
     pub fn prepare_par(
         &mut self,
         pool: &Pool,
@@ -226,7 +230,11 @@ impl Acts {
             self.act = None;
             return Ok(());
         };
-        if n <= 1 || pool.threads() == 1 {
+        let (bv, bb) = (act.block_values().max(1), act.block_bytes());
+        let blocks = cols / bv;
+        let threads = pool.threads();
+        let pieces = if n >= 2 * threads { 1 } else { (2 * threads).div_ceil(n.max(1)).min(blocks) };
+        if threads == 1 || n * pieces <= 1 || blocks * bv != cols || blocks * bb != act_bytes {
             return self.prepare(k, x, rows, n, cols);
         }
         self.act = Some(act);
@@ -239,28 +247,33 @@ impl Acts {
                 return Err(backend_err("activation row out of range".into()));
             }
         }
-        let first_err: parking_lot::Mutex<Option<Error>> = parking_lot::Mutex::new(None);
+        let failed = std::sync::atomic::AtomicBool::new(false);
         let dst = BytePtr(self.data.as_mut_ptr());
-        pool.run(n, &|b| {
+        pool.run(n * pieces, &|t| {
+            let (b, blk) = (t / pieces, split(blocks, pieces, t % pieces));
+            let at = rows.at(b) + blk.start * bv;
             ONE.with(|one| {
                 let mut one = one.borrow_mut();
-                let at = rows.at(b);
-                match quant::quantize_acts(act, &x[at..at + cols], &mut one) {
-                    // SAFETY: row `b` (in bounds: `data` holds `n` rows) is written by this task only, while `self`
+                match quant::quantize_acts(act, &x[at..at + blk.len() * bv], &mut one) {
+                    // SAFETY: blocks `blk` of row `b` (in bounds: `data` holds `n` rows of `blocks` blocks of `bb`
+                    // bytes, and `one` is exactly `blk.len()` blocks) are written by this task only, while `self`
                     // is borrowed mutably by this function.
                     Ok(()) => unsafe {
-                        std::ptr::copy_nonoverlapping(one.as_ptr(), dst.get().add(b * act_bytes), act_bytes)
+                        std::ptr::copy_nonoverlapping(
+                            one.as_ptr(),
+                            dst.get().add(b * act_bytes + blk.start * bb),
+                            one.len(),
+                        )
                     },
-                    Err(e) => {
-                        first_err.lock().get_or_insert(backend_err(format!("matmul activations: {e}")));
-                    }
+                    Err(_) => failed.store(true, std::sync::atomic::Ordering::Relaxed),
                 }
             })
         });
-        match first_err.into_inner() {
-            Some(e) => Err(e),
-            None => Ok(()),
+        if failed.into_inner() {
+            // Redo it on whole rows for the error message (indices relative to the row).
+            return self.prepare(k, x, rows, n, cols);
         }
+        Ok(())
     }
 
     /// The quantized rows `0..n` as written by [`Acts::prepare`], as bytes (empty for float kernels).
@@ -484,7 +497,11 @@ fn run(pool: &Pool, w: Mat<'_>, n: usize, at: RowAt<'_>, x: &[f32], y: &mut [f32
     let k = Kernel::for_pool(pool, w.ty, cols)?;
     let out = Out::new(y, ys.0, ys.1);
     let go = |acts: &mut Acts| -> Result<()> {
-        acts.prepare(&k, x, at, n, cols)?;
+        if n * cols >= PAR_ACTS {
+            acts.prepare_par(pool, &k, x, at, n, cols)?;
+        } else {
+            acts.prepare(&k, x, at, n, cols)?;
+        }
         let input = match k {
             Kernel::Q { act_bytes, .. } => {
                 Input::Q { acts: acts.bytes(), rows: RowAt::Strided { stride: act_bytes, off: 0 } }
@@ -597,6 +614,9 @@ mod tests {
             (GgmlType::Iq2Xxs, 130, 256, 2),
             (GgmlType::Q8_0, 513, 128, 19),
             (GgmlType::F16, 70, 64, 9),
+            // One long row: activations quantized in block runs across the pool.
+            (GgmlType::Q2K, 40, 2048, 1),
+            (GgmlType::Q8_0, 30, 4096, 1),
         ] {
             let w = vals(rows * cols, 7919, 1013, 400.0);
             let x = vals(n * cols, 104729, 777, 200.0);
@@ -658,6 +678,31 @@ mod tests {
             let mut want = vec![0f32; n * rows];
             matmul_gather(&pool, all.rows_slice(u * rows, rows), &x, &idx[u], &mut want).unwrap();
             assert_eq!(&y[u * n * rows..(u + 1) * n * rows], &want[..], "product {u}");
+        }
+    }
+
+    #[test]
+    fn parallel_activation_quantization_is_byte_identical() {
+        for (ty, cols) in [(GgmlType::Q2K, 2048usize), (GgmlType::Q8_0, 4096), (GgmlType::Q4K, 256)] {
+            let k = Kernel::for_type(ty, cols).unwrap();
+            for n in [1usize, 2, 5] {
+                let x = vals(n * cols + 7, 104729, 777, 200.0);
+                let at = RowAt::Strided { stride: cols, off: 7 };
+                let mut serial = Acts::new();
+                serial.prepare(&k, &x, at, n, cols).unwrap();
+                for threads in [2usize, 3] {
+                    let mut par = Acts::new();
+                    par.prepare_par(&Pool::new(threads), &k, &x, at, n, cols).unwrap();
+                    assert_eq!(par.bytes()[..n * par.row_bytes()], serial.bytes()[..n * serial.row_bytes()]);
+                }
+                // A bad value gives the whole-row error (index within the row).
+                let mut bad = x.clone();
+                bad[7 + (n - 1) * cols + cols - 3] = f32::INFINITY;
+                let e1 = serial.prepare(&k, &bad, at, n, cols).unwrap_err().to_string();
+                let e2 = Acts::new().prepare_par(&Pool::new(3), &k, &bad, at, n, cols).unwrap_err().to_string();
+                assert_eq!(e1, e2);
+                assert!(e1.contains(&format!("x[{}]", cols - 3)), "{e1}");
+            }
         }
     }
 

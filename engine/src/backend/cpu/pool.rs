@@ -299,7 +299,7 @@ impl Pool {
 /// Parts [`Pool::for_ranges`] splits into at most (more threads only steal).
 const MAX_PARTS: usize = 64;
 /// Chunks an owner takes its part in (the most a stealer can be left waiting for is one of them).
-const OWN_CHUNKS: usize = 16;
+const OWN_CHUNKS: usize = 64;
 
 fn pack(lo: usize, hi: usize) -> u64 {
     lo as u64 | (hi as u64) << 32
