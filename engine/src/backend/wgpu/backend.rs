@@ -4,14 +4,16 @@
 //! cached by weight id; small f32 tensors (norms, sinks, biases, mHC base/scale) likewise.
 //!
 //! A tick ([`Backend::begin_tick`] … [`Backend::end_tick`], called by the executor) records every op into one
-//! command encoder ([`super::resident::Tick`]) over device buffers that stand in for [`crate::backend::Activations`]
+//! command encoder (`resident::Tick`) over device buffers that stand in for [`crate::backend::Activations`]
 //! (grown, never shrunk; per-op scratch comes from the context's size-class pool). The host arrays of
 //! `Activations` are not written except `logits`, which [`Op::Logits`](crate::graph::Op::Logits) downloads with the
-//! tick's submission. The only other host sync points are the learned-routing MoE layers: the expert ids are read
-//! back to group rows by expert (hash-routed layers take them from the token ids on the host). A decode tick thus
-//! submits `1 + learned MoE layers` times and reads back as often (counted by [`WgpuContext::counters`]).
+//! tick's submission. MoE layers with learned routing keep the router's choice on the device for small batches
+//! (`rows · k ≤ experts`: the expert-indexed product of [`super::moe_ids`]); larger (prefill) batches read the
+//! expert ids back to group rows by expert, so each expert's weights are read once — the only other host sync
+//! point (hash-routed layers take the ids from the token ids on the host). A decode tick thus submits once and
+//! reads back once (counted by [`WgpuContext::counters`]).
 //!
-//! Session KV lives on the device ([`super::kvdev`], advanced by [`super::attn`] without readbacks); the host
+//! Session KV lives on the device ([`super::kvdev`], advanced by `attn` without readbacks); the host
 //! [`SessionKv`] is a lazily synced mirror: [`Backend::sync_kv`] downloads it, and a host state the device has not
 //! seen (new, restored, cleared) is uploaded at its session's next attention op.
 //!

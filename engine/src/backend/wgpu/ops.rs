@@ -1,5 +1,7 @@
-//! Recorders for the non-matmul kernels of `ds4-shaders-wgsl`: RMSNorm, RoPE, attention with sink, mHC, compressor
-//! pooling, indexer scores/top-k, MoE routing/SwiGLU/gather/scatter and the FP8/FP4 activation simulation.
+//! Recorders for the non-matmul kernels of `ds4-shaders-wgsl`: RMSNorm, RoPE, attention with sink (over one key
+//! buffer, or [`attention_keyed`] over tagged entries into the batch rows, the window ring, the compressed rows and
+//! the indexer's selections of device-resident KV), mHC, compressor pooling and `ape` ([`add_ape`]), indexer
+//! scores/top-k, MoE routing/SwiGLU/gather/scatter and the FP8/FP4 activation simulation.
 //!
 //! Each function validates its geometry, builds the uniform block the WGSL file documents (the `#[repr(C)]`
 //! structs below mirror the WGSL `Params` field for field) and records one dispatch. Buffers are f32 unless named
