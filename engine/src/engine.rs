@@ -534,16 +534,7 @@ mod tests {
 
     #[test]
     fn decode_steps_do_not_allocate() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/golden/tiny-a");
-        if !dir.join("model.safetensors").exists() {
-            assert!(
-                std::env::var("CI").map(|v| v != "true").unwrap_or(true),
-                "CI=true but {} is missing",
-                dir.display()
-            );
-            eprintln!("skipping: {} not found", dir.display());
-            return;
-        }
+        let Some(dir) = crate::testdata::shared("golden/tiny-a", "model.safetensors") else { return };
         let tmp = tempfile::tempdir().unwrap();
         let out = tmp.path().join("tiny-a.gguf");
         let opts = crate::convert::ConvertOptions::new(&dir, &out, crate::convert::Recipe::F32);
