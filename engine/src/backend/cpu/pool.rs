@@ -1,6 +1,7 @@
 //! A fixed worker pool, created once per backend: [`Pool::run`] calls `f(i)` for every task index `i < n` across
-//! the workers and the calling thread, and returns when all tasks are done; [`Pool::for_ranges`] hands out
-//! contiguous ranges of `0..total` (large first, smaller towards the end) for streaming work such as matmul rows.
+//! the workers and the calling thread, and returns when all tasks are done; [`Pool::for_ranges`] covers `0..total`
+//! with contiguous ranges (one part per thread, front to back, stealing at the tail) for streaming work such as
+//! matmul rows.
 //!
 //! Tasks are claimed from an atomic counter, so `f` must not depend on which thread runs a task. The pool runs
 //! one job at a time (a `run` from several threads at once is serialised by a lock); a `run` from inside a task
@@ -14,7 +15,9 @@
 //! for the last worker. Job hand-off is one atomic generation bump; the lock/condvar pair is touched only when
 //! someone has parked. On a machine busy with other work spinning backfires (a spinning thread is descheduled and
 //! the one it waits for cannot run), so a spinning thread that notices it was preempted (a long gap between two
-//! looks at the clock) makes every wait park at once for the next `CONTENDED_FOR`.
+//! looks at the clock) makes every wait park at once for the next `CONTENDED_FOR`. `DS4_CPU_SPIN_US`
+//! (environment, read by [`Pool::new`]) overrides [`SPIN`]; 0 turns spinning off.
+//!
 //! Every worker takes part in every job (it decrements `pending` once per generation), which is what lets the
 //! job description live in a plain cell: it is rewritten only while no worker is inside a job.
 
@@ -33,8 +36,9 @@ type Task = dyn Fn(usize) + Sync;
 /// How long an idle worker (or a waiting caller) spins before parking.
 pub const SPIN: Duration = Duration::from_micros(1000);
 /// How long the caller spins waiting for the last worker of a job before parking. Shorter than [`SPIN`]: ranges
-/// at the end of a job are small, so a longer wait means that worker lost its CPU, and a spinning caller would only
-/// keep it off one.
+/// at the end of a job are small, so a longer wait most likely means that worker lost its CPU, and a spinning
+/// caller would only keep it off one. (Treating such a timeout as contention, see `CONTENDED_FOR`, was measured:
+/// it parks far too often on a lightly loaded machine.)
 const WAIT_SPIN: Duration = Duration::from_micros(100);
 
 thread_local! {
@@ -132,12 +136,13 @@ impl Shared {
                 }
             }
             let now = Instant::now();
+            let timed_out = now.duration_since(start) >= budget;
             if now.duration_since(last) >= PREEMPTED {
                 let until = now_ns(now) + CONTENDED_FOR.as_nanos() as u64;
                 self.contended_until.fetch_max(until, Ordering::Relaxed);
                 return ready();
             }
-            if now.duration_since(start) >= budget {
+            if timed_out {
                 return false;
             }
             last = now;
@@ -148,7 +153,8 @@ impl Shared {
 impl Pool {
     /// A pool using `threads` threads in all (the caller counts as one; `threads <= 1` runs everything inline).
     pub fn new(threads: usize) -> Pool {
-        Pool::with_spin(threads, SPIN)
+        let spin = std::env::var("DS4_CPU_SPIN_US").ok().and_then(|v| v.trim().parse::<u64>().ok());
+        Pool::with_spin(threads, spin.map_or(SPIN, Duration::from_micros))
     }
 
     /// [`Pool::new`] with a chosen spin time before parking (zero parks at once, as a plain condvar pool does).
