@@ -134,11 +134,23 @@ pub fn act_type(weight_ty: GgmlType) -> GgmlType {
 
 /// Quantizes activations `x` into `dst` (cleared first) in `act_ty` (F32, Q8_0 or Q8_K).
 pub fn quantize_acts(act_ty: GgmlType, x: &[f32], dst: &mut Vec<u8>) -> Result<()> {
+    let need = row_len("quantize_acts", act_ty, x.len())?;
+    dst.clear();
+    dst.resize(need, 0);
+    quantize_acts_into(act_ty, x, dst)
+}
+
+/// [`quantize_acts`] into a slice of exactly the row's size (`act_ty.row_bytes(x.len())`): allocates nothing, so
+/// pool tasks can write their pieces of a row in place.
+pub fn quantize_acts_into(act_ty: GgmlType, x: &[f32], dst: &mut [u8]) -> Result<()> {
     const OP: &str = "quantize_acts";
     if !matches!(act_ty, GgmlType::F32 | GgmlType::Q8_0 | GgmlType::Q8K) {
         return Err(qerr(OP, act_ty, "not an activation type (use F32, Q8_0 or Q8_K)"));
     }
     let need = row_len(OP, act_ty, x.len())?;
+    if dst.len() != need {
+        return Err(qerr(OP, act_ty, format!("destination holds {} bytes, the row needs {need}", dst.len())));
+    }
     if act_ty != GgmlType::F32 {
         check_finite(OP, act_ty, "x", x)?;
     }
@@ -147,8 +159,6 @@ pub fn quantize_acts(act_ty: GgmlType, x: &[f32], dst: &mut Vec<u8>) -> Result<(
             return Err(qerr(OP, act_ty, format!("x[{i}] = {} is beyond the format's range (±{limit:e})", x[i])));
         }
     }
-    dst.clear();
-    dst.resize(need, 0);
     match act_ty {
         GgmlType::F32 => f16::quantize_f32(x, dst),
         GgmlType::Q8_0 => x.chunks_exact(q8_0::QK).zip(dst.chunks_exact_mut(q8_0::BLOCK_BYTES)).for_each(|(x, b)| {

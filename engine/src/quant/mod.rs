@@ -44,7 +44,7 @@ pub mod simd;
 
 pub use api::{
     act_type, dequantize_row, dot_f32_kernel, dot_f32_kernel_scalar, dot_q_kernel, dot_q_kernel_scalar, matvec,
-    matvec_q, matvec_with_scratch, quantize_acts, quantize_row, DotF32, DotQ,
+    matvec_q, matvec_with_scratch, quantize_acts, quantize_acts_into, quantize_row, DotF32, DotQ,
 };
 
 use std::fmt;

@@ -11,19 +11,36 @@
 //! Raw rows of the current run are read from the batch's `kv` scratch; earlier positions from the session's ring
 //! (updated after attention), so runs longer than the window are exact.
 
-use std::cell::RefCell;
+use std::sync::{Mutex, MutexGuard};
 
 use super::matmul::{dot_f32, matmul, matmul_strided};
 use super::norm::{rms_norm_inplace, rms_norm_rows, rms_norm_unweighted};
-use super::pool::par_rows;
+use super::pool::{par_rows, thread_slot};
 use super::{compressor, indexer, CpuBackend, Scratch};
 use crate::backend::StepCtx;
 use crate::model::sim;
 use crate::model::LayerKind;
 use crate::Result;
 
-thread_local! {
-    static SCORES: RefCell<(Vec<f32>, Vec<u32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+/// Per-thread score buffers: `(scores, selection order)`, one entry per pool thread.
+type ScoreSlots = Vec<Mutex<(Vec<f32>, Vec<u32>)>>;
+
+/// Grows `slots` to `threads` entries with room for `scores` scores and `order` indices each. Runs on the calling
+/// thread before a dispatch, so the tasks (on whichever thread) never allocate.
+fn grow_slots(slots: &mut ScoreSlots, threads: usize, scores: usize, order: usize) {
+    if slots.len() < threads {
+        slots.resize_with(threads, Default::default);
+    }
+    for s in slots.iter_mut() {
+        let (sc, or) = s.get_mut().unwrap_or_else(|e| e.into_inner());
+        reserve_to(sc, scores);
+        reserve_to(or, order);
+    }
+}
+
+/// The calling thread's entry of `slots` (locked; uncontended unless threads of two pools share a slot number).
+fn slot(slots: &[Mutex<(Vec<f32>, Vec<u32>)>]) -> MutexGuard<'_, (Vec<f32>, Vec<u32>)> {
+    slots[thread_slot() % slots.len()].lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Grows `v`'s capacity to at least `n` (no-op when already there).
@@ -140,13 +157,16 @@ pub fn attention(be: &CpuBackend, sc: &mut Scratch, cx: &mut StepCtx<'_>, layer:
     let topk = c.idx_topk.max(1);
     if kind == LayerKind::Csa {
         let kvs = &*cx.kv;
-        let (iq, iwb) = (&sc.iq, &sc.iw);
+        let need = kvs.iter().map(|k| k.layers[layer].idx_rows.capacity() / ihd.max(1)).max().unwrap_or(0);
+        grow_slots(&mut sc.scores, pool.threads(), need, need);
+        let (iq, iwb, slots) = (&sc.iq, &sc.iw, &sc.scores);
         par_rows(pool, &mut sc.sel[..n * topk], topk, &|r, out| {
             let row = rows[r];
             let lk = &kvs[row.run].layers[layer];
             let n_vis = (row.pos + 1) / ratio;
-            SCORES.with(|s| {
-                let (scores, order) = &mut *s.borrow_mut();
+            {
+                let mut g = slot(slots);
+                let (scores, order) = &mut *g;
                 // Size the scratch for every row this session can hold, once (no growth while decoding).
                 reserve_to(scores, lk.idx_rows.capacity() / ihd.max(1));
                 reserve_to(order, lk.idx_rows.capacity() / ihd.max(1));
@@ -164,7 +184,7 @@ pub fn attention(be: &CpuBackend, sc: &mut Scratch, cx: &mut StepCtx<'_>, layer:
                 if cnt < topk {
                     out[cnt] = u32::MAX;
                 }
-            });
+            }
         });
     }
 
@@ -174,7 +194,9 @@ pub fn attention(be: &CpuBackend, sc: &mut Scratch, cx: &mut StepCtx<'_>, layer:
     let sinks = model.dense(lw.sinks);
     {
         let kvs = &*cx.kv;
-        let (q, kvb, sel) = (&sc.q, &sc.kv, &sc.sel);
+        let need = kvs.iter().map(|k| window + k.layers[layer].comp_rows.capacity() / hd.max(1)).max().unwrap_or(0);
+        grow_slots(&mut sc.scores, pool.threads(), need, 0);
+        let (q, kvb, sel, slots) = (&sc.q, &sc.kv, &sc.sel, &sc.scores);
         par_rows(pool, &mut sc.attn[..n * nh * hd], hd, &|i, out| {
             let (r, h) = (i / nh, i % nh);
             let row = rows[r];
@@ -198,8 +220,9 @@ pub fn attention(be: &CpuBackend, sc: &mut Scratch, cx: &mut StepCtx<'_>, layer:
             let sel_r = &sel[r * topk..(r + 1) * topk];
             let n_sel =
                 if kind == LayerKind::Csa { sel_r.iter().position(|&x| x == u32::MAX).unwrap_or(topk) } else { 0 };
-            SCORES.with(|s| {
-                let (scores, _) = &mut *s.borrow_mut();
+            {
+                let mut g = slot(slots);
+                let (scores, _) = &mut *g;
                 reserve_to(scores, window + lk.comp_rows.capacity() / hd);
                 scores.clear();
                 for p in first..=t {
@@ -250,7 +273,7 @@ pub fn attention(be: &CpuBackend, sc: &mut Scratch, cx: &mut StepCtx<'_>, layer:
                         }
                     }
                 }
-            });
+            }
             rope.apply(out, t, true);
         });
     }

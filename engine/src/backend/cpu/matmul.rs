@@ -91,8 +91,6 @@ impl Kernel {
 
 thread_local! {
     static ACTS: RefCell<Acts> = const { RefCell::new(Acts::new()) };
-    /// One quantized row (per thread) for [`Acts::prepare_par`].
-    static ONE: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
 }
 
 /// A byte pointer that tasks write through at disjoint rows.
@@ -252,22 +250,13 @@ impl Acts {
         pool.run(n * pieces, &|t| {
             let (b, blk) = (t / pieces, split(blocks, pieces, t % pieces));
             let at = rows.at(b) + blk.start * bv;
-            ONE.with(|one| {
-                let mut one = one.borrow_mut();
-                match quant::quantize_acts(act, &x[at..at + blk.len() * bv], &mut one) {
-                    // SAFETY: blocks `blk` of row `b` (in bounds: `data` holds `n` rows of `blocks` blocks of `bb`
-                    // bytes, and `one` is exactly `blk.len()` blocks) are written by this task only, while `self`
-                    // is borrowed mutably by this function.
-                    Ok(()) => unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            one.as_ptr(),
-                            dst.get().add(b * act_bytes + blk.start * bb),
-                            one.len(),
-                        )
-                    },
-                    Err(_) => failed.store(true, std::sync::atomic::Ordering::Relaxed),
-                }
-            })
+            let piece = blk.len() * bb;
+            // SAFETY: blocks `blk` of row `b` (in bounds: `data` holds `n` rows of `blocks` blocks of `bb` bytes) are
+            // written by this task only, while `self` is borrowed mutably by this function.
+            let out = unsafe { std::slice::from_raw_parts_mut(dst.get().add(b * act_bytes + blk.start * bb), piece) };
+            if quant::quantize_acts_into(act, &x[at..at + blk.len() * bv], out).is_err() {
+                failed.store(true, std::sync::atomic::Ordering::Relaxed);
+            }
         });
         if failed.into_inner() {
             // Redo it on whole rows for the error message (indices relative to the row).

@@ -56,6 +56,9 @@ pub struct Scratch {
     pub eo: Vec<f32>,
     /// The grouped MoE dispatch's own buffers (grown on first use).
     pub moe: moe::MoeScratch,
+    /// Attention and indexer scores and selection order, one entry per pool thread (see
+    /// [`pool::thread_slot`]), grown on the calling thread before the dispatch.
+    pub scores: Vec<std::sync::Mutex<(Vec<f32>, Vec<u32>)>>,
 }
 
 impl Scratch {

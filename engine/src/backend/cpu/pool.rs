@@ -25,11 +25,9 @@ use std::cell::UnsafeCell;
 use std::ops::Range;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
-
-use parking_lot::{Condvar, Mutex};
 
 type Task = dyn Fn(usize) + Sync;
 
@@ -44,6 +42,23 @@ const WAIT_SPIN: Duration = Duration::from_micros(100);
 thread_local! {
     /// Set while this thread executes pool tasks (workers always; the caller during its share of a job).
     static IN_TASK: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// This thread's slot: `w` on worker `w`, 0 on any other thread. See [`thread_slot`].
+    static SLOT: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// The slot of the calling thread in the pool it works for: `w` (`1..threads`) on worker `w`, 0 on any other thread
+/// (the caller of [`Pool::run`]). Ops keep per-thread scratch as one entry per slot (index it modulo the entry
+/// count, and lock it: a thread of another pool may share a slot number), grown on the calling thread before a
+/// dispatch — so nothing is allocated on a worker, whichever tasks the scheduling hands it.
+pub fn thread_slot() -> usize {
+    SLOT.get()
+}
+
+/// Locks `m`, ignoring poisoning (the guarded data is `()`; the pool's state lives in atomics). `std`'s futex-based
+/// mutex and condvars are used rather than `parking_lot`'s, whose first park on a thread may allocate (its global
+/// wait table): the decode loop must not allocate on any thread.
+fn lock(m: &Mutex<()>) -> MutexGuard<'_, ()> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// A job posted to the workers: a type-erased pointer to the caller's closure plus the task count.
@@ -180,7 +195,10 @@ impl Pool {
                 let sh = shared.clone();
                 std::thread::Builder::new()
                     .name(format!("ds4-cpu-{w}"))
-                    .spawn(move || worker(sh))
+                    .spawn(move || {
+                        SLOT.set(w);
+                        worker(sh)
+                    })
                     .expect("failed to spawn a CPU worker thread")
             })
             .collect();
@@ -213,7 +231,7 @@ impl Pool {
             (0..n).for_each(f);
             return;
         }
-        let _guard = self.run_lock.lock();
+        let _guard = lock(&self.run_lock);
         let sh = &*self.shared;
         // SAFETY: only the lifetime is erased; the pointer is dereferenced by workers strictly before they
         // decrement `pending`, and this function does not return until `pending == 0`.
@@ -227,17 +245,17 @@ impl Pool {
         sh.panicked.store(false, Ordering::Relaxed);
         sh.generation.fetch_add(1, Ordering::SeqCst);
         if sh.sleepers.load(Ordering::SeqCst) > 0 {
-            let _g = sh.lock.lock();
+            let _g = lock(&sh.lock);
             sh.wake.notify_all();
         }
         IN_TASK.set(true);
         let mine = catch_unwind(AssertUnwindSafe(|| run_tasks(f, n, &sh.next)));
         IN_TASK.set(false);
         if !sh.spin_until(sh.spin.min(WAIT_SPIN), || sh.pending.load(Ordering::Acquire) == 0) {
-            let mut g = sh.lock.lock();
+            let mut g = lock(&sh.lock);
             sh.caller_parked.store(true, Ordering::SeqCst);
             while sh.pending.load(Ordering::SeqCst) != 0 {
-                sh.done.wait(&mut g);
+                g = sh.done.wait(g).unwrap_or_else(|e| e.into_inner());
             }
             sh.caller_parked.store(false, Ordering::Relaxed);
         }
@@ -351,10 +369,10 @@ fn take_back(part: &AtomicU64, grain: usize) -> Option<Range<usize>> {
 fn next_job(sh: &Shared, seen: u64) -> Option<u64> {
     let ready = || sh.generation.load(Ordering::Acquire) != seen || sh.shutdown.load(Ordering::Acquire);
     if !sh.spin_until(sh.spin, ready) {
-        let mut g = sh.lock.lock();
+        let mut g = lock(&sh.lock);
         sh.sleepers.fetch_add(1, Ordering::SeqCst);
         while sh.generation.load(Ordering::SeqCst) == seen && !sh.shutdown.load(Ordering::SeqCst) {
-            sh.wake.wait(&mut g);
+            g = sh.wake.wait(g).unwrap_or_else(|e| e.into_inner());
         }
         sh.sleepers.fetch_sub(1, Ordering::SeqCst);
     }
@@ -378,7 +396,7 @@ fn worker(sh: Arc<Shared>) {
             sh.panicked.store(true, Ordering::Release);
         }
         if sh.pending.fetch_sub(1, Ordering::SeqCst) == 1 && sh.caller_parked.load(Ordering::SeqCst) {
-            let _g = sh.lock.lock();
+            let _g = lock(&sh.lock);
             sh.done.notify_all();
         }
     }
@@ -388,7 +406,7 @@ impl Drop for Pool {
     fn drop(&mut self) {
         self.shared.shutdown.store(true, Ordering::SeqCst);
         {
-            let _g = self.shared.lock.lock();
+            let _g = lock(&self.shared.lock);
             self.shared.wake.notify_all();
         }
         for w in self.workers.drain(..) {
