@@ -103,6 +103,16 @@ impl WgpuBackend {
         self.kv.lock().clear();
     }
 
+    /// Submits the commands recorded so far in this tick, if any (the tick's encoder starts afresh).
+    fn flush(&self) -> Result<()> {
+        let mut t = self.tick.lock();
+        if t.pending() {
+            let enc = t.take_enc(&self.ctx);
+            self.ctx.submit(enc)?;
+        }
+        Ok(())
+    }
+
     /// Rows `rows` of one layer's compressed or indexer rows of the session whose state is `kv` (by its
     /// [`crate::tables::KvSync`] epoch), straight from the device: one contiguous range, the values of the
     /// session's persist row block for that layer when `rows` is a page's row range. Works whether or not the host
@@ -114,13 +124,7 @@ impl WgpuBackend {
         table: super::kvdev::RowTable,
         rows: std::ops::Range<usize>,
     ) -> Result<Vec<f32>> {
-        {
-            let mut t = self.tick.lock();
-            if t.pending() {
-                let enc = t.take_enc(&self.ctx);
-                self.ctx.submit(enc)?;
-            }
-        }
+        self.flush()?;
         let kvs = self.kv.lock();
         let e = kv.sync.epoch;
         let m = kvs
@@ -223,25 +227,14 @@ impl Backend for WgpuBackend {
     }
 
     fn end_tick(&self, _cx: &mut StepCtx<'_>) -> Result<()> {
-        let mut t = self.tick.lock();
-        if t.pending() {
-            let enc = t.take_enc(&self.ctx);
-            self.ctx.submit(enc)?;
-        }
-        Ok(())
+        self.flush()
     }
 
     fn sync_kv(&self, slot: usize, kv: &mut SessionKv) -> Result<()> {
         if !kv.sync.host_stale {
             return Ok(());
         }
-        {
-            let mut t = self.tick.lock();
-            if t.pending() {
-                let enc = t.take_enc(&self.ctx);
-                self.ctx.submit(enc)?;
-            }
-        }
+        self.flush()?;
         let kvs = self.kv.lock();
         let e = kv.sync.epoch;
         let m = match kvs.get(&slot).filter(|m| m.epoch == e) {

@@ -159,6 +159,23 @@ pub struct KeyLists {
     pub ranges: Vec<(u32, u32)>,
 }
 
+impl KeyLists {
+    /// `(query rows, longest key list)`, or `None` when there is nothing to attend (no rows or no heads). Fails when
+    /// a range points past `rows`.
+    fn checked_extent(&self, heads: usize) -> Result<Option<(usize, usize)>> {
+        let n_tok = self.ranges.len();
+        if n_tok == 0 || heads == 0 {
+            return Ok(None);
+        }
+        for &(s, c) in &self.ranges {
+            if s as usize + c as usize > self.rows.len() {
+                return Err(backend_err(format!("attention: key range {s}+{c} exceeds {} rows", self.rows.len())));
+            }
+        }
+        Ok(Some((n_tok, self.ranges.iter().map(|r| r.1 as usize).max().unwrap_or(0).max(1))))
+    }
+}
+
 /// Softmax-with-sink attention, K = V (see `attention.wgsl`). `q`/`o`: `(buffer, offset, token stride)`, heads of
 /// `dim` values contiguous per token. `o` may be the same buffer as `q`.
 #[allow(clippy::too_many_arguments)]
@@ -174,16 +191,7 @@ pub fn attention(
     dim: usize,
     scale: f32,
 ) -> Result<()> {
-    let n_tok = keys.ranges.len();
-    if n_tok == 0 || heads == 0 {
-        return Ok(());
-    }
-    let max_keys = keys.ranges.iter().map(|r| r.1 as usize).max().unwrap_or(0).max(1);
-    for &(s, c) in &keys.ranges {
-        if s as usize + c as usize > keys.rows.len() {
-            return Err(backend_err(format!("attention: key range {s}+{c} exceeds {} rows", keys.rows.len())));
-        }
-    }
+    let Some((n_tok, max_keys)) = keys.checked_extent(heads)? else { return Ok(()) };
     let pl = ctx.pipeline("attention", sh::ATTENTION)?;
     let p = AttnParams {
         n_tok: u32_of(n_tok, "n_tok")?,
@@ -244,16 +252,7 @@ pub fn attention_keyed(
     dim: usize,
     scale: f32,
 ) -> Result<()> {
-    let n_tok = keys.ranges.len();
-    if n_tok == 0 || heads == 0 {
-        return Ok(());
-    }
-    let max_keys = keys.ranges.iter().map(|r| r.1 as usize).max().unwrap_or(0).max(1);
-    for &(s, c) in &keys.ranges {
-        if s as usize + c as usize > keys.rows.len() {
-            return Err(backend_err(format!("attention: key range {s}+{c} exceeds {} rows", keys.rows.len())));
-        }
-    }
+    let Some((n_tok, max_keys)) = keys.checked_extent(heads)? else { return Ok(()) };
     let pl = ctx.pipeline_entry("attention", sh::ATTENTION, "keyed")?;
     let p = AttnParams {
         n_tok: u32_of(n_tok, "n_tok")?,

@@ -222,8 +222,8 @@ fn iq2_xxs_q8_k_imp(w: &[u8], a: &[u8]) -> f32 {
 
 #[cfg(test)]
 mod tests {
+    use super::super::test_blocks::{mass, q8k_blocks};
     use super::*;
-    use crate::quant::QK_K;
     use rand::{rngs::StdRng, Rng, SeedableRng};
 
     /// `None` (with a note) where this CPU lacks the features: the kernel is then never selected.
@@ -235,39 +235,12 @@ mod tests {
         k
     }
 
-    /// Q8_K blocks with quants from `q(i)` and scale `d`, block sums filled in.
-    fn q8k_blocks(n: usize, d: f32, mut q: impl FnMut(usize) -> i8) -> Vec<u8> {
-        let mut v = vec![0u8; n * q8_k::BLOCK_BYTES];
-        for (bi, b) in v.chunks_exact_mut(q8_k::BLOCK_BYTES).enumerate() {
-            b[..4].copy_from_slice(&d.to_le_bytes());
-            for i in 0..QK_K {
-                b[q8_k::QS + i] = q(bi * QK_K + i) as u8;
-            }
-            for j in 0..16 {
-                let s: i32 = (0..16).map(|i| b[q8_k::QS + 16 * j + i] as i8 as i32).sum();
-                b[q8_k::BSUMS + 2 * j..q8_k::BSUMS + 2 * j + 2].copy_from_slice(&(s as i16).to_le_bytes());
-            }
-        }
-        v
-    }
-
-    /// Σ |term| of the scalar dot (dequantized weights · dequantized activations), the scale of rounding errors.
-    fn mass(w: &[u8], a: &[u8]) -> f64 {
-        let mut y = [0f32; QK_K];
-        let mut m = 0f64;
-        for (b, qa) in w.chunks_exact(iq2_xxs::BLOCK_BYTES).zip(a.chunks_exact(q8_k::BLOCK_BYTES)) {
-            iq2_xxs::dequantize_block(b, &mut y);
-            m += (0..QK_K).map(|i| (y[i] as f64 * (q8_k::d(qa) * q8_k::q(qa, i) as f32) as f64).abs()).sum::<f64>();
-        }
-        m
-    }
-
     /// Integer partial sums are exact in both kernels; only the f32 accumulation order differs (the scalar code
     /// adds one product per block, this kernel 16 lanes per block, then a tree). A few ulps of the summed
     /// magnitudes bounds that; 1e-6 relative is ~8 ulps.
     fn assert_matches_scalar(k: DotQ, w: &[u8], a: &[u8], what: &str) {
         let (got, want) = (k(w, a), iq2_xxs::dot_q8k(w, a));
-        let tol = 1e-6 * mass(w, a) + 1e-30;
+        let tol = 1e-6 * mass(w, a, iq2_xxs::BLOCK_BYTES, iq2_xxs::dequantize_block) + 1e-30;
         assert!((got as f64 - want as f64).abs() <= tol, "{what}: avx512 {got}, scalar {want}, tol {tol:e}");
     }
 

@@ -114,7 +114,8 @@ pub(super) fn q2_k_q8_k_imp(w: &[u8], a: &[u8]) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::super::avx512;
-    use crate::quant::{q2_k, q8_k, GgmlType, QK_K};
+    use super::super::test_blocks::{mass, q8k_blocks};
+    use crate::quant::{q2_k, q8_k, GgmlType};
     use rand::{rngs::StdRng, Rng, SeedableRng};
 
     fn kernel() -> Option<crate::quant::DotQ> {
@@ -123,32 +124,6 @@ mod tests {
             eprintln!("no AVX-512 VBMI/VNNI on this CPU: the avx512 Q2_K kernel is not selected, nothing to test");
         }
         k
-    }
-
-    fn q8k_blocks(n: usize, d: f32, mut q: impl FnMut(usize) -> i8) -> Vec<u8> {
-        let mut v = vec![0u8; n * q8_k::BLOCK_BYTES];
-        for (bi, b) in v.chunks_exact_mut(q8_k::BLOCK_BYTES).enumerate() {
-            b[..4].copy_from_slice(&d.to_le_bytes());
-            for i in 0..QK_K {
-                b[q8_k::QS + i] = q(bi * QK_K + i) as u8;
-            }
-            for j in 0..16 {
-                let s: i32 = (0..16).map(|i| b[q8_k::QS + 16 * j + i] as i8 as i32).sum();
-                b[q8_k::BSUMS + 2 * j..q8_k::BSUMS + 2 * j + 2].copy_from_slice(&(s as i16).to_le_bytes());
-            }
-        }
-        v
-    }
-
-    /// Σ |term| of the dot (dequantized weights · dequantized activations): the scale of rounding errors.
-    fn mass(w: &[u8], a: &[u8]) -> f64 {
-        let mut y = [0f32; QK_K];
-        let mut m = 0f64;
-        for (b, qa) in w.chunks_exact(q2_k::BLOCK_BYTES).zip(a.chunks_exact(q8_k::BLOCK_BYTES)) {
-            q2_k::dequantize_block(b, &mut y);
-            m += (0..QK_K).map(|i| (y[i] as f64 * (q8_k::d(qa) * q8_k::q(qa, i) as f32) as f64).abs()).sum::<f64>();
-        }
-        m
     }
 
     /// Integer sums are exact in both kernels; the f32 accumulation differs in order (scalar: one `d·sumi −
@@ -170,7 +145,7 @@ mod tests {
                 }
                 let a = q8k_blocks(n, rng.gen_range(1e-3f32..1.0), |_| rng.gen_range(-127i8..=127));
                 let (got, want) = (k(&w, &a), q2_k::dot_q8k(&w, &a));
-                let tol = 1e-6 * mass(&w, &a);
+                let tol = 1e-6 * mass(&w, &a, q2_k::BLOCK_BYTES, q2_k::dequantize_block);
                 assert!((got as f64 - want as f64).abs() <= tol, "{n} blocks: avx512 {got}, scalar {want}");
             }
         }

@@ -21,6 +21,8 @@ mod avx512;
 mod avx512_q2k;
 #[cfg(all(target_arch = "aarch64", target_feature = "neon", target_endian = "little"))]
 mod neon;
+#[cfg(all(test, target_arch = "x86_64"))]
+mod test_blocks;
 
 /// The instruction set the kernels use on this CPU: `"avx512-vbmi"` (AVX-512 kernels where they exist, AVX2 for
 /// the rest), `"avx2"`, `"neon"` or `"scalar"`.
