@@ -146,3 +146,51 @@ fn synthetic_tiny_q4_agrees_across_backends() {
         correctness_pair(&["--synthetic", "tiny:layers=3:recipe=q4"], &F32_ACTS, &tokens);
     assert!(ok && max_abs <= 1e-3 && agree == 1.0 && greedy == gen && gen == 8, "{max_abs} {agree} {greedy}");
 }
+
+/// `ds4 logits` / `ds4 generate --f32-acts`: the CPU with f32 activations computes the wgpu kernels' products, so on a
+/// quantized model the two backends' logits agree within 1e-3 and their greedy tokens are identical; without the
+/// flag the CPU's Q8_K activation rounding shows (the flag really changes the CPU's arithmetic).
+#[test]
+fn cli_f32_acts_matches_wgpu_on_a_quantized_model() {
+    let Some(sh) = shared() else { return };
+    if !wgpu_available() {
+        return;
+    }
+    let g = read_json(&sh.join("golden/tiny-a/golden.json"));
+    let prompt = ids(&g["prompt_tokens"]);
+    let prompt = &prompt[..16];
+    let gguf = golden_gguf(&sh, "tiny-a", "q4");
+    let tmp = tempfile::tempdir().unwrap();
+    let logits = |name: &str, extra: &[&str]| {
+        let out = tmp.path().join(name);
+        let st = Command::new(ds4_bin())
+            .args(["logits", "--exact", "-m"])
+            .arg(&gguf)
+            .args(["--tokens", &join(prompt), "--out"])
+            .arg(&out)
+            .args(extra)
+            .status()
+            .unwrap();
+        assert!(st.success(), "ds4 logits {extra:?} failed");
+        read_f32(&out)
+    };
+    let gpu = logits("wgpu.f32", &["--backend", "wgpu"]);
+    let cpu_f32 = logits("cpu-f32.f32", &["--f32-acts"]);
+    let cpu_q8 = logits("cpu-q8.f32", &[]);
+    let d = max_abs_diff(&cpu_f32, &gpu);
+    assert!(d <= 1e-3, "cpu --f32-acts vs wgpu: max |Δlogit| {d}");
+    assert!(max_abs_diff(&cpu_q8, &gpu) > 10.0 * d.max(1e-6), "--f32-acts changed nothing");
+
+    let greedy = |extra: &[&str]| {
+        let o = Command::new(ds4_bin())
+            .args(["generate", "--exact", "--temperature", "0", "--print-ids", "-n", "6", "-m"])
+            .arg(&gguf)
+            .args(["--tokens", &join(prompt)])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "ds4 generate {extra:?} failed: {}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8_lossy(&o.stdout).trim().to_string()
+    };
+    assert_eq!(greedy(&["--f32-acts"]), greedy(&["--backend", "wgpu"]));
+}

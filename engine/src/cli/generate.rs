@@ -1,11 +1,12 @@
-//! `ds4 generate -m FILE --tokens 0,5,17 -n N --temperature 0 --print-ids [--exact] [--backend cpu] [--threads N]`:
+//! `ds4 generate -m FILE --tokens 0,5,17 -n N --temperature 0 --print-ids [--exact] [--f32-acts] [--backend cpu]
+//! [--threads N]`:
 //! continuation of a token prompt (greedy at temperature 0, else sampled with [`crate::sampler::Sampler`]), printed
 //! as comma-separated ids on one line.
 
 use std::path::PathBuf;
 
 use super::logits::{engine_options, parse_tokens};
-use crate::engine::Engine;
+use crate::engine::{Engine, EngineOptions};
 use crate::sampler::{Sampler, SamplerConfig};
 
 /// Arguments of `ds4 generate` (a contract: keep stable).
@@ -41,6 +42,10 @@ pub struct Args {
     /// Exact mode: no FP8/FP4 activation simulation.
     #[arg(long)]
     pub exact: bool,
+    /// CPU backend: multiply quantized weights by f32 activations instead of Q8_0/Q8_K-quantized ones (slower; the
+    /// products the wgpu kernels compute, for cross-backend checks).
+    #[arg(long)]
+    pub f32_acts: bool,
     /// Backend: cpu or wgpu.
     #[arg(long, default_value = "cpu")]
     pub backend: String,
@@ -63,7 +68,7 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
         ..Default::default()
     };
     let mut sampler = Sampler::new(cfg)?;
-    let opts = engine_options(&a.backend, a.exact, a.threads, a.chunk, 0)?;
+    let opts = EngineOptions { f32_acts: a.f32_acts, ..engine_options(&a.backend, a.exact, a.threads, a.chunk, 0)? };
     let mut engine = Engine::open(&a.model, opts)?;
     let s = engine.create_session();
     let t0 = std::time::Instant::now();

@@ -1,6 +1,6 @@
-//! `ds4 logits -m FILE --tokens 0,5,17 --out PATH [--chunk N] [--exact] [--backend cpu] [--threads N]`: writes the
-//! logits of every prompt position as little-endian f32 `[n_tokens, vocab]`. `--chunk N` prefills in chunks of N
-//! tokens (`--chunk 1` = pure decode); results agree with one-pass prefill.
+//! `ds4 logits -m FILE --tokens 0,5,17 --out PATH [--chunk N] [--exact] [--f32-acts] [--backend cpu] [--threads N]`:
+//! writes the logits of every prompt position as little-endian f32 `[n_tokens, vocab]`. `--chunk N` prefills in
+//! chunks of N tokens (`--chunk 1` = pure decode); results agree with one-pass prefill.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -25,6 +25,10 @@ pub struct Args {
     /// Exact mode: no FP8/FP4 activation simulation.
     #[arg(long)]
     pub exact: bool,
+    /// CPU backend: multiply quantized weights by f32 activations instead of Q8_0/Q8_K-quantized ones (slower; the
+    /// products the wgpu kernels compute, for cross-backend checks).
+    #[arg(long)]
+    pub f32_acts: bool,
     /// Backend: cpu or wgpu.
     #[arg(long, default_value = "cpu")]
     pub backend: String,
@@ -69,7 +73,11 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
     if tokens.is_empty() {
         anyhow::bail!("--tokens is empty");
     }
-    let opts = EngineOptions { prefill_logits: true, ..engine_options(&a.backend, a.exact, a.threads, a.chunk, 0)? };
+    let opts = EngineOptions {
+        prefill_logits: true,
+        f32_acts: a.f32_acts,
+        ..engine_options(&a.backend, a.exact, a.threads, a.chunk, 0)?
+    };
     let mut engine = Engine::open(&a.model, opts)?;
     let s = engine.create_session();
     engine.feed(s, &tokens)?;
