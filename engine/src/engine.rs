@@ -398,9 +398,16 @@ impl Engine {
         self.backend.sync_kv(s, &mut self.sessions.kv[s])
     }
 
-    /// Bytes of KV state session `id` holds in host memory (see [`SessionKv::bytes`]).
+    /// Bytes of KV state session `id` holds (see [`SessionKv::bytes`]).
     pub fn kv_bytes(&self, id: SessionId) -> Result<u64> {
         Ok(self.sessions.kv[self.slot(id)?].bytes())
+    }
+
+    /// `(device, host)` bytes of session `id`'s KV state: its device copy (wgpu keeps KV resident; 0 on the CPU
+    /// backend) and its host arrays (the CPU backend's state, or wgpu's lazily synced mirror).
+    pub fn kv_bytes_by_tier(&self, id: SessionId) -> Result<(u64, u64)> {
+        let kv = &self.sessions.kv[self.slot(id)?];
+        Ok((kv.device_bytes(), kv.host_bytes()))
     }
 
     /// Creates a session from a snapshot (validated against this model's shapes).

@@ -106,10 +106,13 @@ impl Runner for EngineRunner {
     }
 
     fn kv_bytes(&self) -> crate::backend::KvBytes {
-        // Both backends keep session KV state in host memory (the wgpu backend uploads per op), so nothing is
-        // reported on the device tier yet.
-        let host = self.ids.values().filter_map(|&sid| self.engine.kv_bytes(sid).ok()).sum();
-        crate::backend::KvBytes { device: 0, host, disk: self.disk.as_ref().map_or(0, |d| d.disk_bytes()) }
+        // The CPU backend's KV is host memory; wgpu keeps it on the device with a lazily synced host mirror.
+        let (device, host) = self
+            .ids
+            .values()
+            .filter_map(|&sid| self.engine.kv_bytes_by_tier(sid).ok())
+            .fold((0, 0), |(d, h), (sd, sh)| (d + sd, h + sh));
+        crate::backend::KvBytes { device, host, disk: self.disk.as_ref().map_or(0, |d| d.disk_bytes()) }
     }
 
     fn disk_restore(&mut self, prompt: &[u32], better_than: usize) -> Option<(SessionId, usize)> {

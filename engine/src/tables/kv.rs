@@ -101,11 +101,27 @@ pub struct SessionKv {
 }
 
 impl SessionKv {
-    /// Bytes of KV state the session holds now (rows in use and frontiers; not spare capacity).
+    /// Bytes of KV state the session holds now (rows in use and frontiers; not spare capacity): the device copy's
+    /// while the host arrays are stale, else the host arrays'.
     pub fn bytes(&self) -> u64 {
         if self.sync.host_stale {
             return self.sync.device_bytes;
         }
+        self.host_bytes()
+    }
+
+    /// Bytes of the session's device copy (0 when no backend made one): the device tier of the KV metrics.
+    pub fn device_bytes(&self) -> u64 {
+        if self.sync.epoch != 0 {
+            self.sync.device_bytes
+        } else {
+            0
+        }
+    }
+
+    /// Bytes held by the host arrays (rows in use and frontiers; possibly an older copy while `sync.host_stale`):
+    /// the host tier of the KV metrics.
+    pub fn host_bytes(&self) -> u64 {
         let f = |fr: &Option<Frontier>| fr.as_ref().map_or(0, |f| f.pending_kv.len() + f.pending_gate.len());
         let values: usize = self
             .layers

@@ -377,6 +377,11 @@ fn engine_snapshot_persist_and_restore_with_device_kv() {
         e.run_until_idle().unwrap();
     }
     assert_eq!(g.kv_bytes(sg).unwrap(), c.kv_bytes(sc).unwrap());
+    // Tiers: the wgpu session's state is on the device (the host mirror is not synced yet), the CPU's on the host.
+    let (dev_g, host_g) = g.kv_bytes_by_tier(sg).unwrap();
+    assert_eq!(dev_g, c.kv_bytes(sc).unwrap());
+    assert!(host_g < dev_g, "host mirror {host_g} B should lag the device copy {dev_g} B before a sync");
+    assert_eq!(c.kv_bytes_by_tier(sc).unwrap(), (0, c.kv_bytes(sc).unwrap()));
     let (snap_g, snap_c) = (g.snapshot(sg).unwrap(), c.snapshot(sc).unwrap());
     assert!(!snap_g.kv.sync.host_stale);
     assert_kv_close(&snap_g.kv, &snap_c.kv, 1e-3, 0.0, "engine snapshot");
