@@ -160,19 +160,49 @@ pub struct KeyLists {
 }
 
 impl KeyLists {
-    /// `(query rows, longest key list)`, or `None` when there is nothing to attend (no rows or no heads). Fails when
-    /// a range points past `rows`.
-    fn checked_extent(&self, heads: usize) -> Result<Option<(usize, usize)>> {
-        let n_tok = self.ranges.len();
+    /// The key rows and the flattened `(start, count)` ranges as two storage buffers.
+    fn upload(&self, ctx: &WgpuContext) -> (Buf, Buf) {
+        let ranges: Vec<u32> = self.ranges.iter().flat_map(|&(s, c)| [s, c]).collect();
+        (ctx.storage_u32("attn rows", &self.rows), ctx.storage_u32("attn ranges", &ranges))
+    }
+}
+
+impl AttnParams {
+    /// Uniforms for attending over `keys` with queries at `(offset, token stride)` `q` and outputs at `o`; `None`
+    /// when there is nothing to attend (no query rows or no heads). Fails when a key range points past `keys.rows`
+    /// or a size does not fit in u32.
+    fn for_keys(
+        keys: &KeyLists,
+        q: (usize, usize),
+        o: (usize, usize),
+        heads: usize,
+        dim: usize,
+        scale: f32,
+        topk: usize,
+    ) -> Result<Option<AttnParams>> {
+        let n_tok = keys.ranges.len();
         if n_tok == 0 || heads == 0 {
             return Ok(None);
         }
-        for &(s, c) in &self.ranges {
-            if s as usize + c as usize > self.rows.len() {
-                return Err(backend_err(format!("attention: key range {s}+{c} exceeds {} rows", self.rows.len())));
+        for &(s, c) in &keys.ranges {
+            if s as usize + c as usize > keys.rows.len() {
+                return Err(backend_err(format!("attention: key range {s}+{c} exceeds {} rows", keys.rows.len())));
             }
         }
-        Ok(Some((n_tok, self.ranges.iter().map(|r| r.1 as usize).max().unwrap_or(0).max(1))))
+        let max_keys = keys.ranges.iter().map(|r| r.1 as usize).max().unwrap_or(0).max(1);
+        Ok(Some(AttnParams {
+            n_tok: u32_of(n_tok, "n_tok")?,
+            heads: u32_of(heads, "heads")?,
+            dim: u32_of(dim, "dim")?,
+            max_keys: u32_of(max_keys, "max_keys")?,
+            q_offset: u32_of(q.0, "q offset")?,
+            q_tok_stride: u32_of(q.1, "q stride")?,
+            o_offset: u32_of(o.0, "o offset")?,
+            o_tok_stride: u32_of(o.1, "o stride")?,
+            scale,
+            topk: u32_of(topk, "topk")?,
+            _pad: [0; 2],
+        }))
     }
 }
 
@@ -191,25 +221,11 @@ pub fn attention(
     dim: usize,
     scale: f32,
 ) -> Result<()> {
-    let Some((n_tok, max_keys)) = keys.checked_extent(heads)? else { return Ok(()) };
+    let Some(p) = AttnParams::for_keys(keys, (q.1, q.2), (o.1, o.2), heads, dim, scale, 0)? else { return Ok(()) };
+    let (n_tok, max_keys) = (p.n_tok as usize, p.max_keys as usize);
     let pl = ctx.pipeline("attention", sh::ATTENTION)?;
-    let p = AttnParams {
-        n_tok: u32_of(n_tok, "n_tok")?,
-        heads: u32_of(heads, "heads")?,
-        dim: u32_of(dim, "dim")?,
-        max_keys: u32_of(max_keys, "max_keys")?,
-        q_offset: u32_of(q.1, "q offset")?,
-        q_tok_stride: u32_of(q.2, "q stride")?,
-        o_offset: u32_of(o.1, "o offset")?,
-        o_tok_stride: u32_of(o.2, "o stride")?,
-        scale,
-        topk: 0,
-        _pad: [0; 2],
-    };
     let u = ctx.uniform("attention", &p);
-    let rows = ctx.storage_u32("attn rows", &keys.rows);
-    let ranges: Vec<u32> = keys.ranges.iter().flat_map(|&(s, c)| [s, c]).collect();
-    let rng = ctx.storage_u32("attn ranges", &ranges);
+    let (rows, rng) = keys.upload(ctx);
     let scratch = ctx.storage_zeroed("attn scratch", n_tok * heads * max_keys);
     ctx.dispatch(enc, &pl, &[q.0, kv, &rows, &rng, sink, &scratch, o.0, &u], [u32_of(heads, "heads")?, p.n_tok, 1])
 }
@@ -252,25 +268,13 @@ pub fn attention_keyed(
     dim: usize,
     scale: f32,
 ) -> Result<()> {
-    let Some((n_tok, max_keys)) = keys.checked_extent(heads)? else { return Ok(()) };
-    let pl = ctx.pipeline_entry("attention", sh::ATTENTION, "keyed")?;
-    let p = AttnParams {
-        n_tok: u32_of(n_tok, "n_tok")?,
-        heads: u32_of(heads, "heads")?,
-        dim: u32_of(dim, "dim")?,
-        max_keys: u32_of(max_keys, "max_keys")?,
-        q_offset: u32_of(q.1, "q offset")?,
-        q_tok_stride: u32_of(q.2, "q stride")?,
-        o_offset: u32_of(o.1, "o offset")?,
-        o_tok_stride: u32_of(o.2, "o stride")?,
-        scale,
-        topk: u32_of(src.topk, "topk")?,
-        _pad: [0; 2],
+    let Some(p) = AttnParams::for_keys(keys, (q.1, q.2), (o.1, o.2), heads, dim, scale, src.topk)? else {
+        return Ok(());
     };
+    let (n_tok, max_keys) = (p.n_tok as usize, p.max_keys as usize);
+    let pl = ctx.pipeline_entry("attention", sh::ATTENTION, "keyed")?;
     let u = ctx.uniform("attention", &p);
-    let rows = ctx.storage_u32("attn rows", &keys.rows);
-    let ranges: Vec<u32> = keys.ranges.iter().flat_map(|&(s, c)| [s, c]).collect();
-    let rng = ctx.storage_u32("attn ranges", &ranges);
+    let (rows, rng) = keys.upload(ctx);
     let scratch = ctx.scratch(n_tok * heads * max_keys);
     let bound = [
         (0, q.0),
