@@ -197,7 +197,7 @@ impl Kernels for EngineKernels {
             bail!("matmul: shapes do not match ({} weight bytes, {} xs, {} ys)", w.len(), xs.len(), ys.len());
         }
         let act = quant::act_type(ty);
-        if act == GgmlType::F32 {
+        if act.is_f32() {
             let k = quant::dot_f32_kernel(ty)?;
             for (wr, yr) in w.chunks_exact(rb).zip(ys.chunks_exact_mut(batch)) {
                 for (y, x) in yr.iter_mut().zip(xs.chunks_exact(cols)) {

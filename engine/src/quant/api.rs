@@ -1,7 +1,8 @@
 //! The public quant API (re-exported from [`crate::quant`]): length/type validation, then dispatch to the scalar
 //! per-format code or the SIMD kernels. Every check happens here so the kernels can stay branch-free.
 
-use super::{f16, iq2_xxs, q2_k, q4_k, q8_0, q8_k, simd, GgmlType};
+use super::act::plain_act_type;
+use super::{f16, iq2_xxs, q2_k, q4_k, q8_0, q8_k, simd, ActType, GgmlType};
 use crate::{Error, Result};
 
 /// Weight row bytes · f32 activations (`x.len()` values). See the module docs for the length contract.
@@ -123,49 +124,72 @@ pub fn dot_f32_kernel(ty: GgmlType) -> Result<DotF32> {
     Ok(simd::dot_f32(ty).unwrap_or(scalar))
 }
 
-/// The activation format paired with a weight type: Q8_0 for Q8_0; Q8_K for Q2_K, Q4_K and IQ2_XXS; F32 otherwise.
-pub fn act_type(weight_ty: GgmlType) -> GgmlType {
-    match weight_ty {
-        GgmlType::Q8_0 => GgmlType::Q8_0,
-        GgmlType::Q2K | GgmlType::Q4K | GgmlType::Iq2Xxs => GgmlType::Q8K,
-        _ => GgmlType::F32,
+/// The activation format paired with a weight type on this CPU: Q8_0 for Q8_0; Q8_K for Q2_K and Q4_K; Q8_K for
+/// IQ2_XXS too, in the pair layout ([`ActType::Q8KPairs`]) where the AVX-512 pair kernel runs; F32 otherwise.
+/// [`dot_q_kernel`] and [`dot_q_kernel_scalar`] read exactly this format.
+pub fn act_type(weight_ty: GgmlType) -> ActType {
+    match plain_act_type(weight_ty) {
+        ActType::Q8K if weight_ty == GgmlType::Iq2Xxs && simd::iq2_pairs() => ActType::Q8KPairs,
+        t => t,
     }
 }
 
-/// Quantizes activations `x` into `dst` (cleared first) in `act_ty` (F32, Q8_0 or Q8_K).
-pub fn quantize_acts(act_ty: GgmlType, x: &[f32], dst: &mut Vec<u8>) -> Result<()> {
-    let need = row_len("quantize_acts", act_ty, x.len())?;
+/// Quantizes activations `x` into `dst` (cleared first) in `act` (F32, Q8_0, Q8_K or the Q8_K pair layout).
+pub fn quantize_acts(act: ActType, x: &[f32], dst: &mut Vec<u8>) -> Result<()> {
+    let need = row_len("quantize_acts", act.ggml(), x.len())?;
     dst.clear();
     dst.resize(need, 0);
-    quantize_acts_into(act_ty, x, dst)
+    quantize_acts_into(act, x, dst)
 }
 
-/// [`quantize_acts`] into a slice of exactly the row's size (`act_ty.row_bytes(x.len())`): allocates nothing, so
-/// pool tasks can write their pieces of a row in place.
-pub fn quantize_acts_into(act_ty: GgmlType, x: &[f32], dst: &mut [u8]) -> Result<()> {
+/// [`quantize_acts`] into a slice of exactly the row's size (`act.row_bytes(x.len())`): allocates nothing, so
+/// pool tasks can write their pieces of a row in place (pieces of whole [`ActType::block_values`] units give the
+/// same bytes as the whole row).
+pub fn quantize_acts_into(act: ActType, x: &[f32], dst: &mut [u8]) -> Result<()> {
     const OP: &str = "quantize_acts";
-    if !matches!(act_ty, GgmlType::F32 | GgmlType::Q8_0 | GgmlType::Q8K) {
-        return Err(qerr(OP, act_ty, "not an activation type (use F32, Q8_0 or Q8_K)"));
-    }
-    let need = row_len(OP, act_ty, x.len())?;
+    let ty = act.ggml();
+    let need = row_len(OP, ty, x.len())?;
     if dst.len() != need {
-        return Err(qerr(OP, act_ty, format!("destination holds {} bytes, the row needs {need}", dst.len())));
+        return Err(qerr(OP, ty, format!("destination holds {} bytes, the row needs {need}", dst.len())));
     }
-    if act_ty != GgmlType::F32 {
-        check_finite(OP, act_ty, "x", x)?;
+    if !act.is_f32() {
+        check_finite(OP, ty, "x", x)?;
     }
-    if let Some(limit) = max_magnitude(act_ty) {
+    if let Some(limit) = max_magnitude(ty) {
         if let Some(i) = x.iter().position(|v| v.abs() > limit) {
-            return Err(qerr(OP, act_ty, format!("x[{i}] = {} is beyond the format's range (±{limit:e})", x[i])));
+            return Err(qerr(OP, ty, format!("x[{i}] = {} is beyond the format's range (±{limit:e})", x[i])));
         }
     }
-    match act_ty {
-        GgmlType::F32 => f16::quantize_f32(x, dst),
-        GgmlType::Q8_0 => x.chunks_exact(q8_0::QK).zip(dst.chunks_exact_mut(q8_0::BLOCK_BYTES)).for_each(|(x, b)| {
+    match act {
+        ActType::F32 => f16::quantize_f32(x, dst),
+        ActType::Q8_0 => x.chunks_exact(q8_0::QK).zip(dst.chunks_exact_mut(q8_0::BLOCK_BYTES)).for_each(|(x, b)| {
             q8_0::quantize_block_rtn(x, b);
         }),
-        _ => q8_k::quantize(x, dst),
+        ActType::Q8K => q8_k::quantize(x, dst),
+        ActType::Q8KPairs => {
+            q8_k::quantize(x, dst);
+            q8_k::to_pairs(dst);
+        }
     }
+    Ok(())
+}
+
+/// Dequantizes an activation row quantized by [`quantize_acts`] in `act` (`dst.len()` values).
+pub fn dequantize_acts(act: ActType, src: &[u8], dst: &mut [f32]) -> Result<()> {
+    if act != ActType::Q8KPairs {
+        return dequantize_row(act.ggml(), src, dst);
+    }
+    let need = row_len("dequantize_acts", GgmlType::Q8K, dst.len())?;
+    if src.len() != need {
+        return Err(qerr("dequantize_acts", GgmlType::Q8K, format!("{} values need {need} bytes", dst.len())));
+    }
+    let mut plain = src.to_vec();
+    let mut pair = [0u8; q8_k::PAIR_BYTES];
+    for p in plain.chunks_exact_mut(q8_k::PAIR_BYTES) {
+        q8_k::from_pair(p, &mut pair);
+        p.copy_from_slice(&pair);
+    }
+    q8_k::dequantize(&plain, dst);
     Ok(())
 }
 
@@ -175,6 +199,7 @@ pub fn dot_q_kernel_scalar(weight_ty: GgmlType) -> Result<DotQ> {
         GgmlType::Q8_0 => q8_0::dot_q8_0,
         GgmlType::Q2K => q2_k::dot_q8k,
         GgmlType::Q4K => q4_k::dot_q8k,
+        GgmlType::Iq2Xxs if act_type(weight_ty) == ActType::Q8KPairs => iq2_xxs::dot_q8k_pairs,
         GgmlType::Iq2Xxs => iq2_xxs::dot_q8k,
         _ => return Err(qerr("dot_q_kernel", weight_ty, "no quantized-activation dot product (use dot_f32)")),
     })
@@ -222,7 +247,7 @@ pub fn matvec_with_scratch(
         return Ok(());
     }
     let act = act_type(ty);
-    if act == GgmlType::F32 {
+    if act.is_f32() {
         let k = dot_f32_kernel(ty)?;
         for (yr, wr) in y.iter_mut().zip(w.chunks_exact(rb)) {
             *yr = k(wr, x);
@@ -249,7 +274,7 @@ pub fn matvec_q(ty: GgmlType, w: &[u8], n_rows: usize, n_cols: usize, acts: &[u8
         return Err(qerr(OP, ty, format!("{n_rows}×{n_cols} matrix needs {total} bytes, got {}", w.len())));
     }
     let act = act_type(ty);
-    let need = row_len(OP, act, n_cols)?;
+    let need = row_len(OP, act.ggml(), n_cols)?;
     if acts.len() != need || y.len() != n_rows {
         return Err(qerr(
             OP,
@@ -283,7 +308,7 @@ mod tests {
         assert!(quantize_row(GgmlType::Q8_0, &[1.0; 32], Some(&[1.0; 31]), &mut b).is_err());
         assert!(quantize_row(GgmlType::Q8_0, &[1.0; 32], Some(&[-1.0; 32]), &mut b).is_err());
         assert!(dot_q_kernel(GgmlType::F16).is_err());
-        assert!(quantize_acts(GgmlType::Q4K, &[0.0; 256], &mut Vec::new()).is_err());
+        assert!(quantize_acts(ActType::Q8K, &[0.0; 255], &mut Vec::new()).is_err());
         let mut y = [0f32; 2];
         assert!(matvec(GgmlType::Q8_0, &[0u8; 68], 2, 32, &[0.0; 31], &mut y).is_err());
         assert!(matvec(GgmlType::Q8_0, &[0u8; 67], 2, 32, &[0.0; 32], &mut y).is_err());
@@ -291,12 +316,40 @@ mod tests {
 
     #[test]
     fn act_types_pair_with_weights() {
-        assert_eq!(act_type(GgmlType::Q8_0), GgmlType::Q8_0);
-        for t in [GgmlType::Q2K, GgmlType::Q4K, GgmlType::Iq2Xxs] {
-            assert_eq!(act_type(t), GgmlType::Q8K);
+        assert_eq!(act_type(GgmlType::Q8_0), ActType::Q8_0);
+        for t in [GgmlType::Q2K, GgmlType::Q4K] {
+            assert_eq!(act_type(t), ActType::Q8K);
         }
+        let iq2 = if simd::iq2_pairs() { ActType::Q8KPairs } else { ActType::Q8K };
+        assert_eq!(act_type(GgmlType::Iq2Xxs), iq2);
         for t in [GgmlType::F32, GgmlType::F16, GgmlType::Bf16] {
-            assert_eq!(act_type(t), GgmlType::F32);
+            assert_eq!(act_type(t), ActType::F32);
+        }
+    }
+
+    /// The pair layout holds the same values as plain Q8_K; pieces of whole pairs quantize to the same bytes as
+    /// the whole row; rows with a lone last block work.
+    #[test]
+    fn pair_layout_acts_round_trip() {
+        for blocks in [1usize, 2, 3, 6] {
+            let x: Vec<f32> = (0..256 * blocks).map(|i| ((i * 7919 % 211) as f32 - 105.0) / 10.0).collect();
+            let (mut plain, mut pairs) = (Vec::new(), Vec::new());
+            quantize_acts(ActType::Q8K, &x, &mut plain).unwrap();
+            quantize_acts(ActType::Q8KPairs, &x, &mut pairs).unwrap();
+            assert_eq!(plain.len(), pairs.len());
+            let (mut a, mut b) = (vec![0f32; x.len()], vec![0f32; x.len()]);
+            dequantize_acts(ActType::Q8K, &plain, &mut a).unwrap();
+            dequantize_acts(ActType::Q8KPairs, &pairs, &mut b).unwrap();
+            assert_eq!(a, b, "{blocks} blocks");
+            if blocks % 2 == 0 {
+                let unit = ActType::Q8KPairs.block_values();
+                let ub = ActType::Q8KPairs.block_bytes();
+                let mut pieces = vec![0u8; pairs.len()];
+                for (xs, out) in x.chunks(unit).zip(pieces.chunks_mut(ub)) {
+                    quantize_acts_into(ActType::Q8KPairs, xs, out).unwrap();
+                }
+                assert_eq!(pieces, pairs);
+            }
         }
     }
 

@@ -70,21 +70,47 @@ pub(crate) fn dot_f32(w: &[u8], x: &[f32]) -> f32 {
 pub(crate) fn dot_q8k(w: &[u8], a: &[u8]) -> f32 {
     let mut acc = 0f32;
     for (b, qa) in w.chunks_exact(BLOCK_BYTES).zip(a.chunks_exact(q8_k::BLOCK_BYTES)) {
-        let mut bsum = 0i32;
-        for g in 0..8 {
-            let ax = aux(b, g);
-            let mut sumi = 0i32;
-            for l in 0..4 {
-                let grid = IQ2XXS_GRID[b[2 + 8 * g + l] as usize].to_le_bytes();
-                let signs = KSIGNS_IQ2XS[((ax >> (7 * l)) & 127) as usize];
-                for j in 0..8 {
-                    let v = grid[j] as i32 * q8_k::q(qa, 32 * g + 8 * l + j);
-                    sumi += if signs & KMASK_IQ2XS[j] != 0 { -v } else { v };
-                }
+        acc += block_dot_q8k(b, qa);
+    }
+    acc
+}
+
+/// One block's term of [`dot_q8k`]: `d·d_a/8 · Σ_g (2s_g+1)·Σ grid·sign·q`.
+#[inline(always)]
+fn block_dot_q8k(b: &[u8], qa: &[u8]) -> f32 {
+    let mut bsum = 0i32;
+    for g in 0..8 {
+        let ax = aux(b, g);
+        let mut sumi = 0i32;
+        for l in 0..4 {
+            let grid = IQ2XXS_GRID[b[2 + 8 * g + l] as usize].to_le_bytes();
+            let signs = KSIGNS_IQ2XS[((ax >> (7 * l)) & 127) as usize];
+            for j in 0..8 {
+                let v = grid[j] as i32 * q8_k::q(qa, 32 * g + 8 * l + j);
+                sumi += if signs & KMASK_IQ2XS[j] != 0 { -v } else { v };
             }
-            bsum += (2 * (ax >> 28) as i32 + 1) * sumi;
         }
-        acc += f16_at(b, 0) * q8_k::d(qa) * 0.125 * bsum as f32;
+        bsum += (2 * (ax >> 28) as i32 + 1) * sumi;
+    }
+    f16_at(b, 0) * q8_k::d(qa) * 0.125 * bsum as f32
+}
+
+/// [`dot_q8k`] with activations in the pair layout (`quant::act`, `ActType::Q8KPairs`): bit-identical to
+/// `dot_q8k` on the same activations in plain Q8_K (same terms, same order).
+pub(crate) fn dot_q8k_pairs(w: &[u8], a: &[u8]) -> f32 {
+    let blocks = (w.len() / BLOCK_BYTES).min(a.len() / q8_k::BLOCK_BYTES);
+    let mut acc = 0f32;
+    let mut plain = [0u8; q8_k::PAIR_BYTES];
+    let mut b = 0;
+    while b + 2 <= blocks {
+        q8_k::from_pair(&a[b * q8_k::BLOCK_BYTES..(b + 2) * q8_k::BLOCK_BYTES], &mut plain);
+        for k in 0..2 {
+            acc += block_dot_q8k(&w[(b + k) * BLOCK_BYTES..], &plain[k * q8_k::BLOCK_BYTES..]);
+        }
+        b += 2;
+    }
+    if b < blocks {
+        acc += block_dot_q8k(&w[b * BLOCK_BYTES..], &a[b * q8_k::BLOCK_BYTES..]);
     }
     acc
 }

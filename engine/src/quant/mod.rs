@@ -9,7 +9,8 @@
 //!   optional importance-weighted scale search).
 //! - [`dot_f32_kernel`] → [`DotF32`]: weight row bytes · f32 activations.
 //! - [`act_type`] + [`quantize_acts`] + [`dot_q_kernel`] → [`DotQ`]: weight row bytes · quantized activations (the
-//!   fast path: integer dot products, AVX2 `maddubs` style).
+//!   fast path: integer dot products, AVX2 `maddubs` style). The activation format ([`ActType`], module `act`) is
+//!   chosen per weight type and CPU, and may reorder quants for a kernel (the IQ2_XXS pair layout).
 //! - [`matvec`] / [`matvec_with_scratch`]: `y = W·x`, single-threaded, best path; [`matvec_q`] takes activations
 //!   already quantized (quantize once, share across matrices and threads).
 //!
@@ -31,6 +32,7 @@
 // Index loops mirror the block-layout formulas in the docs; iterator chains would hide them.
 #![allow(clippy::needless_range_loop)]
 
+mod act;
 mod api;
 mod f16;
 mod iq2_tables;
@@ -42,9 +44,11 @@ mod q8_0;
 mod q8_k;
 pub mod simd;
 
+pub use act::ActType;
 pub use api::{
-    act_type, dequantize_row, dot_f32_kernel, dot_f32_kernel_scalar, dot_q_kernel, dot_q_kernel_scalar, matvec,
-    matvec_q, matvec_with_scratch, quantize_acts, quantize_acts_into, quantize_row, DotF32, DotQ,
+    act_type, dequantize_acts, dequantize_row, dot_f32_kernel, dot_f32_kernel_scalar, dot_q_kernel,
+    dot_q_kernel_scalar, matvec, matvec_q, matvec_with_scratch, quantize_acts, quantize_acts_into, quantize_row,
+    DotF32, DotQ,
 };
 
 use std::fmt;

@@ -59,6 +59,57 @@ pub(crate) fn dequantize(src: &[u8], dst: &mut [f32]) {
     }
 }
 
+/// Bytes of a pair of blocks (the unit of the value-major pair layout, see `quant::act`).
+pub(crate) const PAIR_BYTES: usize = 2 * BLOCK_BYTES;
+
+/// Byte offset, inside a pair of blocks in the pair layout, of vector `j` (value `j` of each of the pair's 64
+/// octets, ordered by [`pair_value`]): vectors 0..4 replace block 0's quants, 4..8 block 1's.
+#[inline(always)]
+pub(crate) const fn pair_vector(j: usize) -> usize {
+    if j < 4 {
+        QS + 64 * j
+    } else {
+        BLOCK_BYTES + QS + 64 * (j - 4)
+    }
+}
+
+/// The pair value (0..512: block `v / 256`, quant `v % 256`) stored at byte `p` of vector `j` in the pair layout:
+/// byte `p = 8g + l` holds octet `l % 4` of group `g` of block `l / 4`, i.e. its group bytes line up with the
+/// weights' (grid indices of block 0, then of block 1, per group).
+#[inline(always)]
+pub(crate) const fn pair_value(j: usize, p: usize) -> usize {
+    let (g, l) = (p / 8, p % 8);
+    QK_K * (l / 4) + 32 * g + 8 * (l % 4) + j
+}
+
+/// Reorders the quants of every whole pair of blocks in `row` (plain Q8_K) into the pair layout; a last lone block
+/// and any partial block stay as they are. Scales and block sums do not move.
+pub(crate) fn to_pairs(row: &mut [u8]) {
+    let mut q = [0u8; 2 * QK_K];
+    for pair in row.chunks_exact_mut(PAIR_BYTES) {
+        q[..QK_K].copy_from_slice(&pair[QS..QS + QK_K]);
+        q[QK_K..].copy_from_slice(&pair[BLOCK_BYTES + QS..BLOCK_BYTES + QS + QK_K]);
+        for j in 0..8 {
+            let v = pair_vector(j);
+            for p in 0..64 {
+                pair[v + p] = q[pair_value(j, p)];
+            }
+        }
+    }
+}
+
+/// The inverse of [`to_pairs`] for one pair: the two plain Q8_K blocks of a pair-layout pair.
+pub(crate) fn from_pair(pair: &[u8], out: &mut [u8; PAIR_BYTES]) {
+    out.copy_from_slice(&pair[..PAIR_BYTES]);
+    for j in 0..8 {
+        let v = pair_vector(j);
+        for p in 0..64 {
+            let i = pair_value(j, p);
+            out[(i / QK_K) * BLOCK_BYTES + QS + i % QK_K] = pair[v + p];
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -79,6 +130,41 @@ mod tests {
         for (blk, (xs, ys)) in b.chunks_exact(BLOCK_BYTES).zip(x.chunks(QK_K).zip(y.chunks(QK_K))) {
             for (a, c) in xs.iter().zip(ys) {
                 assert!((a - c).abs() <= d(blk) * 0.5001);
+            }
+        }
+    }
+
+    #[test]
+    fn pair_layout_round_trips_and_keeps_scales() {
+        for blocks in [1usize, 2, 3, 4, 5] {
+            let mut row: Vec<u8> = (0..blocks * BLOCK_BYTES).map(|i| (i * 7 + i / 291) as u8).collect();
+            let plain = row.clone();
+            to_pairs(&mut row);
+            for b in 0..blocks {
+                let o = b * BLOCK_BYTES;
+                assert_eq!(row[o..o + QS], plain[o..o + QS], "{blocks} blocks: scale of block {b} moved");
+                assert_eq!(row[o + BSUMS..o + BLOCK_BYTES], plain[o + BSUMS..o + BLOCK_BYTES], "block sums moved");
+            }
+            for (pi, pair) in row.chunks_exact(PAIR_BYTES).enumerate() {
+                // Byte 8g + l of vector j: value j of octet l % 4 of group g of block l / 4; every value once.
+                let mut seen = [false; 2 * QK_K];
+                for j in 0..8 {
+                    for p in 0..64 {
+                        let (g, l) = (p / 8, p % 8);
+                        let (blk, i) = (l / 4, 32 * g + 8 * (l % 4) + j);
+                        let want = plain[pi * PAIR_BYTES + blk * BLOCK_BYTES + QS + i];
+                        assert_eq!(pair[pair_vector(j) + p], want, "{blocks} blocks: vector {j} byte {p} of pair {pi}");
+                        seen[blk * QK_K + i] = true;
+                    }
+                }
+                assert!(seen.iter().all(|&s| s));
+                let mut back = [0u8; PAIR_BYTES];
+                from_pair(pair, &mut back);
+                assert_eq!(back[..], plain[pi * PAIR_BYTES..(pi + 1) * PAIR_BYTES]);
+            }
+            if blocks % 2 == 1 {
+                let o = (blocks - 1) * BLOCK_BYTES;
+                assert_eq!(row[o..], plain[o..], "the lone last block stays plain");
             }
         }
     }

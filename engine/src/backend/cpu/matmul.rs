@@ -26,7 +26,7 @@ use std::ops::Range;
 
 use crate::backend::cpu::pool::{split, Pool};
 use crate::model::weights::Mat;
-use crate::quant::{self, DotF32, DotQ, GgmlType};
+use crate::quant::{self, ActType, DotF32, DotQ, GgmlType};
 use crate::{Error, Result};
 
 /// Whether matrices of type `ty` can be multiplied (and their rows dequantized).
@@ -53,7 +53,7 @@ pub enum Kernel {
     /// Float weights (F16/BF16) against f32 activations.
     F(DotF32),
     /// Quantized weights against activations quantized to `act` (`act_bytes` per row).
-    Q { act: GgmlType, dot: DotQ, act_bytes: usize },
+    Q { act: ActType, dot: DotQ, act_bytes: usize },
 }
 
 impl Kernel {
@@ -63,7 +63,7 @@ impl Kernel {
             return Ok(Kernel::F32);
         }
         let act = quant::act_type(ty);
-        if act != GgmlType::F32 {
+        if !act.is_f32() {
             if let (Ok(dot), Some(b)) = (quant::dot_q_kernel(ty), act.row_bytes(cols as u64)) {
                 return Ok(Kernel::Q { act, dot, act_bytes: b as usize });
             }
@@ -81,10 +81,10 @@ impl Kernel {
     }
 
     /// The activation format (`F32` when activations stay f32).
-    pub fn act_type(&self) -> GgmlType {
+    pub fn act_type(&self) -> ActType {
         match self {
             Kernel::Q { act, .. } => *act,
-            _ => GgmlType::F32,
+            _ => ActType::F32,
         }
     }
 }
@@ -178,7 +178,7 @@ pub enum Input<'a> {
 /// large enough).
 #[derive(Debug, Default)]
 pub struct Acts {
-    act: Option<GgmlType>,
+    act: Option<ActType>,
     row_bytes: usize,
     data: Vec<u8>,
     one: Vec<u8>,

@@ -12,7 +12,7 @@ use super::pool::{par_rows, Pool};
 use super::{CpuBackend, Scratch};
 use crate::backend::StepCtx;
 use crate::model::Mat;
-use crate::quant::GgmlType;
+use crate::quant::ActType;
 use crate::Result;
 
 fn softplus(x: f32) -> f32 {
@@ -142,7 +142,7 @@ pub fn moe(be: &CpuBackend, sc: &mut Scratch, cx: &mut StepCtx<'_>, layer: usize
 
     // Activations of the normalized input, quantized once per activation type for all gate/up products.
     let all_rows = RowAt::Strided { stride: d, off: 0 };
-    let mut prepared = [false; 2];
+    let mut prepared = [false; 3];
     for k in [kr.gate, kr.up].into_iter().chain(shared.iter().flat_map(|s| [s.3.gate, s.3.up])) {
         let slot = act_slot(&k);
         if matches!(k, Kernel::Q { .. }) && !prepared[slot] {
@@ -245,11 +245,13 @@ impl Kinds {
     }
 }
 
-/// Which `xacts` buffer holds activations for kernel `k` (one per activation type).
+/// Which `xacts` buffer holds activations for kernel `k` (one per quantized activation format; float kernels
+/// read the f32 rows and never prepare one).
 fn act_slot(k: &Kernel) -> usize {
     match k.act_type() {
-        GgmlType::Q8_0 => 1,
-        _ => 0,
+        ActType::Q8_0 => 1,
+        ActType::Q8KPairs => 2,
+        ActType::Q8K | ActType::F32 => 0,
     }
 }
 
@@ -270,7 +272,7 @@ pub struct MoeScratch {
     /// `(batch row, selection index)` of every routed row (for its routing weight).
     pick: Vec<(usize, usize)>,
     /// Normalized input quantized per activation type (Q8_K, Q8_0).
-    xacts: [Acts; 2],
+    xacts: [Acts; 3],
     /// SwiGLU outputs quantized for the routed downs and the shared down.
     hacts: [Acts; 2],
 }

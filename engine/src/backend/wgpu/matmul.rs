@@ -379,7 +379,7 @@ mod accuracy_tests {
                 let mut buf = Vec::new();
                 for (xt, qt) in x.chunks_exact(cols).zip(xq.chunks_exact_mut(cols)) {
                     quant::quantize_acts(act, xt, &mut buf).unwrap();
-                    quant::dequantize_row(act, &buf, qt).unwrap();
+                    quant::dequantize_acts(act, &buf, qt).unwrap();
                 }
                 let (want, mag) = reference(&wf, &mags, &x, rows, cols, n_tok);
                 let (want_q, mag_q) = reference(&wf, &mags, &xq, rows, cols, n_tok);

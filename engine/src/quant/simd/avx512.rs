@@ -1,6 +1,7 @@
 //! AVX-512 kernels (x86-64 with AVX-512 F/BW/VBMI/VNNI, e.g. Ice Lake and later), resolved at runtime.
 //! Only the formats where they beat AVX2 are here (IQ2_XXS below, Q2_K in `avx512_q2k`); [`super::dot_q`] falls
-//! back to AVX2 for the rest.
+//! back to AVX2 for the rest. For IQ2_XXS, [`dot_q`] prefers the faster pair kernel of `avx512_iq2` (GFNI, pair
+//! layout activations); the gather kernel below serves CPUs without GFNI, and the pair kernel's odd last block.
 //!
 //! Soundness: as in `avx2`, every `#[target_feature]` function is reachable only through the plain `fn` wrappers
 //! that [`dot_q`] hands out after [`available`] confirmed every feature they are compiled for; every vector load
@@ -58,7 +59,7 @@ pub(super) fn dot_q(ty: GgmlType) -> Option<DotQ> {
         return None;
     }
     match ty {
-        GgmlType::Iq2Xxs => Some(iq2_xxs_q8_k),
+        GgmlType::Iq2Xxs => super::avx512_iq2::dot_q().or(Some(iq2_xxs_q8_k)),
         GgmlType::Q2K => Some(q2_k_q8_k),
         _ => None,
     }
@@ -72,6 +73,12 @@ fn iq2_xxs_q8_k(w: &[u8], a: &[u8]) -> f32 {
 fn q2_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
     // SAFETY: only handed out by `dot_q` after `available()` confirmed the features `q2_k_q8_k_imp` needs.
     unsafe { super::avx512_q2k::q2_k_q8_k_imp(w, a) }
+}
+
+/// The gather kernel for IQ2_XXS (plain Q8_K activations), for side-by-side benchmarks; `dot_q` prefers the pair
+/// kernel of `avx512_iq2` where GFNI is present.
+pub(super) fn iq2_xxs_gather() -> Option<DotQ> {
+    available().then_some(iq2_xxs_q8_k as DotQ)
 }
 
 /// 64 bytes, 64-byte aligned (vector constants).
@@ -170,7 +177,7 @@ fn dpwssd(acc: __m512i, a: __m512i, b: __m512i) -> __m512i {
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx512vnni,avx2,fma,f16c")]
-fn iq2_xxs_q8_k_imp(w: &[u8], a: &[u8]) -> f32 {
+pub(super) fn iq2_xxs_q8_k_imp(w: &[u8], a: &[u8]) -> f32 {
     let [ks0, ks1] = [0, 1].map(|k| {
         let t = &KSIGNS_IQ2XS[64 * k..64 * k + 64];
         // SAFETY: `t` is 64 readable bytes.
@@ -228,7 +235,7 @@ mod tests {
 
     /// `None` (with a note) where this CPU lacks the features: the kernel is then never selected.
     fn kernel(ty: GgmlType) -> Option<DotQ> {
-        let k = dot_q(ty);
+        let k = if ty == GgmlType::Iq2Xxs { iq2_xxs_gather() } else { dot_q(ty) };
         if k.is_none() {
             eprintln!("no AVX-512 VBMI/VNNI/GFNI on this CPU: the avx512 kernels are not selected, nothing to test");
         }

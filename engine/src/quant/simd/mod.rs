@@ -4,19 +4,32 @@
 //! - x86-64: AVX2 + FMA + F16C (all three required), detected with `is_x86_feature_detected!` (see `avx2`).
 //!   Where AVX-512 F/BW/VBMI/VNNI are also present (Ice Lake and later), [`dot_q`] prefers the `avx512`
 //!   kernels for the formats that have one (IQ2_XXS, Q2_K) and falls back to AVX2 for the rest; [`level`] then reports
-//!   `"avx512-vbmi"`. [`dot_q_variants`] lists every kernel this CPU can run, for side-by-side benchmarks.
+//!   `"avx512-vbmi"`. With GFNI too, IQ2_XXS uses the pair kernel (`avx512_iq2`), whose activations come in the
+//!   pair layout ([`crate::quant::ActType::Q8KPairs`]; [`iq2_pairs`] says whether it is in use).
+//!   [`dot_q_variants`] lists every kernel this CPU can run, with the activation format each one reads, for
+//!   side-by-side benchmarks.
 //! - aarch64 (little-endian): NEON (baseline on aarch64; compiled when the target enables it, see `neon`).
 //!
 //! Every SIMD kernel is tested against the scalar code of its format for odd block counts. Kernels follow the
 //! contract in [`crate::quant`]: they only touch the whole blocks both buffers hold.
 
 use super::api::{DotF32, DotQ};
-use super::GgmlType;
+use super::{ActType, GgmlType};
+
+/// Whether IQ2_XXS weights use the pair kernel here (and so their activations the pair layout).
+pub(crate) fn iq2_pairs() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return avx512_iq2::available();
+    #[allow(unreachable_code)]
+    false
+}
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod avx512_iq2;
 #[cfg(target_arch = "x86_64")]
 mod avx512_q2k;
 #[cfg(all(target_arch = "aarch64", target_feature = "neon", target_endian = "little"))]
@@ -68,18 +81,26 @@ pub(crate) fn dot_q(ty: GgmlType) -> Option<DotQ> {
 }
 
 /// Every SIMD kernel this CPU can run for weight type `ty` · its quantized activations, best first, named by
-/// instruction set (e.g. `[("avx512-vbmi", ..), ("avx2", ..)]`); empty where only the scalar code exists. For
-/// benchmarks comparing the kernels on the same data; the engine uses [`crate::quant::dot_q_kernel`].
-pub fn dot_q_variants(ty: GgmlType) -> Vec<(&'static str, DotQ)> {
+/// instruction set, with the activation format each one reads (e.g. for IQ2_XXS on a GFNI machine
+/// `[("avx512-gfni", Q8KPairs, ..), ("avx512-vbmi", Q8K, ..), ("avx2", Q8K, ..)]`); empty where only the scalar
+/// code exists. For benchmarks comparing the kernels on the same data; the engine uses
+/// [`crate::quant::dot_q_kernel`].
+pub fn dot_q_variants(ty: GgmlType) -> Vec<(&'static str, ActType, DotQ)> {
     let mut v = Vec::new();
+    let plain = super::act::plain_act_type(ty);
     #[cfg(target_arch = "x86_64")]
     {
-        v.extend(avx512::dot_q(ty).map(|k| ("avx512-vbmi", k)));
-        v.extend(avx2::dot_q(ty).map(|k| ("avx2", k)));
+        if ty == GgmlType::Iq2Xxs {
+            v.extend(avx512_iq2::dot_q().map(|k| ("avx512-gfni", ActType::Q8KPairs, k)));
+            v.extend(avx512::iq2_xxs_gather().map(|k| ("avx512-vbmi", plain, k)));
+        } else {
+            v.extend(avx512::dot_q(ty).map(|k| ("avx512-vbmi", plain, k)));
+        }
+        v.extend(avx2::dot_q(ty).map(|k| ("avx2", plain, k)));
     }
     #[cfg(all(target_arch = "aarch64", target_feature = "neon", target_endian = "little"))]
-    v.extend(neon::dot_q(ty).map(|k| ("neon", k)));
-    let _ = ty;
+    v.extend(neon::dot_q(ty).map(|k| ("neon", plain, k)));
+    let _ = (ty, plain);
     v
 }
 
@@ -122,7 +143,7 @@ mod tests {
 #[cfg(test)]
 mod bench {
     use super::*;
-    use crate::quant::{act_type, quantize_acts};
+    use crate::quant::quantize_acts;
     use std::time::Instant;
 
     /// Nanoseconds of CPU time this thread has used (`CLOCK_THREAD_CPUTIME_ID`), so time-slicing with other
@@ -187,20 +208,26 @@ mod bench {
                     b[o..o + 2].copy_from_slice(&0x3000u16.to_le_bytes());
                 }
             }
-            let mut acts = Vec::new();
-            quantize_acts(act_type(ty), &x, &mut acts).unwrap();
             let hot_rows = ((1 << 20) / rb).max(1);
             let variants = dot_q_variants(ty);
+            let acts: Vec<Vec<u8>> = variants
+                .iter()
+                .map(|(_, act, _)| {
+                    let mut a = Vec::new();
+                    quantize_acts(*act, &x, &mut a).unwrap();
+                    a
+                })
+                .collect();
             let mut best = vec![(0f64, 0f64); variants.len()];
             for _ in 0..3 {
-                for (i, (_, k)) in variants.iter().enumerate() {
-                    let hot = run(*k, &w[..hot_rows * rb], &acts, rb, 64 * mib.max(1) / 16);
-                    let cold = run(*k, &w, &acts, rb, 2);
+                for (i, (_, _, k)) in variants.iter().enumerate() {
+                    let hot = run(*k, &w[..hot_rows * rb], &acts[i], rb, 64 * mib.max(1) / 16);
+                    let cold = run(*k, &w, &acts[i], rb, 2);
                     best[i] = (best[i].0.max(hot), best[i].1.max(cold));
                 }
             }
             let wps = |gbs: f64| gbs / ty.block_bytes() as f64 * ty.block_values() as f64;
-            for ((name, _), (hot, cold)) in variants.iter().zip(best) {
+            for ((name, _, _), (hot, cold)) in variants.iter().zip(best) {
                 println!(
                     "{ty:>8} {name:>12}: hot {hot:6.2} GB/s ({:5.2} G weights/s), stream {cold:6.2} GB/s",
                     wps(hot)
