@@ -53,7 +53,7 @@ pub(crate) fn quantize_block_rtn(x: &[f32], b: &mut [u8]) {
     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
     b[..2].copy_from_slice(&f16_bytes(d));
     for (o, &v) in b[2..BLOCK_BYTES].iter_mut().zip(x) {
-        *o = (v * id).round() as i8 as u8;
+        *o = super::round_i8(v * id);
     }
 }
 

@@ -41,7 +41,7 @@ pub(crate) fn quantize(src: &[f32], dst: &mut [u8]) {
         let iscale = 127.0 / amax;
         b[..4].copy_from_slice(&(1.0 / iscale).to_le_bytes());
         for (o, &v) in b[QS..QS + QK_K].iter_mut().zip(x) {
-            *o = (v * iscale).round().clamp(-127.0, 127.0) as i8 as u8;
+            *o = super::round_i8(v * iscale);
         }
         for j in 0..QK_K / 16 {
             let s: i32 = b[QS + 16 * j..QS + 16 * j + 16].iter().map(|&v| v as i8 as i32).sum();
