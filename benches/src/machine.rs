@@ -49,7 +49,7 @@ impl Machine {
         let _ = writeln!(s, "# cpu: {}", self.cpu_model);
         let _ = writeln!(s, "# cores: {} logical, threads used: {threads}", self.logical_cpus);
         let simd = if self.simd.is_empty() { "none".to_string() } else { self.simd.join(" ") };
-        let _ = writeln!(s, "# simd: {simd}");
+        let _ = writeln!(s, "# simd: {simd} (CPU quant kernels: {})", ds4_engine::quant::simd::level());
         let _ =
             writeln!(s, "# llc: {llc}, memory: {} total, {} available", gib(self.mem_total), gib(self.mem_available));
         let _ = writeln!(s, "# backend: {backend}");
@@ -111,7 +111,20 @@ pub fn simd_features() -> Vec<&'static str> {
         macro_rules! probe {
             ($($f:tt),*) => { $( if std::arch::is_x86_feature_detected!($f) { v.push($f); } )* };
         }
-        probe!("sse4.2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512vnni", "avxvnni");
+        probe!(
+            "sse4.2",
+            "avx",
+            "avx2",
+            "fma",
+            "f16c",
+            "avx512f",
+            "avx512bw",
+            "avx512vl",
+            "avx512vbmi",
+            "avx512vnni",
+            "gfni",
+            "avxvnni"
+        );
     }
     #[cfg(target_arch = "aarch64")]
     {

@@ -26,9 +26,9 @@
 //! A row's last block, when the block count is odd, is plain Q8_K and goes through the gather kernel.
 //! Only the f32 accumulation order differs from the scalar reference.
 //!
-//! Measured (one core of this project's Sapphire-Rapids-class VM, 4.1 GHz, cache-resident weights): 46 G
-//! weights/s (~23 cycles per block) vs 29 G/s for the gather kernel; streamed from memory on both cores, 9.8 vs
-//! 6.6 GB/s per core. What bounds it: ports 0 and 5 (every 512-bit op issues there; `vpermb`, `vpermt2b`,
+//! Measured (one core of this project's Sapphire-Rapids-class VM, 4.1 GHz): 46.6 G weights/s with cache-resident
+//! weights (~22.5 cycles per block) vs 29.2 G/s for the gather kernel; streamed from memory 9.0 vs 6.5 GB/s
+//! (`quant::simd::bench`; `benches/README.md` has the port measurements behind the numbers below). What bounds it: ports 0 and 5 (every 512-bit op issues there; `vpermb`, `vpermt2b`,
 //! `vpmultishiftqb`, `vptestmb` only on port 5, `gf2p8affineqb`, `vpmovb2m` and shifts only on port 0), about
 //! 1.7 such uops retire per cycle in practice. Tried and slower on this machine: octet-major layouts with the
 //! gather (33 cycles per block: a `vpgatherqq` costs ~4 cycles of its unit plus ~4 port-0/5 uops) or with

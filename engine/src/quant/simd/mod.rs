@@ -37,9 +37,14 @@ mod neon;
 #[cfg(all(test, target_arch = "x86_64"))]
 mod test_blocks;
 
-/// The instruction set the kernels use on this CPU: `"avx512-vbmi"` (AVX-512 kernels where they exist, AVX2 for
-/// the rest), `"avx2"`, `"neon"` or `"scalar"`.
+/// The instruction set the kernels use on this CPU: `"avx512-gfni"` (AVX-512 kernels where they exist, the IQ2_XXS
+/// pair kernel among them, AVX2 for the rest), `"avx512-vbmi"` (the same without GFNI: the IQ2_XXS gather kernel),
+/// `"avx2"`, `"neon"` or `"scalar"`.
 pub fn level() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    if avx512_iq2::available() {
+        return "avx512-gfni";
+    }
     #[cfg(target_arch = "x86_64")]
     if avx512::available() {
         return "avx512-vbmi";
