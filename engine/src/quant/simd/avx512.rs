@@ -229,7 +229,7 @@ pub(super) fn iq2_xxs_q8_k_imp(w: &[u8], a: &[u8]) -> f32 {
 
 #[cfg(test)]
 mod tests {
-    use super::super::test_blocks::{mass, q8k_blocks};
+    use super::super::test_blocks::{iq2_biggest_point, iq2_every_point_blocks, iq2_uniform_blocks, mass, q8k_blocks};
     use super::*;
     use rand::{rngs::StdRng, Rng, SeedableRng};
 
@@ -285,39 +285,20 @@ mod tests {
     #[test]
     fn iq2_xxs_extremes_are_exact() {
         let Some(k) = kernel(GgmlType::Iq2Xxs) else { return };
-        let one = half::f16::from_f32(1.0).to_le_bytes();
         // The grid point with the largest magnitudes; sign index 127 negates all 8 values; scale 15 is the largest.
-        let grid_sum = |i: usize| IQ2XXS_GRID[i].to_le_bytes().iter().map(|&v| v as i32).sum::<i32>();
-        let big = (0..256).max_by_key(|&i| grid_sum(i)).unwrap_or(0);
+        let (big, big_sum) = iq2_biggest_point();
         for (signs, scale, act) in [(127u32, 15u32, 127i8), (127, 15, -127), (0, 15, 127), (0, 0, -127)] {
             let n = 3;
-            let mut w = vec![0u8; n * iq2_xxs::BLOCK_BYTES];
-            for b in w.chunks_exact_mut(iq2_xxs::BLOCK_BYTES) {
-                b[..2].copy_from_slice(&one);
-                for g in 0..8 {
-                    let o = 2 + 8 * g;
-                    b[o..o + 4].fill(big as u8);
-                    let aux = signs | signs << 7 | signs << 14 | signs << 21 | scale << 28;
-                    b[o + 4..o + 8].copy_from_slice(&aux.to_le_bytes());
-                }
-            }
+            let w = iq2_uniform_blocks(n, big, signs, scale);
             let a = q8k_blocks(n, 1.0, |_| act);
             let (got, want) = (k(&w, &a), iq2_xxs::dot_q8k(&w, &a));
             assert_eq!(got, want, "signs {signs} scale {scale} act {act}");
             let sign = if signs == 127 { -1 } else { 1 };
-            let exact = sign * act as i32 * grid_sum(big) * 32 * (2 * scale as i32 + 1) * n as i32;
+            let exact = sign * act as i32 * big_sum * 32 * (2 * scale as i32 + 1) * n as i32;
             assert_eq!(want, exact as f32 / 8.0);
         }
         // Mixed signs and every grid point, integer activations, unit scales.
-        let mut rng = StdRng::seed_from_u64(11);
-        let mut w = vec![0u8; 8 * iq2_xxs::BLOCK_BYTES];
-        rng.fill(&mut w[..]);
-        for (bi, b) in w.chunks_exact_mut(iq2_xxs::BLOCK_BYTES).enumerate() {
-            b[..2].copy_from_slice(&one);
-            for i in 0..32 {
-                b[2 + 8 * (i / 4) + i % 4] = (32 * bi + i) as u8;
-            }
-        }
+        let w = iq2_every_point_blocks(&mut StdRng::seed_from_u64(11));
         let a = q8k_blocks(8, 1.0, |i| if i % 3 == 0 { -127 } else { 127 });
         assert_eq!(k(&w, &a), iq2_xxs::dot_q8k(&w, &a));
     }

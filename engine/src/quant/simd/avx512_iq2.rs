@@ -59,19 +59,6 @@ fn iq2_xxs_q8k_pairs(w: &[u8], a: &[u8]) -> f32 {
     unsafe { imp(w, a) }
 }
 
-/// Fills a 64-byte constant from an expression in the byte index `i`.
-macro_rules! bytes64 {
-    (|$i:ident| $f:expr) => {{
-        let mut t = [0u8; 64];
-        let mut $i = 0;
-        while $i < 64 {
-            t[$i] = $f;
-            $i += 1;
-        }
-        A64(t)
-    }};
-}
-
 /// Level index (0, 1, 2) of a grid magnitude (8, 25, 43).
 const fn level(m: u64) -> u8 {
     match m {
@@ -204,7 +191,7 @@ fn imp(w: &[u8], a: &[u8]) -> f32 {
 
 #[cfg(test)]
 mod tests {
-    use super::super::test_blocks::{mass, q8k_blocks};
+    use super::super::test_blocks::{iq2_biggest_point, iq2_every_point_blocks, iq2_uniform_blocks, mass, q8k_blocks};
     use super::*;
     use crate::quant::iq2_tables::KSIGNS_IQ2XS;
     use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -277,35 +264,15 @@ mod tests {
     #[test]
     fn extremes_are_exact() {
         let Some(k) = kernel() else { return };
-        let one = half::f16::from_f32(1.0).to_le_bytes();
-        let grid_sum = |i: usize| IQ2XXS_GRID[i].to_le_bytes().iter().map(|&v| v as i32).sum::<i32>();
-        let big = (0..256).max_by_key(|&i| grid_sum(i)).unwrap_or(0);
+        let (big, _) = iq2_biggest_point();
         for (signs, scale, act) in [(127u32, 15u32, 127i8), (127, 15, -127), (0, 15, 127), (0, 0, -127)] {
-            let n = 4;
-            let mut w = vec![0u8; n * iq2_xxs::BLOCK_BYTES];
-            for b in w.chunks_exact_mut(iq2_xxs::BLOCK_BYTES) {
-                b[..2].copy_from_slice(&one);
-                for g in 0..8 {
-                    let o = 2 + 8 * g;
-                    b[o..o + 4].fill(big as u8);
-                    let aux = signs | signs << 7 | signs << 14 | signs << 21 | scale << 28;
-                    b[o + 4..o + 8].copy_from_slice(&aux.to_le_bytes());
-                }
-            }
-            let plain = q8k_blocks(n, 1.0, |_| act);
+            let w = iq2_uniform_blocks(4, big, signs, scale);
+            let plain = q8k_blocks(4, 1.0, |_| act);
             let want = iq2_xxs::dot_q8k(&w, &plain);
             assert_eq!(k(&w, &pairs(&plain)), want, "signs {signs} scale {scale} act {act}");
         }
         // Every grid point at every octet position, mixed signs, integer activations, unit scales.
-        let mut rng = StdRng::seed_from_u64(13);
-        let mut w = vec![0u8; 8 * iq2_xxs::BLOCK_BYTES];
-        rng.fill(&mut w[..]);
-        for (bi, b) in w.chunks_exact_mut(iq2_xxs::BLOCK_BYTES).enumerate() {
-            b[..2].copy_from_slice(&one);
-            for i in 0..32 {
-                b[2 + 8 * (i / 4) + i % 4] = (32 * bi + i) as u8;
-            }
-        }
+        let w = iq2_every_point_blocks(&mut StdRng::seed_from_u64(13));
         let plain = q8k_blocks(8, 1.0, |i| if i % 3 == 0 { -127 } else { 127 });
         assert_eq!(k(&w, &pairs(&plain)), iq2_xxs::dot_q8k(&w, &plain));
     }

@@ -22,19 +22,6 @@ use super::super::{q2_k, q8_k};
 use super::avx2::{f16_at, prefetch_ahead};
 use super::avx512::A64;
 
-/// Fills a 64-byte constant from an expression in the byte index `i`.
-macro_rules! bytes64 {
-    (|$i:ident| $f:expr) => {{
-        let mut t = [0u8; 64];
-        let mut $i = 0;
-        while $i < 64 {
-            t[$i] = $f;
-            $i += 1;
-        }
-        A64(t)
-    }};
-}
-
 /// For shift `j`, byte `p` of the quants belongs to sub-block `8·(p/32) + 2j + (p%32)/16`; its table offset is 4×.
 const SUB_OFFSET: [A64; 4] = [
     bytes64!(|p| (4 * (8 * (p / 32) + (p % 32) / 16)) as u8),

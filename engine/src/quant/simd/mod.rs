@@ -24,6 +24,21 @@ pub(crate) fn iq2_pairs() -> bool {
     false
 }
 
+/// A 64-byte vector constant (`avx512::A64`) from an expression in the byte index `i`, for the AVX-512 kernels'
+/// tables (`const` context).
+#[cfg(target_arch = "x86_64")]
+macro_rules! bytes64 {
+    (|$i:ident| $f:expr) => {{
+        let mut t = [0u8; 64];
+        let mut $i = 0;
+        while $i < 64 {
+            t[$i] = $f;
+            $i += 1;
+        }
+        super::avx512::A64(t)
+    }};
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]

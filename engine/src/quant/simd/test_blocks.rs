@@ -1,6 +1,7 @@
 //! Test inputs shared by the SIMD kernel tests: hand-made Q8_K activation blocks and the error scale of a dot.
 
-use crate::quant::{q8_k, QK_K};
+use crate::quant::iq2_tables::IQ2XXS_GRID;
+use crate::quant::{iq2_xxs, q8_k, QK_K};
 
 /// `n` Q8_K blocks with quants `q(i)` (value index `i` across blocks) and scale `d`, block sums filled in.
 pub(super) fn q8k_blocks(n: usize, d: f32, mut q: impl FnMut(usize) -> i8) -> Vec<u8> {
@@ -28,4 +29,41 @@ pub(super) fn mass(w: &[u8], a: &[u8], block_bytes: usize, dequantize_block: fn(
         m += (0..QK_K).map(|i| (y[i] as f64 * (q8_k::d(qa) * q8_k::q(qa, i) as f32) as f64).abs()).sum::<f64>();
     }
     m
+}
+
+/// The IQ2_XXS grid point with the largest magnitude sum, and that sum.
+pub(super) fn iq2_biggest_point() -> (usize, i32) {
+    let sum = |i: usize| IQ2XXS_GRID[i].to_le_bytes().iter().map(|&v| v as i32).sum::<i32>();
+    (0..256).map(|i| (i, sum(i))).max_by_key(|&(_, s)| s).unwrap_or((0, 0))
+}
+
+/// `n` IQ2_XXS blocks with unit scale `d` in which every octet is grid point `point` under sign index `signs` and
+/// every group has scale `scale` (the format's extremes when `point` is the biggest, `signs` 127, `scale` 15).
+pub(super) fn iq2_uniform_blocks(n: usize, point: usize, signs: u32, scale: u32) -> Vec<u8> {
+    let one = half::f16::from_f32(1.0).to_le_bytes();
+    let mut w = vec![0u8; n * iq2_xxs::BLOCK_BYTES];
+    for b in w.chunks_exact_mut(iq2_xxs::BLOCK_BYTES) {
+        b[..2].copy_from_slice(&one);
+        for g in 0..8 {
+            let o = 2 + 8 * g;
+            b[o..o + 4].fill(point as u8);
+            let aux = signs | signs << 7 | signs << 14 | signs << 21 | scale << 28;
+            b[o + 4..o + 8].copy_from_slice(&aux.to_le_bytes());
+        }
+    }
+    w
+}
+
+/// 8 IQ2_XXS blocks with unit scales and random signs and group scales that together use every grid point once
+/// (block `b`'s octets are points `32b..32b+32`).
+pub(super) fn iq2_every_point_blocks(rng: &mut impl rand::Rng) -> Vec<u8> {
+    let mut w = vec![0u8; 8 * iq2_xxs::BLOCK_BYTES];
+    rng.fill(&mut w[..]);
+    for (bi, b) in w.chunks_exact_mut(iq2_xxs::BLOCK_BYTES).enumerate() {
+        b[..2].copy_from_slice(&half::f16::from_f32(1.0).to_le_bytes());
+        for i in 0..32 {
+            b[2 + 8 * (i / 4) + i % 4] = (32 * bi + i) as u8;
+        }
+    }
+    w
 }
