@@ -8,7 +8,8 @@
 //!
 //! Kernels: F32 weights use [`dot_f32`] here (the golden-checked path); F16/BF16 use `quant::dot_f32_kernel`;
 //! quantized weights (Q8_0, Q2_K, Q4_K, IQ2_XXS) quantize each activation row into `quant::act_type` (Q8_0 /
-//! Q8_K, as ggml does) and use `quant::dot_q_kernel`. Types without a kernel are rejected at load by [`supports`].
+//! Q8_K, as ggml does; for IQ2_XXS on AVX-512 + GFNI, Q8_K in the pair layout its kernel reads) and use
+//! `quant::dot_q_kernel`. Types without a kernel are rejected at load by [`supports`].
 //!
 //! Activation quantization is the CPU's one deliberate approximation: each activation is rounded to a grid of
 //! `amax/127` per block of 32 (Q8_0) or 256 (Q8_K) values, an error of up to half a step per activation. When the
