@@ -184,10 +184,10 @@ pub fn dequantize_acts(act: ActType, src: &[u8], dst: &mut [f32]) -> Result<()> 
         return Err(qerr("dequantize_acts", GgmlType::Q8K, format!("{} values need {need} bytes", dst.len())));
     }
     let mut plain = src.to_vec();
-    let mut pair = [0u8; q8_k::PAIR_BYTES];
-    for p in plain.chunks_exact_mut(q8_k::PAIR_BYTES) {
-        q8_k::from_pair(p, &mut pair);
-        p.copy_from_slice(&pair);
+    for (p, out) in src.chunks_exact(q8_k::PAIR_BYTES).zip(plain.chunks_exact_mut(q8_k::PAIR_BYTES)) {
+        if let Ok(out) = out.try_into() {
+            q8_k::from_pair(p, out);
+        }
     }
     q8_k::dequantize(&plain, dst);
     Ok(())

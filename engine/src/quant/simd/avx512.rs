@@ -30,13 +30,9 @@
 //! `vpmovb2m` or by `vpshufbitqmb`, the gather indices by broadcast loads and shifts, dword-index gathers, the
 //! gathers issued one block ahead, two rows per call sharing the activation loads (all 22-27 G/s).
 //!
-//! Measured, not yet integrated (it needs an IQ2_XXS-specific activation layout from `quantize_acts`): activations
-//! pre-permuted once per matvec into *octet-major* chunks (chunk `c` = octet `c` of each of the 8 groups, quants
-//! 64-byte aligned) make every chunk's i32 lanes map to the same groups, so `vpdpbusd` accumulates across the 4
-//! chunks and the group scales are applied once per block (one `vpmulld`) instead of 4 × (`vpermd` + `vpdpwssd`);
-//! with the 4 sign masks moved to k-registers through GPRs from one compacting `vpermb`, a standalone copy ran
-//! 29.3 G weights/s vs 26.3 hot (+11 %) and ~+8 % streamed. Without the gathers the rest runs at 36 G/s, so the
-//! gathers cost ~20 % and the remaining vector uops (ports 0 and 5 only for 512-bit ops) bound the kernel.
+//! Superseded where GFNI is present: an IQ2_XXS-specific activation layout lets `avx512_iq2` drop the gathers
+//! (46 vs 29 G weights/s); an octet-major layout with these gathers, measured on the way, gained only ~11 %
+//! (`benches/README.md`).
 
 use std::arch::x86_64::*;
 
@@ -237,7 +233,7 @@ mod tests {
     fn kernel(ty: GgmlType) -> Option<DotQ> {
         let k = if ty == GgmlType::Iq2Xxs { iq2_xxs_gather() } else { dot_q(ty) };
         if k.is_none() {
-            eprintln!("no AVX-512 VBMI/VNNI/GFNI on this CPU: the avx512 kernels are not selected, nothing to test");
+            eprintln!("no AVX-512 VBMI/VNNI on this CPU: the avx512 kernels are not selected, nothing to test");
         }
         k
     }

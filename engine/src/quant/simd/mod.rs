@@ -4,8 +4,8 @@
 //! - x86-64: AVX2 + FMA + F16C (all three required), detected with `is_x86_feature_detected!` (see `avx2`).
 //!   Where AVX-512 F/BW/VBMI/VNNI are also present (Ice Lake and later), [`dot_q`] prefers the `avx512`
 //!   kernels for the formats that have one (IQ2_XXS, Q2_K) and falls back to AVX2 for the rest; [`level`] then reports
-//!   `"avx512-vbmi"`. With GFNI too, IQ2_XXS uses the pair kernel (`avx512_iq2`), whose activations come in the
-//!   pair layout ([`crate::quant::ActType::Q8KPairs`]; [`iq2_pairs`] says whether it is in use).
+//!   `"avx512-vbmi"`. With GFNI too ([`level`]: `"avx512-gfni"`), IQ2_XXS uses the pair kernel (`avx512_iq2`), whose
+//!   activations come in the pair layout ([`crate::quant::ActType::Q8KPairs`]; [`iq2_pairs`] says whether it is in use).
 //!   [`dot_q_variants`] lists every kernel this CPU can run, with the activation format each one reads, for
 //!   side-by-side benchmarks.
 //! - aarch64 (little-endian): NEON (baseline on aarch64; compiled when the target enables it, see `neon`).
