@@ -4,11 +4,12 @@
 //! shared by every weight row of a product. Most formats are plain ggml blocks; one is a kernel-specific reordering
 //! of Q8_K blocks that lets the AVX-512 IQ2_XXS kernel skip a per-row shuffle:
 //!
-//! - [`ActType::Q8KPairs`]: Q8_K blocks (same 292 bytes each, same scales and block sums at the same offsets),
-//!   with the quants of every *pair* of blocks stored value-major: vector `j` (0..8, 64 bytes) holds value `j` of
-//!   each of the pair's 64 octets (8-value runs); byte `8g + l` is octet `l % 4` of group `g` (32 values) of block
-//!   `l / 4`, the order in which the IQ2_XXS weights keep their grid indices. Vectors 0..4 sit where block 0's
-//!   quants were, 4..8 where block 1's were. A row's last block, when the block count is odd, stays plain Q8_K.
+//! - [`ActType::Q8KPairs`]: every *pair* of Q8_K blocks (584 bytes, the size of two plain blocks) re-laid out
+//!   for the kernel: the two f32 scales (bytes 0..8), then 8 value-major vectors (64 bytes each): vector `j` holds
+//!   value `j` of each of the pair's 64 octets (8-value runs), byte `p` being octet `p % 4` of i32 lane `p / 4`, and
+//!   lane `4m + r` is group `2m + r % 2` (32 values) of block `r / 2` — the order in which one `vshufps` gathers the
+//!   IQ2_XXS weights' grid indices (`q8_k::pair_value`); then the block sums, two i16 per lane in the same lane
+//!   order (`q8_k::PAIR_LANE_BSUMS`). A row's last block, when the block count is odd, stays plain Q8_K.
 //!   [`crate::quant::act_type`] picks it only where the kernel that reads it runs.
 //!
 //! Every format keeps Q8_K/Q8_0 sizes, so a row of `n` values takes the same bytes whatever the layout.

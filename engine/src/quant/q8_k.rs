@@ -62,51 +62,80 @@ pub(crate) fn dequantize(src: &[u8], dst: &mut [f32]) {
 /// Bytes of a pair of blocks (the unit of the value-major pair layout, see `quant::act`).
 pub(crate) const PAIR_BYTES: usize = 2 * BLOCK_BYTES;
 
+/// Byte offset, inside a pair, of block `k`'s scale `d` (f32).
+pub(crate) const PAIR_D: [usize; 2] = [0, 4];
+
+/// Byte offset, inside a pair, of the block sums in kernel lane order: i32 lane `L = 4m + r` (4 bytes at
+/// `PAIR_LANE_BSUMS + 4L`) holds the two i16 block sums (16 values each) of the group that lane accumulates, group
+/// `2m + r % 2` of block `r / 2` (see [`pair_value`]).
+pub(crate) const PAIR_LANE_BSUMS: usize = 8 + 8 * 64;
+
+const _: () = assert!(PAIR_LANE_BSUMS + 64 == PAIR_BYTES);
+
+/// The (block, group) whose sums i32 lane `lane` (0..16) of a pair accumulates.
+#[inline(always)]
+pub(crate) const fn lane_group(lane: usize) -> (usize, usize) {
+    let (m, r) = (lane / 4, lane % 4);
+    (r / 2, 2 * m + r % 2)
+}
+
 /// Byte offset, inside a pair of blocks in the pair layout, of vector `j` (value `j` of each of the pair's 64
-/// octets, ordered by [`pair_value`]): vectors 0..4 replace block 0's quants, 4..8 block 1's.
+/// octets, ordered by [`pair_value`]).
 #[inline(always)]
 pub(crate) const fn pair_vector(j: usize) -> usize {
-    if j < 4 {
-        QS + 64 * j
-    } else {
-        BLOCK_BYTES + QS + 64 * (j - 4)
-    }
+    8 + 64 * j
 }
 
-/// The pair value (0..512: block `v / 256`, quant `v % 256`) stored at byte `p` of vector `j` in the pair layout:
-/// byte `p = 8g + l` holds octet `l % 4` of group `g` of block `l / 4`, i.e. its group bytes line up with the
-/// weights' (grid indices of block 0, then of block 1, per group).
+/// The pair value (0..512: block `v / 256`, quant `v % 256`) stored at byte `p` of vector `j` in the pair layout.
+/// Byte `p` is octet `p % 4` of i32 lane `p / 4 = 4m + r`, which holds group `2m + r % 2` of block `r / 2`: the
+/// order `vshufps` puts the two blocks' grid-index dwords in.
 #[inline(always)]
 pub(crate) const fn pair_value(j: usize, p: usize) -> usize {
-    let (g, l) = (p / 8, p % 8);
-    QK_K * (l / 4) + 32 * g + 8 * (l % 4) + j
+    let (k, g) = lane_group(p / 4);
+    QK_K * k + 32 * g + 8 * (p % 4) + j
 }
 
-/// Reorders the quants of every whole pair of blocks in `row` (plain Q8_K) into the pair layout; a last lone block
-/// and any partial block stay as they are. Scales and block sums do not move.
+/// Lays out every whole pair of blocks in `row` (plain Q8_K) as the pair layout (`quant::act`): the two scales,
+/// the 8 value-major vectors, the block sums in lane order. A last lone block and any partial block stay as they
+/// are.
 pub(crate) fn to_pairs(row: &mut [u8]) {
-    let mut q = [0u8; 2 * QK_K];
+    let mut plain = [0u8; PAIR_BYTES];
     for pair in row.chunks_exact_mut(PAIR_BYTES) {
-        q[..QK_K].copy_from_slice(&pair[QS..QS + QK_K]);
-        q[QK_K..].copy_from_slice(&pair[BLOCK_BYTES + QS..BLOCK_BYTES + QS + QK_K]);
+        plain.copy_from_slice(pair);
+        for k in 0..2 {
+            pair[PAIR_D[k]..PAIR_D[k] + 4].copy_from_slice(&plain[k * BLOCK_BYTES..k * BLOCK_BYTES + 4]);
+        }
         for j in 0..8 {
             let v = pair_vector(j);
             for p in 0..64 {
-                pair[v + p] = q[pair_value(j, p)];
+                let i = pair_value(j, p);
+                pair[v + p] = plain[(i / QK_K) * BLOCK_BYTES + QS + i % QK_K];
             }
+        }
+        for lane in 0..16 {
+            let (k, g) = lane_group(lane);
+            let o = k * BLOCK_BYTES + BSUMS + 4 * g;
+            pair[PAIR_LANE_BSUMS + 4 * lane..PAIR_LANE_BSUMS + 4 * lane + 4].copy_from_slice(&plain[o..o + 4]);
         }
     }
 }
 
 /// The inverse of [`to_pairs`] for one pair: the two plain Q8_K blocks of a pair-layout pair.
 pub(crate) fn from_pair(pair: &[u8], out: &mut [u8; PAIR_BYTES]) {
-    out.copy_from_slice(&pair[..PAIR_BYTES]);
+    for k in 0..2 {
+        out[k * BLOCK_BYTES..k * BLOCK_BYTES + 4].copy_from_slice(&pair[PAIR_D[k]..PAIR_D[k] + 4]);
+    }
     for j in 0..8 {
         let v = pair_vector(j);
         for p in 0..64 {
             let i = pair_value(j, p);
             out[(i / QK_K) * BLOCK_BYTES + QS + i % QK_K] = pair[v + p];
         }
+    }
+    for lane in 0..16 {
+        let (k, g) = lane_group(lane);
+        let o = k * BLOCK_BYTES + BSUMS + 4 * g;
+        out[o..o + 4].copy_from_slice(&pair[PAIR_LANE_BSUMS + 4 * lane..PAIR_LANE_BSUMS + 4 * lane + 4]);
     }
 }
 
@@ -137,24 +166,35 @@ mod tests {
     #[test]
     fn pair_layout_round_trips_and_keeps_scales() {
         for blocks in [1usize, 2, 3, 4, 5] {
-            let mut row: Vec<u8> = (0..blocks * BLOCK_BYTES).map(|i| (i * 7 + i / 291) as u8).collect();
+            let x: Vec<f32> = (0..blocks * QK_K).map(|i| ((i * 7919 + i / 97) % 1013) as f32 / 506.0 - 1.0).collect();
+            let mut row = vec![0u8; blocks * BLOCK_BYTES];
+            quantize(&x, &mut row);
             let plain = row.clone();
             to_pairs(&mut row);
-            for b in 0..blocks {
-                let o = b * BLOCK_BYTES;
-                assert_eq!(row[o..o + QS], plain[o..o + QS], "{blocks} blocks: scale of block {b} moved");
-                assert_eq!(row[o + BSUMS..o + BLOCK_BYTES], plain[o + BSUMS..o + BLOCK_BYTES], "block sums moved");
-            }
             for (pi, pair) in row.chunks_exact(PAIR_BYTES).enumerate() {
-                // Byte 8g + l of vector j: value j of octet l % 4 of group g of block l / 4; every value once.
+                let blk = |k: usize| &plain[pi * PAIR_BYTES + k * BLOCK_BYTES..];
+                for k in 0..2 {
+                    assert_eq!(pair[PAIR_D[k]..PAIR_D[k] + 4], blk(k)[..4], "{blocks} blocks: scale of block {k}");
+                }
+                for lane in 0..16 {
+                    let (k, g) = (lane % 4 / 2, 2 * (lane / 4) + lane % 2);
+                    let o = PAIR_LANE_BSUMS + 4 * lane;
+                    assert_eq!(pair[o..o + 4], blk(k)[BSUMS + 4 * g..BSUMS + 4 * g + 4], "lane {lane} sums");
+                    let sum = (32 * g..32 * g + 32).map(|i| q(blk(k), i)).sum::<i32>();
+                    let lane_sum =
+                        i16::from_le_bytes([pair[o], pair[o + 1]]) + i16::from_le_bytes([pair[o + 2], pair[o + 3]]);
+                    assert_eq!(lane_sum as i32, sum, "lane {lane}: sums of its group");
+                }
+                // Byte p of vector j: value j of octet p % 4 of lane p / 4 = 4m + r, group 2m + r % 2 of block
+                // r / 2; every value exactly once.
                 let mut seen = [false; 2 * QK_K];
                 for j in 0..8 {
                     for p in 0..64 {
-                        let (g, l) = (p / 8, p % 8);
-                        let (blk, i) = (l / 4, 32 * g + 8 * (l % 4) + j);
-                        let want = plain[pi * PAIR_BYTES + blk * BLOCK_BYTES + QS + i];
-                        assert_eq!(pair[pair_vector(j) + p], want, "{blocks} blocks: vector {j} byte {p} of pair {pi}");
-                        seen[blk * QK_K + i] = true;
+                        let (m, r) = (p / 16, p / 4 % 4);
+                        let (k, i) = (r / 2, 32 * (2 * m + r % 2) + 8 * (p % 4) + j);
+                        assert_eq!(pair[pair_vector(j) + p], blk(k)[QS + i], "{blocks} blocks: vector {j} byte {p}");
+                        assert!(!seen[k * QK_K + i]);
+                        seen[k * QK_K + i] = true;
                     }
                 }
                 assert!(seen.iter().all(|&s| s));

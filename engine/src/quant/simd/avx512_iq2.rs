@@ -9,32 +9,37 @@
 //!
 //! Two blocks (512 values, 64 octets of 8 values) at a time, *value-major*: vector `j` holds value `j` of each of
 //! the 64 octets, so one byte lane follows one octet through all 8 values and a `vpdpbusd` lane (4 bytes = the 4
-//! octets of a group) accumulates one group over the whole pair. Byte `8g + l` is octet `l % 4` of group `g` of
-//! block `l / 4`: exactly where the weights keep grid indices, so no byte shuffle gathers them. Per pair:
-//! - grid indices: block 0's group bytes with block 1's index dwords shifted into the aux halves (`vpsllq` and a
-//!   blend); aux words: dword `2g + h` = group `g` of block `h` (`vpsrlq` and a blend), which is also the i32 lane
-//!   of that group; sign indices are pulled out by `vpmultishiftqb` and completed with their parity bit by one
-//!   `gf2p8affineqb` (bits 0..7 of `KSIGNS_IQ2XS[k]` are `k` and the XOR of its bits, a linear map over GF(2));
-//! - per value `j`: a 64-byte table `T_j` packs the level (0, 1, 2 for 8, 25, 43) of value `j` of 4 grid points
-//!   per byte; `vpermb` by `index >> 2` fetches the byte, `vpmultishiftqb` by `2·(index & 3)` moves the level to
-//!   bits 0..2, and `gf2p8affineqb` maps it to the magnitude (`8 ⊕ 17·b0 ⊕ 35·b1` is exactly 8, 25, 43 for
-//!   levels 0, 1, 2: affine over GF(2)); `vptestmb` on bit `j` of the sign bytes is the k-mask under which
-//!   `vpsubb` negates the activations (Q8_K quants are never -128: no wrap); `vpdpbusd` accumulates
-//!   (|lane| ≤ 32·43·127 < 2^18);
-//! - per group lane, `vpmulld` by `2·scale + 1`, exact conversion to f32, times `d_w·d_a/8` of its block.
+//! octets of a group) accumulates one group over the whole pair. Per pair:
+//! - `vshufps` gathers the grid-index dwords of both blocks into one vector (`idx`) and their aux words (signs and
+//!   scale) into another, in the same lane order: i32 lane `4m + r` is group `2m + r % 2` of block `r / 2`
+//!   (`q8_k::pair_value` lays the activations out to match); `vpmultishiftqb` pulls each octet's 7-bit sign index
+//!   out of the aux words;
+//! - per half `h` of the values (`4h..4h + 4`): two `vpermt2b` look the grid index up in two 128-byte tables
+//!   (points 0..128 and 128..256, index bit 7 ignored) whose bytes pack the levels (0, 1, 2 for 8, 25, 43) of the
+//!   point's four values, two bits each, and a byte blend under index bit 7 (`vpmovb2m`) picks the right one; one
+//!   `gf2p8affineqb` turns the sign index into the half's four signs at chosen bit positions (sign 7 is the parity
+//!   of the index, as `KSIGNS_IQ2XS` has it: linear over GF(2)); two `vpternlogd` selects (one after a shift)
+//!   merge levels and signs into two index bytes, each holding two values' levels and signs in its low 6 bits;
+//! - per value: `vpermb` on a 64-entry table maps its index byte to `128 ± magnitude` (unsigned, as `vpdpbusd`
+//!   wants its first operand; the activations are the signed one) and `vpdpbusd` accumulates; the bias comes off
+//!   once per pair, `−128·Σq` from the group's two block sums by one `vpdpwssd` (the pair layout stores the sums in
+//!   lane order). A lane sums one group: |Σ(128 ± m)·q| ≤ 32·171·127 < 2^23, the result < 2^18, exact in f32;
+//! - per group lane: conversion to f32, times `2·scale + 1` (looked up by `vpermps`), times `d_w` (both blocks' f16
+//!   scales converted at once) times `d_a`; `1/8` once at the end.
 //!
 //! A row's last block, when the block count is odd, is plain Q8_K and goes through the gather kernel.
 //! Only the f32 accumulation order differs from the scalar reference.
 //!
-//! Measured (one core of this project's Sapphire-Rapids-class VM, 4.1 GHz): 46.6 G weights/s with cache-resident
-//! weights (~22.5 cycles per block) vs 29.2 G/s for the gather kernel; streamed from memory 9.0 vs 6.5 GB/s
-//! (`quant::simd::bench`; `benches/README.md` has the port measurements behind the numbers below). What bounds it: ports 0 and 5 (every 512-bit op issues there; `vpermb`, `vpermt2b`,
-//! `vpmultishiftqb`, `vptestmb` only on port 5, `gf2p8affineqb`, `vpmovb2m` and shifts only on port 0), about
-//! 1.7 such uops retire per cycle in practice. Tried and slower on this machine: octet-major layouts with the
-//! gather (33 cycles per block: a `vpgatherqq` costs ~4 cycles of its unit plus ~4 port-0/5 uops) or with
-//! 16-bit level codes looked up by `vpermt2b` (35); signs by `vpshufbitqmb` (2 uops: ports 0 and 5); sign
-//! masks by shift + `vpmovb2m` on port 0 instead of `vptestmb` (slower: port 0 is the busier one); signs as
-//! byte masks applied by xor/sub.
+//! Measured (one core of this project's Sapphire-Rapids-class VM, ~3.8 GHz under AVX-512 load): 57.4 G weights/s
+//! with cache-resident weights (~34 cycles per pair) vs 29.2 G/s for the gather kernel (`quant::simd::bench`;
+//! `benches/README.md` has the history). What bounds it: ports 0 and 5 (every 512-bit op issues there; `vpermt2b`
+//! takes port 5 for two cycles; `vpermb`, `vpmultishiftqb`, `vshufps`, `vpermd` only port 5; `gf2p8affineqb`,
+//! `vpdpbusd`, `vpmovb2m`, shifts and f32 math only port 0): ~52 such uops per pair, and the `vpdpbusd` chains
+//! (two accumulators: one chain of eight was 4 % slower, four 5 %). Tried and slower here: the previous kernels —
+//! one `vpermb` + `vpmultishiftqb` + `gf2p8affineqb` per value with signs by `vptestmb` + masked `vpsubb` (46.6
+//! G/s), the 128-entry lookups with `gf2p8affineqb` magnitudes and the same sign path (51.9); octet-major layouts
+//! with gathers (33 cycles per block) or 16-bit level codes (35); sign masks transposed once per pair and loaded
+//! by `kmovq k, m64` (each such load costs a port-5 uop *and* stalls on the store: 29 G/s).
 
 use std::arch::x86_64::*;
 
@@ -68,38 +73,28 @@ const fn level(m: u64) -> u8 {
     }
 }
 
-/// `T_j`: byte `b`, bits `2e..2e+2` = the level of value `j` of grid point `4b + e`.
-const fn level_table(j: usize) -> A64 {
-    let mut t = [0u8; 64];
-    let mut b = 0;
-    while b < 64 {
+/// `LEVELS[h][t]`: byte `i` of the 128-byte table (two vectors) for grid points `128t..128t + 128`, bits
+/// `2e..2e+2` = the level of value `4h + e` of point `128t + i`.
+const fn level_table(h: usize, t: usize) -> [A64; 2] {
+    let mut v = [A64([0u8; 64]), A64([0u8; 64])];
+    let mut i = 0;
+    while i < 128 {
+        let point = IQ2XXS_GRID[128 * t + i];
         let mut e = 0;
         while e < 4 {
-            t[b] |= level((IQ2XXS_GRID[4 * b + e] >> (8 * j)) & 0xff) << (2 * e);
+            v[i / 64].0[i % 64] |= level((point >> (8 * (4 * h + e))) & 0xff) << (2 * e);
             e += 1;
         }
-        b += 1;
+        i += 1;
     }
-    A64(t)
+    v
 }
 
-const LEVELS: [A64; 8] = [
-    level_table(0),
-    level_table(1),
-    level_table(2),
-    level_table(3),
-    level_table(4),
-    level_table(5),
-    level_table(6),
-    level_table(7),
-];
+const LEVELS: [[[A64; 2]; 2]; 2] = [[level_table(0, 0), level_table(0, 1)], [level_table(1, 0), level_table(1, 1)]];
 
-/// `vpmultishiftqb` over the aux words: byte `p = 8g + l` = bits `7(l % 4)..+8` of the aux word of group `g` of
-/// block `l / 4`, the low (block 0) or high (block 1) dword of qword `g`.
+/// `vpmultishiftqb` over the aux words: byte `p` = bits `7(p % 4)..+8` of the aux word of its i32 lane `p / 4`,
+/// the low or high dword of qword `p / 8`.
 const SIGN_CTRL: A64 = bytes64!(|p| (32 * (p % 8 / 4) + 7 * (p % 4)) as u8);
-
-/// Bit offset of byte `p` inside its qword (`vpmultishiftqb` control base for the level fields).
-const BYTE_POS: A64 = bytes64!(|p| (8 * (p % 8)) as u8);
 
 /// A `gf2p8affineqb` matrix (one qword): byte `7 - i` is the row (input-bit mask) of output bit `i`.
 const fn matrix(rows: [u8; 8]) -> i64 {
@@ -112,76 +107,109 @@ const fn matrix(rows: [u8; 8]) -> i64 {
     m as i64
 }
 
-/// Bits 0..7 copied, bit 7 = parity of bits 0..7: a 7-bit sign index → its `KSIGNS_IQ2XS` pattern.
-const KSIGNS_M: i64 = matrix([1, 2, 4, 8, 16, 32, 64, 0x7f]);
+/// Per half `h`, a sign-index byte → the signs the two `vpermb` index bytes take: bits 4, 5 = signs of values
+/// `4h`, `4h + 1`, bits 0, 1 = signs of values `4h + 2`, `4h + 3` (sign bit `j` is index bit `j`, sign 7 the
+/// parity of the index, as in `KSIGNS_IQ2XS`); bits 2, 3, 6, 7 zero.
+const fn signs_m(h: usize) -> i64 {
+    const fn bit(j: usize) -> u8 {
+        if j == 7 {
+            0x7f
+        } else {
+            1 << j
+        }
+    }
+    matrix([bit(4 * h + 2), bit(4 * h + 3), 0, 0, bit(4 * h), bit(4 * h + 1), 0, 0])
+}
 
-/// Level bits (b0, b1) → magnitude ⊕ 8 (the constant 8 is the instruction's immediate): b0 contributes
-/// `25 ⊕ 8`, b1 `43 ⊕ 8`.
-const MAGNITUDE_M: i64 = {
-    let (c0, c1) = (25u8 ^ 8, 43u8 ^ 8);
-    let mut r = [0u8; 8];
+const SIGNS_M: [i64; 2] = [signs_m(0), signs_m(1)];
+
+/// The `vpternlogd` truth table of `c ? a : b` (bit-wise select).
+const SELECT: i32 = 0xe4;
+
+/// `WEIGHT[e]`: the `vpermb` table of value `4h + e` of a half: index bits (levels and signs placed as the
+/// index bytes hold them, see `imp`) → `128 ± magnitude` (level 3 never occurs).
+const fn weight_table(e: usize) -> A64 {
+    let mut t = [0u8; 64];
     let mut i = 0;
-    while i < 8 {
-        r[i] = ((c0 >> i) & 1) | (((c1 >> i) & 1) << 1);
+    while i < 64 {
+        let (level, neg) = match e {
+            0 => (i & 3, (i >> 4) & 1),
+            1 => ((i >> 2) & 3, (i >> 5) & 1),
+            2 => ((i >> 2) & 3, i & 1),
+            _ => ((i >> 4) & 3, (i >> 1) & 1),
+        };
+        let m = [8u8, 25, 43, 0][level];
+        t[i] = if neg == 1 { 128 - m } else { 128 + m };
         i += 1;
     }
-    matrix(r)
-};
+    A64(t)
+}
 
-/// Index → `2·(index & 3)`: the bit offset of its level inside the `T_j` byte.
-const FIELD_M: i64 = matrix([0, 1, 2, 0, 0, 0, 0, 0]);
+const WEIGHT: [A64; 4] = [weight_table(0), weight_table(1), weight_table(2), weight_table(3)];
+
+/// `2·s + 1` for each 4-bit group scale `s` (bits 28..32 of the aux word).
+const GROUP_SCALES: [f32; 16] = [1., 3., 5., 7., 9., 11., 13., 15., 17., 19., 21., 23., 25., 27., 29., 31.];
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx512vnni,gfni,avx2,fma,f16c")]
 fn imp(w: &[u8], a: &[u8]) -> f32 {
     const WB: usize = iq2_xxs::BLOCK_BYTES;
     const AB: usize = q8_k::BLOCK_BYTES;
-    let levels = LEVELS.each_ref().map(|t| ld64(t));
-    let (sign_ctrl, byte_pos) = (ld64(&SIGN_CTRL), ld64(&BYTE_POS));
-    let (ksigns_m, magnitude_m, field_m) =
-        (_mm512_set1_epi64(KSIGNS_M), _mm512_set1_epi64(MAGNITUDE_M), _mm512_set1_epi64(FIELD_M));
-    let one = _mm512_set1_epi32(1);
-    let zero = _mm512_setzero_si512();
+    let sign_ctrl = ld64(&SIGN_CTRL);
+    let signs_m = SIGNS_M.map(|m| _mm512_set1_epi64(m));
+    let weight = WEIGHT.each_ref().map(|t| ld64(t));
+    let (low4, mid4) = (_mm512_set1_epi8(0x0f), _mm512_set1_epi8(0x3c));
+    let minus128 = _mm512_set1_epi16(-128);
+    // SAFETY: `GROUP_SCALES` is 16 f32.
+    let group_scales = unsafe { _mm512_loadu_ps(GROUP_SCALES.as_ptr()) };
     let mut acc = _mm512_setzero_ps();
     let pairs = (w.len() / WB).min(a.len() / AB) / 2;
     for (b, qa) in w.chunks_exact(2 * WB).zip(a.chunks_exact(2 * AB)).take(pairs) {
         let (bp, ap) = (b.as_ptr(), qa.as_ptr());
         prefetch_ahead::<4>(bp);
         // SAFETY: each block's 8 groups are its bytes 2..66; the pair slice holds both blocks.
-        let (g0, g1) = unsafe { (ld(bp.add(2)), ld(bp.add(WB + 2))) };
-        let idx = _mm512_mask_blend_epi8(0xf0f0_f0f0_f0f0_f0f0, g0, _mm512_slli_epi64::<32>(g1));
-        let aux = _mm512_mask_blend_epi32(0xaaaa, _mm512_srli_epi64::<32>(g0), g1);
-        let signs = _mm512_gf2p8affine_epi64_epi8::<0>(_mm512_multishift_epi64_epi8(sign_ctrl, aux), ksigns_m);
-        // Bits 0..6 of `idx >> 2` pick the `T_j` byte (`vpermb` ignores the two bits shifted in from the next
-        // byte); `field` is the level's bit offset in qword terms for `vpmultishiftqb`.
-        let quad = _mm512_srli_epi16::<2>(idx);
-        let field = _mm512_or_si512(_mm512_gf2p8affine_epi64_epi8::<0>(idx, field_m), byte_pos);
-        let mut sums = [zero; 2];
-        for (j, t) in levels.iter().enumerate() {
-            let packed = _mm512_permutexvar_epi8(quad, *t);
-            let mag = _mm512_gf2p8affine_epi64_epi8::<8>(_mm512_multishift_epi64_epi8(field, packed), magnitude_m);
-            let neg = _mm512_test_epi8_mask(signs, _mm512_set1_epi8((1u8 << j) as i8));
-            // SAFETY: vector `j` is 64 bytes at `q8_k::pair_vector(j)` ≤ 292 + 4 + 192, inside the 584-byte pair.
-            let q = unsafe { ld(ap.add(q8_k::pair_vector(j))) };
-            sums[j % 2] = _mm512_dpbusd_epi32(sums[j % 2], mag, _mm512_mask_sub_epi8(q, neg, zero, q));
+        let (g0, g1) = unsafe { (_mm512_loadu_ps(bp.add(2).cast()), _mm512_loadu_ps(bp.add(WB + 2).cast())) };
+        // Per 128-bit lane: index dwords 0 and 2 (aux 1 and 3) of block 0, then of block 1.
+        let idx = _mm512_castps_si512(_mm512_shuffle_ps::<0x88>(g0, g1));
+        let aux = _mm512_castps_si512(_mm512_shuffle_ps::<0xdd>(g0, g1));
+        let sign_idx = _mm512_multishift_epi64_epi8(sign_ctrl, aux);
+        let upper = _mm512_movepi8_mask(idx);
+        let mut sums = [_mm512_setzero_si512(); 2];
+        for (h, tables) in LEVELS.iter().enumerate() {
+            let [t0, t1] = tables.each_ref().map(|[x, y]| _mm512_permutex2var_epi8(ld64(x), idx, ld64(y)));
+            let levels = _mm512_mask_blend_epi8(upper, t0, t1);
+            let signs = _mm512_gf2p8affine_epi64_epi8::<0>(sign_idx, signs_m[h]);
+            // Index bytes: levels of values 0, 1 (bits 0..4) and their signs (4, 5); signs of values 2, 3 (bits
+            // 0, 1) and their levels (2..6).
+            let ia = _mm512_ternarylogic_epi32::<SELECT>(levels, signs, low4);
+            let ib = _mm512_ternarylogic_epi32::<SELECT>(_mm512_srli_epi16::<2>(levels), signs, mid4);
+            for (e, t) in weight.iter().enumerate() {
+                let j = 4 * h + e;
+                let y = _mm512_permutexvar_epi8(if e < 2 { ia } else { ib }, *t);
+                // SAFETY: vector `j` is 64 bytes at `q8_k::pair_vector(j)` ≤ 456, inside the 584-byte pair.
+                let q = unsafe { ld(ap.add(q8_k::pair_vector(j))) };
+                sums[e % 2] = _mm512_dpbusd_epi32(sums[e % 2], y, q);
+            }
         }
-        // 2·scale + 1 per group: bits 27..32 of the aux word are scale·2 + (a sign bit), so | 1.
-        let scale = _mm512_or_si512(_mm512_srli_epi32::<27>(aux), one);
-        let sumi = _mm512_mullo_epi32(_mm512_add_epi32(sums[0], sums[1]), scale);
-        // SAFETY: the f16 scales are bytes 0..2 of each block, the f32 scales bytes 0..4 of each Q8_K block.
-        let (dw0, dw1, da0, da1) = unsafe {
+        // SAFETY: the lane block sums are the pair's last 64 bytes; the f16 scales bytes 0..2 of each block, the
+        // f32 scales the pair's first 8 bytes.
+        let (bsums, dw0, dw1, da0, da1) = unsafe {
             (
-                std::ptr::read_unaligned(bp as *const i16).to_le(),
-                std::ptr::read_unaligned(bp.add(WB) as *const i16).to_le(),
+                ld(ap.add(q8_k::PAIR_LANE_BSUMS)),
+                std::ptr::read_unaligned(bp as *const u16).to_le() as u64,
+                std::ptr::read_unaligned(bp.add(WB) as *const u16).to_le() as u64,
                 f32::from_bits(std::ptr::read_unaligned(ap as *const u32).to_le()),
-                f32::from_bits(std::ptr::read_unaligned(ap.add(AB) as *const u32).to_le()),
+                f32::from_bits(std::ptr::read_unaligned(ap.add(4) as *const u32).to_le()),
             )
         };
-        // Even lanes are block 0's groups, odd lanes block 1's: d_w (exact f16 conversion) times d_a/8.
-        let dw = _mm512_cvtph_ps(_mm256_set1_epi32((dw0 as u16 as u32 | (dw1 as u16 as u32) << 16) as i32));
-        let da = _mm512_mask_blend_ps(0xaaaa, _mm512_set1_ps(da0 * 0.125), _mm512_set1_ps(da1 * 0.125));
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi), _mm512_mul_ps(dw, da), acc);
+        // Σ (128 ± m)·q − 128·Σ q: the weights' bias off again, from the group's two block sums.
+        let sum = _mm512_add_epi32(sums[0], _mm512_dpwssd_epi32(sums[1], bsums, minus128));
+        let scale = _mm512_permutexvar_ps(_mm512_srli_epi32::<28>(aux), group_scales);
+        // f16 words d_w0, d_w0, d_w1, d_w1 repeated: lanes 4m + r take block r / 2's scale (exact conversion).
+        let dw = _mm512_cvtph_ps(_mm256_set1_epi64x(((dw0 | dw1 << 32) * 0x1_0001) as i64));
+        let da = _mm512_mask_blend_ps(0xcccc, _mm512_set1_ps(da0), _mm512_set1_ps(da1));
+        acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), scale), _mm512_mul_ps(dw, da), acc);
     }
-    let mut total = _mm512_reduce_add_ps(acc);
+    let mut total = _mm512_reduce_add_ps(acc) * 0.125;
     let (wt, at) = (2 * pairs * WB, 2 * pairs * AB);
     if w.len() >= wt + WB && a.len() >= at + AB {
         total += super::avx512::iq2_xxs_q8_k_imp(&w[wt..wt + WB], &a[at..at + AB]);
@@ -229,16 +257,26 @@ mod tests {
             let m = m as u64;
             (0..8).fold(b, |y, i| y ^ ((((m >> (8 * (7 - i))) as u8 & x).count_ones() as u8 & 1) << i))
         };
+        // The kernel's per-value path, bit by bit: levels byte, sign byte, index byte, weight table.
+        let select = |c: u8, a: u8, b: u8| (a & c) | (b & !c);
         for (g, point) in IQ2XXS_GRID.iter().enumerate() {
-            for (j, t) in LEVELS.iter().enumerate() {
-                let lv = (t.0[g / 4] >> (2 * (g % 4))) & 3;
-                let mag = affine(lv | 0b1111_1100 & (g as u8).wrapping_mul(37), MAGNITUDE_M, 8);
-                assert_eq!(mag as u64, (point >> (8 * j)) & 0xff, "grid point {g}, value {j}");
+            // Bit 7 of the sign byte is the next aux field's first bit: it must not matter.
+            for sign_byte in 0..=255u8 {
+                let ks = KSIGNS_IQ2XS[(sign_byte & 127) as usize];
+                for h in 0..2 {
+                    let levels = LEVELS[h][g / 128][g % 128 / 64].0[g % 64];
+                    let signs = affine(sign_byte, SIGNS_M[h], 0);
+                    let ia = select(0x0f, levels, signs);
+                    let ib = select(0x3c, levels >> 2 | 0xc0, signs);
+                    for e in 0..4 {
+                        let j = 4 * h + e;
+                        let y = WEIGHT[e].0[(if e < 2 { ia } else { ib } & 63) as usize] as i32 - 128;
+                        let m = ((point >> (8 * j)) & 0xff) as i32;
+                        let want = if ks >> j & 1 == 1 { -m } else { m };
+                        assert_eq!(y, want, "grid point {g}, sign byte {sign_byte:#x}, value {j}");
+                    }
+                }
             }
-            assert_eq!(affine(g as u8, FIELD_M, 0), 2 * (g as u8 & 3));
-        }
-        for k in 0..256usize {
-            assert_eq!(affine(k as u8, KSIGNS_M, 0), KSIGNS_IQ2XS[k & 127], "sign index byte {k:#x}");
         }
     }
 
