@@ -165,7 +165,7 @@ fn imp(w: &[u8], a: &[u8]) -> f32 {
     let pairs = (w.len() / WB).min(a.len() / AB) / 2;
     for (b, qa) in w.chunks_exact(2 * WB).zip(a.chunks_exact(2 * AB)).take(pairs) {
         let (bp, ap) = (b.as_ptr(), qa.as_ptr());
-        prefetch_ahead::<4>(bp);
+        prefetch_ahead::<3>(bp);
         // SAFETY: each block's 8 groups are its bytes 2..66; the pair slice holds both blocks.
         let (g0, g1) = unsafe { (_mm512_loadu_ps(bp.add(2).cast()), _mm512_loadu_ps(bp.add(WB + 2).cast())) };
         // Per 128-bit lane: index dwords 0 and 2 (aux 1 and 3) of block 0, then of block 1.
