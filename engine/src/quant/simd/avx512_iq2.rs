@@ -206,7 +206,7 @@ fn imp(w: &[u8], a: &[u8]) -> f32 {
         let scale = _mm512_permutexvar_ps(_mm512_srli_epi32::<28>(aux), group_scales);
         // f16 words d_w0, d_w0, d_w1, d_w1 repeated: lanes 4m + r take block r / 2's scale (exact conversion).
         let dw = _mm512_cvtph_ps(_mm256_set1_epi64x(((dw0 | dw1 << 32) * 0x1_0001) as i64));
-        let da = _mm512_mask_blend_ps(0xcccc, _mm512_set1_ps(da0), _mm512_set1_ps(da1));
+        let da = _mm512_mask_broadcastss_ps(_mm512_set1_ps(da0), 0xcccc, _mm_set_ss(da1));
         acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), scale), _mm512_mul_ps(dw, da), acc);
     }
     let mut total = _mm512_reduce_add_ps(acc) * 0.125;
