@@ -8,7 +8,9 @@
 //! the next frontier. `kvcache_bytes` is the engine's KV state at the frontier (f32 values × 4) summed over the
 //! decoding sessions. Prompt tokens are deterministic pseudo-random ids (what they are does not change the work).
 //!
-//! Rows are flushed as they are produced, so an interrupted sweep keeps its rows.
+//! Decode ticks run with the engine's op timing on ([`Engine::time_ops`]), so each row also says where a decode
+//! tick's time went ([`Row::decode_ops_line`]). Rows are flushed as they are produced, so an interrupted sweep
+//! keeps its rows.
 
 use std::io::Write;
 use std::time::Instant;
@@ -67,6 +69,24 @@ pub struct Row {
     pub gen_tokens: usize,
     pub gen_tps: f64,
     pub kvcache_bytes: u64,
+    /// Where the decode ticks' time went, per op kind (summed over the `gen_tokens` ticks).
+    pub decode_ops: Option<ds4_engine::exec::OpTimes>,
+}
+
+impl Row {
+    /// `attention 7.10 ms (38 %), logits ...`: decode time per tick by op kind, largest first (empty when not
+    /// timed).
+    pub fn decode_ops_line(&self) -> String {
+        let Some(t) = &self.decode_ops else { return String::new() };
+        let (ticks, total) = (t.runs.max(1) as f64, t.total().as_secs_f64().max(1e-12));
+        t.ranked()
+            .iter()
+            .map(|(k, d)| {
+                format!("{k} {:.2} ms ({:.0} %)", d.as_secs_f64() * 1e3 / ticks, 100.0 * d.as_secs_f64() / total)
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
 }
 
 impl Row {
@@ -122,6 +142,7 @@ pub fn run(engine: &mut Engine, opts: &Options, out: &mut dyn Write, pb: &Progre
         let ids = (0..opts.sessions).map(|_| engine.restore(snap.clone())).collect::<ds4_engine::Result<Vec<_>>>()?;
         let mut next: Vec<u32> =
             ids.iter().map(|&s| engine.logits(s).map(argmax)).collect::<ds4_engine::Result<_>>()?;
+        engine.time_ops(true);
         let t0 = Instant::now();
         for _ in 0..opts.gen_tokens {
             for (&s, &t) in ids.iter().zip(&next) {
@@ -134,6 +155,8 @@ pub fn run(engine: &mut Engine, opts: &Options, out: &mut dyn Write, pb: &Progre
             pb.inc(opts.sessions as u64);
         }
         let gen_secs = t0.elapsed().as_secs_f64();
+        let decode_ops = engine.take_op_times();
+        engine.time_ops(false);
         for s in ids {
             engine.free_session(s)?;
         }
@@ -144,6 +167,7 @@ pub fn run(engine: &mut Engine, opts: &Options, out: &mut dyn Write, pb: &Progre
             gen_tokens: opts.gen_tokens,
             gen_tps: (opts.gen_tokens * opts.sessions) as f64 / gen_secs.max(1e-9),
             kvcache_bytes: kv_bytes * opts.sessions as u64,
+            decode_ops,
         };
         writeln!(out, "{}", row.csv())?;
         out.flush()?;
@@ -202,6 +226,19 @@ mod tests {
         // Compressed layers (ratios 4 and 8) add rows as the context grows; two sessions hold two copies.
         assert!(rows.windows(2).all(|w| w[1].kvcache_bytes > w[0].kvcache_bytes), "{rows:?}");
         assert!(rows.iter().all(|r| r.gen_tokens == 2 && r.gen_tps > 0.0 && r.prefill_tps > 0.0));
+        // Each row's decode ticks were timed: 2 ticks (both sessions share a tick), every op kind of a decode
+        // tick present, 3 layers' attention and MoE.
+        for r in &rows {
+            let t = r.decode_ops.expect("decode ticks timed");
+            assert_eq!(t.runs, 2, "{t:?}");
+            let k = |op: ds4_engine::graph::Op| t.calls[op.kind()];
+            assert_eq!(k(ds4_engine::graph::Op::Attention { layer: 0 }), 6);
+            assert_eq!(k(ds4_engine::graph::Op::Moe { layer: 0 }), 6);
+            assert_eq!(k(ds4_engine::graph::Op::Logits), 2);
+            let line = r.decode_ops_line();
+            assert!(line.contains("attention ") && line.contains("moe ") && line.contains(" ms ("), "{line}");
+        }
+        assert!(engine.take_op_times().is_none(), "timing is switched off after the sweep");
         let text = String::from_utf8(out).unwrap();
         assert_eq!(text.lines().next(), Some(CSV_HEADER));
         assert_eq!(text.lines().count(), 4);
@@ -212,9 +249,17 @@ mod tests {
 
     #[test]
     fn csv_line_has_the_header_fields() {
-        let r =
-            Row { ctx_tokens: 8, prefill_tokens: 8, prefill_tps: 1.5, gen_tokens: 2, gen_tps: 0.25, kvcache_bytes: 9 };
+        let r = Row {
+            ctx_tokens: 8,
+            prefill_tokens: 8,
+            prefill_tps: 1.5,
+            gen_tokens: 2,
+            gen_tps: 0.25,
+            kvcache_bytes: 9,
+            decode_ops: None,
+        };
         assert_eq!(r.csv(), "8,8,1.50,2,0.25,9");
+        assert_eq!(r.decode_ops_line(), "");
         assert_eq!(r.csv().split(',').count(), CSV_HEADER.split(',').count());
     }
 }

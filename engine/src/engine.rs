@@ -185,6 +185,16 @@ impl Engine {
         &self.opts
     }
 
+    /// Turns per-op timing on (from zero) or off; see [`crate::exec::OpTimes`].
+    pub fn time_ops(&mut self, on: bool) {
+        self.exec.time_ops(on);
+    }
+
+    /// Op times summed since timing was turned on or last taken (restarting the count); `None` when it is off.
+    pub fn take_op_times(&mut self) -> Option<crate::exec::OpTimes> {
+        self.exec.take_op_times()
+    }
+
     /// Creates an empty session.
     pub fn create_session(&mut self) -> SessionId {
         let (cfg, ctx) = (&self.model.config, self.ctx);

@@ -4,10 +4,41 @@
 //! job becomes ready when every job it depends on has finished. Ops mutate shared tick state ([`StepCtx`]), so this
 //! executor runs ready jobs one at a time on the calling thread, in ascending job order; parallelism lives inside
 //! the ops (the backend's worker pool). Its vectors are reused across ticks (no allocation in the decode loop).
+//!
+//! Op timing ([`Executor::time_ops`]) adds up the wall time of each op kind ([`Op::KINDS`]) across runs, for
+//! finding where a tick's time goes (`ds4-bench` prints it per decoded token). It measures how long `run_op` took
+//! on the calling thread: on the CPU backend that is the op's work; on wgpu, which submits the tick once, mostly
+//! recording time.
 
 use crate::backend::{Backend, StepCtx};
 use crate::graph::{Graph, Op};
 use crate::{Error, Result};
+
+/// Wall time per op kind, summed over the ticks run while timing was on (see the module docs).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct OpTimes {
+    /// Time per kind, indexed like [`Op::KINDS`].
+    pub by_kind: [std::time::Duration; Op::KINDS.len()],
+    /// Ops run per kind.
+    pub calls: [u64; Op::KINDS.len()],
+    /// Graph runs (ticks) counted.
+    pub runs: u64,
+}
+
+impl OpTimes {
+    /// Time spent in all ops.
+    pub fn total(&self) -> std::time::Duration {
+        self.by_kind.iter().sum()
+    }
+
+    /// `(kind name, time)` for the kinds that ran, largest first.
+    pub fn ranked(&self) -> Vec<(&'static str, std::time::Duration)> {
+        let mut v: Vec<_> =
+            (0..Op::KINDS.len()).filter(|&k| self.calls[k] > 0).map(|k| (Op::KINDS[k], self.by_kind[k])).collect();
+        v.sort_by(|a, b| b.1.cmp(&a.1));
+        v
+    }
+}
 
 /// A reusable executor. See the module docs.
 #[derive(Debug, Default)]
@@ -16,6 +47,7 @@ pub struct Executor {
     ready: std::collections::BinaryHeap<std::cmp::Reverse<usize>>,
     /// Order in which the last run executed the jobs (for tests and tracing).
     pub order: Vec<usize>,
+    times: Option<OpTimes>,
 }
 
 impl Executor {
@@ -25,6 +57,17 @@ impl Executor {
         backend.begin_tick(cx)?;
         self.run_with(g, |op| backend.run_op(op, cx))?;
         backend.end_tick(cx)
+    }
+
+    /// Turns op timing on (counters start at zero) or off (counters dropped).
+    pub fn time_ops(&mut self, on: bool) {
+        self.times = on.then(OpTimes::default);
+    }
+
+    /// The op times summed since timing was turned on or last taken, and restarts the count; `None` when timing
+    /// is off.
+    pub fn take_op_times(&mut self) -> Option<OpTimes> {
+        self.times.as_mut().map(std::mem::take)
     }
 
     /// Runs every job of `g` through `f`, in dependency order (ties: lowest job index first).
@@ -38,8 +81,21 @@ impl Executor {
                 self.ready.push(std::cmp::Reverse(i));
             }
         }
+        if let Some(t) = &mut self.times {
+            t.runs += 1;
+        }
         while let Some(std::cmp::Reverse(j)) = self.ready.pop() {
-            f(g.jobs[j].op)?;
+            let op = g.jobs[j].op;
+            match &mut self.times {
+                Some(t) => {
+                    let t0 = std::time::Instant::now();
+                    let r = f(op);
+                    t.by_kind[op.kind()] += t0.elapsed();
+                    t.calls[op.kind()] += 1;
+                    r?
+                }
+                None => f(op)?,
+            }
             self.order.push(j);
             for &(from, to) in &g.edges {
                 if from == j {
@@ -80,6 +136,38 @@ mod tests {
         // Every edge is respected.
         let pos = |j: usize| ex.order.iter().position(|&x| x == j).unwrap();
         assert!(g.edges.iter().all(|&(a, b)| pos(a) < pos(b)));
+    }
+
+    #[test]
+    fn op_times_count_every_op_by_kind() {
+        let mut g = Graph::default();
+        g.build(2);
+        let mut ex = Executor::default();
+        assert_eq!(ex.take_op_times(), None, "off by default");
+        ex.time_ops(true);
+        for _ in 0..3 {
+            ex.run_with(&g, |op| {
+                if matches!(op, Op::Moe { .. }) {
+                    std::thread::sleep(std::time::Duration::from_millis(2));
+                }
+                Ok(())
+            })
+            .unwrap();
+        }
+        let t = ex.take_op_times().unwrap();
+        assert_eq!(t.runs, 3);
+        for (k, name) in Op::KINDS.iter().enumerate() {
+            let n = g.jobs.iter().filter(|j| j.op.kind() == k).count() as u64;
+            assert_eq!(t.calls[k], 3 * n, "{name}");
+        }
+        assert_eq!(t.calls.iter().sum::<u64>(), 3 * g.jobs.len() as u64);
+        // Six MoE ops slept 2 ms each: the largest share, and at least that much.
+        assert!(t.by_kind[Op::Moe { layer: 0 }.kind()] >= std::time::Duration::from_millis(12));
+        assert_eq!(t.ranked()[0].0, "moe");
+        // Taking restarts the count; turning off drops it.
+        assert_eq!(ex.take_op_times().unwrap().runs, 0);
+        ex.time_ops(false);
+        assert_eq!(ex.take_op_times(), None);
     }
 
     #[test]

@@ -56,6 +56,22 @@ pub enum Op {
 }
 
 impl Op {
+    /// Names of the op kinds, indexed by [`Op::kind`] (`hc_pre`/`hc_post` cover both sublayers).
+    pub const KINDS: [&'static str; 7] = ["embed", "hc_pre", "attention", "hc_post", "moe", "hc_head", "logits"];
+
+    /// The op's kind, an index into [`Op::KINDS`] (layers and sublayers folded together).
+    pub fn kind(&self) -> usize {
+        match self {
+            Op::Embed => 0,
+            Op::HcPre { .. } => 1,
+            Op::Attention { .. } => 2,
+            Op::HcPost { .. } => 3,
+            Op::Moe { .. } => 4,
+            Op::HcHead => 5,
+            Op::Logits => 6,
+        }
+    }
+
     /// Buffers read and written by the op.
     pub fn access(&self) -> (&'static [BufId], &'static [BufId], Option<usize>) {
         use BufId::*;
