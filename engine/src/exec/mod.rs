@@ -35,7 +35,7 @@ impl OpTimes {
     pub fn ranked(&self) -> Vec<(&'static str, std::time::Duration)> {
         let mut v: Vec<_> =
             (0..Op::KINDS.len()).filter(|&k| self.calls[k] > 0).map(|k| (Op::KINDS[k], self.by_kind[k])).collect();
-        v.sort_by(|a, b| b.1.cmp(&a.1));
+        v.sort_by_key(|e| std::cmp::Reverse(e.1));
         v
     }
 }
