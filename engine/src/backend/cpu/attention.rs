@@ -51,6 +51,18 @@ fn reserve_to<T>(v: &mut Vec<T>, n: usize) {
 }
 
 /// Runs [`crate::graph::Op::Attention`] for `layer`.
+/// `exp(d)` for a score minus the row maximum (`d ≤ 0`), 0 where the result would not be a normal f32 (`d < -87`):
+/// such terms are below an ulp of the denominator (which holds the maximum's `exp(0) = 1`), and denormal results
+/// and operands cost microcode assists on x86.
+#[inline]
+fn softmax_term(d: f32) -> f32 {
+    if d < -87.0 {
+        0.0
+    } else {
+        d.exp()
+    }
+}
+
 pub fn attention(be: &CpuBackend, sc: &mut Scratch, cx: &mut StepCtx<'_>, layer: usize) -> Result<()> {
     let pool = &be.pool;
     let model = cx.model;
@@ -245,13 +257,18 @@ pub fn attention(be: &CpuBackend, sc: &mut Scratch, cx: &mut StepCtx<'_>, layer:
                 let mx = scores.iter().fold(sink, |a, &b| a.max(b));
                 let mut den = (sink - mx).exp();
                 for v in scores.iter_mut() {
-                    *v = (*v - mx).exp();
+                    *v = softmax_term(*v - mx);
                     den += *v;
                 }
                 let inv = 1.0 / den;
                 out.fill(0.0);
                 let mut acc = |p: f32, k: &[f32]| {
                     let p = p * inv;
+                    // Weights below the smallest normal f32 add nothing an f32 sum with the top weight's term can
+                    // hold, and as denormal operands they would cost a microcode assist per element on x86.
+                    if p < f32::MIN_POSITIVE {
+                        return;
+                    }
                     for (o, &kv) in out.iter_mut().zip(k) {
                         *o += p * kv;
                     }
@@ -306,4 +323,25 @@ pub fn attention(be: &CpuBackend, sc: &mut Scratch, cx: &mut StepCtx<'_>, layer:
     }
     matmul(pool, model.mat(lw.wo_b), &sc.oa, n, &mut cx.act.sub_out)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::softmax_term;
+
+    #[test]
+    fn softmax_terms_are_exp_or_zero_never_denormal() {
+        for i in 0..=2000 {
+            let d = -(i as f32) * 0.05;
+            let t = softmax_term(d);
+            assert!(t == 0.0 || t.is_normal(), "d {d}: {t:e}");
+            if d >= -87.0 {
+                assert_eq!(t, d.exp(), "d {d}");
+            } else {
+                assert_eq!(t, 0.0, "d {d}");
+            }
+        }
+        assert_eq!(softmax_term(0.0), 1.0);
+        assert_eq!(softmax_term(f32::NEG_INFINITY), 0.0);
+    }
 }
