@@ -326,6 +326,7 @@ fn run_throughput(a: &RunArgs) -> Result<()> {
             r.gen_tps * per_token as f64 / 1e9,
             r.prefill_tps
         )?;
+        writeln!(out, "# ctx {}: prefill tick by op: {}", r.ctx_tokens, r.prefill_ops_line())?;
         writeln!(out, "# ctx {}: decode tick by op: {}", r.ctx_tokens, r.decode_ops_line())?;
     }
     Ok(())

@@ -8,9 +8,9 @@
 //! the next frontier. `kvcache_bytes` is the engine's KV state at the frontier (f32 values × 4) summed over the
 //! decoding sessions. Prompt tokens are deterministic pseudo-random ids (what they are does not change the work).
 //!
-//! Decode ticks run with the engine's op timing on ([`Engine::time_ops`]), so each row also says where a decode
-//! tick's time went ([`Row::decode_ops_line`]). Rows are flushed as they are produced, so an interrupted sweep
-//! keeps its rows.
+//! Prefill and decode ticks run with the engine's op timing on ([`Engine::time_ops`]), so each row also says
+//! where a tick's time went ([`Row::prefill_ops_line`], [`Row::decode_ops_line`]). Rows are flushed as they are
+//! produced, so an interrupted sweep keeps its rows.
 
 use std::io::Write;
 use std::time::Instant;
@@ -69,6 +69,8 @@ pub struct Row {
     pub gen_tokens: usize,
     pub gen_tps: f64,
     pub kvcache_bytes: u64,
+    /// Where the prefill ticks' time went, per op kind (summed over the frontier's prefill ticks).
+    pub prefill_ops: Option<ds4_engine::exec::OpTimes>,
     /// Where the decode ticks' time went, per op kind (summed over the `gen_tokens` ticks).
     pub decode_ops: Option<ds4_engine::exec::OpTimes>,
 }
@@ -77,15 +79,12 @@ impl Row {
     /// `attention 7.10 ms (38 %), logits ...`: decode time per tick by op kind, largest first (empty when not
     /// timed).
     pub fn decode_ops_line(&self) -> String {
-        let Some(t) = &self.decode_ops else { return String::new() };
-        let (ticks, total) = (t.runs.max(1) as f64, t.total().as_secs_f64().max(1e-12));
-        t.ranked()
-            .iter()
-            .map(|(k, d)| {
-                format!("{k} {:.2} ms ({:.0} %)", d.as_secs_f64() * 1e3 / ticks, 100.0 * d.as_secs_f64() / total)
-            })
-            .collect::<Vec<_>>()
-            .join(", ")
+        ops_line(self.decode_ops.as_ref())
+    }
+
+    /// The same for the frontier's prefill ticks (time per tick; a tick is up to the engine's batch of tokens).
+    pub fn prefill_ops_line(&self) -> String {
+        ops_line(self.prefill_ops.as_ref())
     }
 }
 
@@ -97,6 +96,17 @@ impl Row {
             self.ctx_tokens, self.prefill_tokens, self.prefill_tps, self.gen_tokens, self.gen_tps, self.kvcache_bytes
         )
     }
+}
+
+/// `kind ms-per-tick (share %)` for each op kind that ran, largest first.
+fn ops_line(t: Option<&ds4_engine::exec::OpTimes>) -> String {
+    let Some(t) = t else { return String::new() };
+    let (ticks, total) = (t.runs.max(1) as f64, t.total().as_secs_f64().max(1e-12));
+    t.ranked()
+        .iter()
+        .map(|(k, d)| format!("{k} {:.2} ms ({:.0} %)", d.as_secs_f64() * 1e3 / ticks, 100.0 * d.as_secs_f64() / total))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// Deterministic pseudo-random prompt of `n` token ids below `vocab`.
@@ -127,6 +137,7 @@ pub fn run(engine: &mut Engine, opts: &Options, out: &mut dyn Write, pb: &Progre
     for &frontier in &frontiers {
         pb.set_message(format!("prefill to {frontier}"));
         engine.feed(main, &tokens[prev..frontier])?;
+        engine.time_ops(true);
         let t0 = Instant::now();
         let mut done = engine.position(main)?;
         while engine.step()? {
@@ -135,6 +146,8 @@ pub fn run(engine: &mut Engine, opts: &Options, out: &mut dyn Write, pb: &Progre
             done = now;
         }
         let prefill_secs = t0.elapsed().as_secs_f64();
+        let prefill_ops = engine.take_op_times();
+        engine.time_ops(false);
         let snap = engine.snapshot(main)?;
         let kv_bytes = snap.kv.n_values() as u64 * 4;
 
@@ -167,6 +180,7 @@ pub fn run(engine: &mut Engine, opts: &Options, out: &mut dyn Write, pb: &Progre
             gen_tokens: opts.gen_tokens,
             gen_tps: (opts.gen_tokens * opts.sessions) as f64 / gen_secs.max(1e-9),
             kvcache_bytes: kv_bytes * opts.sessions as u64,
+            prefill_ops,
             decode_ops,
         };
         writeln!(out, "{}", row.csv())?;
@@ -238,6 +252,12 @@ mod tests {
             let line = r.decode_ops_line();
             assert!(line.contains("attention ") && line.contains("moe ") && line.contains(" ms ("), "{line}");
         }
+        // Prefill: 8 tokens per frontier in ticks of up to 16 rows, one tick each.
+        for r in &rows {
+            let t = r.prefill_ops.expect("prefill ticks timed");
+            assert_eq!(t.runs, 1, "{t:?}");
+            assert!(r.prefill_ops_line().starts_with(|c: char| c.is_ascii_lowercase()), "{}", r.prefill_ops_line());
+        }
         assert!(engine.take_op_times().is_none(), "timing is switched off after the sweep");
         let text = String::from_utf8(out).unwrap();
         assert_eq!(text.lines().next(), Some(CSV_HEADER));
@@ -256,6 +276,7 @@ mod tests {
             gen_tokens: 2,
             gen_tps: 0.25,
             kvcache_bytes: 9,
+            prefill_ops: None,
             decode_ops: None,
         };
         assert_eq!(r.csv(), "8,8,1.50,2,0.25,9");
