@@ -216,8 +216,18 @@ impl Kernels for EngineKernels {
                 quant::quantize_acts(act, x, &mut one)?;
                 all.extend_from_slice(&one);
             }
+            // Four activation rows per call where the type has a four-row kernel, as the engine's matmul does.
+            let k4 = quant::dot_q4_kernel(ty);
             for (wr, yr) in w.chunks_exact(rb).zip(ys.chunks_exact_mut(batch)) {
-                for (y, a) in yr.iter_mut().zip(all.chunks_exact(ab)) {
+                let mut b = 0;
+                if let Some(k4) = k4 {
+                    while b + 4 <= batch {
+                        let a = |i: usize| &all[(b + i) * ab..(b + i + 1) * ab];
+                        yr[b..b + 4].copy_from_slice(&k4(wr, [a(0), a(1), a(2), a(3)]));
+                        b += 4;
+                    }
+                }
+                for (y, a) in yr[b..].iter_mut().zip(all[b * ab..].chunks_exact(ab)) {
                     *y = k(wr, a);
                 }
             }
@@ -236,7 +246,8 @@ mod tests {
     fn matmul_matches_matvec() {
         let mut rng = Rng::new(3);
         for ty in [GgmlType::Q8_0, GgmlType::Q2K, GgmlType::Q4K, GgmlType::Iq2Xxs, GgmlType::F16] {
-            let (rows, cols, nb) = (5usize, 512usize, 3usize);
+            // Six batch rows: the four-row IQ2_XXS kernel (where it exists) and two single dots.
+            let (rows, cols, nb) = (5usize, 512usize, 6usize);
             let rb = ty.row_bytes(cols as u64).unwrap() as usize;
             let mut w = vec![0u8; rows * rb];
             fill(ty, &mut w, 0.1, &mut rng);

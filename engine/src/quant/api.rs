@@ -13,6 +13,10 @@ pub type DotF32 = fn(&[u8], &[f32]) -> f32;
 /// would overflow). Weight quants may take any value their format allows.
 pub type DotQ = fn(&[u8], &[u8]) -> f32;
 
+/// One weight row against four activation rows: `[dot(w, a[0]), .., dot(w, a[3])]`, bit-identical to four
+/// [`DotQ`] calls of the same kernel (rows of unequal length get exactly that: four single calls).
+pub type DotQ4 = fn(&[u8], [&[u8]; 4]) -> [f32; 4];
+
 fn qerr(op: &'static str, ty: GgmlType, what: impl Into<String>) -> Error {
     Error::Quant { op, ty: ty.name().to_string(), what: what.into() }
 }
@@ -209,6 +213,12 @@ pub fn dot_q_kernel_scalar(weight_ty: GgmlType) -> Result<DotQ> {
 pub fn dot_q_kernel(weight_ty: GgmlType) -> Result<DotQ> {
     let scalar = dot_q_kernel_scalar(weight_ty)?;
     Ok(simd::dot_q(weight_ty).unwrap_or(scalar))
+}
+
+/// A four-row form of [`dot_q_kernel`] (see [`DotQ4`]) where one exists: kernels whose weight decoding dominates
+/// (the AVX-512 IQ2_XXS pair kernel) do it once for four activation rows. `None` means: call the single kernel.
+pub fn dot_q4_kernel(weight_ty: GgmlType) -> Option<DotQ4> {
+    simd::dot_q4(weight_ty)
 }
 
 /// `y[r] = row r of w · x` for a row-major `n_rows × n_cols` weight matrix of type `ty`, single-threaded, on the

@@ -46,9 +46,9 @@ pub mod simd;
 
 pub use act::ActType;
 pub use api::{
-    act_type, dequantize_acts, dequantize_row, dot_f32_kernel, dot_f32_kernel_scalar, dot_q_kernel,
+    act_type, dequantize_acts, dequantize_row, dot_f32_kernel, dot_f32_kernel_scalar, dot_q4_kernel, dot_q_kernel,
     dot_q_kernel_scalar, matvec, matvec_q, matvec_with_scratch, quantize_acts, quantize_acts_into, quantize_row,
-    DotF32, DotQ,
+    DotF32, DotQ, DotQ4,
 };
 
 use std::fmt;

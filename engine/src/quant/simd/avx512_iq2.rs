@@ -218,6 +218,99 @@ fn imp(w: &[u8], a: &[u8]) -> f32 {
     total
 }
 
+/// [`imp`] against four activation rows of equal length at once: each pair's weights are decoded once (lookups, signs, the
+/// `vpermb` weight vectors) and multiplied into all four rows, which share the per-group scale and `d_w` factors.
+/// Each row's result is computed with exactly [`imp`]'s operations in [`imp`]'s order: bit-identical to four
+/// single calls.
+#[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx512vnni,gfni,avx2,fma,f16c")]
+fn imp4(w: &[u8], a: [&[u8]; 4]) -> [f32; 4] {
+    const WB: usize = iq2_xxs::BLOCK_BYTES;
+    const AB: usize = q8_k::BLOCK_BYTES;
+    let sign_ctrl = ld64(&SIGN_CTRL);
+    let signs_m = SIGNS_M.map(|m| _mm512_set1_epi64(m));
+    let weight = WEIGHT.each_ref().map(|t| ld64(t));
+    let (low4, mid4) = (_mm512_set1_epi8(0x0f), _mm512_set1_epi8(0x3c));
+    let minus128 = _mm512_set1_epi16(-128);
+    // SAFETY: `GROUP_SCALES` is 16 f32.
+    let group_scales = unsafe { _mm512_loadu_ps(GROUP_SCALES.as_ptr()) };
+    let mut acc = [_mm512_setzero_ps(); 4];
+    let pairs = (w.len() / WB).min(a[0].len() / AB) / 2;
+    for (pi, b) in w.chunks_exact(2 * WB).take(pairs).enumerate() {
+        let bp = b.as_ptr();
+        // SAFETY: `pi < pairs` and the rows are as long as `a[0]`, so every row holds the whole pair `pi`.
+        let aps = a.map(|x| unsafe { x.as_ptr().add(pi * 2 * AB) });
+        prefetch_ahead::<3>(bp);
+        // SAFETY: each block's 8 groups are its bytes 2..66; the pair slice holds both blocks.
+        let (g0, g1) = unsafe { (_mm512_loadu_ps(bp.add(2).cast()), _mm512_loadu_ps(bp.add(WB + 2).cast())) };
+        let idx = _mm512_castps_si512(_mm512_shuffle_ps::<0x88>(g0, g1));
+        let aux = _mm512_castps_si512(_mm512_shuffle_ps::<0xdd>(g0, g1));
+        let sign_idx = _mm512_multishift_epi64_epi8(sign_ctrl, aux);
+        let upper = _mm512_movepi8_mask(idx);
+        let mut sums = [[_mm512_setzero_si512(); 2]; 4];
+        for (h, tables) in LEVELS.iter().enumerate() {
+            let [t0, t1] = tables.each_ref().map(|[x, y]| _mm512_permutex2var_epi8(ld64(x), idx, ld64(y)));
+            let levels = _mm512_mask_blend_epi8(upper, t0, t1);
+            let signs = _mm512_gf2p8affine_epi64_epi8::<0>(sign_idx, signs_m[h]);
+            let ia = _mm512_ternarylogic_epi32::<SELECT>(levels, signs, low4);
+            let ib = _mm512_ternarylogic_epi32::<SELECT>(_mm512_srli_epi16::<2>(levels), signs, mid4);
+            for (e, t) in weight.iter().enumerate() {
+                let j = 4 * h + e;
+                let y = _mm512_permutexvar_epi8(if e < 2 { ia } else { ib }, *t);
+                for (s, ap) in sums.iter_mut().zip(aps) {
+                    // SAFETY: vector `j` is 64 bytes at `q8_k::pair_vector(j)` ≤ 456, inside the 584-byte pair.
+                    let q = unsafe { ld(ap.add(q8_k::pair_vector(j))) };
+                    s[e % 2] = _mm512_dpbusd_epi32(s[e % 2], y, q);
+                }
+            }
+        }
+        let scale = _mm512_permutexvar_ps(_mm512_srli_epi32::<28>(aux), group_scales);
+        // SAFETY: the f16 scales are bytes 0..2 of each block.
+        let (dw0, dw1) = unsafe {
+            (
+                std::ptr::read_unaligned(bp as *const u16).to_le() as u64,
+                std::ptr::read_unaligned(bp.add(WB) as *const u16).to_le() as u64,
+            )
+        };
+        let dw = _mm512_cvtph_ps(_mm256_set1_epi64x(((dw0 | dw1 << 32) * 0x1_0001) as i64));
+        for ((acc, s), ap) in acc.iter_mut().zip(sums).zip(aps) {
+            // SAFETY: the lane block sums are the pair's last 64 bytes, the f32 scales its first 8.
+            let (bsums, da0, da1) = unsafe {
+                (
+                    ld(ap.add(q8_k::PAIR_LANE_BSUMS)),
+                    f32::from_bits(std::ptr::read_unaligned(ap as *const u32).to_le()),
+                    f32::from_bits(std::ptr::read_unaligned(ap.add(4) as *const u32).to_le()),
+                )
+            };
+            let sum = _mm512_add_epi32(s[0], _mm512_dpwssd_epi32(s[1], bsums, minus128));
+            let da = _mm512_mask_broadcastss_ps(_mm512_set1_ps(da0), 0xcccc, _mm_set_ss(da1));
+            *acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), scale), _mm512_mul_ps(dw, da), *acc);
+        }
+    }
+    let (wt, at) = (2 * pairs * WB, 2 * pairs * AB);
+    let mut out = [0f32; 4];
+    for ((o, acc), x) in out.iter_mut().zip(acc).zip(a) {
+        *o = _mm512_reduce_add_ps(acc) * 0.125;
+        if w.len() >= wt + WB && x.len() >= at + AB {
+            *o += super::avx512::iq2_xxs_q8_k_imp(&w[wt..wt + WB], &x[at..at + AB]);
+        }
+    }
+    out
+}
+
+fn iq2_xxs_q8k_pairs4(w: &[u8], a: [&[u8]; 4]) -> [f32; 4] {
+    if a.iter().any(|x| x.len() != a[0].len()) {
+        // Rows of different lengths (never from the engine): each on its own, as `DotQ4` promises.
+        return a.map(|x| iq2_xxs_q8k_pairs(w, x));
+    }
+    // SAFETY: only handed out by `dot_q4` after `available()` confirmed the features `imp4` needs.
+    unsafe { imp4(w, a) }
+}
+
+/// The four-row pair kernel (see [`imp4`]), where this CPU has the features.
+pub(super) fn dot_q4() -> Option<super::super::api::DotQ4> {
+    available().then_some(iq2_xxs_q8k_pairs4 as super::super::api::DotQ4)
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::test_blocks::{iq2_biggest_point, iq2_every_point_blocks, iq2_uniform_blocks, mass, q8k_blocks};
@@ -314,6 +407,29 @@ mod tests {
         let w = iq2_every_point_blocks(&mut StdRng::seed_from_u64(13));
         let plain = q8k_blocks(8, 1.0, |i| if i % 3 == 0 { -127 } else { 127 });
         assert_eq!(k(&w, &pairs(&plain)), iq2_xxs::dot_q8k(&w, &plain));
+    }
+
+    /// Four rows at once give exactly the four single dots, odd block counts and rows of unequal length included.
+    #[test]
+    fn four_rows_match_four_single_dots_bit_for_bit() {
+        let (Some(k), Some(k4)) = (kernel(), dot_q4()) else { return };
+        let mut rng = StdRng::seed_from_u64(21);
+        for n in [1usize, 2, 3, 4, 7, 16] {
+            let w = weights(&mut rng, n);
+            let rows: Vec<Vec<u8>> = (0..4)
+                .map(|_| pairs(&q8k_blocks(n, rng.gen_range(1e-3f32..1.0), |_| rng.gen_range(-127i8..=127))))
+                .collect();
+            let got = k4(&w, [&rows[0], &rows[1], &rows[2], &rows[3]]);
+            for (r, g) in rows.iter().zip(got) {
+                assert_eq!(g.to_bits(), k(&w, r).to_bits(), "{n} blocks");
+            }
+            // A shorter row: every row still gets its own single dot.
+            let short = &rows[1][..rows[1].len() - 1];
+            let got = k4(&w, [&rows[0], short, &rows[2], &rows[3]]);
+            for (x, g) in [&rows[0][..], short, &rows[2], &rows[3]].iter().zip(got) {
+                assert_eq!(g.to_bits(), k(&w, x).to_bits(), "{n} blocks, unequal rows");
+            }
+        }
     }
 
     #[test]

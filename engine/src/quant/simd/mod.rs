@@ -100,6 +100,17 @@ pub(crate) fn dot_q(ty: GgmlType) -> Option<DotQ> {
     }
 }
 
+/// The four-activation-row kernel for `ty` (see [`crate::quant::DotQ4`]) where this CPU has one: the IQ2_XXS pair
+/// kernel's, exactly where [`dot_q`] picks the pair kernel.
+pub fn dot_q4(ty: GgmlType) -> Option<super::api::DotQ4> {
+    #[cfg(target_arch = "x86_64")]
+    if ty == GgmlType::Iq2Xxs && iq2_pairs() {
+        return avx512_iq2::dot_q4();
+    }
+    let _ = ty;
+    None
+}
+
 /// Every SIMD kernel this CPU can run for weight type `ty` · its quantized activations, best first, named by
 /// instruction set, with the activation format each one reads (e.g. for IQ2_XXS on a GFNI machine
 /// `[("avx512-gfni", Q8KPairs, ..), ("avx512-vbmi", Q8K, ..), ("avx2", Q8K, ..)]`); empty where only the scalar
