@@ -11,6 +11,8 @@
 //! - [`act_type`] + [`quantize_acts`] + [`dot_q_kernel`] → [`DotQ`]: weight row bytes · quantized activations (the
 //!   fast path: integer dot products, AVX2 `maddubs` style). The activation format ([`ActType`], module `act`) is
 //!   chosen per weight type and CPU, and may reorder quants for a kernel (the IQ2_XXS pair layout).
+//!   [`dot_q4_kernel`] → [`DotQ4`], where a type has one: the same dot against four activation rows at once,
+//!   bit-identical, for batched rows (the IQ2_XXS pair kernel decodes each weight pair once for the four).
 //! - [`matvec`] / [`matvec_with_scratch`]: `y = W·x`, single-threaded, best path; [`matvec_q`] takes activations
 //!   already quantized (quantize once, share across matrices and threads).
 //!
