@@ -33,7 +33,8 @@
 //!
 //! Measured (one core of this project's Sapphire-Rapids-class VM, ~3.8 GHz under AVX-512 load): 57.4 G weights/s
 //! with cache-resident weights (~34 cycles per pair) vs 29.2 G/s for the gather kernel (`quant::simd::bench`;
-//! `benches/README.md` has the history). What bounds it: ports 0 and 5 (every 512-bit op issues there; `vpermt2b`
+//! `benches/README.md` has the history). The one-row and four-row kernels share one `N`-generic body; as such the
+//! one-row case measured 2–4 % slower in cache than a separate body, equal streamed and in `ds4-bench kernels`. What bounds it: ports 0 and 5 (every 512-bit op issues there; `vpermt2b`
 //! takes port 5 for two cycles; `vpermb`, `vpmultishiftqb`, `vshufps`, `vpermd` only port 5; `gf2p8affineqb`,
 //! `vpdpbusd`, `vpmovb2m`, shifts and f32 math only port 0): ~52 such uops per pair, and the `vpdpbusd` chains
 //! (two accumulators: one chain of eight was 4 % slower, four 5 %). Tried and slower here: the previous kernels —
@@ -62,7 +63,8 @@ pub(super) fn dot_q() -> Option<DotQ> {
 
 fn iq2_xxs_q8k_pairs(w: &[u8], a: &[u8]) -> f32 {
     // SAFETY: only handed out by `dot_q` after `available()` confirmed the features `imp` needs.
-    unsafe { imp(w, a) }
+    let [v] = unsafe { imp(w, [a]) };
+    v
 }
 
 /// Level index (0, 1, 2) of a grid magnitude (8, 25, 43).
@@ -151,8 +153,12 @@ const WEIGHT: [A64; 4] = [weight_table(0), weight_table(1), weight_table(2), wei
 /// `2·s + 1` for each 4-bit group scale `s` (bits 28..32 of the aux word).
 const GROUP_SCALES: [f32; 16] = [1., 3., 5., 7., 9., 11., 13., 15., 17., 19., 21., 23., 25., 27., 29., 31.];
 
+/// The kernel against `N` activation rows of equal length (1 for the plain dot, 4 for [`super::super::api::DotQ4`]):
+/// each pair's weights are decoded once (lookups, signs, the `vpermb` weight vectors) and multiplied into every
+/// row, and the rows share the per-group scale and `d_w` factors. Each row goes through the same operations in the
+/// same order whatever `N`, so four rows at once are bit-identical to four single calls.
 #[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx512vnni,gfni,avx2,fma,f16c")]
-fn imp(w: &[u8], a: &[u8]) -> f32 {
+fn imp<const N: usize>(w: &[u8], a: [&[u8]; N]) -> [f32; N] {
     const WB: usize = iq2_xxs::BLOCK_BYTES;
     const AB: usize = q8_k::BLOCK_BYTES;
     let sign_ctrl = ld64(&SIGN_CTRL);
@@ -162,10 +168,12 @@ fn imp(w: &[u8], a: &[u8]) -> f32 {
     let minus128 = _mm512_set1_epi16(-128);
     // SAFETY: `GROUP_SCALES` is 16 f32.
     let group_scales = unsafe { _mm512_loadu_ps(GROUP_SCALES.as_ptr()) };
-    let mut acc = _mm512_setzero_ps();
-    let pairs = (w.len() / WB).min(a.len() / AB) / 2;
-    for (b, qa) in w.chunks_exact(2 * WB).zip(a.chunks_exact(2 * AB)).take(pairs) {
-        let (bp, ap) = (b.as_ptr(), qa.as_ptr());
+    let mut acc = [_mm512_setzero_ps(); N];
+    let pairs = (w.len() / WB).min(a.first().map_or(0, |x| x.len()) / AB) / 2;
+    for (pi, b) in w.chunks_exact(2 * WB).take(pairs).enumerate() {
+        let bp = b.as_ptr();
+        // SAFETY: `pi < pairs` and the rows are as long as `a[0]`, so every row holds the whole pair `pi`.
+        let aps = a.map(|x| unsafe { x.as_ptr().add(pi * 2 * AB) });
         prefetch_ahead::<3>(bp);
         // SAFETY: each block's 8 groups are its bytes 2..66; the pair slice holds both blocks.
         let (g0, g1) = unsafe { (_mm512_loadu_ps(bp.add(2).cast()), _mm512_loadu_ps(bp.add(WB + 2).cast())) };
@@ -174,83 +182,13 @@ fn imp(w: &[u8], a: &[u8]) -> f32 {
         let aux = _mm512_castps_si512(_mm512_shuffle_ps::<0xdd>(g0, g1));
         let sign_idx = _mm512_multishift_epi64_epi8(sign_ctrl, aux);
         let upper = _mm512_movepi8_mask(idx);
-        let mut sums = [_mm512_setzero_si512(); 2];
+        let mut sums = [[_mm512_setzero_si512(); 2]; N];
         for (h, tables) in LEVELS.iter().enumerate() {
             let [t0, t1] = tables.each_ref().map(|[x, y]| _mm512_permutex2var_epi8(ld64(x), idx, ld64(y)));
             let levels = _mm512_mask_blend_epi8(upper, t0, t1);
             let signs = _mm512_gf2p8affine_epi64_epi8::<0>(sign_idx, signs_m[h]);
             // Index bytes: levels of values 0, 1 (bits 0..4) and their signs (4, 5); signs of values 2, 3 (bits
             // 0, 1) and their levels (2..6).
-            let ia = _mm512_ternarylogic_epi32::<SELECT>(levels, signs, low4);
-            let ib = _mm512_ternarylogic_epi32::<SELECT>(_mm512_srli_epi16::<2>(levels), signs, mid4);
-            for (e, t) in weight.iter().enumerate() {
-                let j = 4 * h + e;
-                let y = _mm512_permutexvar_epi8(if e < 2 { ia } else { ib }, *t);
-                // SAFETY: vector `j` is 64 bytes at `q8_k::pair_vector(j)` ≤ 456, inside the 584-byte pair.
-                let q = unsafe { ld(ap.add(q8_k::pair_vector(j))) };
-                sums[e % 2] = _mm512_dpbusd_epi32(sums[e % 2], y, q);
-            }
-        }
-        // SAFETY: the lane block sums are the pair's last 64 bytes; the f16 scales bytes 0..2 of each block, the
-        // f32 scales the pair's first 8 bytes.
-        let (bsums, dw0, dw1, da0, da1) = unsafe {
-            (
-                ld(ap.add(q8_k::PAIR_LANE_BSUMS)),
-                std::ptr::read_unaligned(bp as *const u16).to_le() as u64,
-                std::ptr::read_unaligned(bp.add(WB) as *const u16).to_le() as u64,
-                f32::from_bits(std::ptr::read_unaligned(ap as *const u32).to_le()),
-                f32::from_bits(std::ptr::read_unaligned(ap.add(4) as *const u32).to_le()),
-            )
-        };
-        // Σ (128 ± m)·q − 128·Σ q: the weights' bias off again, from the group's two block sums.
-        let sum = _mm512_add_epi32(sums[0], _mm512_dpwssd_epi32(sums[1], bsums, minus128));
-        let scale = _mm512_permutexvar_ps(_mm512_srli_epi32::<28>(aux), group_scales);
-        // f16 words d_w0, d_w0, d_w1, d_w1 repeated: lanes 4m + r take block r / 2's scale (exact conversion).
-        let dw = _mm512_cvtph_ps(_mm256_set1_epi64x(((dw0 | dw1 << 32) * 0x1_0001) as i64));
-        let da = _mm512_mask_broadcastss_ps(_mm512_set1_ps(da0), 0xcccc, _mm_set_ss(da1));
-        acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), scale), _mm512_mul_ps(dw, da), acc);
-    }
-    let mut total = _mm512_reduce_add_ps(acc) * 0.125;
-    let (wt, at) = (2 * pairs * WB, 2 * pairs * AB);
-    if w.len() >= wt + WB && a.len() >= at + AB {
-        total += super::avx512::iq2_xxs_q8_k_imp(&w[wt..wt + WB], &a[at..at + AB]);
-    }
-    total
-}
-
-/// [`imp`] against four activation rows of equal length at once: each pair's weights are decoded once (lookups, signs, the
-/// `vpermb` weight vectors) and multiplied into all four rows, which share the per-group scale and `d_w` factors.
-/// Each row's result is computed with exactly [`imp`]'s operations in [`imp`]'s order: bit-identical to four
-/// single calls.
-#[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx512vnni,gfni,avx2,fma,f16c")]
-fn imp4(w: &[u8], a: [&[u8]; 4]) -> [f32; 4] {
-    const WB: usize = iq2_xxs::BLOCK_BYTES;
-    const AB: usize = q8_k::BLOCK_BYTES;
-    let sign_ctrl = ld64(&SIGN_CTRL);
-    let signs_m = SIGNS_M.map(|m| _mm512_set1_epi64(m));
-    let weight = WEIGHT.each_ref().map(|t| ld64(t));
-    let (low4, mid4) = (_mm512_set1_epi8(0x0f), _mm512_set1_epi8(0x3c));
-    let minus128 = _mm512_set1_epi16(-128);
-    // SAFETY: `GROUP_SCALES` is 16 f32.
-    let group_scales = unsafe { _mm512_loadu_ps(GROUP_SCALES.as_ptr()) };
-    let mut acc = [_mm512_setzero_ps(); 4];
-    let pairs = (w.len() / WB).min(a[0].len() / AB) / 2;
-    for (pi, b) in w.chunks_exact(2 * WB).take(pairs).enumerate() {
-        let bp = b.as_ptr();
-        // SAFETY: `pi < pairs` and the rows are as long as `a[0]`, so every row holds the whole pair `pi`.
-        let aps = a.map(|x| unsafe { x.as_ptr().add(pi * 2 * AB) });
-        prefetch_ahead::<3>(bp);
-        // SAFETY: each block's 8 groups are its bytes 2..66; the pair slice holds both blocks.
-        let (g0, g1) = unsafe { (_mm512_loadu_ps(bp.add(2).cast()), _mm512_loadu_ps(bp.add(WB + 2).cast())) };
-        let idx = _mm512_castps_si512(_mm512_shuffle_ps::<0x88>(g0, g1));
-        let aux = _mm512_castps_si512(_mm512_shuffle_ps::<0xdd>(g0, g1));
-        let sign_idx = _mm512_multishift_epi64_epi8(sign_ctrl, aux);
-        let upper = _mm512_movepi8_mask(idx);
-        let mut sums = [[_mm512_setzero_si512(); 2]; 4];
-        for (h, tables) in LEVELS.iter().enumerate() {
-            let [t0, t1] = tables.each_ref().map(|[x, y]| _mm512_permutex2var_epi8(ld64(x), idx, ld64(y)));
-            let levels = _mm512_mask_blend_epi8(upper, t0, t1);
-            let signs = _mm512_gf2p8affine_epi64_epi8::<0>(sign_idx, signs_m[h]);
             let ia = _mm512_ternarylogic_epi32::<SELECT>(levels, signs, low4);
             let ib = _mm512_ternarylogic_epi32::<SELECT>(_mm512_srli_epi16::<2>(levels), signs, mid4);
             for (e, t) in weight.iter().enumerate() {
@@ -271,6 +209,7 @@ fn imp4(w: &[u8], a: [&[u8]; 4]) -> [f32; 4] {
                 std::ptr::read_unaligned(bp.add(WB) as *const u16).to_le() as u64,
             )
         };
+        // f16 words d_w0, d_w0, d_w1, d_w1 repeated: lanes 4m + r take block r / 2's scale (exact conversion).
         let dw = _mm512_cvtph_ps(_mm256_set1_epi64x(((dw0 | dw1 << 32) * 0x1_0001) as i64));
         for ((acc, s), ap) in acc.iter_mut().zip(sums).zip(aps) {
             // SAFETY: the lane block sums are the pair's last 64 bytes, the f32 scales its first 8.
@@ -281,13 +220,14 @@ fn imp4(w: &[u8], a: [&[u8]; 4]) -> [f32; 4] {
                     f32::from_bits(std::ptr::read_unaligned(ap.add(4) as *const u32).to_le()),
                 )
             };
+            // Σ (128 ± m)·q − 128·Σ q: the weights' bias off again, from the group's two block sums.
             let sum = _mm512_add_epi32(s[0], _mm512_dpwssd_epi32(s[1], bsums, minus128));
             let da = _mm512_mask_broadcastss_ps(_mm512_set1_ps(da0), 0xcccc, _mm_set_ss(da1));
             *acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), scale), _mm512_mul_ps(dw, da), *acc);
         }
     }
     let (wt, at) = (2 * pairs * WB, 2 * pairs * AB);
-    let mut out = [0f32; 4];
+    let mut out = [0f32; N];
     for ((o, acc), x) in out.iter_mut().zip(acc).zip(a) {
         *o = _mm512_reduce_add_ps(acc) * 0.125;
         if w.len() >= wt + WB && x.len() >= at + AB {
@@ -302,11 +242,11 @@ fn iq2_xxs_q8k_pairs4(w: &[u8], a: [&[u8]; 4]) -> [f32; 4] {
         // Rows of different lengths (never from the engine): each on its own, as `DotQ4` promises.
         return a.map(|x| iq2_xxs_q8k_pairs(w, x));
     }
-    // SAFETY: only handed out by `dot_q4` after `available()` confirmed the features `imp4` needs.
-    unsafe { imp4(w, a) }
+    // SAFETY: only handed out by `dot_q4` after `available()` confirmed the features `imp` needs.
+    unsafe { imp(w, a) }
 }
 
-/// The four-row pair kernel (see [`imp4`]), where this CPU has the features.
+/// The four-row pair kernel (see [`imp`]), where this CPU has the features.
 pub(super) fn dot_q4() -> Option<super::super::api::DotQ4> {
     available().then_some(iq2_xxs_q8k_pairs4 as super::super::api::DotQ4)
 }
