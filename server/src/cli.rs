@@ -48,9 +48,18 @@ pub struct Args {
     /// Request body limit in MiB (413 above).
     #[arg(long, default_value_t = 32)]
     pub max_body_mb: usize,
-    /// Serve the deterministic scripted test model instead of a real one (for client/SDK tests).
-    #[arg(long, hide = true)]
+    /// Serve the deterministic scripted test model instead of a real one (for client/SDK tests; see README).
+    #[arg(long)]
     pub fake_model: bool,
+    /// Scripted turns for --fake-model (JSON or JSON Lines; see README "Fake model").
+    #[arg(long, requires = "fake_model")]
+    pub fake_script: Option<PathBuf>,
+    /// Milliseconds the fake model sleeps per step (a slow model, for keep-alive and cancellation tests).
+    #[arg(long, default_value_t = 0, requires = "fake_model")]
+    pub fake_delay_ms: u64,
+    /// Seconds between SSE keep-alives while nothing visible is sent (queue wait, prefill, hidden reasoning).
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub keepalive_s: u64,
     /// Seconds to let in-flight requests finish after SIGINT/SIGTERM.
     #[arg(long, default_value_t = 60)]
     pub drain_timeout_s: u64,

@@ -12,16 +12,20 @@
 //! - it contains `long answer`: `la ` 300 times;
 //! - otherwise `Hello! You said: <last 40 chars of the turn's last line, '<' removed>.`
 //!
-//! then [`EOS`]. Logits are one-hot with a wide margin, so any temperature gives the same text in practice and
+//! then [`EOS`]. A script ([`crate::fake_script`], `--fake-script FILE`) is tried first: its first entry matching the
+//! prompt gives the reply (reasoning, text, tool calls); prompts it does not match get the built-in reply above.
+//! Logits are one-hot with a wide margin, so any temperature gives the same text in practice and
 //! greedy decoding always does. Batching cannot change a session's output (sessions are independent).
 //! An optional per-step delay makes slow-model tests (keep-alive, cancellation, queueing) possible.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::backend::{
     BackendError, Codec, Conversation, KvBytes, OutputParser, Parsed, Role, Runner, SessionId, TokenDecoder,
 };
+use crate::fake_script::{substitute, substitute_value, LastTurn, PromptView, Script};
 
 /// End-of-sequence token id.
 pub const EOS: u32 = 256;
@@ -239,13 +243,27 @@ pub struct FakeRunner {
     next_id: SessionId,
     max_sessions: usize,
     delay: Duration,
+    script: Arc<Script>,
     /// Total tokens processed by `step` (tests read it to see prefix reuse).
     pub tokens_processed: u64,
 }
 
 impl FakeRunner {
     pub fn new(max_sessions: usize) -> Self {
-        FakeRunner { sessions: HashMap::new(), next_id: 1, max_sessions, delay: Duration::ZERO, tokens_processed: 0 }
+        FakeRunner {
+            sessions: HashMap::new(),
+            next_id: 1,
+            max_sessions,
+            delay: Duration::ZERO,
+            script: Arc::new(Script::default()),
+            tokens_processed: 0,
+        }
+    }
+
+    /// Answer from `script` first (see [`crate::fake_script`]).
+    pub fn with_script(mut self, script: Script) -> Self {
+        self.script = Arc::new(script);
+        self
     }
 
     /// Sleep this long in every `step` (simulates a slow model).
@@ -260,35 +278,68 @@ fn find_last(hay: &[u8], needle: &[u8]) -> Option<usize> {
 }
 
 /// The scripted reply for a prompt (see the module docs).
-fn script_reply(prompt: &[u8]) -> Vec<u32> {
+fn script_reply(prompt: &[u8], script: &Script) -> Vec<u32> {
     let text = String::from_utf8_lossy(prompt);
     let thinking = text.ends_with("<think>");
     let mut reply = String::new();
-    if thinking {
-        reply.push_str("Let me think.</think>");
-    }
     let last_user = text.rfind("<|user|>").map(|p| p + "<|user|>".len());
     let last_tool = text.rfind("<|tool|>").map(|p| p + "<|tool|>".len());
     // A turn runs to the next `\n<|` marker.
     let turn_end = |start: usize| text[start..].find("\n<|").map(|e| start + e).unwrap_or(text.len());
-    let clean = |s: &str| s.chars().filter(|c| *c != '<' && *c != '\n').collect::<String>();
-    match (last_user, last_tool) {
+    let (last, last_text) = match (last_user, last_tool) {
         (u, Some(t)) if u.is_none_or(|u| t > u) => {
             let body = &text[t..turn_end(t)];
-            let body = body.split_once(':').map(|(_, r)| r).unwrap_or(body);
-            reply.push_str("Done: ");
-            reply.push_str(&clean(&body.chars().take(20).collect::<String>()));
+            (Some(LastTurn::Tool), body.split_once(':').map(|(_, r)| r).unwrap_or(body))
         }
-        (Some(u), _) => {
-            let turn = &text[u..turn_end(u)];
+        (Some(u), _) => (Some(LastTurn::User), &text[u..turn_end(u)]),
+        _ => (None, ""),
+    };
+    let tools: Vec<String> = text
+        .strip_prefix("<|tools|>")
+        .and_then(|t| serde_json::from_str::<Vec<serde_json::Value>>(t.split('\n').next()?).ok())
+        .unwrap_or_default()
+        .iter()
+        .filter_map(|t| Some(t.get("name")?.as_str()?.to_string()))
+        .collect();
+    let view =
+        PromptView { last_text, last, tools, assistant_turns: text.matches(ASSISTANT).count().saturating_sub(1) };
+    if let Some(r) = script.pick(&view) {
+        if thinking {
+            reply.push_str(&substitute(&r.reasoning, last_text));
+            reply.push_str("</think>");
+        }
+        reply.push_str(&substitute(&r.text, last_text));
+        for c in &r.tool_calls {
+            let name = serde_json::Value::String(c.name.clone());
+            let args = substitute_value(&c.arguments, last_text);
+            reply.push_str(&format!("<tool_call>{{\"name\":{name},\"arguments\":{args}}}</tool_call>"));
+        }
+    } else {
+        builtin_reply(&view, thinking, &mut reply);
+    }
+    let mut toks: Vec<u32> = reply.bytes().map(u32::from).collect();
+    toks.push(EOS);
+    toks
+}
+
+/// The built-in rules (see the module docs).
+fn builtin_reply(view: &PromptView<'_>, thinking: bool, reply: &mut String) {
+    let clean = |s: &str| s.chars().filter(|c| *c != '<' && *c != '\n').collect::<String>();
+    if thinking {
+        reply.push_str("Let me think.</think>");
+    }
+    match view.last {
+        Some(LastTurn::Tool) => {
+            reply.push_str("Done: ");
+            reply.push_str(&clean(&view.last_text.chars().take(20).collect::<String>()));
+        }
+        Some(LastTurn::User) => {
+            let turn = view.last_text;
             let last_line = turn.rsplit('\n').next().unwrap_or(turn);
-            let tool = text.strip_prefix("<|tools|>").and_then(|t| {
-                let s = t.find("\"name\":\"")? + "\"name\":\"".len();
-                Some(t[s..s + t[s..].find('"')?].to_string())
-            });
-            if let (true, Some(tool)) = (turn.contains("use the tool"), tool) {
+            if let (true, Some(tool)) = (turn.contains("use the tool"), view.tools.first()) {
+                let name = serde_json::Value::String(tool.clone());
                 reply.push_str(&format!(
-                    "<tool_call>{{\"name\":\"{tool}\",\"arguments\":{{\"command\":\"ls\"}}}}</tool_call>"
+                    "<tool_call>{{\"name\":{name},\"arguments\":{{\"command\":\"ls\"}}}}</tool_call>"
                 ));
             } else if turn.contains("long answer") {
                 reply.push_str(&"la ".repeat(300));
@@ -300,11 +351,8 @@ fn script_reply(prompt: &[u8]) -> Vec<u32> {
                 reply.push_str(&format!("Hello! You said: {}.", clean(&tail)));
             }
         }
-        _ => reply.push_str("Hello!"),
+        None => reply.push_str("Hello!"),
     }
-    let mut toks: Vec<u32> = reply.bytes().map(u32::from).collect();
-    toks.push(EOS);
-    toks
 }
 
 impl Runner for FakeRunner {
@@ -384,7 +432,7 @@ impl Runner for FakeRunner {
                     start += "<think>".len();
                 }
                 if s.script.as_ref().is_none_or(|(st, _)| *st != start) {
-                    s.script = Some((start, script_reply(&bytes[..start])));
+                    s.script = Some((start, script_reply(&bytes[..start], &self.script)));
                 }
                 let (st, reply) = s.script.as_ref().expect("set above");
                 let idx = s.tokens.len() - st;

@@ -2,9 +2,13 @@
 //!
 //! [`Generation::start`] checks the context, submits a scheduler job (503 when the queue is full) and returns at once;
 //! [`Generation::next`] yields reasoning / content deltas and complete tool calls (with server-made ids, remembered in
-//! [`crate::toolmem`]), and `KeepAlive` whenever nothing happened for `Limits::keepalive` (SSE writers turn it into
-//! a comment; this is also how a vanished client is noticed during a long prefill). Stop strings cut the content
-//! and cancel the job. Dropping a `Generation` cancels its job.
+//! [`crate::toolmem`]), and `KeepAlive` whenever nothing was yielded for `Limits::keepalive` (SSE writers turn it
+//! into a ping or comment). Stop strings cut the content and cancel the job. Dropping a `Generation` cancels its job.
+//!
+//! Hidden reasoning is not silence: after [`Generation::hide_reasoning`] reasoning deltas are not yielded (they are
+//! still remembered for tool calls), so the keep-alive clock keeps running while the model thinks. A streaming
+//! writer calls [`Generation::watch`] with its [`SseSender`]: once the client is gone (the response body was dropped)
+//! `next` returns `None` at once and the job is cancelled, without waiting for a visible write.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -12,12 +16,14 @@ use std::time::Duration;
 
 use rand::Rng;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+use tokio::time::Instant;
 
 use crate::api::errors::ApiError;
 use crate::backend::{OutputParser, Parsed, TokenDecoder, ToolCall};
 use crate::fake::partial_marker_len;
 use crate::sampling::SamplingParams;
 use crate::scheduler::{Job, JobEvent, StopReason, SubmitError};
+use crate::sse::SseSender;
 use crate::state::AppState;
 
 /// What the generation produced next.
@@ -96,6 +102,11 @@ pub struct Generation {
     finish: Option<Finish>,
     saw_tool_call: bool,
     keepalive: Duration,
+    /// When `next` last returned an event (the keep-alive clock).
+    last_yield: Instant,
+    hide_reasoning: bool,
+    /// The stream's sender: its closing means the client went away.
+    watch: Option<SseSender>,
 }
 
 impl Generation {
@@ -131,7 +142,20 @@ impl Generation {
             finish: None,
             saw_tool_call: false,
             keepalive: state.limits.keepalive,
+            last_yield: Instant::now(),
+            hide_reasoning: false,
+            watch: None,
         })
+    }
+
+    /// Do not yield reasoning deltas (the client does not show them); keep-alives cover the silence.
+    pub fn hide_reasoning(&mut self) {
+        self.hide_reasoning = true;
+    }
+
+    /// Stop (and cancel the job) as soon as `tx`'s client is gone, even while nothing is being written.
+    pub fn watch(&mut self, tx: &SseSender) {
+        self.watch = Some(tx.clone());
     }
 
     /// Usage so far (complete once `next` returned `None`).
@@ -144,15 +168,34 @@ impl Generation {
         self.finish.unwrap_or(Finish::Stop)
     }
 
-    /// The next event; `None` when done; an error when the model side failed.
+    /// The next event; `None` when done (or the watched client is gone); an error when the model side failed.
     pub async fn next(&mut self) -> Option<Result<GenEvent, ApiError>> {
         loop {
             if let Some(ev) = self.queue.pop_front() {
+                self.last_yield = Instant::now();
                 return Some(Ok(ev));
             }
             let rx = self.rx.as_mut()?;
-            let ev = match tokio::time::timeout(self.keepalive, rx.recv()).await {
-                Err(_) => return Some(Ok(GenEvent::KeepAlive)),
+            let deadline = self.last_yield + self.keepalive;
+            let watch = self.watch.as_ref();
+            let ev = tokio::select! {
+                biased;
+                _ = client_gone(watch) => {
+                    tracing::debug!("client went away; cancelling the generation");
+                    self.rx = None; // cancels the job
+                    self.watch = None;
+                    return None;
+                }
+                r = tokio::time::timeout_at(deadline, rx.recv()) => r,
+            };
+            let ev = match ev {
+                Err(_) => {
+                    self.last_yield = Instant::now();
+                    if self.watch.is_some() {
+                        self.state.metrics.keepalives.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    }
+                    return Some(Ok(GenEvent::KeepAlive));
+                }
                 Ok(ev) => ev,
             };
             match ev {
@@ -210,7 +253,9 @@ impl Generation {
             match p {
                 Parsed::Reasoning(r) => {
                     self.reasoning.push_str(&r);
-                    self.queue.push_back(GenEvent::Reasoning(r));
+                    if !self.hide_reasoning {
+                        self.queue.push_back(GenEvent::Reasoning(r));
+                    }
                 }
                 Parsed::Content(c) => self.content(c),
                 Parsed::ToolCall { name, arguments } => {
@@ -266,6 +311,14 @@ impl Generation {
         out.finish = self.finish();
         out.usage = self.usage();
         Ok(out)
+    }
+}
+
+/// Resolves when the watched client is gone; never without a watch.
+async fn client_gone(watch: Option<&SseSender>) {
+    match watch {
+        Some(tx) => tx.closed().await,
+        None => std::future::pending().await,
     }
 }
 

@@ -20,6 +20,7 @@ pub mod backend;
 pub mod cli;
 pub mod engine;
 pub mod fake;
+pub mod fake_script;
 pub mod generate;
 pub mod http;
 pub mod kvdisk;

@@ -27,7 +27,11 @@ fn main() -> anyhow::Result<()> {
         max_parked: args.max_parked,
         context_size: 0,
     };
-    let limits = Limits { max_body_bytes: args.max_body_mb.max(1) << 20, ..Limits::default() };
+    let limits = Limits {
+        max_body_bytes: args.max_body_mb.max(1) << 20,
+        keepalive: Duration::from_secs(args.keepalive_s),
+        ..Limits::default()
+    };
     let (runner, codec, info): (Box<dyn ds4_server::backend::Runner>, Arc<dyn ds4_server::backend::Codec>, _) =
         if args.fake_model {
             tracing::warn!("--fake-model: serving the scripted test model (not a language model)");
@@ -37,7 +41,17 @@ fn main() -> anyhow::Result<()> {
                 vocab_size: ds4_server::fake::VOCAB,
                 demo: true,
             };
-            (Box::new(FakeRunner::new(config.max_active + config.max_parked + 8)), Arc::new(FakeCodec), info)
+            let script = match &args.fake_script {
+                Some(path) => {
+                    ds4_server::fake_script::Script::load(path).map_err(|e| anyhow::anyhow!("--fake-script {e}"))?
+                }
+                None => ds4_server::fake_script::Script::default(),
+            };
+            tracing::info!(entries = script.entries.len(), "fake model script");
+            let runner = FakeRunner::new(config.max_active + config.max_parked + 8)
+                .with_script(script)
+                .with_delay(Duration::from_millis(args.fake_delay_ms));
+            (Box::new(runner), Arc::new(FakeCodec), info)
         } else {
             if args.model.is_none() {
                 tracing::warn!("no -m given: serving the built-in tiny demo model (random weights: output is noise)");

@@ -3,7 +3,8 @@
 //!
 //! Names (all prefixed `ds4_`): `requests_total{endpoint,status}`, `prompt_tokens_total`, `completion_tokens_total`,
 //! `time_to_first_token_seconds` and `inter_token_latency_seconds` (histograms), `queue_depth`, `active_sessions`,
-//! `parked_sessions`, `kv_bytes{tier}`, `prefix_cache_hit_tokens_total{tier}`.
+//! `parked_sessions`, `kv_bytes{tier}`, `prefix_cache_hit_tokens_total{tier}`, `generations_cancelled_total`
+//! (generations stopped because their client went away), `keepalives_total` (SSE keep-alive frames sent).
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -70,6 +71,10 @@ pub struct Metrics {
     pub parked_sessions: AtomicU64,
     /// Disk KV tier failures (saves, restores, store I/O).
     pub kv_disk_errors: AtomicU64,
+    /// Generations stopped because their client went away.
+    pub cancelled: AtomicU64,
+    /// SSE keep-alive frames sent.
+    pub keepalives: AtomicU64,
     kv_bytes: [AtomicU64; 3],
     prefix_hits: [AtomicU64; 3],
 }
@@ -86,6 +91,8 @@ impl Default for Metrics {
             active_sessions: AtomicU64::new(0),
             parked_sessions: AtomicU64::new(0),
             kv_disk_errors: AtomicU64::new(0),
+            cancelled: AtomicU64::new(0),
+            keepalives: AtomicU64::new(0),
             kv_bytes: Default::default(),
             prefix_hits: Default::default(),
         }
@@ -133,6 +140,13 @@ impl Metrics {
             "Disk KV tier failures (failed saves, restores, store I/O errors).",
             load(&self.kv_disk_errors),
         );
+        counter(
+            &mut out,
+            "ds4_generations_cancelled_total",
+            "Generations stopped because their client went away.",
+            load(&self.cancelled),
+        );
+        counter(&mut out, "ds4_keepalives_total", "SSE keep-alive frames sent.", load(&self.keepalives));
         self.ttft.render("ds4_time_to_first_token_seconds", "Submit to first generated token.", &mut out);
         self.itl.render("ds4_inter_token_latency_seconds", "Time between generated tokens.", &mut out);
         gauge(&mut out, "ds4_queue_depth", "Requests waiting for a session slot.", load(&self.queue_depth));

@@ -251,6 +251,7 @@ impl Worker {
             let Some((job, submitted)) = self.waiting.pop_front() else { break };
             self.queued.fetch_sub(1, Ordering::SeqCst);
             if job.events.is_closed() {
+                self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
                 continue;
             }
             if job.prompt.is_empty() || job.prompt.len() >= self.config.context_size {
@@ -402,6 +403,7 @@ impl Worker {
         while i < self.active.len() {
             if self.active[i].job.events.is_closed() {
                 tracing::debug!(session = self.active[i].session, "client went away; cancelling");
+                self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
                 self.retire(i, None);
             } else {
                 i += 1;

@@ -45,6 +45,11 @@ impl SseSender {
     pub async fn send(&self, frame: Bytes) -> bool {
         self.tx.send(frame).await.is_ok()
     }
+
+    /// Resolves once the client has disconnected (the body was dropped), without writing anything.
+    pub async fn closed(&self) {
+        self.tx.closed().await
+    }
 }
 
 /// The streaming body behind an [`SseSender`].

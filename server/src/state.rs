@@ -13,7 +13,7 @@ use crate::toolmem::ToolMemory;
 pub struct Limits {
     /// Request bodies above this are answered 413.
     pub max_body_bytes: usize,
-    /// SSE keep-alive comment interval while nothing else is sent (long prefill, queue wait).
+    /// SSE keep-alive interval while nothing visible is sent (queue wait, long prefill, hidden reasoning).
     pub keepalive: Duration,
     /// `max_tokens` when a request sends none (clipped to the context left).
     pub default_max_tokens: usize,
@@ -21,7 +21,7 @@ pub struct Limits {
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { max_body_bytes: 32 << 20, keepalive: Duration::from_secs(10), default_max_tokens: 4096 }
+        Limits { max_body_bytes: 32 << 20, keepalive: Duration::from_secs(5), default_max_tokens: 4096 }
     }
 }
 

@@ -317,6 +317,10 @@ pub async fn handle(state: Arc<AppState>, _headers: HeaderMap, body: Bytes) -> R
     let (tx, response) = sse_response();
     tokio::spawn(async move {
         let mut gen = gen;
+        gen.watch(&tx);
+        if !show_thinking {
+            gen.hide_reasoning();
+        }
         let mut started = false;
         // (index, kind) of the open content block.
         let mut open: Option<(usize, &'static str)> = None;

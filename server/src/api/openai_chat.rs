@@ -251,6 +251,7 @@ pub async fn handle(state: Arc<AppState>, _headers: HeaderMap, body: Bytes) -> R
             }))
         };
         let mut gen = gen;
+        gen.watch(&tx);
         let mut started = false;
         let mut tool_index = 0usize;
         while let Some(ev) = gen.next().await {

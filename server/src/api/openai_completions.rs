@@ -114,6 +114,7 @@ pub async fn handle(state: Arc<AppState>, _headers: HeaderMap, body: Bytes) -> R
             }))
         };
         let mut gen = gen;
+        gen.watch(&tx);
         while let Some(ev) = gen.next().await {
             let frame = match ev {
                 Ok(GenEvent::Content(c)) => chunk(&c, None),

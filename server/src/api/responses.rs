@@ -298,6 +298,7 @@ pub async fn handle(state: Arc<AppState>, _headers: HeaderMap, body: Bytes) -> R
             return;
         }
         let mut gen = gen;
+        gen.watch(&w.tx);
         while let Some(ev) = gen.next().await {
             let ok = match ev {
                 Ok(GenEvent::KeepAlive) => w.tx.send(sse::comment("keep-alive")).await,

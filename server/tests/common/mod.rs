@@ -25,11 +25,19 @@ pub struct Options {
     pub config: SchedulerConfig,
     pub limits: Limits,
     pub context: usize,
+    /// Scripted turns of the fake model.
+    pub script: ds4_server::fake_script::Script,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Options { delay: Duration::ZERO, config: SchedulerConfig::default(), limits: Limits::default(), context: 65536 }
+        Options {
+            delay: Duration::ZERO,
+            config: SchedulerConfig::default(),
+            limits: Limits::default(),
+            context: 65536,
+            script: Default::default(),
+        }
     }
 }
 
@@ -39,7 +47,7 @@ impl TestServer {
     }
 
     pub fn with(o: Options) -> Self {
-        let runner = FakeRunner::new(256).with_delay(o.delay);
+        let runner = FakeRunner::new(256).with_delay(o.delay).with_script(o.script);
         let info = ModelInfo {
             id: "deepseek-v4-flash".into(),
             context_size: o.context,
