@@ -18,6 +18,23 @@ fi
 export WGPU_BACKEND="${WGPU_BACKEND:-vulkan}"
 export XDG_RUNTIME_DIR="${XDG_RUNTIME_DIR:-/tmp}"
 
+# The real coding agents for tests/python/test_agents.py: pinned versions from npm into a cache folder, installed
+# once (node/npm from apt when absent). The tests talk to them only through 127.0.0.1.
+AGENTS_DIR="${DS4_CACHE_DIR:-$HOME/.cache/ds4}/npm"
+AGENT_PKGS=(@anthropic-ai/claude-code@2.1.332 @openai/codex@0.171.0 opencode-ai@1.18.33)
+if ! command -v npm >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  log "installing node and npm"
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm >/dev/null
+fi
+agents_stamp="$AGENTS_DIR/.installed-$(printf '%s\n' "${AGENT_PKGS[@]}" | cksum | cut -d' ' -f1)"
+if [ ! -e "$agents_stamp" ] && command -v npm >/dev/null 2>&1; then
+  log "installing coding agents (${AGENT_PKGS[*]}) into $AGENTS_DIR"
+  mkdir -p "$AGENTS_DIR"
+  timeout 900 npm install --prefix "$AGENTS_DIR" --no-audit --no-fund --loglevel=error "${AGENT_PKGS[@]}" >/dev/null \
+    && touch "$agents_stamp"
+fi
+export DS4_AGENTS_DIR="$AGENTS_DIR"
+
 PY=python3
 if [ -d tests/python ]; then
   log "installing Python test clients"
