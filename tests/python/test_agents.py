@@ -441,3 +441,62 @@ def test_demo_dropped_client_stops_within_2s(demo_server, path, body, stream):
     n = demo_server.metric("ds4_completion_tokens_total")
     time.sleep(0.3)
     assert demo_server.metric("ds4_completion_tokens_total") == n
+
+
+def test_demo_claude_code_hidden_thinking_then_killed(tmp_path):
+    """Claude Code itself (adaptive thinking, `display: "omitted"`) on the demo model: the reasoning never ends, so
+    the server only sends keep-alives (at least one per 15 s); killing the client frees its session within 2 s."""
+    claude = client("claude")
+    server = Server(str(tmp_path), ["--ctx", "32768", "--max-active", "2"])
+    home, repo = scratch(tmp_path, "claude-demo")
+    env = {
+        "HOME": str(home),
+        "ANTHROPIC_BASE_URL": server.base,
+        "ANTHROPIC_API_KEY": "dummy",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "DISABLE_TELEMETRY": "1",
+        "DISABLE_AUTOUPDATER": "1",
+        "DISABLE_ERROR_REPORTING": "1",
+    }
+    base_env = {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "TERM", "TMPDIR", "USER", "SHELL")}
+    log = open(tmp_path / "claude.log", "w")
+    proc = subprocess.Popen(
+        [claude, "-p", "Think it through.", "--model", MODEL],
+        cwd=repo,
+        env={**base_env, **env},
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=log,
+    )
+    try:
+        deadline = time.monotonic() + 150
+        while server.metric("ds4_completion_tokens_total") < 3:
+            assert proc.poll() is None, f"claude exited: {open(tmp_path / 'claude.log').read()}"
+            assert time.monotonic() < deadline, "Claude Code's request did not start generating"
+            time.sleep(0.2)
+        assert server.metric("ds4_active_sessions") == 1
+        # Watch the keep-alive counter for 17 s: it must tick at least every 15 s.
+        last_tick, last_value, ticks = time.monotonic(), server.metric("ds4_keepalives_total"), 0
+        start = time.monotonic()
+        while time.monotonic() - start < 17:
+            v = server.metric("ds4_keepalives_total")
+            now = time.monotonic()
+            if v > last_value:
+                last_tick, last_value, ticks = now, v, ticks + 1
+            assert now - last_tick <= 15, "no keep-alive for 15 s"
+            time.sleep(0.25)
+        assert ticks >= 2, f"{ticks} keep-alives in 17 s"
+        assert proc.poll() is None, "Claude Code gave up on the stream"
+        assert not [k for k in server.requests() if k[1] >= 400], server.requests()
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+        log.close()
+    try:
+        killed = time.monotonic()
+        while server.metric("ds4_active_sessions") != 0:
+            assert time.monotonic() - killed < 2.0, "still generating 2 s after Claude Code was killed"
+            time.sleep(0.02)
+        assert server.metric("ds4_generations_cancelled_total") >= 1
+    finally:
+        server.stop()
