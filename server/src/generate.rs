@@ -35,7 +35,10 @@ pub enum GenEvent {
 pub enum Finish {
     #[default]
     Stop,
+    /// The output limit (`max_tokens`, or the server's `--max-output-tokens`) was reached.
     Length,
+    /// The context window filled up (prompt + output reached the server's context size) before the model stopped.
+    ContextFull,
     ToolCalls,
     /// A client stop string matched.
     StopSequence,
@@ -47,6 +50,8 @@ pub struct Usage {
     pub prompt_tokens: usize,
     pub cached_tokens: usize,
     pub completion_tokens: usize,
+    /// The part of `completion_tokens` generated inside the reasoning block (up to and including `</think>`).
+    pub reasoning_tokens: usize,
 }
 
 /// Per-request generation options.
@@ -95,7 +100,11 @@ pub struct Generation {
     usage: Usage,
     finish: Option<Finish>,
     saw_tool_call: bool,
+    /// The next token still belongs to the reasoning block.
+    in_reasoning: bool,
     keepalive: Duration,
+    /// Where the access log reads this request's usage (see [`crate::access_log`]).
+    stats: Option<Arc<crate::access_log::Stats>>,
 }
 
 impl Generation {
@@ -108,8 +117,10 @@ impl Generation {
         if prompt.is_empty() {
             return Err(ApiError::invalid("the prompt is empty"));
         }
+        // No limit asked for: whatever the context has left (an agent's turn may be long), below the server's cap.
         let room = ctx - prompt.len();
-        let max_tokens = opts.max_tokens.unwrap_or(state.limits.default_max_tokens).min(room).max(1);
+        let cap = state.limits.max_output_tokens.unwrap_or(usize::MAX);
+        let max_tokens = opts.max_tokens.unwrap_or(usize::MAX).min(cap).min(room).max(1);
         let (tx, rx) = unbounded_channel();
         let usage = Usage { prompt_tokens: prompt.len(), ..Usage::default() };
         let job =
@@ -123,6 +134,7 @@ impl Generation {
             rx: Some(rx),
             decoder: state.codec.decoder(),
             parser: if opts.raw { Box::new(PassThrough) } else { state.codec.parser(opts.thinking) },
+            in_reasoning: opts.thinking && !opts.raw,
             opts,
             queue: VecDeque::new(),
             held: String::new(),
@@ -131,7 +143,9 @@ impl Generation {
             finish: None,
             saw_tool_call: false,
             keepalive: state.limits.keepalive,
-        })
+            stats: crate::access_log::current(),
+        }
+        .reported())
     }
 
     /// Usage so far (complete once `next` returned `None`).
@@ -159,18 +173,32 @@ impl Generation {
                 Some(JobEvent::Started { prompt_tokens, cached_tokens }) => {
                     self.usage.prompt_tokens = prompt_tokens;
                     self.usage.cached_tokens = cached_tokens;
+                    self.report();
                 }
                 Some(JobEvent::Token(t)) => {
                     self.usage.completion_tokens += 1;
+                    if self.in_reasoning {
+                        self.usage.reasoning_tokens += 1;
+                    }
                     let text = self.decoder.push(t);
                     let parsed = self.parser.push(&text);
+                    if parsed.iter().any(|p| !matches!(p, Parsed::Reasoning(_))) {
+                        self.in_reasoning = false;
+                    }
                     self.absorb(parsed);
+                    self.report();
                 }
                 Some(JobEvent::Done(reason)) => {
                     if reason == StopReason::Eos {
                         self.usage.completion_tokens += 1;
                     }
-                    self.end(if reason == StopReason::Length { Finish::Length } else { Finish::Stop });
+                    let full = self.usage.prompt_tokens + self.usage.completion_tokens >= self.state.info.context_size;
+                    self.end(match reason {
+                        StopReason::Length if full => Finish::ContextFull,
+                        StopReason::Length => Finish::Length,
+                        _ => Finish::Stop,
+                    });
+                    self.report();
                 }
                 Some(JobEvent::Error(e)) => {
                     self.rx = None;
@@ -182,6 +210,18 @@ impl Generation {
                 }
             }
         }
+    }
+
+    /// Hands the usage so far to the access log.
+    fn report(&self) {
+        if let Some(s) = &self.stats {
+            s.set_usage(self.usage);
+        }
+    }
+
+    fn reported(self) -> Self {
+        self.report();
+        self
     }
 
     /// Flush decoder and parser, then stop.
