@@ -171,7 +171,8 @@ pub fn to_chat_messages(conv: &Conversation) -> Result<Vec<chat::Message>, Backe
         };
         // Consecutive system messages (Codex's two developer messages) are one system prompt, so the tool list
         // (attached below) follows all of it instead of splitting it.
-        if let Some(prev) = out.last_mut().filter(|p: &&mut chat::Message| p.role == role && role == chat::Role::System) {
+        if let Some(prev) = out.last_mut().filter(|p: &&mut chat::Message| p.role == role && role == chat::Role::System)
+        {
             let text = prev.content.get_or_insert_with(String::new);
             if !text.is_empty() && !m.content.is_empty() {
                 text.push_str("\n\n");

@@ -177,13 +177,14 @@ impl Generation {
                 }
                 Some(JobEvent::Token(t)) => {
                     self.usage.completion_tokens += 1;
-                    if self.in_reasoning {
-                        self.usage.reasoning_tokens += 1;
-                    }
                     let text = self.decoder.push(t);
                     let parsed = self.parser.push(&text);
+                    // A token is reasoning until one yields content or a call (`</think>` itself yields nothing).
                     if parsed.iter().any(|p| !matches!(p, Parsed::Reasoning(_))) {
                         self.in_reasoning = false;
+                    }
+                    if self.in_reasoning {
+                        self.usage.reasoning_tokens += 1;
                     }
                     self.absorb(parsed);
                     self.report();

@@ -112,6 +112,7 @@ fn count_tokens_agrees_with_generation_for_claude_codes_shape() {
         "messages": [{"role": "user", "content": "list the files"}], "thinking": {"type": "adaptive"}});
     let inline = json!({"messages": [{"role": "user", "content": "list the files"},
         {"role": "system", "content": "# Environment\ncwd: /tmp"}], "thinking": {"type": "adaptive"}});
-    let n = |b: &serde_json::Value| server.post("/v1/messages/count_tokens", b).json()["input_tokens"].as_u64().unwrap();
+    let n =
+        |b: &serde_json::Value| server.post("/v1/messages/count_tokens", b).json()["input_tokens"].as_u64().unwrap();
     assert!(n(&inline) >= n(&top), "{} vs {}", n(&inline), n(&top));
 }

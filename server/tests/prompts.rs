@@ -74,8 +74,14 @@ fn claude_code_system_message_joins_the_user_turn_and_turns_extend() {
     let conv = |turn2| anthropic::to_conversation(claude_code_body(turn2).to_string().as_bytes()).unwrap();
     let (p1, _) = check_turns(&codec, &conv(false), &conv(true), ASSISTANT_THINK);
     // The system message inside `messages` is part of the user turn, right before the assistant's turn.
-    assert!(p1.ends_with("list the files here\n\n# Environment\nYou have been invoked in the following environment: \
-cwd /workspace/project<｜Assistant｜><think>"), "…{}", tail(&p1));
+    assert!(
+        p1.ends_with(
+            "list the files here\n\n# Environment\nYou have been invoked in the following environment: \
+cwd /workspace/project<｜Assistant｜><think>"
+        ),
+        "…{}",
+        tail(&p1)
+    );
     assert_eq!(p1.matches("<｜User｜>").count(), 1);
     assert!(!p1.contains("x-anthropic-billing-header"));
     assert!(!p1.contains("DeferredToolPlaceholder"), "a deferred tool is in the prompt");

@@ -363,9 +363,10 @@ pub fn render_with(messages: &[Message], opt: &RenderOptions) -> Result<String> 
 pub fn render_prompt(messages: &[Message], opt: &RenderOptions) -> Result<String> {
     let mut out = render_with(messages, opt)?;
     let open = if opt.mode == Mode::Thinking { THINK_START_TOKEN } else { THINK_END_TOKEN };
-    let ends_in_transition = [THINK_START_TOKEN, THINK_END_TOKEN].iter().any(|t| {
-        out.strip_suffix(t).is_some_and(|head| head.ends_with(ASSISTANT_TOKEN))
-    }) || TASK_TOKENS.iter().any(|(_, t)| out.ends_with(t));
+    let ends_in_transition = [THINK_START_TOKEN, THINK_END_TOKEN]
+        .iter()
+        .any(|t| out.strip_suffix(t).is_some_and(|head| head.ends_with(ASSISTANT_TOKEN)))
+        || TASK_TOKENS.iter().any(|(_, t)| out.ends_with(t));
     if !ends_in_transition {
         out.push_str(ASSISTANT_TOKEN);
         out.push_str(open);

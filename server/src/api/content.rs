@@ -37,10 +37,8 @@ pub fn tool_loaded(t: &ToolSpec) -> String {
 /// The note for an OpenAI content part (Chat `image_url` / `input_audio` / `file`, Responses `input_image` /
 /// `input_file`, anything else by its type).
 pub fn openai_part(kind: &str, part: &Value) -> String {
-    let filename = part
-        .get("filename")
-        .or_else(|| part.get("file").and_then(|f| f.get("filename")))
-        .and_then(Value::as_str);
+    let filename =
+        part.get("filename").or_else(|| part.get("file").and_then(|f| f.get("filename"))).and_then(Value::as_str);
     match kind {
         "image_url" | "input_image" | "image" => omitted("image", None),
         "input_audio" | "audio" => omitted("audio", None),
@@ -68,6 +66,9 @@ mod tests {
         assert_eq!(openai_part("file", &json!({"file": {"filename": "y"}})), "[file omitted: y]");
         assert_eq!(openai_part("image_url", &json!({})), "[image omitted]");
         let t = ToolSpec { name: "T".into(), description: "d".into(), parameters: json!({"type": "object"}) };
-        assert_eq!(tool_loaded(&t), r#"[tool loaded: T] {"name":"T","description":"d","parameters":{"type":"object"}}"#);
+        assert_eq!(
+            tool_loaded(&t),
+            r#"[tool loaded: T] {"name":"T","description":"d","parameters":{"type":"object"}}"#
+        );
     }
 }

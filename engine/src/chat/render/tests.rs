@@ -121,7 +121,8 @@ fn tasks_wo_eos_and_errors() {
 #[test]
 fn a_system_message_after_a_user_turn_joins_it() {
     // Claude Code's shape: the official encoder would glue `s` to `u` and never hand the turn to the assistant.
-    let input = msgs(r#"[{"role":"system","content":"top"},{"role":"user","content":"u"},{"role":"system","content":"s"}]"#);
+    let input =
+        msgs(r#"[{"role":"system","content":"top"},{"role":"user","content":"u"},{"role":"system","content":"s"}]"#);
     assert_eq!(
         render(&input, Mode::Thinking, ReasoningEffort::High).unwrap(),
         "<｜begin▁of▁sentence｜>top<｜User｜>u\n\ns<｜Assistant｜><think>"
@@ -163,7 +164,9 @@ fn a_system_message_after_a_user_turn_joins_it() {
 fn render_prompt_always_ends_in_the_assistant_transition() {
     let opt = |mode| RenderOptions { mode, ..RenderOptions::default() };
     // Where the official render already ends in it, nothing changes.
-    for json in [r#"[{"role":"user","content":"Hi"}]"#, r#"[{"role":"system","content":"s"},{"role":"user","content":"u"}]"#] {
+    for json in
+        [r#"[{"role":"user","content":"Hi"}]"#, r#"[{"role":"system","content":"s"},{"role":"user","content":"u"}]"#]
+    {
         let m = msgs(json).messages;
         for mode in [Mode::Chat, Mode::Thinking] {
             assert_eq!(render_prompt(&m, &opt(mode)).unwrap(), render_with(&m, &opt(mode)).unwrap());
