@@ -5,6 +5,11 @@
 //! [`crate::toolmem`]), and `KeepAlive` whenever nothing happened for `Limits::keepalive` (SSE writers turn it into
 //! a comment; this is also how a vanished client is noticed during a long prefill). Stop strings cut the content
 //! and cancel the job. Dropping a `Generation` cancels its job.
+//!
+//! Limits: the output may use all of the context the prompt leaves unless the request or the server
+//! (`Limits::max_output_tokens`) caps it; reaching the cap is [`Finish::Length`], filling the context
+//! [`Finish::ContextFull`] (each API names the two differently). Usage counts the reasoning tokens (every token until
+//! one yields content or a tool call) and is mirrored into the request's access-log slot ([`crate::access_log`]).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
