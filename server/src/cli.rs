@@ -22,9 +22,14 @@ pub struct Args {
     pub host: String,
     #[arg(long, default_value_t = 8000)]
     pub port: u16,
-    /// Context size in tokens (default: the model's, capped at 32768).
+    /// Context size in tokens (default: the largest that fits this machine's memory, capped at the model's; the
+    /// arithmetic is logged at start).
     #[arg(long)]
     pub ctx: Option<usize>,
+    /// Upper bound on the output tokens of any request (default: none; a request that sends no limit may use all
+    /// of the context its prompt leaves).
+    #[arg(long)]
+    pub max_output_tokens: Option<usize>,
     /// Directory of the on-disk KV cache.
     #[arg(long)]
     pub kv_disk_dir: Option<PathBuf>,

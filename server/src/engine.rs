@@ -12,7 +12,9 @@
 //! - `step` loops until the engine has no queued tokens, so one scheduler tick processes everything that was fed
 //!   (the engine's own batch budget may split it into several engine ticks).
 //! - Tools are attached to the first message (the renderer prints them in the system prompt); the function object
-//!   is written with keys `name`, `description`, `parameters` in that order.
+//!   is written with keys `name`, `description`, `parameters` in that order. Consecutive system messages are joined
+//!   with `"\n\n"` first. The prompt comes from [`chat::render_prompt`], so it always ends in the assistant
+//!   transition (a `system` message after a user turn is folded into that turn by the renderer).
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -167,6 +169,17 @@ pub fn to_chat_messages(conv: &Conversation) -> Result<Vec<chat::Message>, Backe
             Role::Assistant => chat::Role::Assistant,
             Role::Tool => chat::Role::Tool,
         };
+        // Consecutive system messages (Codex's two developer messages) are one system prompt, so the tool list
+        // (attached below) follows all of it instead of splitting it.
+        if let Some(prev) = out.last_mut().filter(|p: &&mut chat::Message| p.role == role && role == chat::Role::System)
+        {
+            let text = prev.content.get_or_insert_with(String::new);
+            if !text.is_empty() && !m.content.is_empty() {
+                text.push_str("\n\n");
+            }
+            text.push_str(&m.content);
+            continue;
+        }
         let mut msg = chat::Message::new(role, m.content.clone());
         if !m.reasoning.is_empty() {
             msg.reasoning_content = Some(m.reasoning.clone());
@@ -198,7 +211,7 @@ impl Codec for EngineCodec {
     fn render(&self, conv: &Conversation) -> Result<String, BackendError> {
         let messages = to_chat_messages(conv)?;
         let mode = if conv.thinking { Mode::Thinking } else { Mode::Chat };
-        chat::render_with(&messages, &RenderOptions { mode, ..RenderOptions::default() }).map_err(be)
+        chat::render_prompt(&messages, &RenderOptions { mode, ..RenderOptions::default() }).map_err(be)
     }
 
     fn encode(&self, text: &str) -> Result<Vec<u32>, BackendError> {
@@ -286,7 +299,7 @@ impl OutputParser for DsmlParser {
 #[derive(Debug, Clone)]
 pub struct LoadOptions {
     pub backend: BackendKind,
-    /// Context per session (0: the model's, capped at 32768).
+    /// Context per session (0: the largest that fits the memory, see [`crate::context`]).
     pub ctx: usize,
     /// Engine rows per tick.
     pub max_batch_tokens: usize,
@@ -304,24 +317,17 @@ pub fn load(path: Option<&Path>, o: &LoadOptions) -> Result<(EngineRunner, Engin
         }
     };
     let tok = Tokenizer::from_gguf(&file).map_err(be)?;
-    let opts = EngineOptions {
-        backend: o.backend,
-        ctx: o.ctx,
-        max_batch_tokens: o.max_batch_tokens.max(1),
-        ..Default::default()
+    let ctx = if o.ctx == 0 {
+        let cfg = ds4_engine::model::ModelConfig::from_gguf(&file).map_err(be)?;
+        let (ctx, why) = crate::context::auto_context(&cfg, file.file_size(), crate::context::mem_available());
+        tracing::info!(ctx, "default context from memory: {why} (set --ctx to choose)");
+        ctx
+    } else {
+        o.ctx
     };
-    let mut engine = Engine::from_gguf(file, opts.clone()).map_err(be)?;
-    if o.ctx == 0 && engine.ctx() > 32768 {
-        engine = {
-            let file = match path {
-                Some(p) => GgufFile::open(p).map_err(be)?,
-                None => {
-                    GgufFile::from_bytes(ds4_engine::convert::demo_model_gguf(o.demo_seed).map_err(be)?).map_err(be)?
-                }
-            };
-            Engine::from_gguf(file, EngineOptions { ctx: 32768, ..opts }).map_err(be)?
-        };
-    }
+    let opts =
+        EngineOptions { backend: o.backend, ctx, max_batch_tokens: o.max_batch_tokens.max(1), ..Default::default() };
+    let engine = Engine::from_gguf(file, opts).map_err(be)?;
     let info = ModelInfo {
         id: "deepseek-v4-flash".into(),
         context_size: engine.ctx(),

@@ -9,6 +9,11 @@
 //! still remembered for tool calls), so the keep-alive clock keeps running while the model thinks. A streaming
 //! writer calls [`Generation::watch`] with its [`SseSender`]: once the client is gone (the response body was dropped)
 //! `next` returns `None` at once and the job is cancelled, without waiting for a visible write.
+//!
+//! Limits: the output may use all of the context the prompt leaves unless the request or the server
+//! (`Limits::max_output_tokens`) caps it; reaching the cap is [`Finish::Length`], filling the context
+//! [`Finish::ContextFull`] (each API names the two differently). Usage counts the reasoning tokens (every token until
+//! one yields content or a tool call) and is mirrored into the request's access-log slot ([`crate::access_log`]).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -41,7 +46,10 @@ pub enum GenEvent {
 pub enum Finish {
     #[default]
     Stop,
+    /// The output limit (`max_tokens`, or the server's `--max-output-tokens`) was reached.
     Length,
+    /// The context window filled up (prompt + output reached the server's context size) before the model stopped.
+    ContextFull,
     ToolCalls,
     /// A client stop string matched.
     StopSequence,
@@ -53,6 +61,8 @@ pub struct Usage {
     pub prompt_tokens: usize,
     pub cached_tokens: usize,
     pub completion_tokens: usize,
+    /// The part of `completion_tokens` generated inside the reasoning block (up to and including `</think>`).
+    pub reasoning_tokens: usize,
 }
 
 /// Per-request generation options.
@@ -101,12 +111,16 @@ pub struct Generation {
     usage: Usage,
     finish: Option<Finish>,
     saw_tool_call: bool,
+    /// The next token still belongs to the reasoning block.
+    in_reasoning: bool,
     keepalive: Duration,
     /// When `next` last returned an event (the keep-alive clock).
     last_yield: Instant,
     hide_reasoning: bool,
     /// The stream's sender: its closing means the client went away.
     watch: Option<SseSender>,
+    /// Where the access log reads this request's usage (see [`crate::access_log`]).
+    stats: Option<Arc<crate::access_log::Stats>>,
 }
 
 impl Generation {
@@ -119,8 +133,10 @@ impl Generation {
         if prompt.is_empty() {
             return Err(ApiError::invalid("the prompt is empty"));
         }
+        // No limit asked for: whatever the context has left (an agent's turn may be long), below the server's cap.
         let room = ctx - prompt.len();
-        let max_tokens = opts.max_tokens.unwrap_or(state.limits.default_max_tokens).min(room).max(1);
+        let cap = state.limits.max_output_tokens.unwrap_or(usize::MAX);
+        let max_tokens = opts.max_tokens.unwrap_or(usize::MAX).min(cap).min(room).max(1);
         let (tx, rx) = unbounded_channel();
         let usage = Usage { prompt_tokens: prompt.len(), ..Usage::default() };
         let job =
@@ -134,6 +150,7 @@ impl Generation {
             rx: Some(rx),
             decoder: state.codec.decoder(),
             parser: if opts.raw { Box::new(PassThrough) } else { state.codec.parser(opts.thinking) },
+            in_reasoning: opts.thinking && !opts.raw,
             opts,
             queue: VecDeque::new(),
             held: String::new(),
@@ -145,7 +162,9 @@ impl Generation {
             last_yield: Instant::now(),
             hide_reasoning: false,
             watch: None,
-        })
+            stats: crate::access_log::current(),
+        }
+        .reported())
     }
 
     /// Do not yield reasoning deltas (the client does not show them); keep-alives cover the silence.
@@ -202,18 +221,33 @@ impl Generation {
                 Some(JobEvent::Started { prompt_tokens, cached_tokens }) => {
                     self.usage.prompt_tokens = prompt_tokens;
                     self.usage.cached_tokens = cached_tokens;
+                    self.report();
                 }
                 Some(JobEvent::Token(t)) => {
                     self.usage.completion_tokens += 1;
                     let text = self.decoder.push(t);
                     let parsed = self.parser.push(&text);
+                    // A token is reasoning until one yields content or a call (`</think>` itself yields nothing).
+                    if parsed.iter().any(|p| !matches!(p, Parsed::Reasoning(_))) {
+                        self.in_reasoning = false;
+                    }
+                    if self.in_reasoning {
+                        self.usage.reasoning_tokens += 1;
+                    }
                     self.absorb(parsed);
+                    self.report();
                 }
                 Some(JobEvent::Done(reason)) => {
                     if reason == StopReason::Eos {
                         self.usage.completion_tokens += 1;
                     }
-                    self.end(if reason == StopReason::Length { Finish::Length } else { Finish::Stop });
+                    let full = self.usage.prompt_tokens + self.usage.completion_tokens >= self.state.info.context_size;
+                    self.end(match reason {
+                        StopReason::Length if full => Finish::ContextFull,
+                        StopReason::Length => Finish::Length,
+                        _ => Finish::Stop,
+                    });
+                    self.report();
                 }
                 Some(JobEvent::Error(e)) => {
                     self.rx = None;
@@ -225,6 +259,18 @@ impl Generation {
                 }
             }
         }
+    }
+
+    /// Hands the usage so far to the access log.
+    fn report(&self) {
+        if let Some(s) = &self.stats {
+            s.set_usage(self.usage);
+        }
+    }
+
+    fn reported(self) -> Self {
+        self.report();
+        self
     }
 
     /// Flush decoder and parser, then stop.

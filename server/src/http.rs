@@ -159,9 +159,10 @@ pub async fn serve(
                 };
                 let _ = stream.set_nodelay(true);
                 let state = state.clone();
-                let service = hyper::service::service_fn(move |req| {
+                let service = hyper::service::service_fn(move |req: Request<Incoming>| {
                     let state = state.clone();
-                    async move { Ok::<_, Infallible>(handle(state, req).await) }
+                    let (method, path) = (req.method().clone(), req.uri().path().to_string());
+                    async move { Ok::<_, Infallible>(crate::access_log::wrap(method, path, handle(state, req)).await) }
                 });
                 let conn = hyper::server::conn::http1::Builder::new()
                     .serve_connection(TokioIo::new(stream), service);

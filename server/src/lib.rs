@@ -4,7 +4,7 @@
 //! coding agents, many sessions at once.
 //!
 //! Layers, top to bottom:
-//! - [`http`] — accept loop, routing on the path without its query, body limits, graceful shutdown;
+//! - [`http`] — accept loop, the per-request [`access_log`], routing on the path without its query, body limits, graceful shutdown;
 //! - [`api`] — one module per wire API: parse the request into a [`backend::Conversation`], answer in that API's
 //!   exact shapes ([`sse`] formats the frames), errors in that API's JSON shape ([`api::errors`]);
 //! - [`generate`] — API-neutral generation: submit to the scheduler, detokenize, parse reasoning / content / tool
@@ -15,9 +15,11 @@
 //!
 //! Embedding (tests do this): build an [`AppState`] with [`build_state`], bind a listener, run [`http::serve`].
 
+pub mod access_log;
 pub mod api;
 pub mod backend;
 pub mod cli;
+pub mod context;
 pub mod engine;
 pub mod fake;
 pub mod fake_script;

@@ -30,6 +30,7 @@ fn main() -> anyhow::Result<()> {
     let limits = Limits {
         max_body_bytes: args.max_body_mb.max(1) << 20,
         keepalive: Duration::from_secs(args.keepalive_s),
+        max_output_tokens: args.max_output_tokens.map(|n| n.max(1)),
         ..Limits::default()
     };
     let (runner, codec, info): (Box<dyn ds4_server::backend::Runner>, Arc<dyn ds4_server::backend::Codec>, _) =

@@ -15,13 +15,15 @@ pub struct Limits {
     pub max_body_bytes: usize,
     /// SSE keep-alive interval while nothing visible is sent (queue wait, long prefill, hidden reasoning).
     pub keepalive: Duration,
-    /// `max_tokens` when a request sends none (clipped to the context left).
-    pub default_max_tokens: usize,
+    /// Upper bound on the output tokens of any request (`--max-output-tokens`); `None`: a request that sends no
+    /// limit may use all of the context its prompt leaves, and one that does gets what it asked for (both always
+    /// clipped to the context left).
+    pub max_output_tokens: Option<usize>,
 }
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { max_body_bytes: 32 << 20, keepalive: Duration::from_secs(5), default_max_tokens: 4096 }
+        Limits { max_body_bytes: 32 << 20, keepalive: Duration::from_secs(5), max_output_tokens: None }
     }
 }
 

@@ -262,7 +262,7 @@ fn errors_in_each_api_shape() {
         "not_found_error",
     );
     assert_anthropic_error(
-        &m(json!({"messages": [{"role": "user", "content": [{"type": "image"}]}]})),
+        &m(json!({"messages": [{"role": "user", "content": [{"text": "a block without a type"}]}]})),
         400,
         "invalid_request_error",
     );

@@ -91,3 +91,28 @@ fn demo_model_serves_every_api_reproducibly() {
     assert_eq!(r.status, 400);
     assert!(r.json()["error"]["message"].as_str().unwrap().contains("2048"));
 }
+
+#[test]
+fn count_tokens_agrees_with_generation_for_claude_codes_shape() {
+    let server = demo_server();
+    // A `role: "system"` message after the user turn, as Claude Code sends it.
+    let body = json!({"max_tokens": 3, "temperature": 0, "system": [{"type": "text", "text": "You are terse."}],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "list the files"}]},
+            {"role": "system", "content": [{"type": "text", "text": "# Environment\ncwd: /tmp"}]}],
+        "thinking": {"type": "adaptive", "display": "omitted"}});
+    let counted = server.post("/v1/messages/count_tokens", &body).json()["input_tokens"].as_u64().unwrap();
+    let r = server.post("/v1/messages", &body);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let u = &r.json()["usage"];
+    let prompt = u["input_tokens"].as_u64().unwrap() + u["cache_read_input_tokens"].as_u64().unwrap();
+    assert_eq!(counted, prompt);
+    // The same text as a top-level system block differs only by placement: both prompts end in the assistant
+    // transition (before the fix the in-messages form was two tokens short).
+    let top = json!({"system": "# Environment\ncwd: /tmp",
+        "messages": [{"role": "user", "content": "list the files"}], "thinking": {"type": "adaptive"}});
+    let inline = json!({"messages": [{"role": "user", "content": "list the files"},
+        {"role": "system", "content": "# Environment\ncwd: /tmp"}], "thinking": {"type": "adaptive"}});
+    let n =
+        |b: &serde_json::Value| server.post("/v1/messages/count_tokens", b).json()["input_tokens"].as_u64().unwrap();
+    assert!(n(&inline) >= n(&top), "{} vs {}", n(&inline), n(&top));
+}

@@ -4,7 +4,8 @@
 //! Guide:
 //! * [`types`]: the serde message types ([`Message`], [`ToolCall`], [`Tool`], [`RenderInput`]).
 //! * [`render`](mod@render): [`render()`] / [`render_with`] produce the prompt, byte-exact with the release's encoder
-//!   (checked against `../shared/golden/chat-template`).
+//!   (checked against `../shared/golden/chat-template`); [`render_prompt`] also guarantees the generation prompt ends
+//!   in the assistant transition.
 //! * [`parse`]: [`StreamParser`] turns generated text (pushed in pieces as tokens arrive) into reasoning, content
 //!   and tool-call events and a final [`ParsedMessage`]; [`parse_completion`] does it in one call.
 //! * [`json`]: order-preserving JSON with Python `json.dumps` formatting (the prompt shows JSON the way Python
@@ -20,5 +21,5 @@ pub mod types;
 
 pub use json::JsonValue;
 pub use parse::{parse_completion, ParseEvent, ParsedMessage, ParsedToolCall, StreamParser};
-pub use render::{render, render_with, Mode, ReasoningEffort, RenderOptions};
+pub use render::{render, render_prompt, render_with, Mode, ReasoningEffort, RenderOptions};
 pub use types::{Message, RenderInput, Role, Tool, ToolCall};

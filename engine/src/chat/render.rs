@@ -3,7 +3,11 @@
 //! The format, in the order the renderer applies it:
 //! 1. `tool` messages become `<tool_result>…</tool_result>` blocks of a user turn; consecutive user turns and tool
 //!    results merge into one user turn (blocks joined by `"\n\n"`), and the tool results of one turn are put in the
-//!    order of the preceding assistant's `tool_calls` (matched by `tool_call_id`).
+//!    order of the preceding assistant's `tool_calls` (matched by `tool_call_id`). A `system` message that follows a
+//!    user or developer turn (Claude Code puts one after the first user message) is not part of the official format
+//!    — the official encoder would glue its text to the user text with no assistant transition — so it becomes a
+//!    text block of that user turn (a new user turn after a developer turn). System messages anywhere else (at the
+//!    start, after an assistant turn) render as the official encoder renders them.
 //! 2. Thinking mode with no tools anywhere drops earlier reasoning: assistant turns before the last user/developer
 //!    turn lose `reasoning_content`, developer turns before it are dropped, and those assistant turns get `</think>`
 //!    instead of `<think>` after `<｜Assistant｜>`.
@@ -15,6 +19,11 @@
 //!    replaces this with the task token (`action`: `<｜Assistant｜></think><｜action｜>` in chat mode).
 //! 5. The whole prompt starts with `<｜begin▁of▁sentence｜>`; in thinking mode with effort `max`, the first message
 //!    is preceded by the "Reasoning Effort" paragraph ([`REASONING_EFFORT_MAX`]). Effort `high` adds nothing.
+//!
+//! [`render_prompt`] is what a server uses: [`render_with`], plus the assistant transition (`<｜Assistant｜>` +
+//! `<think>` / `</think>`) whenever the conversation does not already end in one (it ends in an assistant or system
+//! turn), so every generation prompt hands the turn to the assistant. For every conversation the official encoder
+//! ends in a transition it is exactly [`render_with`].
 //!
 //! Errors (never panics): a developer message without content, an unknown task, a tool message that cannot be
 //! merged.
@@ -183,6 +192,20 @@ fn merge_tool_messages(messages: &[Message]) -> Vec<Turn<'_>> {
                     }
                 }
             }
+            Role::System if out.last().is_some_and(|p| matches!(p.role, Role::User | Role::Developer)) => {
+                let block = Block::Text(Cow::Borrowed(m.content.as_deref().unwrap_or("")));
+                match out.last_mut() {
+                    Some(prev) if prev.role == Role::User && prev.task.is_none() => prev.blocks.push(block),
+                    _ => {
+                        let mut t = Turn::from_message(m);
+                        t.role = Role::User;
+                        t.content = None;
+                        t.task = None;
+                        t.blocks.push(block);
+                        out.push(t);
+                    }
+                }
+            }
             _ => out.push(Turn::from_message(m)),
         }
     }
@@ -331,6 +354,22 @@ pub fn render_with(messages: &[Message], opt: &RenderOptions) -> Result<String> 
     }
     for i in 0..turns.len() {
         render_turn(&mut out, &turns, i, thinking, drop, opt.effort, last_user)?;
+    }
+    Ok(out)
+}
+
+/// [`render_with`], ending in the assistant transition when the conversation does not already (see the module doc):
+/// the prompt a server generates from.
+pub fn render_prompt(messages: &[Message], opt: &RenderOptions) -> Result<String> {
+    let mut out = render_with(messages, opt)?;
+    let open = if opt.mode == Mode::Thinking { THINK_START_TOKEN } else { THINK_END_TOKEN };
+    let ends_in_transition = [THINK_START_TOKEN, THINK_END_TOKEN]
+        .iter()
+        .any(|t| out.strip_suffix(t).is_some_and(|head| head.ends_with(ASSISTANT_TOKEN)))
+        || TASK_TOKENS.iter().any(|(_, t)| out.ends_with(t));
+    if !ends_in_transition {
+        out.push_str(ASSISTANT_TOKEN);
+        out.push_str(open);
     }
     Ok(out)
 }

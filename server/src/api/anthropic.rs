@@ -1,12 +1,18 @@
 //! `POST /v1/messages` and `POST /v1/messages/count_tokens` (Anthropic Messages).
 //!
-//! Accepted: `system` (string or text blocks), `messages` (user / assistant, and the `role: "system"` turn Claude Code
-//! puts inside `messages`; content as a string or blocks: `text`, `thinking`, `redacted_thinking` (dropped),
-//! `tool_use`, `tool_result` with string or block content), `tools` (custom tools; `type`d server tools are
-//! skipped), `tool_choice` (`{"type":"none"}` hides tools), `thinking` (`enabled`/`adaptive` turn reasoning on;
-//! `display: "omitted"` keeps it out of the answer), `max_tokens`, `temperature`, `top_p`, `top_k`,
-//! `stop_sequences`, `stream`. `metadata`, `context_management`, `output_config`, `cache_control` and every
-//! `anthropic-beta` header are accepted and ignored.
+//! Accepted: `system` (string or blocks), `messages` (user / assistant, and the `role: "system"` turn Claude Code
+//! puts inside `messages` — kept as a system message; the renderer folds one that follows a user turn into that
+//! turn), `tools` (custom tools; `type`d server tools are skipped; `defer_loading: true` tools stay out of the tool
+//! list until a `tool_reference` in a tool result loads them), `tool_choice` (`{"type":"none"}` hides tools),
+//! `thinking` (`enabled`/`adaptive` turn reasoning on; `display: "omitted"` keeps it out of the answer),
+//! `max_tokens`, `temperature`, `top_p`, `top_k`, `stop_sequences`, `stream`. `metadata`, `context_management`,
+//! `output_config`, `cache_control` and every `anthropic-beta` header are accepted and ignored.
+//!
+//! Content blocks: every type the API defines is accepted. `text` is text; `tool_use` / `server_tool_use` (assistant)
+//! are tool calls; `thinking` (assistant) is reasoning, `redacted_thinking` is dropped; `tool_result` content may be
+//! a string or blocks; `document` with a text source shows its text, `search_result` its title, source and text;
+//! `tool_reference` names a tool; anything the model cannot see (`image`, a PDF `document`, server-tool results, …)
+//! becomes a short note (see [`crate::api::content`]).
 //!
 //! **Billing line normalisation.** Claude Code sends `x-anthropic-billing-header: cc_version=…; cc_entrypoint=…;` as
 //! system block 0, with a suffix that changes per conversation. It carries no instruction for the model and sits in
@@ -14,7 +20,8 @@
 //! block (or first system line) starting with `x-anthropic-billing-header:` is removed before rendering.
 //!
 //! Usage: `input_tokens` counts the prompt tokens that were *not* served from cache, `cache_read_input_tokens` the
-//! ones that were (Anthropic's convention: their sum is the prompt).
+//! ones that were (Anthropic's convention: their sum is the prompt). `stop_reason` is `max_tokens` at the output
+//! limit and `model_context_window_exceeded` when the context filled up.
 
 use std::sync::Arc;
 
@@ -24,7 +31,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::api::errors::{ApiError, Flavor};
-use crate::api::{max_tokens, models, parse_json, sampling, stop_strings};
+use crate::api::{content, max_tokens, models, parse_json, sampling, stop_strings};
 use crate::backend::{Conversation, Message, Role, ToolCall, ToolSpec};
 use crate::generate::{new_id, Finish, GenEvent, GenOptions, Generation, Usage};
 use crate::http::{json_response, sse_response, Body};
@@ -74,6 +81,12 @@ struct ABlock {
     tool_use_id: Option<String>,
     content: Option<AContent>,
     is_error: Option<bool>,
+    /// `tool_reference`: the tool it names.
+    tool_name: Option<String>,
+    /// `document`, `search_result`.
+    title: Option<String>,
+    /// `document` (`{type: text|content|base64|url|file, …}`), `search_result` (a string).
+    source: Option<Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -83,6 +96,7 @@ struct ATool {
     name: String,
     description: Option<String>,
     input_schema: Option<Value>,
+    defer_loading: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -92,40 +106,103 @@ struct AThinking {
     display: Option<String>,
 }
 
-/// Plain text of a content value (text blocks only, joined with newlines).
-fn plain_text(c: AContent, at: &str) -> Result<String, ApiError> {
-    match c {
-        AContent::Text(s) => Ok(s),
-        AContent::Blocks(blocks) => {
-            let mut parts = Vec::new();
-            for b in blocks {
-                match (b.kind.as_str(), b.text) {
-                    ("text", Some(t)) => parts.push(t),
-                    (kind, _) => return Err(ApiError::invalid(format!("{at}: block type `{kind}` is not supported"))),
-                }
+/// The tools of a request: the ones offered in the tool list, and the deferred ones (`defer_loading: true`), which
+/// the model only sees where a `tool_reference` loads them (see [`crate::api::content`]).
+#[derive(Default)]
+struct Tools {
+    offered: Vec<ToolSpec>,
+    deferred: Vec<ToolSpec>,
+}
+
+impl Tools {
+    fn from_request(tools: Vec<ATool>, hide: bool) -> Self {
+        let mut out = Tools::default();
+        for t in tools {
+            if hide || t.kind.as_deref().is_some_and(|k| k != "custom") {
+                continue;
             }
-            Ok(parts.join("\n"))
+            let spec = ToolSpec {
+                name: t.name,
+                description: t.description.unwrap_or_default(),
+                parameters: t.input_schema.unwrap_or_else(|| json!({"type": "object", "properties": {}})),
+            };
+            if t.defer_loading == Some(true) {
+                out.deferred.push(spec);
+            } else {
+                out.offered.push(spec);
+            }
+        }
+        out
+    }
+
+    fn reference(&self, name: &str) -> String {
+        match self.deferred.iter().find(|t| t.name == name) {
+            Some(t) => content::tool_loaded(t),
+            None => content::tool_reference(name),
         }
     }
 }
 
-/// The system prompt without Claude Code's per-conversation billing line.
-fn system_text(system: Option<AContent>) -> Result<String, ApiError> {
-    let blocks = match system {
-        None => return Ok(String::new()),
-        Some(AContent::Text(s)) => vec![s],
-        Some(AContent::Blocks(b)) => {
-            let mut v = Vec::new();
-            for blk in b {
-                match (blk.kind.as_str(), blk.text) {
-                    ("text", Some(t)) => v.push(t),
-                    (kind, _) => {
-                        return Err(ApiError::invalid(format!("system: block type `{kind}` is not supported")))
-                    }
-                }
+/// What the model is shown for one content block: text as is, what it cannot see as a short note.
+fn block_text(b: ABlock, tools: &Tools) -> String {
+    match b.kind.as_str() {
+        "text" => b.text.unwrap_or_default(),
+        "tool_reference" => tools.reference(b.tool_name.as_deref().unwrap_or("")),
+        "document" => {
+            let source = b.source.unwrap_or(Value::Null);
+            let body = match source.get("type").and_then(Value::as_str) {
+                Some("text") => source.get("data").and_then(Value::as_str).map(str::to_string),
+                Some("content") => match source.get("content") {
+                    Some(Value::String(s)) => Some(s.clone()),
+                    Some(Value::Array(parts)) => Some(
+                        parts
+                            .iter()
+                            .filter_map(|p| serde_json::from_value::<ABlock>(p.clone()).ok())
+                            .map(|p| block_text(p, tools))
+                            .collect::<Vec<_>>()
+                            .join("\n"),
+                    ),
+                    _ => None,
+                },
+                _ => None,
+            };
+            match body {
+                Some(body) => match b.title.filter(|t| !t.is_empty()) {
+                    Some(title) => format!("[document: {title}]\n{body}"),
+                    None => body,
+                },
+                None => content::omitted("document", b.title.as_deref()),
             }
-            v
         }
+        "search_result" => {
+            let src = b.source.as_ref().and_then(Value::as_str).unwrap_or("");
+            let head = format!("[search result: {} {src}]", b.title.as_deref().unwrap_or("")).replace(" ]", "]");
+            let body = b.content.map(|c| plain_text(c, tools)).unwrap_or_default();
+            if body.is_empty() {
+                head
+            } else {
+                format!("{head}\n{body}")
+            }
+        }
+        "tool_result" => b.content.map(|c| plain_text(c, tools)).unwrap_or_default(),
+        other => content::omitted(other, b.name.as_deref().or(b.title.as_deref())),
+    }
+}
+
+/// Text of a content value: text blocks as they are, other blocks as notes, joined with newlines.
+fn plain_text(c: AContent, tools: &Tools) -> String {
+    match c {
+        AContent::Text(s) => s,
+        AContent::Blocks(blocks) => blocks.into_iter().map(|b| block_text(b, tools)).collect::<Vec<_>>().join("\n"),
+    }
+}
+
+/// The system prompt without Claude Code's per-conversation billing line.
+fn system_text(system: Option<AContent>) -> String {
+    let blocks = match system {
+        None => return String::new(),
+        Some(AContent::Text(s)) => vec![s],
+        Some(AContent::Blocks(b)) => b.into_iter().map(|blk| block_text(blk, &Tools::default())).collect(),
     };
     let kept: Vec<String> = blocks
         .into_iter()
@@ -138,49 +215,45 @@ fn system_text(system: Option<AContent>) -> Result<String, ApiError> {
             }
         })
         .collect();
-    Ok(kept.join("\n"))
+    kept.join("\n")
 }
 
 /// Convert the request into a conversation; returns it and whether thinking should be shown.
 fn conversation(req: &mut MessagesRequest) -> Result<(Conversation, bool), ApiError> {
     let mut conv = Conversation::default();
-    let system = system_text(req.system.take())?;
+    let system = system_text(req.system.take());
     if !system.is_empty() {
         conv.messages.push(Message::new(Role::System, system));
     }
     if req.messages.is_empty() {
         return Err(ApiError::invalid("messages: at least one message is required"));
     }
+    let hide_tools = req.tool_choice.as_ref().and_then(|t| t.get("type")).and_then(Value::as_str) == Some("none");
+    let tools = Tools::from_request(req.tools.take().unwrap_or_default(), hide_tools);
     for (i, m) in std::mem::take(&mut req.messages).into_iter().enumerate() {
-        let at = format!("messages.{i}.content");
         match m.role.as_str() {
-            "system" => conv.messages.push(Message::new(Role::System, plain_text(m.content, &at)?)),
+            // Kept as a system message; the renderer folds one that follows a user turn into that turn.
+            "system" => conv.messages.push(Message::new(Role::System, plain_text(m.content, &tools))),
             "user" => match m.content {
                 AContent::Text(t) => conv.messages.push(Message::new(Role::User, t)),
                 AContent::Blocks(blocks) => {
                     let mut text: Vec<String> = Vec::new();
                     for b in blocks {
                         match b.kind.as_str() {
-                            "text" => text.push(b.text.unwrap_or_default()),
                             "tool_result" => {
-                                let mut content = match b.content {
-                                    Some(c) => plain_text(c, &at)?,
-                                    None => String::new(),
-                                };
-                                if b.is_error == Some(true) && !content.starts_with("Error") {
+                                let tool_use_id = b.tool_use_id.clone();
+                                let is_error = b.is_error == Some(true);
+                                let mut content = block_text(b, &tools);
+                                if is_error && !content.starts_with("Error") {
                                     content = format!("Error: {content}");
                                 }
                                 let mut msg = Message::new(Role::Tool, content);
-                                msg.tool_call_id = b.tool_use_id;
+                                msg.tool_call_id = tool_use_id;
                                 conv.messages.push(msg);
                             }
-                            "document" | "image" | "search_result" => {
-                                return Err(ApiError::invalid(format!(
-                                    "{at}: `{}` blocks are not supported by this model",
-                                    b.kind
-                                )))
-                            }
-                            _ => {}
+                            // Reasoning blocks belong to assistant turns; a client that echoes them here is ignored.
+                            "thinking" | "redacted_thinking" => {}
+                            _ => text.push(block_text(b, &tools)),
                         }
                     }
                     if !text.is_empty() {
@@ -212,17 +285,7 @@ fn conversation(req: &mut MessagesRequest) -> Result<(Conversation, bool), ApiEr
             other => return Err(ApiError::invalid(format!("messages.{i}.role: unknown role `{other}`"))),
         }
     }
-    let hide_tools = req.tool_choice.as_ref().and_then(|t| t.get("type")).and_then(Value::as_str) == Some("none");
-    for t in req.tools.take().unwrap_or_default() {
-        if hide_tools || t.kind.as_deref().is_some_and(|k| k != "custom") {
-            continue;
-        }
-        conv.tools.push(ToolSpec {
-            name: t.name,
-            description: t.description.unwrap_or_default(),
-            parameters: t.input_schema.unwrap_or_else(|| json!({"type": "object", "properties": {}})),
-        });
-    }
+    conv.tools = tools.offered;
     let (thinking, show) = match &req.thinking {
         Some(t) if t.kind == "enabled" || t.kind == "adaptive" => (true, t.display.as_deref() != Some("omitted")),
         _ => (false, false),
@@ -245,6 +308,8 @@ fn stop_reason(f: Finish) -> &'static str {
     match f {
         Finish::Stop => "end_turn",
         Finish::Length => "max_tokens",
+        // Anthropic's own signal: Claude Code compacts instead of retrying with a larger max_tokens.
+        Finish::ContextFull => "model_context_window_exceeded",
         Finish::ToolCalls => "tool_use",
         Finish::StopSequence => "stop_sequence",
     }
@@ -275,6 +340,12 @@ fn prepare(state: &Arc<AppState>, body: &[u8]) -> Result<(MessagesRequest, Conve
     let (mut conv, show) = conversation(&mut req)?;
     state.tools.restore(&mut conv);
     Ok((req, conv, show, opts))
+}
+
+/// The conversation a request body describes (no model check, no tool-call memory): what tests render.
+pub fn to_conversation(body: &[u8]) -> Result<Conversation, ApiError> {
+    let mut req: MessagesRequest = parse_json(body)?;
+    Ok(conversation(&mut req)?.0)
 }
 
 /// `POST /v1/messages/count_tokens`.
@@ -439,8 +510,8 @@ mod tests {
             {"type": "text", "text": "You are an agent.", "cache_control": {"type": "ephemeral"}},
         ]))
         .unwrap();
-        assert_eq!(system_text(Some(sys)).unwrap(), "You are an agent.");
+        assert_eq!(system_text(Some(sys)), "You are an agent.");
         let sys = AContent::Text("x-anthropic-billing-header: cc_version=1.abc;\nBe brief.".into());
-        assert_eq!(system_text(Some(sys)).unwrap(), "Be brief.");
+        assert_eq!(system_text(Some(sys)), "Be brief.");
     }
 }

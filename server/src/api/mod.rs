@@ -6,6 +6,7 @@
 //! written by a spawned task (which stops, cancelling the job, as soon as the client is gone).
 
 pub mod anthropic;
+pub mod content;
 pub mod errors;
 pub mod models;
 pub mod openai_chat;

@@ -1,6 +1,7 @@
 //! `POST /v1/chat/completions` (OpenAI Chat Completions, DeepSeek flavour: `reasoning_content` beside `content`).
 //!
-//! Accepted: `messages` (system/developer/user/assistant/tool; content as a string or text parts), `tools`
+//! Accepted: `messages` (system/developer/user/assistant/tool; content as a string or parts: text parts as they are,
+//! `image_url` / `input_audio` / `file` parts as short notes, see [`crate::api::content`]), `tools`
 //! (function tools; other types are skipped), `tool_choice` (`"none"` hides the tools, anything else is accepted),
 //! `stream`, `stream_options.include_usage`, `max_tokens`/`max_completion_tokens`, `temperature`, `top_p`, `top_k`,
 //! `seed`, `stop`, `n` (1 only), `reasoning_effort` / `thinking` (turn reasoning on). Unknown fields are ignored.
@@ -18,7 +19,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::api::errors::{ApiError, Flavor};
-use crate::api::{max_tokens, models, now_unix, parse_json, sampling, stop_strings, OneOrMany};
+use crate::api::{content, max_tokens, models, now_unix, parse_json, sampling, stop_strings, OneOrMany};
 use crate::backend::{Conversation, Message, Role, ToolCall, ToolSpec};
 use crate::generate::{new_id, Finish, GenEvent, GenOptions, Generation, Usage};
 use crate::http::{json_response, sse_response, Body};
@@ -64,14 +65,8 @@ pub struct ChatMessage {
 #[serde(untagged)]
 pub enum Content {
     Text(String),
-    Parts(Vec<Part>),
-}
-
-#[derive(Debug, Deserialize)]
-pub struct Part {
-    #[serde(rename = "type")]
-    pub kind: String,
-    pub text: Option<String>,
+    /// Content parts as sent (`text`, `image_url`, `input_audio`, `file`, …).
+    Parts(Vec<Value>),
 }
 
 #[derive(Debug, Deserialize)]
@@ -101,7 +96,7 @@ pub struct FunctionDef {
     pub parameters: Option<Value>,
 }
 
-/// Text of a content field; non-text parts are refused.
+/// Text of a content field; parts the model cannot see (images, audio, files) become short notes.
 fn content_text(c: Option<Content>, at: &str) -> Result<String, ApiError> {
     match c {
         None => Ok(String::new()),
@@ -109,11 +104,13 @@ fn content_text(c: Option<Content>, at: &str) -> Result<String, ApiError> {
         Some(Content::Parts(parts)) => {
             let mut out = String::new();
             for p in parts {
-                match (p.kind.as_str(), p.text) {
-                    ("text" | "input_text" | "output_text", Some(t)) => out.push_str(&t),
-                    (kind, _) => {
-                        return Err(ApiError::param(at, format!("content part type `{kind}` is not supported")));
-                    }
+                let Some(kind) = p.get("type").and_then(Value::as_str) else {
+                    return Err(ApiError::param(at, "each content part must be an object with a `type`"));
+                };
+                match (kind, p.get("text").and_then(Value::as_str)) {
+                    ("text" | "input_text" | "output_text", Some(t)) => out.push_str(t),
+                    ("text" | "input_text" | "output_text" | "refusal", None) | ("refusal", _) => {}
+                    _ => out.push_str(&content::openai_part(kind, &p)),
                 }
             }
             Ok(out)
@@ -182,6 +179,7 @@ fn usage_json(u: &Usage) -> Value {
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
         "prompt_cache_hit_tokens": u.cached_tokens,
         "prompt_cache_miss_tokens": u.prompt_tokens - u.cached_tokens.min(u.prompt_tokens),
     })
@@ -190,7 +188,8 @@ fn usage_json(u: &Usage) -> Value {
 fn finish_str(f: Finish) -> &'static str {
     match f {
         Finish::Stop | Finish::StopSequence => "stop",
-        Finish::Length => "length",
+        // Chat Completions has one signal for both limits.
+        Finish::Length | Finish::ContextFull => "length",
         Finish::ToolCalls => "tool_calls",
     }
 }

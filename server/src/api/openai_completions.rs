@@ -53,7 +53,7 @@ fn usage_json(u: &Usage) -> Value {
 }
 
 fn finish_str(f: Finish) -> &'static str {
-    if f == Finish::Length {
+    if matches!(f, Finish::Length | Finish::ContextFull) {
         "length"
     } else {
         "stop"

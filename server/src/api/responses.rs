@@ -1,18 +1,22 @@
 //! `POST /v1/responses` (OpenAI Responses, as Codex uses it: stateless, `store: false`, full history each turn).
 //!
 //! Input items: messages (`role` system/developer → system, user, assistant; content a string or `input_text` /
-//! `output_text` / `text` parts), `function_call` (joined to the preceding assistant turn), `function_call_output`,
-//! `custom_tool_call` / `custom_tool_call_output` (treated as function calls with raw input), `reasoning` (its text
-//! becomes the next assistant turn's reasoning). Other item types are ignored. `instructions` becomes a leading
-//! system message. Tools: `function` tools are offered; `namespace`, `custom`, `web_search`, `tool_search` and any
-//! other type are skipped, not rejected. `reasoning` (any value but `effort: "none"`) turns thinking on.
-//! `previous_response_id` is refused: nothing is stored.
+//! `output_text` / `text` parts; `input_image`, `input_file` and other parts become short notes, see
+//! [`crate::api::content`]), `function_call` (joined to the preceding assistant turn), `function_call_output`
+//! (string or parts), `custom_tool_call` / `custom_tool_call_output` (treated as function calls with raw input),
+//! `reasoning` (its text becomes the next assistant turn's reasoning). Other item types are ignored. `instructions`
+//! becomes a leading system message. Tools: `function` tools are offered (a `defer_loading: true` one only once a
+//! `tool_search_output` item lists it); `namespace`, `custom`, `web_search`, `tool_search` and any other type are
+//! skipped, not rejected. The response echoes the request's `tools` as sent. `reasoning` (any value but
+//! `effort: "none"`) turns thinking on. `previous_response_id` is refused: nothing is stored.
 //!
 //! Stream events (each with `sequence_number`): `response.created`, `response.in_progress`, then per output item
 //! `response.output_item.added` … `response.output_item.done` (reasoning: `response.reasoning_text.delta/done`;
 //! message: `response.content_part.added`, `response.output_text.delta/done`, `response.content_part.done`;
-//! function call: `response.function_call_arguments.delta/done`), and finally `response.completed` or
-//! `response.incomplete` (max tokens). Errors mid-stream: `response.failed`. Keep-alives are SSE comments.
+//! function call: `response.function_call_arguments.delta/done`), and finally `response.completed`,
+//! `response.incomplete` (`incomplete_details.reason: "max_output_tokens"`: the output limit) or `response.failed`
+//! with `error.code: "context_length_exceeded"` (the context filled up: Codex's signal to compact). Errors
+//! mid-stream: `response.failed`. Keep-alives are SSE comments.
 
 use std::sync::Arc;
 
@@ -22,7 +26,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::api::errors::ApiError;
-use crate::api::{max_tokens, models, now_unix, parse_json, sampling};
+use crate::api::{content, max_tokens, models, now_unix, parse_json, sampling};
 use crate::backend::{Conversation, Message, Role, ToolCall, ToolSpec};
 use crate::generate::{new_id, Finish, GenEvent, GenOptions, Generation, Usage};
 use crate::http::{json_response, sse_response, Body};
@@ -52,6 +56,7 @@ enum Input {
     Items(Vec<Value>),
 }
 
+/// Text of a content value: text parts as they are, other parts (`input_image`, `input_file`, …) as short notes.
 fn text_of(content: &Value, at: &str) -> Result<String, ApiError> {
     match content {
         Value::Null => Ok(String::new()),
@@ -65,7 +70,7 @@ fn text_of(content: &Value, at: &str) -> Result<String, ApiError> {
                         out.push(t.to_string())
                     }
                     ("refusal", _) => {}
-                    _ => return Err(ApiError::param(at, format!("content part type `{kind}` is not supported"))),
+                    _ => out.push(content::openai_part(kind, p)),
                 }
             }
             Ok(out.join("\n"))
@@ -163,8 +168,20 @@ fn conversation(req: &mut ResponsesRequest) -> Result<Conversation, ApiError> {
         return Err(ApiError::param("input", "input must contain at least one user message"));
     }
     let hide_tools = matches!(&req.tool_choice, Some(Value::String(s)) if s == "none");
-    for t in req.tools.take().unwrap_or_default() {
+    // A deferred function tool (`defer_loading: true`) is offered once a `tool_search_output` item loaded it.
+    let loaded: Vec<&str> = items
+        .iter()
+        .filter(|i| str_field(i, "type") == Some("tool_search_output"))
+        .filter_map(|i| i.get("tools").and_then(Value::as_array))
+        .flatten()
+        .filter_map(|t| str_field(t, "name"))
+        .collect();
+    for t in req.tools.clone().unwrap_or_default() {
         if hide_tools || str_field(&t, "type") != Some("function") {
+            continue;
+        }
+        let deferred = t.get("defer_loading").and_then(Value::as_bool) == Some(true);
+        if deferred && !str_field(&t, "name").is_some_and(|n| loaded.contains(&n)) {
             continue;
         }
         let Some(name) = str_field(&t, "name") else { continue };
@@ -186,7 +203,7 @@ fn usage_json(u: &Usage) -> Value {
         "input_tokens": u.prompt_tokens,
         "input_tokens_details": {"cached_tokens": u.cached_tokens},
         "output_tokens": u.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
         "total_tokens": u.prompt_tokens + u.completion_tokens,
     })
 }
@@ -199,16 +216,22 @@ struct Envelope {
     max_output_tokens: Option<u64>,
     parallel_tool_calls: bool,
     tool_choice: Value,
+    /// The request's tools, echoed as sent.
+    tools: Value,
 }
 
 impl Envelope {
     fn object(&self, status: &str, output: &[Value], usage: Option<&Usage>, finish: Option<Finish>) -> Value {
         let incomplete = (finish == Some(Finish::Length)).then(|| json!({"reason": "max_output_tokens"}));
+        let error = (finish == Some(Finish::ContextFull)).then(|| {
+            json!({"code": "context_length_exceeded",
+                "message": "the context window filled up before the answer ended; compact or shorten the conversation"})
+        });
         json!({
             "id": self.id, "object": "response", "created_at": self.created, "status": status,
-            "model": self.model, "output": output, "error": null, "incomplete_details": incomplete,
+            "model": self.model, "output": output, "error": error, "incomplete_details": incomplete,
             "instructions": null, "max_output_tokens": self.max_output_tokens,
-            "parallel_tool_calls": self.parallel_tool_calls, "tool_choice": self.tool_choice, "tools": [],
+            "parallel_tool_calls": self.parallel_tool_calls, "tool_choice": self.tool_choice, "tools": self.tools,
             "previous_response_id": null, "reasoning": null, "store": false, "temperature": null, "top_p": null,
             "text": {"format": {"type": "text"}}, "truncation": "disabled", "metadata": {},
             "usage": usage.map(usage_json),
@@ -216,11 +239,13 @@ impl Envelope {
     }
 }
 
+/// `incomplete` at the output limit; `failed` (error `context_length_exceeded`, Codex's signal to compact) when the
+/// context filled up.
 fn status_of(finish: Finish) -> &'static str {
-    if finish == Finish::Length {
-        "incomplete"
-    } else {
-        "completed"
+    match finish {
+        Finish::Length => "incomplete",
+        Finish::ContextFull => "failed",
+        _ => "completed",
     }
 }
 
@@ -241,6 +266,12 @@ fn message_item(id: &str, text: &str, status: &str) -> Value {
 fn call_item(id: &str, c: &ToolCall, arguments: &str, status: &str) -> Value {
     json!({"type": "function_call", "id": id, "call_id": c.id, "name": c.name, "arguments": arguments,
         "status": status})
+}
+
+/// The conversation a request body describes (no model check, no tool-call memory): what tests render.
+pub fn to_conversation(body: &[u8]) -> Result<Conversation, ApiError> {
+    let mut req: ResponsesRequest = parse_json(body)?;
+    conversation(&mut req)
 }
 
 /// `POST /v1/responses`.
@@ -272,6 +303,7 @@ pub async fn handle(state: Arc<AppState>, _headers: HeaderMap, body: Bytes) -> R
         max_output_tokens: req.max_output_tokens,
         parallel_tool_calls: req.parallel_tool_calls.unwrap_or(true),
         tool_choice: req.tool_choice.clone().unwrap_or_else(|| json!("auto")),
+        tools: Value::Array(req.tools.take().unwrap_or_default()),
     };
     if !req.stream.unwrap_or(false) {
         let out = gen.collect().await?;

@@ -117,3 +117,70 @@ fn tasks_wo_eos_and_errors() {
     assert!("chat".parse::<Mode>().is_ok() && "x".parse::<Mode>().is_err());
     assert!("max".parse::<ReasoningEffort>().is_ok() && "low".parse::<ReasoningEffort>().is_err());
 }
+
+#[test]
+fn a_system_message_after_a_user_turn_joins_it() {
+    // Claude Code's shape: the official encoder would glue `s` to `u` and never hand the turn to the assistant.
+    let input =
+        msgs(r#"[{"role":"system","content":"top"},{"role":"user","content":"u"},{"role":"system","content":"s"}]"#);
+    assert_eq!(
+        render(&input, Mode::Thinking, ReasoningEffort::High).unwrap(),
+        "<｜begin▁of▁sentence｜>top<｜User｜>u\n\ns<｜Assistant｜><think>"
+    );
+    // The next turn extends it: the assistant reply follows the same transition.
+    let turn2 = msgs(
+        r#"[{"role":"system","content":"top"},{"role":"user","content":"u"},{"role":"system","content":"s"},
+            {"role":"assistant","content":"a"},{"role":"user","content":"u2"}]"#,
+    );
+    let t2 = render(&turn2, Mode::Chat, ReasoningEffort::High).unwrap();
+    let t1 = render(&input, Mode::Chat, ReasoningEffort::High).unwrap();
+    assert!(t2.starts_with(&t1), "{t2}");
+    assert_eq!(t2, format!("{t1}a<｜end▁of▁sentence｜><｜User｜>u2<｜Assistant｜></think>"));
+    // After tool results too; after a developer turn it opens a user turn.
+    let input = msgs(
+        r#"[{"role":"user","content":"q"},{"role":"assistant","tool_calls":[{"id":"a","name":"f","arguments":"{}"}]},
+            {"role":"tool","tool_call_id":"a","content":"R"},{"role":"system","content":"s"}]"#,
+    );
+    assert!(render(&input, Mode::Chat, ReasoningEffort::High)
+        .unwrap()
+        .ends_with("<｜User｜><tool_result>R</tool_result>\n\ns<｜Assistant｜></think>"));
+    let input = msgs(r#"[{"role":"developer","content":"d"},{"role":"system","content":"s"}]"#);
+    assert_eq!(
+        render(&input, Mode::Chat, ReasoningEffort::High).unwrap(),
+        "<｜begin▁of▁sentence｜><｜User｜>d<｜User｜>s<｜Assistant｜></think>"
+    );
+    // A system message after an assistant turn stays where the official encoder puts it.
+    let input = msgs(
+        r#"[{"role":"user","content":"u"},{"role":"assistant","content":"a"},{"role":"system","content":"s"},
+            {"role":"user","content":"v"}]"#,
+    );
+    assert_eq!(
+        render(&input, Mode::Chat, ReasoningEffort::High).unwrap(),
+        "<｜begin▁of▁sentence｜><｜User｜>u<｜Assistant｜></think>a<｜end▁of▁sentence｜>s<｜User｜>v<｜Assistant｜></think>"
+    );
+}
+
+#[test]
+fn render_prompt_always_ends_in_the_assistant_transition() {
+    let opt = |mode| RenderOptions { mode, ..RenderOptions::default() };
+    // Where the official render already ends in it, nothing changes.
+    for json in
+        [r#"[{"role":"user","content":"Hi"}]"#, r#"[{"role":"system","content":"s"},{"role":"user","content":"u"}]"#]
+    {
+        let m = msgs(json).messages;
+        for mode in [Mode::Chat, Mode::Thinking] {
+            assert_eq!(render_prompt(&m, &opt(mode)).unwrap(), render_with(&m, &opt(mode)).unwrap());
+        }
+    }
+    // A conversation ending in an assistant or system turn gets it.
+    let m = msgs(r#"[{"role":"user","content":"u"},{"role":"assistant","content":"a"}]"#).messages;
+    assert_eq!(
+        render_prompt(&m, &opt(Mode::Thinking)).unwrap(),
+        "<｜begin▁of▁sentence｜><｜User｜>u<｜Assistant｜><think></think>a<｜end▁of▁sentence｜><｜Assistant｜><think>"
+    );
+    let m = msgs(r#"[{"role":"system","content":"s"}]"#).messages;
+    assert_eq!(render_prompt(&m, &opt(Mode::Chat)).unwrap(), "<｜begin▁of▁sentence｜>s<｜Assistant｜></think>");
+    // A task token is the transition of its own kind.
+    let m = msgs(r#"[{"role":"user","content":"t","task":"title"}]"#).messages;
+    assert_eq!(render_prompt(&m, &opt(Mode::Chat)).unwrap(), "<｜begin▁of▁sentence｜><｜User｜>t<｜title｜>");
+}
