@@ -406,7 +406,10 @@ pub async fn handle(state: Arc<AppState>, _headers: HeaderMap, body: Bytes) -> R
                 }
             };
             let mut frames = Vec::new();
-            if !started && ev != GenEvent::KeepAlive {
+            // `message_start` carries the cached-token count, known once the prompt is in (the first token, visible
+            // or hidden): from then on keep-alives are real `ping` events, before it SSE comments.
+            let prompt_done = gen.usage().completion_tokens > 0;
+            if !started && (ev != GenEvent::KeepAlive || prompt_done) {
                 started = true;
                 frames.push(message_start(&id, &model, &gen.usage()));
             }
