@@ -242,7 +242,7 @@ impl Worker {
         m.set_kv_bytes(Tier::Device, kv.device);
         m.set_kv_bytes(Tier::Host, kv.host);
         m.set_kv_bytes(Tier::Disk, kv.disk);
-        m.kv_disk_errors.store(self.runner.disk_errors(), Ordering::Relaxed);
+        m.set_kv_disk_errors(self.runner.disk_error_counts());
     }
 
     /// Move waiting jobs into the active set while there is room.

@@ -4,6 +4,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::backend::{Codec, ModelInfo};
+use crate::conn::ConnLimits;
+use crate::guard::Access;
 use crate::metrics::Metrics;
 use crate::scheduler::Scheduler;
 use crate::toolmem::ToolMemory;
@@ -17,11 +19,21 @@ pub struct Limits {
     pub keepalive: Duration,
     /// `max_tokens` when a request sends none (clipped to the context left).
     pub default_max_tokens: usize,
+    /// Connection timeouts and cap (see [`crate::conn`]).
+    pub conn: ConnLimits,
+    /// Host / Origin / API-key policy (see [`crate::guard`]).
+    pub access: Access,
 }
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { max_body_bytes: 32 << 20, keepalive: Duration::from_secs(10), default_max_tokens: 4096 }
+        Limits {
+            max_body_bytes: 32 << 20,
+            keepalive: Duration::from_secs(10),
+            default_max_tokens: 4096,
+            conn: ConnLimits::default(),
+            access: Access::default(),
+        }
     }
 }
 
