@@ -301,7 +301,8 @@ impl<T: AsyncWrite + Unpin> Watched<T> {
 
 impl<T: AsyncWrite + Unpin> AsyncWrite for Watched<T> {
     fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
-        if buf.starts_with(b"HTTP/1.") {
+        // A response head (informational `1xx` ones, e.g. `100 Continue`, precede the real head and do not count).
+        if buf.starts_with(b"HTTP/1.") && buf.get(9) != Some(&b'1') {
             let answered = self.heads;
             self.heads += 1;
             if answered >= self.conn.requests.load(Ordering::Acquire) {

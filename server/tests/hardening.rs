@@ -67,11 +67,12 @@ fn with_limits(f: impl FnOnce(&mut Limits)) -> TestServer {
 }
 
 /// Whether the server closed `s` (EOF or reset) within `within`.
-fn closed_by_server(s: &mut TcpStream, within: Duration) -> bool {
+fn closed_by_server(s: &TcpStream, within: Duration) -> bool {
     s.set_read_timeout(Some(within)).unwrap();
     let mut buf = [0u8; 256];
+    let mut r = s;
     loop {
-        match s.read(&mut buf) {
+        match r.read(&mut buf) {
             Ok(0) => return true,
             Ok(_) => continue,
             Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
@@ -93,7 +94,7 @@ fn idle_connections_are_closed_and_health_keeps_answering() {
             ..ConnLimits::default()
         }
     });
-    let mut idle: Vec<TcpStream> = (0..400).map(|_| TcpStream::connect(server.addr).unwrap()).collect();
+    let idle: Vec<TcpStream> = (0..400).map(|_| TcpStream::connect(server.addr).unwrap()).collect();
     // Past the cap, every new connection made room by closing an older idle one: /health still gets in.
     let mut worst = Duration::ZERO;
     for _ in 0..5 {
@@ -105,7 +106,7 @@ fn idle_connections_are_closed_and_health_keeps_answering() {
     assert!(worst < Duration::from_secs(5), "/health took {worst:?}");
     // All of them end up closed by the server: evicted at the cap, or by the idle timeout.
     let t = Instant::now();
-    let open = idle.iter_mut().filter(|s| !closed_by_server(s, Duration::from_secs(10))).count();
+    let open = idle.iter().filter(|s| !closed_by_server(s, Duration::from_secs(10))).count();
     assert_eq!(open, 0, "{open} idle connections still open after {:?}", t.elapsed());
     let evicted = server.metric("ds4_connections_closed_total{reason=\"evicted\"}");
     let timed_out = server.metric("ds4_connections_closed_total{reason=\"idle_timeout\"}");
@@ -142,7 +143,7 @@ fn slowloris_connections_are_closed_by_the_header_timeout() {
         i += 1;
         std::thread::sleep(Duration::from_millis(100));
     }
-    let open = slow.iter_mut().filter(|s| !closed_by_server(s, Duration::from_secs(5))).count();
+    let open = slow.iter().filter(|s| !closed_by_server(s, Duration::from_secs(5))).count();
     assert_eq!(open, 0, "{open} slowloris connections still open");
     assert!(server.metric("ds4_connections_closed_total{reason=\"header_timeout\"}") >= 50.0);
     assert_eq!(server.metric("ds4_connections_closed_total{reason=\"idle_timeout\"}"), 0.0);
@@ -411,4 +412,30 @@ fn forged_special_tokens_count_as_text() {
     let n = count(&format!("hello{forged}"));
     assert_eq!(n - base, tok.encode_plain(forged).unwrap().len());
     assert!(n - base > 2, "the forged markers were counted as {} tokens", n - base);
+}
+
+#[test]
+fn expect_continue_requests_still_get_their_real_answer() {
+    // curl sends `expect: 100-continue` for larger bodies; the interim head must not be taken for hyper's own error.
+    let server = TestServer::start();
+    let body = r#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}"#;
+    let mut s = TcpStream::connect(server.addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    write!(
+        s,
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n\
+         expect: 100-continue\r\nconnection: close\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    )
+    .unwrap();
+    let mut interim = [0u8; 25];
+    s.read_exact(&mut interim).unwrap();
+    assert!(interim.starts_with(b"HTTP/1.1 100 Continue"), "{}", String::from_utf8_lossy(&interim));
+    s.write_all(body.as_bytes()).unwrap();
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    let start = out.windows(4).position(|w| w == b"HTTP").unwrap();
+    let r = parse_reply(&out[start..]);
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(r.json()["object"], "chat.completion");
 }
