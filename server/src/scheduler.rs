@@ -191,6 +191,8 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
 
 impl Worker {
     fn run(&mut self, rx: Receiver<Msg>) {
+        // Before the first request: what the runner found at start (e.g. corrupt cache files removed) is visible.
+        self.publish();
         loop {
             let idle = self.active.is_empty() && self.waiting.is_empty();
             let msg = if idle {

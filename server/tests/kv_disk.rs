@@ -273,19 +273,22 @@ fn a_read_only_cache_dir_is_still_restored_from() {
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
 }
 
-/// Overwrites `n` bytes at `at` (from the end when negative) of the first file with extension `ext`.
+/// Overwrites `n` bytes at `at` (from the end when negative) of every file with extension `ext`.
 fn damage(dir: &Path, ext: &str, at: i64, n: usize) {
-    let path = std::fs::read_dir(dir)
+    let paths: Vec<_> = std::fs::read_dir(dir)
         .unwrap()
         .map(|e| e.unwrap().path())
-        .find(|p| p.extension().is_some_and(|x| x == ext))
-        .expect("no file to damage");
-    let mut bytes = std::fs::read(&path).unwrap();
-    let start = if at < 0 { bytes.len() - (-at) as usize } else { at as usize };
-    for b in &mut bytes[start..start + n] {
-        *b ^= 0x5a;
+        .filter(|p| p.extension().is_some_and(|x| x == ext))
+        .collect();
+    assert!(!paths.is_empty(), "no .{ext} file to damage");
+    for path in paths {
+        let mut bytes = std::fs::read(&path).unwrap();
+        let start = if at < 0 { bytes.len() - at.unsigned_abs() as usize } else { at as usize };
+        for b in &mut bytes[start..start + n] {
+            *b ^= 0x5a;
+        }
+        std::fs::write(&path, bytes).unwrap();
     }
-    std::fs::write(&path, bytes).unwrap();
 }
 
 #[test]
