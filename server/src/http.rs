@@ -1,6 +1,8 @@
-//! HTTP plumbing: the accept loop with graceful shutdown, routing (on the path *without* its query string, so
-//! `/v1/messages?beta=true` works; a missing `/v1` prefix is tolerated), body size limits (413), response helpers and
-//! per-endpoint request metrics.
+//! HTTP plumbing: the accept loop with graceful shutdown (connections tracked by [`crate::conn`]: timeouts, cap),
+//! the [`crate::guard`] checks (Host, Origin/CORS, API key, body type), routing (on the path *without* its query
+//! string, so `/v1/messages?beta=true` works; a missing `/v1` prefix is tolerated), body size limits (413) and the
+//! body read timeout (408), response helpers and per-endpoint request metrics. Errors use the shape of the API the
+//! path names ([`flavor_of`]), also for requests refused before routing.
 //!
 //! Shutdown: when the `shutdown` future resolves, the listener stops accepting, idle keep-alive connections close,
 //! in-flight requests (streams included) run to completion up to `drain_timeout`, then [`serve`] returns.

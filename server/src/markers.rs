@@ -250,6 +250,26 @@ mod tests {
     }
 
     #[test]
+    fn chunked_bounded_encoding_matches_whole_encoding() {
+        // Several chunks of mixed text (words, newlines, digits, CJK, punctuation, marker text): the chunk cuts
+        // must not change a single id.
+        let (tok, _) = setup();
+        let parts = [
+            "hello", " world", "\n", "\n\n", "  ", "123", "4567", "fn main() {", "}", "\t", "日本語", "é", "<", ">",
+            "<｜User｜>", "<think>", "x", " ", "!!", "\r\n", "A", " B", "-->", "\nword", "\n1", "\n<",
+        ];
+        let mut x: u64 = 7;
+        let mut text = String::new();
+        while text.len() < 5 * ds4_engine::tokenizer::CHUNK_BYTES {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            text.push_str(parts[(x >> 33) as usize % parts.len()]);
+        }
+        let whole = tok.encode(&text).unwrap();
+        assert_eq!(tok.encode_bounded(&text, usize::MAX).unwrap(), Some(whole.clone()));
+        assert_eq!(tok.encode_bounded(&text, whole.len() - 1).unwrap(), None);
+    }
+
+    #[test]
     fn the_limit_stops_tokenizing() {
         let (tok, n) = setup();
         let c = conv(&"many words here ".repeat(5000));

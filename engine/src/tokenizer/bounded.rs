@@ -310,7 +310,7 @@ mod tests {
         let t = tok();
         for seed in 0..6 {
             // Long enough for several chunks.
-            let s = sample(seed, 12_000);
+            let s = sample(seed, 20_000);
             assert!(s.len() > 3 * CHUNK_BYTES);
             let whole = t.encode(&s).unwrap();
             assert_eq!(t.encode_bounded(&s, usize::MAX).unwrap().as_deref(), Some(&whole[..]), "seed {seed}");
