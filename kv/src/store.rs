@@ -3,7 +3,9 @@
 //! How to use it (the server's view):
 //! * `KvStore::open(dir, identity, options)` once at start: scans `dir` (headers only, once), removes temp files of
 //!   dead writers, corrupt files and orphans, rebuilds the index, enforces the budget. A directory that cannot be
-//!   created or written does not fail `open`: disk caching is switched off and [`KvStore::status`] says why.
+//!   created or written does not fail `open`: disk caching is switched off and [`KvStore::status`] says why — unless
+//!   it can still be read (a read-only mount): then the entries in it are indexed and served, and new entries go to
+//!   the host tier only (`status().read_only`).
 //! * On a new prompt: [`KvStore::longest_prefix`] → load the pages and the checkpoint with [`KvStore::load`]
 //!   (streamed, each block checksummed before the callback sees it), prefill only the rest. If a load fails
 //!   (corrupt file: it is removed; the error is returned), discard what the callback received and look up again.
@@ -154,6 +156,12 @@ pub struct DiskStatus {
     pub read_errors: u64,
     /// Corrupt or orphaned files removed.
     pub corrupt_removed: u64,
+    /// Of those, found by the scan at open (bad headers, inconsistent keys, orphans).
+    pub corrupt_at_open: u64,
+    /// Of those, found by a failed checksum or format check while loading an entry.
+    pub corrupt_on_load: u64,
+    /// The directory can be read but not written: entries found at open are served, nothing is saved to disk.
+    pub read_only: bool,
     /// Leftover temp files removed.
     pub temp_removed: u64,
     /// Entries evicted for the budget.
@@ -236,6 +244,14 @@ impl KvStore {
                     g.st.enabled = true;
                     store.rebuild(&mut g);
                 }
+                Err(e) if store.dir.is_dir() && fs::read_dir(&store.dir).is_ok() => {
+                    tracing::warn!(dir = %store.dir.display(), error = %e,
+                        "KV disk cache directory is not writable: serving the entries in it read-only, saving none");
+                    g.st.enabled = true;
+                    g.st.read_only = true;
+                    g.st.last_error = Some(e.to_string());
+                    store.rebuild(&mut g);
+                }
                 Err(e) => store.disable(&mut g, &e),
             }
             store.enforce_budget(&mut g, false);
@@ -283,6 +299,7 @@ impl KvStore {
             tracing::warn!(file = %path.display(), reason = %why, "removing corrupt KV file");
             let _ = fs::remove_file(&path);
             g.st.corrupt_removed += 1;
+            g.st.corrupt_at_open += 1;
         }
         let model = self.identity.hash();
         let mut files: HashMap<Key, disk::Scanned> = HashMap::new();
@@ -311,6 +328,7 @@ impl KvStore {
                     tracing::warn!(file = %f.path.display(), "removing KV file whose key or position is inconsistent");
                     let _ = fs::remove_file(&f.path);
                     g.st.corrupt_removed += 1;
+                    g.st.corrupt_at_open += 1;
                     continue;
                 }
                 if h.kind == EntryKind::Page {
@@ -336,6 +354,7 @@ impl KvStore {
             tracing::warn!(file = %f.path.display(), "removing orphaned KV file (its parent page is gone)");
             let _ = fs::remove_file(&f.path);
             g.st.corrupt_removed += 1;
+            g.st.corrupt_at_open += 1;
         }
         tracing::info!(dir = %self.dir.display(), entries = g.t.len(), bytes = g.st.bytes, "KV disk cache opened");
     }
@@ -409,7 +428,7 @@ impl KvStore {
                 g.t.last_use[i as usize] = SystemTime::now();
                 return Ok(EntryRef { id: g.t.id(i), key });
             }
-            (start, g.st.enabled)
+            (start, g.st.enabled && !g.st.read_only)
         };
         let now = SystemTime::now();
         let meta = EntryMeta {
@@ -598,6 +617,7 @@ impl KvStore {
                     KvError::Corrupt(why) => {
                         tracing::warn!(key = %key, reason = %why, "corrupt KV entry removed");
                         g.st.corrupt_removed += 1;
+                        g.st.corrupt_on_load += 1;
                         self.remove_subtree(&mut g, key);
                     }
                     KvError::Io { err, .. } if err.kind() == std::io::ErrorKind::NotFound => {

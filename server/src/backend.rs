@@ -38,6 +38,41 @@ pub struct KvBytes {
     pub disk: u64,
 }
 
+/// Disk KV tier failures by kind (`ds4_kv_disk_errors_total{kind}`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DiskErrors {
+    /// Saves that failed.
+    pub save: u64,
+    /// Restores that failed (the prompt was prefilled instead).
+    pub restore: u64,
+    /// Store write I/O errors (each switches disk caching off).
+    pub write: u64,
+    /// Store read I/O errors that were not corruption.
+    pub read: u64,
+    /// Corrupt, inconsistent or orphaned files removed when the cache was opened.
+    pub corrupt_at_open: u64,
+    /// Entries that failed their checksum or format check while being restored (removed).
+    pub checksum: u64,
+}
+
+impl DiskErrors {
+    /// The `kind` label of each count.
+    pub fn by_kind(&self) -> [(&'static str, u64); 6] {
+        [
+            ("save", self.save),
+            ("restore", self.restore),
+            ("write", self.write),
+            ("read", self.read),
+            ("corrupt_at_open", self.corrupt_at_open),
+            ("checksum", self.checksum),
+        ]
+    }
+
+    pub fn total(&self) -> u64 {
+        self.by_kind().iter().map(|(_, n)| n).sum()
+    }
+}
+
 /// The model, owned by the scheduler thread.
 pub trait Runner: Send {
     /// Number of logits per position.
@@ -77,7 +112,11 @@ pub trait Runner: Send {
     fn disk_event(&mut self, _session: SessionId, _event: crate::kvdisk::DiskEvent) {}
     /// Disk KV tier failures so far (`ds4_kv_disk_errors_total`).
     fn disk_errors(&self) -> u64 {
-        0
+        self.disk_error_counts().total()
+    }
+    /// The same by kind.
+    fn disk_error_counts(&self) -> DiskErrors {
+        DiskErrors::default()
     }
 }
 
@@ -160,11 +199,43 @@ pub trait OutputParser: Send {
     fn finish(&mut self) -> Vec<Parsed>;
 }
 
+/// Why a bounded tokenization gave no ids.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EncodeError {
+    /// More than `limit` tokens (counting stopped there).
+    TooLong {
+        limit: usize,
+    },
+    Failed(BackendError),
+}
+
+impl From<BackendError> for EncodeError {
+    fn from(e: BackendError) -> Self {
+        EncodeError::Failed(e)
+    }
+}
+
 /// Text side of the model, shared by all request handlers.
 pub trait Codec: Send + Sync {
     /// Render a conversation to the prompt text, ending where the assistant's reply starts.
     fn render(&self, conv: &Conversation) -> Result<String, BackendError>;
     fn encode(&self, text: &str) -> Result<Vec<u32>, BackendError>;
+    /// [`Codec::encode`] that stops once more than `limit` ids are produced (the work is bounded by `limit`, not
+    /// by the text's length, where the codec can).
+    fn encode_bounded(&self, text: &str, limit: usize) -> Result<Vec<u32>, EncodeError> {
+        let ids = self.encode(text)?;
+        if ids.len() > limit {
+            return Err(EncodeError::TooLong { limit });
+        }
+        Ok(ids)
+    }
+    /// The prompt ids of a conversation, at most `limit` of them. Only the renderer's own markers become special
+    /// tokens: text in messages, tool results and tool definitions that spells one (`<｜User｜>`) is tokenized as
+    /// plain text. Agrees with what is counted (`count_tokens`) and what is generated from.
+    fn prompt(&self, conv: &Conversation, limit: usize) -> Result<Vec<u32>, EncodeError> {
+        let text = self.render(conv)?;
+        self.encode_bounded(&text, limit)
+    }
     fn decoder(&self) -> Box<dyn TokenDecoder>;
     /// A parser for a completion that starts inside a reasoning block when `thinking` is set.
     fn parser(&self, thinking: bool) -> Box<dyn OutputParser>;

@@ -68,4 +68,27 @@ pub struct Args {
     /// Seconds to let in-flight requests finish after SIGINT/SIGTERM.
     #[arg(long, default_value_t = 60)]
     pub drain_timeout_s: u64,
+    /// Open connections at most; past it the oldest connection without a request in progress is closed.
+    #[arg(long, default_value_t = 1024)]
+    pub max_connections: usize,
+    /// Seconds from the first byte of a request to the end of its headers (slow clients are closed).
+    #[arg(long, default_value_t = 10)]
+    pub header_timeout_s: u64,
+    /// Seconds a connection may stay open with no request in progress (keep-alive idle).
+    #[arg(long, default_value_t = 60)]
+    pub idle_timeout_s: u64,
+    /// Seconds to receive a whole request body (408 after).
+    #[arg(long, default_value_t = 60)]
+    pub body_timeout_s: u64,
+    /// Extra names accepted in the Host header besides localhost, 127.0.0.1, [::1], IP addresses and --host
+    /// (repeatable; `*` accepts any).
+    #[arg(long = "allowed-host")]
+    pub allowed_hosts: Vec<String>,
+    /// Origin allowed to call the API from a browser (CORS; repeatable; `*` for any). Without it, requests that
+    /// carry a foreign Origin header are refused.
+    #[arg(long = "cors-origin")]
+    pub cors_origins: Vec<String>,
+    /// Require this key as `Authorization: Bearer KEY` or `x-api-key: KEY` (everything but /health).
+    #[arg(long, env = "DS4_SERVER_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
 }

@@ -25,7 +25,8 @@ use ds4_engine::gguf::GgufFile;
 use ds4_engine::tokenizer::{StreamDecoder, Tokenizer};
 
 use crate::backend::{
-    BackendError, Codec, Conversation, ModelInfo, OutputParser, Parsed, Role, Runner, SessionId, TokenDecoder,
+    BackendError, Codec, Conversation, EncodeError, ModelInfo, OutputParser, Parsed, Role, Runner, SessionId,
+    TokenDecoder,
 };
 
 fn be(e: impl std::fmt::Display) -> BackendError {
@@ -133,19 +134,26 @@ impl Runner for EngineRunner {
         }
     }
 
-    fn disk_errors(&self) -> u64 {
-        self.disk.as_ref().map_or(0, |d| d.errors())
+    fn disk_error_counts(&self) -> crate::backend::DiskErrors {
+        self.disk.as_ref().map(|d| d.error_counts()).unwrap_or_default()
     }
 }
 
 /// Tokenizer + chat template + DSML parser as a [`Codec`].
 pub struct EngineCodec {
     tok: Tokenizer,
+    neutraliser: Result<crate::markers::Neutraliser, BackendError>,
 }
 
 impl EngineCodec {
     pub fn new(tok: Tokenizer) -> Self {
-        EngineCodec { tok }
+        let neutraliser = crate::markers::Neutraliser::new(&tok);
+        EngineCodec { tok, neutraliser }
+    }
+
+    fn render_options(conv: &Conversation) -> RenderOptions {
+        let mode = if conv.thinking { Mode::Thinking } else { Mode::Chat };
+        RenderOptions { mode, ..RenderOptions::default() }
     }
 }
 
@@ -210,12 +218,21 @@ pub fn to_chat_messages(conv: &Conversation) -> Result<Vec<chat::Message>, Backe
 impl Codec for EngineCodec {
     fn render(&self, conv: &Conversation) -> Result<String, BackendError> {
         let messages = to_chat_messages(conv)?;
-        let mode = if conv.thinking { Mode::Thinking } else { Mode::Chat };
-        chat::render_prompt(&messages, &RenderOptions { mode, ..RenderOptions::default() }).map_err(be)
+        chat::render_prompt(&messages, &Self::render_options(conv)).map_err(be)
     }
 
     fn encode(&self, text: &str) -> Result<Vec<u32>, BackendError> {
         self.tok.encode(text).map_err(be)
+    }
+
+    fn encode_bounded(&self, text: &str, limit: usize) -> Result<Vec<u32>, EncodeError> {
+        self.tok.encode_bounded(text, limit).map_err(be)?.ok_or(EncodeError::TooLong { limit })
+    }
+
+    fn prompt(&self, conv: &Conversation, limit: usize) -> Result<Vec<u32>, EncodeError> {
+        let neutraliser = self.neutraliser.as_ref().map_err(|e| EncodeError::Failed(e.clone()))?;
+        let messages = to_chat_messages(conv)?;
+        crate::markers::prompt_ids(&self.tok, neutraliser, &messages, &Self::render_options(conv), limit)
     }
 
     fn decoder(&self) -> Box<dyn TokenDecoder> {

@@ -85,6 +85,13 @@ impl Codec for FakeCodec {
         Ok(text.bytes().map(u32::from).collect())
     }
 
+    fn encode_bounded(&self, text: &str, limit: usize) -> Result<Vec<u32>, crate::backend::EncodeError> {
+        if text.len() > limit {
+            return Err(crate::backend::EncodeError::TooLong { limit });
+        }
+        self.encode(text).map_err(Into::into)
+    }
+
     fn decoder(&self) -> Box<dyn TokenDecoder> {
         Box::new(ByteDecoder::default())
     }

@@ -1,6 +1,8 @@
-//! HTTP plumbing: the accept loop with graceful shutdown, routing (on the path *without* its query string, so
-//! `/v1/messages?beta=true` works; a missing `/v1` prefix is tolerated), body size limits (413), response helpers and
-//! per-endpoint request metrics.
+//! HTTP plumbing: the accept loop with graceful shutdown (connections tracked by [`crate::conn`]: timeouts, cap),
+//! the [`crate::guard`] checks (Host, Origin/CORS, API key, body type), routing (on the path *without* its query
+//! string, so `/v1/messages?beta=true` works; a missing `/v1` prefix is tolerated), body size limits (413) and the
+//! body read timeout (408), response helpers and per-endpoint request metrics. Errors use the shape of the API the
+//! path names ([`flavor_of`]), also for requests refused before routing.
 //!
 //! Shutdown: when the `shutdown` future resolves, the listener stops accepting, idle keep-alive connections close,
 //! in-flight requests (streams included) run to completion up to `drain_timeout`, then [`serve`] returns.
@@ -22,6 +24,8 @@ use tokio::net::TcpListener;
 
 use crate::api;
 use crate::api::errors::{ApiError, Flavor};
+use crate::conn::{self, GuardedBody, Tracker, Watched};
+use crate::guard;
 use crate::sse::{self, SseSender};
 use crate::state::AppState;
 
@@ -41,6 +45,9 @@ pub fn error_response(err: &ApiError, flavor: Flavor) -> Response<Body> {
     let mut r = json_response(err.status, &err.body(flavor));
     if let Some(s) = err.retry_after {
         r.headers_mut().insert(RETRY_AFTER, HeaderValue::from(s));
+    }
+    if err.close {
+        r.headers_mut().insert(hyper::header::CONNECTION, HeaderValue::from_static("close"));
     }
     r
 }
@@ -77,53 +84,106 @@ pub async fn read_body(req: Request<Incoming>, limit: usize) -> Result<Bytes, Ap
     }
 }
 
-/// Route one request.
+/// Route one request: the [`crate::guard`] checks first, then the endpoint.
 pub async fn handle(state: Arc<AppState>, req: Request<Incoming>) -> Response<Body> {
     let path = req.uri().path().to_string();
     let route = path.strip_prefix("/v1").filter(|p| p.starts_with('/')).unwrap_or(&path).trim_end_matches('/');
     let route = if route.is_empty() { "/" } else { route }.to_string();
-    let flavor = if route.starts_with("/messages") { Flavor::Anthropic } else { Flavor::OpenAi };
+    let flavor = flavor_of(&route);
     let method = req.method().clone();
-    let (endpoint, result) = match (route.as_str(), &method) {
-        ("/health", &Method::GET) => ("health", Ok(json_response(200, &json!({"status": "ok"})))),
-        ("/metrics", &Method::GET) => (
-            "metrics",
-            Ok(text_response(StatusCode::OK, "text/plain; version=0.0.4; charset=utf-8", state.metrics.render())),
-        ),
-        ("/models", &Method::GET) => ("models", Ok(api::models::list(&state))),
-        (p, &Method::GET) if p.starts_with("/models/") => ("models", api::models::get(&state, &p["/models/".len()..])),
-        ("/chat/completions", &Method::POST) => {
-            ("chat_completions", with_body(&state, req, api::openai_chat::handle).await)
+    let passed = match state.limits.access.check(&method, &route, req.headers()) {
+        Ok(p) => p,
+        Err(e) => {
+            state.metrics.request("refused", e.status);
+            return error_response(&e, flavor);
         }
-        ("/completions", &Method::POST) => {
-            ("completions", with_body(&state, req, api::openai_completions::handle).await)
+    };
+    let (endpoint, result) = if method == Method::OPTIONS {
+        let answer = state.limits.access.preflight(&passed, req.headers()).map(|headers| {
+            let mut r = Response::new(Full::new(Bytes::new()).boxed());
+            *r.status_mut() = StatusCode::NO_CONTENT;
+            for (k, v) in headers {
+                r.headers_mut().insert(k, v);
+            }
+            r
+        });
+        ("preflight", answer)
+    } else if method == Method::POST && known_route(&route) {
+        match guard::check_body_headers(req.headers()) {
+            Ok(()) => route_request(&state, &route, &path, req).await,
+            Err(e) => ("refused", Err(e)),
         }
-        ("/messages", &Method::POST) => ("messages", with_body(&state, req, api::anthropic::handle).await),
-        ("/messages/count_tokens", &Method::POST) => {
-            ("count_tokens", with_body(&state, req, api::anthropic::count_tokens).await)
+    } else {
+        route_request(&state, &route, &path, req).await
+    };
+    let mut response = result.unwrap_or_else(|e| {
+        if e.status >= 500 {
+            tracing::warn!(endpoint, status = e.status, error = %e.message, "request failed");
         }
-        ("/responses", &Method::POST) => ("responses", with_body(&state, req, api::responses::handle).await),
-        (
-            "/health"
+        error_response(&e, flavor)
+    });
+    if let Some(origin) = passed.allow_origin.as_deref().and_then(|o| HeaderValue::from_str(o).ok()) {
+        response.headers_mut().insert("access-control-allow-origin", origin);
+        response.headers_mut().insert("vary", HeaderValue::from_static("origin"));
+    }
+    state.metrics.request(endpoint, response.status().as_u16());
+    response
+}
+
+/// The error shape of a route: Anthropic for `/messages…`, OpenAI otherwise.
+pub fn flavor_of(route: &str) -> Flavor {
+    if route.starts_with("/messages") {
+        Flavor::Anthropic
+    } else {
+        Flavor::OpenAi
+    }
+}
+
+fn known_route(route: &str) -> bool {
+    matches!(
+        route,
+        "/health"
             | "/metrics"
             | "/models"
             | "/chat/completions"
             | "/completions"
             | "/messages"
             | "/messages/count_tokens"
-            | "/responses",
-            _,
-        ) => ("other", Err(ApiError::new(405, format!("method {method} is not allowed on {path}")))),
-        _ => ("other", Err(ApiError::not_found(format!("no such endpoint: {method} {path}")))),
-    };
-    let response = result.unwrap_or_else(|e| {
-        if e.status >= 500 {
-            tracing::warn!(endpoint, status = e.status, error = %e.message, "request failed");
+            | "/responses"
+    ) || route.starts_with("/models/")
+}
+
+async fn route_request(
+    state: &Arc<AppState>,
+    route: &str,
+    path: &str,
+    req: Request<Incoming>,
+) -> (&'static str, Result<Response<Body>, ApiError>) {
+    let method = req.method().clone();
+    match (route, &method) {
+        ("/health", &Method::GET) => ("health", Ok(json_response(200, &json!({"status": "ok"})))),
+        ("/metrics", &Method::GET) => (
+            "metrics",
+            Ok(text_response(StatusCode::OK, "text/plain; version=0.0.4; charset=utf-8", state.metrics.render())),
+        ),
+        ("/models", &Method::GET) => ("models", Ok(api::models::list(state))),
+        (p, &Method::GET) if p.starts_with("/models/") => ("models", api::models::get(state, &p["/models/".len()..])),
+        ("/chat/completions", &Method::POST) => {
+            ("chat_completions", with_body(state, req, api::openai_chat::handle).await)
         }
-        error_response(&e, flavor)
-    });
-    state.metrics.request(endpoint, response.status().as_u16());
-    response
+        ("/completions", &Method::POST) => {
+            ("completions", with_body(state, req, api::openai_completions::handle).await)
+        }
+        ("/messages", &Method::POST) => ("messages", with_body(state, req, api::anthropic::handle).await),
+        ("/messages/count_tokens", &Method::POST) => {
+            ("count_tokens", with_body(state, req, api::anthropic::count_tokens).await)
+        }
+        ("/responses", &Method::POST) => ("responses", with_body(state, req, api::responses::handle).await),
+        (p, _) if known_route(p) => {
+            ("other", Err(ApiError::new(405, format!("method {method} is not allowed on {path}"))))
+        }
+        _ => ("other", Err(ApiError::not_found(format!("no such endpoint: {method} {path}")))),
+    }
 }
 
 /// Read the body, then call `f(state, headers, body)`.
@@ -133,11 +193,21 @@ where
     Fut: Future<Output = Result<Response<Body>, ApiError>>,
 {
     let headers = req.headers().clone();
-    let body = read_body(req, state.limits.max_body_bytes).await?;
+    let timeout = state.limits.conn.body_timeout;
+    let body = match tokio::time::timeout(timeout, read_body(req, state.limits.max_body_bytes)).await {
+        Ok(b) => b?,
+        Err(_) => {
+            state.metrics.connection_closed(crate::metrics::CloseReason::BodyTimeout);
+            let mut e = ApiError::new(408, format!("the request body did not arrive within {} s", timeout.as_secs()));
+            e.close = true;
+            return Err(e);
+        }
+    };
     f(state.clone(), headers, body).await
 }
 
-/// Accept connections until `shutdown` resolves, then drain for at most `drain_timeout`.
+/// Accept connections until `shutdown` resolves, then drain for at most `drain_timeout`. Connections are tracked
+/// by [`crate::conn::Tracker`] (timeouts, cap, back-off when file descriptors run out).
 pub async fn serve(
     listener: TcpListener,
     state: Arc<AppState>,
@@ -145,6 +215,9 @@ pub async fn serve(
     drain_timeout: Duration,
 ) {
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let tracker = Tracker::new(state.limits.conn, state.metrics.clone());
+    let reaper = tokio::spawn(tracker.clone().run_reaper());
+    let mut last_accept_warning: Option<std::time::Instant> = None;
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
@@ -152,25 +225,49 @@ pub async fn serve(
                 let (stream, peer) = match accepted {
                     Ok(x) => x,
                     Err(e) => {
-                        tracing::warn!(error = %e, "accept failed");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        let fds = conn::is_fd_exhaustion(&e);
+                        if last_accept_warning.is_none_or(|t| t.elapsed() >= Duration::from_secs(5)) {
+                            last_accept_warning = Some(std::time::Instant::now());
+                            tracing::warn!(error = %e, open = tracker.len(), "accept failed{}",
+                                if fds { "; closing the oldest idle connection and backing off" } else { "" });
+                        }
+                        if fds {
+                            tracker.evict_oldest();
+                        }
+                        tokio::time::sleep(Duration::from_millis(if fds { 20 } else { 50 })).await;
                         continue;
                     }
                 };
+                let Some((id, conn_state)) = tracker.register() else {
+                    drop(stream);
+                    continue;
+                };
                 let _ = stream.set_nodelay(true);
                 let state = state.clone();
+                let cs = conn_state.clone();
                 let service = hyper::service::service_fn(move |req: Request<Incoming>| {
                     let state = state.clone();
+                    let busy = cs.begin();
                     let (method, path) = (req.method().clone(), req.uri().path().to_string());
-                    async move { Ok::<_, Infallible>(crate::access_log::wrap(method, path, handle(state, req)).await) }
+                    async move {
+                        let r = crate::access_log::wrap(method, path, handle(state, req)).await;
+                        Ok::<_, Infallible>(r.map(|b| GuardedBody::new(b, busy)))
+                    }
                 });
                 let conn = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(TokioIo::new(stream), service);
+                    .serve_connection(TokioIo::new(Watched::new(stream, conn_state.clone())), service);
                 let conn = graceful.watch(conn);
+                let tracker = tracker.clone();
                 tokio::spawn(async move {
-                    if let Err(e) = conn.await {
-                        tracing::debug!(%peer, error = %e, "connection ended with an error");
+                    tokio::select! {
+                        r = conn => {
+                            if let Err(e) = r {
+                                tracing::debug!(%peer, error = %e, "connection ended with an error");
+                            }
+                        }
+                        _ = conn_state.closed() => tracing::debug!(%peer, "connection closed by the server"),
                     }
+                    tracker.remove(id);
                 });
             }
             _ = &mut shutdown => break,
@@ -181,4 +278,5 @@ pub async fn serve(
     if tokio::time::timeout(drain_timeout, graceful.shutdown()).await.is_err() {
         tracing::warn!("drain timeout: closing the remaining connections");
     }
+    reaper.abort();
 }

@@ -14,7 +14,10 @@
 //! * Eviction of disk entries is the store's (budget `--kv-disk-space-mb`): pinned and interior pages stay, then the
 //!   lowest `(1 + hits + sharers) · recency decay / bytes` goes (see `ds4_kv::policy`).
 //! * Faults: an I/O error switches disk caching off inside the store (reads and saves then miss); serving goes on.
-//!   Every failure is logged and counted in [`DiskTier::errors`] (`ds4_kv_disk_errors_total`).
+//!   A directory that cannot be used at all is reported at ERROR (and the tier is off); one that can be read but not
+//!   written (a read-only mount) at WARN, and its entries are still restored (nothing is saved). Every failure is
+//!   logged and counted by kind in [`DiskTier::error_counts`] (`ds4_kv_disk_errors_total{kind}`): failed saves and
+//!   restores, store write/read errors, corrupt files removed at start, checksum failures while restoring.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -43,7 +46,8 @@ pub struct DiskTier {
     policy: SavePolicy,
     /// Position of the last save of each live engine session.
     saved_at: HashMap<EngineSession, usize>,
-    errors: u64,
+    save_errors: u64,
+    restore_errors: u64,
 }
 
 impl DiskTier {
@@ -53,9 +57,26 @@ impl DiskTier {
         let opts = persist::kv_options(engine, 256, space_mb.saturating_mul(1 << 20));
         let store = persist::open_store(engine, dir, opts).map_err(|e| e.to_string())?;
         let st = store.status();
-        tracing::info!(dir = %st.dir.display(), enabled = st.enabled, files = st.files, bytes = st.bytes,
-            span = store.span_tokens(), "KV disk tier ready");
-        Ok(DiskTier { store, policy: SavePolicy::default(), saved_at: HashMap::new(), errors: 0 })
+        let why = st.last_error.as_deref().unwrap_or("unknown error");
+        if !st.enabled {
+            tracing::error!(dir = %st.dir.display(), error = why, "--kv-disk-dir cannot be used: disk KV tier off");
+        } else if st.read_only {
+            tracing::warn!(dir = %st.dir.display(), error = why, files = st.files,
+                "--kv-disk-dir is read-only: restoring from its entries, saving nothing");
+        } else {
+            tracing::info!(dir = %st.dir.display(), files = st.files, bytes = st.bytes, span = store.span_tokens(),
+                "KV disk tier ready");
+        }
+        if st.corrupt_at_open > 0 {
+            tracing::warn!(removed = st.corrupt_at_open, "corrupt KV files removed at start");
+        }
+        Ok(DiskTier {
+            store,
+            policy: SavePolicy::default(),
+            saved_at: HashMap::new(),
+            save_errors: 0,
+            restore_errors: 0,
+        })
     }
 
     /// Overrides the trigger thresholds.
@@ -63,10 +84,22 @@ impl DiskTier {
         self.policy = policy;
     }
 
-    /// Failures so far (store write/read errors plus failed saves and restores).
+    /// Failures so far, all kinds.
     pub fn errors(&self) -> u64 {
+        self.error_counts().total()
+    }
+
+    /// Failures so far by kind.
+    pub fn error_counts(&self) -> crate::backend::DiskErrors {
         let st = self.store.status();
-        self.errors + st.write_errors + st.read_errors
+        crate::backend::DiskErrors {
+            save: self.save_errors,
+            restore: self.restore_errors,
+            write: st.write_errors,
+            read: st.read_errors,
+            corrupt_at_open: st.corrupt_at_open,
+            checksum: st.corrupt_on_load,
+        }
     }
 
     /// Bytes of KV files on disk.
@@ -100,7 +133,7 @@ impl DiskTier {
             }
             Ok(None) => None,
             Err(e) => {
-                self.errors += 1;
+                self.restore_errors += 1;
                 tracing::warn!(error = %e, "KV disk restore failed; prefilling instead");
                 None
             }
@@ -121,7 +154,8 @@ impl DiskTier {
         if matches!(event, DiskEvent::Evict | DiskEvent::Shutdown) {
             self.saved_at.remove(&sid);
         }
-        if pos == 0 || last == Some(pos) || !self.store.status().enabled {
+        let st = self.store.status();
+        if pos == 0 || last == Some(pos) || !st.enabled || st.read_only {
             return;
         }
         match persist::save(&self.store, engine, sid, reason) {
@@ -132,7 +166,7 @@ impl DiskTier {
                 tracing::debug!(pos, pages = info.pages, written = info.pages_written, ?reason, "KV saved to disk");
             }
             Err(e) => {
-                self.errors += 1;
+                self.save_errors += 1;
                 tracing::warn!(error = %e, ?reason, "KV disk save failed (serving continues)");
             }
         }

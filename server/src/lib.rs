@@ -4,7 +4,9 @@
 //! coding agents, many sessions at once.
 //!
 //! Layers, top to bottom:
-//! - [`http`] — accept loop, the per-request [`access_log`], routing on the path without its query, body limits, graceful shutdown;
+//! - [`http`] — accept loop, the per-request [`access_log`], routing on the path without its query, body limits,
+//!   graceful shutdown; [`conn`] — connection timeouts and the connection cap; [`guard`] — Host, Origin/CORS, API
+//!   key and body-type checks;
 //! - [`api`] — one module per wire API: parse the request into a [`backend::Conversation`], answer in that API's
 //!   exact shapes ([`sse`] formats the frames), errors in that API's JSON shape ([`api::errors`]);
 //! - [`generate`] — API-neutral generation: submit to the scheduler, detokenize, parse reasoning / content / tool
@@ -19,13 +21,16 @@ pub mod access_log;
 pub mod api;
 pub mod backend;
 pub mod cli;
+pub mod conn;
 pub mod context;
 pub mod engine;
 pub mod fake;
 pub mod fake_script;
 pub mod generate;
+pub mod guard;
 pub mod http;
 pub mod kvdisk;
+pub mod markers;
 pub mod metrics;
 pub mod sampling;
 pub mod scheduler;

@@ -27,12 +27,36 @@ fn main() -> anyhow::Result<()> {
         max_parked: args.max_parked,
         context_size: 0,
     };
+    let mut max_connections = args.max_connections.max(1);
+    if let Some(fds) = ds4_server::conn::raise_fd_limit() {
+        // Leave room for the model file, the KV cache files and the listener.
+        let room = (fds as usize).saturating_sub(64).max(16);
+        if max_connections > room {
+            tracing::warn!(max_connections, open_files = fds, "--max-connections lowered to fit the open-file limit");
+            max_connections = room;
+        }
+    }
     let limits = Limits {
         max_body_bytes: args.max_body_mb.max(1) << 20,
         keepalive: Duration::from_secs(args.keepalive_s),
         max_output_tokens: args.max_output_tokens.map(|n| n.max(1)),
+        conn: ds4_server::conn::ConnLimits {
+            max_connections,
+            header_timeout: Duration::from_secs(args.header_timeout_s.max(1)),
+            idle_timeout: Duration::from_secs(args.idle_timeout_s.max(1)),
+            body_timeout: Duration::from_secs(args.body_timeout_s.max(1)),
+        },
+        access: ds4_server::guard::Access::new(
+            &args.host,
+            &args.allowed_hosts,
+            &args.cors_origins,
+            args.api_key.clone(),
+        ),
         ..Limits::default()
     };
+    if limits.access.has_api_key() {
+        tracing::info!("API key required (Authorization: Bearer or x-api-key)");
+    }
     let (runner, codec, info): (Box<dyn ds4_server::backend::Runner>, Arc<dyn ds4_server::backend::Codec>, _) =
         if args.fake_model {
             tracing::warn!("--fake-model: serving the scripted test model (not a language model)");
@@ -78,6 +102,9 @@ fn main() -> anyhow::Result<()> {
             }
             (Box::new(runner), Arc::new(codec), info)
         };
+    // A body larger than the context could hold as text is refused before it is read.
+    let derived = info.context_size.saturating_mul(256).max(8 << 20);
+    let limits = Limits { max_body_bytes: limits.max_body_bytes.min(derived), ..limits };
     let state = build_state(runner, codec, info, config, limits);
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting tokio")?;
     rt.block_on(async {

@@ -3,8 +3,10 @@
 //!
 //! Names (all prefixed `ds4_`): `requests_total{endpoint,status}`, `prompt_tokens_total`, `completion_tokens_total`,
 //! `time_to_first_token_seconds` and `inter_token_latency_seconds` (histograms), `queue_depth`, `active_sessions`,
-//! `parked_sessions`, `kv_bytes{tier}`, `prefix_cache_hit_tokens_total{tier}`, `generations_cancelled_total`
-//! (generations stopped because their client went away), `keepalives_total` (SSE keep-alive frames sent).
+//! `parked_sessions`, `kv_bytes{tier}`, `prefix_cache_hit_tokens_total{tier}`, `kv_disk_errors_total{kind}`,
+//! `generations_cancelled_total` (generations stopped because their client went away), `keepalives_total` (SSE
+//! keep-alive frames sent), `connections_open`, `connections_closed_total{reason}` (closed by the server:
+//! timeouts, the connection cap).
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -59,6 +61,23 @@ pub enum Tier {
 
 const TIERS: [&str; 3] = ["device", "host", "disk"];
 
+/// Why the server closed a connection (`ds4_connections_closed_total{reason}`).
+#[derive(Debug, Clone, Copy)]
+pub enum CloseReason {
+    /// No request in progress for `--idle-timeout-s`.
+    IdleTimeout = 0,
+    /// A request head not complete `--header-timeout-s` after its first byte.
+    HeaderTimeout = 1,
+    /// Closed to make room at `--max-connections`.
+    Evicted = 2,
+    /// Refused at `--max-connections` with every connection busy.
+    Rejected = 3,
+    /// The request body did not arrive within `--body-timeout-s`.
+    BodyTimeout = 4,
+}
+
+const CLOSE_REASONS: [&str; 5] = ["idle_timeout", "header_timeout", "evicted", "rejected", "body_timeout"];
+
 /// All server metrics.
 pub struct Metrics {
     requests: Mutex<BTreeMap<(String, u16), u64>>,
@@ -69,14 +88,17 @@ pub struct Metrics {
     pub queue_depth: AtomicU64,
     pub active_sessions: AtomicU64,
     pub parked_sessions: AtomicU64,
-    /// Disk KV tier failures (saves, restores, store I/O).
-    pub kv_disk_errors: AtomicU64,
+    /// Disk KV tier failures by kind.
+    kv_disk_errors: Mutex<crate::backend::DiskErrors>,
     /// Generations stopped because their client went away.
     pub cancelled: AtomicU64,
     /// SSE keep-alive frames sent.
     pub keepalives: AtomicU64,
     kv_bytes: [AtomicU64; 3],
     prefix_hits: [AtomicU64; 3],
+    /// Open HTTP connections.
+    pub connections_open: AtomicU64,
+    closed: [AtomicU64; 5],
 }
 
 impl Default for Metrics {
@@ -90,11 +112,13 @@ impl Default for Metrics {
             queue_depth: AtomicU64::new(0),
             active_sessions: AtomicU64::new(0),
             parked_sessions: AtomicU64::new(0),
-            kv_disk_errors: AtomicU64::new(0),
+            kv_disk_errors: Mutex::new(Default::default()),
             cancelled: AtomicU64::new(0),
             keepalives: AtomicU64::new(0),
             kv_bytes: Default::default(),
             prefix_hits: Default::default(),
+            connections_open: AtomicU64::new(0),
+            closed: Default::default(),
         }
     }
 }
@@ -111,6 +135,20 @@ impl Metrics {
 
     pub fn add_prefix_hit(&self, tier: Tier, tokens: u64) {
         self.prefix_hits[tier as usize].fetch_add(tokens, Ordering::Relaxed);
+    }
+
+    pub fn set_kv_disk_errors(&self, e: crate::backend::DiskErrors) {
+        *self.kv_disk_errors.lock() = e;
+    }
+
+    /// Count a connection the server closed.
+    pub fn connection_closed(&self, reason: CloseReason) {
+        self.closed[reason as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Connections closed for `reason` so far.
+    pub fn connections_closed(&self, reason: CloseReason) -> u64 {
+        load(&self.closed[reason as usize])
     }
 
     /// Prompt tokens served from `tier` so far.
@@ -134,12 +172,14 @@ impl Metrics {
         };
         counter(&mut out, "ds4_prompt_tokens_total", "Prompt tokens of admitted requests.", load(&self.prompt_tokens));
         counter(&mut out, "ds4_completion_tokens_total", "Generated tokens.", load(&self.completion_tokens));
-        counter(
-            &mut out,
-            "ds4_kv_disk_errors_total",
-            "Disk KV tier failures (failed saves, restores, store I/O errors).",
-            load(&self.kv_disk_errors),
+        out.push_str("# HELP ds4_kv_disk_errors_total Disk KV tier failures by kind (save, restore, write, read, ");
+        out.push_str(
+            "corrupt_at_open: corrupt files removed at start, checksum: corrupt entries found while restoring).\n",
         );
+        out.push_str("# TYPE ds4_kv_disk_errors_total counter\n");
+        for (kind, n) in self.kv_disk_errors.lock().by_kind() {
+            let _ = writeln!(out, "ds4_kv_disk_errors_total{{kind=\"{kind}\"}} {n}");
+        }
         counter(
             &mut out,
             "ds4_generations_cancelled_total",
@@ -160,6 +200,12 @@ impl Metrics {
         out.push_str("# TYPE ds4_prefix_cache_hit_tokens_total counter\n");
         for (i, t) in TIERS.iter().enumerate() {
             let _ = writeln!(out, "ds4_prefix_cache_hit_tokens_total{{tier=\"{t}\"}} {}", load(&self.prefix_hits[i]));
+        }
+        gauge(&mut out, "ds4_connections_open", "Open HTTP connections.", load(&self.connections_open));
+        out.push_str("# HELP ds4_connections_closed_total Connections closed by the server, by reason.\n");
+        out.push_str("# TYPE ds4_connections_closed_total counter\n");
+        for (i, r) in CLOSE_REASONS.iter().enumerate() {
+            let _ = writeln!(out, "ds4_connections_closed_total{{reason=\"{r}\"}} {}", load(&self.closed[i]));
         }
         out
     }

@@ -191,6 +191,8 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
 
 impl Worker {
     fn run(&mut self, rx: Receiver<Msg>) {
+        // Before the first request: what the runner found at start (e.g. corrupt cache files removed) is visible.
+        self.publish();
         loop {
             let idle = self.active.is_empty() && self.waiting.is_empty();
             let msg = if idle {
@@ -242,7 +244,7 @@ impl Worker {
         m.set_kv_bytes(Tier::Device, kv.device);
         m.set_kv_bytes(Tier::Host, kv.host);
         m.set_kv_bytes(Tier::Disk, kv.disk);
-        m.kv_disk_errors.store(self.runner.disk_errors(), Ordering::Relaxed);
+        m.set_kv_disk_errors(self.runner.disk_error_counts());
     }
 
     /// Move waiting jobs into the active set while there is room.

@@ -4,6 +4,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::backend::{Codec, ModelInfo};
+use crate::conn::ConnLimits;
+use crate::guard::Access;
 use crate::metrics::Metrics;
 use crate::scheduler::Scheduler;
 use crate::toolmem::ToolMemory;
@@ -19,11 +21,21 @@ pub struct Limits {
     /// limit may use all of the context its prompt leaves, and one that does gets what it asked for (both always
     /// clipped to the context left).
     pub max_output_tokens: Option<usize>,
+    /// Connection timeouts and cap (see [`crate::conn`]).
+    pub conn: ConnLimits,
+    /// Host / Origin / API-key policy (see [`crate::guard`]).
+    pub access: Access,
 }
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { max_body_bytes: 32 << 20, keepalive: Duration::from_secs(5), max_output_tokens: None }
+        Limits {
+            max_body_bytes: 32 << 20,
+            keepalive: Duration::from_secs(5),
+            max_output_tokens: None,
+            conn: ConnLimits::default(),
+            access: Access::default(),
+        }
     }
 }
 

@@ -14,11 +14,26 @@ use serde_json::{json, Value};
 struct Server {
     child: Child,
     addr: String,
+    log: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
 }
 
 impl Server {
     fn start(kv_dir: Option<&Path>) -> Server {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_ds4-server"));
+        Self::start_as(kv_dir, false)
+    }
+
+    /// `unprivileged`: when the tests run as root, run the server as `nobody` (through `setpriv`), so file
+    /// permissions apply to it (root writes into a mode 0555 directory).
+    fn start_as(kv_dir: Option<&Path>, unprivileged: bool) -> Server {
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        let root = unsafe { libc::geteuid() } == 0;
+        let mut cmd = if unprivileged && root {
+            let mut c = Command::new("setpriv");
+            c.args(["--reuid=65534", "--regid=65534", "--clear-groups", env!("CARGO_BIN_EXE_ds4-server")]);
+            c
+        } else {
+            Command::new(env!("CARGO_BIN_EXE_ds4-server"))
+        };
         cmd.args(["--host", "127.0.0.1", "--port", "0", "--drain-timeout-s", "30"]);
         if let Some(d) = kv_dir {
             cmd.arg("--kv-disk-dir").arg(d);
@@ -27,11 +42,14 @@ impl Server {
         let mut child = cmd.spawn().expect("spawn ds4-server");
         let stderr = child.stderr.take().unwrap();
         let (tx, rx) = std::sync::mpsc::channel();
+        let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let log2 = log.clone();
         std::thread::spawn(move || {
             let mut tx = Some(tx);
             for line in BufReader::new(stderr).lines() {
                 let Ok(line) = line else { break };
                 eprintln!("[server] {line}");
+                log2.lock().unwrap().push(line.clone());
                 if let Some(rest) = line.split("listening on http://").nth(1) {
                     if let Some(tx) = tx.take() {
                         let _ = tx.send(rest.trim().to_string());
@@ -40,7 +58,12 @@ impl Server {
             }
         });
         let addr = rx.recv_timeout(Duration::from_secs(120)).expect("server did not report its address");
-        Server { child, addr }
+        Server { child, addr, log }
+    }
+
+    /// Whether a logged line contains all of `words`.
+    fn logged(&self, words: &[&str]) -> bool {
+        self.log.lock().unwrap().iter().any(|l| words.iter().all(|w| l.contains(w)))
     }
 
     fn request(&self, method: &str, path: &str, body: Option<&Value>) -> String {
@@ -73,6 +96,18 @@ impl Server {
         text.lines()
             .find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok()))
             .unwrap_or_else(|| panic!("metric {name} missing"))
+    }
+
+    /// The sum of every series of `name` (all label sets).
+    fn metric_sum(&self, name: &str) -> f64 {
+        let text = self.request("GET", "/metrics", None);
+        let values: Vec<f64> = text
+            .lines()
+            .filter(|l| l.strip_prefix(name).is_some_and(|r| r.starts_with('{') || r.starts_with(' ')))
+            .filter_map(|l| l.rsplit(' ').next()?.parse().ok())
+            .collect();
+        assert!(!values.is_empty(), "metric {name} missing in\n{text}");
+        values.iter().sum()
     }
 
     /// SIGTERM, then wait for a clean exit.
@@ -143,7 +178,7 @@ fn conversation_survives_a_restart_through_the_disk_tier() {
     assert!(cached + SPAN >= p1, "cached {cached} < history {p1} minus a page");
     assert!(cached < p2);
     assert!(b.metric("ds4_prefix_cache_hit_tokens_total{tier=\"disk\"}") >= cached as f64);
-    assert_eq!(b.metric("ds4_kv_disk_errors_total"), 0.0);
+    assert_eq!(b.metric_sum("ds4_kv_disk_errors_total"), 0.0);
     b.stop();
 
     let c = Server::start(None);
@@ -184,6 +219,104 @@ fn an_unusable_cache_dir_turns_caching_off_and_serving_continues() {
     let s = Server::start(Some(&not_a_dir.join("kv")));
     let r = s.chat(&[json!({"role": "user", "content": long_text(4, 30)})]);
     assert!(usage_u64(&r, &["completion_tokens"]) >= 1);
-    assert!(s.metric("ds4_kv_disk_errors_total") >= 1.0, "the disk failure is not visible in /metrics");
+    assert!(s.metric_sum("ds4_kv_disk_errors_total") >= 1.0, "the disk failure is not visible in /metrics");
     s.stop();
+}
+
+#[cfg(unix)]
+#[test]
+fn an_unusable_cache_dir_is_reported_as_an_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("plain-file");
+    std::fs::write(&file, b"x").unwrap();
+    let s = Server::start(Some(&file));
+    let r = s.chat(&[json!({"role": "user", "content": long_text(5, 30)})]);
+    assert!(usage_u64(&r, &["completion_tokens"]) >= 1);
+    assert!(s.logged(&["ERROR", "--kv-disk-dir cannot be used"]), "no ERROR line saying why the cache is off");
+    assert!(s.metric("ds4_kv_disk_errors_total{kind=\"write\"}") >= 1.0);
+    s.stop();
+}
+
+#[cfg(unix)]
+#[test]
+fn a_read_only_cache_dir_is_still_restored_from() {
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let dir = tmp.path().join("kv");
+    let mut messages = vec![
+        json!({"role": "system", "content": long_text(6, 300)}),
+        json!({"role": "user", "content": long_text(7, 200)}),
+    ];
+    let a = Server::start(Some(&dir));
+    let r1 = a.chat(&messages);
+    let p1 = usage_u64(&r1, &["prompt_tokens"]);
+    let answer = r1["choices"][0]["message"]["content"].as_str().unwrap_or("").to_string();
+    a.stop();
+    let saved = files(&dir, "page") + files(&dir, "ckpt");
+    assert!(saved >= 2, "nothing saved");
+    for e in std::fs::read_dir(&dir).unwrap() {
+        std::fs::set_permissions(e.unwrap().path(), std::fs::Permissions::from_mode(0o444)).unwrap();
+    }
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o555)).unwrap();
+
+    messages.push(json!({"role": "assistant", "content": answer}));
+    messages.push(json!({"role": "user", "content": "and then?"}));
+    let b = Server::start_as(Some(&dir), true);
+    let r2 = b.chat(&messages);
+    let cached = usage_u64(&r2, &["prompt_tokens_details", "cached_tokens"]);
+    assert!(cached + 256 >= p1, "restored only {cached} of {p1} tokens from the read-only cache");
+    assert!(b.logged(&["WARN", "read-only"]), "no WARN line about the read-only cache");
+    assert_eq!(b.metric_sum("ds4_kv_disk_errors_total"), 0.0);
+    b.stop();
+    assert_eq!(files(&dir, "page") + files(&dir, "ckpt"), saved, "the read-only cache was written to");
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+}
+
+/// Overwrites `n` bytes at `at` (from the end when negative) of every file with extension `ext`.
+fn damage(dir: &Path, ext: &str, at: i64, n: usize) {
+    let paths: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == ext))
+        .collect();
+    assert!(!paths.is_empty(), "no .{ext} file to damage");
+    for path in paths {
+        let mut bytes = std::fs::read(&path).unwrap();
+        let start = if at < 0 { bytes.len() - at.unsigned_abs() as usize } else { at as usize };
+        for b in &mut bytes[start..start + n] {
+            *b ^= 0x5a;
+        }
+        std::fs::write(&path, bytes).unwrap();
+    }
+}
+
+#[test]
+fn corrupt_cache_files_are_counted_by_kind() {
+    let messages = vec![
+        json!({"role": "system", "content": long_text(8, 300)}),
+        json!({"role": "user", "content": long_text(9, 200)}),
+    ];
+    // A damaged header: removed when the cache is opened.
+    let dir = tempfile::tempdir().unwrap();
+    let a = Server::start(Some(dir.path()));
+    a.chat(&messages);
+    a.stop();
+    damage(dir.path(), "page", 0, 8);
+    let b = Server::start(Some(dir.path()));
+    assert!(b.metric("ds4_kv_disk_errors_total{kind=\"corrupt_at_open\"}") >= 1.0);
+    b.stop();
+
+    // A damaged payload: found by its checksum while restoring, removed, and the prompt is prefilled instead.
+    let dir = tempfile::tempdir().unwrap();
+    let a = Server::start(Some(dir.path()));
+    a.chat(&messages);
+    a.stop();
+    damage(dir.path(), "ckpt", -16, 8);
+    let b = Server::start(Some(dir.path()));
+    assert_eq!(b.metric("ds4_kv_disk_errors_total{kind=\"corrupt_at_open\"}"), 0.0);
+    let r = b.chat(&messages);
+    assert!(usage_u64(&r, &["completion_tokens"]) >= 1);
+    assert!(b.metric("ds4_kv_disk_errors_total{kind=\"checksum\"}") >= 1.0);
+    b.stop();
 }

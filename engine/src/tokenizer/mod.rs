@@ -10,6 +10,8 @@
 //!   the text is recognised, longest first. The chat renderer writes `<｜begin▁of▁sentence｜>` itself.
 //! * [`Tokenizer::decode`] is exact: ids → bytes (byte-level alphabet, added tokens as their text) → UTF-8, invalid
 //!   sequences replaced by U+FFFD. Unknown ids are an error, never skipped silently.
+//! * [`Tokenizer::encode_bounded`] stops once a limit is exceeded; [`Tokenizer::encode_plain`] recognises no added
+//!   tokens (text that spells `<｜User｜>` stays text); see [`bounded`].
 //! * [`StreamDecoder`] emits text as ids arrive and never splits a UTF-8 character.
 //! * [`gguf_metadata_from_tokenizer_json`] (converter) and [`Tokenizer::from_gguf`] are inverse: the round trip
 //!   tokenizer.json → metadata → GGUF → tokenizer reproduces every golden case (tested in `tests`).
@@ -17,6 +19,7 @@
 //! Invariants: ids are dense `0..vocab_size()`; BOS id 0, EOS id 1 for DeepSeek-V4 (looked up by name, not assumed).
 //! Nothing here panics on bad input.
 
+mod bounded;
 mod bytelevel;
 mod gguf_meta;
 mod stream;
@@ -24,6 +27,7 @@ mod stream;
 use std::path::Path;
 use std::sync::Arc;
 
+pub use bounded::{AddedTokens, Piece, CHUNK_BYTES};
 pub use gguf_meta::{
     gguf_metadata_from_tokenizer_json, gguf_metadata_from_tokenizer_json_bytes, tokenizer_json_from_gguf,
     tokenizer_json_from_parts, GGUF_PRE, GGUF_PRE_ALIASES,
@@ -80,6 +84,10 @@ struct Inner {
     offsets: Vec<u32>,
     bytes: Vec<u8>,
     special: SpecialTokens,
+    /// Added tokens and a copy of `hf` without them (see [`bounded`]).
+    added: AddedTokens,
+    plain: tokenizers::Tokenizer,
+    max_token_bytes: usize,
 }
 
 /// The tokenizer; see the module doc. Cheap to clone.
@@ -171,7 +179,9 @@ impl Tokenizer {
             dsml: find(DSML_TOKEN),
         };
         tracing::debug!(vocab = n, ?special, "tokenizer loaded");
-        Ok(Tokenizer { inner: Arc::new(Inner { hf, pieces, offsets, bytes, special }) })
+        let (added, plain) = bounded::plain_parts(&hf)?;
+        let max_token_bytes = offsets.windows(2).map(|w| (w[1] - w[0]) as usize).max().unwrap_or(1).max(1);
+        Ok(Tokenizer { inner: Arc::new(Inner { hf, pieces, offsets, bytes, special, added, plain, max_token_bytes }) })
     }
 
     /// Number of ids (base vocabulary plus added tokens).

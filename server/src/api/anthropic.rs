@@ -351,15 +351,19 @@ pub fn to_conversation(body: &[u8]) -> Result<Conversation, ApiError> {
 /// `POST /v1/messages/count_tokens`.
 pub async fn count_tokens(state: Arc<AppState>, _h: HeaderMap, body: Bytes) -> Result<Response<Body>, ApiError> {
     let (_, conv, _, _) = prepare(&state, &body)?;
-    let n = crate::api::prompt_tokens(&state, &conv)?.len();
+    let n = crate::api::prompt_tokens(&state, &conv, "messages").await?.len();
     Ok(json_response(200, &json!({"input_tokens": n})))
 }
 
 /// `POST /v1/messages`.
 pub async fn handle(state: Arc<AppState>, _headers: HeaderMap, body: Bytes) -> Result<Response<Body>, ApiError> {
     let (req, conv, show_thinking, opts) = prepare(&state, &body)?;
+    if req.max_tokens.is_none() {
+        // As the Anthropic API: max_tokens is required on /v1/messages (not on count_tokens).
+        return Err(ApiError::param("max_tokens", "max_tokens: Field required"));
+    }
     let model = req.model.clone().unwrap_or_else(|| state.info.id.clone());
-    let tokens = crate::api::prompt_tokens(&state, &conv)?;
+    let tokens = crate::api::prompt_tokens(&state, &conv, "messages").await?;
     let stop_seqs = opts.stop.clone();
     let gen = Generation::start(&state, tokens, GenOptions { thinking: conv.thinking, ..opts })?;
     let id = new_id("msg_");

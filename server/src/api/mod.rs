@@ -15,7 +15,9 @@ pub mod responses;
 
 use serde::de::DeserializeOwned;
 
-use crate::backend::Conversation;
+use std::sync::Arc;
+
+use crate::backend::{Conversation, EncodeError};
 use crate::sampling::SamplingParams;
 use crate::state::AppState;
 use errors::ApiError;
@@ -60,15 +62,39 @@ pub fn max_tokens(name: &str, v: Option<u64>) -> Result<Option<usize>, ApiError>
     }
 }
 
-/// Tokenize text (a tokenizer failure is a 400 naming it).
-pub fn tokenize(state: &AppState, text: &str) -> Result<Vec<u32>, ApiError> {
-    state.codec.encode(text).map_err(|e| ApiError::invalid(format!("could not tokenize the prompt: {e}")))
+/// Tokenize text for a prompt named `param` (a tokenizer failure is a 400 naming it; more tokens than the context
+/// holds is the context-length error, found without tokenizing the whole text). Runs on the blocking pool so a long
+/// text never holds up the threads that answer other requests.
+pub async fn tokenize(state: &Arc<AppState>, text: String, param: &'static str) -> Result<Vec<u32>, ApiError> {
+    let st = state.clone();
+    blocking(state, param, move || st.codec.encode_bounded(&text, st.info.context_size.saturating_sub(1))).await
 }
 
-/// Render a conversation and tokenize it.
-pub fn prompt_tokens(state: &AppState, conv: &Conversation) -> Result<Vec<u32>, ApiError> {
-    let prompt = state.codec.render(conv).map_err(|e| ApiError::invalid(format!("could not render the chat: {e}")))?;
-    tokenize(state, &prompt)
+/// Render a conversation and tokenize it (see [`crate::backend::Codec::prompt`]), on the blocking pool; `param` is
+/// the request field a context-length error names (`messages`, `input`).
+pub async fn prompt_tokens(
+    state: &Arc<AppState>,
+    conv: &Conversation,
+    param: &'static str,
+) -> Result<Vec<u32>, ApiError> {
+    let st = state.clone();
+    let conv = conv.clone();
+    blocking(state, param, move || st.codec.prompt(&conv, st.info.context_size.saturating_sub(1))).await
+}
+
+async fn blocking<F>(state: &Arc<AppState>, param: &'static str, f: F) -> Result<Vec<u32>, ApiError>
+where
+    F: FnOnce() -> Result<Vec<u32>, EncodeError> + Send + 'static,
+{
+    let ctx = state.info.context_size;
+    match tokio::task::spawn_blocking(f).await {
+        Ok(Ok(ids)) => Ok(ids),
+        Ok(Err(EncodeError::TooLong { limit })) => {
+            Err(ApiError::context_overflow_at_least(limit + 1, ctx).with_param(param))
+        }
+        Ok(Err(EncodeError::Failed(e))) => Err(ApiError::invalid(format!("could not tokenize the prompt: {e}"))),
+        Err(_) => Err(ApiError::internal("tokenizing the prompt failed")),
+    }
 }
 
 /// Seconds since the unix epoch.

@@ -28,9 +28,10 @@ pub fn check(state: &AppState, model: Option<&str>) -> Result<String, ApiError> 
     match model {
         None | Some("") => Ok(state.info.id.clone()),
         Some(m) if accepts(state, m) => Ok(m.to_string()),
-        Some(m) => {
-            Err(ApiError::not_found(format!("the model `{m}` does not exist; this server serves `{}`", state.info.id)))
-        }
+        Some(m) => Err(ApiError::model_not_found(format!(
+            "the model `{m}` does not exist; this server serves `{}`",
+            state.info.id
+        ))),
     }
 }
 
@@ -58,6 +59,6 @@ pub fn get(state: &AppState, id: &str) -> Result<Response<Body>, ApiError> {
     if id == state.info.id || accepts(state, id) {
         Ok(json_response(200, &model_object(state, id)))
     } else {
-        Err(ApiError::not_found(format!("the model `{id}` does not exist")))
+        Err(ApiError::model_not_found(format!("the model `{id}` does not exist")))
     }
 }

@@ -215,7 +215,7 @@ pub async fn handle(state: Arc<AppState>, _headers: HeaderMap, body: Bytes) -> R
     };
     let mut conv = conversation(&mut req)?;
     state.tools.restore(&mut conv);
-    let tokens = crate::api::prompt_tokens(&state, &conv)?;
+    let tokens = crate::api::prompt_tokens(&state, &conv, "messages").await?;
     let gen = Generation::start(&state, tokens, GenOptions { thinking: conv.thinking, ..opts })?;
     let id = new_id("chatcmpl-");
     let created = now_unix();

@@ -71,12 +71,15 @@ pub async fn handle(state: Arc<AppState>, _headers: HeaderMap, body: Bytes) -> R
         return Err(ApiError::param("echo", "echo is not supported"));
     }
     let tokens = match req.prompt {
-        Prompt::Text(t) => crate::api::tokenize(&state, &t)?,
-        Prompt::Texts(v) if v.len() == 1 => crate::api::tokenize(&state, &v[0])?,
+        Prompt::Text(t) => crate::api::tokenize(&state, t, "prompt").await?,
+        Prompt::Texts(mut v) if v.len() == 1 => crate::api::tokenize(&state, v.remove(0), "prompt").await?,
         Prompt::Texts(_) => return Err(ApiError::param("prompt", "exactly one prompt is supported")),
         Prompt::Tokens(t) => {
             if let Some(bad) = t.iter().find(|&&id| id as usize >= state.info.vocab_size) {
                 return Err(ApiError::param("prompt", format!("token id {bad} is outside the vocabulary")));
+            }
+            if t.len() >= state.info.context_size {
+                return Err(ApiError::context_overflow(t.len(), state.info.context_size).with_param("prompt"));
             }
             t
         }

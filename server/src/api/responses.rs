@@ -114,9 +114,10 @@ fn conversation(req: &mut ResponsesRequest) -> Result<Conversation, ApiError> {
                     Some("system" | "developer") => Role::System,
                     Some("user") => Role::User,
                     Some("assistant") => Role::Assistant,
-                    other => {
-                        return Err(ApiError::param(&format!("{at}.role"), format!("unknown role {other:?}")));
+                    Some(other) => {
+                        return Err(ApiError::param(&format!("{at}.role"), format!("unknown role `{other}`")));
                     }
+                    None => return Err(ApiError::param(&format!("{at}.role"), "a message needs a string `role`")),
                 };
                 let text = text_of(item.get("content").unwrap_or(&Value::Null), &format!("{at}.content"))?;
                 let mut m = Message::new(role, text);
@@ -294,7 +295,7 @@ pub async fn handle(state: Arc<AppState>, _headers: HeaderMap, body: Bytes) -> R
     };
     let mut conv = conversation(&mut req)?;
     state.tools.restore(&mut conv);
-    let tokens = crate::api::prompt_tokens(&state, &conv)?;
+    let tokens = crate::api::prompt_tokens(&state, &conv, "input").await?;
     let gen = Generation::start(&state, tokens, GenOptions { thinking: conv.thinking, ..opts })?;
     let env = Envelope {
         id: new_id("resp_"),
