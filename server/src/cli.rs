@@ -51,6 +51,9 @@ pub struct Args {
     /// Serve the deterministic scripted test model instead of a real one (for client/SDK tests).
     #[arg(long, hide = true)]
     pub fake_model: bool,
+    /// Do not serve the built-in web page on `/` (chat + status view); `/v1/status` stays.
+    #[arg(long)]
+    pub no_webui: bool,
     /// Seconds to let in-flight requests finish after SIGINT/SIGTERM.
     #[arg(long, default_value_t = 60)]
     pub drain_timeout_s: u64,

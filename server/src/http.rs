@@ -24,6 +24,7 @@ use crate::api;
 use crate::api::errors::{ApiError, Flavor};
 use crate::sse::{self, SseSender};
 use crate::state::AppState;
+use crate::{status, webui};
 
 /// Every response body.
 pub type Body = BoxBody<Bytes, Infallible>;
@@ -90,6 +91,11 @@ pub async fn handle(state: Arc<AppState>, req: Request<Incoming>) -> Response<Bo
             "metrics",
             Ok(text_response(StatusCode::OK, "text/plain; version=0.0.4; charset=utf-8", state.metrics.render())),
         ),
+        ("/status", &Method::GET) => ("status", Ok(json_response(200, &status::snapshot(&state)))),
+        ("/", &Method::GET) if state.limits.webui => ("webui", Ok(webui::page())),
+        (p, &Method::GET) if state.limits.webui && p.starts_with("/webui/") => {
+            ("webui", webui::asset(&p["/webui/".len()..]))
+        }
         ("/models", &Method::GET) => ("models", Ok(api::models::list(&state))),
         (p, &Method::GET) if p.starts_with("/models/") => ("models", api::models::get(&state, &p["/models/".len()..])),
         ("/chat/completions", &Method::POST) => {
@@ -106,6 +112,7 @@ pub async fn handle(state: Arc<AppState>, req: Request<Incoming>) -> Response<Bo
         (
             "/health"
             | "/metrics"
+            | "/status"
             | "/models"
             | "/chat/completions"
             | "/completions"

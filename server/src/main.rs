@@ -27,7 +27,7 @@ fn main() -> anyhow::Result<()> {
         max_parked: args.max_parked,
         context_size: 0,
     };
-    let limits = Limits { max_body_bytes: args.max_body_mb.max(1) << 20, ..Limits::default() };
+    let limits = Limits { max_body_bytes: args.max_body_mb.max(1) << 20, webui: !args.no_webui, ..Limits::default() };
     let (runner, codec, info): (Box<dyn ds4_server::backend::Runner>, Arc<dyn ds4_server::backend::Codec>, _) =
         if args.fake_model {
             tracing::warn!("--fake-model: serving the scripted test model (not a language model)");

@@ -12,6 +12,8 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
+use crate::recent::Recent;
+
 const TTFT_BUCKETS: &[f64] = &[0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
 const ITL_BUCKETS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5];
 
@@ -56,7 +58,18 @@ pub enum Tier {
     Disk = 2,
 }
 
-const TIERS: [&str; 3] = ["device", "host", "disk"];
+/// Tier names, in [`Tier`] order.
+pub const TIERS: [&str; 3] = ["device", "host", "disk"];
+
+impl Tier {
+    /// Every tier, in order.
+    pub const ALL: [Tier; 3] = [Tier::Device, Tier::Host, Tier::Disk];
+
+    /// The tier's label (`device`, `host`, `disk`).
+    pub fn name(self) -> &'static str {
+        TIERS[self as usize]
+    }
+}
 
 /// All server metrics.
 pub struct Metrics {
@@ -72,6 +85,8 @@ pub struct Metrics {
     pub kv_disk_errors: AtomicU64,
     kv_bytes: [AtomicU64; 3],
     prefix_hits: [AtomicU64; 3],
+    /// Recent requests and the throughput window, for the status view (not exported to Prometheus).
+    pub recent: Recent,
 }
 
 impl Default for Metrics {
@@ -88,6 +103,7 @@ impl Default for Metrics {
             kv_disk_errors: AtomicU64::new(0),
             kv_bytes: Default::default(),
             prefix_hits: Default::default(),
+            recent: Recent::default(),
         }
     }
 }
@@ -109,6 +125,16 @@ impl Metrics {
     /// Prompt tokens served from `tier` so far.
     pub fn prefix_hit_tokens(&self, tier: Tier) -> u64 {
         load(&self.prefix_hits[tier as usize])
+    }
+
+    /// KV bytes held in `tier` now.
+    pub fn kv_bytes(&self, tier: Tier) -> u64 {
+        load(&self.kv_bytes[tier as usize])
+    }
+
+    /// Finished requests counted by [`Metrics::request`] on `endpoints`, any status.
+    pub fn requests_on(&self, endpoints: &[&str]) -> u64 {
+        self.requests.lock().iter().filter(|((ep, _), _)| endpoints.contains(&ep.as_str())).map(|(_, n)| n).sum()
     }
 
     /// The Prometheus text exposition.

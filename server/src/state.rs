@@ -17,11 +17,13 @@ pub struct Limits {
     pub keepalive: Duration,
     /// `max_tokens` when a request sends none (clipped to the context left).
     pub default_max_tokens: usize,
+    /// Serve the web page on `/` (`--no-webui` turns it off: 404).
+    pub webui: bool,
 }
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { max_body_bytes: 32 << 20, keepalive: Duration::from_secs(10), default_max_tokens: 4096 }
+        Limits { max_body_bytes: 32 << 20, keepalive: Duration::from_secs(10), default_max_tokens: 4096, webui: true }
     }
 }
 
