@@ -32,7 +32,7 @@ fn parse(path: &std::path::Path) -> Svg {
     for n in doc.descendants().filter(|n| n.is_element()) {
         let attr = |a: &str| n.attribute(a).unwrap_or("").to_string();
         match n.tag_name().name() {
-            "text" => svg.texts.push((n.text().unwrap_or("").to_string(), attr("fill"))),
+            "text" => svg.texts.push((n.text().unwrap_or("").trim().to_string(), attr("fill"))),
             "polyline" => svg.lines.push((attr("stroke"), attr("points").split_whitespace().count())),
             "rect" => svg.rects.push(attr("fill")),
             _ => {}
