@@ -146,5 +146,5 @@ fn a_cancelled_stream_shows_up_as_cancelled() {
     assert_eq!(rec["outcome"], "cancelled", "{rec}");
     let out = rec["output_tokens"].as_u64().unwrap();
     // The scripted answer is 901 tokens; the stream was dropped after its first few.
-    assert!(out >= 1 && out < 300, "{rec}");
+    assert!((1..300).contains(&out), "{rec}");
 }
