@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole ds4 test suite. Installs what it needs (Vulkan software driver for the wgpu tests, Python SDK clients for
-# the server tests), then runs: formatting and lint checks, every Rust test in the workspace (golden checkpoints,
-# quant fixtures, GGUF fuzz, server, kv faults, wgpu on lavapipe), and the Python SDK tests against a live server.
+# the server tests, headless Chromium + websocket-client for the web page test), then runs: formatting and lint
+# checks, every Rust test in the workspace (golden checkpoints, quant fixtures, GGUF fuzz, server, kv faults, wgpu on
+# lavapipe), and the Python SDK and web page tests against a live server.
 #
 # Needs ../shared (golden checkpoints, client fixtures) beside the repository; with CI=true a missing ../shared fails.
 set -euo pipefail
@@ -13,6 +14,12 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   if ! ldconfig -p 2>/dev/null | grep -q libvulkan.so.1 || [ ! -e /usr/share/vulkan/icd.d/lvp_icd.x86_64.json ]; then
     log "installing Mesa software Vulkan (lavapipe)"
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mesa-vulkan-drivers libvulkan1 >/dev/null
+  fi
+fi
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && [ -d tests/python ]; then
+  if ! command -v chromium >/dev/null 2>&1; then
+    log "installing headless Chromium (web page test)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive timeout 900 apt-get install -y -qq chromium >/dev/null
   fi
 fi
 export WGPU_BACKEND="${WGPU_BACKEND:-vulkan}"
@@ -38,7 +45,7 @@ export DS4_AGENTS_DIR="$AGENTS_DIR"
 PY=python3
 if [ -d tests/python ]; then
   log "installing Python test clients"
-  $PY -m pip install -q --disable-pip-version-check openai anthropic pytest prometheus-client >/dev/null
+  $PY -m pip install -q --disable-pip-version-check openai anthropic pytest prometheus-client websocket-client >/dev/null
 fi
 
 log "cargo fmt --check"

@@ -11,6 +11,7 @@
 //! - `kv`: restore-from-disk vs recompute per prefix length, cache write vs raw write ([`kvbench`], on `ds4_engine::persist`).
 //!
 //! Every run is short by default (seconds); flags make it longer. `--quick` shrinks everything for smoke tests.
+//! `--plot FILE.svg` (throughput, `kv`, `kernels`) also draws the report as an SVG chart ([`plot`]).
 
 mod blocks;
 mod correctness;
@@ -20,6 +21,7 @@ mod kvbench;
 mod machine;
 mod membw;
 mod par;
+mod plot;
 mod progress;
 mod roofline;
 mod synth;
@@ -80,6 +82,9 @@ struct RunArgs {
     /// Compute backend: cpu or wgpu.
     #[arg(long, default_value = "cpu")]
     backend: String,
+    /// Also draw the report as an SVG chart to this file.
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<std::path::PathBuf>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -156,6 +161,9 @@ struct KvArgs {
     /// Rows per engine tick (prefill chunk size).
     #[arg(long, default_value_t = 256)]
     batch_tokens: usize,
+    /// Also draw the report as an SVG chart to this file.
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<std::path::PathBuf>,
 }
 
 #[derive(Args, Debug)]
@@ -211,6 +219,9 @@ struct KernelsArgs {
     /// Also run the secondary shapes (attention q_a/out_a/kv, shared expert, compressor, router).
     #[arg(long)]
     all_shapes: bool,
+    /// Also draw the report as an SVG chart to this file.
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<std::path::PathBuf>,
 }
 
 fn run_kernels(a: &KernelsArgs) -> Result<()> {
@@ -234,8 +245,12 @@ fn run_kernels(a: &KernelsArgs) -> Result<()> {
     write!(out, "{}", m.summary("cpu (ds4_engine::quant, std scoped threads)", threads))?;
     writeln!(out, "# working set per case: {} MiB", opts.working_set >> 20)?;
     let pb = progress::bar(0, a.common.quiet);
-    kernels::run(&engine_api::EngineKernels::new(threads), &opts, &mut out, &pb)?;
+    let rows = kernels::run(&engine_api::EngineKernels::new(threads), &opts, &mut out, &pb)?;
     pb.finish_and_clear();
+    if let Some(p) = &a.plot {
+        plot::kernels(&rows, p)?;
+        writeln!(out, "# plot: {}", p.display())?;
+    }
     Ok(())
 }
 
@@ -329,6 +344,10 @@ fn run_throughput(a: &RunArgs) -> Result<()> {
         writeln!(out, "# ctx {}: prefill tick by op: {}", r.ctx_tokens, r.prefill_ops_line())?;
         writeln!(out, "# ctx {}: decode tick by op: {}", r.ctx_tokens, r.decode_ops_line())?;
     }
+    if let Some(p) = &a.plot {
+        plot::throughput(&rows, opts.sessions, roof, p)?;
+        writeln!(out, "# plot: {}", p.display())?;
+    }
     Ok(())
 }
 
@@ -405,8 +424,12 @@ fn run_kv(a: &KvArgs) -> Result<()> {
     writeln!(out, "# store: {} (span {span} tokens)", dir.display())?;
     pb.set_position(0);
     let opts = kvbench::Options { lengths, span, dir };
-    kvbench::run(&mut engine, &opts, &mut out, &pb)?;
+    let rows = kvbench::run(&mut engine, &opts, &mut out, &pb)?;
     pb.finish_and_clear();
+    if let Some(p) = &a.plot {
+        plot::kv(&rows, p)?;
+        writeln!(out, "# plot: {}", p.display())?;
+    }
     Ok(())
 }
 

@@ -65,6 +65,9 @@ pub struct Args {
     /// Seconds between SSE keep-alives while nothing visible is sent (queue wait, prefill, hidden reasoning).
     #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub keepalive_s: u64,
+    /// Do not serve the built-in web page on `/` (chat + status view); `/v1/status` stays.
+    #[arg(long)]
+    pub no_webui: bool,
     /// Seconds to let in-flight requests finish after SIGINT/SIGTERM.
     #[arg(long, default_value_t = 60)]
     pub drain_timeout_s: u64,

@@ -10,8 +10,8 @@
 //!    browsers send no `Origin` and are not affected. Allowed CORS origins get `access-control-allow-origin`, and an
 //!    `OPTIONS` preflight is answered 204; without `--cors-origin` a preflight is refused (403), so a browser never
 //!    sends the real request.
-//! 3. **API key** (every path but `/health`), when `--api-key` is set: `Authorization: Bearer KEY` or `x-api-key: KEY`,
-//!    compared in constant time; 401 otherwise.
+//! 3. **API key** (every path but `/health` and the web page's static files, `GET /` and `/webui/*`), when `--api-key`
+//!    is set: `Authorization: Bearer KEY` or `x-api-key: KEY`, compared in constant time; 401 otherwise.
 //! 4. **Body type** on `POST`: `content-type` must be `application/json` (parameters allowed) — the types a page may send
 //!    without a preflight (`text/plain`, forms) get 415 — and the body must not be compressed (`content-encoding` other
 //!    than `identity`, a `transfer-encoding` other than `chunked`): 415.
@@ -135,7 +135,10 @@ impl Access {
             }
         }
         let allow_origin = self.origin(headers)?;
-        if !exempt && *method != Method::OPTIONS && !self.key_ok(headers) {
+        // The page's static files (`GET /`, `/webui/*`) hold no data and a browser cannot add a header when it loads
+        // a page: they need no key (Host and Origin still apply); the page sends the key on its API calls.
+        let static_page = *method == Method::GET && (route == "/" || route.starts_with("/webui/"));
+        if !exempt && !static_page && *method != Method::OPTIONS && !self.key_ok(headers) {
             return Err(ApiError::unauthorized(
                 "missing or invalid API key: send it as `Authorization: Bearer KEY` or `x-api-key: KEY`",
             ));
@@ -249,6 +252,13 @@ mod tests {
         assert!(chk(&[("authorization", "Bearer s3cret")]).is_ok());
         assert!(chk(&[("x-api-key", "s3cret")]).is_ok());
         assert!(a.check(&Method::GET, "/health", &HeaderMap::new()).is_ok());
+        // The page loads without the key, but its data does not.
+        assert!(a.check(&Method::GET, "/", &HeaderMap::new()).is_ok());
+        assert!(a.check(&Method::GET, "/webui/app.js", &HeaderMap::new()).is_ok());
+        assert_eq!(a.check(&Method::GET, "/status", &HeaderMap::new()).unwrap_err().status, 401);
+        assert_eq!(a.check(&Method::POST, "/", &HeaderMap::new()).unwrap_err().status, 401);
+        // Host still applies to the page.
+        assert_eq!(a.check(&Method::GET, "/", &headers(&[("host", "evil.example")])).unwrap_err().status, 403);
     }
 
     #[test]

@@ -28,6 +28,7 @@ use crate::conn::{self, GuardedBody, Tracker, Watched};
 use crate::guard;
 use crate::sse::{self, SseSender};
 use crate::state::AppState;
+use crate::{status, webui};
 
 /// Every response body.
 pub type Body = BoxBody<Bytes, Infallible>;
@@ -144,6 +145,7 @@ fn known_route(route: &str) -> bool {
         route,
         "/health"
             | "/metrics"
+            | "/status"
             | "/models"
             | "/chat/completions"
             | "/completions"
@@ -166,6 +168,11 @@ async fn route_request(
             "metrics",
             Ok(text_response(StatusCode::OK, "text/plain; version=0.0.4; charset=utf-8", state.metrics.render())),
         ),
+        ("/status", &Method::GET) => ("status", Ok(json_response(200, &status::snapshot(state)))),
+        ("/", &Method::GET) if state.limits.webui => ("webui", Ok(webui::page())),
+        (p, &Method::GET) if state.limits.webui && p.starts_with("/webui/") => {
+            ("webui", webui::asset(&p["/webui/".len()..]))
+        }
         ("/models", &Method::GET) => ("models", Ok(api::models::list(state))),
         (p, &Method::GET) if p.starts_with("/models/") => ("models", api::models::get(state, &p["/models/".len()..])),
         ("/chat/completions", &Method::POST) => {

@@ -12,6 +12,8 @@
 //! - [`generate`] — API-neutral generation: submit to the scheduler, detokenize, parse reasoning / content / tool
 //!   calls, stop strings, usage;
 //! - [`scheduler`] — the one thread that owns the model and runs continuous-batching ticks, with prefix reuse;
+//! - [`webui`] — the built-in page on `/`, fed by [`status`] (`GET /v1/status`) and [`recent`] (the ring of recent
+//!   requests the scheduler fills);
 //! - [`backend`] — the seam to the model ([`backend::Runner`] + [`backend::Codec`]); [`fake`] is the deterministic
 //!   test model.
 //!
@@ -32,11 +34,14 @@ pub mod http;
 pub mod kvdisk;
 pub mod markers;
 pub mod metrics;
+pub mod recent;
 pub mod sampling;
 pub mod scheduler;
 pub mod sse;
 pub mod state;
+pub mod status;
 pub mod toolmem;
+pub mod webui;
 
 use std::sync::Arc;
 

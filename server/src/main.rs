@@ -40,6 +40,7 @@ fn main() -> anyhow::Result<()> {
         max_body_bytes: args.max_body_mb.max(1) << 20,
         keepalive: Duration::from_secs(args.keepalive_s),
         max_output_tokens: args.max_output_tokens.map(|n| n.max(1)),
+        webui: !args.no_webui,
         conn: ds4_server::conn::ConnLimits {
             max_connections,
             header_timeout: Duration::from_secs(args.header_timeout_s.max(1)),

@@ -15,6 +15,8 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
+use crate::recent::Recent;
+
 const TTFT_BUCKETS: &[f64] = &[0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
 const ITL_BUCKETS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5];
 
@@ -59,7 +61,18 @@ pub enum Tier {
     Disk = 2,
 }
 
-const TIERS: [&str; 3] = ["device", "host", "disk"];
+/// Tier names, in [`Tier`] order.
+pub const TIERS: [&str; 3] = ["device", "host", "disk"];
+
+impl Tier {
+    /// Every tier, in order.
+    pub const ALL: [Tier; 3] = [Tier::Device, Tier::Host, Tier::Disk];
+
+    /// The tier's label (`device`, `host`, `disk`).
+    pub fn name(self) -> &'static str {
+        TIERS[self as usize]
+    }
+}
 
 /// Why the server closed a connection (`ds4_connections_closed_total{reason}`).
 #[derive(Debug, Clone, Copy)]
@@ -99,6 +112,8 @@ pub struct Metrics {
     /// Open HTTP connections.
     pub connections_open: AtomicU64,
     closed: [AtomicU64; 5],
+    /// Recent requests and the throughput window, for the status view (not exported to Prometheus).
+    pub recent: Recent,
 }
 
 impl Default for Metrics {
@@ -119,6 +134,7 @@ impl Default for Metrics {
             prefix_hits: Default::default(),
             connections_open: AtomicU64::new(0),
             closed: Default::default(),
+            recent: Recent::default(),
         }
     }
 }
@@ -154,6 +170,16 @@ impl Metrics {
     /// Prompt tokens served from `tier` so far.
     pub fn prefix_hit_tokens(&self, tier: Tier) -> u64 {
         load(&self.prefix_hits[tier as usize])
+    }
+
+    /// KV bytes held in `tier` now.
+    pub fn kv_bytes(&self, tier: Tier) -> u64 {
+        load(&self.kv_bytes[tier as usize])
+    }
+
+    /// Finished requests counted by [`Metrics::request`] on `endpoints`, any status.
+    pub fn requests_on(&self, endpoints: &[&str]) -> u64 {
+        self.requests.lock().iter().filter(|((ep, _), _)| endpoints.contains(&ep.as_str())).map(|(_, n)| n).sum()
     }
 
     /// The Prometheus text exposition.

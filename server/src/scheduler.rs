@@ -14,6 +14,10 @@
 //! diverges right after the prompt (a retry, a re-rendered assistant turn) still skips it. Parked sessions are
 //! evicted least-recently-used beyond `max_parked`, or when the runner's session table is full.
 //!
+//! Every finished job (done, cancelled or failed) leaves a [`RequestRecord`] — counts and timings, no text — in
+//! the metrics' ring of recent requests, and every tick adds its prompt and generated tokens to the throughput
+//! window ([`crate::recent`]); the status view reads both.
+//!
 //! Invariants: a job receives exactly one `Started` (or `Error`) first, then `Token`s, then exactly one `Done` or
 //! `Error`. A panic inside the runner fails the jobs of that tick and frees their sessions; it does not kill the
 //! thread.
@@ -32,6 +36,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use crate::backend::{Runner, SessionId};
 use crate::kvdisk::DiskEvent;
 use crate::metrics::{Metrics, Tier};
+use crate::recent::{Outcome, RequestRecord};
 use crate::sampling::{Sampler, SamplingParams};
 
 /// Why generation stopped.
@@ -144,6 +149,11 @@ impl Scheduler {
         self.queued.load(Ordering::SeqCst)
     }
 
+    /// Jobs that may wait before new ones are refused.
+    pub fn max_queue(&self) -> usize {
+        self.max_queue
+    }
+
     /// Stop the thread after failing what is still queued or running, and wait for it.
     pub fn shutdown(&self) {
         let _ = self.tx.send(Msg::Shutdown);
@@ -162,10 +172,31 @@ struct Active {
     prompt_len: usize,
     /// Prompt tokens reused from a parked session.
     cached: usize,
+    /// Where the cached tokens came from.
+    tier: Tier,
     generated: usize,
     sampler: Sampler,
     submitted: Instant,
+    admitted: Instant,
+    first_token: Option<Instant>,
     last_token: Option<Instant>,
+}
+
+impl Active {
+    /// The status view's record of this job ending with `outcome`.
+    fn record(&self, outcome: Outcome) -> RequestRecord {
+        RequestRecord {
+            submitted_unix_ms: crate::recent::Recent::unix_ms(self.submitted),
+            prompt_tokens: self.prompt_len,
+            cached_tokens: self.cached,
+            cache_tier: self.tier.name(),
+            output_tokens: self.generated,
+            queue: self.admitted - self.submitted,
+            ttft: self.first_token.map(|t| t - self.submitted),
+            total: self.submitted.elapsed(),
+            outcome,
+        }
+    }
 }
 
 struct Parked {
@@ -288,8 +319,11 @@ impl Worker {
                 fed: cached,
                 prompt_len,
                 cached,
+                tier,
                 generated: 0,
                 submitted,
+                admitted: Instant::now(),
+                first_token: None,
                 last_token: None,
             });
         }
@@ -390,6 +424,13 @@ impl Worker {
     /// Finish the job at `idx`: park its session with the tokens the runner has processed.
     fn retire(&mut self, idx: usize, event: Option<JobEvent>) {
         let a = self.active.swap_remove(idx);
+        let outcome = match &event {
+            None => Outcome::Cancelled,
+            Some(JobEvent::Done(StopReason::Length)) => Outcome::Length,
+            Some(JobEvent::Error(_)) => Outcome::Error,
+            Some(_) => Outcome::Stop,
+        };
+        self.metrics.recent.record(a.record(outcome));
         if let Some(ev) = event {
             let _ = a.job.events.send(ev);
         }
@@ -415,6 +456,7 @@ impl Worker {
         let mut sample_now = Vec::new();
         let mut failed = Vec::new();
         let mut fed_any = false;
+        let mut prefilled = 0u64;
         for (i, a) in self.active.iter_mut().enumerate() {
             let remaining = a.tokens.len() - a.fed;
             let n = if a.fed >= a.prompt_len {
@@ -434,6 +476,9 @@ impl Worker {
                 failed.push((i, e.0));
                 continue;
             }
+            if a.fed < a.prompt_len {
+                prefilled += n as u64;
+            }
             a.fed += n;
             fed_any = true;
             if a.fed == a.tokens.len() {
@@ -450,6 +495,7 @@ impl Worker {
             if let Some(e) = err {
                 tracing::error!(error = %e, "step failed; failing the active requests");
                 for a in std::mem::take(&mut self.active) {
+                    self.metrics.recent.record(a.record(Outcome::Error));
                     let _ = a.job.events.send(JobEvent::Error(format!("model step failed: {e}")));
                     self.runner.free_session(a.session);
                 }
@@ -467,6 +513,7 @@ impl Worker {
             self.runner.disk_event(session, DiskEvent::Prefilled { cached, prompt_len: prompt.len() });
             self.checkpoint_prompt(session, &prompt);
         }
+        let mut sampled = 0u64;
         for i in sample_now {
             let a = &mut self.active[i];
             let Some(logits) = self.runner.logits(a.session) else {
@@ -476,11 +523,15 @@ impl Worker {
             let token = a.sampler.sample(logits);
             let now = Instant::now();
             match a.last_token {
-                None => self.metrics.ttft.observe(now - a.submitted),
+                None => {
+                    self.metrics.ttft.observe(now - a.submitted);
+                    a.first_token = Some(now);
+                }
                 Some(t) => self.metrics.itl.observe(now - t),
             }
             a.last_token = Some(now);
             a.generated += 1;
+            sampled += 1;
             self.metrics.completion_tokens.fetch_add(1, Ordering::Relaxed);
             if a.job.eos.contains(&token) {
                 finished.push((i, JobEvent::Done(StopReason::Eos)));
@@ -492,6 +543,7 @@ impl Worker {
                 finished.push((i, JobEvent::Done(StopReason::Length)));
             }
         }
+        self.metrics.recent.add_tokens(prefilled, sampled);
         // Retire from the highest index down so swap_remove keeps the lower indices valid.
         finished.sort_by_key(|f| std::cmp::Reverse(f.0));
         for (i, ev) in finished {

@@ -25,6 +25,8 @@ pub struct Limits {
     pub conn: ConnLimits,
     /// Host / Origin / API-key policy (see [`crate::guard`]).
     pub access: Access,
+    /// Serve the web page on `/` (`--no-webui` turns it off: 404).
+    pub webui: bool,
 }
 
 impl Default for Limits {
@@ -35,6 +37,7 @@ impl Default for Limits {
             max_output_tokens: None,
             conn: ConnLimits::default(),
             access: Access::default(),
+            webui: true,
         }
     }
 }
