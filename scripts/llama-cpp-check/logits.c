@@ -31,6 +31,7 @@ int main(int argc, char **argv) {
     cp.n_threads_batch = 2;
     cp.type_k = GGML_TYPE_F32;
     cp.type_v = GGML_TYPE_F32;
+    cp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
     struct llama_context *ctx = llama_init_from_model(model, cp);
     if (!ctx) {
         fprintf(stderr, "llama.cpp could not create a context\n");
