@@ -29,8 +29,7 @@ fn drafter_tensors(d: usize, vocab: usize) -> Vec<(String, Dtype, Vec<usize>, Ve
         ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     };
     for s in 0..3 {
-        let bf16: Vec<u8> =
-            (0..2 * d * d).flat_map(|_| half::bf16::from_f32(next()).to_bits().to_le_bytes()).collect();
+        let bf16: Vec<u8> = (0..2 * d * d).flat_map(|_| half::bf16::from_f32(next()).to_bits().to_le_bytes()).collect();
         out.push((format!("mtp.{s}.e_proj.weight"), Dtype::BF16, vec![d, 2 * d], bf16));
         let f32s: Vec<u8> = (0..d).flat_map(|_| (1.0 + 0.1 * next()).to_le_bytes()).collect();
         out.push((format!("mtp.{s}.enorm.weight"), Dtype::F32, vec![d], f32s));
@@ -59,12 +58,11 @@ fn make_0731(golden: &Path, dst: &Path) -> serde_json::Value {
     let d = cfg["hidden_size"].as_u64().unwrap() as usize;
     let vocab = cfg["vocab_size"].as_u64().unwrap() as usize;
     let extra = drafter_tensors(d, vocab);
-    let mut views: Vec<(String, TensorView)> =
-        st.tensors().into_iter().map(|(n, v)| (n.to_string(), v)).collect();
+    let mut views: Vec<(String, TensorView)> = st.tensors().into_iter().map(|(n, v)| (n.to_string(), v)).collect();
     for (n, dt, shape, b) in &extra {
         views.push((n.clone(), TensorView::new(*dt, shape.clone(), b).unwrap()));
     }
-    safetensors::serialize_to_file(views, &None, &dst.join("model.safetensors")).unwrap();
+    safetensors::serialize_to_file(views, None, &dst.join("model.safetensors")).unwrap();
     cfg
 }
 
@@ -161,11 +159,8 @@ fn a_0731_checkpoint_converts_keeps_its_drafter_and_runs_the_april_trunk() {
     assert!(lv.len() == want.len() && diff <= 1e-3, "max |logit - golden| = {diff}");
 
     // Without the drafter tensors, and with unknown extra keys, the 0731 file still runs the same trunk.
-    let stripped = rewrite(
-        &v,
-        |m| m.push(("deepseek4.some_future_key".into(), MetaValue::U32(7))),
-        |n| !n.starts_with("mtp."),
-    );
+    let stripped =
+        rewrite(&v, |m| m.push(("deepseek4.some_future_key".into(), MetaValue::U32(7))), |n| !n.starts_with("mtp."));
     assert_eq!(run_logits(stripped, &prompt).0, lv);
     // A missing trunk tensor is an error naming it; an unknown revision is an error naming the key.
     let broken = rewrite(&v, |_| {}, |n| n != "blk.0.attn_norm.weight");
@@ -173,7 +168,11 @@ fn a_0731_checkpoint_converts_keeps_its_drafter_and_runs_the_april_trunk() {
     assert!(e.contains("blk.0.attn_norm.weight"), "{e}");
     let future = rewrite(
         &v,
-        |m| m.iter_mut().filter(|(k, _)| k == "deepseek4.revision").for_each(|(_, x)| *x = MetaValue::String("9999".into())),
+        |m| {
+            m.iter_mut()
+                .filter(|(k, _)| k == "deepseek4.revision")
+                .for_each(|(_, x)| *x = MetaValue::String("9999".into()))
+        },
         |_| true,
     );
     let e = Engine::from_gguf(future, EngineOptions::default()).unwrap_err().to_string();

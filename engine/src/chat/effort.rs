@@ -41,12 +41,13 @@ pub fn effort_prefix(revision: Revision, effort: ReasoningEffort) -> &'static st
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::chat::render::{render_with, Mode, RenderInput, RenderOptions};
+    use crate::chat::render::{render_with, Mode, RenderOptions};
+    use crate::chat::types::RenderInput;
 
     const MSGS: &str = r#"{"messages": [{"role": "user", "content": "Hi"}]}"#;
 
     fn rendered(revision: Revision, mode: Mode, effort: ReasoningEffort) -> String {
-        let input = RenderInput::from_json(&serde_json::from_str(MSGS).unwrap()).unwrap();
+        let input = RenderInput::from_json(MSGS).unwrap();
         render_with(&input.messages, &RenderOptions { mode, effort, revision, ..RenderOptions::default() }).unwrap()
     }
 

@@ -341,7 +341,15 @@ pub fn render_with(messages: &[Message], opt: &RenderOptions) -> Result<String> 
         out.push_str(BOS_TOKEN);
     }
     for i in 0..turns.len() {
-        render_turn(&mut out, &turns, i, thinking, drop, super::effort::effort_prefix(opt.revision, opt.effort), last_user)?;
+        render_turn(
+            &mut out,
+            &turns,
+            i,
+            thinking,
+            drop,
+            super::effort::effort_prefix(opt.revision, opt.effort),
+            last_user,
+        )?;
     }
     Ok(out)
 }

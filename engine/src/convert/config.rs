@@ -137,7 +137,8 @@ fn uint_or(v: &Value, k: &str, default: usize) -> Result<usize> {
 
 /// The 0731 `dspark_*` fields: `None` when none is present; all four required once any is.
 fn dspark_config(v: &Value) -> Result<Option<DsparkConfig>> {
-    const KEYS: [&str; 4] = ["dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids", "dspark_markov_rank"];
+    const KEYS: [&str; 4] =
+        ["dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids", "dspark_markov_rank"];
     if KEYS.iter().all(|k| v.get(*k).is_none_or(Value::is_null)) {
         return Ok(None);
     }

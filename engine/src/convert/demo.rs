@@ -105,7 +105,8 @@ fn values(name: &str, class: Class, dims: &[u64], rng: &mut SplitMix) -> Vec<f32
 /// Builds the demo model's GGUF bytes for `seed` (same seed, same bytes).
 pub fn demo_model_gguf(seed: u64) -> Result<Vec<u8>> {
     let mut extra = vec![("general.name".to_string(), MetaValue::String("ds4-demo (random weights)".into()))];
-    extra.extend(crate::tokenizer::gguf_metadata_from_tokenizer_json_bytes(crate::tokenizer::bundled_tokenizer_json())?);
+    extra
+        .extend(crate::tokenizer::gguf_metadata_from_tokenizer_json_bytes(crate::tokenizer::bundled_tokenizer_json())?);
     random_model_gguf(&demo_config(), seed, extra)
 }
 

@@ -162,6 +162,9 @@ mod tests {
             let err = synthetic_tokenizer_metadata(v, b, e).unwrap_err().to_string();
             assert!(err.contains("--tokenizer"), "{err}");
         }
-        assert_eq!(synthetic_tokenizer_metadata(MAX_SYNTH_VOCAB, 5, 7).unwrap()[2].1.as_array().unwrap().len(), MAX_SYNTH_VOCAB);
+        assert_eq!(
+            synthetic_tokenizer_metadata(MAX_SYNTH_VOCAB, 5, 7).unwrap()[2].1.as_array().unwrap().len(),
+            MAX_SYNTH_VOCAB
+        );
     }
 }

@@ -322,7 +322,11 @@ impl ModelConfig {
             return Err(bad(format!("{P}attention.compress_ratios[{l}] = {r} is above {}", L::RATIO)));
         }
         if self.swiglu_limit.len() != self.n_layers {
-            return Err(bad(format!("{P}swiglu_clamp_exp has {} entries for block_count {}", self.swiglu_limit.len(), self.n_layers)));
+            return Err(bad(format!(
+                "{P}swiglu_clamp_exp has {} entries for block_count {}",
+                self.swiglu_limit.len(),
+                self.n_layers
+            )));
         }
         if !self.rope_dim.is_multiple_of(2) || self.rope_dim > self.head_dim {
             return Err(bad(format!(

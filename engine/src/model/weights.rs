@@ -232,7 +232,10 @@ impl Loader<'_> {
 /// has `vocab_size` entries, and the special-token ids present are inside it.
 fn check_tokenizer_keys(f: &GgufFile, vocab: usize) -> Result<()> {
     if let Some(v) = f.get("tokenizer.ggml.tokens") {
-        let n = v.as_array().map(|a| a.len()).ok_or_else(|| Error::Metadata("tokenizer.ggml.tokens is not an array".into()))?;
+        let n = v
+            .as_array()
+            .map(|a| a.len())
+            .ok_or_else(|| Error::Metadata("tokenizer.ggml.tokens is not an array".into()))?;
         if n != vocab {
             return Err(Error::Metadata(format!(
                 "tokenizer.ggml.tokens has {n} tokens, deepseek4.vocab_size is {vocab}"
@@ -375,7 +378,11 @@ fn load_layer(
                     ],
                     Map,
                 )?,
-                proj: ld.add(&n("indexer.proj.weight"), &[dk, (c.idx_heads, "deepseek4.attention.indexer.head_count")], Map)?,
+                proj: ld.add(
+                    &n("indexer.proj.weight"),
+                    &[dk, (c.idx_heads, "deepseek4.attention.indexer.head_count")],
+                    Map,
+                )?,
                 comp: comp(ld, "indexer_compressor", idk, 2)?,
             };
             (Some(cw), Some(iw))
