@@ -217,8 +217,11 @@ fn crafted_hyperparameters_error_cleanly_or_run() {
     let last_start = text.lines().filter(|l| l.starts_with("START ")).last().unwrap_or("none");
     let status = status.unwrap_or_else(|| panic!("crafted cases ran past {CHILD_LIMIT:?}; last: {last_start}"));
     assert!(status.success() && text.contains("ALL DONE"), "child died ({status}); last case: {last_start}\n{text}");
-    let n_cases: usize =
-        text.lines().find_map(|l| l.strip_prefix("CASES ")).and_then(|n| n.trim().parse().ok()).expect("case count");
+    let n_cases: usize = text
+        .lines()
+        .find_map(|l| l.split_once("CASES ").map(|x| x.1))
+        .and_then(|n| n.trim().parse().ok())
+        .expect("case count");
     let (mut ran, mut errs, mut bad) = (0, 0, Vec::new());
     for line in text.lines() {
         if let Some(rest) = line.strip_prefix("RAN ") {

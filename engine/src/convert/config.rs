@@ -355,7 +355,11 @@ impl CheckpointConfig {
                 "attention.compress_ratios",
                 MetaValue::Array(
                     ValueType::I32,
-                    self.compress_ratios_all.iter().map(|&r| MetaValue::I32(r as i32)).collect(),
+                    // April files list the trunk layers (as before); 0731 files also the drafter stages.
+                    if self.revision == Revision::V0731 { &self.compress_ratios_all } else { &self.compress_ratios }
+                        .iter()
+                        .map(|&r| MetaValue::I32(r as i32))
+                        .collect(),
                 ),
             ),
             ("rope.freq_base", f(self.rope_theta)),

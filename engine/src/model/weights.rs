@@ -374,7 +374,10 @@ fn load_layer(
                     &n("indexer.attn_q_b.weight"),
                     &[
                         (c.q_lora_rank, "deepseek4.attention.q_lora_rank"),
-                        (c.idx_heads * c.idx_head_dim, "deepseek4.attention.indexer.head_count × key_length"),
+                        (
+                            c.idx_heads * c.idx_head_dim,
+                            "deepseek4.attention.indexer.head_count × attention.indexer.key_length",
+                        ),
                     ],
                     Map,
                 )?,
@@ -433,8 +436,8 @@ fn load_layer(
     };
     let hd_all = c.n_heads * c.head_dim;
     let qk = (c.q_lora_rank, "deepseek4.attention.q_lora_rank");
-    let hdall = (hd_all, "deepseek4.attention.head_count × key_length");
-    let og = (c.o_groups * c.o_lora_rank, "deepseek4.attention.output_group_count × output_lora_rank");
+    let hdall = (hd_all, "deepseek4.attention.head_count × attention.key_length");
+    let og = (c.o_groups * c.o_lora_rank, "deepseek4.attention.output_group_count × attention.output_lora_rank");
     Ok(LayerWeights {
         hc_attn,
         hc_ffn,
@@ -447,7 +450,13 @@ fn load_layer(
         sinks: ld.add(&n("attn_sinks.weight"), &[(c.n_heads, "deepseek4.attention.head_count")], Dense)?,
         wo_a: ld.add(
             &n("attn_output_a.weight"),
-            &[(hd_all / c.o_groups, "deepseek4.attention.head_count × key_length / output_group_count"), og],
+            &[
+                (
+                    hd_all / c.o_groups,
+                    "deepseek4.attention.head_count × attention.key_length / attention.output_group_count",
+                ),
+                og,
+            ],
             Map,
         )?,
         wo_b: ld.add(&n("attn_output_b.weight"), &[og, dk], Map)?,
