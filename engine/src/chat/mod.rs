@@ -14,6 +14,7 @@
 //! Nothing here panics on bad input: malformed messages are [`crate::Error::Chat`], malformed model output stays
 //! text or is reported in [`ParsedMessage::errors`].
 
+pub mod effort;
 pub mod json;
 pub mod parse;
 pub mod render;

@@ -57,10 +57,12 @@ impl std::str::FromStr for Mode {
     }
 }
 
-/// Reasoning effort in thinking mode. `High` is the default and adds nothing to the prompt; `Max` prepends
+/// Reasoning effort in thinking mode. `High` is the default. What each adds before the first message depends on
+/// the model revision ([`super::effort`]): for April files `High` and `Low` add nothing and `Max` prepends
 /// [`REASONING_EFFORT_MAX`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum ReasoningEffort {
+    Low,
     #[default]
     High,
     Max,
@@ -70,9 +72,10 @@ impl std::str::FromStr for ReasoningEffort {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
         match s {
+            "low" => Ok(ReasoningEffort::Low),
             "high" => Ok(ReasoningEffort::High),
             "max" => Ok(ReasoningEffort::Max),
-            _ => Err(Error::InvalidArgument(format!("reasoning effort must be high or max, got {s:?}"))),
+            _ => Err(Error::InvalidArgument(format!("reasoning effort must be low, high or max, got {s:?}"))),
         }
     }
 }
@@ -103,11 +106,19 @@ pub struct RenderOptions {
     pub drop_thinking: bool,
     /// Start with `<｜begin▁of▁sentence｜>`.
     pub add_bos: bool,
+    /// The model revision: selects the reasoning-effort paragraph ([`super::effort`]).
+    pub revision: super::effort::Revision,
 }
 
 impl Default for RenderOptions {
     fn default() -> Self {
-        RenderOptions { mode: Mode::Thinking, effort: ReasoningEffort::High, drop_thinking: true, add_bos: true }
+        RenderOptions {
+            mode: Mode::Thinking,
+            effort: ReasoningEffort::High,
+            drop_thinking: true,
+            add_bos: true,
+            revision: Default::default(),
+        }
     }
 }
 
@@ -353,7 +364,15 @@ pub fn render_with(messages: &[Message], opt: &RenderOptions) -> Result<String> 
         out.push_str(BOS_TOKEN);
     }
     for i in 0..turns.len() {
-        render_turn(&mut out, &turns, i, thinking, drop, opt.effort, last_user)?;
+        render_turn(
+            &mut out,
+            &turns,
+            i,
+            thinking,
+            drop,
+            super::effort::effort_prefix(opt.revision, opt.effort),
+            last_user,
+        )?;
     }
     Ok(out)
 }
@@ -380,12 +399,12 @@ fn render_turn(
     i: usize,
     thinking: bool,
     drop: bool,
-    effort: ReasoningEffort,
+    effort_prefix: &str,
     last_user: Option<usize>,
 ) -> Result<()> {
     let t = &turns[i];
-    if i == 0 && thinking && effort == ReasoningEffort::Max {
-        out.push_str(REASONING_EFFORT_MAX);
+    if i == 0 && thinking {
+        out.push_str(effort_prefix);
     }
     let after_last_user = |idx: usize| last_user.is_none_or(|l| idx > l);
     match t.role {

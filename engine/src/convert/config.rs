@@ -59,7 +59,63 @@ pub struct CheckpointConfig {
     pub hc_sinkhorn_iters: usize,
     pub hc_eps: f64,
     pub rms_norm_eps: f64,
+    /// All `compress_ratios` entries of config.json (0731 lists the drafter stages after the trunk layers).
+    pub compress_ratios_all: Vec<usize>,
+    /// `bos_token_id` / `eos_token_id` (default 0 / 1, DeepSeek V4's).
+    pub bos_token_id: u32,
+    pub eos_token_id: u32,
+    /// The model revision (see [`Revision`]): 0731 when config.json has `dspark_*` fields.
+    pub revision: Revision,
+    /// The 0731 DSpark drafter's config fields, when present.
+    pub dspark: Option<DsparkConfig>,
 }
+
+/// The model revision a checkpoint belongs to, written as `deepseek4.revision`.
+///
+/// Both revisions share the trunk (same tensors, shapes and forward pass); they differ in the speculative drafter
+/// and the official chat encoder's reasoning-effort texts.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Revision {
+    /// The April 2026 release (one MTP layer `mtp.0.*`, not converted).
+    #[default]
+    April,
+    /// V4-Flash-0731: `dspark_*` config fields, a three-stage drafter in `mtp.{0,1,2}.*` (kept in the GGUF).
+    V0731,
+}
+
+impl Revision {
+    /// The value of `deepseek4.revision`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Revision::April => "2604",
+            Revision::V0731 => "0731",
+        }
+    }
+
+    /// Parses a `deepseek4.revision` value.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "2604" => Some(Revision::April),
+            "0731" => Some(Revision::V0731),
+            _ => None,
+        }
+    }
+}
+
+/// The `dspark_*` fields of a 0731 config.json (written as `deepseek4.dspark.*`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct DsparkConfig {
+    pub block_size: u32,
+    pub noise_token_id: u32,
+    pub target_layer_ids: Vec<u32>,
+    pub markov_rank: u32,
+}
+
+/// The largest compress ratio accepted (Flash uses 4 and 128).
+pub const MAX_COMPRESS_RATIO: usize = 1 << 16;
+
+/// `expert_gating_func` value for sqrt-softplus scoring (llama.cpp's `LLAMA_EXPERT_GATING_FUNC_TYPE_SQRT_SOFTPLUS`).
+pub const GATING_SQRT_SOFTPLUS: u32 = 4;
 
 fn key<'a>(v: &'a Value, k: &str) -> Result<&'a Value> {
     v.get(k).ok_or_else(|| Error::Convert(format!("config.json: missing key `{k}`")))
@@ -77,6 +133,29 @@ fn uint_or(v: &Value, k: &str, default: usize) -> Result<usize> {
         None | Some(Value::Null) => Ok(default),
         Some(_) => uint(v, k),
     }
+}
+
+/// The 0731 `dspark_*` fields: `None` when none is present; all four required once any is.
+fn dspark_config(v: &Value) -> Result<Option<DsparkConfig>> {
+    const KEYS: [&str; 4] =
+        ["dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids", "dspark_markov_rank"];
+    if KEYS.iter().all(|k| v.get(*k).is_none_or(Value::is_null)) {
+        return Ok(None);
+    }
+    let u32_of = |k: &str| -> Result<u32> {
+        let x = uint(v, k)?;
+        u32::try_from(x).map_err(|_| Error::Convert(format!("config.json: `{k}` = {x} does not fit in u32")))
+    };
+    let ids = key(v, "dspark_target_layer_ids")?
+        .as_array()
+        .and_then(|a| a.iter().map(|x| x.as_u64().and_then(|u| u32::try_from(u).ok())).collect::<Option<Vec<_>>>())
+        .ok_or_else(|| Error::Convert("config.json: `dspark_target_layer_ids` is not an array of layer ids".into()))?;
+    Ok(Some(DsparkConfig {
+        block_size: u32_of("dspark_block_size")?,
+        noise_token_id: u32_of("dspark_noise_token_id")?,
+        target_layer_ids: ids,
+        markov_rank: u32_of("dspark_markov_rank")?,
+    }))
 }
 
 fn float(v: &Value, k: &str) -> Result<f64> {
@@ -102,11 +181,25 @@ impl CheckpointConfig {
                 ratios.len()
             )));
         }
-        let compress_ratios = ratios[..n_layers]
+        let compress_ratios_all = ratios
             .iter()
-            .map(|r| r.as_u64().map(|u| u as usize))
+            .map(|r| r.as_u64().and_then(|u| usize::try_from(u).ok()))
             .collect::<Option<Vec<_>>>()
             .ok_or_else(|| Error::Convert("config.json: `compress_ratios` holds a non-integer".into()))?;
+        let compress_ratios = compress_ratios_all[..n_layers].to_vec();
+        match v.get("scoring_func").and_then(Value::as_str) {
+            None | Some("sqrtsoftplus") => {}
+            Some(other) => {
+                return Err(Error::Convert(format!(
+                    "config.json: `scoring_func` is {other:?}; only \"sqrtsoftplus\" (DeepSeek V4) is supported"
+                )))
+            }
+        }
+        let dspark = dspark_config(&v)?;
+        let id32 = |k: &str, default: u32| -> Result<u32> {
+            let x = uint_or(&v, k, default as usize)?;
+            u32::try_from(x).map_err(|_| Error::Convert(format!("config.json: `{k}` = {x} does not fit in u32")))
+        };
         let rope_scaling = match v.get("rope_scaling") {
             None | Some(Value::Null) => None,
             Some(rs) => Some(RopeScaling {
@@ -153,6 +246,11 @@ impl CheckpointConfig {
             hc_sinkhorn_iters: uint(&v, "hc_sinkhorn_iters")?,
             hc_eps: float(&v, "hc_eps")?,
             rms_norm_eps: float(&v, "rms_norm_eps")?,
+            compress_ratios_all,
+            bos_token_id: id32("bos_token_id", 0)?,
+            eos_token_id: id32("eos_token_id", 1)?,
+            revision: if dspark.is_some() { Revision::V0731 } else { Revision::April },
+            dspark,
         };
         c.validate()?;
         Ok(c)
@@ -190,6 +288,17 @@ impl CheckpointConfig {
         }
         if self.n_hash_layers > self.n_layers {
             return bad(format!("num_hash_layers {} > num_hidden_layers {}", self.n_hash_layers, self.n_layers));
+        }
+        if let Some(&r) = self.compress_ratios_all.iter().find(|&&r| r > MAX_COMPRESS_RATIO) {
+            return bad(format!("`compress_ratios` holds {r} (at most {MAX_COMPRESS_RATIO})"));
+        }
+        if let Some(ds) = &self.dspark {
+            if let Some(&l) = ds.target_layer_ids.iter().find(|&&l| l as usize >= self.n_layers) {
+                return bad(format!("dspark_target_layer_ids holds {l} >= num_hidden_layers {}", self.n_layers));
+            }
+            if ds.noise_token_id as usize >= self.vocab_size {
+                return bad(format!("dspark_noise_token_id {} >= vocab_size {}", ds.noise_token_id, self.vocab_size));
+            }
         }
         Ok(())
     }
@@ -246,7 +355,11 @@ impl CheckpointConfig {
                 "attention.compress_ratios",
                 MetaValue::Array(
                     ValueType::I32,
-                    self.compress_ratios.iter().map(|&r| MetaValue::I32(r as i32)).collect(),
+                    // April files list the trunk layers (as before); 0731 files also the drafter stages.
+                    if self.revision == Revision::V0731 { &self.compress_ratios_all } else { &self.compress_ratios }
+                        .iter()
+                        .map(|&r| MetaValue::I32(r as i32))
+                        .collect(),
                 ),
             ),
             ("rope.freq_base", f(self.rope_theta)),
@@ -256,7 +369,20 @@ impl CheckpointConfig {
                 MetaValue::Array(ValueType::F32, vec![MetaValue::F32(self.swiglu_limit as f32); self.n_layers]),
             ),
             ("attention.layer_norm_rms_epsilon", f(self.rms_norm_eps)),
+            ("expert_gating_func", MetaValue::U32(GATING_SQRT_SOFTPLUS)),
+            (
+                "swiglu_clamp_shexp",
+                MetaValue::Array(ValueType::F32, vec![MetaValue::F32(self.swiglu_limit as f32); self.n_layers]),
+            ),
+            ("revision", MetaValue::String(self.revision.as_str().into())),
         ];
+        if let Some(ds) = &self.dspark {
+            let u32s = |v: &[u32]| MetaValue::Array(ValueType::U32, v.iter().map(|&x| MetaValue::U32(x)).collect());
+            m.push(("dspark.block_size", MetaValue::U32(ds.block_size)));
+            m.push(("dspark.noise_token_id", MetaValue::U32(ds.noise_token_id)));
+            m.push(("dspark.target_layer_ids", u32s(&ds.target_layer_ids)));
+            m.push(("dspark.markov_rank", MetaValue::U32(ds.markov_rank)));
+        }
         if let Some(rs) = &self.rope_scaling {
             m.push(("rope.scaling.type", MetaValue::String(rs.kind.clone())));
             m.push(("rope.scaling.factor", f(rs.factor)));

@@ -61,6 +61,11 @@ pub fn demo_config() -> CheckpointConfig {
         hc_sinkhorn_iters: 20,
         hc_eps: 1e-6,
         rms_norm_eps: 1e-6,
+        compress_ratios_all: vec![0, 4, 8],
+        bos_token_id: 0,
+        eos_token_id: 1,
+        revision: Default::default(),
+        dspark: None,
     }
 }
 
@@ -99,8 +104,16 @@ fn values(name: &str, class: Class, dims: &[u64], rng: &mut SplitMix) -> Vec<f32
 
 /// Builds the demo model's GGUF bytes for `seed` (same seed, same bytes).
 pub fn demo_model_gguf(seed: u64) -> Result<Vec<u8>> {
-    let cfg = demo_config();
-    let tensors = plan(&cfg);
+    let mut extra = vec![("general.name".to_string(), MetaValue::String("ds4-demo (random weights)".into()))];
+    extra
+        .extend(crate::tokenizer::gguf_metadata_from_tokenizer_json_bytes(crate::tokenizer::bundled_tokenizer_json())?);
+    random_model_gguf(&demo_config(), seed, extra)
+}
+
+/// A random-weight model of any shape `cfg` describes, in the converted layout and the `q2` recipe's types, with
+/// `extra` metadata (name, tokenizer) after the config's keys. Weights as for the demo model (module docs).
+pub fn random_model_gguf(cfg: &CheckpointConfig, seed: u64, extra: Vec<(String, MetaValue)>) -> Result<Vec<u8>> {
+    let tensors = plan(cfg);
     let decls: Vec<TensorDecl> = tensors
         .iter()
         .map(|t| TensorDecl {
@@ -110,10 +123,9 @@ pub fn demo_model_gguf(seed: u64) -> Result<Vec<u8>> {
         })
         .collect();
     let mut meta = cfg.gguf_metadata();
-    meta.push(("general.name".into(), MetaValue::String("ds4-demo (random weights)".into())));
     meta.push(("general.file_type".into(), MetaValue::U32(Recipe::Q2.file_type())));
     meta.push(("general.quantization_version".into(), MetaValue::U32(2)));
-    meta.extend(crate::tokenizer::gguf_metadata_from_tokenizer_json_bytes(crate::tokenizer::bundled_tokenizer_json())?);
+    meta.extend(extra);
     let data_bytes: u64 = decls.iter().map(|d| d.n_bytes()).sum::<Result<u64>>()?;
     let mut w = GgufWriter::new(Vec::with_capacity(data_bytes as usize + (8 << 20)), &meta, decls.clone())?;
     let mut rng = SplitMix(seed);

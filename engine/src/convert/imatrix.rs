@@ -22,6 +22,10 @@ use crate::{Error, Result};
 #[derive(Clone, Debug, Default)]
 pub struct Imatrix {
     entries: HashMap<String, Vec<f32>>,
+    /// The optional trailer: chunk count and dataset name (written as `quantize.imatrix.chunks_count` /
+    /// `quantize.imatrix.dataset`, as the shipped files carry them).
+    pub chunks: Option<u32>,
+    pub dataset: Option<String>,
 }
 
 struct Cursor<'a> {
@@ -80,8 +84,18 @@ impl Imatrix {
             }
             entries.insert(name, v);
         }
+        // Optional trailer; anything malformed there is ignored (it carries no weights).
+        let (mut chunks, mut dataset) = (None, None);
+        if let Ok(nc) = c.i32("chunk count") {
+            chunks = u32::try_from(nc).ok();
+            if let Ok(len) = c.i32("dataset length") {
+                if (1..=4096).contains(&len) {
+                    dataset = c.take(len as usize, "dataset").ok().and_then(|b| String::from_utf8(b.to_vec()).ok());
+                }
+            }
+        }
         tracing::info!(entries = entries.len(), "loaded imatrix");
-        Ok(Imatrix { entries })
+        Ok(Imatrix { entries, chunks, dataset })
     }
 
     /// Number of entries.
@@ -149,6 +163,18 @@ pub fn write_dat(entries: &[(&str, i32, &[f32])]) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reads_the_optional_chunk_and_dataset_trailer() {
+        let mut bytes = write_dat(&[("blk.0.attn_q_a.weight", 1, &[1.0f32, 2.0])]);
+        let plain = Imatrix::parse(&bytes).unwrap();
+        assert_eq!((plain.chunks, plain.dataset.as_deref()), (None, None));
+        bytes.extend_from_slice(&202100i32.to_le_bytes());
+        bytes.extend_from_slice(&(9i32).to_le_bytes());
+        bytes.extend_from_slice(b"calib.txt");
+        let t = Imatrix::parse(&bytes).unwrap();
+        assert_eq!((t.chunks, t.dataset.as_deref()), (Some(202100), Some("calib.txt")));
+    }
 
     #[test]
     fn parses_and_finds_plain_packed_and_per_expert_entries() {

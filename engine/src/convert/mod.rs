@@ -17,7 +17,16 @@
 //! `< n_routed_experts`; `--tokenizer` vocabularies must have exactly `vocab_size` tokens.
 //!
 //! How the official release stores quantized weights (what [`checkpoint`] decodes) is documented there.
-//! Checkpoint tensors the plan does not use (e.g. the MTP block `mtp.*`) are listed in the report and logged.
+//! Without `--tokenizer`, [`synth_tokenizer`] writes a synthetic byte-level tokenizer section of `vocab_size` tokens
+//! (tiny models; a vocabulary it cannot fill is refused, asking for `--tokenizer`).
+//!
+//! Revisions ([`config::Revision`], written as `deepseek4.revision`): an April checkpoint's MTP block `mtp.0.*` is
+//! not converted (listed in the report as unused, as before). A V4-Flash-0731 checkpoint (config.json has
+//! `dspark_*` fields) keeps its DSpark drafter: every `mtp.*` tensor is written to the same GGUF under its official
+//! name (GGUF dims = official shape reversed; F32 for 1-D tensors and under the f32 recipe, else F16; integer
+//! tensors as I32), after the trunk; `deepseek4.dspark.*` records the drafter's config. The engine's trunk ignores
+//! those tensors, so a 0731 file runs the same trunk as an April one.
+//! Other checkpoint tensors the plan does not use are listed in the report and logged.
 //! [`demo`] builds the small random-weight model that `ds4 run` uses without `-m`.
 
 pub mod checkpoint;
@@ -27,6 +36,7 @@ pub mod dtypes;
 pub mod imatrix;
 pub mod plan;
 pub mod recipe;
+pub mod synth_tokenizer;
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -36,7 +46,7 @@ use std::time::Instant;
 
 pub use checkpoint::Checkpoint;
 pub use config::CheckpointConfig;
-pub use demo::{demo_config, demo_model_gguf};
+pub use demo::{demo_config, demo_model_gguf, random_model_gguf};
 pub use imatrix::Imatrix;
 pub use plan::{Class, Planned, Source};
 pub use recipe::Recipe;
@@ -158,6 +168,8 @@ pub fn build_metadata(cfg: &CheckpointConfig, opts: &ConvertOptions) -> Result<V
             )));
         }
         meta.extend(tmeta);
+    } else {
+        meta.extend(synth_tokenizer::synthetic_tokenizer_metadata(cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)?);
     }
     Ok(meta)
 }
@@ -257,6 +269,64 @@ fn expert_stack_bytes(
     Ok(out)
 }
 
+/// One drafter tensor of a 0731 checkpoint, copied under its official name.
+struct DrafterTensor {
+    /// Official (logical, decoded) shape.
+    shape: Vec<usize>,
+    int: bool,
+    decl: TensorDecl,
+}
+
+/// Whether `name` is the block-scale companion of another stored tensor (read together with it, not on its own).
+fn is_scale_companion(ckpt: &Checkpoint, name: &str) -> bool {
+    let base = name.strip_suffix(".scale").or_else(|| name.strip_suffix("_scale_inv"));
+    base.is_some_and(|b| ckpt.get(&format!("{b}.weight")).is_some() || ckpt.get(b).is_some())
+}
+
+/// The drafter tensors (`mtp.*`) of a 0731 checkpoint, in name order. See the module docs for names and types.
+fn drafter_plan(ckpt: &Checkpoint, recipe: Recipe) -> Result<Vec<DrafterTensor>> {
+    use safetensors::tensor::Dtype;
+    let mut names: Vec<&str> = ckpt.names().filter(|n| n.starts_with("mtp.")).collect();
+    names.sort_unstable();
+    let mut out = Vec::new();
+    for name in names {
+        if is_scale_companion(ckpt, name) {
+            continue;
+        }
+        let stored = ckpt.get(name).ok_or_else(|| Error::MissingTensor(name.into()))?;
+        let int = matches!(stored.dtype, Dtype::I64 | Dtype::I32);
+        let shape = if int { stored.shape.clone() } else { ckpt.logical_shape(name)? };
+        if shape.is_empty() || shape.contains(&0) {
+            return Err(Error::Tensor { name: name.into(), what: format!("drafter tensor has shape {shape:?}") });
+        }
+        let dims: Vec<u64> = shape.iter().rev().map(|&d| d as u64).collect();
+        let ty = if int {
+            GgmlType::I32
+        } else if dims.len() == 1 || recipe == Recipe::F32 {
+            GgmlType::F32
+        } else {
+            GgmlType::F16
+        };
+        out.push(DrafterTensor { shape, int, decl: TensorDecl { name: name.into(), ty, dims } });
+    }
+    Ok(out)
+}
+
+fn drafter_bytes(ckpt: &Checkpoint, d: &DrafterTensor) -> Result<Vec<u8>> {
+    let name = &d.decl.name;
+    if d.int {
+        let v = ckpt.read_i32(name, &d.shape)?;
+        return Ok(v.iter().flat_map(|x| x.to_le_bytes()).collect());
+    }
+    let f = ckpt.read_f32(name, &d.shape)?;
+    check_finite(&f, name)?;
+    let row = d.decl.dims[0] as usize;
+    let mut out = vec![0u8; recipe::encoded_len(d.decl.ty, f.len(), row)?];
+    recipe::encode_into(d.decl.ty, &f, row, None, &mut out, true)
+        .map_err(|e| Error::Tensor { name: name.clone(), what: e.to_string() })?;
+    Ok(out)
+}
+
 fn check_finite(values: &[f32], name: &str) -> Result<()> {
     match values.iter().position(|v| !v.is_finite()) {
         None => Ok(()),
@@ -285,7 +355,7 @@ fn convert_to(opts: &ConvertOptions, tmp: &Path) -> Result<ConvertReport> {
     let ckpt = Checkpoint::open(&opts.input)?;
     let plan = plan::plan(&cfg);
     check_plan(&ckpt, &plan)?;
-    let decls: Vec<TensorDecl> = plan
+    let mut decls: Vec<TensorDecl> = plan
         .iter()
         .map(|t| TensorDecl {
             name: t.name.clone(),
@@ -293,12 +363,20 @@ fn convert_to(opts: &ConvertOptions, tmp: &Path) -> Result<ConvertReport> {
             dims: t.dims.clone(),
         })
         .collect();
+    let drafter = if cfg.revision == config::Revision::V0731 { drafter_plan(&ckpt, opts.recipe)? } else { Vec::new() };
+    decls.extend(drafter.iter().map(|d| d.decl.clone()));
     let mut meta = build_metadata(&cfg, opts)?;
     let im = match &opts.imatrix {
         Some(p) => {
             let im = Imatrix::load(p)?;
             meta.push(("quantize.imatrix.file".into(), MetaValue::String(p.display().to_string())));
             meta.push(("quantize.imatrix.entries_count".into(), MetaValue::U64(im.len() as u64)));
+            if let Some(ds) = &im.dataset {
+                meta.push(("quantize.imatrix.dataset".into(), MetaValue::String(ds.clone())));
+            }
+            if let Some(n) = im.chunks {
+                meta.push(("quantize.imatrix.chunks_count".into(), MetaValue::U64(n as u64)));
+            }
             Some(im)
         }
         None => None,
@@ -322,6 +400,15 @@ fn convert_to(opts: &ConvertOptions, tmp: &Path) -> Result<ConvertReport> {
         w.write_tensor(&decl.name, &bytes)?;
         tracing::debug!(name = %decl.name, ty = %decl.ty, dims = ?decl.dims, "wrote tensor");
         let e = report.by_type.entry(decl.ty.name().to_string()).or_default();
+        e.0 += 1;
+        e.1 += bytes.len() as u64;
+        pb.inc(bytes.len() as u64);
+    }
+    for d in &drafter {
+        pb.set_message(d.decl.name.clone());
+        let bytes = drafter_bytes(&ckpt, d)?;
+        w.write_tensor(&d.decl.name, &bytes)?;
+        let e = report.by_type.entry(d.decl.ty.name().to_string()).or_default();
         e.0 += 1;
         e.1 += bytes.len() as u64;
         pb.inc(bytes.len() as u64);

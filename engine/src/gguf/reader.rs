@@ -344,7 +344,11 @@ impl GgufFile {
     pub fn tensors(&self) -> &[TensorInfo] {
         &self.tensors
     }
-    /// One tensor's info.
+    /// The position of tensor `name` in [`tensors`](Self::tensors).
+    pub fn tensor_index(&self, name: &str) -> Option<usize> {
+        self.tensor_index.get(name).copied()
+    }
+    /// A tensor's info by name.
     pub fn tensor_info(&self, name: &str) -> Option<&TensorInfo> {
         self.tensor_index.get(name).map(|&i| &self.tensors[i])
     }

@@ -149,20 +149,26 @@ struct Loader<'a> {
 }
 
 impl Loader<'_> {
-    fn add(&mut self, name: &str, dims: &[usize], hold: Hold) -> Result<WeightId> {
-        let idx =
-            self.f.tensors().iter().position(|t| t.name == name).ok_or_else(|| Error::MissingTensor(name.into()))?;
+    /// Binds tensor `name`, which must have `dims` (GGUF order); each dim comes with the hyperparameter(s) it
+    /// follows, named in the error when the file disagrees.
+    fn add(&mut self, name: &str, dims: &[(usize, &str)], hold: Hold) -> Result<WeightId> {
+        let idx = self.f.tensor_index(name).ok_or_else(|| Error::MissingTensor(name.into()))?;
         let info = &self.f.tensors()[idx];
-        let want: Vec<u64> = dims.iter().map(|&d| d as u64).collect();
+        let want: Vec<u64> = dims.iter().map(|&(d, _)| d as u64).collect();
         // Trailing 1-dims are insignificant in GGUF.
         let mut got = info.dims.clone();
         while got.len() > want.len() && got.last() == Some(&1) {
             got.pop();
         }
         if got != want {
+            let keys: Vec<String> = dims.iter().map(|&(d, k)| format!("{k} = {d}")).collect();
             return Err(Error::Tensor {
                 name: name.into(),
-                what: format!("expected dims {want:?} (GGUF order), found {:?}", info.dims),
+                what: format!(
+                    "expected dims {want:?} (GGUF order) from the metadata [{}], found {:?}",
+                    keys.join(", "),
+                    info.dims
+                ),
             });
         }
         let dense = match hold {
@@ -222,129 +228,69 @@ impl Loader<'_> {
     }
 }
 
+/// The tokenizer keys that must agree with the vocabulary the tensors have: `tokenizer.ggml.tokens` (when present)
+/// has `vocab_size` entries, and the special-token ids present are inside it.
+fn check_tokenizer_keys(f: &GgufFile, vocab: usize) -> Result<()> {
+    if let Some(v) = f.get("tokenizer.ggml.tokens") {
+        let n = v
+            .as_array()
+            .map(|a| a.len())
+            .ok_or_else(|| Error::Metadata("tokenizer.ggml.tokens is not an array".into()))?;
+        if n != vocab {
+            return Err(Error::Metadata(format!(
+                "tokenizer.ggml.tokens has {n} tokens, deepseek4.vocab_size is {vocab}"
+            )));
+        }
+    }
+    for k in ["bos_token_id", "eos_token_id", "padding_token_id"] {
+        let key = format!("tokenizer.ggml.{k}");
+        if f.get(&key).is_some() {
+            let id = f.get_u64(&key)?;
+            if id >= vocab as u64 {
+                return Err(Error::Metadata(format!("{key} = {id} is outside the vocabulary of {vocab}")));
+            }
+        }
+    }
+    Ok(())
+}
+
 impl Model {
     /// Reads the config and builds the weight table of `file`, validating every tensor.
     pub fn load(file: GgufFile) -> Result<Model> {
         let config = ModelConfig::from_gguf(&file)?;
+        check_tokenizer_keys(&file, config.vocab)?;
         let c = &config;
         let (d, hc, mix) = (c.d_model, c.hc_mult, c.hc_mix());
         let mut ld = Loader { f: &file, t: WeightTable::default() };
         use Hold::*;
+        // Each dim with the metadata key(s) it follows (named when a tensor disagrees).
+        let dk = (d, "deepseek4.embedding_length");
+        let vk = (c.vocab, "deepseek4.vocab_size");
+        let hck = (hc, "deepseek4.hyper_connection.count");
+        let hcd = (hc * d, "deepseek4.hyper_connection.count × embedding_length");
+        let mixk = (mix, "(2 + deepseek4.hyper_connection.count) × hyper_connection.count");
         let global = GlobalWeights {
-            embed: ld.add("token_embd.weight", &[d, c.vocab], Map)?,
-            norm: ld.add("output_norm.weight", &[d], Dense)?,
-            head: ld.add("output.weight", &[d, c.vocab], Map)?,
-            hc_fn: ld.add("output_hc_fn.weight", &[hc * d, hc], Map)?,
-            hc_base: ld.add("output_hc_base.weight", &[hc], Dense)?,
-            hc_scale: ld.add("output_hc_scale.weight", &[1], Dense)?,
+            embed: ld.add("token_embd.weight", &[dk, vk], Map)?,
+            norm: ld.add("output_norm.weight", &[dk], Dense)?,
+            head: ld.add("output.weight", &[dk, vk], Map)?,
+            hc_fn: ld.add("output_hc_fn.weight", &[hcd, hck], Map)?,
+            hc_base: ld.add("output_hc_base.weight", &[hck], Dense)?,
+            hc_scale: ld.add("output_hc_scale.weight", &[(1, "1")], Dense)?,
         };
         let mut layers = Vec::with_capacity(c.n_layers);
         for l in 0..c.n_layers {
-            let n = |s: &str| format!("blk.{l}.{s}");
-            let hcw = |ld: &mut Loader, side: &str| -> Result<HcWeights> {
-                Ok(HcWeights {
-                    fn_: ld.add(&n(&format!("hc_{side}_fn.weight")), &[hc * d, mix], Map)?,
-                    base: ld.add(&n(&format!("hc_{side}_base.weight")), &[mix], Dense)?,
-                    scale: ld.add(&n(&format!("hc_{side}_scale.weight")), &[3], Dense)?,
-                })
-            };
-            let hc_attn = hcw(&mut ld, "attn")?;
-            let hc_ffn = hcw(&mut ld, "ffn")?;
-            let kind = c.layer_kind(l);
-            let ratio = c.compress_ratios[l];
-            let comp = |ld: &mut Loader, pre: &str, hd: usize, coff: usize| -> Result<CompressorWeights> {
-                Ok(CompressorWeights {
-                    ape: ld.add(&n(&format!("{pre}_ape.weight")), &[coff * hd, ratio], Dense)?,
-                    wkv: ld.add(&n(&format!("{pre}_kv.weight")), &[d, coff * hd], Map)?,
-                    wgate: ld.add(&n(&format!("{pre}_gate.weight")), &[d, coff * hd], Map)?,
-                    norm: ld.add(&n(&format!("{pre}_norm.weight")), &[hd], Dense)?,
-                })
-            };
-            let (compressor, indexer) = match kind {
-                LayerKind::Window => (None, None),
-                LayerKind::Hca => (Some(comp(&mut ld, "attn_compressor", c.head_dim, 1)?), None),
-                LayerKind::Csa => {
-                    let cw = comp(&mut ld, "attn_compressor", c.head_dim, 2)?;
-                    let iw = IndexerWeights {
-                        wq_b: ld.add(
-                            &n("indexer.attn_q_b.weight"),
-                            &[c.q_lora_rank, c.idx_heads * c.idx_head_dim],
-                            Map,
-                        )?,
-                        proj: ld.add(&n("indexer.proj.weight"), &[d, c.idx_heads], Map)?,
-                        comp: comp(&mut ld, "indexer_compressor", c.idx_head_dim, 2)?,
-                    };
-                    (Some(cw), Some(iw))
-                }
-            };
-            let hash = c.is_hash_layer(l);
-            let tid2eid = if hash {
-                let name = n("ffn_gate_tid2eid.weight");
-                let info = file.tensor_info(&name).ok_or_else(|| Error::MissingTensor(name.clone()))?;
-                let want = vec![c.n_experts_used as u64, c.vocab as u64];
-                if info.ty != GgmlType::I32 || info.dims != want {
-                    return Err(Error::Tensor {
-                        name,
-                        what: format!("expected i32 {want:?}, found {} {:?}", info.ty, info.dims),
-                    });
-                }
-                let data = file.view(info).data;
-                let mut ids = Vec::with_capacity(data.len() / 4);
-                for ch in data.chunks_exact(4) {
-                    let e = i32::from_le_bytes([ch[0], ch[1], ch[2], ch[3]]);
-                    if e < 0 || e as usize >= c.n_experts {
-                        return Err(Error::Tensor {
-                            name,
-                            what: format!("expert id {e} out of range 0..{}", c.n_experts),
-                        });
-                    }
-                    ids.push(e as u32);
-                }
-                Some(ids)
-            } else {
-                None
-            };
-            let gate_bias_name = n("exp_probs_b.bias");
-            let gate_bias = if !hash || ld.has(&gate_bias_name) {
-                Some(ld.add(&gate_bias_name, &[c.n_experts], Dense)?)
-            } else {
-                None
-            };
-            let (gate_sh, up_sh, down_sh) = if c.n_shared_experts == 1 {
-                (
-                    Some(ld.add(&n("ffn_gate_shexp.weight"), &[d, c.expert_ffn], Map)?),
-                    Some(ld.add(&n("ffn_up_shexp.weight"), &[d, c.expert_ffn], Map)?),
-                    Some(ld.add(&n("ffn_down_shexp.weight"), &[c.expert_ffn, d], Map)?),
-                )
-            } else {
-                (None, None, None)
-            };
-            let hd_all = c.n_heads * c.head_dim;
-            layers.push(LayerWeights {
-                hc_attn,
-                hc_ffn,
-                attn_norm: ld.add(&n("attn_norm.weight"), &[d], Dense)?,
-                wq_a: ld.add(&n("attn_q_a.weight"), &[d, c.q_lora_rank], Map)?,
-                q_norm: ld.add(&n("attn_q_a_norm.weight"), &[c.q_lora_rank], Dense)?,
-                wq_b: ld.add(&n("attn_q_b.weight"), &[c.q_lora_rank, hd_all], Map)?,
-                wkv: ld.add(&n("attn_kv.weight"), &[d, c.head_dim], Map)?,
-                kv_norm: ld.add(&n("attn_kv_a_norm.weight"), &[c.head_dim], Dense)?,
-                sinks: ld.add(&n("attn_sinks.weight"), &[c.n_heads], Dense)?,
-                wo_a: ld.add(&n("attn_output_a.weight"), &[hd_all / c.o_groups, c.o_groups * c.o_lora_rank], Map)?,
-                wo_b: ld.add(&n("attn_output_b.weight"), &[c.o_groups * c.o_lora_rank, d], Map)?,
-                compressor,
-                indexer,
-                ffn_norm: ld.add(&n("ffn_norm.weight"), &[d], Dense)?,
-                gate: ld.add(&n("ffn_gate_inp.weight"), &[d, c.n_experts], Map)?,
-                gate_bias,
-                tid2eid,
-                gate_exps: ld.add(&n("ffn_gate_exps.weight"), &[d, c.expert_ffn, c.n_experts], Map)?,
-                up_exps: ld.add(&n("ffn_up_exps.weight"), &[d, c.expert_ffn, c.n_experts], Map)?,
-                down_exps: ld.add(&n("ffn_down_exps.weight"), &[c.expert_ffn, d, c.n_experts], Map)?,
-                gate_sh,
-                up_sh,
-                down_sh,
-            });
+            let lw = load_layer(&mut ld, c, l, dk, vk, hcd, mixk).map_err(|e| {
+                let what = format!(
+                    "layer {l} (deepseek4.attention.compress_ratios[{l}] = {}: {:?} attention; {} by \
+                     deepseek4.hash_layer_count = {}): {e}",
+                    c.compress_ratios[l],
+                    c.layer_kind(l),
+                    if c.is_hash_layer(l) { "hash-routed" } else { "learned routing" },
+                    c.n_hash_layers
+                );
+                Error::Metadata(what)
+            })?;
+            layers.push(lw);
         }
         let table = ld.t;
         tracing::info!(
@@ -381,4 +327,150 @@ impl Model {
     pub fn name(&self, id: WeightId) -> &str {
         &self.table.names[id.0 as usize]
     }
+}
+
+/// Binds the tensors of layer `l` (see [`Model::load`]).
+fn load_layer(
+    ld: &mut Loader,
+    c: &ModelConfig,
+    l: usize,
+    dk: (usize, &str),
+    vk: (usize, &str),
+    hcd: (usize, &str),
+    mixk: (usize, &str),
+) -> Result<LayerWeights> {
+    use Hold::*;
+    let file = ld.f;
+    let n = |s: &str| format!("blk.{l}.{s}");
+    let hcw = |ld: &mut Loader, side: &str| -> Result<HcWeights> {
+        Ok(HcWeights {
+            fn_: ld.add(&n(&format!("hc_{side}_fn.weight")), &[hcd, mixk], Map)?,
+            base: ld.add(&n(&format!("hc_{side}_base.weight")), &[mixk], Dense)?,
+            scale: ld.add(&n(&format!("hc_{side}_scale.weight")), &[(3, "3")], Dense)?,
+        })
+    };
+    let hc_attn = hcw(ld, "attn")?;
+    let hc_ffn = hcw(ld, "ffn")?;
+    let kind = c.layer_kind(l);
+    let ratio = (c.compress_ratios[l], "deepseek4.attention.compress_ratios[layer]");
+    let hdk = (c.head_dim, "deepseek4.attention.key_length");
+    let idk = (c.idx_head_dim, "deepseek4.attention.indexer.key_length");
+    let comp = |ld: &mut Loader, pre: &str, hd: (usize, &str), coff: usize| -> Result<CompressorWeights> {
+        let w = (coff * hd.0, hd.1);
+        Ok(CompressorWeights {
+            ape: ld.add(&n(&format!("{pre}_ape.weight")), &[w, ratio], Dense)?,
+            wkv: ld.add(&n(&format!("{pre}_kv.weight")), &[dk, w], Map)?,
+            wgate: ld.add(&n(&format!("{pre}_gate.weight")), &[dk, w], Map)?,
+            norm: ld.add(&n(&format!("{pre}_norm.weight")), &[hd], Dense)?,
+        })
+    };
+    let (compressor, indexer) = match kind {
+        LayerKind::Window => (None, None),
+        LayerKind::Hca => (Some(comp(ld, "attn_compressor", hdk, 1)?), None),
+        LayerKind::Csa => {
+            let cw = comp(ld, "attn_compressor", hdk, 2)?;
+            let iw = IndexerWeights {
+                wq_b: ld.add(
+                    &n("indexer.attn_q_b.weight"),
+                    &[
+                        (c.q_lora_rank, "deepseek4.attention.q_lora_rank"),
+                        (
+                            c.idx_heads * c.idx_head_dim,
+                            "deepseek4.attention.indexer.head_count × attention.indexer.key_length",
+                        ),
+                    ],
+                    Map,
+                )?,
+                proj: ld.add(
+                    &n("indexer.proj.weight"),
+                    &[dk, (c.idx_heads, "deepseek4.attention.indexer.head_count")],
+                    Map,
+                )?,
+                comp: comp(ld, "indexer_compressor", idk, 2)?,
+            };
+            (Some(cw), Some(iw))
+        }
+    };
+    let hash = c.is_hash_layer(l);
+    let tid2eid = if hash {
+        let name = n("ffn_gate_tid2eid.weight");
+        let info = file.tensor_info(&name).ok_or_else(|| Error::MissingTensor(name.clone()))?;
+        let want = vec![c.n_experts_used as u64, vk.0 as u64];
+        if info.ty != GgmlType::I32 || info.dims != want {
+            return Err(Error::Tensor {
+                name,
+                what: format!(
+                    "expected i32 {want:?} from the metadata [deepseek4.expert_used_count = {}, {} = {}], found {} {:?}",
+                    c.n_experts_used, vk.1, vk.0, info.ty, info.dims
+                ),
+            });
+        }
+        let data = file.view(info).data;
+        let mut ids = Vec::with_capacity(data.len() / 4);
+        for ch in data.chunks_exact(4) {
+            let e = i32::from_le_bytes([ch[0], ch[1], ch[2], ch[3]]);
+            if e < 0 || e as usize >= c.n_experts {
+                return Err(Error::Tensor {
+                    name,
+                    what: format!("expert id {e} out of range 0..{} (deepseek4.expert_count)", c.n_experts),
+                });
+            }
+            ids.push(e as u32);
+        }
+        Some(ids)
+    } else {
+        None
+    };
+    let nek = (c.n_experts, "deepseek4.expert_count");
+    let ffk = (c.expert_ffn, "deepseek4.expert_feed_forward_length");
+    let gate_bias_name = n("exp_probs_b.bias");
+    let gate_bias = if !hash || ld.has(&gate_bias_name) { Some(ld.add(&gate_bias_name, &[nek], Dense)?) } else { None };
+    let (gate_sh, up_sh, down_sh) = if c.n_shared_experts == 1 {
+        (
+            Some(ld.add(&n("ffn_gate_shexp.weight"), &[dk, ffk], Map)?),
+            Some(ld.add(&n("ffn_up_shexp.weight"), &[dk, ffk], Map)?),
+            Some(ld.add(&n("ffn_down_shexp.weight"), &[ffk, dk], Map)?),
+        )
+    } else {
+        (None, None, None)
+    };
+    let hd_all = c.n_heads * c.head_dim;
+    let qk = (c.q_lora_rank, "deepseek4.attention.q_lora_rank");
+    let hdall = (hd_all, "deepseek4.attention.head_count × attention.key_length");
+    let og = (c.o_groups * c.o_lora_rank, "deepseek4.attention.output_group_count × attention.output_lora_rank");
+    Ok(LayerWeights {
+        hc_attn,
+        hc_ffn,
+        attn_norm: ld.add(&n("attn_norm.weight"), &[dk], Dense)?,
+        wq_a: ld.add(&n("attn_q_a.weight"), &[dk, qk], Map)?,
+        q_norm: ld.add(&n("attn_q_a_norm.weight"), &[qk], Dense)?,
+        wq_b: ld.add(&n("attn_q_b.weight"), &[qk, hdall], Map)?,
+        wkv: ld.add(&n("attn_kv.weight"), &[dk, hdk], Map)?,
+        kv_norm: ld.add(&n("attn_kv_a_norm.weight"), &[hdk], Dense)?,
+        sinks: ld.add(&n("attn_sinks.weight"), &[(c.n_heads, "deepseek4.attention.head_count")], Dense)?,
+        wo_a: ld.add(
+            &n("attn_output_a.weight"),
+            &[
+                (
+                    hd_all / c.o_groups,
+                    "deepseek4.attention.head_count × attention.key_length / attention.output_group_count",
+                ),
+                og,
+            ],
+            Map,
+        )?,
+        wo_b: ld.add(&n("attn_output_b.weight"), &[og, dk], Map)?,
+        compressor,
+        indexer,
+        ffn_norm: ld.add(&n("ffn_norm.weight"), &[dk], Dense)?,
+        gate: ld.add(&n("ffn_gate_inp.weight"), &[dk, nek], Map)?,
+        gate_bias,
+        tid2eid,
+        gate_exps: ld.add(&n("ffn_gate_exps.weight"), &[dk, ffk, nek], Map)?,
+        up_exps: ld.add(&n("ffn_up_exps.weight"), &[dk, ffk, nek], Map)?,
+        down_exps: ld.add(&n("ffn_down_exps.weight"), &[ffk, dk, nek], Map)?,
+        gate_sh,
+        up_sh,
+        down_sh,
+    })
 }
