@@ -143,17 +143,26 @@ impl Runner for EngineRunner {
 pub struct EngineCodec {
     tok: Tokenizer,
     neutraliser: Result<crate::markers::Neutraliser, BackendError>,
+    /// The loaded model's revision: its chat template's reasoning-effort texts follow it.
+    revision: ds4_engine::chat::effort::Revision,
 }
 
 impl EngineCodec {
+    /// A codec for an April-revision model (see [`EngineCodec::with_revision`]).
     pub fn new(tok: Tokenizer) -> Self {
         let neutraliser = crate::markers::Neutraliser::new(&tok);
-        EngineCodec { tok, neutraliser }
+        EngineCodec { tok, neutraliser, revision: Default::default() }
     }
 
-    fn render_options(conv: &Conversation) -> RenderOptions {
+    /// Render for the model revision `revision` (from the loaded file's `deepseek4.revision`).
+    pub fn with_revision(mut self, revision: ds4_engine::chat::effort::Revision) -> Self {
+        self.revision = revision;
+        self
+    }
+
+    fn render_options(&self, conv: &Conversation) -> RenderOptions {
         let mode = if conv.thinking { Mode::Thinking } else { Mode::Chat };
-        RenderOptions { mode, ..RenderOptions::default() }
+        RenderOptions { mode, revision: self.revision, ..RenderOptions::default() }
     }
 }
 
@@ -218,7 +227,7 @@ pub fn to_chat_messages(conv: &Conversation) -> Result<Vec<chat::Message>, Backe
 impl Codec for EngineCodec {
     fn render(&self, conv: &Conversation) -> Result<String, BackendError> {
         let messages = to_chat_messages(conv)?;
-        chat::render_prompt(&messages, &Self::render_options(conv)).map_err(be)
+        chat::render_prompt(&messages, &self.render_options(conv)).map_err(be)
     }
 
     fn encode(&self, text: &str) -> Result<Vec<u32>, BackendError> {
@@ -232,7 +241,7 @@ impl Codec for EngineCodec {
     fn prompt(&self, conv: &Conversation, limit: usize) -> Result<Vec<u32>, EncodeError> {
         let neutraliser = self.neutraliser.as_ref().map_err(|e| EncodeError::Failed(e.clone()))?;
         let messages = to_chat_messages(conv)?;
-        crate::markers::prompt_ids(&self.tok, neutraliser, &messages, &Self::render_options(conv), limit)
+        crate::markers::prompt_ids(&self.tok, neutraliser, &messages, &self.render_options(conv), limit)
     }
 
     fn decoder(&self) -> Box<dyn TokenDecoder> {
@@ -351,6 +360,7 @@ pub fn load(path: Option<&Path>, o: &LoadOptions) -> Result<(EngineRunner, Engin
         vocab_size: engine.config().vocab,
         demo,
     };
+    let codec = EngineCodec::new(tok).with_revision(engine.config().revision);
     let runner = EngineRunner { engine, ids: HashMap::new(), next: 0, max_sessions: o.max_sessions.max(1), disk: None };
-    Ok((runner, EngineCodec::new(tok), info))
+    Ok((runner, codec, info))
 }

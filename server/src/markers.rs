@@ -255,8 +255,32 @@ mod tests {
         // must not change a single id.
         let (tok, _) = setup();
         let parts = [
-            "hello", " world", "\n", "\n\n", "  ", "123", "4567", "fn main() {", "}", "\t", "日本語", "é", "<", ">",
-            "<｜User｜>", "<think>", "x", " ", "!!", "\r\n", "A", " B", "-->", "\nword", "\n1", "\n<",
+            "hello",
+            " world",
+            "\n",
+            "\n\n",
+            "  ",
+            "123",
+            "4567",
+            "fn main() {",
+            "}",
+            "\t",
+            "日本語",
+            "é",
+            "<",
+            ">",
+            "<｜User｜>",
+            "<think>",
+            "x",
+            " ",
+            "!!",
+            "\r\n",
+            "A",
+            " B",
+            "-->",
+            "\nword",
+            "\n1",
+            "\n<",
         ];
         let mut x: u64 = 7;
         let mut text = String::new();
