@@ -214,7 +214,7 @@ fn crafted_hyperparameters_error_cleanly_or_run() {
         std::thread::sleep(Duration::from_millis(50));
     };
     let text = reader.join().unwrap();
-    let last_start = text.lines().filter(|l| l.starts_with("START ")).last().unwrap_or("none");
+    let last_start = text.lines().rfind(|l| l.starts_with("START ")).unwrap_or("none");
     let status = status.unwrap_or_else(|| panic!("crafted cases ran past {CHILD_LIMIT:?}; last: {last_start}"));
     assert!(status.success() && text.contains("ALL DONE"), "child died ({status}); last case: {last_start}\n{text}");
     let n_cases: usize = text

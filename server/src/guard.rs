@@ -106,7 +106,7 @@ impl Access {
     fn origin(&self, headers: &HeaderMap) -> Result<Option<String>, ApiError> {
         let Some(origin) = headers.get(ORIGIN) else { return Ok(None) };
         let origin = origin.to_str().map(normalise_origin).unwrap_or_default();
-        if self.any_origin || self.origins.iter().any(|o| *o == origin) {
+        if self.any_origin || self.origins.contains(&origin) {
             return Ok(Some(origin));
         }
         let authority = origin.split_once("://").map(|(_, a)| a).unwrap_or("");

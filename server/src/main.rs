@@ -53,7 +53,6 @@ fn main() -> anyhow::Result<()> {
             &args.cors_origins,
             args.api_key.clone(),
         ),
-        ..Limits::default()
     };
     if limits.access.has_api_key() {
         tracing::info!("API key required (Authorization: Bearer or x-api-key)");

@@ -22,25 +22,6 @@ use crate::{Error, Result};
 const TOKEN_TYPE_NORMAL: i32 = 1;
 const TOKEN_TYPE_CONTROL: i32 = 3;
 
-/// The GPT-2 byte-level alphabet (byte → character), the format fact the tokenizer module also encodes (its table
-/// is private to it): printable Latin-1 bytes map to themselves, the other 68 bytes to U+0100.. in byte order.
-fn byte_chars() -> Vec<char> {
-    let mut extra = 0u32;
-    (0..256u32)
-        .map(|b| {
-            let printable =
-                (b'!' as u32..=b'~' as u32).contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
-            let cp = if printable {
-                b
-            } else {
-                extra += 1;
-                255 + extra
-            };
-            char::from_u32(cp).unwrap_or('\u{FFFD}')
-        })
-        .collect()
-}
-
 const LETTERS: &[u8; 26] = b"abcdefghijklmnopqrstuvwxyz";
 
 /// The largest vocabulary the synthetic tokenizer can fill: 2 specials + 256 bytes + 26² + 26³ merges.
@@ -59,7 +40,7 @@ pub fn synthetic_tokenizer_metadata(vocab: usize, bos: u32, eos: u32) -> Result<
     if bos as usize >= vocab || eos as usize >= vocab || bos == eos {
         return refuse(format!("bos_token_id {bos} / eos_token_id {eos} do not fit a vocabulary of {vocab}"));
     }
-    let bytes = byte_chars();
+    let bytes = crate::tokenizer::bytelevel::byte_to_char_table();
     // Non-special tokens in order, with the merge that makes each merged one.
     let mut normal: Vec<String> = bytes.iter().map(|c| c.to_string()).collect();
     let mut merges: Vec<String> = Vec::new();

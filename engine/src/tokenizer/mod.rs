@@ -20,7 +20,7 @@
 //! Nothing here panics on bad input.
 
 mod bounded;
-mod bytelevel;
+pub(crate) mod bytelevel;
 mod gguf_meta;
 mod stream;
 
