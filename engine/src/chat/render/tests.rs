@@ -115,7 +115,8 @@ fn tasks_wo_eos_and_errors() {
     assert!(render(&msgs(r#"[{"role":"developer","content":""}]"#), Mode::Chat, ReasoningEffort::High).is_err());
     assert_eq!(render(&RenderInput::default(), Mode::Chat, ReasoningEffort::High).unwrap(), "<｜begin▁of▁sentence｜>");
     assert!("chat".parse::<Mode>().is_ok() && "x".parse::<Mode>().is_err());
-    assert!("max".parse::<ReasoningEffort>().is_ok() && "low".parse::<ReasoningEffort>().is_err());
+    assert!("max".parse::<ReasoningEffort>().is_ok() && "low".parse::<ReasoningEffort>().is_ok());
+    assert!("medium".parse::<ReasoningEffort>().is_err() && "".parse::<ReasoningEffort>().is_err());
 }
 
 #[test]
