@@ -71,7 +71,7 @@ fn open(server: &TestServer, path: &str, body: &Value) -> TcpStream {
     let mut s = TcpStream::connect(server.addr).unwrap();
     write!(
         s,
-        "POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        "POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
         body.len()
     )
     .unwrap();

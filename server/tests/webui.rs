@@ -123,7 +123,7 @@ fn a_cancelled_stream_shows_up_as_cancelled() {
     .to_string();
     let mut s = std::net::TcpStream::connect(server.addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-    write!(s, "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}", body.len()).unwrap();
+    write!(s, "POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}", body.len()).unwrap();
     let mut buf = [0u8; 4096];
     let mut seen = Vec::new();
     while !String::from_utf8_lossy(&seen).contains("\"content\":\"a\"") {
