@@ -141,7 +141,7 @@ fn render_effort_and_bad_input() {
     for (args, input) in [
         (vec!["render", "--mode", "chat"], &b"{not json"[..]),
         (vec!["render", "--mode", "banana"], &conv[..]),
-        (vec!["render", "--mode", "thinking", "--reasoning-effort", "low"], &conv[..]),
+        (vec!["render", "--mode", "thinking", "--reasoning-effort", "medium"], &conv[..]),
     ] {
         let out = run(&bin, &args, Some(input));
         assert!(!out.status.success(), "{args:?} should fail");
