@@ -70,6 +70,15 @@ pub struct EngineOptions {
     /// New sessions keep every processed position's logits (see [`Engine::take_all_logits`]); per session with
     /// [`Engine::set_prefill_logits`].
     pub prefill_logits: bool,
+    /// Tokens a session can be rolled back by without recomputing anything ([`Engine::rollback`]; R in
+    /// [`crate::tables::kv`], which gives the memory it costs per session). 0: no roll-back log (roll back
+    /// recomputes).
+    pub rollback: usize,
+}
+
+impl EngineOptions {
+    /// Default [`EngineOptions::rollback`].
+    pub const DEFAULT_ROLLBACK: usize = 1024;
 }
 
 impl Default for EngineOptions {
@@ -82,6 +91,7 @@ impl Default for EngineOptions {
             ctx: 0,
             max_batch_tokens: 256,
             prefill_logits: false,
+            rollback: Self::DEFAULT_ROLLBACK,
         }
     }
 }
@@ -200,6 +210,7 @@ impl Engine {
         let (cfg, ctx) = (&self.model.config, self.ctx);
         let id = self.sessions.create(|| SessionKv::new(cfg, ctx));
         let s = id.slot as usize;
+        self.sessions.kv[s].enable_log(cfg, ctx, self.opts.rollback);
         let want = ctx.min(SessionKv::RESERVE_TOKENS_MAX);
         let h = &mut self.sessions.history[s];
         h.reserve(want.saturating_sub(h.len()));
@@ -352,9 +363,51 @@ impl Engine {
         Ok(std::mem::take(&mut self.sessions.all_logits[s]))
     }
 
-    /// Rolls a session back to its first `len` processed tokens (queued tokens are dropped). The compressed KV
-    /// state cannot be rewound in place, so the state is cleared and `history[..len]` is queued again; the next
-    /// ticks recompute it (results are identical to never having gone further).
+    /// Smallest length session `id` can be rolled back to in place ([`Engine::rollback`]); its position when
+    /// it cannot be rolled back at all (no live roll-back log: log off, or a device backend).
+    pub fn rollback_floor(&self, id: SessionId) -> Result<usize> {
+        let s = self.slot(id)?;
+        Ok(self.sessions.kv[s].rollback_floor(&self.model.config, self.sessions.pos[s]))
+    }
+
+    /// Rolls session `id` back to its first `len` processed tokens in place, recomputing nothing: the KV state
+    /// becomes exactly that of a cold prefill of `history[..len]` (see [`crate::tables::kv`]), queued tokens are
+    /// dropped, and the logits are cleared unless `len` is the current position (feed the next token to get
+    /// logits again). Needs `rollback_floor(id) <= len <= position`; otherwise an error and nothing changes.
+    pub fn rollback(&mut self, id: SessionId, len: usize) -> Result<()> {
+        let s = self.slot(id)?;
+        let pos = self.sessions.pos[s];
+        let lw = &self.model.layers;
+        let apes: Vec<crate::tables::kv::LayerApes<'_>> = lw
+            .iter()
+            .map(|l| {
+                (
+                    l.compressor.as_ref().map(|c| self.model.dense(c.ape)),
+                    l.indexer.as_ref().map(|i| self.model.dense(i.comp.ape)),
+                )
+            })
+            .collect();
+        if !self.sessions.kv[s].rollback(&self.model.config, &apes, pos, len) {
+            let floor = self.sessions.kv[s].rollback_floor(&self.model.config, pos);
+            return Err(Error::InvalidArgument(format!(
+                "cannot roll a session of {pos} tokens back to {len} in place (reachable: {floor}..={pos})"
+            )));
+        }
+        self.sessions.pending[s].clear();
+        if len < pos {
+            self.sessions.pos[s] = len;
+            self.sessions.history[s].truncate(len);
+            self.sessions.logits[s].clear();
+            self.sessions.all_logits[s].clear();
+        }
+        Ok(())
+    }
+
+    /// Rolls a session back to its first `len` processed tokens (queued tokens are dropped); afterwards (once the
+    /// queued token ran) the state, logits included, is identical to never having gone further. Within the
+    /// roll-back log's reach ([`Engine::rollback_floor`] `< len`) this is [`Engine::rollback`] to `len − 1` with
+    /// token `len − 1` queued again (one token recomputed, for its logits); beyond it the state is cleared and
+    /// `history[..len]` is queued again (the next ticks recompute it).
     pub fn truncate(&mut self, id: SessionId, len: usize) -> Result<()> {
         let s = self.slot(id)?;
         let pos = self.sessions.pos[s];
@@ -363,6 +416,12 @@ impl Engine {
         }
         self.sessions.pending[s].clear();
         if len == pos {
+            return Ok(());
+        }
+        if len > 0 && self.rollback_floor(id)? < len {
+            let last = self.sessions.history[s][len - 1];
+            self.rollback(id, len - 1)?;
+            self.sessions.pending[s].push_back(last);
             return Ok(());
         }
         let mut hist = std::mem::take(&mut self.sessions.history[s]);
@@ -485,6 +544,8 @@ impl Engine {
         }
         // Host arrays are authoritative for a restored session: the backend uploads them at its next tick.
         kv.sync = crate::tables::KvSync::default();
+        // A snapshot's roll-back log is kept when it is live and has this engine's shape; else a fresh one.
+        kv.enable_log(&self.model.config, self.ctx, self.opts.rollback);
         self.sessions.kv[s] = kv;
         self.sessions.pos[s] = snap.pos;
         self.sessions.history[s] = snap.history;

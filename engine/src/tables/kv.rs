@@ -11,6 +11,20 @@
 //! - [`Frontier`]: the partially filled block (`pos % ratio` pending rows of projected features and gate logits,
 //!   `ape` already added) and, for CSA, the previous complete block's first-half (`Ca`) features and gates.
 //!
+//! - `log` ([`TokenLog`], roll-back support, not part of the state): per processed token the inputs that the ring
+//!   and the compressors consumed — the raw KV row, and for compressed layers the projected features and gate
+//!   logits (before `ape`) of the main and indexer compressors — for the last `cap = R + max(window, 2·ratio)`
+//!   tokens, slot `p % cap`. From it [`SessionKv::rollback`] rebuilds the ring and the frontiers of any position
+//!   `L ≥ pos − R` exactly (the gates get `ape` added again with the same f32 add), and cuts the row tables back
+//!   to `L / ratio` rows: no token is recomputed, and the state equals a cold prefill of the first `L` tokens.
+//!   The log is live only while `log.end == pos` (the CPU backend records every processed row; a backend that
+//!   keeps KV on a device records nothing, so its sessions are never rolled back in place).
+//!   Memory per session and layer: `cap × (head_dim + 2·coff·head_dim + [CSA] 4·idx_head_dim)` f32 (reserved at
+//!   creation, touched as tokens arrive). DS4 Flash (`head_dim` 512, `idx_head_dim` 128, window 128, ratios 4 /
+//!   128) with R = 1024: ≈ 12 KiB per token on a CSA layer, 6 KiB on an HCA layer, 2 KiB on a window layer —
+//!   about 0.4 MB per logged token over the 43 layers, ≈ 0.5 GB per session at R = 1024 (`EngineOptions::rollback`
+//!   lowers it; 0 turns the log off and roll back recomputes).
+//!
 //! Everything is f32 and owned, so a clone is a complete snapshot and restoring it gives bit-identical results.
 //! In simulation mode the stored rows are already rounded (KV rows: FP8 on the non-rope dims; indexer rows:
 //! Hadamard-rotated, then FP4), exactly as attention reads them; a snapshot taken in one mode must be restored
@@ -59,6 +73,98 @@ impl Frontier {
     }
 }
 
+/// Per-token roll-back log of one layer (see the module docs). Not part of the state: two logs always compare
+/// equal (it only caches inputs the state was built from).
+#[derive(Clone, Debug, Default)]
+pub struct TokenLog {
+    /// Tokens held (0: no log).
+    pub cap: usize,
+    /// Values per token: raw row `hd`, then main compressor features and gates (`cw` each), then the indexer's
+    /// (`iw` each).
+    pub hd: usize,
+    pub cw: usize,
+    pub iw: usize,
+    /// `cap` slots of `width()` values; position `p` in slot `p % cap`.
+    pub data: Vec<f32>,
+    /// First logged position still held.
+    pub start: usize,
+    /// One past the last logged position.
+    pub end: usize,
+}
+
+impl PartialEq for TokenLog {
+    fn eq(&self, _: &TokenLog) -> bool {
+        true
+    }
+}
+
+impl TokenLog {
+    /// A log of `cap` tokens for rows of these widths (`cw` / `iw` 0 where the layer has no such compressor).
+    pub fn new(cap: usize, hd: usize, cw: usize, iw: usize) -> TokenLog {
+        let mut t = TokenLog { cap, hd, cw, iw, data: Vec::new(), start: 0, end: 0 };
+        // Zeroed allocation: the pages are only touched as tokens are logged.
+        t.data = vec![0.0; cap * t.width()];
+        t
+    }
+
+    /// Values per token.
+    pub fn width(&self) -> usize {
+        self.hd + 2 * self.cw + 2 * self.iw
+    }
+
+    /// Records position `pos`'s inputs. A position that does not follow the last one restarts the log there.
+    pub fn record(&mut self, pos: usize, raw: &[f32], comp: Option<(&[f32], &[f32])>, idx: Option<(&[f32], &[f32])>) {
+        if self.cap == 0 {
+            return;
+        }
+        if pos != self.end {
+            self.start = pos;
+        }
+        let (hd, cw, iw, w) = (self.hd, self.cw, self.iw, self.width());
+        let slot = &mut self.data[(pos % self.cap) * w..(pos % self.cap + 1) * w];
+        slot[..hd].copy_from_slice(&raw[..hd]);
+        if let Some((kv, g)) = comp {
+            slot[hd..hd + cw].copy_from_slice(&kv[..cw]);
+            slot[hd + cw..hd + 2 * cw].copy_from_slice(&g[..cw]);
+        }
+        if let Some((kv, g)) = idx {
+            let o = hd + 2 * cw;
+            slot[o..o + iw].copy_from_slice(&kv[..iw]);
+            slot[o + iw..o + 2 * iw].copy_from_slice(&g[..iw]);
+        }
+        self.end = pos + 1;
+        self.start = self.start.max(self.end.saturating_sub(self.cap));
+    }
+
+    /// Forgets everything (the next recorded position starts the log).
+    pub fn reset(&mut self) {
+        self.start = 0;
+        self.end = 0;
+    }
+
+    /// Whether positions `from..end` are all held.
+    pub fn holds_from(&self, from: usize) -> bool {
+        self.cap > 0 && self.start <= from
+    }
+
+    fn slot(&self, p: usize) -> &[f32] {
+        let w = self.width();
+        &self.data[(p % self.cap) * w..(p % self.cap + 1) * w]
+    }
+
+    /// Raw KV row of position `p` (must be held).
+    pub fn raw(&self, p: usize) -> &[f32] {
+        &self.slot(p)[..self.hd]
+    }
+
+    /// `(features, gate logits without ape)` of position `p` for the main (`idx == false`) or indexer compressor.
+    pub fn comp(&self, p: usize, idx: bool) -> (&[f32], &[f32]) {
+        let s = self.slot(p);
+        let (o, w) = if idx { (self.hd + 2 * self.cw, self.iw) } else { (self.hd, self.cw) };
+        (&s[o..o + w], &s[o + w..o + 2 * w])
+    }
+}
+
 /// The state of one layer. See the module docs.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct LayerKv {
@@ -67,7 +173,61 @@ pub struct LayerKv {
     pub idx_rows: Vec<f32>,
     pub comp: Option<Frontier>,
     pub idx: Option<Frontier>,
+    /// Roll-back log (see the module docs); ignored by `==`.
+    pub log: TokenLog,
 }
+
+/// Slot of position `p` in a raw window ring of `window` rows.
+#[inline]
+pub fn ring_slot(p: usize, window: usize) -> usize {
+    p % window
+}
+
+impl Frontier {
+    /// Rebuilds this frontier as it is after the first `len` tokens, from `log` (which must hold positions
+    /// `len − (len % ratio) − ratio ..len`, clamped at 0) and the compressor's `ape` (`ratio × coff·dim`).
+    fn rebuild(&mut self, log: &TokenLog, idx: bool, ape: &[f32], len: usize) {
+        let (m, dim, w) = (self.ratio, self.dim, self.coff * self.dim);
+        let (blocks, np) = (len / m, len % m);
+        for j in 0..m {
+            let p = if j < np { Some(blocks * m + j) } else { blocks.checked_sub(1).map(|b| b * m + j) };
+            let (kv, g) = (&mut self.pending_kv[j * w..(j + 1) * w], &mut self.pending_gate[j * w..(j + 1) * w]);
+            match p {
+                Some(p) => {
+                    let (lkv, lg) = log.comp(p, idx);
+                    kv.copy_from_slice(lkv);
+                    for ((o, &z), &a) in g.iter_mut().zip(lg).zip(&ape[j * w..(j + 1) * w]) {
+                        *o = z + a;
+                    }
+                }
+                None => {
+                    kv.fill(0.0);
+                    g.fill(0.0);
+                }
+            }
+        }
+        self.n_pending = np;
+        if self.coff == 2 {
+            self.has_prev = blocks > 0;
+            for j in 0..m {
+                let (kv, g) = (&mut self.prev_kv[j * dim..(j + 1) * dim], &mut self.prev_gate[j * dim..(j + 1) * dim]);
+                if blocks > 0 {
+                    let (lkv, lg) = log.comp((blocks - 1) * m + j, idx);
+                    kv.copy_from_slice(&lkv[..dim]);
+                    for ((o, &z), &a) in g.iter_mut().zip(&lg[..dim]).zip(&ape[j * w..j * w + dim]) {
+                        *o = z + a;
+                    }
+                } else {
+                    kv.fill(0.0);
+                    g.fill(0.0);
+                }
+            }
+        }
+    }
+}
+
+/// The `ape` tables a roll back needs for one layer: `(main, indexer)` compressor, `ratio × coff·dim` each.
+pub type LayerApes<'a> = (Option<&'a [f32]>, Option<&'a [f32]>);
 
 /// Bookkeeping for backends that keep a device copy of a session's KV (see
 /// [`crate::backend::Backend::sync_kv`]). Not part of the state: two tags always compare equal.
@@ -156,16 +316,97 @@ impl SessionKv {
                     idx_rows: Vec::with_capacity(if idx.is_some() { n_rows * cfg.idx_head_dim } else { 0 }),
                     comp,
                     idx,
+                    log: TokenLog::default(),
                 }
             })
             .collect();
         SessionKv { layers, sync: KvSync::default() }
     }
 
+    /// Gives every layer a roll-back log reaching `rollback` tokens back (see the module docs), capped at `ctx`
+    /// tokens; `rollback == 0` removes the logs.
+    pub fn enable_log(&mut self, cfg: &ModelConfig, ctx: usize, rollback: usize) {
+        for (l, lk) in self.layers.iter_mut().enumerate() {
+            if rollback == 0 {
+                lk.log = TokenLog::default();
+                continue;
+            }
+            let ratio = cfg.compress_ratios[l];
+            let cap = (rollback + cfg.window.max(2 * ratio)).min(ctx.max(1));
+            let cw = lk.comp.as_ref().map_or(0, |f| f.coff * f.dim);
+            let iw = lk.idx.as_ref().map_or(0, |f| f.coff * f.dim);
+            if lk.log.cap != cap || lk.log.hd != cfg.head_dim || lk.log.cw != cw || lk.log.iw != iw {
+                lk.log = TokenLog::new(cap, cfg.head_dim, cw, iw);
+            }
+        }
+    }
+
+    /// Bytes held by the roll-back logs (allocated; see the module docs).
+    pub fn log_bytes(&self) -> u64 {
+        self.layers.iter().map(|l| (l.log.data.len() * std::mem::size_of::<f32>()) as u64).sum()
+    }
+
+    /// Smallest position this state (now at `pos` tokens) can be rolled back to exactly with
+    /// [`SessionKv::rollback`]; `pos` itself when the log is off or not live (no roll back).
+    pub fn rollback_floor(&self, cfg: &ModelConfig, pos: usize) -> usize {
+        if self.sync.host_stale || self.layers.is_empty() {
+            return pos;
+        }
+        let mut floor = 0usize;
+        for (l, lk) in self.layers.iter().enumerate() {
+            let log = &lk.log;
+            if log.cap == 0 || log.end != pos {
+                return pos;
+            }
+            // Position L needs L − need.. held.
+            let need = cfg.window.max(2 * cfg.compress_ratios[l]);
+            floor = floor.max(if log.start == 0 { 0 } else { log.start + need });
+        }
+        floor.min(pos)
+    }
+
+    /// Rolls this state (at `pos` tokens) back to the state after the first `len` tokens, exactly (see the module
+    /// docs), when `rollback_floor(cfg, pos) <= len <= pos`; returns false (and changes nothing) otherwise.
+    /// `apes[l]` are layer `l`'s compressor `ape` tables.
+    pub fn rollback(&mut self, cfg: &ModelConfig, apes: &[LayerApes<'_>], pos: usize, len: usize) -> bool {
+        if len > pos || len < self.rollback_floor(cfg, pos) || apes.len() != self.layers.len() {
+            return false;
+        }
+        if len == pos {
+            return true;
+        }
+        let (hd, window) = (cfg.head_dim, cfg.window);
+        for (l, lk) in self.layers.iter_mut().enumerate() {
+            let LayerKv { ring, comp_rows, idx_rows, comp, idx, log } = lk;
+            for s in 0..window {
+                // The latest position below `len` in slot `s`, if any.
+                let p = (len + window - 1 - s) / window * window + s;
+                let dst = &mut ring[s * hd..(s + 1) * hd];
+                match p.checked_sub(window) {
+                    Some(p) => dst.copy_from_slice(log.raw(p)),
+                    None => dst.fill(0.0),
+                }
+            }
+            let ratio = cfg.compress_ratios[l];
+            if let Some(f) = comp {
+                comp_rows.truncate(len / ratio * f.dim);
+                f.rebuild(log, false, apes[l].0.unwrap_or(&[]), len);
+            }
+            if let Some(f) = idx {
+                idx_rows.truncate(len / ratio * f.dim);
+                f.rebuild(log, true, apes[l].1.unwrap_or(&[]), len);
+            }
+            log.end = len;
+        }
+        self.sync = KvSync::default();
+        true
+    }
+
     /// Zeroes the state (as new) while keeping the allocations.
     pub fn clear(&mut self) {
         self.sync = KvSync::default();
         for l in &mut self.layers {
+            l.log.reset();
             l.ring.fill(0.0);
             l.comp_rows.clear();
             l.idx_rows.clear();

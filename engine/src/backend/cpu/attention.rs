@@ -295,9 +295,15 @@ pub fn attention(be: &CpuBackend, sc: &mut Scratch, cx: &mut StepCtx<'_>, layer:
         });
     }
 
-    // Ring update: the last `window` rows of each run.
+    // Ring update: the last `window` rows of each run; every row goes to the roll-back log.
+    let (cw, iw) = (if kind == LayerKind::Csa { 2 * hd } else { hd }, 2 * ihd);
     for (ri, run) in batch.runs.iter().enumerate() {
         let lk = &mut cx.kv[ri].layers[layer];
+        for (r, row) in rows.iter().enumerate().skip(run.start).take(run.len) {
+            let comp = lw.compressor.as_ref().map(|_| (&sc.ckv[r * cw..(r + 1) * cw], &sc.cg[r * cw..(r + 1) * cw]));
+            let idx = lw.indexer.as_ref().map(|_| (&sc.ikv[r * iw..(r + 1) * iw], &sc.ig[r * iw..(r + 1) * iw]));
+            lk.log.record(row.pos, &sc.kv[r * hd..(r + 1) * hd], comp, idx);
+        }
         let from = run.len.saturating_sub(window);
         for j in from..run.len {
             let r = run.start + j;
