@@ -18,6 +18,7 @@ mod correctness;
 mod engine_api;
 mod kernels;
 mod kvbench;
+mod kvreplay;
 mod machine;
 mod membw;
 mod par;
@@ -164,6 +165,20 @@ struct KvArgs {
     /// Also draw the report as an SVG chart to this file.
     #[arg(long, value_name = "FILE.svg")]
     plot: Option<std::path::PathBuf>,
+    /// Replay mode: a JSONL trace of requests (`{"tokens": [ids...]}` per line) through the RAM + disk prefix
+    /// cache; prints per request the longest common prefix with everything before, the tokens reused, and restore
+    /// vs prefill time (see `kvreplay`).
+    #[arg(long, value_name = "FILE.jsonl")]
+    replay: Option<std::path::PathBuf>,
+    /// Replay: also replay the trace a second time after a simulated restart (RAM dropped, disk kept).
+    #[arg(long)]
+    restart: bool,
+    /// Replay: compare every request's logits with a cold prefill (doubles the prefill work).
+    #[arg(long)]
+    verify: bool,
+    /// Replay: parked RAM sessions kept (LRU).
+    #[arg(long, default_value_t = 16)]
+    max_parked: usize,
 }
 
 #[derive(Args, Debug)]
@@ -401,6 +416,9 @@ fn run_kv(a: &KvArgs) -> Result<()> {
     let spec = if quick { "tiny:layers=3:recipe=f16" } else { a.synthetic.as_str() };
     let (file, line) = open_model(&m, a.model.as_deref(), Some(spec), threads, &pb)?;
     writeln!(out, "{line}")?;
+    if let Some(path) = &a.replay {
+        return run_kv_replay(a, path, file, threads, &mut out);
+    }
     let lengths = if quick { vec![5, 16, 27] } else { a.lengths.clone() };
     let max = lengths.iter().copied().max().unwrap_or(0);
     let cfg = engine_api::EngineConfig {
@@ -430,6 +448,48 @@ fn run_kv(a: &KvArgs) -> Result<()> {
         plot::kv(&rows, p)?;
         writeln!(out, "# plot: {}", p.display())?;
     }
+    Ok(())
+}
+
+fn run_kv_replay(
+    a: &KvArgs,
+    path: &std::path::Path,
+    file: ds4_engine::gguf::GgufFile,
+    threads: usize,
+    out: &mut dyn std::io::Write,
+) -> Result<()> {
+    let text = std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    let cfg = engine_api::EngineConfig {
+        threads,
+        ctx: 0, // the model's trained context
+        batch_tokens: a.batch_tokens,
+        backend: "cpu".into(),
+        exact: false,
+    };
+    let mut engine = engine_api::engine_for(file, &cfg)?;
+    let requests = kvreplay::parse_trace(&text, engine.config().vocab)?;
+    let max_ratio = engine.config().compress_ratios.iter().copied().max().unwrap_or(0);
+    let span = kvbench::span_for(max_ratio, a.span);
+    let tmp;
+    let dir = match &a.dir {
+        Some(d) => d.clone(),
+        None => {
+            tmp = tempfile::Builder::new().prefix("ds4-bench-kv-replay").tempdir()?;
+            tmp.path().to_path_buf()
+        }
+    };
+    writeln!(out, "# replay: {} requests, store {} (span {span} tokens)", requests.len(), dir.display())?;
+    let opts = kvreplay::ReplayOptions {
+        span,
+        dir: dir.join("kv"),
+        max_parked: a.max_parked,
+        passes: if a.restart { 2 } else { 1 },
+        verify: a.verify,
+    };
+    let rows = kvreplay::replay(&mut engine, &requests, &opts, out)?;
+    let (tok, lcp, reused): (usize, usize, usize) =
+        rows.iter().fold((0, 0, 0), |(t, l, r), x| (t + x.tokens, l + x.lcp, r + x.reused));
+    writeln!(out, "# total: {tok} tokens, {lcp} in common prefixes, {reused} reused, {} recomputed", tok - reused)?;
     Ok(())
 }
 

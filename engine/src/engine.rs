@@ -107,6 +107,17 @@ pub fn argmax(v: &[f32]) -> u32 {
     best as u32
 }
 
+/// Each layer's compressor `ape` tables (what a roll back needs).
+fn apes(model: &Model) -> Vec<crate::tables::kv::LayerApes<'_>> {
+    model
+        .layers
+        .iter()
+        .map(|l| {
+            (l.compressor.as_ref().map(|c| model.dense(c.ape)), l.indexer.as_ref().map(|i| model.dense(i.comp.ape)))
+        })
+        .collect()
+}
+
 /// The engine. See the module docs.
 pub struct Engine {
     model: Model,
@@ -377,16 +388,7 @@ impl Engine {
     pub fn rollback(&mut self, id: SessionId, len: usize) -> Result<()> {
         let s = self.slot(id)?;
         let pos = self.sessions.pos[s];
-        let lw = &self.model.layers;
-        let apes: Vec<crate::tables::kv::LayerApes<'_>> = lw
-            .iter()
-            .map(|l| {
-                (
-                    l.compressor.as_ref().map(|c| self.model.dense(c.ape)),
-                    l.indexer.as_ref().map(|i| self.model.dense(i.comp.ape)),
-                )
-            })
-            .collect();
+        let apes = apes(&self.model);
         if !self.sessions.kv[s].rollback(&self.model.config, &apes, pos, len) {
             let floor = self.sessions.kv[s].rollback_floor(&self.model.config, pos);
             return Err(Error::InvalidArgument(format!(
@@ -399,6 +401,23 @@ impl Engine {
             self.sessions.history[s].truncate(len);
             self.sessions.logits[s].clear();
             self.sessions.all_logits[s].clear();
+        }
+        Ok(())
+    }
+
+    /// [`Engine::rollback`] on a snapshot taken from this engine ([`Engine::snapshot`]): afterwards it is the
+    /// snapshot of the first `len` tokens, without logits (unless `len` is its position). Needs the snapshot's
+    /// roll-back log to reach `len` (see [`crate::tables::SessionKv::rollback_floor`]); otherwise an error and
+    /// nothing changes.
+    pub fn rollback_snapshot(&self, snap: &mut SessionSnapshot, len: usize) -> Result<()> {
+        let apes = apes(&self.model);
+        if snap.history.len() != snap.pos || !snap.kv.rollback(&self.model.config, &apes, snap.pos, len) {
+            return Err(Error::InvalidArgument(format!("cannot roll a snapshot of {} tokens back to {len}", snap.pos)));
+        }
+        if len < snap.pos {
+            snap.pos = len;
+            snap.history.truncate(len);
+            snap.logits.clear();
         }
         Ok(())
     }

@@ -88,6 +88,12 @@ pub trait Runner: Send {
     fn can_truncate(&self) -> bool {
         false
     }
+    /// Smallest length `session` can be cut back to with [`Runner::truncate`] when the runner cannot truncate
+    /// everything ([`Runner::can_truncate`] false) but can roll a session back within a reach (the engine's
+    /// exact in-place roll back). `None`: no roll back for this session.
+    fn rollback_floor(&self, _session: SessionId) -> Option<usize> {
+        None
+    }
     /// A new session with a copy of `session`'s state (processed tokens and last logits), or `None` when the runner
     /// cannot copy sessions or has no room.
     fn fork(&mut self, _session: SessionId) -> Option<SessionId> {

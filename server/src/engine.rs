@@ -79,8 +79,15 @@ impl Runner for EngineRunner {
         }
     }
 
-    fn truncate(&mut self, _session: SessionId, _len: usize) -> bool {
-        false
+    fn truncate(&mut self, session: SessionId, len: usize) -> bool {
+        // Only the exact in-place roll back (no recompute): beyond its reach the scheduler starts elsewhere.
+        self.ids.get(&session).is_some_and(|&sid| self.engine.rollback(sid, len).is_ok())
+    }
+
+    fn rollback_floor(&self, session: SessionId) -> Option<usize> {
+        let sid = *self.ids.get(&session)?;
+        let (floor, pos) = (self.engine.rollback_floor(sid).ok()?, self.engine.position(sid).ok()?);
+        (floor < pos).then_some(floor)
     }
 
     fn fork(&mut self, session: SessionId) -> Option<SessionId> {

@@ -11,6 +11,8 @@
 //!   saved when its request ends; **evict** — a parked session dropped from RAM; **shutdown** — every live session
 //!   on SIGTERM/SIGINT (after the HTTP drain). Pages are shared by prefix key, so a save writes only new spans plus
 //!   one checkpoint.
+//! * Restore points: every save also writes one at the last page boundary below the saved position
+//!   (`ds4_engine::persist`), so a prompt that diverges inside the last page restores from there.
 //! * Eviction of disk entries is the store's (budget `--kv-disk-space-mb`): pinned and interior pages stay, then the
 //!   lowest `(1 + hits + sharers) · recency decay / bytes` goes (see `ds4_kv::policy`).
 //! * Faults: an I/O error switches disk caching off inside the store (reads and saves then miss); serving goes on.
@@ -121,7 +123,15 @@ impl DiskTier {
         if probe.checkpoint.is_none() || probe.matched_tokens <= better_than {
             return None;
         }
-        match persist::restore_longest(&self.store, engine, prompt) {
+        let mut restored = persist::restore_longest(&self.store, engine, prompt);
+        if let Ok(Some((sid, n))) = restored {
+            if n == prompt.len() && engine.logits(sid).is_err() {
+                // A restore point (no logits) covering the whole prompt: take one token less, to feed it.
+                let _ = engine.free_session(sid);
+                restored = persist::restore_longest(&self.store, engine, &prompt[..prompt.len() - 1]);
+            }
+        }
+        match restored {
             Ok(Some((sid, n))) if n > better_than => {
                 self.saved_at.insert(sid, n);
                 tracing::debug!(matched = n, "prompt prefix restored from the disk KV tier");

@@ -3,7 +3,9 @@
 //!
 //! Names (all prefixed `ds4_`): `requests_total{endpoint,status}`, `prompt_tokens_total`, `completion_tokens_total`,
 //! `time_to_first_token_seconds` and `inter_token_latency_seconds` (histograms), `queue_depth`, `active_sessions`,
-//! `parked_sessions`, `kv_bytes{tier}`, `prefix_cache_hit_tokens_total{tier}`, `kv_disk_errors_total{kind}`,
+//! `parked_sessions`, `kv_bytes{tier}`, `prefix_cache_hit_tokens_total{tier}` (prompt tokens reused),
+//! `prefix_cache_hits_total{tier}` (requests that reused any), `prefix_cache_recomputed_tokens_total` (prompt tokens
+//! prefilled), `kv_disk_errors_total{kind}`,
 //! `generations_cancelled_total` (generations stopped because their client went away), `keepalives_total` (SSE
 //! keep-alive frames sent), `connections_open`, `connections_closed_total{reason}` (closed by the server:
 //! timeouts, the connection cap).
@@ -109,6 +111,8 @@ pub struct Metrics {
     pub keepalives: AtomicU64,
     kv_bytes: [AtomicU64; 3],
     prefix_hits: [AtomicU64; 3],
+    prefix_hit_requests: [AtomicU64; 3],
+    recomputed_tokens: AtomicU64,
     /// Open HTTP connections.
     pub connections_open: AtomicU64,
     closed: [AtomicU64; 5],
@@ -132,6 +136,8 @@ impl Default for Metrics {
             keepalives: AtomicU64::new(0),
             kv_bytes: Default::default(),
             prefix_hits: Default::default(),
+            prefix_hit_requests: Default::default(),
+            recomputed_tokens: AtomicU64::new(0),
             connections_open: AtomicU64::new(0),
             closed: Default::default(),
             recent: Recent::default(),
@@ -151,6 +157,24 @@ impl Metrics {
 
     pub fn add_prefix_hit(&self, tier: Tier, tokens: u64) {
         self.prefix_hits[tier as usize].fetch_add(tokens, Ordering::Relaxed);
+    }
+
+    /// An admitted request: whether it reused a cached prefix (from `tier`), and the prompt tokens it prefills.
+    pub fn add_prefill(&self, hit: bool, tier: Tier, recomputed: u64) {
+        if hit {
+            self.prefix_hit_requests[tier as usize].fetch_add(1, Ordering::Relaxed);
+        }
+        self.recomputed_tokens.fetch_add(recomputed, Ordering::Relaxed);
+    }
+
+    /// Requests that reused a prefix from `tier` so far.
+    pub fn prefix_hit_requests(&self, tier: Tier) -> u64 {
+        load(&self.prefix_hit_requests[tier as usize])
+    }
+
+    /// Prompt tokens prefilled (not reused) so far.
+    pub fn recomputed_tokens(&self) -> u64 {
+        load(&self.recomputed_tokens)
     }
 
     pub fn set_kv_disk_errors(&self, e: crate::backend::DiskErrors) {
@@ -227,6 +251,17 @@ impl Metrics {
         for (i, t) in TIERS.iter().enumerate() {
             let _ = writeln!(out, "ds4_prefix_cache_hit_tokens_total{{tier=\"{t}\"}} {}", load(&self.prefix_hits[i]));
         }
+        out.push_str("# HELP ds4_prefix_cache_hits_total Requests that reused a cached prompt prefix, by tier.\n");
+        out.push_str("# TYPE ds4_prefix_cache_hits_total counter\n");
+        for (i, t) in TIERS.iter().enumerate() {
+            let _ = writeln!(out, "ds4_prefix_cache_hits_total{{tier=\"{t}\"}} {}", load(&self.prefix_hit_requests[i]));
+        }
+        counter(
+            &mut out,
+            "ds4_prefix_cache_recomputed_tokens_total",
+            "Prompt tokens prefilled (not served from cache).",
+            load(&self.recomputed_tokens),
+        );
         gauge(&mut out, "ds4_connections_open", "Open HTTP connections.", load(&self.connections_open));
         out.push_str("# HELP ds4_connections_closed_total Connections closed by the server, by reason.\n");
         out.push_str("# TYPE ds4_connections_closed_total counter\n");
@@ -253,7 +288,12 @@ mod tests {
         m.request("messages", 400);
         m.ttft.observe(Duration::from_millis(30));
         m.add_prefix_hit(Tier::Host, 12);
+        m.add_prefill(true, Tier::Host, 5);
+        m.add_prefill(false, Tier::Host, 7);
         let text = m.render();
+        assert!(text.contains("ds4_prefix_cache_hits_total{tier=\"host\"} 1\n"), "{text}");
+        assert!(text.contains("ds4_prefix_cache_hits_total{tier=\"disk\"} 0\n"));
+        assert!(text.contains("ds4_prefix_cache_recomputed_tokens_total 12\n"));
         assert!(text.contains("ds4_requests_total{endpoint=\"chat\",status=\"200\"} 2\n"));
         assert!(text.contains("ds4_requests_total{endpoint=\"messages\",status=\"400\"} 1\n"));
         assert!(text.contains("ds4_time_to_first_token_seconds_bucket{le=\"0.025\"} 0\n"));

@@ -309,6 +309,7 @@ impl Worker {
             if cached > 0 {
                 self.metrics.add_prefix_hit(tier, cached as u64);
             }
+            self.metrics.add_prefill(cached > 0, tier, (prompt_len - cached.min(prompt_len)) as u64);
             let _ = job.events.send(JobEvent::Started { prompt_tokens: prompt_len, cached_tokens: cached });
             tracing::debug!(session, prompt_len, cached, "admitted");
             self.active.push(Active {
@@ -342,7 +343,9 @@ impl Worker {
             } else if can_truncate {
                 lcp.min(prompt.len() - 1)
             } else {
-                0
+                // Roll back to the common prefix (keeping one prompt token to feed, for its logits) if in reach.
+                let n = lcp.min(prompt.len() - 1);
+                runner.rollback_floor(p.session).filter(|&f| f <= n).map_or(0, |_| n)
             }
         };
         let best = self
@@ -356,16 +359,21 @@ impl Worker {
             return Ok((s, n, Tier::Disk));
         }
         if let Some((i, n)) = best {
-            if !can_truncate {
-                // Keep the parked state for the next request that shares it; the job continues on a copy.
+            let extends = n == self.parked[i].tokens.len();
+            if !can_truncate || !extends {
+                // Keep the parked state (whole history) for the next request that shares it; the job continues on
+                // a copy, cut back to the common prefix when the prompt diverges.
                 if let Some(copy) = self.runner.fork(self.parked[i].session) {
-                    self.clock += 1;
-                    self.parked[i].last_used = self.clock;
-                    return Ok((copy, n, Tier::Host));
+                    if extends || self.runner.truncate(copy, n) {
+                        self.clock += 1;
+                        self.parked[i].last_used = self.clock;
+                        return Ok((copy, n, Tier::Host));
+                    }
+                    self.runner.free_session(copy);
                 }
             }
             let p = self.parked.swap_remove(i);
-            if n == p.tokens.len() || self.runner.truncate(p.session, n) {
+            if extends || self.runner.truncate(p.session, n) {
                 return Ok((p.session, n, Tier::Host));
             }
             self.runner.free_session(p.session);

@@ -320,3 +320,33 @@ fn corrupt_cache_files_are_counted_by_kind() {
     assert!(b.metric("ds4_kv_disk_errors_total{kind=\"checksum\"}") >= 1.0);
     b.stop();
 }
+
+#[cfg(unix)]
+#[test]
+fn a_prompt_diverging_inside_a_parked_session_reuses_the_common_prefix_from_ram() {
+    // Turn 1, then the same conversation with its last user message edited near the end (as when a client
+    // re-renders a tail or the user edits a message): the parked session is rolled back to the common prefix.
+    let system = json!({"role": "system", "content": long_text(11, 300)});
+    let user = long_text(12, 200);
+    let first = vec![system.clone(), json!({"role": "user", "content": user.clone()})];
+    let edited = vec![system, json!({"role": "user", "content": format!("{user} orbit quiet")})];
+    let s = Server::start(None);
+    let r1 = s.chat(&first);
+    let p1 = usage_u64(&r1, &["prompt_tokens"]);
+    assert_eq!(usage_u64(&r1, &["prompt_tokens_details", "cached_tokens"]), 0);
+    let r2 = s.chat(&edited);
+    let p2 = usage_u64(&r2, &["prompt_tokens"]);
+    let cached = usage_u64(&r2, &["prompt_tokens_details", "cached_tokens"]);
+    eprintln!("turn 1: {p1} prompt tokens; edited: {p2} prompt tokens, {cached} cached");
+    // The edit touches the last few tokens of the user message (and the template's closing tokens).
+    assert!(cached + 16 >= p1 && cached < p2, "cached {cached} of {p2} (first prompt {p1})");
+    assert_eq!(s.metric("ds4_prefix_cache_hits_total{tier=\"host\"}"), 1.0);
+    assert_eq!(s.metric("ds4_prefix_cache_recomputed_tokens_total"), (p1 + p2 - cached) as f64);
+    s.stop();
+
+    let c = Server::start(None);
+    let r3 = c.chat(&edited);
+    assert_eq!(usage_u64(&r3, &["prompt_tokens_details", "cached_tokens"]), 0);
+    assert_eq!(r2["choices"][0]["message"], r3["choices"][0]["message"], "rolled-back and cold outputs differ");
+    c.stop();
+}

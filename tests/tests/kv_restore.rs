@@ -97,9 +97,10 @@ fn round_trip(m: Model<'_>, exact: bool) {
         e.run_until_idle().unwrap();
         let info = persist::save(&store, &e, s, SaveReason::Shutdown).unwrap();
         assert_eq!((info.position, info.pages, info.pages_written), (history.len(), 3, 3));
+        assert_eq!(info.restore_point, Some(3 * span), "a restore point at the last page boundary");
     }
     assert_eq!(files(dir.path(), "page").0, 3);
-    assert_eq!(files(dir.path(), "ckpt").0, 1);
+    assert_eq!(files(dir.path(), "ckpt").0, 2);
 
     // A fresh engine and store on the same directory (a restart).
     let mut e = open(m, exact);
@@ -125,6 +126,18 @@ fn round_trip(m: Model<'_>, exact: bool) {
     let mut other = history.clone();
     other[span + 3] = (other[span + 3] + 1) % vocab as u32;
     assert!(persist::restore_longest(&store, &mut e, &other).unwrap().is_none());
+
+    // A prompt diverging inside the last (partial) page resumes from the restore point at its boundary, and
+    // continues exactly like a cold prefill of that prompt.
+    let mut edited = all.clone();
+    edited[3 * span + 5] = (edited[3 * span + 5] + 1) % vocab as u32;
+    let (s2, m2) = persist::restore_longest(&store, &mut e, &edited).unwrap().expect("restore point");
+    assert_eq!(m2, 3 * span);
+    assert!(e.logits(s2).is_err(), "a restore point holds no logits");
+    e.feed(s2, &edited[m2..]).unwrap();
+    e.run_until_idle().unwrap();
+    let cold = reference(m, exact, &edited, 0);
+    assert!(bits(e.logits(s2).unwrap()) == cold[0], "restored from the restore point: logits differ (exact={exact})");
 
     // The other mode (or model) never reuses these entries.
     let mut e2 = open(m, !exact);
@@ -156,7 +169,8 @@ fn shared_prefix_stored_once(m: Model<'_>) {
     let (pages, page_bytes) = files(dir.path(), "page");
     assert_eq!(pages, 3);
     assert_eq!(page_bytes, a_page_bytes, "the second conversation wrote no page bytes");
-    assert_eq!(files(dir.path(), "ckpt").0, 2);
+    assert_eq!(files(dir.path(), "ckpt").0, 4, "two checkpoints and two restore points");
+    assert_eq!((ia.restore_point, ib.restore_point), (Some(3 * span), Some(2 * span)));
     // Each resumes from its own checkpoint.
     let (_, ma) = persist::restore_longest(&store, &mut e, &a).unwrap().unwrap();
     let (_, mb) = persist::restore_longest(&store, &mut e, &b).unwrap().unwrap();

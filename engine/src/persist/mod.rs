@@ -6,6 +6,12 @@
 //!   ratio) holding the compressed KV rows and indexer rows each span appended, plus one checkpoint holding what is
 //!   not shareable: the raw sliding windows, the compressor/indexer frontiers, the rows of the partial last span and
 //!   the next-token logits. The mapping is in [`rows`].
+//! * Restore points: a save also writes a checkpoint at the last page boundary below the saved position (when the
+//!   session's roll-back log reaches it, see [`crate::tables::kv`]): the snapshot rolled back there, without
+//!   logits, on the pages already written. A later prompt that diverges inside the last page (a re-rendered tail,
+//!   an edited message) then restores that boundary and prefills less than a page. Such a checkpoint holds only
+//!   the raw windows and frontiers (≈ 3 pages' bytes on Flash, no partial-span rows, no logits); as a leaf on its
+//!   pages it is evicted before them (`ds4_kv::policy` keeps interior pages).
 //! * Pages are keyed by a chained hash of the token prefix (and the model identity, [`identity`]), so two sessions
 //!   with a common prefix produce the same page keys: [`save`] asks the store which pages exist and writes only the
 //!   missing ones. Each save writes one new checkpoint (unless the same position was saved before).
@@ -42,6 +48,8 @@ pub struct SavedInfo {
     pub pages_written: usize,
     /// The checkpoint.
     pub checkpoint: EntryRef,
+    /// The position of the restore point written at the last page boundary below `position`, if any.
+    pub restore_point: Option<usize>,
 }
 
 fn kv_err(e: KvError) -> Error {
@@ -72,24 +80,63 @@ fn check_span(engine: &Engine, store: &KvStore) -> Result<usize> {
 /// Saves session `id` (at its current position; queued tokens are not part of it) to `store`.
 pub fn save(store: &KvStore, engine: &Engine, id: SessionId, reason: SaveReason) -> Result<SavedInfo> {
     let span = check_span(engine, store)?;
-    let snap = engine.snapshot(id)?;
+    let mut snap = engine.snapshot(id)?;
     if snap.pos == 0 {
         return Err(Error::Session("nothing to save: the session has processed no tokens".into()));
     }
+    let (checkpoint, pages, pages_written) = save_snapshot(store, engine, &snap, span, reason)?;
+    let mut info = SavedInfo { position: snap.pos, pages, pages_written, checkpoint, restore_point: None };
+    // The restore point at the last page boundary below the position, when the roll-back log reaches it.
+    let at = (snap.pos - 1) / span * span;
+    if at > 0 && engine.rollback_snapshot(&mut snap, at).is_ok() {
+        save_snapshot(store, engine, &snap, span, reason)?;
+        info.restore_point = Some(at);
+    }
+    tracing::debug!(pos = info.position, pages = info.pages, written = info.pages_written,
+        restore_point = ?info.restore_point, ?reason, "kv session saved");
+    Ok(info)
+}
+
+/// Saves a session restore point at position `at` (within the session's roll-back reach; a page boundary keeps it
+/// compact): see the module docs. Returns what was stored.
+pub fn save_restore_point(
+    store: &KvStore,
+    engine: &Engine,
+    id: SessionId,
+    at: usize,
+    reason: SaveReason,
+) -> Result<SavedInfo> {
+    let span = check_span(engine, store)?;
+    let mut snap = engine.snapshot(id)?;
+    engine.rollback_snapshot(&mut snap, at)?;
+    if snap.pos == 0 {
+        return Err(Error::Session("nothing to save at position 0".into()));
+    }
+    let (checkpoint, pages, pages_written) = save_snapshot(store, engine, &snap, span, reason)?;
+    tracing::debug!(pos = at, pages, written = pages_written, ?reason, "kv restore point saved");
+    Ok(SavedInfo { position: at, pages, pages_written, checkpoint, restore_point: None })
+}
+
+/// Writes `snap`'s missing pages and its checkpoint: `(checkpoint, full pages, pages written)`.
+fn save_snapshot(
+    store: &KvStore,
+    engine: &Engine,
+    snap: &crate::tables::SessionSnapshot,
+    span: usize,
+    reason: SaveReason,
+) -> Result<(EntryRef, usize, usize)> {
     let cfg = engine.config();
     let full = snap.pos / span;
     let chain = store.page_chain(&snap.history[..full * span]);
     let mut parent = chain.last().map_or(store.root(), |r| r.key);
     for p in chain.len()..full {
-        let groups = rows::page_groups(cfg, &snap, p, span);
+        let groups = rows::page_groups(cfg, snap, p, span);
         parent = store.put_page(&parent, &snap.history[p * span..(p + 1) * span], &groups, reason).map_err(kv_err)?.key;
     }
-    let meta = rows::frontier_meta(&snap);
-    let groups = rows::checkpoint_groups(cfg, &snap, full, span, &meta);
+    let meta = rows::frontier_meta(snap);
+    let groups = rows::checkpoint_groups(cfg, snap, full, span, &meta);
     let checkpoint = store.put_checkpoint(&parent, &snap.history[full * span..], &groups, reason).map_err(kv_err)?;
-    let info = SavedInfo { position: snap.pos, pages: full, pages_written: full - chain.len(), checkpoint };
-    tracing::debug!(pos = info.position, pages = info.pages, written = info.pages_written, ?reason, "kv session saved");
-    Ok(info)
+    Ok((checkpoint, full, full - chain.len()))
 }
 
 /// Restores the longest cached prefix of `tokens` as a new session. Returns the session and the tokens it covers
