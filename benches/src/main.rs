@@ -9,6 +9,7 @@
 //! - `membw`: the bandwidth roofline alone, per buffer size and thread count ([`membw`]).
 //! - `correctness`: per backend pair max |Δlogit|, argmax and greedy agreement ([`correctness`]).
 //! - `kv`: restore-from-disk vs recompute per prefix length, cache write vs raw write ([`kvbench`], on `ds4_engine::persist`).
+//!   `kv --replay FILE.jsonl [--restart] [--verify]`: a request trace through the RAM + disk prefix cache ([`kvreplay`]).
 //!
 //! Every run is short by default (seconds); flags make it longer. `--quick` shrinks everything for smoke tests.
 //! `--plot FILE.svg` (throughput, `kv`, `kernels`) also draws the report as an SVG chart ([`plot`]).
