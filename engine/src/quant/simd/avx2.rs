@@ -74,7 +74,7 @@ wrap!(iq2_xxs_q8_k, iq2_xxs_q8_k_imp, &[u8]);
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn hsum_ps(v: __m256) -> f32 {
+pub(super) fn hsum_ps(v: __m256) -> f32 {
     let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     let s = _mm_add_ss(s, _mm_movehdup_ps(s));
@@ -151,7 +151,7 @@ unsafe fn ld_ps(p: *const u8) -> __m256 {
 /// `p` must be valid for reading 32 bytes.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn ld_si256(p: *const u8) -> __m256i {
+pub(super) unsafe fn ld_si256(p: *const u8) -> __m256i {
     // SAFETY: guaranteed by the caller.
     unsafe { _mm256_loadu_si256(p as *const __m256i) }
 }
@@ -355,8 +355,9 @@ fn q8_0_block(bw: &[u8], ba: &[u8]) -> (__m256, f32) {
     (_mm256_cvtepi32_ps(p32), f16_at(bw, 0) * f16_at(ba, 0))
 }
 
+/// Q8_0 · Q8_0 over the whole blocks both hold (`avx2_x4` has the four-row form, bit-identical).
 #[target_feature(enable = "avx2,fma,f16c")]
-fn q8_0_q8_0_imp(w: &[u8], a: &[u8]) -> f32 {
+pub(super) fn q8_0_q8_0_imp(w: &[u8], a: &[u8]) -> f32 {
     const B: usize = q8_0::BLOCK_BYTES;
     let n = (w.len() / B).min(a.len() / B);
     // Two accumulators: the FMA latency, not throughput, bounds a single chain.
@@ -430,7 +431,7 @@ fn q4_k_q8_k_imp(w: &[u8], a: &[u8]) -> f32 {
 
 /// `_mm256_shuffle_epi8` masks turning the 16 Q2_K scale nibbles (broadcast to both lanes) into i16 lanes holding
 /// scale `2k` (low 128-bit lane) and scale `2k + 1` (high lane); 0x80 bytes produce zeros.
-const Q2_SCALE_SHUF: [[u8; 32]; 8] = {
+pub(super) const Q2_SCALE_SHUF: [[u8; 32]; 8] = {
     let mut t = [[0x80u8; 32]; 8];
     let mut k = 0;
     while k < 8 {
@@ -446,7 +447,7 @@ const Q2_SCALE_SHUF: [[u8; 32]; 8] = {
 };
 
 #[target_feature(enable = "avx2,fma,f16c")]
-fn q2_k_q8_k_imp(w: &[u8], a: &[u8]) -> f32 {
+pub(super) fn q2_k_q8_k_imp(w: &[u8], a: &[u8]) -> f32 {
     let m3 = _mm256_set1_epi8(3);
     let m4 = _mm_set1_epi8(0x0f);
     // SAFETY: each mask is a 32-byte array.
@@ -487,7 +488,7 @@ fn q2_k_q8_k_imp(w: &[u8], a: &[u8]) -> f32 {
 }
 
 /// For each 7-bit sign index, 8 bytes of +1 / -1 (0x01 / 0xff) ready for `_mm256_sign_epi8`.
-const SIGNS_PM1: [u64; 128] = {
+pub(super) const SIGNS_PM1: [u64; 128] = {
     let mut t = [0u64; 128];
     let mut k = 0;
     while k < 128 {
@@ -528,7 +529,7 @@ fn iq2_xxs_group(q: u64, qa8: __m256i) -> __m256i {
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-fn iq2_xxs_q8_k_imp(w: &[u8], a: &[u8]) -> f32 {
+pub(super) fn iq2_xxs_q8_k_imp(w: &[u8], a: &[u8]) -> f32 {
     let mut acc = _mm256_setzero_ps();
     for (b, qa) in w.chunks_exact(iq2_xxs::BLOCK_BYTES).zip(a.chunks_exact(q8_k::BLOCK_BYTES)) {
         let (bp, ap) = (b.as_ptr(), qa.as_ptr());
