@@ -21,7 +21,8 @@ use std::arch::x86_64::*;
 use super::super::api::DotQ4;
 use super::super::iq2_tables::IQ2XXS_GRID;
 use super::super::{iq2_xxs, q2_k, q8_0, q8_k, GgmlType};
-use super::avx2::{f16_at, hsum_ps, ld_si256, prefetch_ahead, Q2_SCALE_SHUF, SIGNS_PM1};
+use super::avx2::{Q2_SCALE_SHUF, SIGNS_PM1};
+use super::x86::{f16_at, hsum_ps, ld_si256, prefetch_ahead};
 
 /// The four-row kernel for `ty` where its single kernel is the AVX2 one (the caller checks that).
 pub(super) fn dot_q4(ty: GgmlType) -> Option<DotQ4> {

@@ -8,6 +8,8 @@
 //!   activations come in the pair layout ([`crate::quant::ActType::Q8KPairs`]; [`iq2_pairs`] says whether it is in use).
 //!   [`dot_q_variants`] lists every kernel this CPU can run, with the activation format each one reads, for
 //!   side-by-side benchmarks.
+//!   Module graph (x86-64): `x86` is a leaf of shared helpers (f16 conversion, prefetch, loads, 64-byte
+//!   constants); `avx2_x4` builds on `avx2`, `avx512_iq2` on `avx512`; the choice between them is made here.
 //! - aarch64 (little-endian): NEON (baseline on aarch64; compiled when the target enables it, see `neon`).
 //!
 //! Every SIMD kernel is tested against the scalar code of its format for odd block counts. Kernels follow the
@@ -24,7 +26,7 @@ pub(crate) fn iq2_pairs() -> bool {
     false
 }
 
-/// A 64-byte vector constant (`avx512::A64`) from an expression in the byte index `i`, for the AVX-512 kernels'
+/// A 64-byte vector constant (`x86::A64`) from an expression in the byte index `i`, for the AVX-512 kernels'
 /// tables (`const` context).
 #[cfg(target_arch = "x86_64")]
 macro_rules! bytes64 {
@@ -35,7 +37,7 @@ macro_rules! bytes64 {
             t[$i] = $f;
             $i += 1;
         }
-        super::avx512::A64(t)
+        super::x86::A64(t)
     }};
 }
 
@@ -53,6 +55,8 @@ mod avx512_q2k;
 mod neon;
 #[cfg(all(test, target_arch = "x86_64"))]
 mod test_blocks;
+#[cfg(target_arch = "x86_64")]
+mod x86;
 
 /// The instruction set the kernels use on this CPU: `"avx512-gfni"` (AVX-512 kernels where they exist, the IQ2_XXS
 /// pair kernel among them, AVX2 for the rest), `"avx512-vbmi"` (the same without GFNI: the IQ2_XXS gather kernel),
@@ -89,10 +93,22 @@ pub(crate) fn dot_f32(ty: GgmlType) -> Option<DotF32> {
     }
 }
 
+/// The AVX-512 kernel for `ty` where one exists: IQ2_XXS (the pair kernel of `avx512_iq2` where GFNI is present,
+/// else `avx512`'s gather kernel) and Q2_K (`avx512_q2k`). Chosen here, not in `avx512`, so that no kernel module
+/// depends on one that builds on it.
+#[cfg(target_arch = "x86_64")]
+fn avx512_dot_q(ty: GgmlType) -> Option<DotQ> {
+    match ty {
+        GgmlType::Iq2Xxs => avx512_iq2::dot_q().or_else(avx512::iq2_xxs_gather),
+        GgmlType::Q2K => avx512_q2k::dot_q(),
+        _ => None,
+    }
+}
+
 /// The best SIMD kernel for weight type `ty` · its quantized activations, if any.
 pub(crate) fn dot_q(ty: GgmlType) -> Option<DotQ> {
     #[cfg(target_arch = "x86_64")]
-    return avx512::dot_q(ty).or_else(|| avx2::dot_q(ty));
+    return avx512_dot_q(ty).or_else(|| avx2::dot_q(ty));
     #[cfg(all(target_arch = "aarch64", target_feature = "neon", target_endian = "little"))]
     return neon::dot_q(ty);
     #[allow(unreachable_code)]
@@ -113,7 +129,7 @@ pub fn dot_q4(ty: GgmlType) -> Option<super::api::DotQ4> {
     }
     // Elsewhere on x86-64 the single kernel is AVX2's wherever AVX-512 has none for the type.
     #[cfg(target_arch = "x86_64")]
-    if avx512::dot_q(ty).is_none() && avx2::dot_q(ty).is_some() {
+    if avx512_dot_q(ty).is_none() && avx2::dot_q(ty).is_some() {
         return avx2_x4::dot_q4(ty);
     }
     let _ = ty;
@@ -134,7 +150,7 @@ pub fn dot_q_variants(ty: GgmlType) -> Vec<(&'static str, ActType, DotQ)> {
             v.extend(avx512_iq2::dot_q().map(|k| ("avx512-gfni", ActType::Q8KPairs, k)));
             v.extend(avx512::iq2_xxs_gather().map(|k| ("avx512-vbmi", plain, k)));
         } else {
-            v.extend(avx512::dot_q(ty).map(|k| ("avx512-vbmi", plain, k)));
+            v.extend(avx512_dot_q(ty).map(|k| ("avx512-vbmi", plain, k)));
         }
         v.extend(avx2::dot_q(ty).map(|k| ("avx2", plain, k)));
     }
