@@ -4,7 +4,8 @@
 //! scales, IQ2_XXS grid and sign indices); only the f16/f32 fields need care, since random bits would give NaN,
 //! infinities or absurd magnitudes. [`fill`] therefore writes random bytes and then overwrites each block's scale
 //! fields (or each element, for F16/F32) with finite values chosen so that dequantized weights stay within about
-//! `±amp`. That keeps a synthetic model's activations bounded.
+//! `±amp`. That keeps a synthetic model's activations bounded. Scales are never subnormal halves (they are clamped
+//! to the smallest normal one, so a block of a very long row may reach a little beyond `amp`).
 //!
 //! Filling is parallel ([`fill_par`]) and deterministic for a given seed and thread split.
 
@@ -52,6 +53,9 @@ impl Rng {
         rem.copy_from_slice(&r[..n]);
     }
 }
+
+/// The smallest block scale [`fill`] writes: the smallest normal f16 (2^-14), rounded up one step.
+const MIN_NORMAL_SCALE: f32 = 6.1095e-5;
 
 /// Whether [`fill`] can produce valid data of this type.
 pub fn supported(ty: GgmlType) -> bool {
@@ -108,8 +112,11 @@ pub fn fill(ty: GgmlType, buf: &mut [u8], amp: f32, rng: &mut Rng) {
                 let r = rng.next_u64();
                 for (k, &(off, mult)) in fields.iter().enumerate() {
                     // A scale in [0.5, 1.0) * amp / mult, so blocks differ but none is degenerate.
+                    // Never below the smallest normal half: real checkpoints' scales are normal, and a subnormal
+                    // one costs some engines a denormal assist per block (benches/README.md), which would make a
+                    // written file unfair to them.
                     let frac = 0.5 + ((r >> (k * 16)) & 0xffff) as f32 / 131072.0;
-                    let d = f16::from_f32(frac * amp / mult);
+                    let d = f16::from_f32((frac * amp / mult).max(MIN_NORMAL_SCALE));
                     block[off..off + 2].copy_from_slice(&d.to_le_bytes());
                 }
             }
@@ -155,6 +162,22 @@ mod tests {
                     assert!(d.is_finite() && d > 0.0, "{ty}: scale {d}");
                     assert!(d * mult <= 0.5 * 1.01, "{ty}: scale {d} too large");
                     assert!(d * mult >= 0.5 * 0.49, "{ty}: scale {d} too small");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn tiny_amplitudes_still_give_normal_scales() {
+        // amp / multiplier far below f16's normal range: every scale is clamped to a normal half.
+        let mut rng = Rng::new(3);
+        for ty in [GgmlType::Q8_0, GgmlType::Q2K, GgmlType::Q4K, GgmlType::Iq2Xxs] {
+            let mut buf = vec![0u8; ty.block_bytes() * 64];
+            fill(ty, &mut buf, 1e-4, &mut rng);
+            for block in buf.chunks_exact(ty.block_bytes()) {
+                for &(off, _) in scale_fields(ty) {
+                    let d = f16::from_le_bytes([block[off], block[off + 1]]);
+                    assert!(d.is_normal() && d.to_f32() >= 6.1e-5, "{ty}: scale {d} is subnormal");
                 }
             }
         }

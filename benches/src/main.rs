@@ -87,6 +87,10 @@ struct RunArgs {
     /// Also draw the report as an SVG chart to this file.
     #[arg(long, value_name = "FILE.svg")]
     plot: Option<std::path::PathBuf>,
+    /// With --synthetic: write the model as a GGUF file (converter metadata, synthetic tokenizer) and exit, so the
+    /// same file can be benchmarked with -m FILE here and loaded by other engines.
+    #[arg(long, value_name = "FILE", requires = "synthetic")]
+    write: Option<std::path::PathBuf>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -292,6 +296,9 @@ fn run_membw(a: &MembwArgs) -> Result<()> {
 fn run_throughput(a: &RunArgs) -> Result<()> {
     let m = machine::Machine::detect();
     let threads = a.common.threads();
+    if let (Some(path), Some(spec)) = (&a.write, &a.synthetic) {
+        return write_synthetic(spec, path, threads, a.common.quiet);
+    }
     let quick = a.common.quick;
     let opts = throughput::Options {
         ctx_start: if quick { 8 } else { a.ctx_start },
@@ -364,6 +371,23 @@ fn run_throughput(a: &RunArgs) -> Result<()> {
         plot::throughput(&rows, opts.sessions, roof, p)?;
         writeln!(out, "# plot: {}", p.display())?;
     }
+    Ok(())
+}
+
+/// `--synthetic SPEC --write FILE`: streams the model to FILE and prints one `# wrote` line.
+fn write_synthetic(spec: &str, path: &std::path::Path, threads: usize, quiet: bool) -> Result<()> {
+    let spec = synth::Spec::parse(spec)?;
+    let t0 = std::time::Instant::now();
+    let pb = progress::bar(0, quiet);
+    let bytes = synth::write_file(&spec, threads, &pb, path)?;
+    pb.finish_and_clear();
+    println!(
+        "# wrote synthetic {} to {} ({:.2} GiB of weights, {:.1} s)",
+        synth::spec_name(&spec),
+        path.display(),
+        bytes as f64 / (1u64 << 30) as f64,
+        t0.elapsed().as_secs_f64()
+    );
     Ok(())
 }
 

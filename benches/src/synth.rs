@@ -1,6 +1,9 @@
 //! `--synthetic`: a DeepSeek V4 model with random weights in the real shapes and quant recipes, built in memory as a
 //! GGUF (no file) and handed to the engine like any model file.
 //!
+//! `--write FILE` streams the same model to a file instead ([`write_file`]), with the converter's metadata and a
+//! synthetic tokenizer, so other engines can load exactly what ds4 benchmarks.
+//!
 //! Spec strings: `flash[:layers=N][:from=K][:recipe=q2|q4]` — Flash's real hyperparameters (the public
 //! `config.json` values below) with `N` layers copied from the real layer list starting at layer `K` (default 0, so
 //! `layers=2` gives the two window-only hash-routed layers; `from=3` gives CSA/HCA layers with compressors and
@@ -17,6 +20,7 @@
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
+use ds4_engine::convert::synth_tokenizer::synthetic_tokenizer_metadata;
 use ds4_engine::convert::{plan, CheckpointConfig, Class, Recipe};
 use ds4_engine::gguf::{GgufFile, GgufWriter, MetaValue, TensorDecl};
 use ds4_engine::quant::GgmlType;
@@ -221,17 +225,50 @@ fn fill_tensor(item: &Item, cfg: &CheckpointConfig, buf: &mut [u8], seed: u64, t
 /// Builds the synthetic model in memory and opens it as a [`GgufFile`]. `pb` counts tensor bytes.
 pub fn build(spec: &Spec, threads: usize, pb: &ProgressBar) -> Result<Synth> {
     let t0 = Instant::now();
-    let cfg = spec.config()?;
-    let items = items(spec, &cfg)?;
-    let mut meta = cfg.gguf_metadata();
-    meta.push(("general.name".into(), MetaValue::String(format!("ds4-bench synthetic {spec:?}"))));
-    meta.push(("general.file_type".into(), MetaValue::U32(spec.recipe.file_type())));
-    let tensor_bytes: u64 = items.iter().map(|i| i.bytes).sum();
-    let bytes_per_token = items.iter().map(|i| i.per_token).sum();
-    let reserve = tensor_bytes + 32 * items.len() as u64 + (4 << 20);
+    let (tensor_bytes, n_items) = footprint_items(spec)?;
+    let reserve = tensor_bytes + 32 * n_items as u64 + (16 << 20);
     let mut out: Vec<u8> = Vec::new();
     out.try_reserve_exact(reserve as usize)
         .with_context(|| format!("cannot allocate {} MiB for the synthetic model", reserve >> 20))?;
+    let (bytes, bytes_per_token) = write_into(spec, threads, pb, out)?;
+    let file = GgufFile::from_bytes(bytes)?;
+    Ok(Synth { file, bytes_per_token, tensor_bytes, build_secs: t0.elapsed().as_secs_f64() })
+}
+
+/// Writes the synthetic model to `path` (streaming: one tensor of memory) and returns its tensor bytes. The file
+/// is a complete DS4 GGUF — the converter's metadata keys and tensor layout, a synthetic byte-level tokenizer of
+/// the model's vocabulary — so other engines (llama.cpp's `deepseek4`) can load it too.
+pub fn write_file(spec: &Spec, threads: usize, pb: &ProgressBar, path: &std::path::Path) -> Result<u64> {
+    let f = std::fs::File::create(path).with_context(|| format!("cannot create {}", path.display()))?;
+    let (out, _) = write_into(spec, threads, pb, std::io::BufWriter::with_capacity(8 << 20, f))?;
+    let f = out.into_inner().map_err(|e| e.into_error()).with_context(|| format!("writing {}", path.display()))?;
+    f.sync_all().with_context(|| format!("writing {}", path.display()))?;
+    Ok(footprint_items(spec)?.0)
+}
+
+/// Total tensor bytes and tensor count.
+fn footprint_items(spec: &Spec) -> Result<(u64, usize)> {
+    let it = items(spec, &spec.config()?)?;
+    Ok((it.iter().map(|i| i.bytes).sum(), it.len()))
+}
+
+/// The GGUF metadata: what `ds4 convert` writes for this config without `--tokenizer`.
+fn metadata(spec: &Spec, cfg: &CheckpointConfig) -> Result<Vec<(String, MetaValue)>> {
+    let mut meta = cfg.gguf_metadata();
+    meta.push(("general.name".into(), MetaValue::String(format!("ds4-bench synthetic {}", spec_name(spec)))));
+    meta.push(("general.file_type".into(), MetaValue::U32(spec.recipe.file_type())));
+    meta.push(("general.quantization_version".into(), MetaValue::U32(2)));
+    meta.extend(synthetic_tokenizer_metadata(cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)?);
+    Ok(meta)
+}
+
+/// Streams the whole file into `out`; returns it and the weight bytes one token reads.
+fn write_into<W: std::io::Write>(spec: &Spec, threads: usize, pb: &ProgressBar, out: W) -> Result<(W, u64)> {
+    let cfg = spec.config()?;
+    let items = items(spec, &cfg)?;
+    let meta = metadata(spec, &cfg)?;
+    let tensor_bytes: u64 = items.iter().map(|i| i.bytes).sum();
+    let bytes_per_token = items.iter().map(|i| i.per_token).sum();
     pb.set_length(tensor_bytes);
     pb.set_message(format!("building synthetic {} ({} MiB)", spec_name(spec), tensor_bytes >> 20));
     let mut w = GgufWriter::new(out, &meta, items.iter().map(|i| i.decl.clone()).collect())?;
@@ -243,10 +280,7 @@ pub fn build(spec: &Spec, threads: usize, pb: &ProgressBar) -> Result<Synth> {
         w.write_tensor(&item.decl.name, buf)?;
         pb.inc(item.bytes);
     }
-    drop(scratch);
-    let bytes = w.finish()?;
-    let file = GgufFile::from_bytes(bytes)?;
-    Ok(Synth { file, bytes_per_token, tensor_bytes, build_secs: t0.elapsed().as_secs_f64() })
+    Ok((w.finish()?, bytes_per_token))
 }
 
 /// A short label, e.g. `flash:layers=2:from=0:recipe=q2`.
@@ -328,5 +362,27 @@ mod tests {
         }
         assert_eq!(s.tensor_bytes, f.tensors().iter().map(|t| t.n_bytes).sum::<u64>());
         assert!(s.bytes_per_token < s.tensor_bytes);
+        // A complete file: the synthetic tokenizer of the model's vocabulary.
+        let tok = ds4_engine::tokenizer::Tokenizer::from_gguf(f).unwrap();
+        assert_eq!(tok.vocab_size(), 1024);
+    }
+
+    #[test]
+    fn written_file_is_the_in_memory_model() {
+        let spec = Spec::parse("tiny:layers=2:recipe=q8_0").unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tiny.gguf");
+        let bytes = write_file(&spec, 2, &ProgressBar::hidden(), &path).unwrap();
+        let on_disk = GgufFile::open(&path).unwrap();
+        let mem = build(&spec, 2, &ProgressBar::hidden()).unwrap();
+        assert_eq!(bytes, mem.tensor_bytes);
+        assert_eq!(on_disk.metadata().len(), mem.file.metadata().len());
+        assert_eq!(on_disk.tensors().len(), mem.file.tensors().len());
+        for t in mem.file.tensors() {
+            let a = mem.file.view(t);
+            let b = on_disk.tensor(&t.name).unwrap();
+            assert!(a.data == b.data, "{} differs", t.name);
+        }
+        assert!(write_file(&spec, 1, &ProgressBar::hidden(), &dir.path().join("no/such/dir.gguf")).is_err());
     }
 }

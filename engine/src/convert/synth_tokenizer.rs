@@ -5,8 +5,8 @@
 //! The vocabulary is a synthetic byte-level BPE of exactly `vocab_size` tokens: BOS
 //! ([`BOS_TOKEN`](crate::tokenizer::BOS_TOKEN)) and EOS ([`EOS_TOKEN`](crate::tokenizer::EOS_TOKEN)) at
 //! config.json's `bos_token_id` / `eos_token_id` (control tokens), the 256 GPT-2 byte-level characters, then merged
-//! tokens of lowercase ASCII letters (`"a b"` → `ab`, ..., then `"ab c"` → `abc`, ...) in rank order, until the
-//! vocabulary is full. Keys written: `model` `gpt2`, `pre` [`GGUF_PRE`](crate::tokenizer::GGUF_PRE) (the shipped
+//! tokens of lowercase ASCII letters (`"a b"` → `ab`, ..., then `"ab c"` → `abc`, ..., `"abc d"` → `abcd`, ...) in
+//! rank order, until the vocabulary is full. Keys written: `model` `gpt2`, `pre` [`GGUF_PRE`](crate::tokenizer::GGUF_PRE) (the shipped
 //! files' name), `tokens`, `token_type` (3 control, 1 normal), `merges`, `bos_token_id`, `eos_token_id`,
 //! `add_bos_token` / `add_eos_token` false — the same set a real `tokenizer.json` gives.
 //!
@@ -24,8 +24,9 @@ const TOKEN_TYPE_CONTROL: i32 = 3;
 
 const LETTERS: &[u8; 26] = b"abcdefghijklmnopqrstuvwxyz";
 
-/// The largest vocabulary the synthetic tokenizer can fill: 2 specials + 256 bytes + 26² + 26³ merges.
-pub const MAX_SYNTH_VOCAB: usize = 2 + 256 + 26 * 26 + 26 * 26 * 26;
+/// The largest vocabulary the synthetic tokenizer can fill: 2 specials + 256 bytes + 26² + 26³ + 26⁴ merges (enough
+/// for Flash's 129280).
+pub const MAX_SYNTH_VOCAB: usize = 2 + 256 + 26 * 26 + 26 * 26 * 26 + 26 * 26 * 26 * 26;
 
 /// The `tokenizer.ggml.*` metadata of the synthetic tokenizer (see the module docs).
 pub fn synthetic_tokenizer_metadata(vocab: usize, bos: u32, eos: u32) -> Result<Vec<(String, MetaValue)>> {
@@ -64,6 +65,20 @@ pub fn synthetic_tokenizer_metadata(vocab: usize, bos: u32, eos: u32) -> Result<
                 let (a, b, c) = (a as char, b as char, c as char);
                 merges.push(format!("{a}{b} {c}"));
                 normal.push(format!("{a}{b}{c}"));
+            }
+        }
+    }
+    'fill4: for &a in LETTERS {
+        for &b in LETTERS {
+            for &c in LETTERS {
+                for &d in LETTERS {
+                    if normal.len() == need {
+                        break 'fill4;
+                    }
+                    let (a, b, c, d) = (a as char, b as char, c as char, d as char);
+                    merges.push(format!("{a}{b}{c} {d}"));
+                    normal.push(format!("{a}{b}{c}{d}"));
+                }
             }
         }
     }
@@ -111,7 +126,7 @@ mod tests {
 
     #[test]
     fn fills_the_vocabulary_and_loads_as_a_tokenizer() {
-        for vocab in [256usize, 258, 512, 1000] {
+        for vocab in [256usize, 258, 512, 1000, 20_000] {
             let meta = synthetic_tokenizer_metadata(vocab, 0, 1).unwrap();
             let f = file_with(meta);
             let toks = f.get_str_array("tokenizer.ggml.tokens").unwrap();

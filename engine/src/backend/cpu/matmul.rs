@@ -620,6 +620,9 @@ mod tests {
             (GgmlType::Iq2Xxs, 70, 1536, 11),
             (GgmlType::Iq2Xxs, 33, 1280, 6),
             (GgmlType::Q8_0, 513, 128, 19),
+            // Batches of 8 (two four-row calls per weight row) and an odd block count.
+            (GgmlType::Q8_0, 65, 96, 8),
+            (GgmlType::Q2K, 64, 512, 9),
             (GgmlType::F16, 70, 64, 9),
             // One long row: activations quantized in block runs across the pool.
             (GgmlType::Q2K, 40, 2048, 1),

@@ -15,6 +15,7 @@ use std::arch::x86_64::*;
 use super::super::api::{DotF32, DotQ};
 use super::super::iq2_tables::{IQ2XXS_GRID, KSIGNS_IQ2XS};
 use super::super::{iq2_xxs, q2_k, q4_k, q8_0, q8_k, GgmlType, QK_K};
+use super::x86::{f16_at, hsum_ps, ld_si256, prefetch_ahead};
 
 /// AVX2, FMA and F16C (every AVX2 CPU has F16C; the kernels use it for the f16 block scales).
 pub(super) fn available() -> bool {
@@ -72,68 +73,6 @@ wrap!(q2_k_q8_k, q2_k_q8_k_imp, &[u8]);
 wrap!(q4_k_q8_k, q4_k_q8_k_imp, &[u8]);
 wrap!(iq2_xxs_q8_k, iq2_xxs_q8_k_imp, &[u8]);
 
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn hsum_ps(v: __m256) -> f32 {
-    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    _mm_cvtss_f32(s)
-}
-
-/// The little-endian f16 at `b[off..off + 2]` as f32, exact, computed in general-purpose registers.
-///
-/// Not F16C: for a single scalar LLVM emits `vpinsrw` + `vcvtph2ps`, and the `vpinsrw` merges into an arbitrary
-/// register (often the loop's accumulator), adding a false dependency to the loop-carried chain (measured 3x slower
-/// Q8_0 dots). Normal halves get their exponent rebiased in integer arithmetic; subnormal halves (scales below
-/// 6.1e-5, which small weights do produce) are `mantissa · 2^-24`, an int-to-float conversion and a multiply
-/// whose operands are normal f32 — never a denormal operand, which costs a ~150-cycle microcode assist per use on
-/// Intel cores (measured: a Q8_0 dot 17× slower on subnormal scales when this went through one); infinities and
-/// NaNs get an all-ones exponent. The branch costs a misprediction per block only where a tensor's scales
-/// straddle 6.1e-5 at random (the synthetic `wo_b`: its Q8_0 product at ~60 % speed). Measured alternatives were
-/// worse overall: a mask-select version (always converting both ways) slowed every Q8_0 product (synthetic logits
-/// 23 → 29 ms), and F16C (`vmovd` + `vcvtph2ps`, uniform in the scales) made Q8_0 dots 24 % slower in cache and
-/// prefill 13 % slower.
-#[inline(always)]
-pub(super) fn f16_at(b: &[u8], off: usize) -> f32 {
-    let h = u16::from_le_bytes([b[off], b[off + 1]]) as u32;
-    let em = h & 0x7fff;
-    let mag = if em >= 0x7c00 {
-        (em << 13) | 0x7f80_0000
-    } else if em >= 0x0400 {
-        (em << 13) + (112 << 23)
-    } else {
-        (em as f32 * f32::from_bits(0x3380_0000)).to_bits()
-    };
-    f32::from_bits(mag | ((h & 0x8000) << 16))
-}
-
-/// How far ahead (bytes) the quantized dots prefetch the weight row into L1: enough to cover the L2 latency and
-/// some DRAM latency at the kernels' per-core rate. Measured with `ds4-bench kernels --batch 0`: 768 B < 1536 B <
-/// 3072 B (Q2_K 0.55 → 0.76 → 0.85 of the bandwidth, L1 prefetch alone).
-const PF_AHEAD: usize = 3072;
-
-/// How far ahead (bytes) they also prefetch into L2 (`prefetcht1`): the hardware prefetchers of the VMs this was
-/// measured on do not run far enough ahead of a compute-heavy loop (no software prefetch at all: IQ2_XXS at 0.48 of
-/// the bandwidth), and an L1 prefetch occupies a fill buffer for the whole DRAM latency. 8–48 KiB all measured
-/// alike; IQ2_XXS gate/up 0.73 → 0.85 with two threads.
-const PF_FAR: usize = 12 << 10;
-
-/// Prefetches the cache lines at `p + PF_AHEAD + 64·k` into L1 and at `p + PF_FAR + 64·k` into L2, `k < LINES`.
-/// A hint only: it never faults, and the address is formed with `wrapping_add` so running past the end of the
-/// weights is harmless.
-#[inline(always)]
-pub(super) fn prefetch_ahead<const LINES: usize>(p: *const u8) {
-    for k in 0..LINES {
-        // SAFETY: `_mm_prefetch` is a hint that never faults (SSE, baseline on x86-64); the addresses are not
-        // dereferenced by Rust code.
-        unsafe {
-            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PF_AHEAD + 64 * k) as *const i8);
-            _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(PF_FAR + 64 * k) as *const i8);
-        }
-    }
-}
-
 /// Loads 8 f32 from `p`.
 ///
 /// # Safety
@@ -143,17 +82,6 @@ pub(super) fn prefetch_ahead<const LINES: usize>(p: *const u8) {
 unsafe fn ld_ps(p: *const u8) -> __m256 {
     // SAFETY: guaranteed by the caller.
     unsafe { _mm256_loadu_ps(p as *const f32) }
-}
-
-/// Loads 32 bytes from `p`.
-///
-/// # Safety
-/// `p` must be valid for reading 32 bytes.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn ld_si256(p: *const u8) -> __m256i {
-    // SAFETY: guaranteed by the caller.
-    unsafe { _mm256_loadu_si256(p as *const __m256i) }
 }
 
 /// Σ a[i]·x[i] over `n ≤ min(a.len()/4, x.len())` f32 values stored as bytes.
@@ -355,8 +283,9 @@ fn q8_0_block(bw: &[u8], ba: &[u8]) -> (__m256, f32) {
     (_mm256_cvtepi32_ps(p32), f16_at(bw, 0) * f16_at(ba, 0))
 }
 
+/// Q8_0 · Q8_0 over the whole blocks both hold (`avx2_x4` has the four-row form, bit-identical).
 #[target_feature(enable = "avx2,fma,f16c")]
-fn q8_0_q8_0_imp(w: &[u8], a: &[u8]) -> f32 {
+pub(super) fn q8_0_q8_0_imp(w: &[u8], a: &[u8]) -> f32 {
     const B: usize = q8_0::BLOCK_BYTES;
     let n = (w.len() / B).min(a.len() / B);
     // Two accumulators: the FMA latency, not throughput, bounds a single chain.
@@ -430,7 +359,7 @@ fn q4_k_q8_k_imp(w: &[u8], a: &[u8]) -> f32 {
 
 /// `_mm256_shuffle_epi8` masks turning the 16 Q2_K scale nibbles (broadcast to both lanes) into i16 lanes holding
 /// scale `2k` (low 128-bit lane) and scale `2k + 1` (high lane); 0x80 bytes produce zeros.
-const Q2_SCALE_SHUF: [[u8; 32]; 8] = {
+pub(super) const Q2_SCALE_SHUF: [[u8; 32]; 8] = {
     let mut t = [[0x80u8; 32]; 8];
     let mut k = 0;
     while k < 8 {
@@ -446,7 +375,7 @@ const Q2_SCALE_SHUF: [[u8; 32]; 8] = {
 };
 
 #[target_feature(enable = "avx2,fma,f16c")]
-fn q2_k_q8_k_imp(w: &[u8], a: &[u8]) -> f32 {
+pub(super) fn q2_k_q8_k_imp(w: &[u8], a: &[u8]) -> f32 {
     let m3 = _mm256_set1_epi8(3);
     let m4 = _mm_set1_epi8(0x0f);
     // SAFETY: each mask is a 32-byte array.
@@ -487,7 +416,7 @@ fn q2_k_q8_k_imp(w: &[u8], a: &[u8]) -> f32 {
 }
 
 /// For each 7-bit sign index, 8 bytes of +1 / -1 (0x01 / 0xff) ready for `_mm256_sign_epi8`.
-const SIGNS_PM1: [u64; 128] = {
+pub(super) const SIGNS_PM1: [u64; 128] = {
     let mut t = [0u64; 128];
     let mut k = 0;
     while k < 128 {
@@ -528,7 +457,7 @@ fn iq2_xxs_group(q: u64, qa8: __m256i) -> __m256i {
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-fn iq2_xxs_q8_k_imp(w: &[u8], a: &[u8]) -> f32 {
+pub(super) fn iq2_xxs_q8_k_imp(w: &[u8], a: &[u8]) -> f32 {
     let mut acc = _mm256_setzero_ps();
     for (b, qa) in w.chunks_exact(iq2_xxs::BLOCK_BYTES).zip(a.chunks_exact(q8_k::BLOCK_BYTES)) {
         let (bp, ap) = (b.as_ptr(), qa.as_ptr());

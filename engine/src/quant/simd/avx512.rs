@@ -1,10 +1,10 @@
 //! AVX-512 kernels (x86-64 with AVX-512 F/BW/VBMI/VNNI, e.g. Ice Lake and later), resolved at runtime.
 //! Only the formats where they beat AVX2 are here (IQ2_XXS below, Q2_K in `avx512_q2k`); [`super::dot_q`] falls
-//! back to AVX2 for the rest. For IQ2_XXS, [`dot_q`] prefers the faster pair kernel of `avx512_iq2` (GFNI, pair
+//! back to AVX2 for the rest. For IQ2_XXS, [`super::dot_q`] prefers the faster pair kernel of `avx512_iq2` (GFNI, pair
 //! layout activations); the gather kernel below serves CPUs without GFNI, and the pair kernel's odd last block.
 //!
 //! Soundness: as in `avx2`, every `#[target_feature]` function is reachable only through the plain `fn` wrappers
-//! that [`dot_q`] hands out after [`available`] confirmed every feature they are compiled for; every vector load
+//! that [`iq2_xxs_gather`] hands out after [`available`] confirmed every feature they are compiled for; every vector load
 //! reads inside a block slice produced by `chunks_exact`, and the gathers read `IQ2XXS_GRID` at byte indices.
 //!
 //! IQ2_XXS · Q8_K, per 256-value block (4 chunks of 64 values = 2 groups = 8 octets each):
@@ -38,8 +38,8 @@ use std::arch::x86_64::*;
 
 use super::super::api::DotQ;
 use super::super::iq2_tables::{IQ2XXS_GRID, KSIGNS_IQ2XS};
-use super::super::{iq2_xxs, q8_k, GgmlType};
-use super::avx2::prefetch_ahead;
+use super::super::{iq2_xxs, q8_k};
+use super::x86::{ld, ld64, prefetch_ahead, A64};
 
 /// AVX-512 F/BW/VBMI/VNNI, plus what `avx2` needs (the scalar f16 helper and prefetch are shared).
 pub(super) fn available() -> bool {
@@ -50,53 +50,15 @@ pub(super) fn available() -> bool {
         && super::avx2::available()
 }
 
-pub(super) fn dot_q(ty: GgmlType) -> Option<DotQ> {
-    if !available() {
-        return None;
-    }
-    match ty {
-        GgmlType::Iq2Xxs => super::avx512_iq2::dot_q().or(Some(iq2_xxs_q8_k)),
-        GgmlType::Q2K => Some(q2_k_q8_k),
-        _ => None,
-    }
-}
-
 fn iq2_xxs_q8_k(w: &[u8], a: &[u8]) -> f32 {
-    // SAFETY: only handed out by `dot_q` after `available()` confirmed the features `iq2_xxs_q8_k_imp` needs.
+    // SAFETY: only handed out by `iq2_xxs_gather` after `available()` confirmed the features `iq2_xxs_q8_k_imp` needs.
     unsafe { iq2_xxs_q8_k_imp(w, a) }
-}
-
-fn q2_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
-    // SAFETY: only handed out by `dot_q` after `available()` confirmed the features `q2_k_q8_k_imp` needs.
-    unsafe { super::avx512_q2k::q2_k_q8_k_imp(w, a) }
 }
 
 /// The gather kernel for IQ2_XXS (plain Q8_K activations), for side-by-side benchmarks; `dot_q` prefers the pair
 /// kernel of `avx512_iq2` where GFNI is present.
 pub(super) fn iq2_xxs_gather() -> Option<DotQ> {
     available().then_some(iq2_xxs_q8_k as DotQ)
-}
-
-/// 64 bytes, 64-byte aligned (vector constants).
-#[repr(C, align(64))]
-pub(super) struct A64(pub(super) [u8; 64]);
-
-/// Loads 64 bytes from `p`.
-///
-/// # Safety
-/// `p` must be valid for reading 64 bytes.
-#[inline]
-#[target_feature(enable = "avx512f")]
-pub(super) unsafe fn ld(p: *const u8) -> __m512i {
-    // SAFETY: guaranteed by the caller.
-    unsafe { _mm512_loadu_si512(p as *const __m512i) }
-}
-
-#[inline]
-#[target_feature(enable = "avx512f")]
-pub(super) fn ld64(t: &A64) -> __m512i {
-    // SAFETY: `t` is 64 readable bytes.
-    unsafe { ld(t.0.as_ptr()) }
 }
 
 /// Per-chunk constants: `$f` (an expression in `c` and `i`) gives byte `i` of chunk `c`'s vector.
@@ -227,11 +189,12 @@ pub(super) fn iq2_xxs_q8_k_imp(w: &[u8], a: &[u8]) -> f32 {
 mod tests {
     use super::super::test_blocks::{iq2_biggest_point, iq2_every_point_blocks, iq2_uniform_blocks, mass, q8k_blocks};
     use super::*;
+    use crate::quant::GgmlType;
     use rand::{rngs::StdRng, Rng, SeedableRng};
 
     /// `None` (with a note) where this CPU lacks the features: the kernel is then never selected.
     fn kernel(ty: GgmlType) -> Option<DotQ> {
-        let k = if ty == GgmlType::Iq2Xxs { iq2_xxs_gather() } else { dot_q(ty) };
+        let k = if ty == GgmlType::Iq2Xxs { iq2_xxs_gather() } else { None };
         if k.is_none() {
             eprintln!("no AVX-512 VBMI/VNNI on this CPU: the avx512 kernels are not selected, nothing to test");
         }

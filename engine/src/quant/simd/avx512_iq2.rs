@@ -48,8 +48,7 @@ use std::arch::x86_64::*;
 use super::super::api::DotQ;
 use super::super::iq2_tables::IQ2XXS_GRID;
 use super::super::{iq2_xxs, q8_k};
-use super::avx2::prefetch_ahead;
-use super::avx512::{ld, ld64, A64};
+use super::x86::{ld, ld64, prefetch_ahead, A64};
 
 /// What the pair kernel needs beyond `avx512::available()`.
 pub(crate) fn available() -> bool {

@@ -1,7 +1,7 @@
-//! AVX-512 (BW/VBMI/VNNI) Q2_K · Q8_K kernel, resolved at runtime through [`super::avx512::dot_q`].
+//! AVX-512 (BW/VBMI/VNNI) Q2_K · Q8_K kernel, resolved at runtime through [`dot_q`] (which `simd` asks).
 //!
 //! Soundness: the `#[target_feature]` function is only reachable through the plain `fn` wrapper that
-//! `avx512::dot_q` hands out after `avx512::available()` confirmed its features; every load reads inside a block
+//! [`dot_q`] hands out after `avx512::available()` confirmed its features; every load reads inside a block
 //! slice produced by `chunks_exact`.
 //!
 //! Per 256-value block, the 64 bytes of 2-bit quants are one register; shift `j` (0..4) of it holds values
@@ -18,9 +18,9 @@
 
 use std::arch::x86_64::*;
 
+use super::super::api::DotQ;
 use super::super::{q2_k, q8_k};
-use super::avx2::{f16_at, prefetch_ahead};
-use super::avx512::A64;
+use super::x86::{f16_at, ld, ld64, prefetch_ahead, A64};
 
 /// For shift `j`, byte `p` of the quants belongs to sub-block `8·(p/32) + 2j + (p%32)/16`; its table offset is 4×.
 const SUB_OFFSET: [A64; 4] = [
@@ -42,12 +42,22 @@ const LEVEL_MUL: A64 = bytes64!(|i| match i % 4 {
     _ => 0,
 });
 
+/// This kernel where the CPU can run it (`avx512::available()`).
+pub(super) fn dot_q() -> Option<DotQ> {
+    super::avx512::available().then_some(q2_k_q8_k as DotQ)
+}
+
+fn q2_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
+    // SAFETY: only handed out by `dot_q` after `available()` confirmed the features `q2_k_q8_k_imp` needs.
+    unsafe { q2_k_q8_k_imp(w, a) }
+}
+
 /// Q2_K weights · Q8_K activations over the whole blocks both hold.
 #[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx512vnni,avx2,fma,f16c")]
-pub(super) fn q2_k_q8_k_imp(w: &[u8], a: &[u8]) -> f32 {
-    let offsets = SUB_OFFSET.each_ref().map(|t| super::avx512::ld64(t));
-    let spread = super::avx512::ld64(&SCALE_SPREAD);
-    let level_mul = super::avx512::ld64(&LEVEL_MUL);
+fn q2_k_q8_k_imp(w: &[u8], a: &[u8]) -> f32 {
+    let offsets = SUB_OFFSET.each_ref().map(|t| ld64(t));
+    let spread = ld64(&SCALE_SPREAD);
+    let level_mul = ld64(&LEVEL_MUL);
     let low4 = _mm_set1_epi8(0x0f);
     let three = _mm512_set1_epi8(3);
     let mut acc = _mm512_setzero_ps();
@@ -61,7 +71,7 @@ pub(super) fn q2_k_q8_k_imp(w: &[u8], a: &[u8]) -> f32 {
         let (sc, qs, bsums) = unsafe {
             (
                 _mm_loadu_si128(bp as *const __m128i),
-                super::avx512::ld(bp.add(16)),
+                ld(bp.add(16)),
                 _mm256_loadu_si256(ap.add(q8_k::BSUMS) as *const __m256i),
             )
         };
@@ -100,13 +110,13 @@ pub(super) fn q2_k_q8_k_imp(w: &[u8], a: &[u8]) -> f32 {
 
 #[cfg(test)]
 mod tests {
-    use super::super::avx512;
     use super::super::test_blocks::{mass, q8k_blocks};
-    use crate::quant::{q2_k, q8_k, GgmlType};
+    use super::dot_q;
+    use crate::quant::{q2_k, q8_k};
     use rand::{rngs::StdRng, Rng, SeedableRng};
 
     fn kernel() -> Option<crate::quant::DotQ> {
-        let k = avx512::dot_q(GgmlType::Q2K);
+        let k = dot_q();
         if k.is_none() {
             eprintln!("no AVX-512 VBMI/VNNI on this CPU: the avx512 Q2_K kernel is not selected, nothing to test");
         }

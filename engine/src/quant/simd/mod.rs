@@ -8,6 +8,8 @@
 //!   activations come in the pair layout ([`crate::quant::ActType::Q8KPairs`]; [`iq2_pairs`] says whether it is in use).
 //!   [`dot_q_variants`] lists every kernel this CPU can run, with the activation format each one reads, for
 //!   side-by-side benchmarks.
+//!   Module graph (x86-64): `x86` is a leaf of shared helpers (f16 conversion, prefetch, loads, 64-byte
+//!   constants); `avx2_x4` builds on `avx2`, `avx512_iq2` on `avx512`; the choice between them is made here.
 //! - aarch64 (little-endian): NEON (baseline on aarch64; compiled when the target enables it, see `neon`).
 //!
 //! Every SIMD kernel is tested against the scalar code of its format for odd block counts. Kernels follow the
@@ -24,7 +26,7 @@ pub(crate) fn iq2_pairs() -> bool {
     false
 }
 
-/// A 64-byte vector constant (`avx512::A64`) from an expression in the byte index `i`, for the AVX-512 kernels'
+/// A 64-byte vector constant (`x86::A64`) from an expression in the byte index `i`, for the AVX-512 kernels'
 /// tables (`const` context).
 #[cfg(target_arch = "x86_64")]
 macro_rules! bytes64 {
@@ -35,12 +37,14 @@ macro_rules! bytes64 {
             t[$i] = $f;
             $i += 1;
         }
-        super::avx512::A64(t)
+        super::x86::A64(t)
     }};
 }
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx2_x4;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 #[cfg(target_arch = "x86_64")]
@@ -51,6 +55,8 @@ mod avx512_q2k;
 mod neon;
 #[cfg(all(test, target_arch = "x86_64"))]
 mod test_blocks;
+#[cfg(target_arch = "x86_64")]
+mod x86;
 
 /// The instruction set the kernels use on this CPU: `"avx512-gfni"` (AVX-512 kernels where they exist, the IQ2_XXS
 /// pair kernel among them, AVX2 for the rest), `"avx512-vbmi"` (the same without GFNI: the IQ2_XXS gather kernel),
@@ -87,10 +93,22 @@ pub(crate) fn dot_f32(ty: GgmlType) -> Option<DotF32> {
     }
 }
 
+/// The AVX-512 kernel for `ty` where one exists: IQ2_XXS (the pair kernel of `avx512_iq2` where GFNI is present,
+/// else `avx512`'s gather kernel) and Q2_K (`avx512_q2k`). Chosen here, not in `avx512`, so that no kernel module
+/// depends on one that builds on it.
+#[cfg(target_arch = "x86_64")]
+fn avx512_dot_q(ty: GgmlType) -> Option<DotQ> {
+    match ty {
+        GgmlType::Iq2Xxs => avx512_iq2::dot_q().or_else(avx512::iq2_xxs_gather),
+        GgmlType::Q2K => avx512_q2k::dot_q(),
+        _ => None,
+    }
+}
+
 /// The best SIMD kernel for weight type `ty` · its quantized activations, if any.
 pub(crate) fn dot_q(ty: GgmlType) -> Option<DotQ> {
     #[cfg(target_arch = "x86_64")]
-    return avx512::dot_q(ty).or_else(|| avx2::dot_q(ty));
+    return avx512_dot_q(ty).or_else(|| avx2::dot_q(ty));
     #[cfg(all(target_arch = "aarch64", target_feature = "neon", target_endian = "little"))]
     return neon::dot_q(ty);
     #[allow(unreachable_code)]
@@ -100,12 +118,19 @@ pub(crate) fn dot_q(ty: GgmlType) -> Option<DotQ> {
     }
 }
 
-/// The four-activation-row kernel for `ty` (see [`crate::quant::DotQ4`]) where this CPU has one: the IQ2_XXS pair
-/// kernel's, exactly where [`dot_q`] picks the pair kernel.
+/// The four-activation-row kernel for `ty` (see [`crate::quant::DotQ4`]) where this CPU has one, always the batched
+/// form of the kernel [`dot_q`] picks: the IQ2_XXS pair kernel's (exactly where [`dot_q`] picks the pair kernel)
+/// and, where the single kernel is AVX2's, `avx2_x4`'s Q8_0 / Q2_K / IQ2_XXS four-row forms, each bit-identical to
+/// the single kernel.
 pub fn dot_q4(ty: GgmlType) -> Option<super::api::DotQ4> {
     #[cfg(target_arch = "x86_64")]
     if ty == GgmlType::Iq2Xxs && iq2_pairs() {
         return avx512_iq2::dot_q4();
+    }
+    // Elsewhere on x86-64 the single kernel is AVX2's wherever AVX-512 has none for the type.
+    #[cfg(target_arch = "x86_64")]
+    if avx512_dot_q(ty).is_none() && avx2::dot_q(ty).is_some() {
+        return avx2_x4::dot_q4(ty);
     }
     let _ = ty;
     None
@@ -125,7 +150,7 @@ pub fn dot_q_variants(ty: GgmlType) -> Vec<(&'static str, ActType, DotQ)> {
             v.extend(avx512_iq2::dot_q().map(|k| ("avx512-gfni", ActType::Q8KPairs, k)));
             v.extend(avx512::iq2_xxs_gather().map(|k| ("avx512-vbmi", plain, k)));
         } else {
-            v.extend(avx512::dot_q(ty).map(|k| ("avx512-vbmi", plain, k)));
+            v.extend(avx512_dot_q(ty).map(|k| ("avx512-vbmi", plain, k)));
         }
         v.extend(avx2::dot_q(ty).map(|k| ("avx2", plain, k)));
     }
@@ -263,6 +288,45 @@ mod bench {
                     "{ty:>8} {name:>12}: hot {hot:6.2} GB/s ({:5.2} G weights/s), stream {cold:6.2} GB/s",
                     wps(hot)
                 );
+            }
+            // Four activation rows per weight row: the engine's kernel four times vs its four-row form, in cache,
+            // as multiply-adds per second (weights × rows).
+            if let (Some(k4), Ok(k)) = (dot_q4(ty), crate::quant::dot_q_kernel(ty)) {
+                let mut a = Vec::new();
+                quantize_acts(crate::quant::act_type(ty), &x, &mut a).unwrap();
+                let hot = &w[..hot_rows * rb];
+                let passes = 16 * mib.max(1) / 16;
+                let (mut one, mut four) = (0f64, 0f64);
+                for _ in 0..3 {
+                    let (t, c0) = (Instant::now(), cpu_ns());
+                    let mut sink = 0f32;
+                    for _ in 0..passes {
+                        for row in hot.chunks_exact(rb) {
+                            for _ in 0..4 {
+                                sink += k(row, &a);
+                            }
+                        }
+                    }
+                    let s1 = match (c0, cpu_ns()) {
+                        (Some(p), Some(q)) => (q - p) as f64 / 1e9,
+                        _ => t.elapsed().as_secs_f64(),
+                    };
+                    let (t, c0) = (Instant::now(), cpu_ns());
+                    for _ in 0..passes {
+                        for row in hot.chunks_exact(rb) {
+                            sink += k4(row, [&a, &a, &a, &a]).iter().sum::<f32>();
+                        }
+                    }
+                    let s4 = match (c0, cpu_ns()) {
+                        (Some(p), Some(q)) => (q - p) as f64 / 1e9,
+                        _ => t.elapsed().as_secs_f64(),
+                    };
+                    assert!(sink.is_finite());
+                    let macs = (hot_rows * cols * 4 * passes) as f64 / 1e9;
+                    one = one.max(macs / s1);
+                    four = four.max(macs / s4);
+                }
+                println!("{ty:>8} 4 rows: single x4 {one:6.2} G MAC/s, four-row kernel {four:6.2} G MAC/s");
             }
         }
     }
