@@ -93,11 +93,17 @@ pub trait Runner: Send {
     fn fork(&mut self, _session: SessionId) -> Option<SessionId> {
         None
     }
-    /// Queue tokens for the next [`Runner::step`].
+    /// Queue tokens for the next [`Runner::step`]s.
     fn feed(&mut self, session: SessionId, tokens: &[u32]) -> Result<(), BackendError>;
-    /// Run one tick: every session's queued tokens go through the model together.
+    /// Run one model tick over all sessions together (continuous batching): sessions with one queued token (decoding)
+    /// first, then prompt chunks, as far as the runner's batch budget goes. Tokens beyond it stay queued for the next
+    /// step ([`Runner::pending`]).
     fn step(&mut self) -> Result<(), BackendError>;
-    /// Logits after the last token fed to `session`, once a step has processed it.
+    /// Tokens fed to `session` that no step has processed yet (0 for runners that process everything at once).
+    fn pending(&self, _session: SessionId) -> usize {
+        0
+    }
+    /// Logits after the last token fed to `session`, once a step has processed it (and `pending` is 0).
     fn logits(&self, session: SessionId) -> Option<&[f32]>;
     /// KV bytes per tier.
     fn kv_bytes(&self) -> KvBytes {

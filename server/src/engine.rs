@@ -9,8 +9,8 @@
 //!   when the new prompt extends everything it processed. [`Runner::fork`] (snapshot + restore) lets the scheduler
 //!   keep a copy of each prompt's state, so a follow-up that diverges after the prompt (regenerate, a re-rendered
 //!   assistant turn) still reuses the prompt.
-//! - `step` loops until the engine has no queued tokens, so one scheduler tick processes everything that was fed
-//!   (the engine's own batch budget may split it into several engine ticks).
+//! - `step` is one engine tick (decode tokens first, then prefill up to the engine's `max_batch_tokens`);
+//!   `pending` reports what is still queued, so a decoding session is never held up by a long prefill.
 //! - Tools are attached to the first message (the renderer prints them in the system prompt); the function object
 //!   is written with keys `name`, `description`, `parameters` in that order. Consecutive system messages are joined
 //!   with `"\n\n"` first. The prompt comes from [`chat::render_prompt`], so it always ends in the assistant
@@ -100,8 +100,12 @@ impl Runner for EngineRunner {
     }
 
     fn step(&mut self) -> Result<(), BackendError> {
-        while self.engine.step().map_err(be)? {}
+        self.engine.step().map_err(be)?;
         Ok(())
+    }
+
+    fn pending(&self, session: SessionId) -> usize {
+        self.ids.get(&session).and_then(|&sid| self.engine.pending(sid).ok()).unwrap_or(0)
     }
 
     fn logits(&self, session: SessionId) -> Option<&[f32]> {
@@ -363,4 +367,33 @@ pub fn load(path: Option<&Path>, o: &LoadOptions) -> Result<(EngineRunner, Engin
     let codec = EngineCodec::new(tok).with_revision(engine.config().revision);
     let runner = EngineRunner { engine, ids: HashMap::new(), next: 0, max_sessions: o.max_sessions.max(1), disk: None };
     Ok((runner, codec, info))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_step_is_one_engine_tick_and_decode_goes_first() {
+        let opts =
+            LoadOptions { backend: BackendKind::Cpu, ctx: 128, max_batch_tokens: 8, max_sessions: 4, demo_seed: 1 };
+        let (mut r, _, _) = load(None, &opts).expect("demo model");
+        let (long, short) = (r.create_session().unwrap(), r.create_session().unwrap());
+        r.feed(short, &[5]).unwrap();
+        r.step().unwrap();
+        assert!(r.logits(short).is_some());
+        r.feed(long, &[7; 30]).unwrap();
+        r.feed(short, &[6]).unwrap();
+        r.step().unwrap();
+        // One tick of 8 rows: the decode token and 7 prompt tokens; the rest waits for the next steps.
+        assert_eq!((r.pending(short), r.pending(long)), (0, 23));
+        let mut steps = 1;
+        while r.pending(long) > 0 {
+            r.step().unwrap();
+            steps += 1;
+            assert!(steps < 10, "the prefill does not progress");
+        }
+        assert_eq!(steps, 4);
+        assert!(r.logits(long).is_some());
+    }
 }

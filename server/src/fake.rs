@@ -16,7 +16,8 @@
 //! prompt gives the reply (reasoning, text, tool calls); prompts it does not match get the built-in reply above.
 //! Logits are one-hot with a wide margin, so any temperature gives the same text in practice and
 //! greedy decoding always does. Batching cannot change a session's output (sessions are independent).
-//! An optional per-step delay makes slow-model tests (keep-alive, cancellation, queueing) possible.
+//! An optional per-step delay makes slow-model tests (keep-alive, cancellation, queueing) possible, and an optional
+//! batch budget ([`FakeRunner::with_batch_tokens`]) makes a step process only part of what was fed, like the engine.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -26,6 +27,7 @@ use crate::backend::{
     BackendError, Codec, Conversation, KvBytes, OutputParser, Parsed, Role, Runner, SessionId, TokenDecoder,
 };
 use crate::fake_script::{substitute, substitute_value, LastTurn, PromptView, Script};
+use ds4_engine::sampler::partial_suffix_len;
 
 /// End-of-sequence token id.
 pub const EOS: u32 = 256;
@@ -157,14 +159,6 @@ struct FakeParser {
     buf: String,
 }
 
-/// Length of the longest suffix of `s` that is a proper prefix of `marker` (text that must be held back).
-pub(crate) fn partial_marker_len(s: &str, marker: &str) -> usize {
-    (1..marker.len().min(s.len() + 1))
-        .rev()
-        .find(|&n| s.is_char_boundary(s.len() - n) && marker.starts_with(&s[s.len() - n..]))
-        .unwrap_or(0)
-}
-
 impl FakeParser {
     fn emit(&self, text: String, out: &mut Vec<Parsed>) {
         if text.is_empty() {
@@ -215,7 +209,7 @@ impl OutputParser for FakeParser {
                 continue;
             }
             if self.state != State::Tool {
-                let keep = partial_marker_len(&self.buf, marker);
+                let keep = partial_suffix_len(&self.buf, &[marker]);
                 let text = self.buf[..self.buf.len() - keep].to_string();
                 self.buf.drain(..self.buf.len() - keep);
                 self.emit(text, &mut out);
@@ -251,6 +245,8 @@ pub struct FakeRunner {
     max_sessions: usize,
     delay: Duration,
     script: Arc<Script>,
+    /// Rows one `step` processes at most (decode tokens first, like the engine); unlimited by default.
+    batch_tokens: usize,
     /// Total tokens processed by `step` (tests read it to see prefix reuse).
     pub tokens_processed: u64,
 }
@@ -263,6 +259,7 @@ impl FakeRunner {
             max_sessions,
             delay: Duration::ZERO,
             script: Arc::new(Script::default()),
+            batch_tokens: usize::MAX,
             tokens_processed: 0,
         }
     }
@@ -270,6 +267,12 @@ impl FakeRunner {
     /// Answer from `script` first (see [`crate::fake_script`]).
     pub fn with_script(mut self, script: Script) -> Self {
         self.script = Arc::new(script);
+        self
+    }
+
+    /// Process at most `n` tokens per `step` (at least 1), decoding sessions first, like the engine's batch budget.
+    pub fn with_batch_tokens(mut self, n: usize) -> Self {
+        self.batch_tokens = n.max(1);
         self
     }
 
@@ -424,12 +427,20 @@ impl Runner for FakeRunner {
         if !self.delay.is_zero() {
             std::thread::sleep(self.delay);
         }
-        for s in self.sessions.values_mut() {
-            if s.pending.is_empty() {
-                continue;
+        let mut ids: Vec<SessionId> =
+            self.sessions.iter().filter(|(_, s)| !s.pending.is_empty()).map(|(&id, _)| id).collect();
+        // Decoding sessions (one queued token) first, then prompt chunks in session order.
+        ids.sort_by_key(|id| (self.sessions[id].pending.len() != 1, *id));
+        let mut budget = self.batch_tokens;
+        for id in ids {
+            let s = self.sessions.get_mut(&id).expect("listed above");
+            let take = s.pending.len().min(budget);
+            if take == 0 {
+                break;
             }
-            self.tokens_processed += s.pending.len() as u64;
-            s.tokens.append(&mut s.pending);
+            budget -= take;
+            self.tokens_processed += take as u64;
+            s.tokens.extend(s.pending.drain(..take));
             let bytes: Vec<u8> = s.tokens.iter().map(|&t| t.min(255) as u8).collect();
             let start = find_last(&bytes, ASSISTANT.as_bytes()).map(|p| p + ASSISTANT.len());
             let mut logits = vec![0.0f32; VOCAB];
@@ -450,6 +461,10 @@ impl Runner for FakeRunner {
             s.logits = Some(logits);
         }
         Ok(())
+    }
+
+    fn pending(&self, session: SessionId) -> usize {
+        self.sessions.get(&session).map_or(0, |s| s.pending.len())
     }
 
     fn logits(&self, session: SessionId) -> Option<&[f32]> {
@@ -528,8 +543,6 @@ mod tests {
 
     #[test]
     fn partial_markers_are_held_back() {
-        assert_eq!(partial_marker_len("abc</thi", "</think>"), 5);
-        assert_eq!(partial_marker_len("abc", "</think>"), 0);
         let mut p = FakeCodec.parser(false);
         assert_eq!(p.push("hi <tool"), vec![Parsed::Content("hi ".into())]);
         assert_eq!(p.push("box"), vec![Parsed::Content("<toolbox".into())]);

@@ -35,7 +35,6 @@ pub mod kvdisk;
 pub mod markers;
 pub mod metrics;
 pub mod recent;
-pub mod sampling;
 pub mod scheduler;
 pub mod sse;
 pub mod state;

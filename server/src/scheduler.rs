@@ -2,9 +2,11 @@
 //! [`JobEvent`]s back over a per-job tokio channel.
 //!
 //! Each tick: admit waiting jobs (up to `max_active`), drop jobs whose receiver is gone (client disconnected), feed
-//! every decoding session its last sampled token plus at most `prefill_chunk` prompt tokens in total to the sessions
-//! still prefilling (so decoders keep flowing during a long prefill), run one `Runner::step`, then sample for every
-//! session whose prompt is complete.
+//! every decoding session its last sampled token plus prompt tokens to the sessions still prefilling, so that at most
+//! `prefill_chunk` prompt tokens are queued in the runner in all (so decoders keep flowing during a long prefill),
+//! run exactly one `Runner::step` (one model tick: decode tokens first, then as much prefill as the runner's batch
+//! holds), then sample for every session whose fed tokens are all processed ([`Runner::pending`] is 0). A decoding
+//! session therefore gets a token every tick, however long another session's prompt is.
 //!
 //! Prefix reuse: a finished (or cancelled) job's session is *parked* with exactly the tokens it has processed. A new
 //! job takes the parked session that lets it skip the most prompt tokens and feeds only the rest: a parked session
@@ -37,7 +39,7 @@ use crate::backend::{Runner, SessionId};
 use crate::kvdisk::DiskEvent;
 use crate::metrics::{Metrics, Tier};
 use crate::recent::{Outcome, RequestRecord};
-use crate::sampling::{Sampler, SamplingParams};
+use ds4_engine::sampler::{Sampler, SamplerConfig};
 
 /// Why generation stopped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -64,7 +66,7 @@ pub enum JobEvent {
 /// One generation request.
 pub struct Job {
     pub prompt: Vec<u32>,
-    pub sampling: SamplingParams,
+    pub sampling: SamplerConfig,
     /// Generated tokens at most (the EOS token counts).
     pub max_tokens: usize,
     /// Token ids that end generation (not emitted).
@@ -115,16 +117,7 @@ impl Scheduler {
         let (tx, rx) = channel::unbounded();
         let queued = Arc::new(AtomicUsize::new(0));
         let max_queue = config.max_queue;
-        let mut worker = Worker {
-            runner,
-            config,
-            metrics,
-            queued: queued.clone(),
-            waiting: VecDeque::new(),
-            active: Vec::new(),
-            parked: Vec::new(),
-            clock: 0,
-        };
+        let mut worker = Worker::new(runner, config, metrics, queued.clone());
         let thread = std::thread::Builder::new()
             .name("ds4-scheduler".into())
             .spawn(move || worker.run(rx))
@@ -221,6 +214,19 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
 }
 
 impl Worker {
+    fn new(runner: Box<dyn Runner>, config: SchedulerConfig, metrics: Arc<Metrics>, queued: Arc<AtomicUsize>) -> Self {
+        Worker {
+            runner,
+            config,
+            metrics,
+            queued,
+            waiting: VecDeque::new(),
+            active: Vec::new(),
+            parked: Vec::new(),
+            clock: 0,
+        }
+    }
+
     fn run(&mut self, rx: Receiver<Msg>) {
         // Before the first request: what the runner found at start (e.g. corrupt cache files removed) is visible.
         self.publish();
@@ -297,6 +303,13 @@ impl Worker {
                 let _ = job.events.send(JobEvent::Error(msg));
                 continue;
             }
+            let sampler = match Sampler::new(job.sampling.clone()) {
+                Ok(s) => s,
+                Err(e) => {
+                    let _ = job.events.send(JobEvent::Error(format!("invalid sampling settings: {e}")));
+                    continue;
+                }
+            };
             let (session, cached, tier) = match self.acquire(&job.prompt) {
                 Ok(x) => x,
                 Err(e) => {
@@ -313,7 +326,7 @@ impl Worker {
             tracing::debug!(session, prompt_len, cached, "admitted");
             self.active.push(Active {
                 tokens: job.prompt.clone(),
-                sampler: Sampler::new(job.sampling.clone()),
+                sampler,
                 job,
                 session,
                 fed: cached,
@@ -453,23 +466,22 @@ impl Worker {
             }
         }
         let mut budget = self.config.prefill_chunk.max(1);
-        let mut sample_now = Vec::new();
         let mut failed = Vec::new();
-        let mut fed_any = false;
+        let mut queued_any = false;
         let mut prefilled = 0u64;
         for (i, a) in self.active.iter_mut().enumerate() {
+            // Tokens fed on earlier ticks that the runner has not processed yet count against the prefill budget.
+            let pending = self.runner.pending(a.session);
+            queued_any |= pending > 0;
             let remaining = a.tokens.len() - a.fed;
             let n = if a.fed >= a.prompt_len {
                 remaining // a decode token (exactly one)
             } else {
-                let n = remaining.min(budget);
-                budget -= n;
+                let n = remaining.min(budget.saturating_sub(pending));
+                budget = budget.saturating_sub(pending + n);
                 n
             };
             if n == 0 {
-                if a.generated == 0 && a.fed == a.tokens.len() {
-                    sample_now.push(i); // full prefix hit: the parked session holds the prompt's logits
-                }
                 continue;
             }
             if let Err(e) = self.runner.feed(a.session, &a.tokens[a.fed..a.fed + n]) {
@@ -480,12 +492,9 @@ impl Worker {
                 prefilled += n as u64;
             }
             a.fed += n;
-            fed_any = true;
-            if a.fed == a.tokens.len() {
-                sample_now.push(i);
-            }
+            queued_any = true;
         }
-        if fed_any {
+        if queued_any {
             let stepped = catch_unwind(AssertUnwindSafe(|| self.runner.step()));
             let err = match stepped {
                 Ok(Ok(())) => None,
@@ -502,6 +511,14 @@ impl Worker {
                 return;
             }
         }
+        // Ready to sample: everything fed has been processed (after a full prefix hit, nothing needed feeding: the
+        // parked session holds the prompt's logits). A session whose feed failed is not sampled.
+        let sample_now: Vec<usize> = (0..self.active.len())
+            .filter(|&i| {
+                let a = &self.active[i];
+                a.fed == a.tokens.len() && self.runner.pending(a.session) == 0 && !failed.iter().any(|f| f.0 == i)
+            })
+            .collect();
         let mut finished: Vec<(usize, JobEvent)> = failed.into_iter().map(|(i, e)| (i, JobEvent::Error(e))).collect();
         let checkpoints: Vec<(SessionId, Vec<u32>, usize)> = sample_now
             .iter()
@@ -520,7 +537,13 @@ impl Worker {
                 finished.push((i, JobEvent::Error("the model returned no logits".into())));
                 continue;
             };
-            let token = a.sampler.sample(logits);
+            let token = match a.sampler.sample(logits) {
+                Ok(t) => t,
+                Err(e) => {
+                    finished.push((i, JobEvent::Error(format!("sampling failed: {e}"))));
+                    continue;
+                }
+            };
             let now = Instant::now();
             match a.last_token {
                 None => {
@@ -561,7 +584,7 @@ mod tests {
 
     fn job(prompt: Vec<u32>, max_tokens: usize) -> (Job, UnboundedReceiver<JobEvent>) {
         let (tx, rx) = unbounded_channel();
-        let sampling = SamplingParams { temperature: 0.0, ..Default::default() };
+        let sampling = SamplerConfig::greedy();
         (Job { prompt, sampling, max_tokens, eos: vec![EOS], events: tx }, rx)
     }
 
@@ -708,6 +731,49 @@ mod tests {
         let (j, _rx) = job(prompt("x"), 5);
         assert_eq!(s.submit(j), Err(SubmitError::QueueFull));
         s.shutdown();
+    }
+
+    #[test]
+    fn decoding_gets_a_token_every_tick_during_another_long_prefill() {
+        // The model processes 8 rows per step and the scheduler may queue 512 prompt tokens: a 400-token prompt
+        // takes dozens of ticks, and the session already decoding gets one token in each of them. The worker is
+        // driven tick by tick here (no thread), so the counts are exact.
+        let runner = FakeRunner::new(8).with_batch_tokens(8);
+        let queued = Arc::new(AtomicUsize::new(0));
+        let mut w = Worker::new(Box::new(runner), SchedulerConfig::default(), Default::default(), queued.clone());
+        let submit = |w: &mut Worker, j: Job| {
+            queued.fetch_add(1, Ordering::SeqCst);
+            w.waiting.push_back((j, Instant::now()));
+        };
+        let tokens = |rx: &mut UnboundedReceiver<JobEvent>| {
+            std::iter::from_fn(|| rx.try_recv().ok()).filter(|e| matches!(e, JobEvent::Token(_))).count()
+        };
+        let (a, mut rx_a) = job(prompt("a long answer"), 10_000);
+        submit(&mut w, a);
+        let mut ticks = 0;
+        while tokens(&mut rx_a) == 0 {
+            w.admit();
+            w.tick();
+            ticks += 1;
+            assert!(ticks < 100, "no first token");
+        }
+        let long = prompt(&"x".repeat(400));
+        let (b, mut rx_b) = job(long.clone(), 3);
+        submit(&mut w, b);
+        let mut prefill_ticks = 0;
+        loop {
+            w.admit();
+            w.tick();
+            let b_started = tokens(&mut rx_b) > 0;
+            // One token for the decoding session on every tick, the prefill tick included.
+            assert_eq!(tokens(&mut rx_a), 1, "tick {prefill_ticks} of the prefill");
+            if b_started {
+                break;
+            }
+            prefill_ticks += 1;
+            assert!(prefill_ticks < 1000, "the prefill does not finish");
+        }
+        assert!(prefill_ticks >= long.len() / 8, "a {}-token prefill in {prefill_ticks} ticks", long.len());
     }
 
     #[test]

@@ -18,8 +18,8 @@ use serde::de::DeserializeOwned;
 use std::sync::Arc;
 
 use crate::backend::{Conversation, EncodeError};
-use crate::sampling::SamplingParams;
 use crate::state::AppState;
+use ds4_engine::sampler::SamplerConfig;
 use errors::ApiError;
 
 /// Decode a JSON body into `T`; syntax and type errors become 400s naming the problem.
@@ -30,13 +30,13 @@ pub fn parse_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     serde_json::from_slice(body).map_err(|e| ApiError::bad_json(&e))
 }
 
-/// Validate sampling knobs (OpenAI ranges; `top_k` is an extension).
+/// Validate sampling knobs (OpenAI ranges; `top_k` is an extension). Without a seed, a random one.
 pub fn sampling(
     temperature: Option<f64>,
     top_p: Option<f64>,
     top_k: Option<u64>,
     seed: Option<u64>,
-) -> Result<SamplingParams, ApiError> {
+) -> Result<SamplerConfig, ApiError> {
     let temperature = temperature.unwrap_or(1.0);
     if !(0.0..=2.0).contains(&temperature) {
         return Err(ApiError::param("temperature", format!("temperature must be between 0 and 2, got {temperature}")));
@@ -45,11 +45,12 @@ pub fn sampling(
     if !(top_p > 0.0 && top_p <= 1.0) {
         return Err(ApiError::param("top_p", format!("top_p must be in (0, 1], got {top_p}")));
     }
-    Ok(SamplingParams {
+    Ok(SamplerConfig {
         temperature: temperature as f32,
-        top_p: top_p as f32,
+        top_p: (top_p as f32).max(f32::MIN_POSITIVE),
         top_k: top_k.unwrap_or(0).min(u32::MAX as u64) as usize,
-        seed,
+        seed: seed.unwrap_or_else(rand::random),
+        ..SamplerConfig::default()
     })
 }
 
