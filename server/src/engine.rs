@@ -24,8 +24,8 @@ use ds4_engine::engine::{BackendKind, Engine, EngineOptions};
 use ds4_engine::gguf::GgufFile;
 use ds4_engine::tokenizer::{StreamDecoder, Tokenizer};
 
-use crate::backend::{
-    BackendError, Codec, Conversation, EncodeError, ModelInfo, OutputParser, Parsed, Role, Runner, SessionId,
+use crate::model::{
+    BackendError, Codec, Conversation, EncodeError, ModelInfo, OutputParser, Parsed, Role, Runner, RunnerSessionId,
     TokenDecoder,
 };
 
@@ -36,8 +36,8 @@ fn be(e: impl std::fmt::Display) -> BackendError {
 /// The engine as a [`Runner`].
 pub struct EngineRunner {
     engine: Engine,
-    ids: HashMap<SessionId, ds4_engine::tables::SessionId>,
-    next: SessionId,
+    ids: HashMap<RunnerSessionId, ds4_engine::tables::SessionId>,
+    next: RunnerSessionId,
     max_sessions: usize,
     disk: Option<crate::kvdisk::DiskTier>,
 }
@@ -60,7 +60,7 @@ impl Runner for EngineRunner {
         self.engine.config().vocab
     }
 
-    fn create_session(&mut self) -> Result<SessionId, BackendError> {
+    fn create_session(&mut self) -> Result<RunnerSessionId, BackendError> {
         if self.ids.len() >= self.max_sessions {
             return Err(BackendError(format!("session table full ({} sessions)", self.max_sessions)));
         }
@@ -70,7 +70,7 @@ impl Runner for EngineRunner {
         Ok(self.next)
     }
 
-    fn free_session(&mut self, session: SessionId) {
+    fn free_session(&mut self, session: RunnerSessionId) {
         if let Some(sid) = self.ids.remove(&session) {
             if let Some(d) = &mut self.disk {
                 d.forget(sid);
@@ -79,11 +79,11 @@ impl Runner for EngineRunner {
         }
     }
 
-    fn truncate(&mut self, _session: SessionId, _len: usize) -> bool {
+    fn truncate(&mut self, _session: RunnerSessionId, _len: usize) -> bool {
         false
     }
 
-    fn fork(&mut self, session: SessionId) -> Option<SessionId> {
+    fn fork(&mut self, session: RunnerSessionId) -> Option<RunnerSessionId> {
         if self.ids.len() >= self.max_sessions {
             return None;
         }
@@ -94,7 +94,7 @@ impl Runner for EngineRunner {
         Some(self.next)
     }
 
-    fn feed(&mut self, session: SessionId, tokens: &[u32]) -> Result<(), BackendError> {
+    fn feed(&mut self, session: RunnerSessionId, tokens: &[u32]) -> Result<(), BackendError> {
         let sid = *self.ids.get(&session).ok_or_else(|| BackendError(format!("unknown session {session}")))?;
         self.engine.feed(sid, tokens).map_err(be)
     }
@@ -104,25 +104,25 @@ impl Runner for EngineRunner {
         Ok(())
     }
 
-    fn pending(&self, session: SessionId) -> usize {
+    fn pending(&self, session: RunnerSessionId) -> usize {
         self.ids.get(&session).and_then(|&sid| self.engine.pending(sid).ok()).unwrap_or(0)
     }
 
-    fn logits(&self, session: SessionId) -> Option<&[f32]> {
+    fn logits(&self, session: RunnerSessionId) -> Option<&[f32]> {
         self.engine.logits(*self.ids.get(&session)?).ok()
     }
 
-    fn kv_bytes(&self) -> crate::backend::KvBytes {
+    fn kv_bytes(&self) -> crate::model::KvBytes {
         // The CPU backend's KV is host memory; wgpu keeps it on the device with a lazily synced host mirror.
         let (device, host) = self
             .ids
             .values()
             .filter_map(|&sid| self.engine.kv_bytes_by_tier(sid).ok())
             .fold((0, 0), |(d, h), (sd, sh)| (d + sd, h + sh));
-        crate::backend::KvBytes { device, host, disk: self.disk.as_ref().map_or(0, |d| d.disk_bytes()) }
+        crate::model::KvBytes { device, host, disk: self.disk.as_ref().map_or(0, |d| d.disk_bytes()) }
     }
 
-    fn disk_restore(&mut self, prompt: &[u32], better_than: usize) -> Option<(SessionId, usize)> {
+    fn disk_restore(&mut self, prompt: &[u32], better_than: usize) -> Option<(RunnerSessionId, usize)> {
         if self.ids.len() >= self.max_sessions {
             return None;
         }
@@ -132,13 +132,13 @@ impl Runner for EngineRunner {
         Some((self.next, n))
     }
 
-    fn disk_event(&mut self, session: SessionId, event: crate::kvdisk::DiskEvent) {
+    fn disk_event(&mut self, session: RunnerSessionId, event: crate::kvdisk::DiskEvent) {
         if let (Some(d), Some(&sid)) = (self.disk.as_mut(), self.ids.get(&session)) {
             d.on_event(&self.engine, sid, event);
         }
     }
 
-    fn disk_error_counts(&self) -> crate::backend::DiskErrors {
+    fn disk_error_counts(&self) -> crate::model::DiskErrors {
         self.disk.as_ref().map(|d| d.error_counts()).unwrap_or_default()
     }
 }
@@ -170,7 +170,7 @@ impl EngineCodec {
     }
 }
 
-fn tool_json(t: &crate::backend::ToolSpec) -> Result<JsonValue, BackendError> {
+fn tool_json(t: &crate::model::ToolSpec) -> Result<JsonValue, BackendError> {
     let text = format!(
         "{{\"name\":{},\"description\":{},\"parameters\":{}}}",
         serde_json::Value::String(t.name.clone()),

@@ -23,10 +23,10 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::backend::{
-    BackendError, Codec, Conversation, KvBytes, OutputParser, Parsed, Role, Runner, SessionId, TokenDecoder,
-};
 use crate::fake_script::{substitute, substitute_value, LastTurn, PromptView, Script};
+use crate::model::{
+    BackendError, Codec, Conversation, KvBytes, OutputParser, Parsed, Role, Runner, RunnerSessionId, TokenDecoder,
+};
 use ds4_engine::sampler::partial_suffix_len;
 
 /// End-of-sequence token id.
@@ -87,9 +87,9 @@ impl Codec for FakeCodec {
         Ok(text.bytes().map(u32::from).collect())
     }
 
-    fn encode_bounded(&self, text: &str, limit: usize) -> Result<Vec<u32>, crate::backend::EncodeError> {
+    fn encode_bounded(&self, text: &str, limit: usize) -> Result<Vec<u32>, crate::model::EncodeError> {
         if text.len() > limit {
-            return Err(crate::backend::EncodeError::TooLong { limit });
+            return Err(crate::model::EncodeError::TooLong { limit });
         }
         self.encode(text).map_err(Into::into)
     }
@@ -240,8 +240,8 @@ struct FakeSession {
 
 /// The scripted fake model.
 pub struct FakeRunner {
-    sessions: HashMap<SessionId, FakeSession>,
-    next_id: SessionId,
+    sessions: HashMap<RunnerSessionId, FakeSession>,
+    next_id: RunnerSessionId,
     max_sessions: usize,
     delay: Duration,
     script: Arc<Script>,
@@ -370,7 +370,7 @@ impl Runner for FakeRunner {
         VOCAB
     }
 
-    fn create_session(&mut self) -> Result<SessionId, BackendError> {
+    fn create_session(&mut self) -> Result<RunnerSessionId, BackendError> {
         if self.sessions.len() >= self.max_sessions {
             return Err(BackendError(format!("session table full ({} sessions)", self.max_sessions)));
         }
@@ -380,11 +380,11 @@ impl Runner for FakeRunner {
         Ok(id)
     }
 
-    fn free_session(&mut self, session: SessionId) {
+    fn free_session(&mut self, session: RunnerSessionId) {
         self.sessions.remove(&session);
     }
 
-    fn truncate(&mut self, session: SessionId, len: usize) -> bool {
+    fn truncate(&mut self, session: RunnerSessionId, len: usize) -> bool {
         match self.sessions.get_mut(&session) {
             Some(s) if len <= s.tokens.len() => {
                 s.tokens.truncate(len);
@@ -401,7 +401,7 @@ impl Runner for FakeRunner {
         true
     }
 
-    fn fork(&mut self, session: SessionId) -> Option<SessionId> {
+    fn fork(&mut self, session: RunnerSessionId) -> Option<RunnerSessionId> {
         let s = self.sessions.get(&session)?;
         let copy = FakeSession {
             tokens: s.tokens.clone(),
@@ -414,7 +414,7 @@ impl Runner for FakeRunner {
         Some(id)
     }
 
-    fn feed(&mut self, session: SessionId, tokens: &[u32]) -> Result<(), BackendError> {
+    fn feed(&mut self, session: RunnerSessionId, tokens: &[u32]) -> Result<(), BackendError> {
         let s = self.sessions.get_mut(&session).ok_or_else(|| BackendError(format!("no session {session}")))?;
         if let Some(t) = tokens.iter().find(|&&t| t as usize >= VOCAB) {
             return Err(BackendError(format!("token {t} out of range")));
@@ -427,7 +427,7 @@ impl Runner for FakeRunner {
         if !self.delay.is_zero() {
             std::thread::sleep(self.delay);
         }
-        let mut ids: Vec<SessionId> =
+        let mut ids: Vec<RunnerSessionId> =
             self.sessions.iter().filter(|(_, s)| !s.pending.is_empty()).map(|(&id, _)| id).collect();
         // Decoding sessions (one queued token) first, then prompt chunks in session order.
         ids.sort_by_key(|id| (self.sessions[id].pending.len() != 1, *id));
@@ -463,11 +463,11 @@ impl Runner for FakeRunner {
         Ok(())
     }
 
-    fn pending(&self, session: SessionId) -> usize {
+    fn pending(&self, session: RunnerSessionId) -> usize {
         self.sessions.get(&session).map_or(0, |s| s.pending.len())
     }
 
-    fn logits(&self, session: SessionId) -> Option<&[f32]> {
+    fn logits(&self, session: RunnerSessionId) -> Option<&[f32]> {
         self.sessions.get(&session)?.logits.as_deref()
     }
 
@@ -480,7 +480,7 @@ impl Runner for FakeRunner {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::{Message, ToolSpec};
+    use crate::model::{Message, ToolSpec};
 
     fn generate(runner: &mut FakeRunner, prompt: &[u32]) -> String {
         let s = runner.create_session().unwrap();

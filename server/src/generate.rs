@@ -24,8 +24,8 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 use tokio::time::Instant;
 
 use crate::api::errors::ApiError;
-use crate::backend::{OutputParser, Parsed, TokenDecoder, ToolCall};
-use crate::scheduler::{Job, JobEvent, StopReason, SubmitError};
+use crate::model::{OutputParser, Parsed, TokenDecoder, ToolCall};
+use crate::scheduler::{GenRequest, JobEvent, StopReason, SubmitError};
 use crate::sse::SseSender;
 use crate::state::AppState;
 use ds4_engine::sampler::{SamplerConfig, StopChecker, StopStatus};
@@ -139,8 +139,13 @@ impl Generation {
         let max_tokens = opts.max_tokens.unwrap_or(usize::MAX).min(cap).min(room).max(1);
         let (tx, rx) = unbounded_channel();
         let usage = Usage { prompt_tokens: prompt.len(), ..Usage::default() };
-        let job =
-            Job { prompt, sampling: opts.sampling.clone(), max_tokens, eos: state.codec.eos_tokens(), events: tx };
+        let job = GenRequest {
+            prompt,
+            sampling: opts.sampling.clone(),
+            max_tokens,
+            eos: state.codec.eos_tokens(),
+            events: tx,
+        };
         state.scheduler.submit(job).map_err(|e| match e {
             SubmitError::QueueFull => ApiError::overloaded(1),
             SubmitError::ShuttingDown => ApiError::new(503, "the server is shutting down"),

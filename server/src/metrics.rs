@@ -55,18 +55,18 @@ impl Histogram {
 
 /// Storage tiers reported for KV bytes and prefix-cache hits.
 #[derive(Debug, Clone, Copy)]
-pub enum Tier {
+pub enum CacheTier {
     Device = 0,
     Host = 1,
     Disk = 2,
 }
 
-/// Tier names, in [`Tier`] order.
+/// Tier names, in [`CacheTier`] order.
 pub const TIERS: [&str; 3] = ["device", "host", "disk"];
 
-impl Tier {
+impl CacheTier {
     /// Every tier, in order.
-    pub const ALL: [Tier; 3] = [Tier::Device, Tier::Host, Tier::Disk];
+    pub const ALL: [CacheTier; 3] = [CacheTier::Device, CacheTier::Host, CacheTier::Disk];
 
     /// The tier's label (`device`, `host`, `disk`).
     pub fn name(self) -> &'static str {
@@ -102,7 +102,7 @@ pub struct Metrics {
     pub active_sessions: AtomicU64,
     pub parked_sessions: AtomicU64,
     /// Disk KV tier failures by kind.
-    kv_disk_errors: Mutex<crate::backend::DiskErrors>,
+    kv_disk_errors: Mutex<crate::model::DiskErrors>,
     /// Generations stopped because their client went away.
     pub cancelled: AtomicU64,
     /// SSE keep-alive frames sent.
@@ -145,15 +145,15 @@ impl Metrics {
         *self.requests.lock().entry((endpoint.to_string(), status)).or_insert(0) += 1;
     }
 
-    pub fn set_kv_bytes(&self, tier: Tier, bytes: u64) {
+    pub fn set_kv_bytes(&self, tier: CacheTier, bytes: u64) {
         self.kv_bytes[tier as usize].store(bytes, Ordering::Relaxed);
     }
 
-    pub fn add_prefix_hit(&self, tier: Tier, tokens: u64) {
+    pub fn add_prefix_hit(&self, tier: CacheTier, tokens: u64) {
         self.prefix_hits[tier as usize].fetch_add(tokens, Ordering::Relaxed);
     }
 
-    pub fn set_kv_disk_errors(&self, e: crate::backend::DiskErrors) {
+    pub fn set_kv_disk_errors(&self, e: crate::model::DiskErrors) {
         *self.kv_disk_errors.lock() = e;
     }
 
@@ -168,12 +168,12 @@ impl Metrics {
     }
 
     /// Prompt tokens served from `tier` so far.
-    pub fn prefix_hit_tokens(&self, tier: Tier) -> u64 {
+    pub fn prefix_hit_tokens(&self, tier: CacheTier) -> u64 {
         load(&self.prefix_hits[tier as usize])
     }
 
     /// KV bytes held in `tier` now.
-    pub fn kv_bytes(&self, tier: Tier) -> u64 {
+    pub fn kv_bytes(&self, tier: CacheTier) -> u64 {
         load(&self.kv_bytes[tier as usize])
     }
 
@@ -252,7 +252,7 @@ mod tests {
         m.request("chat", 200);
         m.request("messages", 400);
         m.ttft.observe(Duration::from_millis(30));
-        m.add_prefix_hit(Tier::Host, 12);
+        m.add_prefix_hit(CacheTier::Host, 12);
         let text = m.render();
         assert!(text.contains("ds4_requests_total{endpoint=\"chat\",status=\"200\"} 2\n"));
         assert!(text.contains("ds4_requests_total{endpoint=\"messages\",status=\"400\"} 1\n"));

@@ -1,4 +1,4 @@
-//! The scheduler thread: the only owner of the [`Runner`]. Requests reach it as [`Job`]s over a channel and get
+//! The scheduler thread: the only owner of the [`Runner`]. Requests reach it as [`GenRequest`]s over a channel and get
 //! [`JobEvent`]s back over a per-job tokio channel.
 //!
 //! Each tick: admit waiting jobs (up to `max_active`), drop jobs whose receiver is gone (client disconnected), feed
@@ -35,9 +35,9 @@ use crossbeam::channel::{self, Receiver, Sender, TryRecvError};
 use parking_lot::Mutex;
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::backend::{Runner, SessionId};
 use crate::kvdisk::DiskEvent;
-use crate::metrics::{Metrics, Tier};
+use crate::metrics::{CacheTier, Metrics};
+use crate::model::{Runner, RunnerSessionId};
 use crate::recent::{Outcome, RequestRecord};
 use ds4_engine::sampler::{Sampler, SamplerConfig};
 
@@ -64,7 +64,7 @@ pub enum JobEvent {
 }
 
 /// One generation request.
-pub struct Job {
+pub struct GenRequest {
     pub prompt: Vec<u32>,
     pub sampling: SamplerConfig,
     /// Generated tokens at most (the EOS token counts).
@@ -98,7 +98,7 @@ pub enum SubmitError {
 }
 
 enum Msg {
-    Job(Job, Instant),
+    Submit(GenRequest, Instant),
     Shutdown,
 }
 
@@ -126,12 +126,12 @@ impl Scheduler {
     }
 
     /// Queue a job; fails at once when `max_queue` jobs are already waiting.
-    pub fn submit(&self, job: Job) -> Result<(), SubmitError> {
+    pub fn submit(&self, job: GenRequest) -> Result<(), SubmitError> {
         if self.queued.fetch_add(1, Ordering::SeqCst) >= self.max_queue {
             self.queued.fetch_sub(1, Ordering::SeqCst);
             return Err(SubmitError::QueueFull);
         }
-        self.tx.send(Msg::Job(job, Instant::now())).map_err(|_| {
+        self.tx.send(Msg::Submit(job, Instant::now())).map_err(|_| {
             self.queued.fetch_sub(1, Ordering::SeqCst);
             SubmitError::ShuttingDown
         })
@@ -157,8 +157,8 @@ impl Scheduler {
 }
 
 struct Active {
-    job: Job,
-    session: SessionId,
+    job: GenRequest,
+    session: RunnerSessionId,
     /// Prompt + generated tokens; `tokens[..fed]` have been fed to the runner.
     tokens: Vec<u32>,
     fed: usize,
@@ -166,7 +166,7 @@ struct Active {
     /// Prompt tokens reused from a parked session.
     cached: usize,
     /// Where the cached tokens came from.
-    tier: Tier,
+    tier: CacheTier,
     generated: usize,
     sampler: Sampler,
     submitted: Instant,
@@ -193,7 +193,7 @@ impl Active {
 }
 
 struct Parked {
-    session: SessionId,
+    session: RunnerSessionId,
     tokens: Vec<u32>,
     last_used: u64,
 }
@@ -203,7 +203,7 @@ struct Worker {
     config: SchedulerConfig,
     metrics: Arc<Metrics>,
     queued: Arc<AtomicUsize>,
-    waiting: VecDeque<(Job, Instant)>,
+    waiting: VecDeque<(GenRequest, Instant)>,
     active: Vec<Active>,
     parked: Vec<Parked>,
     clock: u64,
@@ -245,7 +245,7 @@ impl Worker {
                 }
             };
             match msg {
-                Some(Msg::Job(job, at)) => {
+                Some(Msg::Submit(job, at)) => {
                     self.waiting.push_back((job, at));
                     continue; // drain everything that is already queued before ticking
                 }
@@ -278,9 +278,9 @@ impl Worker {
         m.active_sessions.store(self.active.len() as u64, Ordering::Relaxed);
         m.parked_sessions.store(self.parked.len() as u64, Ordering::Relaxed);
         let kv = self.runner.kv_bytes();
-        m.set_kv_bytes(Tier::Device, kv.device);
-        m.set_kv_bytes(Tier::Host, kv.host);
-        m.set_kv_bytes(Tier::Disk, kv.disk);
+        m.set_kv_bytes(CacheTier::Device, kv.device);
+        m.set_kv_bytes(CacheTier::Host, kv.host);
+        m.set_kv_bytes(CacheTier::Disk, kv.disk);
         m.set_kv_disk_errors(self.runner.disk_error_counts());
     }
 
@@ -346,7 +346,7 @@ impl Worker {
     /// Returns the session and the number of prompt tokens it already holds (`== prompt.len()` only when the
     /// session also holds the logits that follow the prompt).
     /// A session restored from the disk tier wins when it covers more of the prompt than any parked one.
-    fn acquire(&mut self, prompt: &[u32]) -> Result<(SessionId, usize, Tier), String> {
+    fn acquire(&mut self, prompt: &[u32]) -> Result<(RunnerSessionId, usize, CacheTier), String> {
         let can_truncate = self.runner.can_truncate();
         let usable = |runner: &dyn Runner, p: &Parked| -> usize {
             let lcp = common_prefix(&p.tokens, prompt);
@@ -366,7 +366,7 @@ impl Worker {
             .filter(|&(_, n)| n > 0)
             .max_by_key(|&(i, n)| (n, self.parked[i].last_used));
         if let Some((s, n)) = self.runner.disk_restore(prompt, best.map_or(0, |(_, n)| n)) {
-            return Ok((s, n, Tier::Disk));
+            return Ok((s, n, CacheTier::Disk));
         }
         if let Some((i, n)) = best {
             if !can_truncate {
@@ -374,18 +374,18 @@ impl Worker {
                 if let Some(copy) = self.runner.fork(self.parked[i].session) {
                     self.clock += 1;
                     self.parked[i].last_used = self.clock;
-                    return Ok((copy, n, Tier::Host));
+                    return Ok((copy, n, CacheTier::Host));
                 }
             }
             let p = self.parked.swap_remove(i);
             if n == p.tokens.len() || self.runner.truncate(p.session, n) {
-                return Ok((p.session, n, Tier::Host));
+                return Ok((p.session, n, CacheTier::Host));
             }
             self.runner.free_session(p.session);
         }
         loop {
             match self.runner.create_session() {
-                Ok(s) => return Ok((s, 0, Tier::Host)),
+                Ok(s) => return Ok((s, 0, CacheTier::Host)),
                 Err(e) => {
                     if !self.evict_lru() {
                         return Err(format!("cannot create a session: {e}"));
@@ -408,7 +408,7 @@ impl Worker {
 
     /// Keep a copy of a session whose prompt was just processed (when the runner cannot truncate, this is what lets
     /// a request that diverges after the prompt reuse it).
-    fn checkpoint_prompt(&mut self, session: SessionId, prompt: &[u32]) {
+    fn checkpoint_prompt(&mut self, session: RunnerSessionId, prompt: &[u32]) {
         if self.runner.can_truncate() || self.config.max_parked == 0 {
             return;
         }
@@ -425,7 +425,7 @@ impl Worker {
         }
     }
 
-    fn park(&mut self, session: SessionId, mut tokens: Vec<u32>) {
+    fn park(&mut self, session: RunnerSessionId, mut tokens: Vec<u32>) {
         self.clock += 1;
         tokens.shrink_to_fit();
         self.parked.push(Parked { session, tokens, last_used: self.clock });
@@ -520,7 +520,7 @@ impl Worker {
             })
             .collect();
         let mut finished: Vec<(usize, JobEvent)> = failed.into_iter().map(|(i, e)| (i, JobEvent::Error(e))).collect();
-        let checkpoints: Vec<(SessionId, Vec<u32>, usize)> = sample_now
+        let checkpoints: Vec<(RunnerSessionId, Vec<u32>, usize)> = sample_now
             .iter()
             .map(|&i| &self.active[i])
             .filter(|a| a.generated == 0 && a.cached < a.prompt_len)
@@ -578,14 +578,14 @@ impl Worker {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::Codec;
     use crate::fake::{FakeCodec, FakeRunner, EOS};
+    use crate::model::Codec;
     use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
-    fn job(prompt: Vec<u32>, max_tokens: usize) -> (Job, UnboundedReceiver<JobEvent>) {
+    fn job(prompt: Vec<u32>, max_tokens: usize) -> (GenRequest, UnboundedReceiver<JobEvent>) {
         let (tx, rx) = unbounded_channel();
         let sampling = SamplerConfig::greedy();
-        (Job { prompt, sampling, max_tokens, eos: vec![EOS], events: tx }, rx)
+        (GenRequest { prompt, sampling, max_tokens, eos: vec![EOS], events: tx }, rx)
     }
 
     fn collect(rx: &mut UnboundedReceiver<JobEvent>) -> (Vec<JobEvent>, String) {
@@ -629,7 +629,7 @@ mod tests {
         assert_eq!(text, "Hello! You said: again.");
         let hello_len = p1.len() + "Hello! You said: hello.".len();
         assert_eq!(ev[0], JobEvent::Started { prompt_tokens: p2.len(), cached_tokens: hello_len });
-        assert_eq!(metrics.prefix_hit_tokens(Tier::Host), hello_len as u64);
+        assert_eq!(metrics.prefix_hit_tokens(CacheTier::Host), hello_len as u64);
         s.shutdown();
     }
 
@@ -640,25 +640,25 @@ mod tests {
         fn vocab_size(&self) -> usize {
             self.0.vocab_size()
         }
-        fn create_session(&mut self) -> Result<SessionId, crate::backend::BackendError> {
+        fn create_session(&mut self) -> Result<RunnerSessionId, crate::model::BackendError> {
             self.0.create_session()
         }
-        fn free_session(&mut self, session: SessionId) {
+        fn free_session(&mut self, session: RunnerSessionId) {
             self.0.free_session(session)
         }
-        fn truncate(&mut self, _: SessionId, _: usize) -> bool {
+        fn truncate(&mut self, _: RunnerSessionId, _: usize) -> bool {
             false
         }
-        fn fork(&mut self, session: SessionId) -> Option<SessionId> {
+        fn fork(&mut self, session: RunnerSessionId) -> Option<RunnerSessionId> {
             self.0.fork(session)
         }
-        fn feed(&mut self, session: SessionId, tokens: &[u32]) -> Result<(), crate::backend::BackendError> {
+        fn feed(&mut self, session: RunnerSessionId, tokens: &[u32]) -> Result<(), crate::model::BackendError> {
             self.0.feed(session, tokens)
         }
-        fn step(&mut self) -> Result<(), crate::backend::BackendError> {
+        fn step(&mut self) -> Result<(), crate::model::BackendError> {
             self.0.step()
         }
-        fn logits(&self, session: SessionId) -> Option<&[f32]> {
+        fn logits(&self, session: RunnerSessionId) -> Option<&[f32]> {
             self.0.logits(session)
         }
     }
@@ -741,7 +741,7 @@ mod tests {
         let runner = FakeRunner::new(8).with_batch_tokens(8);
         let queued = Arc::new(AtomicUsize::new(0));
         let mut w = Worker::new(Box::new(runner), SchedulerConfig::default(), Default::default(), queued.clone());
-        let submit = |w: &mut Worker, j: Job| {
+        let submit = |w: &mut Worker, j: GenRequest| {
             queued.fetch_add(1, Ordering::SeqCst);
             w.waiting.push_back((j, Instant::now()));
         };

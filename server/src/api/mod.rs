@@ -1,7 +1,7 @@
 //! One module per wire API, plus what they share: JSON decoding with clear errors, model-name checks, sampling
 //! parameter validation and the unix timestamp.
 //!
-//! Every API module turns its request into a [`crate::backend::Conversation`] (unknown fields are ignored, never
+//! Every API module turns its request into a [`crate::model::Conversation`] (unknown fields are ignored, never
 //! rejected), starts a [`crate::generate::Generation`] and answers either with one JSON object or with an SSE stream
 //! written by a spawned task (which stops, cancelling the job, as soon as the client is gone).
 
@@ -17,7 +17,7 @@ use serde::de::DeserializeOwned;
 
 use std::sync::Arc;
 
-use crate::backend::{Conversation, EncodeError};
+use crate::model::{Conversation, EncodeError};
 use crate::state::AppState;
 use ds4_engine::sampler::SamplerConfig;
 use errors::ApiError;
@@ -71,7 +71,7 @@ pub async fn tokenize(state: &Arc<AppState>, text: String, param: &'static str) 
     blocking(state, param, move || st.codec.encode_bounded(&text, st.info.context_size.saturating_sub(1))).await
 }
 
-/// Render a conversation and tokenize it (see [`crate::backend::Codec::prompt`]), on the blocking pool; `param` is
+/// Render a conversation and tokenize it (see [`crate::model::Codec::prompt`]), on the blocking pool; `param` is
 /// the request field a context-length error names (`messages`, `input`).
 pub async fn prompt_tokens(
     state: &Arc<AppState>,
