@@ -4,8 +4,11 @@
 
 use ds4_shaders_wgsl::params::{self, ParamsLayout};
 
-/// `(name, offset, size)` of every member of the shader's `Params` struct, and its size.
-fn reflect(src: &str) -> Result<(Vec<(String, u32, u32)>, u32), String> {
+/// `(name, byte offset, byte size)` of each member.
+type Members = Vec<(String, u32, u32)>;
+
+/// The members of the shader's `Params` struct, and its size.
+fn reflect(src: &str) -> Result<(Members, u32), String> {
     let module = naga::front::wgsl::parse_str(src).map_err(|e| e.emit_to_string(src))?;
     let mut layouter = naga::proc::Layouter::default();
     layouter.update(module.to_ctx()).map_err(|e| format!("layout: {e:?}"))?;

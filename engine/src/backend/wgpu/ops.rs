@@ -126,43 +126,41 @@ impl KeyLists {
     }
 }
 
-impl AttnParams {
-    /// Uniforms for attending over `keys` with queries at `(offset, token stride)` `q` and outputs at `o`; `None`
-    /// when there is nothing to attend (no query rows or no heads). Fails when a key range points past `keys.rows`
-    /// or a size does not fit in u32.
-    fn for_keys(
-        keys: &KeyLists,
-        q: (usize, usize),
-        o: (usize, usize),
-        heads: usize,
-        dim: usize,
-        scale: f32,
-        topk: usize,
-    ) -> Result<Option<AttnParams>> {
-        let n_tok = keys.ranges.len();
-        if n_tok == 0 || heads == 0 {
-            return Ok(None);
-        }
-        for &(s, c) in &keys.ranges {
-            if s as usize + c as usize > keys.rows.len() {
-                return Err(backend_err(format!("attention: key range {s}+{c} exceeds {} rows", keys.rows.len())));
-            }
-        }
-        let max_keys = keys.ranges.iter().map(|r| r.1 as usize).max().unwrap_or(0).max(1);
-        Ok(Some(AttnParams {
-            n_tok: u32_of(n_tok, "n_tok")?,
-            heads: u32_of(heads, "heads")?,
-            dim: u32_of(dim, "dim")?,
-            max_keys: u32_of(max_keys, "max_keys")?,
-            q_offset: u32_of(q.0, "q offset")?,
-            q_tok_stride: u32_of(q.1, "q stride")?,
-            o_offset: u32_of(o.0, "o offset")?,
-            o_tok_stride: u32_of(o.1, "o stride")?,
-            scale,
-            topk: u32_of(topk, "topk")?,
-            _pad: [0; 2],
-        }))
+/// Uniforms for attending over `keys` with queries at `(offset, token stride)` `q` and outputs at `o`; `None`
+/// when there is nothing to attend (no query rows or no heads). Fails when a key range points past `keys.rows`
+/// or a size does not fit in u32.
+fn attn_params_for_keys(
+    keys: &KeyLists,
+    q: (usize, usize),
+    o: (usize, usize),
+    heads: usize,
+    dim: usize,
+    scale: f32,
+    topk: usize,
+) -> Result<Option<AttnParams>> {
+    let n_tok = keys.ranges.len();
+    if n_tok == 0 || heads == 0 {
+        return Ok(None);
     }
+    for &(s, c) in &keys.ranges {
+        if s as usize + c as usize > keys.rows.len() {
+            return Err(backend_err(format!("attention: key range {s}+{c} exceeds {} rows", keys.rows.len())));
+        }
+    }
+    let max_keys = keys.ranges.iter().map(|r| r.1 as usize).max().unwrap_or(0).max(1);
+    Ok(Some(AttnParams {
+        n_tok: u32_of(n_tok, "n_tok")?,
+        heads: u32_of(heads, "heads")?,
+        dim: u32_of(dim, "dim")?,
+        max_keys: u32_of(max_keys, "max_keys")?,
+        q_offset: u32_of(q.0, "q offset")?,
+        q_tok_stride: u32_of(q.1, "q stride")?,
+        o_offset: u32_of(o.0, "o offset")?,
+        o_tok_stride: u32_of(o.1, "o stride")?,
+        scale,
+        topk: u32_of(topk, "topk")?,
+        _pad: [0; 2],
+    }))
 }
 
 /// Softmax-with-sink attention, K = V (see `attention.wgsl`). `q`/`o`: `(buffer, offset, token stride)`, heads of
@@ -180,7 +178,7 @@ pub fn attention(
     dim: usize,
     scale: f32,
 ) -> Result<()> {
-    let Some(p) = AttnParams::for_keys(keys, (q.1, q.2), (o.1, o.2), heads, dim, scale, 0)? else { return Ok(()) };
+    let Some(p) = attn_params_for_keys(keys, (q.1, q.2), (o.1, o.2), heads, dim, scale, 0)? else { return Ok(()) };
     let (n_tok, max_keys) = (p.n_tok as usize, p.max_keys as usize);
     let pl = ctx.pipeline("attention", sh::ATTENTION)?;
     let u = ctx.uniform("attention", &p);
@@ -227,7 +225,7 @@ pub fn attention_keyed(
     dim: usize,
     scale: f32,
 ) -> Result<()> {
-    let Some(p) = AttnParams::for_keys(keys, (q.1, q.2), (o.1, o.2), heads, dim, scale, src.topk)? else {
+    let Some(p) = attn_params_for_keys(keys, (q.1, q.2), (o.1, o.2), heads, dim, scale, src.topk)? else {
         return Ok(());
     };
     let (n_tok, max_keys) = (p.n_tok as usize, p.max_keys as usize);
