@@ -75,7 +75,7 @@ fi
 
 if [ ! -x "$DS4" ]; then
   log "building ds4"
-  (cd "$ROOT" && cargo build --release -p ds4-engine --bin ds4 -j "$JOBS")
+  (cd "$ROOT" && cargo build --release -p ds4-cli --bin ds4 -j "$JOBS")
 fi
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT

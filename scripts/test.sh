@@ -54,7 +54,7 @@ log "cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings
 
 log "cargo build (release binaries for the end-to-end tests)"
-cargo build --release -p ds4-engine -p ds4-server -p ds4-bench
+cargo build --release -p ds4-engine -p ds4-cli -p ds4-server -p ds4-bench
 
 log "cargo test"
 cargo test --workspace

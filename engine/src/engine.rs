@@ -266,6 +266,11 @@ impl Engine {
         Ok(&self.sessions.history[self.slot(id)?])
     }
 
+    /// Tokens queued for a session and not yet processed by a tick.
+    pub fn pending(&self, id: SessionId) -> Result<usize> {
+        Ok(self.sessions.pending[self.slot(id)?].len())
+    }
+
     /// Whether any session has queued tokens.
     pub fn has_pending(&self) -> bool {
         self.sessions.with_pending().next().is_some()

@@ -15,7 +15,6 @@
 //! | [`exec`] | executors that run a job graph on a backend |
 //! | [`backend`] | op implementations: `cpu` (reference + SIMD) and `wgpu` |
 //! | [`tokenizer`], [`chat`], [`sampler`] | text in, text out |
-//! | [`cli`] | the `ds4` command-line tool |
 //! | [`testdata`] | for tests: where `../shared` is, and the skip-unless-CI rule |
 //!
 //! Errors: every fallible function returns [`Result`], whose [`Error`] names the op, file or tensor involved.
@@ -23,7 +22,6 @@
 
 pub mod backend;
 pub mod chat;
-pub mod cli;
 pub mod convert;
 pub mod engine;
 pub mod error;

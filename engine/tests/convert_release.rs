@@ -501,13 +501,27 @@ fn tokenizer_metadata_is_embedded_and_vocab_checked() {
     assert!(!out2.exists());
 }
 
+/// The `ds4` binary (package `ds4-cli`) of this test's build profile, built first.
+fn ds4_bin() -> std::path::PathBuf {
+    // target/<profile>/deps/<test-exe> -> target/<profile>/ds4
+    let exe = std::env::current_exe().expect("current exe");
+    let profile = exe.parent().and_then(Path::parent).expect("target profile dir");
+    let mut cmd = std::process::Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    cmd.args(["build", "-q", "-p", "ds4-cli", "--bin", "ds4"]).current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."));
+    if profile.file_name().is_some_and(|n| n == "release") {
+        cmd.arg("--release");
+    }
+    assert!(cmd.status().expect("running cargo build").success(), "building the ds4 binary failed");
+    profile.join(format!("ds4{}", std::env::consts::EXE_SUFFIX))
+}
+
 #[test]
 fn cli_convert_writes_a_file_and_rejects_bad_arguments() {
     let fx = Fixture::new(9);
     let tmp = tempfile::tempdir().unwrap();
     fx.write(tmp.path(), 2);
     let out = tmp.path().join("cli.gguf");
-    let bin = env!("CARGO_BIN_EXE_ds4");
+    let bin = &ds4_bin();
     let input = tmp.path().to_str().unwrap();
     let st = std::process::Command::new(bin)
         .args(["convert", "--input", input, "--output", out.to_str().unwrap(), "--recipe", "q8_0", "--quiet"])

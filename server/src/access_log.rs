@@ -22,7 +22,7 @@ use hyper::body::{Body as HttpBody, Frame, SizeHint};
 use hyper::{Method, Response};
 
 use crate::generate::Usage;
-use crate::http::Body;
+use crate::response::Body;
 
 tokio::task_local! {
     static STATS: Arc<Stats>;

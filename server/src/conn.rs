@@ -249,7 +249,7 @@ pub fn replacement_response(status: u16, head: &[u8]) -> Vec<u8> {
     let path = String::from_utf8_lossy(path);
     let path = path.split('?').next().unwrap_or("/");
     let route = path.strip_prefix("/v1").filter(|p| p.starts_with('/')).unwrap_or(path);
-    let flavor = crate::http::flavor_of(route);
+    let flavor = crate::api::errors::flavor_of(route);
     let message = match status {
         414 => "the request URI is too long".to_string(),
         431 => "the request headers are too large".to_string(),

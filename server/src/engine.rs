@@ -9,8 +9,8 @@
 //!   when the new prompt extends everything it processed. [`Runner::fork`] (snapshot + restore) lets the scheduler
 //!   keep a copy of each prompt's state, so a follow-up that diverges after the prompt (regenerate, a re-rendered
 //!   assistant turn) still reuses the prompt.
-//! - `step` loops until the engine has no queued tokens, so one scheduler tick processes everything that was fed
-//!   (the engine's own batch budget may split it into several engine ticks).
+//! - `step` is one engine tick (decode tokens first, then prefill up to the engine's `max_batch_tokens`);
+//!   `pending` reports what is still queued, so a decoding session is never held up by a long prefill.
 //! - Tools are attached to the first message (the renderer prints them in the system prompt); the function object
 //!   is written with keys `name`, `description`, `parameters` in that order. Consecutive system messages are joined
 //!   with `"\n\n"` first. The prompt comes from [`chat::render_prompt`], so it always ends in the assistant
@@ -24,8 +24,8 @@ use ds4_engine::engine::{BackendKind, Engine, EngineOptions};
 use ds4_engine::gguf::GgufFile;
 use ds4_engine::tokenizer::{StreamDecoder, Tokenizer};
 
-use crate::backend::{
-    BackendError, Codec, Conversation, EncodeError, ModelInfo, OutputParser, Parsed, Role, Runner, SessionId,
+use crate::model::{
+    BackendError, Codec, Conversation, EncodeError, ModelInfo, OutputParser, Parsed, Role, Runner, RunnerSessionId,
     TokenDecoder,
 };
 
@@ -36,8 +36,8 @@ fn be(e: impl std::fmt::Display) -> BackendError {
 /// The engine as a [`Runner`].
 pub struct EngineRunner {
     engine: Engine,
-    ids: HashMap<SessionId, ds4_engine::tables::SessionId>,
-    next: SessionId,
+    ids: HashMap<RunnerSessionId, ds4_engine::tables::SessionId>,
+    next: RunnerSessionId,
     max_sessions: usize,
     disk: Option<crate::kvdisk::DiskTier>,
 }
@@ -60,7 +60,7 @@ impl Runner for EngineRunner {
         self.engine.config().vocab
     }
 
-    fn create_session(&mut self) -> Result<SessionId, BackendError> {
+    fn create_session(&mut self) -> Result<RunnerSessionId, BackendError> {
         if self.ids.len() >= self.max_sessions {
             return Err(BackendError(format!("session table full ({} sessions)", self.max_sessions)));
         }
@@ -70,7 +70,7 @@ impl Runner for EngineRunner {
         Ok(self.next)
     }
 
-    fn free_session(&mut self, session: SessionId) {
+    fn free_session(&mut self, session: RunnerSessionId) {
         if let Some(sid) = self.ids.remove(&session) {
             if let Some(d) = &mut self.disk {
                 d.forget(sid);
@@ -79,18 +79,18 @@ impl Runner for EngineRunner {
         }
     }
 
-    fn truncate(&mut self, session: SessionId, len: usize) -> bool {
+    fn truncate(&mut self, session: RunnerSessionId, len: usize) -> bool {
         // Only the exact in-place roll back (no recompute): beyond its reach the scheduler starts elsewhere.
         self.ids.get(&session).is_some_and(|&sid| self.engine.rollback(sid, len).is_ok())
     }
 
-    fn rollback_floor(&self, session: SessionId) -> Option<usize> {
+    fn rollback_floor(&self, session: RunnerSessionId) -> Option<usize> {
         let sid = *self.ids.get(&session)?;
         let (floor, pos) = (self.engine.rollback_floor(sid).ok()?, self.engine.position(sid).ok()?);
         (floor < pos).then_some(floor)
     }
 
-    fn fork(&mut self, session: SessionId) -> Option<SessionId> {
+    fn fork(&mut self, session: RunnerSessionId) -> Option<RunnerSessionId> {
         if self.ids.len() >= self.max_sessions {
             return None;
         }
@@ -101,31 +101,35 @@ impl Runner for EngineRunner {
         Some(self.next)
     }
 
-    fn feed(&mut self, session: SessionId, tokens: &[u32]) -> Result<(), BackendError> {
+    fn feed(&mut self, session: RunnerSessionId, tokens: &[u32]) -> Result<(), BackendError> {
         let sid = *self.ids.get(&session).ok_or_else(|| BackendError(format!("unknown session {session}")))?;
         self.engine.feed(sid, tokens).map_err(be)
     }
 
     fn step(&mut self) -> Result<(), BackendError> {
-        while self.engine.step().map_err(be)? {}
+        self.engine.step().map_err(be)?;
         Ok(())
     }
 
-    fn logits(&self, session: SessionId) -> Option<&[f32]> {
+    fn pending(&self, session: RunnerSessionId) -> usize {
+        self.ids.get(&session).and_then(|&sid| self.engine.pending(sid).ok()).unwrap_or(0)
+    }
+
+    fn logits(&self, session: RunnerSessionId) -> Option<&[f32]> {
         self.engine.logits(*self.ids.get(&session)?).ok()
     }
 
-    fn kv_bytes(&self) -> crate::backend::KvBytes {
+    fn kv_bytes(&self) -> crate::model::KvBytes {
         // The CPU backend's KV is host memory; wgpu keeps it on the device with a lazily synced host mirror.
         let (device, host) = self
             .ids
             .values()
             .filter_map(|&sid| self.engine.kv_bytes_by_tier(sid).ok())
             .fold((0, 0), |(d, h), (sd, sh)| (d + sd, h + sh));
-        crate::backend::KvBytes { device, host, disk: self.disk.as_ref().map_or(0, |d| d.disk_bytes()) }
+        crate::model::KvBytes { device, host, disk: self.disk.as_ref().map_or(0, |d| d.disk_bytes()) }
     }
 
-    fn disk_restore(&mut self, prompt: &[u32], better_than: usize) -> Option<(SessionId, usize)> {
+    fn disk_restore(&mut self, prompt: &[u32], better_than: usize) -> Option<(RunnerSessionId, usize)> {
         if self.ids.len() >= self.max_sessions {
             return None;
         }
@@ -135,13 +139,13 @@ impl Runner for EngineRunner {
         Some((self.next, n))
     }
 
-    fn disk_event(&mut self, session: SessionId, event: crate::kvdisk::DiskEvent) {
+    fn disk_event(&mut self, session: RunnerSessionId, event: crate::kvdisk::DiskEvent) {
         if let (Some(d), Some(&sid)) = (self.disk.as_mut(), self.ids.get(&session)) {
             d.on_event(&self.engine, sid, event);
         }
     }
 
-    fn disk_error_counts(&self) -> crate::backend::DiskErrors {
+    fn disk_error_counts(&self) -> crate::model::DiskErrors {
         self.disk.as_ref().map(|d| d.error_counts()).unwrap_or_default()
     }
 }
@@ -173,7 +177,7 @@ impl EngineCodec {
     }
 }
 
-fn tool_json(t: &crate::backend::ToolSpec) -> Result<JsonValue, BackendError> {
+fn tool_json(t: &crate::model::ToolSpec) -> Result<JsonValue, BackendError> {
     let text = format!(
         "{{\"name\":{},\"description\":{},\"parameters\":{}}}",
         serde_json::Value::String(t.name.clone()),
@@ -370,4 +374,33 @@ pub fn load(path: Option<&Path>, o: &LoadOptions) -> Result<(EngineRunner, Engin
     let codec = EngineCodec::new(tok).with_revision(engine.config().revision);
     let runner = EngineRunner { engine, ids: HashMap::new(), next: 0, max_sessions: o.max_sessions.max(1), disk: None };
     Ok((runner, codec, info))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_step_is_one_engine_tick_and_decode_goes_first() {
+        let opts =
+            LoadOptions { backend: BackendKind::Cpu, ctx: 128, max_batch_tokens: 8, max_sessions: 4, demo_seed: 1 };
+        let (mut r, _, _) = load(None, &opts).expect("demo model");
+        let (long, short) = (r.create_session().unwrap(), r.create_session().unwrap());
+        r.feed(short, &[5]).unwrap();
+        r.step().unwrap();
+        assert!(r.logits(short).is_some());
+        r.feed(long, &[7; 30]).unwrap();
+        r.feed(short, &[6]).unwrap();
+        r.step().unwrap();
+        // One tick of 8 rows: the decode token and 7 prompt tokens; the rest waits for the next steps.
+        assert_eq!((r.pending(short), r.pending(long)), (0, 23));
+        let mut steps = 1;
+        while r.pending(long) > 0 {
+            r.step().unwrap();
+            steps += 1;
+            assert!(steps < 10, "the prefill does not progress");
+        }
+        assert_eq!(steps, 4);
+        assert!(r.logits(long).is_some());
+    }
 }

@@ -16,16 +16,18 @@
 //! prompt gives the reply (reasoning, text, tool calls); prompts it does not match get the built-in reply above.
 //! Logits are one-hot with a wide margin, so any temperature gives the same text in practice and
 //! greedy decoding always does. Batching cannot change a session's output (sessions are independent).
-//! An optional per-step delay makes slow-model tests (keep-alive, cancellation, queueing) possible.
+//! An optional per-step delay makes slow-model tests (keep-alive, cancellation, queueing) possible, and an optional
+//! batch budget ([`FakeRunner::with_batch_tokens`]) makes a step process only part of what was fed, like the engine.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::backend::{
-    BackendError, Codec, Conversation, KvBytes, OutputParser, Parsed, Role, Runner, SessionId, TokenDecoder,
-};
 use crate::fake_script::{substitute, substitute_value, LastTurn, PromptView, Script};
+use crate::model::{
+    BackendError, Codec, Conversation, KvBytes, OutputParser, Parsed, Role, Runner, RunnerSessionId, TokenDecoder,
+};
+use ds4_engine::sampler::partial_suffix_len;
 
 /// End-of-sequence token id.
 pub const EOS: u32 = 256;
@@ -85,9 +87,9 @@ impl Codec for FakeCodec {
         Ok(text.bytes().map(u32::from).collect())
     }
 
-    fn encode_bounded(&self, text: &str, limit: usize) -> Result<Vec<u32>, crate::backend::EncodeError> {
+    fn encode_bounded(&self, text: &str, limit: usize) -> Result<Vec<u32>, crate::model::EncodeError> {
         if text.len() > limit {
-            return Err(crate::backend::EncodeError::TooLong { limit });
+            return Err(crate::model::EncodeError::TooLong { limit });
         }
         self.encode(text).map_err(Into::into)
     }
@@ -157,14 +159,6 @@ struct FakeParser {
     buf: String,
 }
 
-/// Length of the longest suffix of `s` that is a proper prefix of `marker` (text that must be held back).
-pub(crate) fn partial_marker_len(s: &str, marker: &str) -> usize {
-    (1..marker.len().min(s.len() + 1))
-        .rev()
-        .find(|&n| s.is_char_boundary(s.len() - n) && marker.starts_with(&s[s.len() - n..]))
-        .unwrap_or(0)
-}
-
 impl FakeParser {
     fn emit(&self, text: String, out: &mut Vec<Parsed>) {
         if text.is_empty() {
@@ -215,7 +209,7 @@ impl OutputParser for FakeParser {
                 continue;
             }
             if self.state != State::Tool {
-                let keep = partial_marker_len(&self.buf, marker);
+                let keep = partial_suffix_len(&self.buf, &[marker]);
                 let text = self.buf[..self.buf.len() - keep].to_string();
                 self.buf.drain(..self.buf.len() - keep);
                 self.emit(text, &mut out);
@@ -246,11 +240,13 @@ struct FakeSession {
 
 /// The scripted fake model.
 pub struct FakeRunner {
-    sessions: HashMap<SessionId, FakeSession>,
-    next_id: SessionId,
+    sessions: HashMap<RunnerSessionId, FakeSession>,
+    next_id: RunnerSessionId,
     max_sessions: usize,
     delay: Duration,
     script: Arc<Script>,
+    /// Rows one `step` processes at most (decode tokens first, like the engine); unlimited by default.
+    batch_tokens: usize,
     /// Total tokens processed by `step` (tests read it to see prefix reuse).
     pub tokens_processed: u64,
 }
@@ -263,6 +259,7 @@ impl FakeRunner {
             max_sessions,
             delay: Duration::ZERO,
             script: Arc::new(Script::default()),
+            batch_tokens: usize::MAX,
             tokens_processed: 0,
         }
     }
@@ -270,6 +267,12 @@ impl FakeRunner {
     /// Answer from `script` first (see [`crate::fake_script`]).
     pub fn with_script(mut self, script: Script) -> Self {
         self.script = Arc::new(script);
+        self
+    }
+
+    /// Process at most `n` tokens per `step` (at least 1), decoding sessions first, like the engine's batch budget.
+    pub fn with_batch_tokens(mut self, n: usize) -> Self {
+        self.batch_tokens = n.max(1);
         self
     }
 
@@ -367,7 +370,7 @@ impl Runner for FakeRunner {
         VOCAB
     }
 
-    fn create_session(&mut self) -> Result<SessionId, BackendError> {
+    fn create_session(&mut self) -> Result<RunnerSessionId, BackendError> {
         if self.sessions.len() >= self.max_sessions {
             return Err(BackendError(format!("session table full ({} sessions)", self.max_sessions)));
         }
@@ -377,11 +380,11 @@ impl Runner for FakeRunner {
         Ok(id)
     }
 
-    fn free_session(&mut self, session: SessionId) {
+    fn free_session(&mut self, session: RunnerSessionId) {
         self.sessions.remove(&session);
     }
 
-    fn truncate(&mut self, session: SessionId, len: usize) -> bool {
+    fn truncate(&mut self, session: RunnerSessionId, len: usize) -> bool {
         match self.sessions.get_mut(&session) {
             Some(s) if len <= s.tokens.len() => {
                 s.tokens.truncate(len);
@@ -398,7 +401,7 @@ impl Runner for FakeRunner {
         true
     }
 
-    fn fork(&mut self, session: SessionId) -> Option<SessionId> {
+    fn fork(&mut self, session: RunnerSessionId) -> Option<RunnerSessionId> {
         let s = self.sessions.get(&session)?;
         let copy = FakeSession {
             tokens: s.tokens.clone(),
@@ -411,7 +414,7 @@ impl Runner for FakeRunner {
         Some(id)
     }
 
-    fn feed(&mut self, session: SessionId, tokens: &[u32]) -> Result<(), BackendError> {
+    fn feed(&mut self, session: RunnerSessionId, tokens: &[u32]) -> Result<(), BackendError> {
         let s = self.sessions.get_mut(&session).ok_or_else(|| BackendError(format!("no session {session}")))?;
         if let Some(t) = tokens.iter().find(|&&t| t as usize >= VOCAB) {
             return Err(BackendError(format!("token {t} out of range")));
@@ -424,12 +427,20 @@ impl Runner for FakeRunner {
         if !self.delay.is_zero() {
             std::thread::sleep(self.delay);
         }
-        for s in self.sessions.values_mut() {
-            if s.pending.is_empty() {
-                continue;
+        let mut ids: Vec<RunnerSessionId> =
+            self.sessions.iter().filter(|(_, s)| !s.pending.is_empty()).map(|(&id, _)| id).collect();
+        // Decoding sessions (one queued token) first, then prompt chunks in session order.
+        ids.sort_by_key(|id| (self.sessions[id].pending.len() != 1, *id));
+        let mut budget = self.batch_tokens;
+        for id in ids {
+            let s = self.sessions.get_mut(&id).expect("listed above");
+            let take = s.pending.len().min(budget);
+            if take == 0 {
+                break;
             }
-            self.tokens_processed += s.pending.len() as u64;
-            s.tokens.append(&mut s.pending);
+            budget -= take;
+            self.tokens_processed += take as u64;
+            s.tokens.extend(s.pending.drain(..take));
             let bytes: Vec<u8> = s.tokens.iter().map(|&t| t.min(255) as u8).collect();
             let start = find_last(&bytes, ASSISTANT.as_bytes()).map(|p| p + ASSISTANT.len());
             let mut logits = vec![0.0f32; VOCAB];
@@ -452,7 +463,11 @@ impl Runner for FakeRunner {
         Ok(())
     }
 
-    fn logits(&self, session: SessionId) -> Option<&[f32]> {
+    fn pending(&self, session: RunnerSessionId) -> usize {
+        self.sessions.get(&session).map_or(0, |s| s.pending.len())
+    }
+
+    fn logits(&self, session: RunnerSessionId) -> Option<&[f32]> {
         self.sessions.get(&session)?.logits.as_deref()
     }
 
@@ -465,7 +480,7 @@ impl Runner for FakeRunner {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::{Message, ToolSpec};
+    use crate::model::{Message, ToolSpec};
 
     fn generate(runner: &mut FakeRunner, prompt: &[u32]) -> String {
         let s = runner.create_session().unwrap();
@@ -528,8 +543,6 @@ mod tests {
 
     #[test]
     fn partial_markers_are_held_back() {
-        assert_eq!(partial_marker_len("abc</thi", "</think>"), 5);
-        assert_eq!(partial_marker_len("abc", "</think>"), 0);
         let mut p = FakeCodec.parser(false);
         assert_eq!(p.push("hi <tool"), vec![Parsed::Content("hi ".into())]);
         assert_eq!(p.push("box"), vec![Parsed::Content("<toolbox".into())]);

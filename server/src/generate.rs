@@ -24,12 +24,11 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 use tokio::time::Instant;
 
 use crate::api::errors::ApiError;
-use crate::backend::{OutputParser, Parsed, TokenDecoder, ToolCall};
-use crate::fake::partial_marker_len;
-use crate::sampling::SamplingParams;
-use crate::scheduler::{Job, JobEvent, StopReason, SubmitError};
+use crate::model::{OutputParser, Parsed, TokenDecoder, ToolCall};
+use crate::scheduler::{GenRequest, JobEvent, StopReason, SubmitError};
 use crate::sse::SseSender;
 use crate::state::AppState;
+use ds4_engine::sampler::{SamplerConfig, StopChecker, StopStatus};
 
 /// What the generation produced next.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -68,7 +67,7 @@ pub struct Usage {
 /// Per-request generation options.
 #[derive(Debug, Clone)]
 pub struct GenOptions {
-    pub sampling: SamplingParams,
+    pub sampling: SamplerConfig,
     pub max_tokens: Option<usize>,
     pub stop: Vec<String>,
     /// The prompt opened a reasoning block.
@@ -82,7 +81,7 @@ pub struct GenOptions {
 impl Default for GenOptions {
     fn default() -> Self {
         GenOptions {
-            sampling: SamplingParams::default(),
+            sampling: SamplerConfig::default(),
             max_tokens: None,
             stop: Vec::new(),
             thinking: false,
@@ -106,7 +105,8 @@ pub struct Generation {
     parser: Box<dyn OutputParser>,
     opts: GenOptions,
     queue: VecDeque<GenEvent>,
-    held: String,
+    /// The client's stop strings (holds back content that could begin one); `None` without any.
+    stops: Option<StopChecker>,
     reasoning: String,
     usage: Usage,
     finish: Option<Finish>,
@@ -139,8 +139,13 @@ impl Generation {
         let max_tokens = opts.max_tokens.unwrap_or(usize::MAX).min(cap).min(room).max(1);
         let (tx, rx) = unbounded_channel();
         let usage = Usage { prompt_tokens: prompt.len(), ..Usage::default() };
-        let job =
-            Job { prompt, sampling: opts.sampling.clone(), max_tokens, eos: state.codec.eos_tokens(), events: tx };
+        let job = GenRequest {
+            prompt,
+            sampling: opts.sampling.clone(),
+            max_tokens,
+            eos: state.codec.eos_tokens(),
+            events: tx,
+        };
         state.scheduler.submit(job).map_err(|e| match e {
             SubmitError::QueueFull => ApiError::overloaded(1),
             SubmitError::ShuttingDown => ApiError::new(503, "the server is shutting down"),
@@ -151,9 +156,9 @@ impl Generation {
             decoder: state.codec.decoder(),
             parser: if opts.raw { Box::new(PassThrough) } else { state.codec.parser(opts.thinking) },
             in_reasoning: opts.thinking && !opts.raw,
+            stops: (!opts.stop.is_empty()).then(|| StopChecker::new(opts.stop.iter().cloned(), None)),
             opts,
             queue: VecDeque::new(),
-            held: String::new(),
             reasoning: String::new(),
             usage,
             finish: None,
@@ -283,9 +288,7 @@ impl Generation {
         parsed.extend(self.parser.finish());
         self.absorb(parsed);
         if self.finish.is_none() {
-            if !self.held.is_empty() {
-                self.queue.push_back(GenEvent::Content(std::mem::take(&mut self.held)));
-            }
+            self.flush_held();
             self.finish = Some(if self.saw_tool_call { Finish::ToolCalls } else { finish });
         }
         self.rx = None;
@@ -305,9 +308,7 @@ impl Generation {
                 }
                 Parsed::Content(c) => self.content(c),
                 Parsed::ToolCall { name, arguments } => {
-                    if !self.held.is_empty() {
-                        self.queue.push_back(GenEvent::Content(std::mem::take(&mut self.held)));
-                    }
+                    self.flush_held();
                     let id = new_id(self.opts.tool_id_prefix);
                     self.state.tools.remember(&id, &name, &arguments, &self.reasoning);
                     self.saw_tool_call = true;
@@ -319,27 +320,28 @@ impl Generation {
 
     /// Content goes through the stop-string filter.
     fn content(&mut self, text: String) {
-        if self.opts.stop.is_empty() {
+        let Some(stops) = self.stops.as_mut() else {
             self.queue.push_back(GenEvent::Content(text));
             return;
-        }
-        self.held.push_str(&text);
-        let hit = self.opts.stop.iter().filter_map(|s| self.held.find(s.as_str())).min();
-        if let Some(pos) = hit {
-            let before = self.held[..pos].to_string();
-            if !before.is_empty() {
-                self.queue.push_back(GenEvent::Content(before));
-            }
-            self.held.clear();
-            self.finish = Some(Finish::StopSequence);
-            self.rx = None; // cancels the job
-            return;
-        }
-        let keep = self.opts.stop.iter().map(|s| partial_marker_len(&self.held, s)).max().unwrap_or(0);
-        let emit = self.held[..self.held.len() - keep].to_string();
-        self.held.drain(..emit.len());
+        };
+        let (emit, stopped) = match stops.push(&text) {
+            StopStatus::Continue { emit } => (emit, false),
+            StopStatus::Stop { emit, .. } => (emit, true),
+        };
         if !emit.is_empty() {
             self.queue.push_back(GenEvent::Content(emit));
+        }
+        if stopped {
+            self.finish = Some(Finish::StopSequence);
+            self.rx = None; // cancels the job
+        }
+    }
+
+    /// Content held back for the stop strings goes out (a tool call follows it, or the answer ended).
+    fn flush_held(&mut self) {
+        let held = self.stops.as_mut().map(StopChecker::finish).unwrap_or_default();
+        if !held.is_empty() {
+            self.queue.push_back(GenEvent::Content(held));
         }
     }
 

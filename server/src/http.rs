@@ -1,7 +1,8 @@
 //! HTTP plumbing: the accept loop with graceful shutdown (connections tracked by [`crate::conn`]: timeouts, cap),
 //! the [`crate::guard`] checks (Host, Origin/CORS, API key, body type), routing (on the path *without* its query
 //! string, so `/v1/messages?beta=true` works; a missing `/v1` prefix is tolerated), body size limits (413) and the
-//! body read timeout (408), response helpers and per-endpoint request metrics. Errors use the shape of the API the
+//! body read timeout (408), per-endpoint request metrics. Response builders live in [`crate::response`] (re-exported here), so the API modules
+//! do not depend on this one. Errors use the shape of the API the
 //! path names ([`flavor_of`]), also for requests refused before routing.
 //!
 //! Shutdown: when the `shutdown` future resolves, the listener stops accepting, idle keep-alive connections close,
@@ -13,56 +14,23 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
-use hyper::header::{HeaderValue, CONTENT_TYPE, RETRY_AFTER};
+use hyper::header::{HeaderValue, CONTENT_TYPE};
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
-use serde_json::{json, Value};
+use serde_json::json;
 use tokio::net::TcpListener;
 
 use crate::api;
-use crate::api::errors::{ApiError, Flavor};
+use crate::api::errors::ApiError;
 use crate::conn::{self, GuardedBody, Tracker, Watched};
 use crate::guard;
-use crate::sse::{self, SseSender};
 use crate::state::AppState;
 use crate::{status, webui};
 
-/// Every response body.
-pub type Body = BoxBody<Bytes, Infallible>;
-
-/// A JSON response.
-pub fn json_response(status: u16, value: &Value) -> Response<Body> {
-    let mut r = Response::new(Full::new(Bytes::from(value.to_string())).boxed());
-    *r.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-    r
-}
-
-/// An error response in `flavor`'s shape.
-pub fn error_response(err: &ApiError, flavor: Flavor) -> Response<Body> {
-    let mut r = json_response(err.status, &err.body(flavor));
-    if let Some(s) = err.retry_after {
-        r.headers_mut().insert(RETRY_AFTER, HeaderValue::from(s));
-    }
-    if err.close {
-        r.headers_mut().insert(hyper::header::CONNECTION, HeaderValue::from_static("close"));
-    }
-    r
-}
-
-/// A streaming `text/event-stream` response and the sender that feeds it.
-pub fn sse_response() -> (SseSender, Response<Body>) {
-    let (tx, body) = sse::channel();
-    let mut r = Response::new(body.boxed());
-    let h = r.headers_mut();
-    h.insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
-    h.insert("cache-control", HeaderValue::from_static("no-cache"));
-    h.insert("x-accel-buffering", HeaderValue::from_static("no"));
-    (tx, r)
-}
+pub use crate::api::errors::flavor_of;
+pub use crate::response::{error_response, json_response, sse_response, Body};
 
 fn text_response(status: StatusCode, content_type: &'static str, text: String) -> Response<Body> {
     let mut r = Response::new(Full::new(Bytes::from(text)).boxed());
@@ -129,15 +97,6 @@ pub async fn handle(state: Arc<AppState>, req: Request<Incoming>) -> Response<Bo
     }
     state.metrics.request(endpoint, response.status().as_u16());
     response
-}
-
-/// The error shape of a route: Anthropic for `/messages…`, OpenAI otherwise.
-pub fn flavor_of(route: &str) -> Flavor {
-    if route.starts_with("/messages") {
-        Flavor::Anthropic
-    } else {
-        Flavor::OpenAi
-    }
 }
 
 fn known_route(route: &str) -> bool {

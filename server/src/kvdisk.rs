@@ -1,5 +1,5 @@
 //! The disk KV tier of the real engine: a `ds4-kv` store plus the save triggers, used by
-//! [`crate::engine::EngineRunner`] through [`crate::backend::Runner::disk_restore`] / `disk_event`.
+//! [`crate::engine::EngineRunner`] through [`crate::model::Runner::disk_restore`] / `disk_event`.
 //!
 //! How it works:
 //! * Lookup order for a new prompt: parked RAM sessions first (the scheduler), then this tier — it is asked only
@@ -92,9 +92,9 @@ impl DiskTier {
     }
 
     /// Failures so far by kind.
-    pub fn error_counts(&self) -> crate::backend::DiskErrors {
+    pub fn error_counts(&self) -> crate::model::DiskErrors {
         let st = self.store.status();
-        crate::backend::DiskErrors {
+        crate::model::DiskErrors {
             save: self.save_errors,
             restore: self.restore_errors,
             write: st.write_errors,

@@ -6,22 +6,21 @@
 //! Layers, top to bottom:
 //! - [`http`] — accept loop, the per-request [`access_log`], routing on the path without its query, body limits,
 //!   graceful shutdown; [`conn`] — connection timeouts and the connection cap; [`guard`] — Host, Origin/CORS, API
-//!   key and body-type checks;
-//! - [`api`] — one module per wire API: parse the request into a [`backend::Conversation`], answer in that API's
+//!   key and body-type checks; [`response`] — the response builders the API modules share;
+//! - [`api`] — one module per wire API: parse the request into a [`model::Conversation`], answer in that API's
 //!   exact shapes ([`sse`] formats the frames), errors in that API's JSON shape ([`api::errors`]);
 //! - [`generate`] — API-neutral generation: submit to the scheduler, detokenize, parse reasoning / content / tool
 //!   calls, stop strings, usage;
 //! - [`scheduler`] — the one thread that owns the model and runs continuous-batching ticks, with prefix reuse;
 //! - [`webui`] — the built-in page on `/`, fed by [`status`] (`GET /v1/status`) and [`recent`] (the ring of recent
 //!   requests the scheduler fills);
-//! - [`backend`] — the seam to the model ([`backend::Runner`] + [`backend::Codec`]); [`fake`] is the deterministic
+//! - [`model`] — the seam to the model ([`model::Runner`] + [`model::Codec`]; [`engine`] adapts the real one); [`fake`] is the deterministic
 //!   test model.
 //!
 //! Embedding (tests do this): build an [`AppState`] with [`build_state`], bind a listener, run [`http::serve`].
 
 pub mod access_log;
 pub mod api;
-pub mod backend;
 pub mod cli;
 pub mod conn;
 pub mod context;
@@ -34,8 +33,9 @@ pub mod http;
 pub mod kvdisk;
 pub mod markers;
 pub mod metrics;
+pub mod model;
 pub mod recent;
-pub mod sampling;
+pub mod response;
 pub mod scheduler;
 pub mod sse;
 pub mod state;
@@ -47,8 +47,11 @@ use std::sync::Arc;
 
 pub use state::{AppState, Limits};
 
-use backend::{Codec, ModelInfo, Runner};
+/// The old name of [`model`] (`server/src/backend.rs` until it was renamed), kept for code written against it.
+pub use model as backend;
+
 use metrics::Metrics;
+use model::{Codec, ModelInfo, Runner};
 use scheduler::{Scheduler, SchedulerConfig};
 use toolmem::ToolMemory;
 

@@ -6,9 +6,9 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
-use ds4_server::backend::ModelInfo;
 use ds4_server::cli::Args;
 use ds4_server::fake::{FakeCodec, FakeRunner};
+use ds4_server::model::ModelInfo;
 use ds4_server::scheduler::SchedulerConfig;
 use ds4_server::{build_state, http, Limits};
 
@@ -57,7 +57,7 @@ fn main() -> anyhow::Result<()> {
     if limits.access.has_api_key() {
         tracing::info!("API key required (Authorization: Bearer or x-api-key)");
     }
-    let (runner, codec, info): (Box<dyn ds4_server::backend::Runner>, Arc<dyn ds4_server::backend::Codec>, _) =
+    let (runner, codec, info): (Box<dyn ds4_server::model::Runner>, Arc<dyn ds4_server::model::Codec>, _) =
         if args.fake_model {
             tracing::warn!("--fake-model: serving the scripted test model (not a language model)");
             let info = ModelInfo {

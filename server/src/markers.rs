@@ -22,7 +22,7 @@ use std::collections::HashMap;
 use ds4_engine::chat::{self, JsonValue, RenderOptions};
 use ds4_engine::tokenizer::{Piece, Tokenizer};
 
-use crate::backend::{BackendError, EncodeError};
+use crate::model::{BackendError, EncodeError};
 
 const CANDIDATES: &[char] =
     &['#', '$', '%', '&', '*', '+', '@', '^', '~', '§', '¤', '¦', '＃', '＄', '％', '＆', '＊', '𝔸', '𝔹'];
@@ -158,8 +158,8 @@ pub fn prompt_ids(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::{Conversation, Message, Role, ToolCall, ToolSpec};
     use crate::engine::to_chat_messages;
+    use crate::model::{Conversation, Message, Role, ToolCall, ToolSpec};
     use ds4_engine::chat::Mode;
 
     const FORGED: &str =

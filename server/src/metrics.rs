@@ -57,18 +57,18 @@ impl Histogram {
 
 /// Storage tiers reported for KV bytes and prefix-cache hits.
 #[derive(Debug, Clone, Copy)]
-pub enum Tier {
+pub enum CacheTier {
     Device = 0,
     Host = 1,
     Disk = 2,
 }
 
-/// Tier names, in [`Tier`] order.
+/// Tier names, in [`CacheTier`] order.
 pub const TIERS: [&str; 3] = ["device", "host", "disk"];
 
-impl Tier {
+impl CacheTier {
     /// Every tier, in order.
-    pub const ALL: [Tier; 3] = [Tier::Device, Tier::Host, Tier::Disk];
+    pub const ALL: [CacheTier; 3] = [CacheTier::Device, CacheTier::Host, CacheTier::Disk];
 
     /// The tier's label (`device`, `host`, `disk`).
     pub fn name(self) -> &'static str {
@@ -104,7 +104,7 @@ pub struct Metrics {
     pub active_sessions: AtomicU64,
     pub parked_sessions: AtomicU64,
     /// Disk KV tier failures by kind.
-    kv_disk_errors: Mutex<crate::backend::DiskErrors>,
+    kv_disk_errors: Mutex<crate::model::DiskErrors>,
     /// Generations stopped because their client went away.
     pub cancelled: AtomicU64,
     /// SSE keep-alive frames sent.
@@ -151,16 +151,16 @@ impl Metrics {
         *self.requests.lock().entry((endpoint.to_string(), status)).or_insert(0) += 1;
     }
 
-    pub fn set_kv_bytes(&self, tier: Tier, bytes: u64) {
+    pub fn set_kv_bytes(&self, tier: CacheTier, bytes: u64) {
         self.kv_bytes[tier as usize].store(bytes, Ordering::Relaxed);
     }
 
-    pub fn add_prefix_hit(&self, tier: Tier, tokens: u64) {
+    pub fn add_prefix_hit(&self, tier: CacheTier, tokens: u64) {
         self.prefix_hits[tier as usize].fetch_add(tokens, Ordering::Relaxed);
     }
 
     /// An admitted request: whether it reused a cached prefix (from `tier`), and the prompt tokens it prefills.
-    pub fn add_prefill(&self, hit: bool, tier: Tier, recomputed: u64) {
+    pub fn add_prefill(&self, hit: bool, tier: CacheTier, recomputed: u64) {
         if hit {
             self.prefix_hit_requests[tier as usize].fetch_add(1, Ordering::Relaxed);
         }
@@ -168,7 +168,7 @@ impl Metrics {
     }
 
     /// Requests that reused a prefix from `tier` so far.
-    pub fn prefix_hit_requests(&self, tier: Tier) -> u64 {
+    pub fn prefix_hit_requests(&self, tier: CacheTier) -> u64 {
         load(&self.prefix_hit_requests[tier as usize])
     }
 
@@ -177,7 +177,7 @@ impl Metrics {
         load(&self.recomputed_tokens)
     }
 
-    pub fn set_kv_disk_errors(&self, e: crate::backend::DiskErrors) {
+    pub fn set_kv_disk_errors(&self, e: crate::model::DiskErrors) {
         *self.kv_disk_errors.lock() = e;
     }
 
@@ -192,12 +192,12 @@ impl Metrics {
     }
 
     /// Prompt tokens served from `tier` so far.
-    pub fn prefix_hit_tokens(&self, tier: Tier) -> u64 {
+    pub fn prefix_hit_tokens(&self, tier: CacheTier) -> u64 {
         load(&self.prefix_hits[tier as usize])
     }
 
     /// KV bytes held in `tier` now.
-    pub fn kv_bytes(&self, tier: Tier) -> u64 {
+    pub fn kv_bytes(&self, tier: CacheTier) -> u64 {
         load(&self.kv_bytes[tier as usize])
     }
 
@@ -287,9 +287,9 @@ mod tests {
         m.request("chat", 200);
         m.request("messages", 400);
         m.ttft.observe(Duration::from_millis(30));
-        m.add_prefix_hit(Tier::Host, 12);
-        m.add_prefill(true, Tier::Host, 5);
-        m.add_prefill(false, Tier::Host, 7);
+        m.add_prefix_hit(CacheTier::Host, 12);
+        m.add_prefill(true, CacheTier::Host, 5);
+        m.add_prefill(false, CacheTier::Host, 7);
         let text = m.render();
         assert!(text.contains("ds4_prefix_cache_hits_total{tier=\"host\"} 1\n"), "{text}");
         assert!(text.contains("ds4_prefix_cache_hits_total{tier=\"disk\"} 0\n"));

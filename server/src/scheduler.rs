@@ -1,10 +1,12 @@
-//! The scheduler thread: the only owner of the [`Runner`]. Requests reach it as [`Job`]s over a channel and get
+//! The scheduler thread: the only owner of the [`Runner`]. Requests reach it as [`GenRequest`]s over a channel and get
 //! [`JobEvent`]s back over a per-job tokio channel.
 //!
 //! Each tick: admit waiting jobs (up to `max_active`), drop jobs whose receiver is gone (client disconnected), feed
-//! every decoding session its last sampled token plus at most `prefill_chunk` prompt tokens in total to the sessions
-//! still prefilling (so decoders keep flowing during a long prefill), run one `Runner::step`, then sample for every
-//! session whose prompt is complete.
+//! every decoding session its last sampled token plus prompt tokens to the sessions still prefilling, so that at most
+//! `prefill_chunk` prompt tokens are queued in the runner in all (so decoders keep flowing during a long prefill),
+//! run exactly one `Runner::step` (one model tick: decode tokens first, then as much prefill as the runner's batch
+//! holds), then sample for every session whose fed tokens are all processed ([`Runner::pending`] is 0). A decoding
+//! session therefore gets a token every tick, however long another session's prompt is.
 //!
 //! Prefix reuse: a finished (or cancelled) job's session is *parked* with exactly the tokens it has processed. A new
 //! job takes the parked session that lets it skip the most prompt tokens and feeds only the rest: a parked session
@@ -33,11 +35,11 @@ use crossbeam::channel::{self, Receiver, Sender, TryRecvError};
 use parking_lot::Mutex;
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::backend::{Runner, SessionId};
 use crate::kvdisk::DiskEvent;
-use crate::metrics::{Metrics, Tier};
+use crate::metrics::{CacheTier, Metrics};
+use crate::model::{Runner, RunnerSessionId};
 use crate::recent::{Outcome, RequestRecord};
-use crate::sampling::{Sampler, SamplingParams};
+use ds4_engine::sampler::{Sampler, SamplerConfig};
 
 /// Why generation stopped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,9 +64,9 @@ pub enum JobEvent {
 }
 
 /// One generation request.
-pub struct Job {
+pub struct GenRequest {
     pub prompt: Vec<u32>,
-    pub sampling: SamplingParams,
+    pub sampling: SamplerConfig,
     /// Generated tokens at most (the EOS token counts).
     pub max_tokens: usize,
     /// Token ids that end generation (not emitted).
@@ -96,7 +98,7 @@ pub enum SubmitError {
 }
 
 enum Msg {
-    Job(Job, Instant),
+    Submit(GenRequest, Instant),
     Shutdown,
 }
 
@@ -115,16 +117,7 @@ impl Scheduler {
         let (tx, rx) = channel::unbounded();
         let queued = Arc::new(AtomicUsize::new(0));
         let max_queue = config.max_queue;
-        let mut worker = Worker {
-            runner,
-            config,
-            metrics,
-            queued: queued.clone(),
-            waiting: VecDeque::new(),
-            active: Vec::new(),
-            parked: Vec::new(),
-            clock: 0,
-        };
+        let mut worker = Worker::new(runner, config, metrics, queued.clone());
         let thread = std::thread::Builder::new()
             .name("ds4-scheduler".into())
             .spawn(move || worker.run(rx))
@@ -133,12 +126,12 @@ impl Scheduler {
     }
 
     /// Queue a job; fails at once when `max_queue` jobs are already waiting.
-    pub fn submit(&self, job: Job) -> Result<(), SubmitError> {
+    pub fn submit(&self, job: GenRequest) -> Result<(), SubmitError> {
         if self.queued.fetch_add(1, Ordering::SeqCst) >= self.max_queue {
             self.queued.fetch_sub(1, Ordering::SeqCst);
             return Err(SubmitError::QueueFull);
         }
-        self.tx.send(Msg::Job(job, Instant::now())).map_err(|_| {
+        self.tx.send(Msg::Submit(job, Instant::now())).map_err(|_| {
             self.queued.fetch_sub(1, Ordering::SeqCst);
             SubmitError::ShuttingDown
         })
@@ -164,8 +157,8 @@ impl Scheduler {
 }
 
 struct Active {
-    job: Job,
-    session: SessionId,
+    job: GenRequest,
+    session: RunnerSessionId,
     /// Prompt + generated tokens; `tokens[..fed]` have been fed to the runner.
     tokens: Vec<u32>,
     fed: usize,
@@ -173,7 +166,7 @@ struct Active {
     /// Prompt tokens reused from a parked session.
     cached: usize,
     /// Where the cached tokens came from.
-    tier: Tier,
+    tier: CacheTier,
     generated: usize,
     sampler: Sampler,
     submitted: Instant,
@@ -200,7 +193,7 @@ impl Active {
 }
 
 struct Parked {
-    session: SessionId,
+    session: RunnerSessionId,
     tokens: Vec<u32>,
     last_used: u64,
 }
@@ -210,7 +203,7 @@ struct Worker {
     config: SchedulerConfig,
     metrics: Arc<Metrics>,
     queued: Arc<AtomicUsize>,
-    waiting: VecDeque<(Job, Instant)>,
+    waiting: VecDeque<(GenRequest, Instant)>,
     active: Vec<Active>,
     parked: Vec<Parked>,
     clock: u64,
@@ -221,6 +214,19 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
 }
 
 impl Worker {
+    fn new(runner: Box<dyn Runner>, config: SchedulerConfig, metrics: Arc<Metrics>, queued: Arc<AtomicUsize>) -> Self {
+        Worker {
+            runner,
+            config,
+            metrics,
+            queued,
+            waiting: VecDeque::new(),
+            active: Vec::new(),
+            parked: Vec::new(),
+            clock: 0,
+        }
+    }
+
     fn run(&mut self, rx: Receiver<Msg>) {
         // Before the first request: what the runner found at start (e.g. corrupt cache files removed) is visible.
         self.publish();
@@ -239,7 +245,7 @@ impl Worker {
                 }
             };
             match msg {
-                Some(Msg::Job(job, at)) => {
+                Some(Msg::Submit(job, at)) => {
                     self.waiting.push_back((job, at));
                     continue; // drain everything that is already queued before ticking
                 }
@@ -272,9 +278,9 @@ impl Worker {
         m.active_sessions.store(self.active.len() as u64, Ordering::Relaxed);
         m.parked_sessions.store(self.parked.len() as u64, Ordering::Relaxed);
         let kv = self.runner.kv_bytes();
-        m.set_kv_bytes(Tier::Device, kv.device);
-        m.set_kv_bytes(Tier::Host, kv.host);
-        m.set_kv_bytes(Tier::Disk, kv.disk);
+        m.set_kv_bytes(CacheTier::Device, kv.device);
+        m.set_kv_bytes(CacheTier::Host, kv.host);
+        m.set_kv_bytes(CacheTier::Disk, kv.disk);
         m.set_kv_disk_errors(self.runner.disk_error_counts());
     }
 
@@ -297,6 +303,13 @@ impl Worker {
                 let _ = job.events.send(JobEvent::Error(msg));
                 continue;
             }
+            let sampler = match Sampler::new(job.sampling.clone()) {
+                Ok(s) => s,
+                Err(e) => {
+                    let _ = job.events.send(JobEvent::Error(format!("invalid sampling settings: {e}")));
+                    continue;
+                }
+            };
             let (session, cached, tier) = match self.acquire(&job.prompt) {
                 Ok(x) => x,
                 Err(e) => {
@@ -314,7 +327,7 @@ impl Worker {
             tracing::debug!(session, prompt_len, cached, "admitted");
             self.active.push(Active {
                 tokens: job.prompt.clone(),
-                sampler: Sampler::new(job.sampling.clone()),
+                sampler,
                 job,
                 session,
                 fed: cached,
@@ -334,7 +347,7 @@ impl Worker {
     /// Returns the session and the number of prompt tokens it already holds (`== prompt.len()` only when the
     /// session also holds the logits that follow the prompt).
     /// A session restored from the disk tier wins when it covers more of the prompt than any parked one.
-    fn acquire(&mut self, prompt: &[u32]) -> Result<(SessionId, usize, Tier), String> {
+    fn acquire(&mut self, prompt: &[u32]) -> Result<(RunnerSessionId, usize, CacheTier), String> {
         let can_truncate = self.runner.can_truncate();
         let usable = |runner: &dyn Runner, p: &Parked| -> usize {
             let lcp = common_prefix(&p.tokens, prompt);
@@ -356,7 +369,7 @@ impl Worker {
             .filter(|&(_, n)| n > 0)
             .max_by_key(|&(i, n)| (n, self.parked[i].last_used));
         if let Some((s, n)) = self.runner.disk_restore(prompt, best.map_or(0, |(_, n)| n)) {
-            return Ok((s, n, Tier::Disk));
+            return Ok((s, n, CacheTier::Disk));
         }
         if let Some((i, n)) = best {
             let extends = n == self.parked[i].tokens.len();
@@ -367,20 +380,20 @@ impl Worker {
                     if extends || self.runner.truncate(copy, n) {
                         self.clock += 1;
                         self.parked[i].last_used = self.clock;
-                        return Ok((copy, n, Tier::Host));
+                        return Ok((copy, n, CacheTier::Host));
                     }
                     self.runner.free_session(copy);
                 }
             }
             let p = self.parked.swap_remove(i);
             if extends || self.runner.truncate(p.session, n) {
-                return Ok((p.session, n, Tier::Host));
+                return Ok((p.session, n, CacheTier::Host));
             }
             self.runner.free_session(p.session);
         }
         loop {
             match self.runner.create_session() {
-                Ok(s) => return Ok((s, 0, Tier::Host)),
+                Ok(s) => return Ok((s, 0, CacheTier::Host)),
                 Err(e) => {
                     if !self.evict_lru() {
                         return Err(format!("cannot create a session: {e}"));
@@ -403,7 +416,7 @@ impl Worker {
 
     /// Keep a copy of a session whose prompt was just processed (when the runner cannot truncate, this is what lets
     /// a request that diverges after the prompt reuse it).
-    fn checkpoint_prompt(&mut self, session: SessionId, prompt: &[u32]) {
+    fn checkpoint_prompt(&mut self, session: RunnerSessionId, prompt: &[u32]) {
         if self.runner.can_truncate() || self.config.max_parked == 0 {
             return;
         }
@@ -420,7 +433,7 @@ impl Worker {
         }
     }
 
-    fn park(&mut self, session: SessionId, mut tokens: Vec<u32>) {
+    fn park(&mut self, session: RunnerSessionId, mut tokens: Vec<u32>) {
         self.clock += 1;
         tokens.shrink_to_fit();
         self.parked.push(Parked { session, tokens, last_used: self.clock });
@@ -461,23 +474,22 @@ impl Worker {
             }
         }
         let mut budget = self.config.prefill_chunk.max(1);
-        let mut sample_now = Vec::new();
         let mut failed = Vec::new();
-        let mut fed_any = false;
+        let mut queued_any = false;
         let mut prefilled = 0u64;
         for (i, a) in self.active.iter_mut().enumerate() {
+            // Tokens fed on earlier ticks that the runner has not processed yet count against the prefill budget.
+            let pending = self.runner.pending(a.session);
+            queued_any |= pending > 0;
             let remaining = a.tokens.len() - a.fed;
             let n = if a.fed >= a.prompt_len {
                 remaining // a decode token (exactly one)
             } else {
-                let n = remaining.min(budget);
-                budget -= n;
+                let n = remaining.min(budget.saturating_sub(pending));
+                budget = budget.saturating_sub(pending + n);
                 n
             };
             if n == 0 {
-                if a.generated == 0 && a.fed == a.tokens.len() {
-                    sample_now.push(i); // full prefix hit: the parked session holds the prompt's logits
-                }
                 continue;
             }
             if let Err(e) = self.runner.feed(a.session, &a.tokens[a.fed..a.fed + n]) {
@@ -488,12 +500,9 @@ impl Worker {
                 prefilled += n as u64;
             }
             a.fed += n;
-            fed_any = true;
-            if a.fed == a.tokens.len() {
-                sample_now.push(i);
-            }
+            queued_any = true;
         }
-        if fed_any {
+        if queued_any {
             let stepped = catch_unwind(AssertUnwindSafe(|| self.runner.step()));
             let err = match stepped {
                 Ok(Ok(())) => None,
@@ -510,8 +519,16 @@ impl Worker {
                 return;
             }
         }
+        // Ready to sample: everything fed has been processed (after a full prefix hit, nothing needed feeding: the
+        // parked session holds the prompt's logits). A session whose feed failed is not sampled.
+        let sample_now: Vec<usize> = (0..self.active.len())
+            .filter(|&i| {
+                let a = &self.active[i];
+                a.fed == a.tokens.len() && self.runner.pending(a.session) == 0 && !failed.iter().any(|f| f.0 == i)
+            })
+            .collect();
         let mut finished: Vec<(usize, JobEvent)> = failed.into_iter().map(|(i, e)| (i, JobEvent::Error(e))).collect();
-        let checkpoints: Vec<(SessionId, Vec<u32>, usize)> = sample_now
+        let checkpoints: Vec<(RunnerSessionId, Vec<u32>, usize)> = sample_now
             .iter()
             .map(|&i| &self.active[i])
             .filter(|a| a.generated == 0 && a.cached < a.prompt_len)
@@ -528,7 +545,13 @@ impl Worker {
                 finished.push((i, JobEvent::Error("the model returned no logits".into())));
                 continue;
             };
-            let token = a.sampler.sample(logits);
+            let token = match a.sampler.sample(logits) {
+                Ok(t) => t,
+                Err(e) => {
+                    finished.push((i, JobEvent::Error(format!("sampling failed: {e}"))));
+                    continue;
+                }
+            };
             let now = Instant::now();
             match a.last_token {
                 None => {
@@ -563,14 +586,14 @@ impl Worker {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::Codec;
     use crate::fake::{FakeCodec, FakeRunner, EOS};
+    use crate::model::Codec;
     use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
-    fn job(prompt: Vec<u32>, max_tokens: usize) -> (Job, UnboundedReceiver<JobEvent>) {
+    fn job(prompt: Vec<u32>, max_tokens: usize) -> (GenRequest, UnboundedReceiver<JobEvent>) {
         let (tx, rx) = unbounded_channel();
-        let sampling = SamplingParams { temperature: 0.0, ..Default::default() };
-        (Job { prompt, sampling, max_tokens, eos: vec![EOS], events: tx }, rx)
+        let sampling = SamplerConfig::greedy();
+        (GenRequest { prompt, sampling, max_tokens, eos: vec![EOS], events: tx }, rx)
     }
 
     fn collect(rx: &mut UnboundedReceiver<JobEvent>) -> (Vec<JobEvent>, String) {
@@ -614,7 +637,7 @@ mod tests {
         assert_eq!(text, "Hello! You said: again.");
         let hello_len = p1.len() + "Hello! You said: hello.".len();
         assert_eq!(ev[0], JobEvent::Started { prompt_tokens: p2.len(), cached_tokens: hello_len });
-        assert_eq!(metrics.prefix_hit_tokens(Tier::Host), hello_len as u64);
+        assert_eq!(metrics.prefix_hit_tokens(CacheTier::Host), hello_len as u64);
         s.shutdown();
     }
 
@@ -625,25 +648,25 @@ mod tests {
         fn vocab_size(&self) -> usize {
             self.0.vocab_size()
         }
-        fn create_session(&mut self) -> Result<SessionId, crate::backend::BackendError> {
+        fn create_session(&mut self) -> Result<RunnerSessionId, crate::model::BackendError> {
             self.0.create_session()
         }
-        fn free_session(&mut self, session: SessionId) {
+        fn free_session(&mut self, session: RunnerSessionId) {
             self.0.free_session(session)
         }
-        fn truncate(&mut self, _: SessionId, _: usize) -> bool {
+        fn truncate(&mut self, _: RunnerSessionId, _: usize) -> bool {
             false
         }
-        fn fork(&mut self, session: SessionId) -> Option<SessionId> {
+        fn fork(&mut self, session: RunnerSessionId) -> Option<RunnerSessionId> {
             self.0.fork(session)
         }
-        fn feed(&mut self, session: SessionId, tokens: &[u32]) -> Result<(), crate::backend::BackendError> {
+        fn feed(&mut self, session: RunnerSessionId, tokens: &[u32]) -> Result<(), crate::model::BackendError> {
             self.0.feed(session, tokens)
         }
-        fn step(&mut self) -> Result<(), crate::backend::BackendError> {
+        fn step(&mut self) -> Result<(), crate::model::BackendError> {
             self.0.step()
         }
-        fn logits(&self, session: SessionId) -> Option<&[f32]> {
+        fn logits(&self, session: RunnerSessionId) -> Option<&[f32]> {
             self.0.logits(session)
         }
     }
@@ -716,6 +739,49 @@ mod tests {
         let (j, _rx) = job(prompt("x"), 5);
         assert_eq!(s.submit(j), Err(SubmitError::QueueFull));
         s.shutdown();
+    }
+
+    #[test]
+    fn decoding_gets_a_token_every_tick_during_another_long_prefill() {
+        // The model processes 8 rows per step and the scheduler may queue 512 prompt tokens: a 400-token prompt
+        // takes dozens of ticks, and the session already decoding gets one token in each of them. The worker is
+        // driven tick by tick here (no thread), so the counts are exact.
+        let runner = FakeRunner::new(8).with_batch_tokens(8);
+        let queued = Arc::new(AtomicUsize::new(0));
+        let mut w = Worker::new(Box::new(runner), SchedulerConfig::default(), Default::default(), queued.clone());
+        let submit = |w: &mut Worker, j: GenRequest| {
+            queued.fetch_add(1, Ordering::SeqCst);
+            w.waiting.push_back((j, Instant::now()));
+        };
+        let tokens = |rx: &mut UnboundedReceiver<JobEvent>| {
+            std::iter::from_fn(|| rx.try_recv().ok()).filter(|e| matches!(e, JobEvent::Token(_))).count()
+        };
+        let (a, mut rx_a) = job(prompt("a long answer"), 10_000);
+        submit(&mut w, a);
+        let mut ticks = 0;
+        while tokens(&mut rx_a) == 0 {
+            w.admit();
+            w.tick();
+            ticks += 1;
+            assert!(ticks < 100, "no first token");
+        }
+        let long = prompt(&"x".repeat(400));
+        let (b, mut rx_b) = job(long.clone(), 3);
+        submit(&mut w, b);
+        let mut prefill_ticks = 0;
+        loop {
+            w.admit();
+            w.tick();
+            let b_started = tokens(&mut rx_b) > 0;
+            // One token for the decoding session on every tick, the prefill tick included.
+            assert_eq!(tokens(&mut rx_a), 1, "tick {prefill_ticks} of the prefill");
+            if b_started {
+                break;
+            }
+            prefill_ticks += 1;
+            assert!(prefill_ticks < 1000, "the prefill does not finish");
+        }
+        assert!(prefill_ticks >= long.len() / 8, "a {}-token prefill in {prefill_ticks} ticks", long.len());
     }
 
     #[test]

@@ -3,10 +3,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::backend::{Codec, ModelInfo};
 use crate::conn::ConnLimits;
 use crate::guard::Access;
 use crate::metrics::Metrics;
+use crate::model::{Codec, ModelInfo};
 use crate::scheduler::Scheduler;
 use crate::toolmem::ToolMemory;
 

@@ -18,7 +18,7 @@
 
 use serde_json::{json, Map, Value};
 
-use crate::metrics::Tier;
+use crate::metrics::CacheTier;
 use crate::recent::RequestRecord;
 use crate::state::AppState;
 
@@ -30,10 +30,10 @@ pub fn snapshot(state: &AppState) -> Value {
     let m = &state.metrics;
     let load = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
     let rates = m.recent.rates();
-    let per_tier = |f: &dyn Fn(Tier) -> u64| -> Value {
-        Value::Object(Tier::ALL.iter().map(|&t| (t.name().to_string(), json!(f(t)))).collect::<Map<_, _>>())
+    let per_tier = |f: &dyn Fn(CacheTier) -> u64| -> Value {
+        Value::Object(CacheTier::ALL.iter().map(|&t| (t.name().to_string(), json!(f(t)))).collect::<Map<_, _>>())
     };
-    let cached_total: u64 = Tier::ALL.iter().map(|&t| m.prefix_hit_tokens(t)).sum();
+    let cached_total: u64 = CacheTier::ALL.iter().map(|&t| m.prefix_hit_tokens(t)).sum();
     json!({
         "model": state.info.id,
         "demo": state.info.demo,

@@ -11,7 +11,7 @@ use std::collections::{HashMap, VecDeque};
 
 use parking_lot::Mutex;
 
-use crate::backend::{Conversation, Role};
+use crate::model::{Conversation, Role};
 
 #[derive(Debug, Clone)]
 struct Remembered {
@@ -79,7 +79,7 @@ fn same_json(a: &str, b: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::{Message, ToolCall};
+    use crate::model::{Message, ToolCall};
 
     fn conv(args: &str) -> Conversation {
         let mut m = Message::new(Role::Assistant, "");

@@ -14,7 +14,7 @@ use hyper::header::{HeaderValue, CACHE_CONTROL, CONTENT_TYPE};
 use hyper::Response;
 
 use crate::api::errors::ApiError;
-use crate::http::Body;
+use crate::response::Body;
 
 const INDEX_HTML: &str = include_str!("webui/index.html");
 const APP_JS: &str = include_str!("webui/app.js");

@@ -8,7 +8,10 @@
 //! Weights are read directly in their file format: no dequantized copies of the model exist on the device.
 //!
 //! Entry points are named in [`all_sources`] (`main` unless a file holds several); bindings and uniform `Params` struct are documented at the top of its
-//! file, and the engine's wgpu backend (`ds4_engine::backend::wgpu`) mirrors those structs with `#[repr(C)]` types.
+//! file. The uniform `Params` blocks are defined once, in Rust, in [`params`] (checked against naga's layout of each
+//! shader); the engine's wgpu backend fills those types.
+
+pub mod params;
 
 /// A weight format the WGSL kernels can read directly.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

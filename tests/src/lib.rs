@@ -56,7 +56,7 @@ pub fn golden_gguf(shared: &Path, name: &str, recipe: &str) -> PathBuf {
 /// Path of the `ds4` binary of this build profile, building it first if needed.
 pub fn ds4_bin() -> PathBuf {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
-    BIN.get_or_init(|| workspace_bin("ds4-engine", "ds4")).clone()
+    BIN.get_or_init(|| workspace_bin("ds4-cli", "ds4")).clone()
 }
 
 /// Path of the `ds4-bench` binary of this build profile, building it first if needed.

@@ -35,7 +35,7 @@ fn ds4_bin() -> Option<PathBuf> {
         .max()
         .map(|(_, p)| p);
     if newest.is_none() {
-        skip_or_fail("no ds4 binary (run `cargo build -p ds4-engine` first or set DS4_BIN)");
+        skip_or_fail("no ds4 binary (run `cargo build -p ds4-cli` first or set DS4_BIN)");
     }
     newest
 }

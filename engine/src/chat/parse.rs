@@ -19,6 +19,7 @@
 use super::json::push_python_string_body;
 use super::render::Mode;
 use super::types::{Message, Role, ToolCall};
+use crate::sampler::partial_suffix_len;
 use crate::tokenizer::{DSML_TOKEN, EOS_TOKEN, THINK_END_TOKEN, THINK_START_TOKEN};
 
 /// Longest DSML tag (without its value) the parser waits for before calling it malformed.
@@ -445,28 +446,6 @@ impl StreamParser {
             ev.push(ParseEvent::ToolCallEnd { index });
         }
     }
-}
-
-/// Length of the longest suffix of `buf` that is a proper prefix of one of `markers`.
-fn partial_suffix_len(buf: &str, markers: &[&str]) -> usize {
-    let b = buf.as_bytes();
-    let mut best = 0;
-    for m in markers {
-        let m = m.as_bytes();
-        let max = (m.len() - 1).min(b.len());
-        for k in (best + 1..=max).rev() {
-            if b.ends_with(&m[..k]) {
-                best = k;
-                break;
-            }
-        }
-    }
-    // A suffix that matches a marker prefix starts at a character boundary (markers start with ASCII or a
-    // character's first byte); guard anyway so slicing can never panic.
-    while best > 0 && !buf.is_char_boundary(buf.len() - best) {
-        best -= 1;
-    }
-    best
 }
 
 /// Parses a whole completion at once (same result as streaming it).

@@ -10,7 +10,8 @@
 //! * Same seed and same logits sequence → same ids, on every platform (the PRNG is xoshiro256** seeded by
 //!   splitmix64, all arithmetic in f64 in a fixed order).
 //! * [`StopChecker`]: text-level stop sequences across token boundaries (text that could start a stop sequence is
-//!   held back) and a max-token limit.
+//!   held back) and a max-token limit. [`partial_suffix_len`] is the holdback rule itself (the DSML stream parser
+//!   and the server's stop strings use it too).
 //!
 //! Errors: invalid settings (negative temperature, top_p outside (0, 1], …) or a logits row with no finite value.
 //! Nothing panics.
@@ -21,4 +22,4 @@ mod stop;
 
 pub use rng::Rng;
 pub use sample::{argmax, filtered_distribution, Sampler, SamplerConfig};
-pub use stop::{StopChecker, StopReason, StopStatus};
+pub use stop::{partial_suffix_len, StopChecker, StopReason, StopStatus};

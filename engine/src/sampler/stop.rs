@@ -73,22 +73,32 @@ impl StopChecker {
     }
 
     fn partial_len(&self) -> usize {
-        let b = self.held.as_bytes();
-        let mut best = 0;
-        for s in &self.stops {
-            let s = s.as_bytes();
-            for k in (best + 1..=(s.len() - 1).min(b.len())).rev() {
-                if b.ends_with(&s[..k]) {
-                    best = k;
-                    break;
-                }
+        partial_suffix_len(&self.held, &self.stops)
+    }
+}
+
+/// Length in bytes of the longest suffix of `buf` that is a proper prefix of one of `markers`: the text a streaming
+/// matcher must hold back because the next piece could complete a marker. The one holdback rule shared by
+/// [`StopChecker`], the DSML stream parser and the server's stop strings. Always a character boundary of `buf`.
+pub fn partial_suffix_len<S: AsRef<str>>(buf: &str, markers: &[S]) -> usize {
+    let b = buf.as_bytes();
+    let mut best = 0;
+    for m in markers {
+        let m = m.as_ref().as_bytes();
+        let max = m.len().saturating_sub(1).min(b.len());
+        for k in (best + 1..=max).rev() {
+            if b.ends_with(&m[..k]) {
+                best = k;
+                break;
             }
         }
-        while best > 0 && !self.held.is_char_boundary(self.held.len() - best) {
-            best -= 1;
-        }
-        best
     }
+    // A suffix that matches a marker prefix starts at a character boundary when the marker does; guard anyway so
+    // slicing can never panic.
+    while best > 0 && !buf.is_char_boundary(buf.len() - best) {
+        best -= 1;
+    }
+    best
 }
 
 #[cfg(test)]
@@ -123,6 +133,18 @@ mod tests {
         let mut c = StopChecker::new(["</stop>"], None);
         assert_eq!(c.push("hi </st"), StopStatus::Continue { emit: "hi ".into() });
         assert_eq!(c.push("art"), StopStatus::Continue { emit: "</start".into() });
+    }
+
+    #[test]
+    fn partial_suffixes() {
+        assert_eq!(partial_suffix_len("abc</thi", &["</think>"]), 5);
+        assert_eq!(partial_suffix_len("abc", &["</think>"]), 0);
+        assert_eq!(partial_suffix_len("x<", &["<a", "<<b"]), 1);
+        assert_eq!(partial_suffix_len("x<<", &["<a", "<<b"]), 2);
+        // A whole marker is not a partial one; empty markers hold nothing.
+        assert_eq!(partial_suffix_len("ab", &["ab", ""]), 0);
+        assert_eq!(partial_suffix_len("", &["ab"]), 0);
+        assert_eq!(partial_suffix_len("é", &["é!"]), 2);
     }
 
     #[test]

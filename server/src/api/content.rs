@@ -12,7 +12,7 @@
 
 use serde_json::Value;
 
-use crate::backend::ToolSpec;
+use crate::model::ToolSpec;
 
 /// `[KIND omitted]` or `[KIND omitted: DETAIL]`.
 pub fn omitted(kind: &str, detail: Option<&str>) -> String {

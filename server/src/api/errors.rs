@@ -7,6 +7,15 @@
 
 use serde_json::{json, Value};
 
+/// The error shape of a route: Anthropic for `/messages…`, OpenAI otherwise.
+pub fn flavor_of(route: &str) -> Flavor {
+    if route.starts_with("/messages") {
+        Flavor::Anthropic
+    } else {
+        Flavor::OpenAi
+    }
+}
+
 /// Which JSON error shape to use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Flavor {

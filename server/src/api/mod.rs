@@ -1,7 +1,7 @@
 //! One module per wire API, plus what they share: JSON decoding with clear errors, model-name checks, sampling
 //! parameter validation and the unix timestamp.
 //!
-//! Every API module turns its request into a [`crate::backend::Conversation`] (unknown fields are ignored, never
+//! Every API module turns its request into a [`crate::model::Conversation`] (unknown fields are ignored, never
 //! rejected), starts a [`crate::generate::Generation`] and answers either with one JSON object or with an SSE stream
 //! written by a spawned task (which stops, cancelling the job, as soon as the client is gone).
 
@@ -17,9 +17,9 @@ use serde::de::DeserializeOwned;
 
 use std::sync::Arc;
 
-use crate::backend::{Conversation, EncodeError};
-use crate::sampling::SamplingParams;
+use crate::model::{Conversation, EncodeError};
 use crate::state::AppState;
+use ds4_engine::sampler::SamplerConfig;
 use errors::ApiError;
 
 /// Decode a JSON body into `T`; syntax and type errors become 400s naming the problem.
@@ -30,13 +30,13 @@ pub fn parse_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     serde_json::from_slice(body).map_err(|e| ApiError::bad_json(&e))
 }
 
-/// Validate sampling knobs (OpenAI ranges; `top_k` is an extension).
+/// Validate sampling knobs (OpenAI ranges; `top_k` is an extension). Without a seed, a random one.
 pub fn sampling(
     temperature: Option<f64>,
     top_p: Option<f64>,
     top_k: Option<u64>,
     seed: Option<u64>,
-) -> Result<SamplingParams, ApiError> {
+) -> Result<SamplerConfig, ApiError> {
     let temperature = temperature.unwrap_or(1.0);
     if !(0.0..=2.0).contains(&temperature) {
         return Err(ApiError::param("temperature", format!("temperature must be between 0 and 2, got {temperature}")));
@@ -45,11 +45,12 @@ pub fn sampling(
     if !(top_p > 0.0 && top_p <= 1.0) {
         return Err(ApiError::param("top_p", format!("top_p must be in (0, 1], got {top_p}")));
     }
-    Ok(SamplingParams {
+    Ok(SamplerConfig {
         temperature: temperature as f32,
-        top_p: top_p as f32,
+        top_p: (top_p as f32).max(f32::MIN_POSITIVE),
         top_k: top_k.unwrap_or(0).min(u32::MAX as u64) as usize,
-        seed,
+        seed: seed.unwrap_or_else(rand::random),
+        ..SamplerConfig::default()
     })
 }
 
@@ -70,7 +71,7 @@ pub async fn tokenize(state: &Arc<AppState>, text: String, param: &'static str) 
     blocking(state, param, move || st.codec.encode_bounded(&text, st.info.context_size.saturating_sub(1))).await
 }
 
-/// Render a conversation and tokenize it (see [`crate::backend::Codec::prompt`]), on the blocking pool; `param` is
+/// Render a conversation and tokenize it (see [`crate::model::Codec::prompt`]), on the blocking pool; `param` is
 /// the request field a context-length error names (`messages`, `input`).
 pub async fn prompt_tokens(
     state: &Arc<AppState>,

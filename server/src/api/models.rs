@@ -9,7 +9,7 @@
 use serde_json::json;
 
 use crate::api::errors::ApiError;
-use crate::http::{json_response, Body};
+use crate::response::{json_response, Body};
 use crate::state::AppState;
 use hyper::Response;
 

@@ -20,9 +20,9 @@ use serde_json::{json, Value};
 
 use crate::api::errors::{ApiError, Flavor};
 use crate::api::{content, max_tokens, models, now_unix, parse_json, sampling, stop_strings, OneOrMany};
-use crate::backend::{Conversation, Message, Role, ToolCall, ToolSpec};
 use crate::generate::{new_id, Finish, GenEvent, GenOptions, Generation, Usage};
-use crate::http::{json_response, sse_response, Body};
+use crate::model::{Conversation, Message, Role, ToolCall, ToolSpec};
+use crate::response::{json_response, sse_response, Body};
 use crate::sse;
 use crate::state::AppState;
 

@@ -15,7 +15,7 @@ use crate::api::errors::{ApiError, Flavor};
 use crate::api::openai_chat::StreamOptions;
 use crate::api::{max_tokens, models, now_unix, parse_json, sampling, stop_strings, OneOrMany};
 use crate::generate::{new_id, Finish, GenEvent, GenOptions, Generation, Usage};
-use crate::http::{json_response, sse_response, Body};
+use crate::response::{json_response, sse_response, Body};
 use crate::sse;
 use crate::state::AppState;
 

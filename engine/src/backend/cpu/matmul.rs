@@ -277,6 +277,7 @@ impl Acts {
     }
 
     /// Bytes per quantized row (0 for float kernels).
+    #[cfg_attr(not(any(test, feature = "bench-internals")), allow(dead_code))]
     pub fn row_bytes(&self) -> usize {
         if self.act.is_some() {
             self.row_bytes

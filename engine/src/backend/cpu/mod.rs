@@ -9,10 +9,16 @@ pub mod attention;
 pub mod compressor;
 pub mod hc;
 pub mod indexer;
+#[cfg(feature = "bench-internals")]
 pub mod matmul;
+#[cfg(not(feature = "bench-internals"))]
+pub(crate) mod matmul;
 pub mod moe;
 pub mod norm;
+#[cfg(feature = "bench-internals")]
 pub mod pool;
+#[cfg(not(feature = "bench-internals"))]
+pub(crate) mod pool;
 
 use std::cell::RefCell;
 

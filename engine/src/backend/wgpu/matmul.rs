@@ -8,6 +8,7 @@
 //! likewise for `y`. Offsets/strides are in f32 elements. The caller guarantees the buffers are large enough; out of
 //! range writes are dropped by wgpu's robust buffer access rather than corrupting memory.
 
+use ds4_shaders_wgsl::params::{GetRowsParams, MatmulParams};
 use std::ops::Range;
 
 use ds4_shaders_wgsl::WeightFormat;
@@ -34,34 +35,6 @@ impl<'a> View<'a> {
     pub fn at(self, d: usize) -> Self {
         Self { offset: self.offset + d, ..self }
     }
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
-struct MatmulParams {
-    rows: u32,
-    cols: u32,
-    n_tok: u32,
-    row_bytes: u32,
-    row_base: u32,
-    x_offset: u32,
-    x_stride: u32,
-    y_offset: u32,
-    y_stride: u32,
-    grid_x: u32,
-    accumulate: u32,
-    _pad: u32,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
-struct GetRowsParams {
-    n_ids: u32,
-    cols: u32,
-    row_bytes: u32,
-    y_offset: u32,
-    y_stride: u32,
-    _pad: [u32; 3],
 }
 
 fn name(kind: &str, f: WeightFormat) -> String {

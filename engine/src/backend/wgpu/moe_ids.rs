@@ -5,6 +5,7 @@
 //! expert). Nothing here submits.
 
 use ds4_shaders_wgsl as sh;
+use ds4_shaders_wgsl::params::{CombineParams, IdsParams};
 
 use super::context::{backend_err, WgpuContext};
 use super::matmul::{u32_of, View};
@@ -12,23 +13,6 @@ use super::weights::GpuWeight;
 use crate::error::Result;
 
 type Buf = wgpu::Buffer;
-
-#[repr(C)]
-#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
-struct IdsParams {
-    expert_rows: u32,
-    cols: u32,
-    n_pairs: u32,
-    row_bytes: u32,
-    chunk_first: u32,
-    chunk_rows: u32,
-    x_offset: u32,
-    x_stride: u32,
-    x_div: u32,
-    y_offset: u32,
-    y_stride: u32,
-    grid_x: u32,
-}
 
 /// `y[q, r] = W[ids[q]·expert_rows + r] · x[q / x_div]` for `q < n_pairs`, `r < expert_rows` (`ids`: u32 expert
 /// per pair, each `< w.rows / expert_rows`). One dispatch per weight chunk.
@@ -76,15 +60,6 @@ pub fn matmul_ids(
         ctx.dispatch(enc, &pl, &[&chunk.buffer, x.buf, y.buf, &u, ids], groups)?;
     }
     Ok(())
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
-struct CombineParams {
-    n: u32,
-    rows: u32,
-    k: u32,
-    _p: u32,
 }
 
 /// `out[r] = Σ_j eo[r·k + j]` over the k slots of row r in ascending (expert, slot) order (`sel`: u32 `[rows, k]`,

@@ -8,6 +8,9 @@
 //! otherwise; offsets and strides are in elements. Nothing here submits.
 
 use ds4_shaders_wgsl as sh;
+use ds4_shaders_wgsl::params::{
+    ActParams, ApeParams, AttnParams, CompressParams, HcParams, IndexerParams, MoeParams, NormParams, RopeParams,
+};
 
 use super::context::{backend_err, WgpuContext};
 use super::matmul::u32_of;
@@ -24,21 +27,6 @@ fn groups(n: usize) -> Result<u32> {
 fn grid2(n: usize) -> (u32, u32) {
     let gx = n.clamp(1, 32768);
     (gx as u32, n.div_ceil(gx) as u32)
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
-struct NormParams {
-    n: u32,
-    rows: u32,
-    x_offset: u32,
-    x_stride: u32,
-    y_offset: u32,
-    y_stride: u32,
-    has_weight: u32,
-    grid_x: u32,
-    eps: f32,
-    _pad: [u32; 3],
 }
 
 /// `y[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * g` for `rows` rows of `n` values; `g = None` for the unweighted
@@ -88,19 +76,6 @@ pub fn rms_norm(
     }
 }
 
-#[repr(C)]
-#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
-struct RopeParams {
-    n_tok: u32,
-    heads: u32,
-    head_dim: u32,
-    rope_dim: u32,
-    offset: u32,
-    tok_stride: u32,
-    head_stride: u32,
-    inverse: u32,
-}
-
 /// Geometry of a RoPE application: `heads` heads of `head_dim` per token, rope on the last `rope_dim`.
 #[derive(Clone, Copy, Debug)]
 pub struct RopeShape {
@@ -136,22 +111,6 @@ pub fn rope(ctx: &WgpuContext, enc: &mut Enc, x: &Buf, cs: &Buf, s: RopeShape, i
     ctx.dispatch(enc, &pl, &[x, cs, &u], [groups(s.rope_dim / 2 * s.heads)?, u32_of(s.n_tok, "n_tok")?, 1])
 }
 
-#[repr(C)]
-#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
-struct AttnParams {
-    n_tok: u32,
-    heads: u32,
-    dim: u32,
-    max_keys: u32,
-    q_offset: u32,
-    q_tok_stride: u32,
-    o_offset: u32,
-    o_tok_stride: u32,
-    scale: f32,
-    topk: u32,
-    _pad: [u32; 2],
-}
-
 /// Key lists for [`attention`]: token t attends to rows `rows[start_t .. start_t + count_t]` of the KV buffer.
 pub struct KeyLists {
     pub rows: Vec<u32>,
@@ -167,43 +126,41 @@ impl KeyLists {
     }
 }
 
-impl AttnParams {
-    /// Uniforms for attending over `keys` with queries at `(offset, token stride)` `q` and outputs at `o`; `None`
-    /// when there is nothing to attend (no query rows or no heads). Fails when a key range points past `keys.rows`
-    /// or a size does not fit in u32.
-    fn for_keys(
-        keys: &KeyLists,
-        q: (usize, usize),
-        o: (usize, usize),
-        heads: usize,
-        dim: usize,
-        scale: f32,
-        topk: usize,
-    ) -> Result<Option<AttnParams>> {
-        let n_tok = keys.ranges.len();
-        if n_tok == 0 || heads == 0 {
-            return Ok(None);
-        }
-        for &(s, c) in &keys.ranges {
-            if s as usize + c as usize > keys.rows.len() {
-                return Err(backend_err(format!("attention: key range {s}+{c} exceeds {} rows", keys.rows.len())));
-            }
-        }
-        let max_keys = keys.ranges.iter().map(|r| r.1 as usize).max().unwrap_or(0).max(1);
-        Ok(Some(AttnParams {
-            n_tok: u32_of(n_tok, "n_tok")?,
-            heads: u32_of(heads, "heads")?,
-            dim: u32_of(dim, "dim")?,
-            max_keys: u32_of(max_keys, "max_keys")?,
-            q_offset: u32_of(q.0, "q offset")?,
-            q_tok_stride: u32_of(q.1, "q stride")?,
-            o_offset: u32_of(o.0, "o offset")?,
-            o_tok_stride: u32_of(o.1, "o stride")?,
-            scale,
-            topk: u32_of(topk, "topk")?,
-            _pad: [0; 2],
-        }))
+/// Uniforms for attending over `keys` with queries at `(offset, token stride)` `q` and outputs at `o`; `None`
+/// when there is nothing to attend (no query rows or no heads). Fails when a key range points past `keys.rows`
+/// or a size does not fit in u32.
+fn attn_params_for_keys(
+    keys: &KeyLists,
+    q: (usize, usize),
+    o: (usize, usize),
+    heads: usize,
+    dim: usize,
+    scale: f32,
+    topk: usize,
+) -> Result<Option<AttnParams>> {
+    let n_tok = keys.ranges.len();
+    if n_tok == 0 || heads == 0 {
+        return Ok(None);
     }
+    for &(s, c) in &keys.ranges {
+        if s as usize + c as usize > keys.rows.len() {
+            return Err(backend_err(format!("attention: key range {s}+{c} exceeds {} rows", keys.rows.len())));
+        }
+    }
+    let max_keys = keys.ranges.iter().map(|r| r.1 as usize).max().unwrap_or(0).max(1);
+    Ok(Some(AttnParams {
+        n_tok: u32_of(n_tok, "n_tok")?,
+        heads: u32_of(heads, "heads")?,
+        dim: u32_of(dim, "dim")?,
+        max_keys: u32_of(max_keys, "max_keys")?,
+        q_offset: u32_of(q.0, "q offset")?,
+        q_tok_stride: u32_of(q.1, "q stride")?,
+        o_offset: u32_of(o.0, "o offset")?,
+        o_tok_stride: u32_of(o.1, "o stride")?,
+        scale,
+        topk: u32_of(topk, "topk")?,
+        _pad: [0; 2],
+    }))
 }
 
 /// Softmax-with-sink attention, K = V (see `attention.wgsl`). `q`/`o`: `(buffer, offset, token stride)`, heads of
@@ -221,7 +178,7 @@ pub fn attention(
     dim: usize,
     scale: f32,
 ) -> Result<()> {
-    let Some(p) = AttnParams::for_keys(keys, (q.1, q.2), (o.1, o.2), heads, dim, scale, 0)? else { return Ok(()) };
+    let Some(p) = attn_params_for_keys(keys, (q.1, q.2), (o.1, o.2), heads, dim, scale, 0)? else { return Ok(()) };
     let (n_tok, max_keys) = (p.n_tok as usize, p.max_keys as usize);
     let pl = ctx.pipeline("attention", sh::ATTENTION)?;
     let u = ctx.uniform("attention", &p);
@@ -268,7 +225,7 @@ pub fn attention_keyed(
     dim: usize,
     scale: f32,
 ) -> Result<()> {
-    let Some(p) = AttnParams::for_keys(keys, (q.1, q.2), (o.1, o.2), heads, dim, scale, src.topk)? else {
+    let Some(p) = attn_params_for_keys(keys, (q.1, q.2), (o.1, o.2), heads, dim, scale, src.topk)? else {
         return Ok(());
     };
     let (n_tok, max_keys) = (p.n_tok as usize, p.max_keys as usize);
@@ -290,17 +247,6 @@ pub fn attention_keyed(
         (10, src.sel),
     ];
     ctx.dispatch_at(enc, &pl, &bound, [u32_of(heads, "heads")?, p.n_tok, 1])
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
-struct ApeParams {
-    rows: u32,
-    w: u32,
-    pos0: u32,
-    ratio: u32,
-    off: u32,
-    _p: [u32; 3],
 }
 
 /// `g[off + r·w + c] += ape[((pos0 + r) % ratio)·w + c]` for `rows` rows of `w` (see `kvdev.wgsl`).
@@ -333,26 +279,6 @@ pub fn add_ape(
     let pl = ctx.pipeline_entry("kvdev", sh::KVDEV, "add_ape")?;
     let ub = ctx.uniform("add_ape", &p);
     ctx.dispatch(enc, &pl, &[g, ape, &ub], [groups(w)?, p.rows, 1])
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
-struct HcParams {
-    n_tok: u32,
-    d: u32,
-    n: u32,
-    iters: u32,
-    head: u32,
-    mix_offset: u32,
-    mix_stride: u32,
-    u_offset: u32,
-    u_stride: u32,
-    f_offset: u32,
-    f_stride: u32,
-    _p0: u32,
-    norm_eps: f32,
-    hc_eps: f32,
-    _p1: [u32; 2],
 }
 
 /// mHC constants.
@@ -445,19 +371,6 @@ pub fn hc_post(
     ctx.dispatch_at(enc, &pl, &[(0, xs), (1, f.0), (4, state), (5, out), (6, &ub)], [groups(s.d)?, p.n_tok, 1])
 }
 
-#[repr(C)]
-#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
-struct CompressParams {
-    n_windows: u32,
-    slots: u32,
-    dim: u32,
-    src_stride: u32,
-    ape_stride: u32,
-    out_offset: u32,
-    out_stride: u32,
-    _p0: u32,
-}
-
 /// One pooling slot: source token row, feature offset within the row, APE row. `None` = empty slot.
 pub type Slot = Option<(u32, u32, u32)>;
 
@@ -498,18 +411,6 @@ pub fn compress_pool(
     let sb = ctx.storage_u32("compress slots", &flat);
     let ub = ctx.uniform("compress", &p);
     ctx.dispatch(enc, &pl, &[kv, gate, ape, &sb, out.0, &ub], [groups(dim)?, p.n_windows, 1])
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
-struct IndexerParams {
-    n_tok: u32,
-    n_keys: u32,
-    heads: u32,
-    dim: u32,
-    k: u32,
-    _p: [u32; 2],
-    scale: f32,
 }
 
 /// Indexer scores then top-k (see `indexer.wgsl`). `q`: `[n_tok, heads, dim]`, `keys`: `[n_keys, dim]`,
@@ -557,27 +458,6 @@ pub fn indexer_topk(
     }
     let pl = ctx.pipeline_entry("indexer", sh::INDEXER, "topk")?;
     ctx.dispatch_at(enc, &pl, &[(3, &lb), (4, scores), (5, sel), (6, &ub)], [p.n_tok, 1, 1])
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
-struct MoeParams {
-    n_tok: u32,
-    n_exp: u32,
-    k: u32,
-    hash: u32,
-    n: u32,
-    rows: u32,
-    gu_stride: u32,
-    up_offset: u32,
-    h_offset: u32,
-    h_stride: u32,
-    use_w: u32,
-    stride: u32,
-    route_scale: f32,
-    limit: f32,
-    renorm: u32,
-    _p: u32,
 }
 
 fn moe_params() -> MoeParams {
@@ -737,15 +617,6 @@ pub fn scatter_add_rows(
         return Err(backend_err("scatter_add_rows: destination rows must be distinct"));
     }
     gather_scatter(ctx, enc, "scatter", src, dst, rows, n, stride)
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
-struct ActParams {
-    rows: u32,
-    n: u32,
-    stride: u32,
-    block: u32,
 }
 
 /// Which activation round trip [`act_sim`] applies.

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 
-use crate::chat::{render, Mode, ReasoningEffort, RenderInput};
+use ds4_engine::chat::{render, Mode, ReasoningEffort, RenderInput};
 
 /// Arguments of `ds4 render`.
 #[derive(clap::Args, Debug)]

@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use crate::gguf::GgufFile;
+use ds4_engine::gguf::GgufFile;
 
 /// Arguments of `ds4 inspect`.
 #[derive(clap::Args, Debug)]

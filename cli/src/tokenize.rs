@@ -10,8 +10,8 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 
-use crate::gguf::GgufFile;
-use crate::tokenizer::Tokenizer;
+use ds4_engine::gguf::GgufFile;
+use ds4_engine::tokenizer::Tokenizer;
 
 /// Arguments of `ds4 tokenize`.
 #[derive(clap::Args, Debug)]

@@ -15,8 +15,12 @@
 
 use serde_json::Value;
 
-/// Engine-side session handle (an index into the engine's session table).
-pub type SessionId = u64;
+/// A [`Runner`]'s session handle (the engine adapter maps it to a `ds4_engine::tables::SessionId`).
+pub type RunnerSessionId = u64;
+
+/// The old name of [`RunnerSessionId`] (it collided with `ds4_engine::tables::SessionId`), kept for code written
+/// against it.
+pub type SessionId = RunnerSessionId;
 
 /// An error from the model side, already phrased for a human.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -78,12 +82,12 @@ pub trait Runner: Send {
     /// Number of logits per position.
     fn vocab_size(&self) -> usize;
     /// Allocate an empty session.
-    fn create_session(&mut self) -> Result<SessionId, BackendError>;
+    fn create_session(&mut self) -> Result<RunnerSessionId, BackendError>;
     /// Release a session and its KV state. Unknown ids are ignored.
-    fn free_session(&mut self, session: SessionId);
+    fn free_session(&mut self, session: RunnerSessionId);
     /// Drop every token after the first `len` of `session`. Returns `false` when the runner cannot roll back (the
     /// caller then starts a fresh session instead).
-    fn truncate(&mut self, session: SessionId, len: usize) -> bool;
+    fn truncate(&mut self, session: RunnerSessionId, len: usize) -> bool;
     /// Whether [`Runner::truncate`] can work at all (lets the scheduler plan reuse without trying).
     fn can_truncate(&self) -> bool {
         false
@@ -96,26 +100,32 @@ pub trait Runner: Send {
     }
     /// A new session with a copy of `session`'s state (processed tokens and last logits), or `None` when the runner
     /// cannot copy sessions or has no room.
-    fn fork(&mut self, _session: SessionId) -> Option<SessionId> {
+    fn fork(&mut self, _session: RunnerSessionId) -> Option<RunnerSessionId> {
         None
     }
-    /// Queue tokens for the next [`Runner::step`].
-    fn feed(&mut self, session: SessionId, tokens: &[u32]) -> Result<(), BackendError>;
-    /// Run one tick: every session's queued tokens go through the model together.
+    /// Queue tokens for the next [`Runner::step`]s.
+    fn feed(&mut self, session: RunnerSessionId, tokens: &[u32]) -> Result<(), BackendError>;
+    /// Run one model tick over all sessions together (continuous batching): sessions with one queued token (decoding)
+    /// first, then prompt chunks, as far as the runner's batch budget goes. Tokens beyond it stay queued for the next
+    /// step ([`Runner::pending`]).
     fn step(&mut self) -> Result<(), BackendError>;
-    /// Logits after the last token fed to `session`, once a step has processed it.
-    fn logits(&self, session: SessionId) -> Option<&[f32]>;
+    /// Tokens fed to `session` that no step has processed yet (0 for runners that process everything at once).
+    fn pending(&self, _session: RunnerSessionId) -> usize {
+        0
+    }
+    /// Logits after the last token fed to `session`, once a step has processed it (and `pending` is 0).
+    fn logits(&self, session: RunnerSessionId) -> Option<&[f32]>;
     /// KV bytes per tier.
     fn kv_bytes(&self) -> KvBytes {
         KvBytes::default()
     }
     /// Disk KV tier: a new session restored from the longest cached prefix of `prompt`, when it covers more than
     /// `better_than` tokens (returns the session and the tokens it holds). `None` without a disk tier.
-    fn disk_restore(&mut self, _prompt: &[u32], _better_than: usize) -> Option<(SessionId, usize)> {
+    fn disk_restore(&mut self, _prompt: &[u32], _better_than: usize) -> Option<(RunnerSessionId, usize)> {
         None
     }
     /// Disk KV tier: `session` went through `event` (the tier applies its save triggers). No-op without one.
-    fn disk_event(&mut self, _session: SessionId, _event: crate::kvdisk::DiskEvent) {}
+    fn disk_event(&mut self, _session: RunnerSessionId, _event: crate::kvdisk::DiskEvent) {}
     /// Disk KV tier failures so far (`ds4_kv_disk_errors_total`).
     fn disk_errors(&self) -> u64 {
         self.disk_error_counts().total()

@@ -1,9 +1,9 @@
-//! `ds4 run` (one prompt → one answer) and `ds4 chat` (interactive), on top of [`crate::engine::Engine`].
+//! `ds4 run` (one prompt → one answer) and `ds4 chat` (interactive), on top of [`ds4_engine::engine::Engine`].
 //!
-//! The generation loop ([`generate`]) ties the text pieces together: render the conversation ([`crate::chat`]),
-//! encode it, feed it, then per step: sample ([`crate::sampler::Sampler`], greedy inside DSML syntax and on
-//! structural tokens), decode incrementally ([`crate::tokenizer::StreamDecoder`]), check stop sequences and the token
-//! limit ([`crate::sampler::StopChecker`]) and parse reasoning / content / tool calls ([`crate::chat::StreamParser`]).
+//! The generation loop ([`generate`]) ties the text pieces together: render the conversation ([`ds4_engine::chat`]),
+//! encode it, feed it, then per step: sample ([`ds4_engine::sampler::Sampler`], greedy inside DSML syntax and on
+//! structural tokens), decode incrementally ([`ds4_engine::tokenizer::StreamDecoder`]), check stop sequences and the token
+//! limit ([`ds4_engine::sampler::StopChecker`]) and parse reasoning / content / tool calls ([`ds4_engine::chat::StreamParser`]).
 //!
 //! Output: the answer goes to stdout as it is generated; reasoning goes to stderr (so `ds4 run … > answer.txt` keeps
 //! only the answer); tool calls are printed to stdout as one JSON line each once complete.
@@ -15,12 +15,14 @@ use std::sync::Arc;
 
 use anyhow::Context;
 
-use crate::chat::{render, Message, Mode, ParseEvent, ParsedMessage, ReasoningEffort, RenderInput, Role, StreamParser};
-use crate::engine::{BackendKind, Engine, EngineOptions};
-use crate::gguf::GgufFile;
-use crate::sampler::{Sampler, SamplerConfig, StopChecker, StopStatus};
-use crate::tables::SessionId;
-use crate::tokenizer::{Tokenizer, EOS_TOKEN};
+use ds4_engine::chat::{
+    render, Message, Mode, ParseEvent, ParsedMessage, ReasoningEffort, RenderInput, Role, StreamParser,
+};
+use ds4_engine::engine::{BackendKind, Engine, EngineOptions};
+use ds4_engine::gguf::GgufFile;
+use ds4_engine::sampler::{Sampler, SamplerConfig, StopChecker, StopStatus};
+use ds4_engine::tables::SessionId;
+use ds4_engine::tokenizer::{Tokenizer, EOS_TOKEN};
 
 /// Options shared by `ds4 run` and `ds4 chat`.
 #[derive(clap::Args, Debug, Clone)]
@@ -113,7 +115,7 @@ fn load(g: &GenArgs) -> anyhow::Result<Loaded> {
         Some(path) => GgufFile::open(path)?,
         None => {
             tracing::info!("no -m given: using the built-in tiny demo model (random weights, real tokenizer)");
-            GgufFile::from_bytes(crate::convert::demo::demo_model_gguf(DEMO_SEED)?)?
+            GgufFile::from_bytes(ds4_engine::convert::demo::demo_model_gguf(DEMO_SEED)?)?
         }
     };
     let name = g.model.as_ref().map_or_else(|| "the demo model".to_string(), |p| p.display().to_string());
@@ -145,7 +147,7 @@ pub fn generate(
     new_tokens: &[u32],
     opt: &TurnOptions<'_>,
     on_event: &mut dyn FnMut(&ParseEvent),
-) -> crate::Result<ParsedMessage> {
+) -> ds4_engine::Result<ParsedMessage> {
     let TurnOptions { mode, sampler: sampler_cfg, stops, max_tokens, cancel } = *opt;
     engine.feed(sess, new_tokens)?;
     engine.run_until_idle()?;
@@ -379,10 +381,10 @@ pub fn chat(a: ChatArgs) -> anyhow::Result<i32> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::chat::ParsedToolCall;
+    use ds4_engine::chat::ParsedToolCall;
 
     fn demo() -> (Engine, Tokenizer) {
-        let bytes = crate::convert::demo::demo_model_gguf(3).unwrap();
+        let bytes = ds4_engine::convert::demo::demo_model_gguf(3).unwrap();
         let tok = Tokenizer::from_gguf(&GgufFile::from_bytes(bytes.clone()).unwrap()).unwrap();
         let engine = Engine::from_gguf(GgufFile::from_bytes(bytes).unwrap(), EngineOptions::default()).unwrap();
         (engine, tok)

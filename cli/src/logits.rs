@@ -5,7 +5,7 @@
 use std::io::Write;
 use std::path::PathBuf;
 
-use crate::engine::{BackendKind, Engine, EngineOptions};
+use ds4_engine::engine::{BackendKind, Engine, EngineOptions};
 
 /// Arguments of `ds4 logits` (a contract: keep stable).
 #[derive(clap::Args, Debug)]

@@ -1,13 +1,13 @@
 //! `ds4 generate -m FILE --tokens 0,5,17 -n N --temperature 0 --print-ids [--exact] [--f32-acts] [--backend cpu]
 //! [--threads N]`:
-//! continuation of a token prompt (greedy at temperature 0, else sampled with [`crate::sampler::Sampler`]), printed
+//! continuation of a token prompt (greedy at temperature 0, else sampled with [`ds4_engine::sampler::Sampler`]), printed
 //! as comma-separated ids on one line.
 
 use std::path::PathBuf;
 
 use super::logits::{engine_options, parse_tokens};
-use crate::engine::{Engine, EngineOptions};
-use crate::sampler::{Sampler, SamplerConfig};
+use ds4_engine::engine::{Engine, EngineOptions};
+use ds4_engine::sampler::{Sampler, SamplerConfig};
 
 /// Arguments of `ds4 generate` (a contract: keep stable).
 #[derive(clap::Args, Debug)]

@@ -1,4 +1,6 @@
-//! The `ds4` command-line tool. One file per subcommand; [`main`] parses arguments and dispatches.
+//! The `ds4` command-line tool, on the `ds4-engine` library's public API. One file per subcommand; [`run`] parses
+//! arguments and dispatches. Kept out of the engine crate so the library does not depend on clap, ctrlc or
+//! tracing-subscriber.
 //!
 //! The argument shapes of `logits`, `generate`, `tokenize`, `render`, `convert` and `inspect` are a contract that
 //! external checks rely on: keep them stable.
@@ -52,8 +54,12 @@ pub fn init_logging() {
     let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
 }
 
-/// Entry point of the `ds4` binary. Returns the process exit code.
-pub fn main() -> i32 {
+fn main() {
+    std::process::exit(run());
+}
+
+/// Parses the arguments and runs the subcommand. Returns the process exit code.
+fn run() -> i32 {
     init_logging();
     let cli = Cli::parse();
     let r = match cli.command {

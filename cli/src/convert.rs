@@ -1,9 +1,9 @@
 //! `ds4 convert --input DIR --output FILE.gguf --recipe {f32,f16,q8_0,q2,q4} [--tokenizer tokenizer.json]`: an
-//! official checkpoint folder → DS4 GGUF (see [`crate::convert`]).
+//! official checkpoint folder → DS4 GGUF (see [`ds4_engine::convert`]).
 
 use std::path::PathBuf;
 
-use crate::convert::{convert, ConvertOptions, Recipe};
+use ds4_engine::convert::{convert, ConvertOptions, Recipe};
 
 /// Arguments of `ds4 convert`.
 #[derive(clap::Args, Debug)]
