@@ -148,8 +148,7 @@ impl Engine {
         }
         let ctx = if opts.ctx == 0 { model.config.ctx_len.max(1) } else { opts.ctx };
         let rope = RopeSet::new(&model);
-        let mut graph = Graph::default();
-        graph.build(model.config.n_layers);
+        let graph = Graph::default();
         Ok(Engine {
             model,
             rope,
@@ -193,6 +192,33 @@ impl Engine {
     /// Op times summed since timing was turned on or last taken (restarting the count); `None` when it is off.
     pub fn take_op_times(&mut self) -> Option<crate::exec::OpTimes> {
         self.exec.take_op_times()
+    }
+
+    /// Whether the executor consults the native overrides (`ds4_kernels_native`; on by default).
+    pub fn use_native_kernels(&mut self, on: bool) {
+        self.exec.use_native(on);
+    }
+
+    /// Nodes placed on native overrides, portable kernels and whole stages in the last tick.
+    pub fn last_placement(&self) -> crate::exec::Placed {
+        let mut p = crate::exec::Placed::default();
+        for pl in &self.exec.places {
+            match pl {
+                crate::exec::Place::Native(_) => p.native += 1,
+                crate::exec::Place::Portable => p.portable += 1,
+                _ => p.staged += 1,
+            }
+        }
+        p
+    }
+
+    /// The node graph of one decode tick of one session at position `pos` (for `--print-graph`).
+    pub fn decode_graph(&self, pos: usize) -> Graph {
+        let mut b = Batch::default();
+        b.push_run(0, pos, [0], false);
+        let mut g = Graph::default();
+        crate::model::recipe::build(&mut g, &self.model, &b, !self.opts.exact);
+        g
     }
 
     /// Creates an empty session.
@@ -286,6 +312,7 @@ impl Engine {
             act: &mut self.act,
             sim: !self.opts.exact,
         };
+        crate::model::recipe::build(&mut self.graph, &self.model, &self.batch, !self.opts.exact);
         let r = self.exec.run(&self.graph, self.backend.as_ref(), &mut cx);
         for (run, kv) in self.batch.runs.iter().zip(self.kv_tmp.drain(..)) {
             self.sessions.kv[run.slot] = kv;
