@@ -252,7 +252,7 @@ mod tests {
         g.stage(Stage::Embed);
         g.push(Op::Embed);
         g.stage(Stage::HcHead);
-        g.push(Op::RmsNorm { x: BufId::Streams, y: BufId::StreamsNormed, w: None, width: 4 });
+        g.push(Op::RmsNorm { x: BufId::Streams, y: BufId::StreamsNormed, w: None, width: 4, heads: 1 });
         g.push(Op::MatMul { w: WeightId(0), x: BufId::StreamsNormed, y: BufId::Mix });
         g.push(Op::MatMul { w: WeightId(1), x: BufId::StreamsNormed, y: BufId::Q });
         g.push(Op::HcHeadWeights);

@@ -159,8 +159,8 @@ pub enum Stage {
 pub enum Op {
     /// Embedding row of each token into every stream of [`BufId::Streams`].
     Embed,
-    /// `y = RMSNorm(x)` per row of `width` (`· w` when weighted); `x == y` is in place.
-    RmsNorm { x: BufId, y: BufId, w: Option<WeightId>, width: usize },
+    /// `y = RMSNorm(x)` per row of `width` (`heads` rows per batch row; `· w` when weighted); `x == y` is in place.
+    RmsNorm { x: BufId, y: BufId, w: Option<WeightId>, width: usize, heads: usize },
     /// `y = W·x` per row.
     MatMul { w: WeightId, x: BufId, y: BufId },
     /// `y[:, g·rank..] = W[g·rank..(g+1)·rank]·x[:, g·gs..]` per group `g` (the grouped output projection).
@@ -588,11 +588,11 @@ mod tests {
         g.push(Op::Embed); // 0
         g.stage(Stage::HcHead);
         let w = WeightId(0);
-        g.push(Op::RmsNorm { x: BufId::Streams, y: BufId::StreamsNormed, w: None, width: 4 }); // 1
+        g.push(Op::RmsNorm { x: BufId::Streams, y: BufId::StreamsNormed, w: None, width: 4, heads: 1 }); // 1
         g.push(Op::MatMul { w, x: BufId::StreamsNormed, y: BufId::Q }); // 2
         g.push(Op::MatMul { w, x: BufId::StreamsNormed, y: BufId::KvRows }); // 3
         g.push(Op::Rope { x: BufId::Q, layer: 0, width: 4, heads: 1, inverse: false }); // 4
-        g.push(Op::RmsNorm { x: BufId::Streams, y: BufId::StreamsNormed, w: None, width: 4 }); // 5: WAR on 2, 3
+        g.push(Op::RmsNorm { x: BufId::Streams, y: BufId::StreamsNormed, w: None, width: 4, heads: 1 }); // 5: WAR on 2, 3
         g.finish();
         g
     }
@@ -600,7 +600,7 @@ mod tests {
     #[test]
     fn dependencies_follow_declared_reads_and_writes() {
         let g = chain();
-        assert_eq!(g.deps, vec![0, 1, 1, 1, 1, 3]);
+        assert_eq!(g.deps, vec![0, 1, 1, 1, 1, 4], "5: RAW on 0, WAW on 1, WAR on 2 and 3");
         assert_eq!(g.dependents(0), &[1]);
         assert_eq!(g.dependents(1), &[2, 3, 5]);
         assert_eq!(g.dependents(2), &[4, 5]);

@@ -39,11 +39,11 @@ pub fn build(g: &mut Graph, model: &Model, batch: &Batch, sim: bool) {
     }
     let gw = &model.global;
     g.stage(Stage::HcHead);
-    g.push(Op::RmsNorm { x: BufId::Streams, y: BufId::StreamsNormed, w: None, width: c.hc_dim() });
+    g.push(Op::RmsNorm { x: BufId::Streams, y: BufId::StreamsNormed, w: None, width: c.hc_dim(), heads: 1 });
     g.push(Op::MatMul { w: gw.hc_fn, x: BufId::StreamsNormed, y: BufId::Mix });
     g.push(Op::HcHeadWeights);
     g.push(Op::HcCollapse { out: BufId::HeadOut });
-    g.push(Op::RmsNorm { x: BufId::HeadOut, y: BufId::HeadOut, w: Some(gw.norm), width: c.d_model });
+    g.push(Op::RmsNorm { x: BufId::HeadOut, y: BufId::HeadOut, w: Some(gw.norm), width: c.d_model, heads: 1 });
     // Always present (a backend may finish the tick's work there); with no logit rows it computes nothing.
     let _ = batch;
     g.stage(Stage::Logits);
@@ -58,7 +58,7 @@ fn hc_pre(g: &mut Graph, model: &Model, layer: usize, sub: Sub) {
         Sub::Ffn => lw.hc_ffn,
     };
     g.stage(Stage::HcPre { layer, sub });
-    g.push(Op::RmsNorm { x: BufId::Streams, y: BufId::StreamsNormed, w: None, width: model.config.hc_dim() });
+    g.push(Op::RmsNorm { x: BufId::Streams, y: BufId::StreamsNormed, w: None, width: model.config.hc_dim(), heads: 1 });
     g.push(Op::MatMul { w: w.fn_, x: BufId::StreamsNormed, y: BufId::Mix });
     g.push(Op::HcSinkhorn { layer, sub });
     g.push(Op::HcCollapse { out: BufId::Collapsed });
@@ -70,14 +70,14 @@ fn attention(g: &mut Graph, model: &Model, layer: usize, sim: bool) {
     let lw = &model.layers[layer];
     let (hd, nh) = (c.head_dim, c.n_heads);
     g.stage(Stage::Attention { layer });
-    g.push(Op::RmsNorm { x: Collapsed, y: Normed, w: Some(lw.attn_norm), width: c.d_model });
+    g.push(Op::RmsNorm { x: Collapsed, y: Normed, w: Some(lw.attn_norm), width: c.d_model, heads: 1 });
     g.push(Op::MatMul { w: lw.wq_a, x: Normed, y: QLow });
-    g.push(Op::RmsNorm { x: QLow, y: QLow, w: Some(lw.q_norm), width: c.q_lora_rank });
+    g.push(Op::RmsNorm { x: QLow, y: QLow, w: Some(lw.q_norm), width: c.q_lora_rank, heads: 1 });
     g.push(Op::MatMul { w: lw.wq_b, x: QLow, y: Q });
-    g.push(Op::RmsNorm { x: Q, y: Q, w: None, width: hd });
+    g.push(Op::RmsNorm { x: Q, y: Q, w: None, width: hd, heads: nh });
     g.push(Op::Rope { x: Q, layer, width: hd, heads: nh, inverse: false });
     g.push(Op::MatMul { w: lw.wkv, x: Normed, y: KvRows });
-    g.push(Op::RmsNorm { x: KvRows, y: KvRows, w: Some(lw.kv_norm), width: hd });
+    g.push(Op::RmsNorm { x: KvRows, y: KvRows, w: Some(lw.kv_norm), width: hd, heads: 1 });
     g.push(Op::Rope { x: KvRows, layer, width: hd, heads: 1, inverse: false });
     if sim {
         g.push(Op::ActSim { x: KvRows, width: hd, heads: 1, kind: SimKind::Fp8NoRope });
@@ -118,7 +118,7 @@ fn moe(g: &mut Graph, model: &Model, layer: usize) {
     use BufId::*;
     let lw = &model.layers[layer];
     g.stage(Stage::Moe { layer });
-    g.push(Op::RmsNorm { x: Collapsed, y: Normed, w: Some(lw.ffn_norm), width: model.config.d_model });
+    g.push(Op::RmsNorm { x: Collapsed, y: Normed, w: Some(lw.ffn_norm), width: model.config.d_model, heads: 1 });
     g.push(Op::MatMul { w: lw.gate, x: Normed, y: Router });
     g.push(Op::MoeRoute { layer, hash: lw.tid2eid.is_some() });
     g.push(Op::ExpertUp { layer });
@@ -156,8 +156,9 @@ mod tests {
             (a..b).filter(|&i| matches!(g.nodes[i].op, Op::MatMul { x: BufId::Normed, .. })).collect();
         assert!(from_normed.len() >= 2, "wq_a and wkv at least");
         for &i in &from_normed {
-            // Each depends on the norm only (within the stage): ready together.
-            let deps: Vec<usize> = g.edges.iter().filter(|e| e.1 == i).map(|e| e.0).collect();
+            // Within the stage each depends on the norm only: they are ready together. (Earlier layers' readers
+            // of the same tensor are write-after-read dependencies, long done.)
+            let deps: Vec<usize> = g.edges.iter().filter(|e| e.1 == i && e.0 >= a).map(|e| e.0).collect();
             assert_eq!(deps, vec![norm], "node {i} {:?}", g.nodes[i].op);
         }
         assert!(g.edges.iter().all(|&(x, y)| x < y));

@@ -215,7 +215,7 @@ impl Backend for CpuBackend {
         let pool = &self.pool;
         match *op {
             Op::Embed => rowops::embed(pool, cx, &mut sc.streams),
-            Op::RmsNorm { x, y, w, width } => rowops::rms_norm(pool, sc, cx, x, y, w, width),
+            Op::RmsNorm { x, y, w, width, heads } => rowops::rms_norm(pool, sc, cx, x, y, w, width * heads, width),
             Op::MatMul { w, x, y } => {
                 let n = cx.batch.rows.len();
                 sc.with_xy(x, y, |xs, ys| matmul::matmul(pool, cx.model.mat(w), xs, n, ys))

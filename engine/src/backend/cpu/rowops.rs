@@ -34,7 +34,8 @@ pub fn embed(pool: &Pool, cx: &StepCtx<'_>, streams: &mut [f32]) -> Result<()> {
     Ok(())
 }
 
-/// [`crate::graph::Op::RmsNorm`].
+/// [`crate::graph::Op::RmsNorm`] over rows of `width` values, `per_row` values per batch row.
+#[allow(clippy::too_many_arguments)]
 pub fn rms_norm(
     pool: &Pool,
     sc: &mut Scratch,
@@ -42,9 +43,10 @@ pub fn rms_norm(
     x: BufId,
     y: BufId,
     w: Option<WeightId>,
+    per_row: usize,
     width: usize,
 ) -> Result<()> {
-    let n = cx.batch.rows.len();
+    let n = cx.batch.rows.len() * per_row / width.max(1);
     let eps = cx.model.config.rms_eps;
     let w = w.map(|w| cx.model.dense(w));
     if x == y {
