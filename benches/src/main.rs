@@ -85,6 +85,9 @@ struct RunArgs {
     /// Also draw the report as an SVG chart to this file.
     #[arg(long, value_name = "FILE.svg")]
     plot: Option<std::path::PathBuf>,
+    /// Print the node graph of one decode tick (one session at position --ctx-start) as Graphviz DOT and exit.
+    #[arg(long)]
+    print_graph: bool,
 }
 
 #[derive(Subcommand, Debug)]
@@ -276,6 +279,20 @@ fn run_membw(a: &MembwArgs) -> Result<()> {
 fn run_throughput(a: &RunArgs) -> Result<()> {
     let m = machine::Machine::detect();
     let threads = a.common.threads();
+    if a.print_graph {
+        let pb = progress::bar(0, true);
+        let (file, _) = open_model(&m, a.model.as_deref(), a.synthetic.as_deref(), threads, &pb)?;
+        let cfg = engine_api::EngineConfig {
+            threads,
+            ctx: a.ctx_start + 1,
+            batch_tokens: a.batch_tokens,
+            backend: a.backend.clone(),
+            exact: false,
+        };
+        let engine = engine_api::engine_for(file, &cfg)?;
+        print!("{}", engine.decode_graph(a.ctx_start).to_dot());
+        return Ok(());
+    }
     let quick = a.common.quick;
     let opts = throughput::Options {
         ctx_start: if quick { 8 } else { a.ctx_start },

@@ -601,7 +601,7 @@ mod tests {
     fn dependencies_follow_declared_reads_and_writes() {
         let g = chain();
         assert_eq!(g.deps, vec![0, 1, 1, 1, 1, 4], "5: RAW on 0, WAW on 1, WAR on 2 and 3");
-        assert_eq!(g.dependents(0), &[1]);
+        assert_eq!(g.dependents(0), &[1, 5]);
         assert_eq!(g.dependents(1), &[2, 3, 5]);
         assert_eq!(g.dependents(2), &[4, 5]);
         assert_eq!(g.dependents(3), &[5]);

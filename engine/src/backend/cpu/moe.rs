@@ -340,6 +340,7 @@ mod tests {
     use super::*;
     use crate::engine::{Engine, EngineOptions};
     use crate::gguf::GgufFile;
+    use crate::model::Model;
 
     /// All positions' logits of `tokens` on the demo model (8 routed experts, top 2, plus the shared expert), fed
     /// `chunk` tokens per tick.
@@ -364,6 +365,31 @@ mod tests {
             let got = demo_logits(&tokens, chunk, threads);
             assert!(got == want, "chunk {chunk}, {threads} threads: logits differ from one pass on one thread");
         }
+    }
+
+    #[test]
+    fn native_swiglu_override_is_placed_and_agrees_bit_for_bit() {
+        let file = || GgufFile::from_bytes(crate::convert::demo::demo_model_gguf(7).unwrap()).unwrap();
+        let tokens: Vec<u32> = (0..9u32).map(|i| (i * 104_729 + 3) % 129_000).collect();
+        let run = |native: bool| {
+            let opts = EngineOptions { threads: 2, max_batch_tokens: 4, ..EngineOptions::default() };
+            let mut e = Engine::from_gguf(file(), opts).unwrap();
+            e.use_native_kernels(native);
+            let s = e.create_session();
+            e.set_prefill_logits(s, true).unwrap();
+            e.feed(s, &tokens).unwrap();
+            e.run_until_idle().unwrap();
+            (e.take_all_logits(s).unwrap(), e.last_placement())
+        };
+        let (with, placed) = run(true);
+        let (without, plain) = run(false);
+        let layers = Model::load(file()).unwrap().config.n_layers;
+        assert_eq!(placed.native, layers, "one SwiGLU node per layer goes to the override");
+        assert_eq!(plain.native, 0);
+        assert_eq!(placed.native + placed.portable, plain.portable, "every other node stays portable");
+        assert_eq!(placed.staged, 0);
+        assert!(with.iter().all(|v| v.is_finite()));
+        assert!(with == without, "the override changes no logit bit");
     }
 
     #[test]

@@ -35,11 +35,12 @@ use super::kvdev::SlotKv;
 use super::matmul::{get_rows, matmul, View};
 use super::moe_ids;
 use super::ops::{self, HcShape, Routing};
+use super::res::StageResources;
 use super::resident::Tick;
 use super::weights::GpuWeight;
 use crate::backend::{Backend, StepCtx};
 use crate::graph::{Op, Stage, Sub};
-use crate::model::{Model, RopeFreqs, WeightId};
+use crate::model::{Model, WeightId};
 use crate::tables::SessionKv;
 use crate::Result;
 
@@ -59,18 +60,6 @@ impl std::fmt::Debug for WgpuBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("WgpuBackend").field("adapter", &self.ctx.info.name).finish()
     }
-}
-
-/// `(cos, sin)` per row and pair for `rope` at each position in `pos`.
-pub(super) fn rope_table(rope: &RopeFreqs, pos: impl Iterator<Item = usize>) -> Vec<f32> {
-    let mut out = Vec::new();
-    for p in pos {
-        for &f in &rope.inv_freq {
-            let (s, c) = (p as f32 * f).sin_cos();
-            out.extend([c, s]);
-        }
-    }
-    out
 }
 
 impl WgpuBackend {
@@ -483,28 +472,21 @@ impl WgpuBackend {
     }
 }
 
-/// Helpers shared with the attention op.
-impl WgpuBackend {
-    pub(super) fn ctx(&self) -> &WgpuContext {
+/// What the attention stage uses of the backend.
+impl StageResources for WgpuBackend {
+    fn ctx(&self) -> &WgpuContext {
         &self.ctx
     }
-    pub(super) fn weight(&self, model: &Model, id: WeightId) -> Result<Arc<GpuWeight>> {
+    fn weight(&self, model: &Model, id: WeightId) -> Result<Arc<GpuWeight>> {
         self.mat(model, id)
     }
-    pub(super) fn dense_buf(&self, model: &Model, id: WeightId) -> Arc<Buf> {
+    fn dense_buf(&self, model: &Model, id: WeightId) -> Arc<Buf> {
         self.dense(model, id)
     }
-    pub(super) fn upload(&self, data: &[f32]) -> Buf {
+    fn upload(&self, data: &[f32]) -> Buf {
         self.ctx.storage_f32("act", data)
     }
-    pub(super) fn matvec(
-        &self,
-        enc: &mut wgpu::CommandEncoder,
-        w: &GpuWeight,
-        x: View<'_>,
-        n: usize,
-        y: View<'_>,
-    ) -> Result<()> {
+    fn matvec(&self, enc: &mut wgpu::CommandEncoder, w: &GpuWeight, x: View<'_>, n: usize, y: View<'_>) -> Result<()> {
         self.mm(enc, w, x, n, y)
     }
 }
