@@ -290,7 +290,7 @@ fn run_throughput(a: &RunArgs) -> Result<()> {
             exact: false,
         };
         let engine = engine_api::engine_for(file, &cfg)?;
-        print!("{}", engine.decode_graph(a.ctx_start).to_dot());
+        print!("{}", engine.decode_graph_dot(a.ctx_start));
         return Ok(());
     }
     let quick = a.common.quick;

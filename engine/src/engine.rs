@@ -212,13 +212,18 @@ impl Engine {
         p
     }
 
-    /// The node graph of one decode tick of one session at position `pos` (for `--print-graph`).
+    /// The node graph of one decode tick of one session at position `pos`.
     pub fn decode_graph(&self, pos: usize) -> Graph {
         let mut b = Batch::default();
         b.push_run(0, pos, [0], false);
         let mut g = Graph::default();
         crate::model::recipe::build(&mut g, &self.model, &b, !self.opts.exact);
         g
+    }
+
+    /// [`Engine::decode_graph`] as Graphviz DOT, weights by tensor name (`ds4-bench --print-graph`).
+    pub fn decode_graph_dot(&self, pos: usize) -> String {
+        self.decode_graph(pos).to_dot(&|w| self.model.name(w).to_string())
     }
 
     /// Creates an empty session.

@@ -557,14 +557,15 @@ impl Graph {
         &self.dep_list[self.dep_start[i]..self.dep_start[i + 1]]
     }
 
-    /// The graph in Graphviz DOT: one box per node (`index: op [args]`), clustered by stage, and its edges.
-    pub fn to_dot(&self) -> String {
+    /// The graph in Graphviz DOT: one box per node (`index: op [args]`, weights named by `weight_name`),
+    /// clustered by stage, and its edges.
+    pub fn to_dot(&self, weight_name: &dyn Fn(WeightId) -> String) -> String {
         use std::fmt::Write;
         let mut s = String::from("digraph tick {\n  rankdir=TB;\n  node [shape=box, fontsize=10];\n");
         for (k, &(stage, a, b)) in self.stages.iter().enumerate() {
             let _ = writeln!(s, "  subgraph cluster_{k} {{\n    label=\"{stage:?}\";");
             for i in a..b {
-                let label = format!("{i}: {:?}", self.nodes[i].op).replace('"', "'");
+                let label = name_weights(&format!("{i}: {:?}", self.nodes[i].op), weight_name).replace('"', "'");
                 let _ = writeln!(s, "    n{i} [label=\"{label}\"];");
             }
             s.push_str("  }\n");
@@ -575,6 +576,25 @@ impl Graph {
         s.push_str("}\n");
         s
     }
+}
+
+/// `text` with every `WeightId(N)` replaced by `name(WeightId(N))`.
+fn name_weights(text: &str, name: &dyn Fn(WeightId) -> String) -> String {
+    const TAG: &str = "WeightId(";
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find(TAG) {
+        out.push_str(&rest[..at]);
+        let after = &rest[at + TAG.len()..];
+        let end = after.find(')').unwrap_or(after.len());
+        match after[..end].parse::<u32>() {
+            Ok(id) => out.push_str(&name(WeightId(id))),
+            Err(_) => out.push_str(&rest[at..at + TAG.len() + end]),
+        }
+        rest = after.get(end + 1..).unwrap_or("");
+    }
+    out.push_str(rest);
+    out
 }
 
 #[cfg(test)]
@@ -607,8 +627,9 @@ mod tests {
         assert_eq!(g.dependents(3), &[5]);
         assert!(g.edges.iter().all(|&(a, b)| a < b), "edges go forward");
         assert_eq!(g.stages, vec![(Stage::Embed, 0, 1), (Stage::HcHead, 1, 6)]);
-        let dot = g.to_dot();
+        let dot = g.to_dot(&|w| format!("w{}", w.0));
         assert!(dot.starts_with("digraph") && dot.contains("n1 -> n2;") && dot.contains("cluster_1"));
+        assert!(dot.contains("2: MatMul { w: w0, x: StreamsNormed, y: Q }"), "{dot}");
     }
 
     #[test]
