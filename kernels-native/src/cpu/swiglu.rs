@@ -9,7 +9,7 @@ pub const OVERRIDE: Override = Override {
     name: "cpu-swiglu-x8",
     op: "swiglu",
     backend: "cpu",
-    applies: |s: &Shape| s.width % 8 == 0,
+    applies: |s: &Shape| s.width.is_multiple_of(8),
     kernel: Kernel::SwiGlu(swiglu_x8),
 };
 
