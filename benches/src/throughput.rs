@@ -250,7 +250,10 @@ mod tests {
             assert_eq!(k(ds4_engine::graph::Op::SwiGlu { layer: 0 }), 6);
             assert_eq!(k(ds4_engine::graph::Op::Logits), 2);
             let line = r.decode_ops_line();
-            assert!(line.contains("sparse_attention ") && line.contains("expert_up ") && line.contains(" ms ("), "{line}");
+            assert!(
+                line.contains("sparse_attention ") && line.contains("expert_up ") && line.contains(" ms ("),
+                "{line}"
+            );
         }
         // Prefill: 8 tokens per frontier in ticks of up to 16 rows, one tick each.
         for r in &rows {

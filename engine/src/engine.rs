@@ -2,8 +2,9 @@
 //!
 //! Each [`Engine::step`] builds one tick's batch over every session with queued tokens (continuous batching):
 //! decode sessions (one queued token) first, then prefill chunks, up to `max_batch_tokens` rows in all. The batch
-//! runs through the job graph ([`crate::graph`]) on the chosen backend ([`crate::backend`]). Results do not depend
-//! on how tokens were chunked: one-pass prefill, chunked prefill and token-by-token decode agree.
+//! runs through the per-tick node graph ([`crate::graph`], built by [`crate::model::recipe`]) on the chosen backend
+//! ([`crate::backend`]). Results do not depend on how tokens were chunked: one-pass prefill, chunked prefill and
+//! token-by-token decode agree.
 //!
 //! ```no_run
 //! use ds4_engine::engine::{Engine, EngineOptions};

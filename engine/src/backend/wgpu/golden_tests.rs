@@ -1,6 +1,6 @@
 //! End-to-end check of [`WgpuBackend`] on the tiny-a golden checkpoint (f32 recipe): logits from a chunked
 //! prefill and from token-by-token decode must match the reference implementation's within 1e-3, driving the
-//! backend through the engine's own job graph and executor. Skipped (with a message) when `../shared` is absent
+//! backend through the engine's own node graph and executor. Skipped (with a message) when `../shared` is absent
 //! outside CI or when no adapter exists outside CI.
 
 use std::path::PathBuf;
