@@ -91,6 +91,9 @@ struct RunArgs {
     /// same file can be benchmarked with -m FILE here and loaded by other engines.
     #[arg(long, value_name = "FILE", requires = "synthetic")]
     write: Option<std::path::PathBuf>,
+    /// Print the node graph of one decode tick (one session at position --ctx-start) as Graphviz DOT and exit.
+    #[arg(long)]
+    print_graph: bool,
 }
 
 #[derive(Subcommand, Debug)]
@@ -298,6 +301,20 @@ fn run_throughput(a: &RunArgs) -> Result<()> {
     let threads = a.common.threads();
     if let (Some(path), Some(spec)) = (&a.write, &a.synthetic) {
         return write_synthetic(spec, path, threads, a.common.quiet);
+    }
+    if a.print_graph {
+        let pb = progress::bar(0, true);
+        let (file, _) = open_model(&m, a.model.as_deref(), a.synthetic.as_deref(), threads, &pb)?;
+        let cfg = engine_api::EngineConfig {
+            threads,
+            ctx: a.ctx_start + 1,
+            batch_tokens: a.batch_tokens,
+            backend: a.backend.clone(),
+            exact: false,
+        };
+        let engine = engine_api::engine_for(file, &cfg)?;
+        print!("{}", engine.decode_graph_dot(a.ctx_start));
+        return Ok(());
     }
     let quick = a.common.quick;
     let opts = throughput::Options {

@@ -241,16 +241,19 @@ mod tests {
         assert!(rows.windows(2).all(|w| w[1].kvcache_bytes > w[0].kvcache_bytes), "{rows:?}");
         assert!(rows.iter().all(|r| r.gen_tokens == 2 && r.gen_tps > 0.0 && r.prefill_tps > 0.0));
         // Each row's decode ticks were timed: 2 ticks (both sessions share a tick), every op kind of a decode
-        // tick present, 3 layers' attention and MoE.
+        // tick present: per layer one sparse attention and one routing, over 3 layers.
         for r in &rows {
             let t = r.decode_ops.expect("decode ticks timed");
             assert_eq!(t.runs, 2, "{t:?}");
             let k = |op: ds4_engine::graph::Op| t.calls[op.kind()];
-            assert_eq!(k(ds4_engine::graph::Op::Attention { layer: 0 }), 6);
-            assert_eq!(k(ds4_engine::graph::Op::Moe { layer: 0 }), 6);
+            assert_eq!(k(ds4_engine::graph::Op::SparseAttention { layer: 0 }), 6);
+            assert_eq!(k(ds4_engine::graph::Op::SwiGlu { layer: 0 }), 6);
             assert_eq!(k(ds4_engine::graph::Op::Logits), 2);
             let line = r.decode_ops_line();
-            assert!(line.contains("attention ") && line.contains("moe ") && line.contains(" ms ("), "{line}");
+            assert!(
+                line.contains("sparse_attention ") && line.contains("expert_up ") && line.contains(" ms ("),
+                "{line}"
+            );
         }
         // Prefill: 8 tokens per frontier in ticks of up to 16 rows, one tick each.
         for r in &rows {

@@ -2,8 +2,9 @@
 //!
 //! Each [`Engine::step`] builds one tick's batch over every session with queued tokens (continuous batching):
 //! decode sessions (one queued token) first, then prefill chunks, up to `max_batch_tokens` rows in all. The batch
-//! runs through the job graph ([`crate::graph`]) on the chosen backend ([`crate::backend`]). Results do not depend
-//! on how tokens were chunked: one-pass prefill, chunked prefill and token-by-token decode agree.
+//! runs through the per-tick node graph ([`crate::graph`], built by [`crate::model::recipe`]) on the chosen backend
+//! ([`crate::backend`]). Results do not depend on how tokens were chunked: one-pass prefill, chunked prefill and
+//! token-by-token decode agree.
 //!
 //! ```no_run
 //! use ds4_engine::engine::{Engine, EngineOptions};
@@ -169,8 +170,7 @@ impl Engine {
         }
         let ctx = if opts.ctx == 0 { model.config.ctx_len.max(1) } else { opts.ctx };
         let rope = RopeSet::new(&model);
-        let mut graph = Graph::default();
-        graph.build(model.config.n_layers);
+        let graph = Graph::default();
         Ok(Engine {
             model,
             rope,
@@ -214,6 +214,38 @@ impl Engine {
     /// Op times summed since timing was turned on or last taken (restarting the count); `None` when it is off.
     pub fn take_op_times(&mut self) -> Option<crate::exec::OpTimes> {
         self.exec.take_op_times()
+    }
+
+    /// Whether the executor consults the native overrides (`ds4_kernels_native`; on by default).
+    pub fn use_native_kernels(&mut self, on: bool) {
+        self.exec.use_native(on);
+    }
+
+    /// Nodes placed on native overrides, portable kernels and whole stages in the last tick.
+    pub fn last_placement(&self) -> crate::exec::Placed {
+        let mut p = crate::exec::Placed::default();
+        for pl in &self.exec.places {
+            match pl {
+                crate::exec::Place::Native(_) => p.native += 1,
+                crate::exec::Place::Portable => p.portable += 1,
+                _ => p.staged += 1,
+            }
+        }
+        p
+    }
+
+    /// The node graph of one decode tick of one session at position `pos`.
+    pub fn decode_graph(&self, pos: usize) -> Graph {
+        let mut b = Batch::default();
+        b.push_run(0, pos, [0], false);
+        let mut g = Graph::default();
+        crate::model::recipe::build(&mut g, &self.model, &b, !self.opts.exact);
+        g
+    }
+
+    /// [`Engine::decode_graph`] as Graphviz DOT, weights by tensor name (`ds4-bench --print-graph`).
+    pub fn decode_graph_dot(&self, pos: usize) -> String {
+        self.decode_graph(pos).to_dot(&|w| self.model.name(w).to_string())
     }
 
     /// Creates an empty session.
@@ -313,6 +345,7 @@ impl Engine {
             act: &mut self.act,
             sim: !self.opts.exact,
         };
+        crate::model::recipe::build(&mut self.graph, &self.model, &self.batch, !self.opts.exact);
         let r = self.exec.run(&self.graph, self.backend.as_ref(), &mut cx);
         for (run, kv) in self.batch.runs.iter().zip(self.kv_tmp.drain(..)) {
             self.sessions.kv[run.slot] = kv;

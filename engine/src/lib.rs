@@ -8,11 +8,11 @@
 //! | [`gguf`] | the GGUF v3 container: memory-mapped reader with validated, zero-copy tensor views, and a writer |
 //! | [`quant`] | block quant formats (F32, F16, BF16, Q8_0, Q2_K, Q4_K, IQ2_XXS, Q8_K): dequantize, quantize, dot products |
 //! | [`convert`] | official checkpoint folder (safetensors, FP8/FP4) → DS4 GGUF |
-//! | [`model`] | hyperparameters read from GGUF metadata, the weight table, the forward-pass math |
+//! | [`model`] | hyperparameters read from GGUF metadata, the weight table, the forward pass (`recipe`) |
 //! | [`persist`] | sessions ↔ the `ds4-kv` disk tier: shared pages + a checkpoint; restore the longest cached prefix |
 //! | [`tables`] | flat component tables (struct-of-arrays): sessions and their KV state |
-//! | [`graph`] | the per-step job graph: ops with declared reads/writes, as plain data |
-//! | [`exec`] | executors that run a job graph on a backend |
+//! | [`graph`] | the per-tick node graph: fine ops over named tensors with declared reads/writes, as plain data (built by [`model::recipe`]) |
+//! | [`exec`] | the executor: places each node (native override, portable kernel, or whole stage) and runs the graph |
 //! | [`backend`] | op implementations: `cpu` (reference + SIMD) and `wgpu` |
 //! | [`tokenizer`], [`chat`], [`sampler`] | text in, text out |
 //! | [`testdata`] | for tests: where `../shared` is, and the skip-unless-CI rule |

@@ -1,62 +1,42 @@
-//! Backends: implementations of the job-graph ops. `cpu` is the reference backend; `wgpu` runs the same ops as
-//! WGSL compute shaders. Every backend exposes the same op surface, the [`Backend`] trait: one method per
-//! [`Op`], each reading and writing the named host buffers in [`Activations`] and the sessions' KV tables.
+//! Backends: kernel providers for the node graph ([`crate::graph`], built by [`crate::model::recipe`]). `cpu` is
+//! the reference backend; `wgpu` runs WGSL compute shaders.
 //!
-//! A backend may keep device copies and scratch of its own; what it must honour is the contract of each op on the
-//! buffers the graph declares (see [`crate::graph::Op::access`]).
+//! A backend owns the tick's tensors (a [`crate::graph::BufId`] resolves to a buffer of its own) and offers a
+//! kernel per op kind it supports ([`Backend::supports`], [`Backend::run_node`]); it may also host native
+//! overrides from `ds4_kernels_native` ([`Backend::run_native`]). The executor ([`crate::exec`]) places each node:
+//! a native override first, then the backend's portable kernel; a stage with a node the backend has no kernel
+//! for runs whole through [`Backend::run_stage`] (the layer-level path; wgpu still uses it for every stage).
+//! The only host tensor every backend fills is [`Activations::logits`].
 //!
 //! Device-resident backends (wgpu): the executor brackets every tick with [`Backend::begin_tick`] /
-//! [`Backend::end_tick`]. Such a backend keeps the tick's activations in device buffers and fills only
-//! [`Activations::logits`] on the host (at the end of the tick); the other `Activations` fields are then left
-//! untouched — only the CPU backend fills them. Likewise it may keep a session's KV on the device and leave the
-//! host [`SessionKv`] stale (tagged by [`crate::tables::KvSync`]): call [`Backend::sync_kv`] before reading the
-//! host arrays (snapshot, persistence, clone); writing them (restore, clear, a new session) resets the tag, and the
-//! backend uploads them at the session's next tick.
+//! [`Backend::end_tick`]. Such a backend may keep a session's KV on the device and leave the host [`SessionKv`]
+//! stale (tagged by [`crate::tables::KvSync`]): call [`Backend::sync_kv`] before reading the host arrays
+//! (snapshot, persistence, clone); writing them (restore, clear, a new session) resets the tag, and the backend
+//! uploads them at the session's next tick.
 
 pub mod cpu;
 #[cfg(feature = "wgpu")]
 pub mod wgpu;
 
-use crate::graph::{Batch, Op, Sub};
+use crate::graph::{Batch, Op, Stage};
 use crate::model::{Model, RopeFreqs};
 use crate::tables::SessionKv;
 use crate::Result;
 
-/// The named activation buffers of a tick (host memory), sized for the batch by [`Activations::ensure`].
+/// The host outputs of a tick, sized for the batch by [`Activations::ensure`].
 #[derive(Debug, Default)]
 pub struct Activations {
-    /// `[rows, hc·d]` mHC streams.
-    pub streams: Vec<f32>,
-    /// `[rows, d]` collapsed sublayer input.
-    pub collapsed: Vec<f32>,
-    /// `[rows, hc]` post weights of the current sublayer.
-    pub post: Vec<f32>,
-    /// `[rows, hc·hc]` comb matrix (row-major `[j][k]`) of the current sublayer.
-    pub comb: Vec<f32>,
-    /// `[rows, d]` sublayer output.
-    pub sub_out: Vec<f32>,
-    /// `[rows, d]` normed head output.
-    pub head_out: Vec<f32>,
     /// `[logit_rows, vocab]`.
     pub logits: Vec<f32>,
 }
 
 impl Activations {
-    /// Grows the buffers for `rows` batch rows and `logit_rows` output rows (never shrinks).
-    pub fn ensure(&mut self, model: &Model, rows: usize, logit_rows: usize) {
-        let c = &model.config;
-        let grow = |v: &mut Vec<f32>, n: usize| {
-            if v.len() < n {
-                v.resize(n, 0.0);
-            }
-        };
-        grow(&mut self.streams, rows * c.hc_dim());
-        grow(&mut self.collapsed, rows * c.d_model);
-        grow(&mut self.post, rows * c.hc_mult);
-        grow(&mut self.comb, rows * c.hc_mult * c.hc_mult);
-        grow(&mut self.sub_out, rows * c.d_model);
-        grow(&mut self.head_out, rows * c.d_model);
-        grow(&mut self.logits, logit_rows * c.vocab);
+    /// Grows the buffers for `logit_rows` output rows (never shrinks).
+    pub fn ensure(&mut self, model: &Model, _rows: usize, logit_rows: usize) {
+        let n = logit_rows * model.config.vocab;
+        if self.logits.len() < n {
+            self.logits.resize(n, 0.0);
+        }
     }
 }
 
@@ -99,32 +79,35 @@ pub struct StepCtx<'a> {
     pub sim: bool,
 }
 
-/// The op surface every backend implements. See the module docs.
+/// A kernel provider. See the module docs.
 pub trait Backend: Send + Sync {
-    /// Short name (`"cpu"`, `"wgpu"`).
+    /// Short name (`"cpu"`, `"wgpu"`); native overrides name their hosting backend by it.
     fn name(&self) -> &'static str;
-    /// [`Op::Embed`].
-    fn embed(&self, cx: &mut StepCtx<'_>) -> Result<()>;
-    /// [`Op::HcPre`].
-    fn hc_pre(&self, cx: &mut StepCtx<'_>, layer: usize, sub: Sub) -> Result<()>;
-    /// [`Op::Attention`].
-    fn attention(&self, cx: &mut StepCtx<'_>, layer: usize) -> Result<()>;
-    /// [`Op::HcPost`].
-    fn hc_post(&self, cx: &mut StepCtx<'_>, layer: usize, sub: Sub) -> Result<()>;
-    /// [`Op::Moe`].
-    fn moe(&self, cx: &mut StepCtx<'_>, layer: usize) -> Result<()>;
-    /// [`Op::HcHead`].
-    fn hc_head(&self, cx: &mut StepCtx<'_>) -> Result<()>;
-    /// [`Op::Logits`].
-    fn logits(&self, cx: &mut StepCtx<'_>) -> Result<()>;
 
-    /// Called by the executor before the first op of a tick. Default: nothing.
+    /// Whether the backend has a portable kernel for `op` with `model`'s shapes and weight types.
+    fn supports(&self, op: &Op, model: &Model) -> bool;
+
+    /// Runs `op` with the backend's portable kernel.
+    fn run_node(&self, op: &Op, cx: &mut StepCtx<'_>) -> Result<()>;
+
+    /// Runs `op` with the native override `kernel`; `Ok(false)` when the backend cannot host that kernel for
+    /// this op (the executor then uses the portable kernel). Default: hosts none.
+    fn run_native(&self, _op: &Op, _kernel: &ds4_kernels_native::Kernel, _cx: &mut StepCtx<'_>) -> Result<bool> {
+        Ok(false)
+    }
+
+    /// Runs a whole stage at once (for a backend without kernels for some of its nodes). Default: unsupported.
+    fn run_stage(&self, stage: Stage, _cx: &mut StepCtx<'_>) -> Result<()> {
+        Err(crate::Error::Backend { backend: self.name(), what: format!("no kernels for stage {stage:?}") })
+    }
+
+    /// Called by the executor before the first node of a tick. Default: nothing.
     fn begin_tick(&self, _cx: &mut StepCtx<'_>) -> Result<()> {
         Ok(())
     }
 
-    /// Called by the executor after the last op of a tick succeeded; a device backend finishes the tick's work
-    /// here if [`Op::Logits`] did not. Default: nothing.
+    /// Called by the executor after the last node of a tick succeeded; a device backend finishes the tick's work
+    /// here. Default: nothing.
     fn end_tick(&self, _cx: &mut StepCtx<'_>) -> Result<()> {
         Ok(())
     }
@@ -139,17 +122,4 @@ pub trait Backend: Send + Sync {
     /// The session at batch slot `slot` was freed: a backend may drop its device copy of the KV (a stale host copy
     /// of that session can then no longer be synced). Default: nothing.
     fn release_kv(&self, _slot: usize) {}
-
-    /// Runs one op (dispatch on the enum).
-    fn run_op(&self, op: Op, cx: &mut StepCtx<'_>) -> Result<()> {
-        match op {
-            Op::Embed => self.embed(cx),
-            Op::HcPre { layer, sub } => self.hc_pre(cx, layer, sub),
-            Op::Attention { layer } => self.attention(cx, layer),
-            Op::HcPost { layer, sub } => self.hc_post(cx, layer, sub),
-            Op::Moe { layer } => self.moe(cx, layer),
-            Op::HcHead => self.hc_head(cx),
-            Op::Logits => self.logits(cx),
-        }
-    }
 }

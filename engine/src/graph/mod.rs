@@ -1,31 +1,122 @@
-//! The per-step job graph, as plain data.
+//! The per-tick node graph, as plain data.
 //!
 //! A tick's [`Batch`] covers several sessions, each contributing a run of consecutive tokens (a prefill chunk or
 //! one decode token); rows of the batch are `(session, position, token)` triples, grouped by session in
-//! [`Run`]s. The [`Graph`] lists [`Job`]s — one coarse [`Op`] each, at the level of `shared/spec/model.md` — with
-//! the named buffers ([`BufId`]) and tables each reads and writes. Dependency counts are derived from those
-//! declarations (read-after-write, write-after-read and write-after-write on the same resource), so an executor
-//! may run any job whose count has dropped to zero.
+//! [`Run`]s. The [`Graph`] lists [`Node`]s — one fine [`Op`] each (a norm, a weight product, a rope, a compressor
+//! push, a top-k, sparse attention, an mHC mix, a routing decision, an expert FFN half, …) — over named tensors
+//! ([`BufId`]) and the KV pages of a layer ([`BufId::Kv`]). The recipe that emits the nodes of a tick is
+//! [`crate::model::recipe`]; this module only stores them and derives their dependencies.
 //!
-//! [`Graph::build`] reuses the graph's vectors: building a tick allocates nothing once capacities are reached.
+//! Invariants:
+//! - Every node declares what it reads and writes ([`Op::access`]); dependencies are derived from those
+//!   declarations (read-after-write, write-after-read and write-after-write on the same tensor) as nodes are
+//!   pushed, so node order is always a valid schedule and edges always go forward.
+//! - After [`Graph::finish`], `deps[i]` is node `i`'s dependency count and [`Graph::dependents`] its dependents
+//!   (a precomputed adjacency list, as bevy's executor keeps), so an executor runs any node whose count has
+//!   dropped to zero without scanning edges.
+//! - Each node belongs to one [`Stage`] (the layer-sized step of the model it is part of: an mHC pre-mix, an
+//!   attention, an MoE FFN, …); a stage's nodes are consecutive. A backend without a kernel for some node of a
+//!   stage can run the whole stage at once ([`crate::backend::Backend::run_stage`]).
+//! - Building reuses the graph's vectors: a tick allocates nothing once capacities are reached.
 
-/// Named activation buffers (and state tables) an op reads or writes.
+use crate::model::WeightId;
+
+/// Named tensors (and KV pages) a node reads or writes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum BufId {
     /// mHC streams `[rows, hc·d]`.
     Streams,
+    /// Unweighted-normed streams `[rows, hc·d]` (the mHC mix input).
+    StreamsNormed,
+    /// mHC mix `[rows, (2+hc)·hc]` (head: `[rows, hc]`).
+    Mix,
+    /// mHC `pre` `[rows, hc]`.
+    Pre,
+    /// mHC `post` `[rows, hc]` and `comb` `[rows, hc·hc]` of the current sublayer.
+    PostComb,
     /// Sublayer input `[rows, d]` (collapsed streams).
     Collapsed,
-    /// mHC `post` and `comb` of the current sublayer.
-    HcWeights,
+    /// Normed sublayer input `[rows, d]`.
+    Normed,
+    /// Query low-rank `[rows, q_lora_rank]`.
+    QLow,
+    /// Queries `[rows, heads·head_dim]`.
+    Q,
+    /// This tick's raw KV rows `[rows, head_dim]`.
+    KvRows,
+    /// Compressor kv and gate projections `[rows, coff·head_dim]` each.
+    CompKv,
+    CompGate,
+    /// Indexer compressor kv and gate projections `[rows, 2·idx_head_dim]` each.
+    IdxKv,
+    IdxGate,
+    /// Indexer queries `[rows, idx_heads·idx_head_dim]`.
+    IdxQ,
+    /// Indexer head weights `[rows, idx_heads]`.
+    IdxW,
+    /// Indexer selection `[rows, idx_topk]` (u32, `u32::MAX` ends a short list).
+    Selected,
+    /// Attention output `[rows, heads·head_dim]`.
+    AttnOut,
+    /// Grouped output low-rank `[rows, groups·o_lora_rank]`.
+    OLow,
     /// Sublayer output `[rows, d]`.
     SublayerOut,
+    /// Router scores `[rows, experts]`.
+    Router,
+    /// Routing: selected experts, weights and the per-expert row plan.
+    Routes,
+    /// Expert gate / up outputs `[slot rows, expert_ffn]` (the SwiGLU is written into the gate half).
+    ExpertGate,
+    ExpertUp,
+    /// Expert down outputs `[slot rows, d]`.
+    ExpertOut,
     /// Head output `[rows, d]` (normed).
     HeadOut,
-    /// Output logits `[logit_rows, vocab]`.
+    /// Output logits `[logit_rows, vocab]` (host memory, [`crate::backend::Activations`]).
     Logits,
-    /// The per-session KV tables of layer `l`.
+    /// The per-session KV pages (ring, compressed rows, frontiers) of layer `l`.
     Kv(usize),
+}
+
+impl BufId {
+    /// Number of tensors other than [`BufId::Kv`].
+    pub const FIXED: usize = 27;
+
+    /// A dense index: fixed tensors first, then one per layer's KV.
+    pub fn index(self) -> usize {
+        use BufId::*;
+        match self {
+            Streams => 0,
+            StreamsNormed => 1,
+            Mix => 2,
+            Pre => 3,
+            PostComb => 4,
+            Collapsed => 5,
+            Normed => 6,
+            QLow => 7,
+            Q => 8,
+            KvRows => 9,
+            CompKv => 10,
+            CompGate => 11,
+            IdxKv => 12,
+            IdxGate => 13,
+            IdxQ => 14,
+            IdxW => 15,
+            Selected => 16,
+            AttnOut => 17,
+            OLow => 18,
+            SublayerOut => 19,
+            Router => 20,
+            Routes => 21,
+            ExpertGate => 22,
+            ExpertUp => 23,
+            ExpertOut => 24,
+            HeadOut => 25,
+            Logits => 26,
+            Kv(l) => Self::FIXED + l,
+        }
+    }
 }
 
 /// Which sublayer an mHC site wraps.
@@ -35,19 +126,27 @@ pub enum Sub {
     Ffn,
 }
 
-/// One coarse op.
+/// Activation simulation applied to a tensor (see [`crate::model::sim`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Op {
+pub enum SimKind {
+    /// FP8 (E4M3) blocks of 64 on the non-rope dims of each row.
+    Fp8NoRope,
+    /// Hadamard rotation then FP4 (E2M1) blocks of 32, per row.
+    HadamardFp4,
+}
+
+/// The layer-sized step a node belongs to (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stage {
     /// Embedding rows copied into every mHC stream.
     Embed,
-    /// mHC pre-mix of a sublayer: pre/post/comb from the streams, collapsed sublayer input.
+    /// mHC pre-mix of a sublayer.
     HcPre { layer: usize, sub: Sub },
-    /// Attention of a layer: norm, q/kv projections, rope, compressor, indexer, windowed + compressed attention
-    /// with sinks, inverse rope, grouped output projection. Updates the layer's KV tables.
+    /// Attention of a layer (updates its KV pages).
     Attention { layer: usize },
     /// mHC post-mix: streams ← post·f + combᵀ·streams.
     HcPost { layer: usize, sub: Sub },
-    /// MoE FFN: norm, router (learned or hash), routed experts, shared expert.
+    /// MoE FFN of a layer.
     Moe { layer: usize },
     /// Final mHC collapse and output norm.
     HcHead,
@@ -55,35 +154,211 @@ pub enum Op {
     Logits,
 }
 
-impl Op {
-    /// Names of the op kinds, indexed by [`Op::kind`] (`hc_pre`/`hc_post` cover both sublayers).
-    pub const KINDS: [&'static str; 7] = ["embed", "hc_pre", "attention", "hc_post", "moe", "hc_head", "logits"];
+/// One fine op. Rows are the batch's rows unless said otherwise; `width` is the length of one row of the op.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Op {
+    /// Embedding row of each token into every stream of [`BufId::Streams`].
+    Embed,
+    /// `y = RMSNorm(x)` per row of `width` (`heads` rows per batch row; `· w` when weighted); `x == y` is in place.
+    RmsNorm { x: BufId, y: BufId, w: Option<WeightId>, width: usize, heads: usize },
+    /// `y = W·x` per row.
+    MatMul { w: WeightId, x: BufId, y: BufId },
+    /// `y[:, g·rank..] = W[g·rank..(g+1)·rank]·x[:, g·gs..]` per group `g` (the grouped output projection).
+    GroupedMatMul { w: WeightId, x: BufId, y: BufId, groups: usize, rank: usize },
+    /// RoPE (of `layer`'s flavour) on each `width`-row of `x`, at its batch row's position (`heads` rows per batch
+    /// row); `inverse` rotates by `−pos`.
+    Rope { x: BufId, layer: usize, width: usize, heads: usize, inverse: bool },
+    /// Activation simulation on each `width`-row of `x` (`heads` rows per batch row).
+    ActSim { x: BufId, width: usize, heads: usize, kind: SimKind },
+    /// `x *= factor` over `rows · width` values.
+    Scale { x: BufId, width: usize, factor: f32 },
+    /// Advance layer `layer`'s compressor (`indexer`: the indexer's) token by token through each run, appending
+    /// the emitted rows (normed, roped, simulated) to the KV pages.
+    CompressPush { layer: usize, indexer: bool, sim: bool },
+    /// Lightning-indexer scores of the visible compressed rows and their top-k, per row.
+    IndexerTopK { layer: usize },
+    /// Windowed + compressed (HCA: all visible, CSA: selected) attention with sinks, per (row, head).
+    SparseAttention { layer: usize },
+    /// The last `window` raw rows of each run into its session's ring.
+    KvStore { layer: usize },
+    /// mHC `pre`, `post`, `comb` (Sinkhorn) from the mix.
+    HcSinkhorn { layer: usize, sub: Sub },
+    /// mHC head `pre` from the head mix.
+    HcHeadWeights,
+    /// `out = Σ_j pre_j · streams_j` per row.
+    HcCollapse { out: BufId },
+    /// `streams ← post·f + combᵀ·streams` per row.
+    HcPost,
+    /// Expert selection and weights per row (`hash`: the token's fixed experts, else top-k of scores + bias), and
+    /// the per-expert row plan.
+    MoeRoute { layer: usize, hash: bool },
+    /// Gate and up products of every routed row (rows gathered per expert) and of the shared expert.
+    ExpertUp { layer: usize },
+    /// `gate ← silu(min(gate, L)) · clamp(up, −L, L)` over every expert row.
+    SwiGlu { layer: usize },
+    /// Down products of every expert row.
+    ExpertDown { layer: usize },
+    /// `out = Σ routed weight · expert out (ascending expert) + shared out` per row (the scatter back).
+    MoeCombine,
+    /// Output projection of the rows in [`Batch::logit_rows`].
+    Logits,
+}
 
-    /// The op's kind, an index into [`Op::KINDS`] (layers and sublayers folded together).
+impl Op {
+    /// Names of the op kinds, indexed by [`Op::kind`].
+    pub const KINDS: [&'static str; 22] = [
+        "embed",
+        "rms_norm",
+        "matmul",
+        "grouped_matmul",
+        "rope",
+        "act_sim",
+        "scale",
+        "compress_push",
+        "indexer_topk",
+        "sparse_attention",
+        "kv_store",
+        "hc_sinkhorn",
+        "hc_head_weights",
+        "hc_collapse",
+        "hc_post",
+        "moe_route",
+        "expert_up",
+        "swiglu",
+        "expert_down",
+        "moe_combine",
+        "logits",
+        "stage",
+    ];
+
+    /// Index of the pseudo-kind under which a whole stage run at once is timed.
+    pub const STAGE_KIND: usize = 21;
+
+    /// The op's kind, an index into [`Op::KINDS`].
     pub fn kind(&self) -> usize {
         match self {
             Op::Embed => 0,
-            Op::HcPre { .. } => 1,
-            Op::Attention { .. } => 2,
-            Op::HcPost { .. } => 3,
-            Op::Moe { .. } => 4,
-            Op::HcHead => 5,
-            Op::Logits => 6,
+            Op::RmsNorm { .. } => 1,
+            Op::MatMul { .. } => 2,
+            Op::GroupedMatMul { .. } => 3,
+            Op::Rope { .. } => 4,
+            Op::ActSim { .. } => 5,
+            Op::Scale { .. } => 6,
+            Op::CompressPush { .. } => 7,
+            Op::IndexerTopK { .. } => 8,
+            Op::SparseAttention { .. } => 9,
+            Op::KvStore { .. } => 10,
+            Op::HcSinkhorn { .. } => 11,
+            Op::HcHeadWeights => 12,
+            Op::HcCollapse { .. } => 13,
+            Op::HcPost => 14,
+            Op::MoeRoute { .. } => 15,
+            Op::ExpertUp { .. } => 16,
+            Op::SwiGlu { .. } => 17,
+            Op::ExpertDown { .. } => 18,
+            Op::MoeCombine => 19,
+            Op::Logits => 20,
         }
     }
 
-    /// Buffers read and written by the op.
-    pub fn access(&self) -> (&'static [BufId], &'static [BufId], Option<usize>) {
+    /// The op kind's name.
+    pub fn name(&self) -> &'static str {
+        Self::KINDS[self.kind()]
+    }
+
+    /// Calls `read` for every tensor the op reads and `write` for every tensor it writes (a tensor updated in
+    /// place is written only).
+    pub fn access(&self, mut read: impl FnMut(BufId), mut write: impl FnMut(BufId)) {
         use BufId::*;
         match *self {
-            Op::Embed => (&[], &[Streams], None),
-            Op::HcPre { .. } => (&[Streams], &[Collapsed, HcWeights], None),
-            // Kv(layer) is returned separately (it is parameterised).
-            Op::Attention { layer } => (&[Collapsed], &[SublayerOut], Some(layer)),
-            Op::HcPost { .. } => (&[SublayerOut, HcWeights, Streams], &[Streams], None),
-            Op::Moe { .. } => (&[Collapsed], &[SublayerOut], None),
-            Op::HcHead => (&[Streams], &[HeadOut], None),
-            Op::Logits => (&[HeadOut], &[Logits], None),
+            Op::Embed => write(Streams),
+            Op::RmsNorm { x, y, .. } | Op::MatMul { x, y, .. } | Op::GroupedMatMul { x, y, .. } => {
+                if x != y {
+                    read(x);
+                }
+                write(y);
+            }
+            Op::Rope { x, .. } | Op::ActSim { x, .. } | Op::Scale { x, .. } => write(x),
+            Op::CompressPush { layer, indexer, .. } => {
+                if indexer {
+                    read(IdxKv);
+                    read(IdxGate);
+                } else {
+                    read(CompKv);
+                    read(CompGate);
+                }
+                write(Kv(layer));
+            }
+            Op::IndexerTopK { layer } => {
+                read(IdxQ);
+                read(IdxW);
+                read(Kv(layer));
+                write(Selected);
+            }
+            Op::SparseAttention { layer } => {
+                read(Q);
+                read(KvRows);
+                read(Selected);
+                read(Kv(layer));
+                write(AttnOut);
+            }
+            Op::KvStore { layer } => {
+                // The compressor and indexer inputs go to the roll-back log (read only where the layer has them).
+                read(KvRows);
+                read(CompKv);
+                read(CompGate);
+                read(IdxKv);
+                read(IdxGate);
+                write(Kv(layer));
+            }
+            Op::HcSinkhorn { .. } => {
+                read(Mix);
+                write(Pre);
+                write(PostComb);
+            }
+            Op::HcHeadWeights => {
+                read(Mix);
+                write(Pre);
+            }
+            Op::HcCollapse { out } => {
+                read(Streams);
+                read(Pre);
+                write(out);
+            }
+            Op::HcPost => {
+                read(SublayerOut);
+                read(PostComb);
+                write(Streams);
+            }
+            Op::MoeRoute { .. } => {
+                read(Router);
+                write(Routes);
+            }
+            Op::ExpertUp { .. } => {
+                read(Normed);
+                read(Routes);
+                write(ExpertGate);
+                write(ExpertUp);
+            }
+            Op::SwiGlu { .. } => {
+                read(ExpertUp);
+                read(Routes);
+                write(ExpertGate);
+            }
+            Op::ExpertDown { .. } => {
+                read(ExpertGate);
+                read(Routes);
+                write(ExpertOut);
+            }
+            Op::MoeCombine => {
+                read(ExpertOut);
+                read(Routes);
+                write(SublayerOut);
+            }
+            Op::Logits => {
+                read(HeadOut);
+                write(Logits);
+            }
         }
     }
 }
@@ -143,111 +418,235 @@ impl Batch {
             self.logit_rows.push(start + len - 1);
         }
     }
+
+    /// Whether every run is a single token (a decode-only tick).
+    pub fn is_decode(&self) -> bool {
+        self.runs.iter().all(|r| r.len == 1)
+    }
 }
 
-/// A job: an op plus its dependency bookkeeping.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Job {
+/// A node: an op and the stage it belongs to.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Node {
     pub op: Op,
-    /// Number of jobs this one waits for.
-    pub deps: usize,
+    pub stage: Stage,
 }
 
-/// The job graph of one tick. See the module docs.
+/// The node graph of one tick. See the module docs.
 #[derive(Clone, Debug, Default)]
 pub struct Graph {
-    pub jobs: Vec<Job>,
-    /// Edges `(from, to)`: `to` depends on `from`.
+    pub nodes: Vec<Node>,
+    /// Dependency count of each node (valid after [`Graph::finish`]).
+    pub deps: Vec<usize>,
+    /// Edges `(from, to)`: `to` depends on `from`; grouped by `to`, in push order.
     pub edges: Vec<(usize, usize)>,
-    last_writer: Vec<(BufId, usize)>,
-    readers: Vec<(BufId, usize)>,
+    dep_start: Vec<usize>,
+    dep_list: Vec<usize>,
+    cursor: Vec<usize>,
+    last_writer: Vec<Option<usize>>,
+    readers: Vec<Vec<usize>>,
+    stage: Option<Stage>,
+    /// `(stage, first node, end)` of every stage, in order.
+    pub stages: Vec<(Stage, usize, usize)>,
 }
 
 impl Graph {
-    /// Builds the forward graph for `n_layers` layers.
-    pub fn build(&mut self, n_layers: usize) {
-        self.jobs.clear();
+    /// Empties the graph (keeping capacity) for a model of `n_layers` layers.
+    pub fn clear(&mut self, n_layers: usize) {
+        self.nodes.clear();
+        self.deps.clear();
         self.edges.clear();
+        self.dep_start.clear();
+        self.dep_list.clear();
+        self.stages.clear();
+        self.stage = None;
+        let nbuf = BufId::FIXED + n_layers;
         self.last_writer.clear();
-        self.readers.clear();
-        self.push(Op::Embed);
-        for layer in 0..n_layers {
-            self.push(Op::HcPre { layer, sub: Sub::Attn });
-            self.push(Op::Attention { layer });
-            self.push(Op::HcPost { layer, sub: Sub::Attn });
-            self.push(Op::HcPre { layer, sub: Sub::Ffn });
-            self.push(Op::Moe { layer });
-            self.push(Op::HcPost { layer, sub: Sub::Ffn });
+        self.last_writer.resize(nbuf, None);
+        if self.readers.len() < nbuf {
+            self.readers.resize_with(nbuf, Vec::new);
         }
-        self.push(Op::HcHead);
-        self.push(Op::Logits);
+        self.readers.iter_mut().for_each(Vec::clear);
     }
 
-    fn add_edge(&mut self, from: usize, to: usize) {
-        if from != to && !self.edges.contains(&(from, to)) {
+    /// Starts a stage: the nodes pushed until the next call belong to it.
+    pub fn stage(&mut self, stage: Stage) {
+        let at = self.nodes.len();
+        if let Some(last) = self.stages.last_mut() {
+            last.2 = at;
+        }
+        self.stages.push((stage, at, at));
+        self.stage = Some(stage);
+    }
+
+    fn add_edge(&mut self, first_of_to: usize, from: usize, to: usize) {
+        if from != to && !self.edges[first_of_to..].contains(&(from, to)) {
             self.edges.push((from, to));
-            self.jobs[to].deps += 1;
         }
     }
 
-    /// Appends a job, deriving its dependencies from the declared accesses.
+    /// Appends a node of the current stage, deriving its dependencies from the declared accesses.
     pub fn push(&mut self, op: Op) -> usize {
-        let id = self.jobs.len();
-        self.jobs.push(Job { op, deps: 0 });
-        let (reads, writes, kv) = op.access();
-        let kv_buf = kv.map(BufId::Kv);
-        let reads_it = reads.iter().copied();
-        let writes_it = writes.iter().copied().chain(kv_buf);
+        let id = self.nodes.len();
+        let stage = self.stage.expect("Graph::stage before Graph::push");
+        self.nodes.push(Node { op, stage });
+        if let Some(last) = self.stages.last_mut() {
+            last.2 = id + 1;
+        }
+        let first = self.edges.len();
+        let mut reads = [None; 6];
+        let mut writes = [None; 3];
+        let (mut nr, mut nw) = (0, 0);
+        op.access(
+            |b| {
+                reads[nr] = Some(b);
+                nr += 1
+            },
+            |b| {
+                writes[nw] = Some(b);
+                nw += 1
+            },
+        );
         // Read after write.
-        for b in reads_it.clone().chain(kv_buf) {
-            if let Some(&(_, w)) = self.last_writer.iter().find(|(x, _)| *x == b) {
-                self.add_edge(w, id);
+        for b in reads.iter().flatten() {
+            if let Some(w) = self.last_writer[b.index()] {
+                self.add_edge(first, w, id);
             }
         }
-        for b in writes_it {
-            // Write after read / write after write.
-            let mut i = 0;
-            while i < self.readers.len() {
-                let (x, r) = self.readers[i];
-                if x == b {
-                    self.add_edge(r, id);
-                }
-                i += 1;
+        for b in writes.iter().flatten() {
+            let i = b.index();
+            // Write after read, write after write.
+            for k in 0..self.readers[i].len() {
+                let r = self.readers[i][k];
+                self.add_edge(first, r, id);
             }
-            if let Some(&(_, w)) = self.last_writer.iter().find(|(x, _)| *x == b) {
-                self.add_edge(w, id);
+            if let Some(w) = self.last_writer[i] {
+                self.add_edge(first, w, id);
             }
-            self.readers.retain(|(x, _)| *x != b);
-            match self.last_writer.iter_mut().find(|(x, _)| *x == b) {
-                Some(e) => e.1 = id,
-                None => self.last_writer.push((b, id)),
-            }
+            self.readers[i].clear();
+            self.last_writer[i] = Some(id);
         }
-        for b in reads_it {
-            self.readers.push((b, id));
+        for b in reads.iter().flatten() {
+            self.readers[b.index()].push(id);
         }
         id
     }
+
+    /// Computes the dependency counts and the dependents of every node (call once after the last push).
+    pub fn finish(&mut self) {
+        let n = self.nodes.len();
+        self.deps.clear();
+        self.deps.resize(n, 0);
+        self.dep_start.clear();
+        self.dep_start.resize(n + 1, 0);
+        for &(from, to) in &self.edges {
+            self.deps[to] += 1;
+            self.dep_start[from + 1] += 1;
+        }
+        for i in 0..n {
+            self.dep_start[i + 1] += self.dep_start[i];
+        }
+        self.dep_list.clear();
+        self.dep_list.resize(self.edges.len(), 0);
+        // Edges are grouped by `to` ascending, so filling in edge order keeps each node's dependents ascending.
+        self.cursor.clear();
+        self.cursor.extend_from_slice(&self.dep_start[..n]);
+        for &(from, to) in &self.edges {
+            self.dep_list[self.cursor[from]] = to;
+            self.cursor[from] += 1;
+        }
+    }
+
+    /// The nodes that depend on node `i` (ascending).
+    pub fn dependents(&self, i: usize) -> &[usize] {
+        &self.dep_list[self.dep_start[i]..self.dep_start[i + 1]]
+    }
+
+    /// The graph in Graphviz DOT: one box per node (`index: op [args]`, weights named by `weight_name`),
+    /// clustered by stage, and its edges.
+    pub fn to_dot(&self, weight_name: &dyn Fn(WeightId) -> String) -> String {
+        use std::fmt::Write;
+        let mut s = String::from("digraph tick {\n  rankdir=TB;\n  node [shape=box, fontsize=10];\n");
+        for (k, &(stage, a, b)) in self.stages.iter().enumerate() {
+            let _ = writeln!(s, "  subgraph cluster_{k} {{\n    label=\"{stage:?}\";");
+            for i in a..b {
+                let label = name_weights(&format!("{i}: {:?}", self.nodes[i].op), weight_name).replace('"', "'");
+                let _ = writeln!(s, "    n{i} [label=\"{label}\"];");
+            }
+            s.push_str("  }\n");
+        }
+        for &(a, b) in &self.edges {
+            let _ = writeln!(s, "  n{a} -> n{b};");
+        }
+        s.push_str("}\n");
+        s
+    }
+}
+
+/// `text` with every `WeightId(N)` replaced by `name(WeightId(N))`.
+fn name_weights(text: &str, name: &dyn Fn(WeightId) -> String) -> String {
+    const TAG: &str = "WeightId(";
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find(TAG) {
+        out.push_str(&rest[..at]);
+        let after = &rest[at + TAG.len()..];
+        let end = after.find(')').unwrap_or(after.len());
+        match after[..end].parse::<u32>() {
+            Ok(id) => out.push_str(&name(WeightId(id))),
+            Err(_) => out.push_str(&rest[at..at + TAG.len() + end]),
+        }
+        rest = after.get(end + 1..).unwrap_or("");
+    }
+    out.push_str(rest);
+    out
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    #[test]
-    fn forward_graph_is_a_chain_in_op_order() {
+    fn chain() -> Graph {
         let mut g = Graph::default();
-        g.build(2);
-        assert_eq!(g.jobs.len(), 1 + 2 * 6 + 2);
-        assert_eq!(g.jobs[0].deps, 0);
-        // Every job after the first depends on its predecessor (directly or via buffers).
-        for j in 1..g.jobs.len() {
-            assert!(g.jobs[j].deps >= 1, "job {j} {:?} has no deps", g.jobs[j].op);
-            assert!(g.edges.iter().all(|&(a, b)| a < b), "edges go forward");
-        }
-        // HcPost (attn) of layer 0 waits for the attention and the HcPre.
-        let post = g.jobs.iter().position(|j| j.op == Op::HcPost { layer: 0, sub: Sub::Attn }).unwrap();
-        assert!(g.edges.contains(&(2, post)) && g.edges.contains(&(1, post)));
+        g.clear(1);
+        g.stage(Stage::Embed);
+        g.push(Op::Embed); // 0
+        g.stage(Stage::HcHead);
+        let w = WeightId(0);
+        g.push(Op::RmsNorm { x: BufId::Streams, y: BufId::StreamsNormed, w: None, width: 4, heads: 1 }); // 1
+        g.push(Op::MatMul { w, x: BufId::StreamsNormed, y: BufId::Q }); // 2
+        g.push(Op::MatMul { w, x: BufId::StreamsNormed, y: BufId::KvRows }); // 3
+        g.push(Op::Rope { x: BufId::Q, layer: 0, width: 4, heads: 1, inverse: false }); // 4
+        g.push(Op::RmsNorm { x: BufId::Streams, y: BufId::StreamsNormed, w: None, width: 4, heads: 1 }); // 5: WAR on 2, 3
+        g.finish();
+        g
+    }
+
+    #[test]
+    fn dependencies_follow_declared_reads_and_writes() {
+        let g = chain();
+        assert_eq!(g.deps, vec![0, 1, 1, 1, 1, 4], "5: RAW on 0, WAW on 1, WAR on 2 and 3");
+        assert_eq!(g.dependents(0), &[1, 5]);
+        assert_eq!(g.dependents(1), &[2, 3, 5]);
+        assert_eq!(g.dependents(2), &[4, 5]);
+        assert_eq!(g.dependents(3), &[5]);
+        assert!(g.edges.iter().all(|&(a, b)| a < b), "edges go forward");
+        assert_eq!(g.stages, vec![(Stage::Embed, 0, 1), (Stage::HcHead, 1, 6)]);
+        let dot = g.to_dot(&|w| format!("w{}", w.0));
+        assert!(dot.starts_with("digraph") && dot.contains("n1 -> n2;") && dot.contains("cluster_1"));
+        assert!(dot.contains("2: MatMul { w: w0, x: StreamsNormed, y: Q }"), "{dot}");
+    }
+
+    #[test]
+    fn rebuilding_reuses_capacity() {
+        let mut g = chain();
+        let caps = (g.nodes.capacity(), g.edges.capacity());
+        g.clear(1);
+        g.stage(Stage::Embed);
+        g.push(Op::Embed);
+        g.finish();
+        assert_eq!(g.deps, vec![0]);
+        assert_eq!((g.nodes.capacity(), g.edges.capacity()), caps);
     }
 
     #[test]
@@ -259,5 +658,6 @@ mod tests {
         assert_eq!(b.rows[2], Row { run: 0, pos: 12, token: 9 });
         assert_eq!(b.runs[1], Run { slot: 1, start: 3, len: 2, all_logits: true });
         assert_eq!(b.logit_rows, vec![2, 3, 4]);
+        assert!(!b.is_decode());
     }
 }

@@ -1,14 +1,16 @@
-//! The model: hyperparameters read from GGUF metadata ([`config`]), the weight table ([`weights`]), rope
-//! frequencies ([`rope`]) and the activation-simulation rounding ([`sim`]).
-//!
-//! The forward pass itself is expressed as job-graph ops ([`crate::graph`]) implemented by backends
-//! ([`crate::backend`]); this module holds what every backend shares.
+//! The model: hyperparameters read from GGUF metadata ([`config`]), the weight table ([`weights`]) and its matrix
+//! views ([`mat`]), rope frequencies ([`rope`]), the activation-simulation rounding ([`sim`]), and the forward
+//! pass itself ([`recipe`]): the node graph of each tick, whose fine ops backends implement as kernels
+//! ([`crate::backend`]).
 
 pub mod config;
+pub mod mat;
+pub mod recipe;
 pub mod rope;
 pub mod sim;
 pub mod weights;
 
 pub use config::{LayerKind, ModelConfig, RopeParams};
+pub use mat::Mat;
 pub use rope::RopeFreqs;
-pub use weights::{Mat, Model, WeightId, WeightTable};
+pub use weights::{Model, WeightId, WeightTable};

@@ -26,7 +26,7 @@ use std::cell::RefCell;
 use std::ops::Range;
 
 use crate::backend::cpu::pool::{split, Pool};
-use crate::model::weights::Mat;
+use crate::model::mat::Mat;
 use crate::quant::{self, ActType, DotF32, DotQ, DotQ4, GgmlType};
 use crate::{Error, Result};
 

@@ -1,9 +1,11 @@
-//! The CPU backend: reference implementations of every op, run on a worker pool created once.
+//! The CPU backend: the reference kernels of every node op, run on a worker pool created once.
 //!
-//! One module per op family: [`matmul`] (weight products, split over output rows), [`norm`], [`hc`] (mHC),
-//! [`attention`] (projections, rope, compressor, indexer, attention with sinks, grouped output), [`compressor`],
-//! [`indexer`], [`moe`]. [`Scratch`] holds every intermediate buffer, grown to the largest batch seen and then
-//! reused, so the decode loop does not allocate.
+//! Kernels only: [`rowops`] (embedding, RMSNorm, RoPE, activation simulation, scaling, mHC, logits),
+//! [`matmul`] (weight products, split over output rows), [`attention`] (compressor push, indexer top-k, sparse
+//! attention, ring store), [`moe`] (routing, expert halves, SwiGLU, scatter), with the per-token math in
+//! [`norm`], [`hc`], [`compressor`], [`indexer`]. The recipe that strings them together is
+//! [`crate::model::recipe`]. [`Scratch`] holds every tensor of a tick (a [`BufId`] resolves to one of its
+//! buffers), grown to the largest batch seen and then reused, so the decode loop does not allocate.
 
 pub mod attention;
 pub mod compressor;
@@ -19,22 +21,26 @@ pub mod norm;
 pub mod pool;
 #[cfg(not(feature = "bench-internals"))]
 pub(crate) mod pool;
-
-use std::cell::RefCell;
+pub mod rowops;
 
 use parking_lot::Mutex;
 
 use crate::backend::{Backend, StepCtx};
-use crate::graph::Sub;
+use crate::graph::{BufId, Op};
 use crate::model::Model;
-use crate::Result;
-use matmul::{dequant_row, matmul, matmul_gather};
-use pool::{par_rows, Pool};
+use crate::{Error, Result};
+use pool::Pool;
 
 /// Intermediate buffers of the CPU ops (see the module docs).
 #[derive(Debug, Default)]
 pub struct Scratch {
     rows: usize,
+    pub streams: Vec<f32>,
+    pub collapsed: Vec<f32>,
+    pub post: Vec<f32>,
+    pub comb: Vec<f32>,
+    pub sub_out: Vec<f32>,
+    pub head_out: Vec<f32>,
     pub xn: Vec<f32>,
     pub xnorm: Vec<f32>,
     pub mix: Vec<f32>,
@@ -77,9 +83,15 @@ impl Scratch {
         let hd = c.head_dim;
         let ihd = c.idx_head_dim;
         let f = |v: &mut Vec<f32>, len: usize| v.resize(len, 0.0);
+        f(&mut self.streams, n * c.hc_dim());
+        f(&mut self.collapsed, n * c.d_model);
+        f(&mut self.post, n * c.hc_mult);
+        f(&mut self.comb, n * c.hc_mult * c.hc_mult);
+        f(&mut self.sub_out, n * c.d_model);
+        f(&mut self.head_out, n * c.d_model);
         f(&mut self.xn, n * c.d_model);
         f(&mut self.xnorm, n * c.hc_dim());
-        f(&mut self.mix, n * c.hc_mix());
+        f(&mut self.mix, n * c.hc_mix().max(c.hc_mult));
         f(&mut self.pre, n * c.hc_mult);
         f(&mut self.qr, n * c.q_lora_rank);
         f(&mut self.q, n * c.n_heads * hd);
@@ -107,10 +119,59 @@ impl Scratch {
         f(&mut self.eo, n * c.d_model);
         self.rows = n;
     }
+
+    /// The f32 buffer behind tensor `id`; `None` for tensors that are not plain f32 rows (selections, routes,
+    /// logits, KV pages).
+    pub fn f32_buf(&mut self, id: BufId) -> Option<&mut Vec<f32>> {
+        use BufId::*;
+        Some(match id {
+            Streams => &mut self.streams,
+            StreamsNormed => &mut self.xnorm,
+            Mix => &mut self.mix,
+            Pre => &mut self.pre,
+            Collapsed => &mut self.collapsed,
+            Normed => &mut self.xn,
+            QLow => &mut self.qr,
+            Q => &mut self.q,
+            KvRows => &mut self.kv,
+            CompKv => &mut self.ckv,
+            CompGate => &mut self.cg,
+            IdxKv => &mut self.ikv,
+            IdxGate => &mut self.ig,
+            IdxQ => &mut self.iq,
+            IdxW => &mut self.iw,
+            AttnOut => &mut self.attn,
+            OLow => &mut self.oa,
+            SublayerOut => &mut self.sub_out,
+            Router => &mut self.router,
+            ExpertGate => &mut self.h1,
+            ExpertUp => &mut self.h3,
+            ExpertOut => &mut self.eo,
+            HeadOut => &mut self.head_out,
+            PostComb | Selected | Routes | Logits | Kv(_) => return None,
+        })
+    }
+
+    /// Runs `f(x, y)` on tensors `x` (read) and `y` (written), `x != y`. The buffers are moved out and back (no
+    /// copy, no allocation).
+    pub fn with_xy<R>(&mut self, x: BufId, y: BufId, f: impl FnOnce(&[f32], &mut [f32]) -> Result<R>) -> Result<R> {
+        let xs = std::mem::take(self.f32_buf(x).ok_or_else(|| not_f32(x))?);
+        let r = match self.f32_buf(y) {
+            Some(ys) => f(&xs, ys),
+            None => Err(not_f32(y)),
+        };
+        *self.f32_buf(x).expect("resolved above") = xs;
+        r
+    }
+
+    /// The buffer of tensor `x` (for in-place kernels).
+    pub fn buf(&mut self, x: BufId) -> Result<&mut Vec<f32>> {
+        self.f32_buf(x).ok_or_else(|| not_f32(x))
+    }
 }
 
-thread_local! {
-    static TMP: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+fn not_f32(id: BufId) -> Error {
+    Error::Backend { backend: "cpu", what: format!("tensor {id:?} is not an f32 tensor") }
 }
 
 /// The CPU backend. See the module docs.
@@ -146,127 +207,60 @@ impl Backend for CpuBackend {
         "cpu"
     }
 
-    fn embed(&self, cx: &mut StepCtx<'_>) -> Result<()> {
-        let model = cx.model;
-        let c = &model.config;
-        let (d, hc) = (c.d_model, c.hc_mult);
-        let emb = model.mat(model.global.embed);
-        let rows = &cx.batch.rows;
-        par_rows(&self.pool, &mut cx.act.streams[..rows.len() * hc * d], hc * d, &|r, x| {
-            // Validated at load (supported type, whole rows); a failure here would be a bug: poison the row.
-            if dequant_row(emb.ty, emb.row(rows[r].token as usize), &mut x[..d]).is_err() {
-                x[..d].fill(f32::NAN);
-            }
-            for j in 1..hc {
-                x.copy_within(0..d, j * d);
-            }
-        });
-        Ok(())
+    fn supports(&self, op: &Op, model: &Model) -> bool {
+        match *op {
+            Op::MatMul { w, .. } | Op::GroupedMatMul { w, .. } => matmul::supports(model.mat(w).ty),
+            Op::Logits => matmul::supports(model.mat(model.global.head).ty),
+            _ => true,
+        }
     }
 
-    fn hc_pre(&self, cx: &mut StepCtx<'_>, layer: usize, sub: Sub) -> Result<()> {
+    fn run_node(&self, op: &Op, cx: &mut StepCtx<'_>) -> Result<()> {
         let mut sc = self.scratch(cx);
         let sc = &mut *sc;
-        let model = cx.model;
-        let c = &model.config;
-        let lw = &model.layers[layer];
-        let w = match sub {
-            Sub::Attn => lw.hc_attn,
-            Sub::Ffn => lw.hc_ffn,
-        };
-        let (n, hc, d, mixn) = (cx.batch.rows.len(), c.hc_mult, c.d_model, c.hc_mix());
-        let hcd = hc * d;
-        sc.xnorm[..n * hcd].copy_from_slice(&cx.act.streams[..n * hcd]);
-        let eps = c.rms_eps;
-        par_rows(&self.pool, &mut sc.xnorm[..n * hcd], hcd, &|_, r| norm::rms_norm_unweighted(r, eps));
-        matmul(&self.pool, model.mat(w.fn_), &sc.xnorm, n, &mut sc.mix)?;
-        let (base, scale) = (model.dense(w.base), model.dense(w.scale));
-        for r in 0..n {
-            hc::hc_weights(
-                &sc.mix[r * mixn..(r + 1) * mixn],
-                base,
-                scale,
-                hc,
-                c.hc_eps,
-                c.hc_sinkhorn_iters,
-                &mut sc.pre[r * hc..(r + 1) * hc],
-                &mut cx.act.post[r * hc..(r + 1) * hc],
-                &mut cx.act.comb[r * hc * hc..(r + 1) * hc * hc],
-            );
+        let pool = &self.pool;
+        match *op {
+            Op::Embed => rowops::embed(pool, cx, &mut sc.streams),
+            Op::RmsNorm { x, y, w, width, heads } => rowops::rms_norm(pool, sc, cx, x, y, w, width * heads, width),
+            Op::MatMul { w, x, y } => {
+                let n = cx.batch.rows.len();
+                sc.with_xy(x, y, |xs, ys| matmul::matmul(pool, cx.model.mat(w), xs, n, ys))
+            }
+            Op::GroupedMatMul { w, x, y, groups, rank } => rowops::grouped_matmul(pool, sc, cx, w, x, y, groups, rank),
+            Op::Rope { x, layer, width, heads, inverse } => {
+                rowops::rope(pool, sc.buf(x)?, cx, layer, width, heads, inverse)
+            }
+            Op::ActSim { x, width, heads, kind } => rowops::act_sim(pool, sc.buf(x)?, cx, width, heads, kind),
+            Op::Scale { x, width, factor } => {
+                let n = cx.batch.rows.len();
+                sc.buf(x)?[..n * width].iter_mut().for_each(|v| *v *= factor);
+                Ok(())
+            }
+            Op::CompressPush { layer, indexer, sim } => attention::compress_push(sc, cx, layer, indexer, sim),
+            Op::IndexerTopK { layer } => attention::indexer_topk(pool, sc, cx, layer),
+            Op::SparseAttention { layer } => attention::sparse_attention(pool, sc, cx, layer),
+            Op::KvStore { layer } => attention::kv_store(sc, cx, layer),
+            Op::HcSinkhorn { layer, sub } => rowops::hc_sinkhorn(sc, cx, layer, sub),
+            Op::HcHeadWeights => rowops::hc_head_weights(sc, cx),
+            Op::HcCollapse { out } => rowops::hc_collapse(pool, sc, cx, out),
+            Op::HcPost => rowops::hc_post(pool, sc, cx),
+            Op::MoeRoute { layer, hash } => moe::route(sc, cx, layer, hash),
+            Op::ExpertUp { layer } => moe::expert_up(pool, sc, cx, layer),
+            Op::SwiGlu { layer } => moe::swiglu_rows(pool, sc, cx, layer, moe::swiglu),
+            Op::ExpertDown { layer } => moe::expert_down(pool, sc, cx, layer),
+            Op::MoeCombine => moe::combine(sc, cx),
+            Op::Logits => rowops::logits(pool, sc, cx),
         }
-        let (streams, pre) = (&cx.act.streams, &sc.pre);
-        par_rows(&self.pool, &mut cx.act.collapsed[..n * d], d, &|r, u| {
-            hc::collapse(&streams[r * hcd..(r + 1) * hcd], &pre[r * hc..(r + 1) * hc], d, u)
-        });
-        Ok(())
     }
 
-    fn attention(&self, cx: &mut StepCtx<'_>, layer: usize) -> Result<()> {
-        let mut sc = self.scratch(cx);
-        attention::attention(self, &mut sc, cx, layer)
-    }
-
-    fn hc_post(&self, cx: &mut StepCtx<'_>, _layer: usize, _sub: Sub) -> Result<()> {
-        let c = &cx.model.config;
-        let (n, hc, d) = (cx.batch.rows.len(), c.hc_mult, c.d_model);
-        let hcd = hc * d;
-        let (f, post, comb) = (&cx.act.sub_out, &cx.act.post, &cx.act.comb);
-        par_rows(&self.pool, &mut cx.act.streams[..n * hcd], hcd, &|r, x| {
-            TMP.with(|t| {
-                let mut t = t.borrow_mut();
-                if t.len() < hcd {
-                    t.resize(hcd, 0.0);
-                }
-                hc::post_mix(
-                    x,
-                    &f[r * d..(r + 1) * d],
-                    &post[r * hc..(r + 1) * hc],
-                    &comb[r * hc * hc..(r + 1) * hc * hc],
-                    hc,
-                    d,
-                    &mut t,
-                );
-            })
-        });
-        Ok(())
-    }
-
-    fn moe(&self, cx: &mut StepCtx<'_>, layer: usize) -> Result<()> {
-        let mut sc = self.scratch(cx);
-        moe::moe(self, &mut sc, cx, layer)
-    }
-
-    fn hc_head(&self, cx: &mut StepCtx<'_>) -> Result<()> {
-        let mut sc = self.scratch(cx);
-        let sc = &mut *sc;
-        let model = cx.model;
-        let c = &model.config;
-        let g = &model.global;
-        let (n, hc, d) = (cx.batch.rows.len(), c.hc_mult, c.d_model);
-        let hcd = hc * d;
-        let eps = c.rms_eps;
-        sc.xnorm[..n * hcd].copy_from_slice(&cx.act.streams[..n * hcd]);
-        par_rows(&self.pool, &mut sc.xnorm[..n * hcd], hcd, &|_, r| norm::rms_norm_unweighted(r, eps));
-        matmul(&self.pool, model.mat(g.hc_fn), &sc.xnorm, n, &mut sc.mix)?;
-        let (base, scale, nw) = (model.dense(g.hc_base), model.dense(g.hc_scale)[0], model.dense(g.norm));
-        for r in 0..n {
-            let (mix, pre) = (&sc.mix[r * hc..(r + 1) * hc], &mut sc.pre[r * hc..(r + 1) * hc]);
-            hc::head_weights(mix, base, scale, c.hc_eps, pre);
-            let y = &mut cx.act.head_out[r * d..(r + 1) * d];
-            hc::collapse(&cx.act.streams[r * hcd..(r + 1) * hcd], pre, d, y);
-            norm::rms_norm_inplace(y, nw, eps);
+    fn run_native(&self, op: &Op, kernel: &ds4_kernels_native::Kernel, cx: &mut StepCtx<'_>) -> Result<bool> {
+        match (*op, *kernel) {
+            (Op::SwiGlu { layer }, ds4_kernels_native::Kernel::SwiGlu(f)) => {
+                let mut sc = self.scratch(cx);
+                moe::swiglu_rows(&self.pool, &mut sc, cx, layer, f)?;
+                Ok(true)
+            }
+            _ => Ok(false),
         }
-        Ok(())
-    }
-
-    fn logits(&self, cx: &mut StepCtx<'_>) -> Result<()> {
-        let model = cx.model;
-        matmul_gather(
-            &self.pool,
-            model.mat(model.global.head),
-            &cx.act.head_out,
-            &cx.batch.logit_rows,
-            &mut cx.act.logits,
-        )
     }
 }

@@ -1,15 +1,16 @@
-//! The MoE FFN op of one layer, for every row of the batch.
+//! The MoE kernels (the layer's recipe is [`crate::model::recipe`]).
 //!
-//! `x = RMSNorm(u)·ffn_norm`; router scores `s = sqrt(softplus(gate·x))`; selection `topk(s + bias)` (ties to the
-//! lower expert id) or, on hash layers, `tid2eid[token]`; weights `s[sel]` renormalised (`/ (Σ + 1e-20)`) when
-//! the model says so, times the routed scale. Expert `e`: `w2( silu(min(w1·x, L)) · clamp(w3·x, −L, L) )`.
-//! Rows are grouped by expert so each expert's weights are read once per batch; contributions are added in
-//! ascending expert order, then the shared expert (same clamped SwiGLU, weight 1).
+//! [`route`]: router scores `s = sqrt(softplus(gate·x))`; selection `topk(s + bias)` (ties to the lower expert
+//! id) or, on hash layers, `tid2eid[token]`; weights `s[sel]` renormalised (`/ (Σ + 1e-20)`) when the model says
+//! so, times the routed scale; and the plan: rows grouped by expert (ascending id), then the shared expert, as
+//! slots of consecutive rows of the expert buffers. [`expert_up`]: every slot's `w1·x` and `w3·x` in one dispatch
+//! (each expert's weights read once per batch). [`swiglu_rows`]: `silu(min(w1·x, L)) · clamp(w3·x, −L, L)`.
+//! [`expert_down`]: every slot's `w2·h` in one dispatch. [`combine`]: routed contributions added in ascending
+//! expert order, then the shared expert (weight 1).
 
-use super::matmul::{grain_rows, matmul, run_group, Acts, Kernel, Out, Product, RowAt};
-use super::norm::rms_norm_rows;
+use super::matmul::{grain_rows, run_group, Acts, Kernel, Out, Product, RowAt};
 use super::pool::{par_rows, Pool};
-use super::{CpuBackend, Scratch};
+use super::Scratch;
 use crate::backend::StepCtx;
 use crate::model::Mat;
 use crate::quant::ActType;
@@ -27,30 +28,47 @@ fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
 }
 
-/// `h1 ← silu(min(h1, L)) · clamp(h3, −L, L)`.
-fn swiglu(h1: &mut [f32], h3: &[f32], limit: f32) {
+/// `h1 ← silu(min(h1, L)) · clamp(h3, −L, L)` (the portable kernel of [`crate::graph::Op::SwiGlu`], one row).
+pub fn swiglu(h1: &mut [f32], h3: &[f32], limit: f32) {
     for (a, &b) in h1.iter_mut().zip(h3) {
         *a = silu(a.min(limit)) * b.clamp(-limit, limit);
     }
 }
 
-/// Runs [`crate::graph::Op::Moe`] for `layer`.
+/// The shared expert's matrices and kernels, if the layer has one.
+fn shared_expert<'m>(
+    pool: &Pool,
+    cx: &StepCtx<'m>,
+    layer: usize,
+) -> Result<Option<(Mat<'m>, Mat<'m>, Mat<'m>, Kinds)>> {
+    let model = cx.model;
+    let lw = &model.layers[layer];
+    Ok(match (lw.gate_sh, lw.up_sh, lw.down_sh) {
+        (Some(g), Some(u), Some(dn)) => {
+            let (g, u, dn) = (model.mat(g), model.mat(u), model.mat(dn));
+            Some((g, u, dn, Kinds::new(pool, g, u, dn)?))
+        }
+        _ => None,
+    })
+}
+
+/// [`crate::graph::Op::MoeRoute`]: selection, weights and the slot plan of every row.
 #[allow(clippy::needless_range_loop)]
-pub fn moe(be: &CpuBackend, sc: &mut Scratch, cx: &mut StepCtx<'_>, layer: usize) -> Result<()> {
-    let pool = &be.pool;
+pub fn route(sc: &mut Scratch, cx: &StepCtx<'_>, layer: usize, hash: bool) -> Result<()> {
     let model = cx.model;
     let c = &model.config;
     let lw = &model.layers[layer];
     let rows = &cx.batch.rows;
     let n = rows.len();
     let (d, ne, k, ffn) = (c.d_model, c.n_experts, c.n_experts_used, c.expert_ffn);
-    let limit = c.swiglu_limit[layer];
-
-    rms_norm_rows(&cx.act.collapsed, model.dense(lw.ffn_norm), c.rms_eps, n, &mut sc.xn);
-    matmul(pool, model.mat(lw.gate), &sc.xn, n, &mut sc.router)?;
-
-    // Selection and weights per row.
     let bias = lw.gate_bias.map(|b| model.dense(b));
+    let table = match (hash, &lw.tid2eid) {
+        (true, Some(t)) => Some(t),
+        (false, _) => None,
+        (true, None) => {
+            return Err(crate::Error::Backend { backend: "cpu", what: format!("layer {layer} has no hash table") })
+        }
+    };
     for e in sc.expert_rows.iter_mut() {
         e.clear();
     }
@@ -63,7 +81,7 @@ pub fn moe(be: &CpuBackend, sc: &mut Scratch, cx: &mut StepCtx<'_>, layer: usize
             *v = softplus(*v).sqrt();
         }
         let sel = &mut sc.sel_e[r * k..(r + 1) * k];
-        match &lw.tid2eid {
+        match table {
             Some(t) => {
                 let tok = rows[r].token as usize;
                 for (j, s) in sel.iter_mut().enumerate() {
@@ -121,24 +139,29 @@ pub fn moe(be: &CpuBackend, sc: &mut Scratch, cx: &mut StepCtx<'_>, layer: usize
             ms.pick.extend_from_slice(list);
         }
     }
-    let routed = sc.idx.len();
-    let shared = match (lw.gate_sh, lw.up_sh, lw.down_sh) {
-        (Some(g), Some(u), Some(dn)) => {
-            let (g, u, dn) = (model.mat(g), model.mat(u), model.mat(dn));
-            Some((g, u, dn, Kinds::new(pool, g, u, dn)?))
-        }
-        _ => None,
-    };
-    if shared.is_some() {
-        ms.slots.push(Slot { expert: None, start: routed, m: n });
+    ms.routed = sc.idx.len();
+    ms.shared = lw.gate_sh.is_some() && lw.up_sh.is_some() && lw.down_sh.is_some();
+    if ms.shared {
+        ms.slots.push(Slot { expert: None, start: ms.routed, m: n });
     }
-    let total = routed + if shared.is_some() { n } else { 0 };
-    grow(&mut sc.h1, total * ffn);
-    grow(&mut sc.h3, total * ffn);
-    grow(&mut sc.eo, total * d);
+    ms.total = ms.routed + if ms.shared { n } else { 0 };
+    grow(&mut sc.h1, ms.total * ffn);
+    grow(&mut sc.h3, ms.total * ffn);
+    grow(&mut sc.eo, ms.total * d);
+    Ok(())
+}
 
+/// [`crate::graph::Op::ExpertUp`]: gate and up products of every slot in one dispatch.
+pub fn expert_up(pool: &Pool, sc: &mut Scratch, cx: &StepCtx<'_>, layer: usize) -> Result<()> {
+    let model = cx.model;
+    let c = &model.config;
+    let lw = &model.layers[layer];
+    let n = cx.batch.rows.len();
+    let (d, ffn) = (c.d_model, c.expert_ffn);
+    let shared = shared_expert(pool, cx, layer)?;
     let (gate_m, up_m, down_m) = (model.mat(lw.gate_exps), model.mat(lw.up_exps), model.mat(lw.down_exps));
     let kr = Kinds::new(pool, gate_m, up_m, down_m)?;
+    let ms = &mut sc.moe;
 
     // Activations of the normalized input, quantized once per activation type for all gate/up products.
     let all_rows = RowAt::Strided { stride: d, off: 0 };
@@ -151,60 +174,90 @@ pub fn moe(be: &CpuBackend, sc: &mut Scratch, cx: &mut StepCtx<'_>, layer: usize
         }
     }
 
-    // Gate and up of every slot in one dispatch.
-    {
-        let (slots, idx, xacts, xn) = (&ms.slots, &sc.idx, &ms.xacts, &sc.xn);
-        let (o1, o3) = (Out::new(&mut sc.h1, ffn, 0), Out::new(&mut sc.h3, ffn, 0));
-        let product = |u: usize| {
-            let s = slots[u / 2];
-            let (w, k, at) = match (s.expert, shared) {
-                (Some(e), _) => {
-                    let (w, k) = if u & 1 == 0 { (gate_m, kr.gate) } else { (up_m, kr.up) };
-                    (w.rows_slice(e * ffn, ffn), k, RowAt::Gather { idx: &idx[s.start..s.start + s.m], stride: 1 })
-                }
-                (None, Some((g, up, _, ks))) => {
-                    let (w, k) = if u & 1 == 0 { (g, ks.gate) } else { (up, ks.up) };
-                    (w, k, RowAt::Strided { stride: 1, off: 0 })
-                }
-                (None, None) => unreachable!("shared slot without shared weights"),
-            };
-            let out = if u & 1 == 0 { o1 } else { o3 };
-            Product { w, k, input: xacts[act_slot(&k)].input(&k, xn, d, at), n: s.m, out: out.shifted(s.start * ffn) }
+    let (slots, idx, xacts, xn) = (&ms.slots, &sc.idx, &ms.xacts, &sc.xn);
+    let (o1, o3) = (Out::new(&mut sc.h1, ffn, 0), Out::new(&mut sc.h3, ffn, 0));
+    let product = |u: usize| {
+        let s = slots[u / 2];
+        let (w, k, at) = match (s.expert, shared) {
+            (Some(e), _) => {
+                let (w, k) = if u & 1 == 0 { (gate_m, kr.gate) } else { (up_m, kr.up) };
+                (w.rows_slice(e * ffn, ffn), k, RowAt::Gather { idx: &idx[s.start..s.start + s.m], stride: 1 })
+            }
+            (None, Some((g, up, _, ks))) => {
+                let (w, k) = if u & 1 == 0 { (g, ks.gate) } else { (up, ks.up) };
+                (w, k, RowAt::Strided { stride: 1, off: 0 })
+            }
+            (None, None) => unreachable!("shared slot without shared weights"),
         };
-        // SAFETY: product `u` writes rows `start..start + m` of h1 (even `u`) or h3 (odd `u`) of its own slot;
-        // slots do not overlap; h1/h3 outlive the call and are not otherwise used during it.
-        unsafe { run_group(pool, 2 * ms.slots.len(), ffn, grain_rows(gate_m.row_bytes), &product) };
-    }
+        let out = if u & 1 == 0 { o1 } else { o3 };
+        Product { w, k, input: xacts[act_slot(&k)].input(&k, xn, d, at), n: s.m, out: out.shifted(s.start * ffn) }
+    };
+    // SAFETY: product `u` writes rows `start..start + m` of h1 (even `u`) or h3 (odd `u`) of its own slot; slots
+    // do not overlap (the plan of `route`, which also grew h1/h3 to every slot row); h1/h3 outlive the call and
+    // are not otherwise used during it.
+    unsafe { run_group(pool, 2 * ms.slots.len(), ffn, grain_rows(gate_m.row_bytes), &product) };
+    Ok(())
+}
 
-    // SwiGLU, then the down inputs quantized (routed rows and shared rows may use different activation types).
+/// [`crate::graph::Op::SwiGlu`] over every slot row with the row kernel `f` (the portable [`swiglu`] or a native
+/// override of the same signature).
+pub fn swiglu_rows(
+    pool: &Pool,
+    sc: &mut Scratch,
+    cx: &StepCtx<'_>,
+    layer: usize,
+    f: fn(&mut [f32], &[f32], f32),
+) -> Result<()> {
+    let c = &cx.model.config;
+    let (ffn, limit) = (c.expert_ffn, c.swiglu_limit[layer]);
+    let total = sc.moe.total;
     let h3 = &sc.h3;
-    par_rows(pool, &mut sc.h1[..total * ffn], ffn, &|i, h| swiglu(h, &h3[i * ffn..(i + 1) * ffn], limit));
+    par_rows(pool, &mut sc.h1[..total * ffn], ffn, &|i, h| f(h, &h3[i * ffn..(i + 1) * ffn], limit));
+    Ok(())
+}
+
+/// [`crate::graph::Op::ExpertDown`]: the SwiGLU outputs quantized, then every slot's down product in one dispatch.
+pub fn expert_down(pool: &Pool, sc: &mut Scratch, cx: &StepCtx<'_>, layer: usize) -> Result<()> {
+    let model = cx.model;
+    let c = &model.config;
+    let lw = &model.layers[layer];
+    let n = cx.batch.rows.len();
+    let (d, ffn) = (c.d_model, c.expert_ffn);
+    let shared = shared_expert(pool, cx, layer)?;
+    let (gate_m, up_m, down_m) = (model.mat(lw.gate_exps), model.mat(lw.up_exps), model.mat(lw.down_exps));
+    let kr = Kinds::new(pool, gate_m, up_m, down_m)?;
+    let ms = &mut sc.moe;
+    let routed = ms.routed;
+    // Routed rows and shared rows may use different activation types.
     ms.hacts[0].prepare_par(pool, &kr.down, &sc.h1, RowAt::Strided { stride: ffn, off: 0 }, routed, ffn)?;
     if let Some((_, _, _, ks)) = &shared {
         ms.hacts[1].prepare_par(pool, &ks.down, &sc.h1, RowAt::Strided { stride: ffn, off: routed * ffn }, n, ffn)?;
     }
-
-    // Every slot's down projection in one dispatch.
-    {
-        let (slots, hacts, h1) = (&ms.slots, &ms.hacts, &sc.h1);
-        let oe = Out::new(&mut sc.eo, d, 0);
-        let product = |u: usize| {
-            let s = slots[u];
-            let (w, k, base, acts) = match (s.expert, shared) {
-                (Some(e), _) => (down_m.rows_slice(e * d, d), kr.down, 0, &hacts[0]),
-                (None, Some((_, _, dn, ks))) => (dn, ks.down, routed, &hacts[1]),
-                (None, None) => unreachable!("shared slot without shared weights"),
-            };
-            let input = acts.input(&k, &h1[base * ffn..], ffn, RowAt::Strided { stride: 1, off: s.start - base });
-            Product { w, k, input, n: s.m, out: oe.shifted(s.start * d) }
+    let (slots, hacts, h1) = (&ms.slots, &ms.hacts, &sc.h1);
+    let oe = Out::new(&mut sc.eo, d, 0);
+    let product = |u: usize| {
+        let s = slots[u];
+        let (w, k, base, acts) = match (s.expert, shared) {
+            (Some(e), _) => (down_m.rows_slice(e * d, d), kr.down, 0, &hacts[0]),
+            (None, Some((_, _, dn, ks))) => (dn, ks.down, routed, &hacts[1]),
+            (None, None) => unreachable!("shared slot without shared weights"),
         };
-        // SAFETY: product `u` writes rows `start..start + m` of eo for its own slot; slots do not overlap; eo
-        // outlives the call and is not otherwise used during it.
-        unsafe { run_group(pool, ms.slots.len(), d, grain_rows(down_m.row_bytes), &product) };
-    }
+        let input = acts.input(&k, &h1[base * ffn..], ffn, RowAt::Strided { stride: 1, off: s.start - base });
+        Product { w, k, input, n: s.m, out: oe.shifted(s.start * d) }
+    };
+    // SAFETY: product `u` writes rows `start..start + m` of eo for its own slot; slots do not overlap; eo outlives
+    // the call and is not otherwise used during it.
+    unsafe { run_group(pool, ms.slots.len(), d, grain_rows(down_m.row_bytes), &product) };
+    Ok(())
+}
 
-    // Weighted sum: routed contributions in ascending expert id, then the shared expert (weight 1).
-    let out = &mut cx.act.sub_out[..n * d];
+/// [`crate::graph::Op::MoeCombine`]: routed contributions in ascending expert id, then the shared expert.
+pub fn combine(sc: &mut Scratch, cx: &StepCtx<'_>) -> Result<()> {
+    let c = &cx.model.config;
+    let n = cx.batch.rows.len();
+    let (d, k) = (c.d_model, c.n_experts_used);
+    let ms = &sc.moe;
+    let out = &mut sc.sub_out[..n * d];
     out.fill(0.0);
     for (i, &(r, j)) in ms.pick.iter().enumerate() {
         let w = sc.w_e[r * k + j];
@@ -212,7 +265,8 @@ pub fn moe(be: &CpuBackend, sc: &mut Scratch, cx: &mut StepCtx<'_>, layer: usize
             *o += w * v;
         }
     }
-    if shared.is_some() {
+    if ms.shared {
+        let routed = ms.routed;
         for (o, &v) in out.iter_mut().zip(&sc.eo[routed * d..(routed + n) * d]) {
             *o += v;
         }
@@ -269,6 +323,10 @@ pub struct Slot {
 #[derive(Debug, Default)]
 pub struct MoeScratch {
     slots: Vec<Slot>,
+    /// Routed slot rows, whether the last slot is the shared expert, and all slot rows.
+    routed: usize,
+    shared: bool,
+    total: usize,
     /// `(batch row, selection index)` of every routed row (for its routing weight).
     pick: Vec<(usize, usize)>,
     /// Normalized input quantized per activation type (Q8_K, Q8_0).
@@ -282,6 +340,7 @@ mod tests {
     use super::*;
     use crate::engine::{Engine, EngineOptions};
     use crate::gguf::GgufFile;
+    use crate::model::Model;
 
     /// All positions' logits of `tokens` on the demo model (8 routed experts, top 2, plus the shared expert), fed
     /// `chunk` tokens per tick.
@@ -306,6 +365,31 @@ mod tests {
             let got = demo_logits(&tokens, chunk, threads);
             assert!(got == want, "chunk {chunk}, {threads} threads: logits differ from one pass on one thread");
         }
+    }
+
+    #[test]
+    fn native_swiglu_override_is_placed_and_agrees_bit_for_bit() {
+        let file = || GgufFile::from_bytes(crate::convert::demo::demo_model_gguf(7).unwrap()).unwrap();
+        let tokens: Vec<u32> = (0..9u32).map(|i| (i * 104_729 + 3) % 129_000).collect();
+        let run = |native: bool| {
+            let opts = EngineOptions { threads: 2, max_batch_tokens: 4, ..EngineOptions::default() };
+            let mut e = Engine::from_gguf(file(), opts).unwrap();
+            e.use_native_kernels(native);
+            let s = e.create_session();
+            e.set_prefill_logits(s, true).unwrap();
+            e.feed(s, &tokens).unwrap();
+            e.run_until_idle().unwrap();
+            (e.take_all_logits(s).unwrap(), e.last_placement())
+        };
+        let (with, placed) = run(true);
+        let (without, plain) = run(false);
+        let layers = Model::load(file()).unwrap().config.n_layers;
+        assert_eq!(placed.native, layers, "one SwiGLU node per layer goes to the override");
+        assert_eq!(plain.native, 0);
+        assert_eq!(placed.native + placed.portable, plain.portable, "every other node stays portable");
+        assert_eq!(placed.staged, 0);
+        assert!(with.iter().all(|v| v.is_finite()));
+        assert!(with == without, "the override changes no logit bit");
     }
 
     #[test]

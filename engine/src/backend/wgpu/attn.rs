@@ -1,5 +1,5 @@
-//! The attention op of [`WgpuBackend`] for one layer (same order and semantics as the CPU backend's
-//! `backend::cpu::attention`, whose module docs give the equations), entirely on the device.
+//! The attention stage of the wgpu backend for one layer (same order and semantics as the recipe,
+//! [`crate::model::recipe`], whose module docs give the equations), entirely on the device.
 //!
 //! Every projection, norm, RoPE and activation simulation runs as before; the session state lives in the
 //! slot's device mirror ([`super::kvdev`]) and is advanced without any readback:
@@ -18,11 +18,11 @@
 
 use std::collections::HashMap;
 
-use super::backend::{rope_table, WgpuBackend};
 use super::context::{backend_err, WgpuContext};
 use super::kvdev::{copy_rows, FrontDev, Rows, SlotKv};
 use super::matmul::{matmul, View};
 use super::ops::{self, key, ActSim, KeyLists, KeySources, RopeShape, Slot};
+use super::res::{rope_table, StageResources};
 use super::resident::Tick;
 use crate::backend::StepCtx;
 use crate::model::{LayerKind, ModelConfig, RopeFreqs};
@@ -177,9 +177,9 @@ impl Compress<'_> {
     }
 }
 
-/// Runs [`crate::graph::Op::Attention`] for `layer` on the device.
+/// Records the [`crate::graph::Stage::Attention`] of `layer` on the device.
 pub fn attention(
-    be: &WgpuBackend,
+    be: &impl StageResources,
     t: &mut Tick,
     kvs: &mut HashMap<usize, SlotKv>,
     cx: &mut StepCtx<'_>,

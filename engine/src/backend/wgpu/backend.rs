@@ -1,4 +1,9 @@
-//! [`WgpuBackend`]: the [`Backend`] op surface on the GPU kernels of this folder, device-resident.
+//! [`WgpuBackend`]: a [`Backend`] on the GPU kernels of this folder, device-resident.
+//!
+//! Placement: this backend does not yet offer kernels for the fine nodes of [`crate::model::recipe`]
+//! ([`Backend::supports`] is false), so the executor runs each [`Stage`] whole through [`Backend::run_stage`],
+//! which records the stage's dispatches (the layer-level path; the attention stage is `attn`, the MoE stage
+//! is here).
 //!
 //! Weights are uploaded once, lazily on first use, in their file encoding (split across bindings when large) and
 //! cached by weight id; small f32 tensors (norms, sinks, biases, mHC base/scale) likewise.
@@ -6,7 +11,7 @@
 //! A tick ([`Backend::begin_tick`] … [`Backend::end_tick`], called by the executor) records every op into one
 //! command encoder (`resident::Tick`) over device buffers that stand in for [`crate::backend::Activations`]
 //! (grown, never shrunk; per-op scratch comes from the context's size-class pool). The host arrays of
-//! `Activations` are not written except `logits`, which [`Op::Logits`](crate::graph::Op::Logits) downloads with the
+//! `Activations` are not written except `logits`, which the logits stage downloads with the
 //! tick's submission. MoE layers with learned routing keep the router's choice on the device for small batches
 //! (`rows · k ≤ experts`: the expert-indexed product of [`super::moe_ids`]); larger (prefill) batches read the
 //! expert ids back to group rows by expert, so each expert's weights are read once — the only other host sync
@@ -30,11 +35,12 @@ use super::kvdev::SlotKv;
 use super::matmul::{get_rows, matmul, View};
 use super::moe_ids;
 use super::ops::{self, HcShape, Routing};
+use super::res::StageResources;
 use super::resident::Tick;
 use super::weights::GpuWeight;
 use crate::backend::{Backend, StepCtx};
-use crate::graph::Sub;
-use crate::model::{Model, RopeFreqs, WeightId};
+use crate::graph::{Op, Stage, Sub};
+use crate::model::{Model, WeightId};
 use crate::tables::SessionKv;
 use crate::Result;
 
@@ -54,18 +60,6 @@ impl std::fmt::Debug for WgpuBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("WgpuBackend").field("adapter", &self.ctx.info.name).finish()
     }
-}
-
-/// `(cos, sin)` per row and pair for `rope` at each position in `pos`.
-pub(super) fn rope_table(rope: &RopeFreqs, pos: impl Iterator<Item = usize>) -> Vec<f32> {
-    let mut out = Vec::new();
-    for p in pos {
-        for &f in &rope.inv_freq {
-            let (s, c) = (p as f32 * f).sin_cos();
-            out.extend([c, s]);
-        }
-    }
-    out
 }
 
 impl WgpuBackend {
@@ -251,6 +245,30 @@ impl Backend for WgpuBackend {
         self.kv.lock().remove(&slot);
     }
 
+    /// No fine kernels yet: every stage runs whole through [`Backend::run_stage`] (see the module docs).
+    fn supports(&self, _op: &Op, _model: &Model) -> bool {
+        false
+    }
+
+    fn run_node(&self, op: &Op, _cx: &mut StepCtx<'_>) -> Result<()> {
+        Err(backend_err(format!("no wgpu kernel for node {op:?}")))
+    }
+
+    fn run_stage(&self, stage: Stage, cx: &mut StepCtx<'_>) -> Result<()> {
+        match stage {
+            Stage::Embed => self.embed(cx),
+            Stage::HcPre { layer, sub } => self.hc_pre(cx, layer, sub),
+            Stage::Attention { layer } => self.attention(cx, layer),
+            Stage::HcPost { layer, sub } => self.hc_post(cx, layer, sub),
+            Stage::Moe { layer } => self.moe(cx, layer),
+            Stage::HcHead => self.hc_head(cx),
+            Stage::Logits => self.logits(cx),
+        }
+    }
+}
+
+/// The stage kernels: one recorded sequence of dispatches per [`Stage`].
+impl WgpuBackend {
     fn embed(&self, cx: &mut StepCtx<'_>) -> Result<()> {
         let model = cx.model;
         let c = &model.config;
@@ -454,28 +472,21 @@ impl Backend for WgpuBackend {
     }
 }
 
-/// Helpers shared with the attention op.
-impl WgpuBackend {
-    pub(super) fn ctx(&self) -> &WgpuContext {
+/// What the attention stage uses of the backend.
+impl StageResources for WgpuBackend {
+    fn ctx(&self) -> &WgpuContext {
         &self.ctx
     }
-    pub(super) fn weight(&self, model: &Model, id: WeightId) -> Result<Arc<GpuWeight>> {
+    fn weight(&self, model: &Model, id: WeightId) -> Result<Arc<GpuWeight>> {
         self.mat(model, id)
     }
-    pub(super) fn dense_buf(&self, model: &Model, id: WeightId) -> Arc<Buf> {
+    fn dense_buf(&self, model: &Model, id: WeightId) -> Arc<Buf> {
         self.dense(model, id)
     }
-    pub(super) fn upload(&self, data: &[f32]) -> Buf {
+    fn upload(&self, data: &[f32]) -> Buf {
         self.ctx.storage_f32("act", data)
     }
-    pub(super) fn matvec(
-        &self,
-        enc: &mut wgpu::CommandEncoder,
-        w: &GpuWeight,
-        x: View<'_>,
-        n: usize,
-        y: View<'_>,
-    ) -> Result<()> {
+    fn matvec(&self, enc: &mut wgpu::CommandEncoder, w: &GpuWeight, x: View<'_>, n: usize, y: View<'_>) -> Result<()> {
         self.mm(enc, w, x, n, y)
     }
 }

@@ -1,6 +1,6 @@
 //! End-to-end check of [`WgpuBackend`] on the tiny-a golden checkpoint (f32 recipe): logits from a chunked
 //! prefill and from token-by-token decode must match the reference implementation's within 1e-3, driving the
-//! backend through the engine's own job graph and executor. Skipped (with a message) when `../shared` is absent
+//! backend through the engine's own node graph and executor. Skipped (with a message) when `../shared` is absent
 //! outside CI or when no adapter exists outside CI.
 
 use std::path::PathBuf;
@@ -42,7 +42,7 @@ fn run_chunk(
     };
     act.ensure(model, n, n);
     let mut graph = Graph::default();
-    graph.build(model.config.n_layers);
+    crate::model::recipe::build(&mut graph, model, &batch, false);
     let mut cx = StepCtx { model, rope, batch: &batch, kv: std::slice::from_mut(kv), act, sim: false };
     Executor::default().run(&graph, be, &mut cx).expect("tick");
     act.logits[..n * model.config.vocab].to_vec()
@@ -104,7 +104,7 @@ fn prefill_with(be: &dyn crate::backend::Backend, model: &Model, prompt: &[u32])
     };
     act.ensure(model, n, n);
     let mut graph = Graph::default();
-    graph.build(model.config.n_layers);
+    crate::model::recipe::build(&mut graph, model, &batch, false);
     let mut cx =
         StepCtx { model, rope: &rope, batch: &batch, kv: std::slice::from_mut(&mut kv), act: &mut act, sim: false };
     Executor::default().run(&graph, be, &mut cx).expect("tick");

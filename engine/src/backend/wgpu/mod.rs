@@ -29,6 +29,7 @@ pub mod kvdev;
 pub mod matmul;
 pub mod moe_ids;
 pub mod ops;
+mod res;
 mod resident;
 pub mod weights;
 

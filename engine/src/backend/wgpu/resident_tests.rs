@@ -58,7 +58,7 @@ fn tick(
     let mut act = Activations::default();
     act.ensure(model, batch.rows.len(), batch.logit_rows.len());
     let mut graph = Graph::default();
-    graph.build(model.config.n_layers);
+    crate::model::recipe::build(&mut graph, model, &batch, sim);
     let mut cx = StepCtx { model, rope: &rope, batch: &batch, kv, act: &mut act, sim };
     Executor::default().run(&graph, be, &mut cx).expect("tick");
     let v = model.config.vocab;
@@ -236,7 +236,7 @@ fn stale_host_kv_without_its_device_copy_is_an_error() {
     let mut act = Activations::default();
     act.ensure(&model, 1, 1);
     let mut graph = Graph::default();
-    graph.build(c.n_layers);
+    crate::model::recipe::build(&mut graph, &model, &batch, false);
     let mut cx = StepCtx {
         model: &model,
         rope: &rope,

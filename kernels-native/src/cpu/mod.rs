@@ -1,0 +1,3 @@
+//! Overrides hosted by the CPU backend (kernels over host slices).
+
+pub mod swiglu;
