@@ -110,3 +110,21 @@ pub fn row_argmax(v: &[f32], vocab: usize) -> Vec<usize> {
         })
         .collect()
 }
+
+/// Deterministic pseudo-random token ids below `vocab` (xorshift; the same `seed` gives the same ids).
+pub fn tokens(seed: u64, n: usize, vocab: usize) -> Vec<u32> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % vocab as u64) as u32
+        })
+        .collect()
+}
+
+/// The bit patterns of `v` (compare logits bit for bit, NaN included).
+pub fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}

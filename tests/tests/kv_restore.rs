@@ -10,7 +10,7 @@ use ds4_engine::engine::{argmax, Engine, EngineOptions};
 use ds4_engine::gguf::GgufFile;
 use ds4_engine::persist;
 use ds4_kv::SaveReason;
-use ds4_tests::{golden_gguf, shared};
+use ds4_tests::{bits, golden_gguf, shared, tokens};
 
 #[derive(Clone, Copy)]
 enum Model<'a> {
@@ -27,23 +27,6 @@ fn open(m: Model<'_>, exact: bool) -> Engine {
             Engine::from_gguf(GgufFile::from_bytes(bytes).expect("demo gguf"), opts).expect("demo engine")
         }
     }
-}
-
-/// Deterministic pseudo-random token ids below `vocab` (xorshift).
-fn tokens(seed: u64, n: usize, vocab: usize) -> Vec<u32> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x % vocab as u64) as u32
-        })
-        .collect()
-}
-
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
 }
 
 fn files(dir: &Path, ext: &str) -> (usize, u64) {

@@ -8,7 +8,7 @@
 use ds4_engine::convert::{demo_config, random_model_gguf};
 use ds4_engine::engine::{BackendKind, Engine, EngineOptions};
 use ds4_engine::gguf::GgufFile;
-use ds4_tests::{golden_gguf, shared, wgpu_available};
+use ds4_tests::{bits, golden_gguf, shared, tokens, wgpu_available};
 
 /// A random model with one CSA (ratio 4), one HCA ratio-128 and one window layer; GGUF bytes.
 fn model_128() -> Vec<u8> {
@@ -38,23 +38,6 @@ fn open(m: M<'_>, exact: bool, rollback: usize, backend: BackendKind) -> Engine 
         M::Bytes(b) => Engine::from_gguf(GgufFile::from_bytes(b.to_vec()).unwrap(), opts).unwrap(),
         M::File(p) => Engine::open(p, opts).unwrap(),
     }
-}
-
-/// Deterministic pseudo-random token ids below `vocab` (xorshift).
-fn tokens(seed: u64, n: usize, vocab: usize) -> Vec<u32> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x % vocab as u64) as u32
-        })
-        .collect()
-}
-
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
 }
 
 /// A session that processed `toks` (fed in uneven pieces, so runs cross block boundaries mid-run).
