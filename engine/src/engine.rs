@@ -248,12 +248,23 @@ impl Engine {
         self.decode_graph(pos).to_dot(&|w| self.model.name(w).to_string())
     }
 
+    /// Tokens of roll-back log each session keeps: [`EngineOptions::rollback`] where the backend writes the log
+    /// ([`Backend::keeps_rollback_log`]), else 0 (no memory spent on a log nothing fills).
+    fn rollback_tokens(&self) -> usize {
+        if self.backend.keeps_rollback_log() {
+            self.opts.rollback
+        } else {
+            0
+        }
+    }
+
     /// Creates an empty session.
     pub fn create_session(&mut self) -> SessionId {
+        let log_tokens = self.rollback_tokens();
         let (cfg, ctx) = (&self.model.config, self.ctx);
         let id = self.sessions.create(|| SessionKv::new(cfg, ctx));
         let s = id.slot as usize;
-        self.sessions.kv[s].enable_log(cfg, ctx, self.opts.rollback);
+        self.sessions.kv[s].enable_log(cfg, ctx, log_tokens);
         let want = ctx.min(SessionKv::RESERVE_TOKENS_MAX);
         let h = &mut self.sessions.history[s];
         h.reserve(want.saturating_sub(h.len()));
@@ -602,7 +613,7 @@ impl Engine {
         // Host arrays are authoritative for a restored session: the backend uploads them at its next tick.
         kv.sync = crate::tables::KvSync::default();
         // A snapshot's roll-back log is kept when it is live and has this engine's shape; else a fresh one.
-        kv.enable_log(&self.model.config, self.ctx, self.opts.rollback);
+        kv.enable_log(&self.model.config, self.ctx, self.rollback_tokens());
         self.sessions.kv[s] = kv;
         self.sessions.pos[s] = snap.pos;
         self.sessions.history[s] = snap.history;

@@ -122,4 +122,11 @@ pub trait Backend: Send + Sync {
     /// The session at batch slot `slot` was freed: a backend may drop its device copy of the KV (a stale host copy
     /// of that session can then no longer be synced). Default: nothing.
     fn release_kv(&self, _slot: usize) {}
+
+    /// Whether this backend's kernels write each session's roll-back log ([`crate::tables::kv`]'s `TokenLog`, by
+    /// [`crate::graph::Op::KvStore`]). The engine allocates the log only then (elsewhere roll back recomputes).
+    /// Default: no.
+    fn keeps_rollback_log(&self) -> bool {
+        false
+    }
 }

@@ -207,6 +207,10 @@ impl Backend for CpuBackend {
         "cpu"
     }
 
+    fn keeps_rollback_log(&self) -> bool {
+        true
+    }
+
     fn supports(&self, op: &Op, model: &Model) -> bool {
         match *op {
             Op::MatMul { w, .. } | Op::GroupedMatMul { w, .. } => matmul::supports(model.mat(w).ty),
