@@ -28,7 +28,7 @@ use crate::exec::Executor;
 use crate::gguf::GgufFile;
 use crate::graph::{Batch, Graph};
 use crate::model::{Model, ModelConfig};
-use crate::tables::{SessionId, SessionKv, SessionSnapshot, SessionTable};
+use crate::tables::{PagePool, SessionId, SessionKv, SessionSnapshot, SessionTable};
 use crate::{Error, Result};
 
 /// Which backend runs the ops.
@@ -132,6 +132,8 @@ pub struct Engine {
     exec: Executor,
     batch: Batch,
     kv_tmp: Vec<SessionKv>,
+    /// Accounting of every session's KV pages (live pages, bytes copied by forks and copy on write).
+    pages: PagePool,
 }
 
 impl std::fmt::Debug for Engine {
@@ -183,6 +185,7 @@ impl Engine {
             exec: Executor::default(),
             batch: Batch::default(),
             kv_tmp: Vec::new(),
+            pages: PagePool::new(),
         })
     }
 
@@ -262,8 +265,13 @@ impl Engine {
     pub fn create_session(&mut self) -> SessionId {
         let log_tokens = self.rollback_tokens();
         let (cfg, ctx) = (&self.model.config, self.ctx);
-        let id = self.sessions.create(|| SessionKv::new(cfg, ctx));
+        let pool = &self.pages;
+        let id = self.sessions.create(|| SessionKv::new_in(cfg, ctx, pool));
         let s = id.slot as usize;
+        if !PagePool::same(&self.sessions.kv[s].pool, pool) {
+            // A reused slot last held a session restored from another pool.
+            self.sessions.kv[s] = SessionKv::new_in(cfg, ctx, pool);
+        }
         self.sessions.kv[s].enable_log(cfg, ctx, log_tokens);
         let want = ctx.min(SessionKv::RESERVE_TOKENS_MAX);
         let h = &mut self.sessions.history[s];
@@ -516,9 +524,12 @@ impl Engine {
 
     /// The complete state of a session (queued tokens are not part of it). A device-resident backend's KV is
     /// synced into the copy ([`Backend::sync_kv`]); the session's own host arrays stay lazily synced.
+    /// The KV pages are shared with the session (not copied); the private tail is, and counts in
+    /// [`Engine::kv_bytes_copied`].
     pub fn snapshot(&self, id: SessionId) -> Result<SessionSnapshot> {
         let s = self.slot(id)?;
         let mut kv = self.sessions.kv[s].clone();
+        kv.pool.add_copied(kv.tail_bytes());
         self.backend.sync_kv(s, &mut kv)?;
         Ok(SessionSnapshot {
             pos: self.sessions.pos[s],
@@ -547,7 +558,54 @@ impl Engine {
         Ok((kv.device_bytes(), kv.host_bytes()))
     }
 
-    /// Creates a session from a snapshot (validated against this model's shapes).
+    /// A new session with the same state as `id` (history, KV, logits; nothing queued). The KV pages and roll-back
+    /// log chunks are shared by reference, so this copies only the private tail (raw window rings and compressor
+    /// frontiers: [`SessionKv::tail_bytes`], independent of the session's length); either session's first append
+    /// into a shared partial page or log chunk copies that page or chunk (copy on write). All of it counts in
+    /// [`Engine::kv_bytes_copied`]. On a device-resident backend the source's host arrays are synced first.
+    pub fn fork(&mut self, id: SessionId) -> Result<SessionId> {
+        let s = self.slot(id)?;
+        self.backend.sync_kv(s, &mut self.sessions.kv[s])?;
+        let kv = self.sessions.kv[s].fork();
+        let (pos, history, logits) =
+            (self.sessions.pos[s], self.sessions.history[s].clone(), self.sessions.logits[s].clone());
+        Ok(self.install(kv, pos, history, logits))
+    }
+
+    /// KV bytes copied by this engine's sessions so far: private tails of forks and snapshots, copy on write of
+    /// shared partial pages and log chunks (see [`Engine::fork`]).
+    pub fn kv_bytes_copied(&self) -> u64 {
+        self.pages.bytes_copied()
+    }
+
+    /// The pool this engine's sessions' pages report to (live pages and bytes; see [`crate::tables::pages`]).
+    pub fn page_pool(&self) -> &PagePool {
+        &self.pages
+    }
+
+    /// A new session slot holding `kv` at `pos` (host arrays authoritative, roll-back log per this engine).
+    fn install(&mut self, mut kv: SessionKv, pos: usize, mut history: Vec<u32>, mut logits: Vec<f32>) -> SessionId {
+        let id = self.sessions.create(SessionKv::default);
+        let s = id.slot as usize;
+        let (cfg, ctx) = (&self.model.config, self.ctx);
+        let want = ctx.min(SessionKv::RESERVE_TOKENS_MAX);
+        kv.reserve_tokens(cfg, want);
+        // Host arrays are authoritative for a new session: the backend uploads them at its next tick.
+        kv.sync = crate::tables::KvSync::default();
+        // A kept roll-back log is used when it is live and has this engine's shape; else a fresh one.
+        kv.enable_log(cfg, ctx, self.rollback_tokens());
+        history.reserve(want.saturating_sub(history.len()));
+        logits.reserve(cfg.vocab.saturating_sub(logits.len()));
+        self.sessions.kv[s] = kv;
+        self.sessions.pos[s] = pos;
+        self.sessions.history[s] = history;
+        self.sessions.logits[s] = logits;
+        self.sessions.want_all_logits[s] = self.opts.prefill_logits;
+        id
+    }
+
+    /// Creates a session from a snapshot (validated against this model's shapes). Its pages are taken over as
+    /// they are (shared with the snapshot's other holders; they keep reporting to the pool they were made in).
     pub fn restore(&mut self, snap: SessionSnapshot) -> Result<SessionId> {
         let fresh = SessionKv::new(&self.model.config, 0);
         let bad = |what: String| Error::Session(format!("snapshot does not fit this model: {what}"));
@@ -580,9 +638,14 @@ impl Engine {
                 }
                 _ => false,
             };
+            let table_ok = |x: &crate::tables::PagedRows, y: &crate::tables::PagedRows, on: bool| {
+                x.width() == y.width()
+                    && (x.rows_per_page() == y.rows_per_page() || !on)
+                    && x.rows() == if on { n_rows } else { 0 }
+            };
             let ok = a.ring.len() == b.ring.len()
-                && a.comp_rows.len() == if b.comp.is_some() { n_rows * c.head_dim } else { 0 }
-                && a.idx_rows.len() == if b.idx.is_some() { n_rows * c.idx_head_dim } else { 0 }
+                && table_ok(&a.comp_rows, &b.comp_rows, b.comp.is_some())
+                && table_ok(&a.idx_rows, &b.idx_rows, b.idx.is_some())
                 && same_front(&a.comp, &b.comp)
                 && same_front(&a.idx, &b.idx);
             if !ok {
@@ -597,28 +660,7 @@ impl Engine {
                 "snapshot KV is stale device state: take snapshots with Engine::snapshot".into(),
             ));
         }
-        let id = self.create_session();
-        let s = id.slot as usize;
-        let mut kv = snap.kv;
-        let room = self.ctx.min(SessionKv::RESERVE_TOKENS_MAX).saturating_sub(snap.pos);
-        let c = &self.model.config;
-        for (l, lk) in kv.layers.iter_mut().enumerate() {
-            if let Some(rows) = room.checked_div(c.compress_ratios[l]) {
-                lk.comp_rows.reserve(rows * c.head_dim);
-                if lk.idx.is_some() {
-                    lk.idx_rows.reserve(rows * c.idx_head_dim);
-                }
-            }
-        }
-        // Host arrays are authoritative for a restored session: the backend uploads them at its next tick.
-        kv.sync = crate::tables::KvSync::default();
-        // A snapshot's roll-back log is kept when it is live and has this engine's shape; else a fresh one.
-        kv.enable_log(&self.model.config, self.ctx, self.rollback_tokens());
-        self.sessions.kv[s] = kv;
-        self.sessions.pos[s] = snap.pos;
-        self.sessions.history[s] = snap.history;
-        self.sessions.logits[s] = snap.logits;
-        Ok(id)
+        Ok(self.install(snap.kv, snap.pos, snap.history, snap.logits))
     }
 
     /// Feeds `prompt`, then greedily generates `n` tokens (argmax, lowest id on ties). Returns the generated ids.

@@ -94,8 +94,8 @@ impl Runner for EngineRunner {
         if self.ids.len() >= self.max_sessions {
             return None;
         }
-        let snap = self.engine.snapshot(*self.ids.get(&session)?).ok()?;
-        let sid = self.engine.restore(snap).ok()?;
+        // Shares the KV pages; copies only the private tail (see `Engine::fork`).
+        let sid = self.engine.fork(*self.ids.get(&session)?).ok()?;
         self.next += 1;
         self.ids.insert(self.next, sid);
         Some(self.next)
@@ -127,6 +127,10 @@ impl Runner for EngineRunner {
             .filter_map(|&sid| self.engine.kv_bytes_by_tier(sid).ok())
             .fold((0, 0), |(d, h), (sd, sh)| (d + sd, h + sh));
         crate::model::KvBytes { device, host, disk: self.disk.as_ref().map_or(0, |d| d.disk_bytes()) }
+    }
+
+    fn kv_bytes_copied(&self) -> u64 {
+        self.engine.kv_bytes_copied()
     }
 
     fn disk_restore(&mut self, prompt: &[u32], better_than: usize) -> Option<(RunnerSessionId, usize)> {

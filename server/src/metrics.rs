@@ -5,7 +5,8 @@
 //! `time_to_first_token_seconds` and `inter_token_latency_seconds` (histograms), `queue_depth`, `active_sessions`,
 //! `parked_sessions`, `kv_bytes{tier}`, `prefix_cache_hit_tokens_total{tier}` (prompt tokens reused),
 //! `prefix_cache_hits_total{tier}` (requests that reused any), `prefix_cache_recomputed_tokens_total` (prompt tokens
-//! prefilled), `kv_disk_errors_total{kind}`,
+//! prefilled), `kv_disk_errors_total{kind}`, `kv_fork_bytes_copied_total` (KV bytes copied by session forks and
+//! copy on write of shared pages; fork shares pages by reference),
 //! `generations_cancelled_total` (generations stopped because their client went away), `keepalives_total` (SSE
 //! keep-alive frames sent), `connections_open`, `connections_closed_total{reason}` (closed by the server:
 //! timeouts, the connection cap).
@@ -110,6 +111,8 @@ pub struct Metrics {
     /// SSE keep-alive frames sent.
     pub keepalives: AtomicU64,
     kv_bytes: [AtomicU64; 3],
+    /// KV bytes copied by forks and copy on write (the engine's running total).
+    kv_fork_bytes_copied: AtomicU64,
     prefix_hits: [AtomicU64; 3],
     prefix_hit_requests: [AtomicU64; 3],
     recomputed_tokens: AtomicU64,
@@ -135,6 +138,7 @@ impl Default for Metrics {
             cancelled: AtomicU64::new(0),
             keepalives: AtomicU64::new(0),
             kv_bytes: Default::default(),
+            kv_fork_bytes_copied: AtomicU64::new(0),
             prefix_hits: Default::default(),
             prefix_hit_requests: Default::default(),
             recomputed_tokens: AtomicU64::new(0),
@@ -153,6 +157,11 @@ impl Metrics {
 
     pub fn set_kv_bytes(&self, tier: CacheTier, bytes: u64) {
         self.kv_bytes[tier as usize].store(bytes, Ordering::Relaxed);
+    }
+
+    /// Sets the running total behind `ds4_kv_fork_bytes_copied_total`.
+    pub fn set_kv_fork_bytes_copied(&self, bytes: u64) {
+        self.kv_fork_bytes_copied.store(bytes, Ordering::Relaxed);
     }
 
     pub fn add_prefix_hit(&self, tier: CacheTier, tokens: u64) {
@@ -246,6 +255,12 @@ impl Metrics {
         for (i, t) in TIERS.iter().enumerate() {
             let _ = writeln!(out, "ds4_kv_bytes{{tier=\"{t}\"}} {}", load(&self.kv_bytes[i]));
         }
+        counter(
+            &mut out,
+            "ds4_kv_fork_bytes_copied_total",
+            "KV bytes copied by session forks and copy on write of shared pages.",
+            load(&self.kv_fork_bytes_copied),
+        );
         out.push_str("# HELP ds4_prefix_cache_hit_tokens_total Prompt tokens served from cache, by tier.\n");
         out.push_str("# TYPE ds4_prefix_cache_hit_tokens_total counter\n");
         for (i, t) in TIERS.iter().enumerate() {

@@ -119,6 +119,10 @@ pub trait Runner: Send {
     fn kv_bytes(&self) -> KvBytes {
         KvBytes::default()
     }
+    /// KV bytes copied so far by forks and copy on write (`ds4_kv_fork_bytes_copied_total`).
+    fn kv_bytes_copied(&self) -> u64 {
+        0
+    }
     /// Disk KV tier: a new session restored from the longest cached prefix of `prompt`, when it covers more than
     /// `better_than` tokens (returns the session and the tokens it holds). `None` without a disk tier.
     fn disk_restore(&mut self, _prompt: &[u32], _better_than: usize) -> Option<(RunnerSessionId, usize)> {

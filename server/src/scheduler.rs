@@ -281,6 +281,7 @@ impl Worker {
         m.set_kv_bytes(CacheTier::Device, kv.device);
         m.set_kv_bytes(CacheTier::Host, kv.host);
         m.set_kv_bytes(CacheTier::Disk, kv.disk);
+        m.set_kv_fork_bytes_copied(self.runner.kv_bytes_copied());
         m.set_kv_disk_errors(self.runner.disk_error_counts());
     }
 

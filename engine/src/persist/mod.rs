@@ -130,11 +130,13 @@ fn save_snapshot(
     let chain = store.page_chain(&snap.history[..full * span]);
     let mut parent = chain.last().map_or(store.root(), |r| r.key);
     for p in chain.len()..full {
-        let groups = rows::page_groups(cfg, snap, p, span);
+        let spans = rows::page_spans(cfg, snap, p, span);
+        let groups = rows::page_groups(&spans);
         parent = store.put_page(&parent, &snap.history[p * span..(p + 1) * span], &groups, reason).map_err(kv_err)?.key;
     }
     let meta = rows::frontier_meta(snap);
-    let groups = rows::checkpoint_groups(cfg, snap, full, span, &meta);
+    let tail = rows::tail_spans(cfg, snap, full, span);
+    let groups = rows::checkpoint_groups(cfg, snap, &tail, &meta);
     let checkpoint = store.put_checkpoint(&parent, &snap.history[full * span..], &groups, reason).map_err(kv_err)?;
     Ok((checkpoint, full, full - chain.len()))
 }
@@ -149,7 +151,7 @@ pub fn restore_longest(store: &KvStore, engine: &mut Engine, tokens: &[u32]) -> 
         if m.matched_tokens == 0 || m.matched_tokens > engine.ctx() {
             return Ok(None);
         }
-        let mut b = rows::SnapshotBuilder::new(engine.config());
+        let mut b = rows::SnapshotBuilder::new_in(engine.config(), engine.page_pool());
         let mut build_err = None;
         let mut load_one = |key| {
             store.load(key, |v| {

@@ -13,10 +13,12 @@
 //! `SessionKv` of this model, so rows from another model or a damaged entry give an error, never a panic. The
 //! store's codecs are lossless, so a rebuilt snapshot equals the saved one bit for bit.
 
+use std::borrow::Cow;
+
 use ds4_kv::{RowBlock, RowsView};
 
 use crate::model::ModelConfig;
-use crate::tables::{Frontier, SessionKv, SessionSnapshot};
+use crate::tables::{Frontier, PagePool, SessionKv, SessionSnapshot};
 use crate::{Error, Result};
 
 /// Compressed KV rows.
@@ -53,12 +55,22 @@ fn row_range(cfg: &ModelConfig, l: usize, t0: usize, t1: usize) -> Option<(usize
     (r > 0).then(|| (t0 / r, t1 / r))
 }
 
-/// Row blocks of page `p` (tokens `p·span..(p+1)·span`) of `snap`, one group per layer.
-pub fn page_groups<'a>(cfg: &ModelConfig, snap: &'a SessionSnapshot, p: usize, span: usize) -> Vec<Vec<RowBlock<'a>>> {
-    rows_groups(cfg, snap, p * span, (p + 1) * span)
+/// Per layer, the `(tag, width, values)` row spans of a token range: each borrowed straight from the session's
+/// pages when the range lies in one page (a span of [`crate::tables::PAGE_TOKENS`] tokens always does), gathered
+/// otherwise. [`page_groups`] / [`checkpoint_groups`] turn them into the store's row blocks.
+pub type RowSpans<'a> = Vec<Vec<(u32, usize, Cow<'a, [f32]>)>>;
+
+/// Row spans of page `p` (tokens `p·span..(p+1)·span`) of `snap`, one group per layer.
+pub fn page_spans<'a>(cfg: &ModelConfig, snap: &'a SessionSnapshot, p: usize, span: usize) -> RowSpans<'a> {
+    row_spans(cfg, snap, p * span, (p + 1) * span)
 }
 
-fn rows_groups<'a>(cfg: &ModelConfig, snap: &'a SessionSnapshot, t0: usize, t1: usize) -> Vec<Vec<RowBlock<'a>>> {
+/// Row spans of the partial span after `pages` full pages of `span` tokens (what the checkpoint holds).
+pub fn tail_spans<'a>(cfg: &ModelConfig, snap: &'a SessionSnapshot, pages: usize, span: usize) -> RowSpans<'a> {
+    row_spans(cfg, snap, pages * span, snap.pos)
+}
+
+fn row_spans<'a>(cfg: &ModelConfig, snap: &'a SessionSnapshot, t0: usize, t1: usize) -> RowSpans<'a> {
     snap.kv
         .layers
         .iter()
@@ -66,13 +78,9 @@ fn rows_groups<'a>(cfg: &ModelConfig, snap: &'a SessionSnapshot, t0: usize, t1: 
         .map(|(l, lk)| {
             let mut g = Vec::new();
             if let Some((a, b)) = row_range(cfg, l, t0, t1) {
-                g.extend(block(TAG_COMP, cfg.head_dim, &lk.comp_rows[a * cfg.head_dim..b * cfg.head_dim]));
+                g.push((TAG_COMP, cfg.head_dim, lk.comp_rows.range(a, b)));
                 if lk.idx.is_some() {
-                    g.extend(block(
-                        TAG_IDX,
-                        cfg.idx_head_dim,
-                        &lk.idx_rows[a * cfg.idx_head_dim..b * cfg.idx_head_dim],
-                    ));
+                    g.push((TAG_IDX, cfg.idx_head_dim, lk.idx_rows.range(a, b)));
                 }
             }
             g
@@ -80,16 +88,20 @@ fn rows_groups<'a>(cfg: &ModelConfig, snap: &'a SessionSnapshot, t0: usize, t1: 
         .collect()
 }
 
-/// Row blocks of the checkpoint of `snap` after `pages` full pages of `span` tokens (the meta rows are owned by
-/// `meta`, which must outlive the blocks).
+/// Row blocks of a page (its [`page_spans`]), one group per layer.
+pub fn page_groups<'a>(spans: &'a RowSpans<'_>) -> Vec<Vec<RowBlock<'a>>> {
+    spans.iter().map(|g| g.iter().filter_map(|(tag, w, v)| block(*tag, *w, v)).collect()).collect()
+}
+
+/// Row blocks of the checkpoint of `snap` whose partial-span rows are `tail` ([`tail_spans`]; the meta rows are
+/// owned by `meta`, which must outlive the blocks).
 pub fn checkpoint_groups<'a>(
     cfg: &ModelConfig,
     snap: &'a SessionSnapshot,
-    pages: usize,
-    span: usize,
+    tail: &'a RowSpans<'_>,
     meta: &'a [[f32; 2]],
 ) -> Vec<Vec<RowBlock<'a>>> {
-    let mut groups = rows_groups(cfg, snap, pages * span, snap.pos);
+    let mut groups = page_groups(tail);
     let mut mi = 0;
     for (lk, g) in snap.kv.layers.iter().zip(&mut groups) {
         g.extend(block(TAG_RING, cfg.head_dim, &lk.ring));
@@ -165,9 +177,15 @@ fn fill_frontier(f: &mut Frontier, field: u32, v: &RowsView<'_>) -> Result<()> {
 }
 
 impl<'c> SnapshotBuilder<'c> {
-    /// An empty builder for `cfg`.
+    /// An empty builder for `cfg` (pages in a pool of their own).
     pub fn new(cfg: &'c ModelConfig) -> SnapshotBuilder<'c> {
-        SnapshotBuilder { cfg, kv: SessionKv::new(cfg, 0), logits: Vec::new() }
+        SnapshotBuilder::new_in(cfg, &PagePool::new())
+    }
+
+    /// An empty builder for `cfg` whose rows fill pages of `pool` (the engine's, so a restored session's pages
+    /// are accounted with the live ones).
+    pub fn new_in(cfg: &'c ModelConfig, pool: &PagePool) -> SnapshotBuilder<'c> {
+        SnapshotBuilder { cfg, kv: SessionKv::new_in(cfg, 0, pool), logits: Vec::new() }
     }
 
     /// Takes one block (page or checkpoint).
@@ -227,9 +245,10 @@ mod tests {
         for (l, lk) in kv.layers.iter_mut().enumerate() {
             lk.ring.iter_mut().for_each(|v| *v = next());
             if let Some(r) = (cfg.compress_ratios[l] > 0).then_some(cfg.compress_ratios[l]) {
-                lk.comp_rows = (0..pos / r * cfg.head_dim).map(|_| next()).collect();
+                lk.comp_rows.extend_from_slice(&(0..pos / r * cfg.head_dim).map(|_| next()).collect::<Vec<_>>());
                 if lk.idx.is_some() {
-                    lk.idx_rows = (0..pos / r * cfg.idx_head_dim).map(|_| next()).collect();
+                    let v: Vec<f32> = (0..pos / r * cfg.idx_head_dim).map(|_| next()).collect();
+                    lk.idx_rows.extend_from_slice(&v);
                 }
             }
             for f in [&mut lk.comp, &mut lk.idx].into_iter().flatten() {
@@ -260,9 +279,11 @@ mod tests {
         let c = cfg();
         let span = *c.compress_ratios.iter().max().unwrap() * 4;
         let snap = snapshot(&c, 2 * span + 5);
-        let pages: Vec<_> = (0..2).map(|p| page_groups(&c, &snap, p, span)).collect();
+        let spans: Vec<_> = (0..2).map(|p| page_spans(&c, &snap, p, span)).collect();
+        let pages: Vec<_> = spans.iter().map(page_groups).collect();
         let meta = frontier_meta(&snap);
-        let ck = checkpoint_groups(&c, &snap, 2, span, &meta);
+        let tail = tail_spans(&c, &snap, 2, span);
+        let ck = checkpoint_groups(&c, &snap, &tail, &meta);
         let mut b = SnapshotBuilder::new(&c);
         for g in pages.iter().chain(std::iter::once(&ck)) {
             for v in views(g) {
@@ -270,6 +291,22 @@ mod tests {
             }
         }
         assert_eq!(b.finish(snap.history.clone()), snap);
+    }
+
+    #[test]
+    fn a_page_span_is_written_from_the_live_page_without_a_copy() {
+        let c = cfg();
+        let span = crate::tables::PAGE_TOKENS;
+        let snap = snapshot(&c, 2 * span + 5);
+        for p in 0..2 {
+            let spans = page_spans(&c, &snap, p, span);
+            let n: usize = spans.iter().flatten().map(|(_, _, v)| v.len()).sum();
+            assert!(n > 0);
+            assert!(spans.iter().flatten().all(|(_, _, v)| matches!(v, Cow::Borrowed(_))), "page {p} was gathered");
+        }
+        // A span of two engine pages has to be gathered (still bit-exact: the rebuild test covers the content).
+        let spans = page_spans(&c, &snap, 0, 2 * span);
+        assert!(spans.iter().flatten().any(|(_, _, v)| matches!(v, Cow::Owned(_))));
     }
 
     #[test]

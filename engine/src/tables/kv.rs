@@ -4,9 +4,10 @@
 //! Layout and invariants (for a session that has processed `pos` tokens):
 //! - `ring`: `window` rows of `head_dim`; the row of position `p` lives in slot `p % window` and is valid for
 //!   `p >= pos - window`.
-//! - `comp_rows`: `pos / ratio` rows of `head_dim`, in order; row `w` is a pure function of the token prefix
-//!   `..(w + 1) * ratio`, so a token span aligned to the ratio maps to a contiguous row range (what the kv crate
-//!   pages and shares by prefix).
+//! - `comp_rows`: `pos / ratio` rows of `head_dim`, in order, in refcounted pages of
+//!   [`crate::tables::pages::PAGE_TOKENS`] tokens ([`PagedRows`]); row `w` is a pure function of the token prefix
+//!   `..(w + 1) * ratio`, so full pages are immutable and shared by every session (fork, snapshot) with that
+//!   prefix, and a 256-token span is exactly one page (what the kv crate stores on disk).
 //! - `idx_rows`: the same count of `idx_head_dim` rows (CSA layers only).
 //! - [`Frontier`]: the partially filled block (`pos % ratio` pending rows of projected features and gate logits,
 //!   `ape` already added) and, for CSA, the previous complete block's first-half (`Ca`) features and gates.
@@ -25,12 +26,17 @@
 //!   about 0.4 MB per logged token over the 43 layers, ≈ 0.5 GB per session at R = 1024 (`EngineOptions::rollback`
 //!   lowers it; 0 turns the log off and roll back recomputes).
 //!
-//! Everything is f32 and owned, so a clone is a complete snapshot and restoring it gives bit-identical results.
+//! Everything is f32; the ring and the frontiers (the private tail) are owned, the pages and log chunks are shared
+//! and copied on write, so a clone is a complete snapshot (nothing it references can change) that copies only the
+//! tail ([`SessionKv::fork`], [`SessionKv::tail_bytes`]), and restoring it gives bit-identical results.
 //! In simulation mode the stored rows are already rounded (KV rows: FP8 on the non-rope dims; indexer rows:
 //! Hadamard-rotated, then FP4), exactly as attention reads them; a snapshot taken in one mode must be restored
 //! into an engine running the same mode.
 
+use std::sync::Arc;
+
 use crate::model::config::{LayerKind, ModelConfig};
+use crate::tables::pages::{rows_per_page, PagePool, PagedRows};
 
 /// The carried state of one compressor (main or indexer). See the module docs.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -73,8 +79,17 @@ impl Frontier {
     }
 }
 
+/// Tokens per roll-back log chunk (the unit the log is shared and copied on write in).
+pub const LOG_CHUNK: usize = 64;
+
 /// Per-token roll-back log of one layer (see the module docs). Not part of the state: two logs always compare
 /// equal (it only caches inputs the state was built from).
+///
+/// The slots live in refcounted chunks of [`LOG_CHUNK`] tokens: a clone (a fork) shares every chunk and copies
+/// nothing; the first [`TokenLog::record`] into a chunk that is still shared copies that chunk
+/// (`LOG_CHUNK × width()` values, counted in the pool's `bytes_copied`). So after a fork the writer that continues
+/// re-materialises its log chunk by chunk as it logs tokens — at most one extra copy per logged value, spread over
+/// the next `cap` tokens — while the rows both sides never overwrite stay shared.
 #[derive(Clone, Debug, Default)]
 pub struct TokenLog {
     /// Tokens held (0: no log).
@@ -84,8 +99,10 @@ pub struct TokenLog {
     pub hd: usize,
     pub cw: usize,
     pub iw: usize,
-    /// `cap` slots of `width()` values; position `p` in slot `p % cap`.
-    pub data: Vec<f32>,
+    /// `ceil(cap / LOG_CHUNK)` chunks of `LOG_CHUNK` slots of `width()` values; position `p` in slot `p % cap`.
+    chunks: Vec<Arc<Vec<f32>>>,
+    /// Where copy-on-write copies are counted.
+    pool: PagePool,
     /// First logged position still held.
     pub start: usize,
     /// One past the last logged position.
@@ -99,17 +116,29 @@ impl PartialEq for TokenLog {
 }
 
 impl TokenLog {
-    /// A log of `cap` tokens for rows of these widths (`cw` / `iw` 0 where the layer has no such compressor).
-    pub fn new(cap: usize, hd: usize, cw: usize, iw: usize) -> TokenLog {
-        let mut t = TokenLog { cap, hd, cw, iw, data: Vec::new(), start: 0, end: 0 };
-        // Zeroed allocation: the pages are only touched as tokens are logged.
-        t.data = vec![0.0; cap * t.width()];
+    /// A log of `cap` tokens for rows of these widths (`cw` / `iw` 0 where the layer has no such compressor),
+    /// counting its copies in `pool`.
+    pub fn new(cap: usize, hd: usize, cw: usize, iw: usize, pool: &PagePool) -> TokenLog {
+        let mut t = TokenLog { cap, hd, cw, iw, chunks: Vec::new(), pool: pool.clone(), start: 0, end: 0 };
+        // Zeroed allocations: the pages are only touched as tokens are logged.
+        let w = t.width();
+        t.chunks = (0..cap.div_ceil(LOG_CHUNK)).map(|_| Arc::new(vec![0.0; LOG_CHUNK * w])).collect();
         t
     }
 
     /// Values per token.
     pub fn width(&self) -> usize {
         self.hd + 2 * self.cw + 2 * self.iw
+    }
+
+    /// Values allocated (shared chunks included).
+    pub fn n_values(&self) -> usize {
+        self.chunks.len() * LOG_CHUNK * self.width()
+    }
+
+    /// Chunks this log shares with another log.
+    pub fn shared_chunks(&self) -> usize {
+        self.chunks.iter().filter(|c| Arc::strong_count(c) > 1).count()
     }
 
     /// Records position `pos`'s inputs. A position that does not follow the last one restarts the log there.
@@ -121,7 +150,15 @@ impl TokenLog {
             self.start = pos;
         }
         let (hd, cw, iw, w) = (self.hd, self.cw, self.iw, self.width());
-        let slot = &mut self.data[(pos % self.cap) * w..(pos % self.cap + 1) * w];
+        let s = pos % self.cap;
+        let chunk = &mut self.chunks[s / LOG_CHUNK];
+        if Arc::get_mut(chunk).is_none() {
+            self.pool.add_copied((chunk.len() * 4) as u64);
+            *chunk = Arc::new(chunk.as_ref().clone());
+        }
+        let data = Arc::get_mut(chunk).expect("a private chunk");
+        let o = (s % LOG_CHUNK) * w;
+        let slot = &mut data[o..o + w];
         slot[..hd].copy_from_slice(&raw[..hd]);
         if let Some((kv, g)) = comp {
             slot[hd..hd + cw].copy_from_slice(&kv[..cw]);
@@ -148,8 +185,9 @@ impl TokenLog {
     }
 
     fn slot(&self, p: usize) -> &[f32] {
-        let w = self.width();
-        &self.data[(p % self.cap) * w..(p % self.cap + 1) * w]
+        let (w, s) = (self.width(), p % self.cap);
+        let o = (s % LOG_CHUNK) * w;
+        &self.chunks[s / LOG_CHUNK][o..o + w]
     }
 
     /// Raw KV row of position `p` (must be held).
@@ -169,8 +207,10 @@ impl TokenLog {
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct LayerKv {
     pub ring: Vec<f32>,
-    pub comp_rows: Vec<f32>,
-    pub idx_rows: Vec<f32>,
+    /// Compressed rows, paged and shared by reference (see [`crate::tables::pages`]).
+    pub comp_rows: PagedRows,
+    /// Indexer rows (CSA layers; empty, width 0, elsewhere), paged like `comp_rows`.
+    pub idx_rows: PagedRows,
     pub comp: Option<Frontier>,
     pub idx: Option<Frontier>,
     /// Roll-back log (see the module docs); ignored by `==`.
@@ -258,6 +298,8 @@ pub struct SessionKv {
     pub layers: Vec<LayerKv>,
     /// Device-copy bookkeeping (see [`KvSync`]); ignored by `==`.
     pub sync: KvSync,
+    /// The pool the pages and log chunks report to; ignored by `==`.
+    pub pool: PagePool,
 }
 
 impl SessionKv {
@@ -286,17 +328,23 @@ impl SessionKv {
         let values: usize = self
             .layers
             .iter()
-            .map(|l| l.ring.len() + l.comp_rows.len() + l.idx_rows.len() + f(&l.comp) + f(&l.idx))
+            .map(|l| l.ring.len() + l.comp_rows.n_values() + l.idx_rows.n_values() + f(&l.comp) + f(&l.idx))
             .sum();
         (values * std::mem::size_of::<f32>()) as u64
     }
 
-    /// Tokens whose compressed rows are reserved up front; longer sessions grow (amortised doubling).
+    /// Tokens whose page lists are reserved up front; longer sessions grow (amortised doubling).
     pub const RESERVE_TOKENS_MAX: usize = 32768;
 
-    /// Empty state for `cfg`, with row capacity reserved for `min(ctx, RESERVE_TOKENS_MAX)` tokens (no growth in
-    /// the decode loop below that).
+    /// Empty state for `cfg` with pages in a pool of its own (see [`SessionKv::new_in`]).
     pub fn new(cfg: &ModelConfig, ctx: usize) -> SessionKv {
+        SessionKv::new_in(cfg, ctx, &PagePool::new())
+    }
+
+    /// Empty state for `cfg`, its pages reporting to `pool`, with page-list room for `min(ctx,
+    /// RESERVE_TOKENS_MAX)` tokens (pages themselves are allocated as rows arrive: one per layer and table every
+    /// [`crate::tables::pages::PAGE_TOKENS`] tokens).
+    pub fn new_in(cfg: &ModelConfig, ctx: usize, pool: &PagePool) -> SessionKv {
         let ctx = ctx.min(Self::RESERVE_TOKENS_MAX);
         let layers = (0..cfg.n_layers)
             .map(|l| {
@@ -310,17 +358,53 @@ impl SessionKv {
                     }
                 };
                 let n_rows = ctx.checked_div(ratio).unwrap_or(0);
+                let table = |on: bool, width: usize| {
+                    let mut t = PagedRows::new(if on { width } else { 0 }, rows_per_page(ratio), pool);
+                    if on {
+                        t.reserve_rows(n_rows);
+                    }
+                    t
+                };
                 LayerKv {
                     ring: vec![0.0; cfg.window * cfg.head_dim],
-                    comp_rows: Vec::with_capacity(n_rows * cfg.head_dim),
-                    idx_rows: Vec::with_capacity(if idx.is_some() { n_rows * cfg.idx_head_dim } else { 0 }),
+                    comp_rows: table(comp.is_some(), cfg.head_dim),
+                    idx_rows: table(idx.is_some(), cfg.idx_head_dim),
                     comp,
                     idx,
                     log: TokenLog::default(),
                 }
             })
             .collect();
-        SessionKv { layers, sync: KvSync::default() }
+        SessionKv { layers, sync: KvSync::default(), pool: pool.clone() }
+    }
+
+    /// Bytes a fork copies: the private tail (raw window rings and compressor frontiers). Pages and log chunks are
+    /// shared by reference (see [`crate::tables::pages`] and [`TokenLog`]).
+    pub fn tail_bytes(&self) -> u64 {
+        let f = |fr: &Option<Frontier>| {
+            fr.as_ref().map_or(0, |f| f.pending_kv.len() + f.pending_gate.len() + f.prev_kv.len() + f.prev_gate.len())
+        };
+        let values: usize = self.layers.iter().map(|l| l.ring.len() + f(&l.comp) + f(&l.idx)).sum();
+        (values * std::mem::size_of::<f32>()) as u64
+    }
+
+    /// A copy sharing every page and log chunk with `self` (copies only the private tail, counted in the pool's
+    /// `bytes_copied`). Device bookkeeping is reset: the copy's host arrays are authoritative.
+    pub fn fork(&self) -> SessionKv {
+        self.pool.add_copied(self.tail_bytes());
+        let mut k = self.clone();
+        k.sync = KvSync::default();
+        k
+    }
+
+    /// Page-list room for `tokens` tokens in all (so appending up to there does not grow the lists).
+    pub fn reserve_tokens(&mut self, cfg: &ModelConfig, tokens: usize) {
+        for (l, lk) in self.layers.iter_mut().enumerate() {
+            if let Some(rows) = tokens.checked_div(cfg.compress_ratios[l]) {
+                lk.comp_rows.reserve_rows(rows);
+                lk.idx_rows.reserve_rows(rows);
+            }
+        }
     }
 
     /// Gives every layer a roll-back log reaching `rollback` tokens back (see the module docs), capped at `ctx`
@@ -336,14 +420,14 @@ impl SessionKv {
             let cw = lk.comp.as_ref().map_or(0, |f| f.coff * f.dim);
             let iw = lk.idx.as_ref().map_or(0, |f| f.coff * f.dim);
             if lk.log.cap != cap || lk.log.hd != cfg.head_dim || lk.log.cw != cw || lk.log.iw != iw {
-                lk.log = TokenLog::new(cap, cfg.head_dim, cw, iw);
+                lk.log = TokenLog::new(cap, cfg.head_dim, cw, iw, &self.pool);
             }
         }
     }
 
     /// Bytes held by the roll-back logs (allocated; see the module docs).
     pub fn log_bytes(&self) -> u64 {
-        self.layers.iter().map(|l| (l.log.data.len() * std::mem::size_of::<f32>()) as u64).sum()
+        self.layers.iter().map(|l| (l.log.n_values() * std::mem::size_of::<f32>()) as u64).sum()
     }
 
     /// Smallest position this state (now at `pos` tokens) can be rolled back to exactly with
@@ -389,11 +473,11 @@ impl SessionKv {
             }
             let ratio = cfg.compress_ratios[l];
             if let Some(f) = comp {
-                comp_rows.truncate(len / ratio * f.dim);
+                comp_rows.truncate(len / ratio);
                 f.rebuild(log, false, apes[l].0.unwrap_or(&[]), len);
             }
             if let Some(f) = idx {
-                idx_rows.truncate(len / ratio * f.dim);
+                idx_rows.truncate(len / ratio);
                 f.rebuild(log, true, apes[l].1.unwrap_or(&[]), len);
             }
             log.end = len;
@@ -402,7 +486,7 @@ impl SessionKv {
         true
     }
 
-    /// Zeroes the state (as new) while keeping the allocations.
+    /// Zeroes the state (as new) while keeping the ring, frontier and log allocations; pages are released.
     pub fn clear(&mut self) {
         self.sync = KvSync::default();
         for l in &mut self.layers {
@@ -421,13 +505,22 @@ impl SessionKv {
         }
     }
 
+    /// Drops every page reference (rows and roll-back log chunks go back to the pool; ring and frontiers stay).
+    pub fn release_pages(&mut self) {
+        for l in &mut self.layers {
+            l.comp_rows.clear();
+            l.idx_rows.clear();
+            l.log = TokenLog::default();
+        }
+    }
+
     /// Values held (for logs and memory accounting).
     pub fn n_values(&self) -> usize {
         self.layers
             .iter()
             .map(|l| {
                 let f = |f: &Option<Frontier>| f.as_ref().map_or(0, |f| f.pending_kv.len() * 2 + f.prev_kv.len() * 2);
-                l.ring.len() + l.comp_rows.len() + l.idx_rows.len() + f(&l.comp) + f(&l.idx)
+                l.ring.len() + l.comp_rows.n_values() + l.idx_rows.n_values() + f(&l.comp) + f(&l.idx)
             })
             .sum()
     }

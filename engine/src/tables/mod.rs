@@ -4,7 +4,9 @@
 //! Snapshots are plain data ([`SessionSnapshot`]); the `kv` crate serialises them and pages the growing rows.
 
 pub mod kv;
+pub mod pages;
 pub mod session;
 
 pub use kv::{Frontier, KvSync, LayerKv, SessionKv};
+pub use pages::{PagePool, PagedRows, PAGE_TOKENS};
 pub use session::{SessionId, SessionSnapshot, SessionTable};

@@ -2,7 +2,8 @@
 //!
 //! Per slot: `pos` (tokens processed), `history` (token ids processed), `pending` (queued, not yet processed),
 //! `kv` (the [`SessionKv`]), `logits` (of the last processed position), `all_logits` (every processed position's
-//! logits when prefill logits were requested), `alive`. A freed slot keeps its allocations for the next session.
+//! logits when prefill logits were requested), `alive`. A freed slot releases its KV pages and keeps its other
+//! allocations for the next session.
 
 use std::collections::VecDeque;
 
@@ -81,6 +82,8 @@ impl SessionTable {
             Some(s) => {
                 self.alive[s] = false;
                 self.pending[s].clear();
+                // Its pages go back now (shared ones live on in their other holders).
+                self.kv[s].release_pages();
                 self.free.push(s as u32);
                 true
             }

@@ -67,7 +67,8 @@ pub fn ring_row_mut(lk: &mut LayerKv, pos: usize, window: usize, hd: usize) -> &
 /// Compressed row `w` (of `hd` values).
 #[inline]
 pub fn comp_row(lk: &LayerKv, w: usize, hd: usize) -> &[f32] {
-    &lk.comp_rows[w * hd..(w + 1) * hd]
+    debug_assert_eq!(lk.comp_rows.width(), hd);
+    lk.comp_rows.row(w)
 }
 
 /// `exp(d)` for a score minus the row maximum (`d ≤ 0`), 0 where the result would not be a normal f32 (`d < -87`):
@@ -120,9 +121,9 @@ pub fn compress_push(sc: &mut Scratch, cx: &mut StepCtx<'_>, layer: usize, index
                     }
                 }
                 if indexer {
-                    lk.idx_rows.extend_from_slice(out);
+                    lk.idx_rows.push(out);
                 } else {
-                    lk.comp_rows.extend_from_slice(out);
+                    lk.comp_rows.push(out);
                 }
             }
         }
@@ -140,7 +141,7 @@ pub fn indexer_topk(pool: &Pool, sc: &mut Scratch, cx: &StepCtx<'_>, layer: usiz
     let ratio = c.compress_ratios[layer];
     let topk = c.idx_topk.max(1);
     let kvs = &*cx.kv;
-    let need = kvs.iter().map(|k| k.layers[layer].idx_rows.capacity() / ihd.max(1)).max().unwrap_or(0);
+    let need = kvs.iter().map(|k| k.layers[layer].idx_rows.capacity_rows()).max().unwrap_or(0);
     grow_slots(&mut sc.scores, pool.threads(), need, need);
     let (iq, iwb, slots) = (&sc.iq, &sc.iw, &sc.scores);
     par_rows(pool, &mut sc.sel[..n * topk], topk, &|r, out| {
@@ -150,12 +151,13 @@ pub fn indexer_topk(pool: &Pool, sc: &mut Scratch, cx: &StepCtx<'_>, layer: usiz
         let mut g = slot(slots);
         let (scores, order) = &mut *g;
         // Size the scratch for every row this session can hold, once (no growth while decoding).
-        reserve_to(scores, lk.idx_rows.capacity() / ihd.max(1));
-        reserve_to(order, lk.idx_rows.capacity() / ihd.max(1));
+        reserve_to(scores, lk.idx_rows.capacity_rows());
+        reserve_to(order, lk.idx_rows.capacity_rows());
         let cnt = indexer::select(
             &iq[r * ih * ihd..(r + 1) * ih * ihd],
             &iwb[r * ih..(r + 1) * ih],
-            &lk.idx_rows[..n_vis * ihd],
+            lk.idx_rows.page_slices(),
+            n_vis,
             ihd,
             topk,
             scores,
@@ -185,7 +187,7 @@ pub fn sparse_attention(pool: &Pool, sc: &mut Scratch, cx: &StepCtx<'_>, layer: 
     let scale = 1.0 / (hd as f32).sqrt();
     let sinks = model.dense(lw.sinks);
     let kvs = &*cx.kv;
-    let need = kvs.iter().map(|k| window + k.layers[layer].comp_rows.capacity() / hd.max(1)).max().unwrap_or(0);
+    let need = kvs.iter().map(|k| window + k.layers[layer].comp_rows.capacity_rows()).max().unwrap_or(0);
     grow_slots(&mut sc.scores, pool.threads(), need, 0);
     let (q, kvb, sel, slots) = (&sc.q, &sc.kv, &sc.sel, &sc.scores);
     par_rows(pool, &mut sc.attn[..n * nh * hd], hd, &|i, out| {
@@ -210,7 +212,7 @@ pub fn sparse_attention(pool: &Pool, sc: &mut Scratch, cx: &StepCtx<'_>, layer: 
         let n_sel = if kind == LayerKind::Csa { sel_r.iter().position(|&x| x == u32::MAX).unwrap_or(topk) } else { 0 };
         let mut g = slot(slots);
         let (scores, _) = &mut *g;
-        reserve_to(scores, window + lk.comp_rows.capacity() / hd);
+        reserve_to(scores, window + lk.comp_rows.capacity_rows());
         scores.clear();
         for p in first..=t {
             scores.push(dot_f32(qh, key(p)) * scale);

@@ -4,13 +4,15 @@
 //! break toward the lower row index (stable), and the selection is returned in ascending row order.
 
 #[allow(clippy::too_many_arguments)]
-/// Selects rows for one query. `q`: `heads × dim`; `w`: `heads`; `keys`: `n_vis × dim` (only visible rows);
+/// Selects rows for one query. `q`: `heads × dim`; `w`: `heads`; `keys`: the key rows in order as consecutive
+/// slices of whole rows (a session's pages), of which the first `n_vis` are visible;
 /// `scores`: scratch of at least `n_vis`; `out`: receives the selected row indices (ascending); returns the count
 /// (`min(topk, n_vis)`).
-pub fn select(
+pub fn select<'k>(
     q: &[f32],
     w: &[f32],
-    keys: &[f32],
+    keys: impl IntoIterator<Item = &'k [f32]>,
+    n_vis: usize,
     dim: usize,
     topk: usize,
     scores: &mut Vec<f32>,
@@ -18,7 +20,6 @@ pub fn select(
     out: &mut [u32],
 ) -> usize {
     let heads = w.len();
-    let n_vis = keys.len() / dim.max(1);
     if n_vis <= topk {
         for (i, o) in out.iter_mut().take(n_vis).enumerate() {
             *o = i as u32;
@@ -27,8 +28,7 @@ pub fn select(
     }
     let scale = 1.0 / (dim as f32).sqrt();
     scores.clear();
-    for s in 0..n_vis {
-        let k = &keys[s * dim..(s + 1) * dim];
+    for k in keys.into_iter().flat_map(|page| page.chunks_exact(dim.max(1))).take(n_vis) {
         let mut acc = 0f32;
         for h in 0..heads {
             let d = super::matmul::dot_f32(&q[h * dim..(h + 1) * dim], k);
@@ -59,15 +59,15 @@ mod tests {
         let keys = [1.0f32, 3.0, -2.0, 3.0, 2.0];
         let (mut s, mut o) = (Vec::new(), Vec::new());
         let mut out = [0u32; 5];
-        let n = select(&[1.0], &[1.0], &keys, 1, 2, &mut s, &mut o, &mut out);
+        let n = select(&[1.0], &[1.0], [&keys[..2], &keys[2..]], 5, 1, 2, &mut s, &mut o, &mut out);
         assert_eq!(&out[..n], &[1, 3]);
-        let n = select(&[1.0], &[1.0], &keys, 1, 3, &mut s, &mut o, &mut out);
+        let n = select(&[1.0], &[1.0], [&keys[..]], 5, 1, 3, &mut s, &mut o, &mut out);
         assert_eq!(&out[..n], &[1, 3, 4]);
         // ReLU ties at zero: negative query makes all scores 0 -> lowest indices win.
-        let n = select(&[-1.0], &[1.0], &[1.0, 2.0, 3.0], 1, 2, &mut s, &mut o, &mut out);
+        let n = select(&[-1.0], &[1.0], [&[1.0, 2.0, 3.0][..]], 3, 1, 2, &mut s, &mut o, &mut out);
         assert_eq!(&out[..n], &[0, 1]);
         // fewer visible rows than k: all of them.
-        let n = select(&[1.0], &[1.0], &[5.0, 6.0], 1, 4, &mut s, &mut o, &mut out);
+        let n = select(&[1.0], &[1.0], [&[5.0, 6.0, 9.0][..]], 2, 1, 4, &mut s, &mut o, &mut out);
         assert_eq!(&out[..n], &[0, 1]);
     }
 }

@@ -189,10 +189,10 @@ impl SlotKv {
             }
             let (comp, idx) = match kind {
                 LayerKind::Window => (None, None),
-                LayerKind::Hca => (Some(Rows::new(ctx, cfg.head_dim, &lk.comp_rows)?), None),
+                LayerKind::Hca => (Some(Rows::new(ctx, cfg.head_dim, &lk.comp_rows.to_vec())?), None),
                 LayerKind::Csa => (
-                    Some(Rows::new(ctx, cfg.head_dim, &lk.comp_rows)?),
-                    Some(Rows::new(ctx, cfg.idx_head_dim, &lk.idx_rows)?),
+                    Some(Rows::new(ctx, cfg.head_dim, &lk.comp_rows.to_vec())?),
+                    Some(Rows::new(ctx, cfg.idx_head_dim, &lk.idx_rows.to_vec())?),
                 ),
             };
             let coff = if kind == LayerKind::Csa { 2 } else { 1 };

@@ -1,0 +1,137 @@
+//! Fork without copy ([`Engine::fork`]): a fork shares its parent's KV pages and roll-back log chunks by reference
+//! and copies only the private tail (raw window rings, compressor frontiers), so the bytes it copies do not grow
+//! with the session's length; afterwards both sessions evolve independently — appending into the shared partial
+//! page, rolling back, crossing page boundaries — with logits bit-identical to unforked sessions that processed
+//! the same tokens. Freeing every session returns the engine's page pool to empty.
+
+use ds4_engine::convert::{demo_config, random_model_gguf};
+use ds4_engine::engine::{Engine, EngineOptions};
+use ds4_engine::gguf::GgufFile;
+use ds4_engine::tables::{SessionId, PAGE_TOKENS};
+use ds4_tests::{bits, golden_gguf, shared, tokens};
+
+fn open_tiny(ctx: usize) -> Option<Engine> {
+    let sh = shared()?;
+    let gguf = golden_gguf(&sh, "tiny-a", "f32");
+    let opts = EngineOptions { threads: 2, ctx, max_batch_tokens: 256, ..EngineOptions::default() };
+    Some(Engine::open(&gguf, opts).expect("open tiny-a"))
+}
+
+fn prefill(e: &mut Engine, toks: &[u32]) -> SessionId {
+    let s = e.create_session();
+    e.feed(s, toks).unwrap();
+    e.run_until_idle().unwrap();
+    s
+}
+
+/// Logits (bits) after each token of `cont`, fed one at a time.
+fn continue_with(e: &mut Engine, s: SessionId, cont: &[u32]) -> Vec<Vec<u32>> {
+    cont.iter()
+        .map(|&t| {
+            e.feed(s, &[t]).unwrap();
+            e.run_until_idle().unwrap();
+            bits(e.logits(s).unwrap())
+        })
+        .collect()
+}
+
+/// Bytes one fork of `s` copies, and the fork.
+fn fork_cost(e: &mut Engine, s: SessionId) -> (u64, SessionId) {
+    let before = e.kv_bytes_copied();
+    let f = e.fork(s).unwrap();
+    (e.kv_bytes_copied() - before, f)
+}
+
+#[test]
+fn fork_copies_the_private_tail_only_whatever_the_length() {
+    let Some(mut e) = open_tiny(4096) else { return };
+    let vocab = e.config().vocab;
+    let n = 1000;
+    let all = tokens(21, 4 * n, vocab);
+    let short = prefill(&mut e, &all[..n]);
+    let long = prefill(&mut e, &all);
+    let pages_before = e.page_pool().live_pages();
+    let (c_short, f_short) = fork_cost(&mut e, short);
+    let (c_long, f_long) = fork_cost(&mut e, long);
+    assert!(c_short > 0, "a fork copies its ring and frontiers");
+    assert_eq!(c_short, c_long, "the copied tail does not depend on the length");
+    assert_eq!(e.page_pool().live_pages(), pages_before, "a fork allocates no page");
+    let kv_long = e.kv_bytes(long).unwrap();
+    assert!(c_long * 4 < kv_long, "fork copied {c_long} of {kv_long} bytes");
+    // Same state, same next logits.
+    assert_eq!(bits(e.logits(f_long).unwrap()), bits(e.logits(long).unwrap()));
+    assert_eq!(e.snapshot(f_short).unwrap(), e.snapshot(short).unwrap());
+    // Freeing every session releases every page (shared ones once their last holder goes).
+    for s in [short, f_long, long, f_short] {
+        e.free_session(s).unwrap();
+    }
+    assert_eq!((e.page_pool().live_pages(), e.page_pool().live_bytes()), (0, 0));
+}
+
+#[test]
+fn forked_sessions_decode_like_unforked_ones() {
+    let Some(mut e) = open_tiny(2048) else { return };
+    let Some(mut cold) = open_tiny(2048) else { return };
+    let vocab = e.config().vocab;
+    // A prefix ending inside a page (partial page shared by the fork), continuations crossing the next boundary.
+    let p = PAGE_TOKENS + 200;
+    let prompt = tokens(5, p, vocab);
+    let (ca, cb) = (tokens(6, 70, vocab), tokens(7, 70, vocab));
+    let a = prefill(&mut e, &prompt);
+    let b = e.fork(a).unwrap();
+    let copied = e.kv_bytes_copied();
+    // Both append into the shared partial pages; each must see only its own rows.
+    let got_b = continue_with(&mut e, b, &cb);
+    let got_a = continue_with(&mut e, a, &ca);
+    assert!(e.kv_bytes_copied() > copied, "appending to a shared partial page copies it");
+    for (cont, got) in [(&ca, &got_a), (&cb, &got_b)] {
+        let c = prefill(&mut cold, &prompt);
+        assert!(*got == continue_with(&mut cold, c, cont), "a forked session diverged from a cold one");
+        cold.free_session(c).unwrap();
+    }
+    // A fork of a fork, rolled back into the shared full pages, then continued: as a cold prefill of that prefix.
+    let f = e.fork(b).unwrap();
+    let len = PAGE_TOKENS - 3;
+    e.rollback(f, len).unwrap();
+    let cc = tokens(8, 40, vocab);
+    let got_f = continue_with(&mut e, f, &cc);
+    let c = prefill(&mut cold, &prompt[..len]);
+    assert!(got_f == continue_with(&mut cold, c, &cc), "a rolled back fork diverged from a cold prefill");
+    // The parent is untouched by its fork's roll back.
+    let mut after_b = prompt.clone();
+    after_b.extend_from_slice(&cb);
+    assert_eq!(e.history(b).unwrap(), &after_b[..]);
+    let c2 = prefill(&mut cold, &after_b);
+    assert_eq!(bits(e.logits(b).unwrap()), bits(cold.logits(c2).unwrap()));
+    for s in [a, b, f] {
+        e.free_session(s).unwrap();
+    }
+    assert_eq!(e.page_pool().live_pages(), 0);
+}
+
+/// A Flash-shaped layer mix (CSA ratio 4, HCA ratio 128, window) on the small random demo model: long sessions are
+/// cheap, so this forks a 32k-token session.
+#[test]
+fn fork_of_a_32k_session_copies_what_a_short_one_does() {
+    let mut c = demo_config();
+    c.compress_ratios = vec![4, 128, 0];
+    c.compress_ratios_all = c.compress_ratios.clone();
+    let bytes = random_model_gguf(&c, 3, Vec::new()).expect("random model");
+    let opts = EngineOptions { threads: 2, ctx: 32768, max_batch_tokens: 2048, ..EngineOptions::default() };
+    let mut e = Engine::from_gguf(GgufFile::from_bytes(bytes).unwrap(), opts).unwrap();
+    let vocab = e.config().vocab;
+    let all = tokens(9, 32768 - 8, vocab);
+    let short = prefill(&mut e, &all[..8192 - 8]);
+    let long = prefill(&mut e, &all);
+    let (c_short, fs) = fork_cost(&mut e, short);
+    let (c_long, fl) = fork_cost(&mut e, long);
+    assert_eq!(c_short, c_long);
+    let kv = e.kv_bytes(long).unwrap();
+    assert!(c_long * 20 < kv, "fork of 32k tokens copied {c_long} of {kv} bytes");
+    let cont = tokens(10, 4, vocab);
+    assert!(continue_with(&mut e, fl, &cont) == continue_with(&mut e, long, &cont));
+    for s in [short, long, fs, fl] {
+        e.free_session(s).unwrap();
+    }
+    assert_eq!(e.page_pool().live_pages(), 0);
+}
