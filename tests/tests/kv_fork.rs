@@ -44,9 +44,9 @@ fn fork_cost(e: &mut Engine, s: SessionId) -> (u64, SessionId) {
 
 #[test]
 fn fork_copies_the_private_tail_only_whatever_the_length() {
-    let Some(mut e) = open_tiny(4096) else { return };
+    let Some(mut e) = open_tiny(2048) else { return };
     let vocab = e.config().vocab;
-    let n = 1000;
+    let n = 500;
     let all = tokens(21, 4 * n, vocab);
     let short = prefill(&mut e, &all[..n]);
     let long = prefill(&mut e, &all);
@@ -109,25 +109,25 @@ fn forked_sessions_decode_like_unforked_ones() {
     assert_eq!(e.page_pool().live_pages(), 0);
 }
 
-/// A Flash-shaped layer mix (CSA ratio 4, HCA ratio 128, window) on the small random demo model: long sessions are
-/// cheap, so this forks a 32k-token session.
+/// A Flash-shaped layer mix (CSA ratio 4, HCA ratio 128, window) on the small random demo model, 2k vs 8k tokens
+/// (32k tokens take minutes in a debug build on 2 cores; `ds4-bench kv` measures the 32k fork).
 #[test]
-fn fork_of_a_32k_session_copies_what_a_short_one_does() {
+fn fork_of_a_long_flash_shaped_session_copies_what_a_short_one_does() {
     let mut c = demo_config();
     c.compress_ratios = vec![4, 128, 0];
     c.compress_ratios_all = c.compress_ratios.clone();
     let bytes = random_model_gguf(&c, 3, Vec::new()).expect("random model");
-    let opts = EngineOptions { threads: 2, ctx: 32768, max_batch_tokens: 2048, ..EngineOptions::default() };
+    let opts = EngineOptions { threads: 2, ctx: 8192, max_batch_tokens: 2048, ..EngineOptions::default() };
     let mut e = Engine::from_gguf(GgufFile::from_bytes(bytes).unwrap(), opts).unwrap();
     let vocab = e.config().vocab;
-    let all = tokens(9, 32768 - 8, vocab);
-    let short = prefill(&mut e, &all[..8192 - 8]);
+    let all = tokens(9, 8192 - 8, vocab);
+    let short = prefill(&mut e, &all[..2048 - 8]);
     let long = prefill(&mut e, &all);
     let (c_short, fs) = fork_cost(&mut e, short);
     let (c_long, fl) = fork_cost(&mut e, long);
     assert_eq!(c_short, c_long);
     let kv = e.kv_bytes(long).unwrap();
-    assert!(c_long * 20 < kv, "fork of 32k tokens copied {c_long} of {kv} bytes");
+    assert!(c_long * 8 < kv, "fork of 8k tokens copied {c_long} of {kv} bytes");
     let cont = tokens(10, 4, vocab);
     assert!(continue_with(&mut e, fl, &cont) == continue_with(&mut e, long, &cont));
     for s in [short, long, fs, fl] {
