@@ -11,6 +11,13 @@
 //! 4. raw: the same byte count written to one file in the same directory and fsynced (timed).
 //!
 //! CSV header [`CSV_HEADER`]; `speedup` = recompute / restore, `write_fraction` = cache write GB/s / raw GB/s.
+//!
+//! `--fork N` ([`fork`]): a session of `N` tokens whose state is filled directly (pseudo-random rows of the
+//! model's shapes, no prefill, so 32k tokens of Flash shapes take seconds) is forked with `Engine::fork`; reported
+//! (header [`FORK_HEADER`]): the session's KV bytes, the fork's time and bytes copied (`Engine::kv_bytes_copied`),
+//! the pages it shares, the bytes the first decode step of the fork copies (copy on write of the shared partial
+//! pages and roll-back log chunks), and for comparison the time and bytes of a deep copy of the rows and rings
+//! (what fork = snapshot + restore copied before pages; the roll-back log, which it also copied, not included).
 
 use std::io::Write;
 use std::path::Path;
@@ -27,6 +34,76 @@ use crate::throughput;
 /// The CSV header of the kv report.
 pub const CSV_HEADER: &str =
     "prefix_tokens,kv_file_bytes,recompute_s,restore_s,speedup,cache_write_gbs,raw_write_gbs,write_fraction,exact";
+
+/// The CSV header of the fork report.
+pub const FORK_HEADER: &str =
+    "tokens,kv_bytes,fork_s,fork_bytes_copied,shared_pages,first_append_bytes_copied,deep_copy_s,deep_copy_bytes";
+
+/// Forks a directly filled session of `tokens` tokens (see the module docs); writes one CSV line.
+pub fn fork(engine: &mut Engine, tokens: usize, out: &mut dyn Write) -> Result<()> {
+    if tokens == 0 || tokens + 1 > engine.ctx() {
+        bail!("--fork {tokens} does not fit the engine context {}", engine.ctx());
+    }
+    let cfg = engine.config().clone();
+    let mut kv = ds4_engine::tables::SessionKv::new_in(&cfg, tokens, engine.page_pool());
+    let mut x = 0x9e37_79b9u32;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        (x >> 8) as f32 / (1u32 << 24) as f32 - 0.5
+    };
+    for (l, lk) in kv.layers.iter_mut().enumerate() {
+        lk.ring.iter_mut().for_each(|v| *v = next() * 0.1);
+        if let Some(rows) = tokens.checked_div(cfg.compress_ratios[l]) {
+            for t in [&mut lk.comp_rows, &mut lk.idx_rows] {
+                let mut row = vec![0f32; t.width()];
+                for _ in 0..if t.width() > 0 { rows } else { 0 } {
+                    row.iter_mut().for_each(|v| *v = next() * 0.1);
+                    t.push(&row);
+                }
+            }
+        }
+        for f in [&mut lk.comp, &mut lk.idx].into_iter().flatten() {
+            f.n_pending = tokens % f.ratio;
+            f.has_prev = f.coff == 2 && tokens >= f.ratio;
+        }
+    }
+    let history = throughput::prompt(tokens, cfg.vocab);
+    let logits = vec![0f32; cfg.vocab];
+    let snap = ds4_engine::tables::SessionSnapshot { pos: tokens, history, kv, logits };
+    let id = engine.restore(snap)?;
+    let kv_bytes = engine.kv_bytes(id)?;
+
+    let before = engine.kv_bytes_copied();
+    let t0 = Instant::now();
+    let f = engine.fork(id)?;
+    let fork_s = t0.elapsed().as_secs_f64();
+    let fork_bytes = engine.kv_bytes_copied() - before;
+    let snap = engine.snapshot(f)?;
+    let shared: usize = snap.kv.layers.iter().map(|l| l.comp_rows.shared_pages() + l.idx_rows.shared_pages()).sum();
+
+    let t0 = Instant::now();
+    let deep: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> =
+        snap.kv.layers.iter().map(|l| (l.comp_rows.to_vec(), l.idx_rows.to_vec(), l.ring.clone())).collect();
+    let deep_copy_s = t0.elapsed().as_secs_f64();
+    let deep_bytes: usize = deep.iter().map(|(a, b, c)| (a.len() + b.len() + c.len()) * 4).sum();
+    drop(deep);
+    drop(snap);
+
+    let before = engine.kv_bytes_copied();
+    engine.feed(f, &[1])?;
+    engine.run_until_idle()?;
+    let append_bytes = engine.kv_bytes_copied() - before;
+    engine.free_session(f)?;
+    engine.free_session(id)?;
+    writeln!(out, "{FORK_HEADER}")?;
+    writeln!(
+        out,
+        "{tokens},{kv_bytes},{fork_s:.6},{fork_bytes},{shared},{append_bytes},{deep_copy_s:.6},{deep_bytes}"
+    )?;
+    Ok(())
+}
 
 /// One row.
 #[derive(Clone, Copy, Debug)]
@@ -198,6 +275,14 @@ mod tests {
             assert!(r.exact, "restored state differs at {}", r.prefix_tokens);
             assert!(r.kv_file_bytes > 0);
         }
+        let mut fout = Vec::new();
+        fork(&mut engine, 60, &mut fout).unwrap();
+        let ftext = String::from_utf8(fout).unwrap();
+        assert_eq!(ftext.lines().next(), Some(FORK_HEADER));
+        let v: Vec<f64> = ftext.lines().nth(1).unwrap().split(',').map(|x| x.parse().unwrap()).collect();
+        // The fork copies its tail, shares the (partial) pages, and its first step copies the shared partial pages.
+        assert!(v[3] > 0.0 && v[4] > 0.0 && v[5] > 0.0 && v[7] > 0.0, "{ftext}");
+        assert_eq!(engine.page_pool().live_pages(), 0, "the benchmark's sessions were released");
         assert!(rows[2].kv_file_bytes > rows[0].kv_file_bytes);
         let text = String::from_utf8(out).unwrap();
         assert_eq!(text.lines().next(), Some(CSV_HEADER));

@@ -173,6 +173,10 @@ struct KvArgs {
     /// Also draw the report as an SVG chart to this file.
     #[arg(long, value_name = "FILE.svg")]
     plot: Option<std::path::PathBuf>,
+    /// Fork mode: fork a session of this many tokens (its state filled directly, no prefill) and report fork time
+    /// and bytes copied next to a deep copy (see `kvbench::fork`).
+    #[arg(long, value_name = "TOKENS", conflicts_with = "replay")]
+    fork: Option<usize>,
     /// Replay mode: a JSONL trace of requests (`{"tokens": [ids...]}` per line) through the RAM + disk prefix
     /// cache; prints per request the longest common prefix with everything before, the tokens reused, and restore
     /// vs prefill time (see `kvreplay`).
@@ -465,12 +469,15 @@ fn run_kv(a: &KvArgs) -> Result<()> {
     let max = lengths.iter().copied().max().unwrap_or(0);
     let cfg = engine_api::EngineConfig {
         threads,
-        ctx: max + 1,
+        ctx: max.max(a.fork.unwrap_or(0)) + 1,
         batch_tokens: a.batch_tokens,
         backend: "cpu".into(),
         exact: false,
     };
     let mut engine = engine_api::engine_for(file, &cfg)?;
+    if let Some(n) = a.fork {
+        return kvbench::fork(&mut engine, n, &mut out);
+    }
     let max_ratio = engine.config().compress_ratios.iter().copied().max().unwrap_or(0);
     let span = kvbench::span_for(max_ratio, if quick { 8 } else { a.span });
     let tmp;

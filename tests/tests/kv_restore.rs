@@ -121,6 +121,11 @@ fn round_trip(m: Model<'_>, exact: bool) {
     e.run_until_idle().unwrap();
     let cold = reference(m, exact, &edited, 0);
     assert!(bits(e.logits(s2).unwrap()) == cold[0], "restored from the restore point: logits differ (exact={exact})");
+    // Restored rows fill pages of the engine's pool; dropping the sessions returns every page.
+    assert!(e.page_pool().live_pages() > 0);
+    e.free_session(s).unwrap();
+    e.free_session(s2).unwrap();
+    assert_eq!((e.page_pool().live_pages(), e.page_pool().live_bytes()), (0, 0), "pages leaked (exact={exact})");
 
     // The other mode (or model) never reuses these entries.
     let mut e2 = open(m, !exact);

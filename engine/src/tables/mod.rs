@@ -1,7 +1,9 @@
 //! Flat component tables (struct-of-arrays; ids are indices): the [`SessionTable`] and each session's KV state
-//! ([`SessionKv`]: raw window rings, compressed rows, indexer rows, compressor frontiers).
+//! ([`SessionKv`]: raw window rings, compressed rows, indexer rows, compressor frontiers), whose growing rows live in
+//! refcounted pages shared between sessions ([`pages`]: [`PagedRows`], [`PagePool`]).
 //!
-//! Snapshots are plain data ([`SessionSnapshot`]); the `kv` crate serialises them and pages the growing rows.
+//! Snapshots are plain data ([`SessionSnapshot`]) that share the pages (immutable once full, copied on write when
+//! partial); the `kv` crate serialises them to disk page by page.
 
 pub mod kv;
 pub mod pages;

@@ -106,8 +106,9 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 fn assert_kv_close(a: &SessionKv, b: &SessionKv, tol: f32, outlier_frac: f64, what: &str) {
     assert_eq!(a.layers.len(), b.layers.len());
     for (l, (x, y)) in a.layers.iter().zip(&b.layers).enumerate() {
+        let (xc, yc, xi, yi) = (x.comp_rows.to_vec(), y.comp_rows.to_vec(), x.idx_rows.to_vec(), y.idx_rows.to_vec());
         let mut pairs: Vec<(&str, &[f32], &[f32])> =
-            vec![("ring", &x.ring, &y.ring), ("comp", &x.comp_rows, &y.comp_rows), ("idx", &x.idx_rows, &y.idx_rows)];
+            vec![("ring", &x.ring, &y.ring), ("comp", &xc, &yc), ("idx", &xi, &yi)];
         for (name, fx, fy) in [("comp front", &x.comp, &y.comp), ("idx front", &x.idx, &y.idx)] {
             assert_eq!(fx.is_some(), fy.is_some(), "{what}: layer {l} {name}");
             if let (Some(fx), Some(fy)) = (fx, fy) {
@@ -154,8 +155,8 @@ fn device_kv_synced_to_host_matches_cpu_tables() {
         be.sync_kv(0, &mut kg).unwrap();
         assert!(!kg.sync.host_stale);
         assert_kv_close(&kg, &kc, tol, frac, if sim { "sim" } else { "exact" });
-        assert_eq!(kg.layers[2].comp_rows.len(), 45 / 4 * c.head_dim);
-        assert_eq!(kg.layers[3].comp_rows.len(), 45 / 8 * c.head_dim);
+        assert_eq!(kg.layers[2].comp_rows.n_values(), 45 / 4 * c.head_dim);
+        assert_eq!(kg.layers[3].comp_rows.n_values(), 45 / 8 * c.head_dim);
     }
 }
 
@@ -255,7 +256,8 @@ fn stale_host_kv_without_its_device_copy_is_an_error() {
     let breakers: [fn(&mut SessionKv); 4] = [
         |_| {},
         |k| k.layers[2].comp.as_mut().unwrap().pending_kv.truncate(5),
-        |k| k.layers[3].comp_rows.extend([1.0; 3]),
+        // (Rows that are not whole rows can no longer be built: `PagedRows` takes whole rows.)
+        |k| k.layers[3].ring.truncate(5),
         |k| k.layers[4].comp = None,
     ];
     for (i, brk) in breakers.iter().enumerate() {
@@ -427,7 +429,8 @@ fn device_rows_of_a_page_equal_its_persist_row_block() {
     be.sync_kv(0, &mut k).unwrap();
     let snap = crate::tables::SessionSnapshot { pos: 40, history: toks.clone(), kv: k.clone(), logits: Vec::new() };
     let span = 16;
-    let groups = page_groups(c, &snap, 1, span);
+    let spans = crate::persist::rows::page_spans(c, &snap, 1, span);
+    let groups = page_groups(&spans);
     let mut checked = 0;
     for (l, blocks) in groups.iter().enumerate() {
         let ratio = c.compress_ratios[l];
