@@ -279,7 +279,8 @@ pub fn indexer_topk(
             continue;
         }
         let ld = &session(ctx, kvs, cx, ri)?.layers[layer];
-        let idx_rows = ld.idx.as_ref().ok_or_else(|| backend_err(format!("device KV: layer {layer} has no indexer")))?;
+        let idx_rows =
+            ld.idx.as_ref().ok_or_else(|| backend_err(format!("device KV: layer {layer} has no indexer")))?;
         let n_keys = idx_rows.rows;
         let rows = &cx.batch.rows;
         let limit: Vec<u32> = (start..start + len).map(|r| ((rows[r].pos + 1) / ratio).min(n_keys) as u32).collect();
@@ -313,7 +314,8 @@ pub fn sparse_attention(
     let kind = c.layer_kind(layer);
     let ratio = c.compress_ratios[layer];
     let topk = c.idx_topk.max(1);
-    let (q, kv, attn) = (be.buf(t, model, BufId::Q)?, be.buf(t, model, BufId::KvRows)?, be.buf(t, model, BufId::AttnOut)?);
+    let (q, kv, attn) =
+        (be.buf(t, model, BufId::Q)?, be.buf(t, model, BufId::KvRows)?, be.buf(t, model, BufId::AttnOut)?);
     let selected = if kind == LayerKind::Csa { Some(be.buf(t, model, BufId::Selected)?) } else { None };
     let sinks = be.dense(model, lw.sinks);
     let no_comp = ctx.storage_zeroed("no comp rows", 1);
@@ -362,13 +364,8 @@ pub fn sparse_attention(
             }
             None => &no_sel,
         };
-        let src = KeySources {
-            batch: &kv,
-            ring: &ld.ring,
-            comp: ld.comp.as_ref().map_or(&no_comp, |r| &r.buf),
-            sel,
-            topk,
-        };
+        let src =
+            KeySources { batch: &kv, ring: &ld.ring, comp: ld.comp.as_ref().map_or(&no_comp, |r| &r.buf), sel, topk };
         let scale = 1.0 / (hd as f32).sqrt();
         let (qv, ov) = ((&q, start * nh * hd, nh * hd), (&attn, start * nh * hd, nh * hd));
         ops::attention_keyed(ctx, enc, qv, &src, &keys, &sinks, ov, nh, hd, scale)?;

@@ -212,7 +212,12 @@ impl Backend for WgpuBackend {
             Op::Logits => ok(model.global.head),
             Op::ExpertUp { layer } | Op::ExpertDown { layer } => {
                 let lw = &model.layers[layer];
-                [lw.gate_exps, lw.up_exps, lw.down_exps].into_iter().chain(lw.gate_sh).chain(lw.up_sh).chain(lw.down_sh).all(ok)
+                [lw.gate_exps, lw.up_exps, lw.down_exps]
+                    .into_iter()
+                    .chain(lw.gate_sh)
+                    .chain(lw.up_sh)
+                    .chain(lw.down_sh)
+                    .all(ok)
             }
             _ => true,
         }

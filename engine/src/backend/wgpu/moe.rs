@@ -33,7 +33,8 @@ pub fn route(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, layer: usize, has
     let n = rows.len();
     let (ne, k) = (c.n_experts, c.n_experts_used);
     let ctx = be.context();
-    let (logits, sel, rw) = (be.buf(t, model, BufId::Router)?, be.buf(t, model, BufId::Routes)?, t.route_weights(ctx, model));
+    let (logits, sel, rw) =
+        (be.buf(t, model, BufId::Router)?, be.buf(t, model, BufId::Routes)?, t.route_weights(ctx, model));
     let tid2eid = match (hash, &lw.tid2eid) {
         (true, Some(tt)) => Some(tt),
         (false, _) => None,
@@ -83,7 +84,13 @@ pub fn route(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, layer: usize, has
 }
 
 /// Slot rows sorted by expert (ascending), rows ascending within an expert.
-fn plan_by_expert(plan: &mut MoePlan, chosen: &[u32], n: usize, k: usize, ne: usize) -> std::result::Result<(), String> {
+fn plan_by_expert(
+    plan: &mut MoePlan,
+    chosen: &[u32],
+    n: usize,
+    k: usize,
+    ne: usize,
+) -> std::result::Result<(), String> {
     let mut count = vec![0usize; ne];
     for &e in chosen {
         let e = e as usize;
@@ -125,7 +132,8 @@ pub fn expert_up(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, layer: usize)
     let n = cx.batch.rows.len();
     let (d, k, ffn) = (c.d_model, c.n_experts_used, c.expert_ffn);
     let ctx = be.context();
-    let (xn, gu, sel) = (be.buf(t, model, BufId::Normed)?, be.buf(t, model, BufId::ExpertGate)?, be.buf(t, model, BufId::Routes)?);
+    let (xn, gu, sel) =
+        (be.buf(t, model, BufId::Normed)?, be.buf(t, model, BufId::ExpertGate)?, be.buf(t, model, BufId::Routes)?);
     let (gm, um) = (be.mat_grouped(model, lw.gate_exps, ffn)?, be.mat_grouped(model, lw.up_exps, ffn)?);
     let (sh_gu, _) = t.shared(ctx, model);
     let gv = View::new(&gu, 2 * ffn);
@@ -181,7 +189,8 @@ pub fn expert_down(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, layer: usiz
     let n = cx.batch.rows.len();
     let (d, k, ffn) = (c.d_model, c.n_experts_used, c.expert_ffn);
     let ctx = be.context();
-    let (gu, eo, sel) = (be.buf(t, model, BufId::ExpertGate)?, be.buf(t, model, BufId::ExpertOut)?, be.buf(t, model, BufId::Routes)?);
+    let (gu, eo, sel) =
+        (be.buf(t, model, BufId::ExpertGate)?, be.buf(t, model, BufId::ExpertOut)?, be.buf(t, model, BufId::Routes)?);
     let dm = be.mat_grouped(model, lw.down_exps, d)?;
     let (sh_gu, sh_out) = t.shared(ctx, model);
     let hv = View::new(&gu, 2 * ffn);
@@ -208,7 +217,8 @@ pub fn combine(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>) -> Result<()> {
     let n = cx.batch.rows.len();
     let (d, k) = (c.d_model, c.n_experts_used);
     let ctx = be.context();
-    let (eo, sel, out) = (be.buf(t, model, BufId::ExpertOut)?, be.buf(t, model, BufId::Routes)?, be.buf(t, model, BufId::SublayerOut)?);
+    let (eo, sel, out) =
+        (be.buf(t, model, BufId::ExpertOut)?, be.buf(t, model, BufId::Routes)?, be.buf(t, model, BufId::SublayerOut)?);
     let (_, sh_out) = t.shared(ctx, model);
     let (enc, plan) = t.enc_moe(ctx);
     if plan.on_device {
