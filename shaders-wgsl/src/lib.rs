@@ -106,7 +106,8 @@ pub const ROPE: &str = include_str!("wgsl/rope.wgsl");
 /// Softmax-with-sink attention over listed key rows, K = V (`attention.wgsl`, entries `main` and `keyed`, the
 /// latter reading keys from the batch rows, the window ring and the compressed rows of device-resident KV).
 pub const ATTENTION: &str = include_str!("wgsl/attention.wgsl");
-/// mHC: entries `pre` (weights + Sinkhorn + collapse; also the output head) and `post` (expand + mix).
+/// mHC: entries `pre` (weights + Sinkhorn + collapse; also the output head), `post` (expand + mix), and the node
+/// halves of `pre`: `weights` (of already normed mixes) and `collapse`.
 pub const HC: &str = include_str!("wgsl/hc.wgsl");
 /// Compressor pooling over slot lists (`compress.wgsl`, entry `main`).
 pub const COMPRESS: &str = include_str!("wgsl/compress.wgsl");
@@ -116,6 +117,8 @@ pub const INDEXER: &str = include_str!("wgsl/indexer.wgsl");
 pub const MOE: &str = include_str!("wgsl/moe.wgsl");
 /// Activation simulation: entries `fp8`, `fp4`, `hadamard`.
 pub const ACT: &str = include_str!("wgsl/act.wgsl");
+/// In-place scaling by a constant (`scale.wgsl`, entry `main`).
+pub const SCALE: &str = include_str!("wgsl/scale.wgsl");
 /// Combine of expert-indexed MoE outputs in ascending expert order (`moe_ids.wgsl`, entry `combine`).
 pub const MOE_IDS: &str = include_str!("wgsl/moe_ids.wgsl");
 
@@ -166,11 +169,12 @@ pub fn all_sources() -> Vec<(&'static str, &'static str, &'static [&'static str]
     v.push(("rms_norm", RMS_NORM, &["main"]));
     v.push(("rope", ROPE, &["main"]));
     v.push(("attention", ATTENTION, &["main", "keyed"]));
-    v.push(("hc", HC, &["pre", "post"]));
+    v.push(("hc", HC, &["pre", "post", "weights", "collapse"]));
     v.push(("compress", COMPRESS, &["main"]));
     v.push(("indexer", INDEXER, &["scores", "topk"]));
     v.push(("moe", MOE, &["route", "swiglu", "gather", "scatter"]));
     v.push(("act", ACT, &["fp8", "fp4", "hadamard"]));
+    v.push(("scale", SCALE, &["main"]));
     v.push(("kvdev", KVDEV, &["add_ape"]));
     v.push(("moe_ids", MOE_IDS, &["combine"]));
     for f in WeightFormat::ALL {

@@ -201,6 +201,16 @@ pub struct ActParams {
     pub block: u32,
 }
 
+/// `Params` of `scale.wgsl` ([`crate::SCALE`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct ScaleParams {
+    pub n: u32,
+    pub _p0: u32,
+    pub _p1: u32,
+    pub factor: f32,
+}
+
 /// One parameter block's Rust layout.
 #[derive(Clone, Debug)]
 pub struct ParamsLayout {
@@ -294,5 +304,6 @@ pub fn all() -> Vec<ParamsLayout> {
             ]
         ),
         layout!(ActParams, ACT, [rows, n, stride, block]),
+        layout!(ScaleParams, SCALE, [n, _p0, _p1, factor]),
     ]
 }

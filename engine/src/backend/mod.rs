@@ -5,8 +5,9 @@
 //! kernel per op kind it supports ([`Backend::supports`], [`Backend::run_node`]); it may also host native
 //! overrides from `ds4_kernels_native` ([`Backend::run_native`]). The executor ([`crate::exec`]) places each node:
 //! a native override first, then the backend's portable kernel; a stage with a node the backend has no kernel
-//! for runs whole through [`Backend::run_stage`] (the layer-level path; wgpu still uses it for every stage).
-//! The only host tensor every backend fills is [`Activations::logits`].
+//! for runs whole through [`Backend::run_stage`] (no backend needs it today: both have a kernel for every op kind).
+//! The only host tensor every backend fills is [`Activations::logits`] (by [`crate::graph::Op::Readback`] on a
+//! device backend).
 //!
 //! Device-resident backends (wgpu): the executor brackets every tick with [`Backend::begin_tick`] /
 //! [`Backend::end_tick`]. Such a backend may keep a session's KV on the device and leave the host [`SessionKv`]

@@ -4,7 +4,8 @@
 //! when one is registered for its op kind on this backend and applies to its shape, else to the backend's portable
 //! kernel ([`Backend::supports`]). A stage containing a node neither can run is placed whole on
 //! [`Backend::run_stage`] (the layer-level path). Every tensor of a tick lives with one backend, so no copies are
-//! needed between nodes; the one host tensor, the logits, is filled by the backend itself.
+//! needed between nodes; the one host tensor, the logits, comes back through the recipe's
+//! [`Op::Readback`] node (a no-op on the CPU, whose logits are host memory).
 //!
 //! Running ([`Executor::run`]) is Kahn's algorithm over the graph's precomputed dependency counts and dependents:
 //! a node becomes ready when every node it depends on has finished. Ready nodes run one at a time on the calling
@@ -14,7 +15,8 @@
 //!
 //! Op timing ([`Executor::time_ops`]) adds up the wall time of each op kind ([`Op::KINDS`]; a stage run whole
 //! counts as `"stage"`) across runs, for finding where a tick's time goes (`ds4-bench` prints it per decoded
-//! token). On wgpu, which submits the tick once, it is mostly recording time.
+//! token). On wgpu, whose nodes record into one encoder submitted by the readback, the readback holds the device
+//! time and every other node its recording time.
 
 use crate::backend::{Backend, StepCtx};
 use crate::graph::{Graph, Op};

@@ -200,13 +200,16 @@ pub enum Op {
     ExpertDown { layer: usize },
     /// `out = Σ routed weight · expert out (ascending expert) + shared out` per row (the scatter back).
     MoeCombine,
-    /// Output projection of the rows in [`Batch::logit_rows`].
+    /// Output projection of the rows in [`Batch::logit_rows`] into [`BufId::Logits`].
     Logits,
+    /// Brings tensor `buf` (the logit rows) to the host ([`crate::backend::Activations::logits`]): the tick's one
+    /// readback on a device backend, nothing on the CPU (whose logits are host memory already).
+    Readback { buf: BufId },
 }
 
 impl Op {
     /// Names of the op kinds, indexed by [`Op::kind`].
-    pub const KINDS: [&'static str; 22] = [
+    pub const KINDS: [&'static str; 23] = [
         "embed",
         "rms_norm",
         "matmul",
@@ -228,11 +231,12 @@ impl Op {
         "expert_down",
         "moe_combine",
         "logits",
+        "readback",
         "stage",
     ];
 
     /// Index of the pseudo-kind under which a whole stage run at once is timed.
-    pub const STAGE_KIND: usize = 21;
+    pub const STAGE_KIND: usize = 22;
 
     /// The op's kind, an index into [`Op::KINDS`].
     pub fn kind(&self) -> usize {
@@ -258,6 +262,7 @@ impl Op {
             Op::ExpertDown { .. } => 18,
             Op::MoeCombine => 19,
             Op::Logits => 20,
+            Op::Readback { .. } => 21,
         }
     }
 
@@ -359,6 +364,7 @@ impl Op {
                 read(HeadOut);
                 write(Logits);
             }
+            Op::Readback { buf } => read(buf),
         }
     }
 }

@@ -5,7 +5,7 @@
 //! post-mix, mHC pre-mix, MoE FFN, mHC post-mix; the head; the logits. What differs between ticks and layers is
 //! visible in the nodes, not hidden in a backend: which layers compress (and which index), hash vs learned
 //! routing ([`Op::MoeRoute`]), activation simulation ([`Op::ActSim`]), and which rows get logits
-//! ([`Op::Logits`] reads [`crate::graph::Batch::logit_rows`]).
+//! ([`Op::Logits`] reads [`crate::graph::Batch::logit_rows`]) and the readback of their logits ([`Op::Readback`]).
 //!
 //! Attention of a layer (tensor names are [`BufId`]s): `Normed = RMSNorm(Collapsed)·attn_norm`;
 //! `QLow = RMSNorm(wq_a·Normed)·q_norm`; `Q = wq_b·QLow`, per-head unweighted RMSNorm, RoPE;
@@ -48,6 +48,7 @@ pub fn build(g: &mut Graph, model: &Model, batch: &Batch, sim: bool) {
     let _ = batch;
     g.stage(Stage::Logits);
     g.push(Op::Logits);
+    g.push(Op::Readback { buf: BufId::Logits });
     g.finish();
 }
 
@@ -178,7 +179,9 @@ mod tests {
             let hash = model.layers[l].tid2eid.is_some();
             assert!(g.nodes.iter().any(|n| n.op == Op::MoeRoute { layer: l, hash }), "layer {l}");
         }
-        assert_eq!(g.nodes.last().unwrap().op, Op::Logits);
+        let n = g.nodes.len();
+        assert_eq!(g.nodes[n - 2].op, Op::Logits);
+        assert_eq!(g.nodes[n - 1].op, Op::Readback { buf: BufId::Logits }, "the readback is the last node");
         assert_eq!(g.stages.first().unwrap().0, Stage::Embed);
         // Stages tile the nodes.
         let mut at = 0;

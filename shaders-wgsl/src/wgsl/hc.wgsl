@@ -11,6 +11,10 @@
 // Entry `post` (dispatch (ceil(d / 64), n_tok, 1)):
 //   Xout[t, k, c] = post_k f[t, c] + sum_j comb[j][k] X[t, j, c]   (f at f_offset + t * f_stride).
 // X and Xout must be different buffers for `post` (every output reads all streams).
+// Entry `weights` (one invocation per token, dispatch (ceil(n_tok / 64), 1, 1)): the weights of `pre` with r = 1
+//   (mixes of the already normed streams), pre_j written to u at u_offset + t * u_stride + j; state as in `pre`.
+// Entry `collapse` (dispatch (ceil(d / 64), n_tok, 1)): u[t, c] = sum_j pre[t, j] X[t, j, c] with pre in binding 1
+//   at mix_offset + t * mix_stride (the summation order of `pre`).
 struct Params {
     n_tok: u32,
     d: u32,
@@ -46,6 +50,67 @@ fn sigmoid(v: f32) -> f32 {
     return 1.0 / (1.0 + exp(-v));
 }
 
+// The weights of token t from its mixes scaled by r: returns pre (N values) and, unless head, writes
+// state[t] = (post, Sinkhorn comb).
+fn weights_of(t: u32, r: f32) -> array<f32, 8> {
+    let n = min(p.n, MAX_N);
+    var w: array<f32, 8>;
+    let mb = p.mix_offset + t * p.mix_stride;
+    for (var j = 0u; j < n; j++) {
+        w[j] = sigmoid(mix[mb + j] * r * scale[0] + base[j]) + p.hc_eps;
+    }
+    if (p.head == 0u) {
+        let sb = t * (n + n * n);
+        for (var j = 0u; j < n; j++) {
+            state[sb + j] = 2.0 * sigmoid(mix[mb + n + j] * r * scale[1] + base[n + j]);
+        }
+        var c: array<f32, 64>;
+        for (var j = 0u; j < n; j++) {
+            var mx = -3.4e38;
+            for (var k = 0u; k < n; k++) {
+                let v = mix[mb + 2u * n + j * n + k] * r * scale[2] + base[2u * n + j * n + k];
+                c[j * n + k] = v;
+                mx = max(mx, v);
+            }
+            var sum = 0.0;
+            for (var k = 0u; k < n; k++) {
+                let e = exp(c[j * n + k] - mx);
+                c[j * n + k] = e;
+                sum += e;
+            }
+            for (var k = 0u; k < n; k++) {
+                c[j * n + k] = c[j * n + k] / sum + p.hc_eps;
+            }
+        }
+        for (var it = 0u; it < p.iters; it++) {
+            if (it > 0u) {
+                for (var j = 0u; j < n; j++) {
+                    var sum = 0.0;
+                    for (var k = 0u; k < n; k++) {
+                        sum += c[j * n + k];
+                    }
+                    for (var k = 0u; k < n; k++) {
+                        c[j * n + k] /= sum + p.hc_eps;
+                    }
+                }
+            }
+            for (var k = 0u; k < n; k++) {
+                var sum = 0.0;
+                for (var j = 0u; j < n; j++) {
+                    sum += c[j * n + k];
+                }
+                for (var j = 0u; j < n; j++) {
+                    c[j * n + k] /= sum + p.hc_eps;
+                }
+            }
+        }
+        for (var i = 0u; i < n * n; i++) {
+            state[sb + n + i] = c[i];
+        }
+    }
+    return w;
+}
+
 @compute @workgroup_size(64)
 fn pre(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
     let t = wg.x;
@@ -67,58 +132,9 @@ fn pre(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li
     }
     if (li == 0u) {
         let r = inverseSqrt(red[0] / f32(w) + p.norm_eps);
-        let mb = p.mix_offset + t * p.mix_stride;
+        let pw = weights_of(t, r);
         for (var j = 0u; j < n; j++) {
-            pre_w[j] = sigmoid(mix[mb + j] * r * scale[0] + base[j]) + p.hc_eps;
-        }
-        if (p.head == 0u) {
-            let sb = t * (n + n * n);
-            for (var j = 0u; j < n; j++) {
-                state[sb + j] = 2.0 * sigmoid(mix[mb + n + j] * r * scale[1] + base[n + j]);
-            }
-            var c: array<f32, 64>;
-            for (var j = 0u; j < n; j++) {
-                var mx = -3.4e38;
-                for (var k = 0u; k < n; k++) {
-                    let v = mix[mb + 2u * n + j * n + k] * r * scale[2] + base[2u * n + j * n + k];
-                    c[j * n + k] = v;
-                    mx = max(mx, v);
-                }
-                var sum = 0.0;
-                for (var k = 0u; k < n; k++) {
-                    let e = exp(c[j * n + k] - mx);
-                    c[j * n + k] = e;
-                    sum += e;
-                }
-                for (var k = 0u; k < n; k++) {
-                    c[j * n + k] = c[j * n + k] / sum + p.hc_eps;
-                }
-            }
-            for (var it = 0u; it < p.iters; it++) {
-                if (it > 0u) {
-                    for (var j = 0u; j < n; j++) {
-                        var sum = 0.0;
-                        for (var k = 0u; k < n; k++) {
-                            sum += c[j * n + k];
-                        }
-                        for (var k = 0u; k < n; k++) {
-                            c[j * n + k] /= sum + p.hc_eps;
-                        }
-                    }
-                }
-                for (var k = 0u; k < n; k++) {
-                    var sum = 0.0;
-                    for (var j = 0u; j < n; j++) {
-                        sum += c[j * n + k];
-                    }
-                    for (var j = 0u; j < n; j++) {
-                        c[j * n + k] /= sum + p.hc_eps;
-                    }
-                }
-            }
-            for (var i = 0u; i < n * n; i++) {
-                state[sb + n + i] = c[i];
-            }
+            pre_w[j] = pw[j];
         }
     }
     workgroupBarrier();
@@ -151,4 +167,37 @@ fn post(@builtin(global_invocation_id) gid: vec3<u32>) {
         }
         u[xb + k * p.d + c] = acc;
     }
+}
+
+// For `weights`: the mixes come from the normed streams (r = 1); pre goes to `u` (N per token at u_offset +
+// t * u_stride), post/comb to `state` unless head.
+@compute @workgroup_size(64)
+fn weights(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let t = gid.x;
+    if (t >= p.n_tok) {
+        return;
+    }
+    let pw = weights_of(t, 1.0);
+    let ub = p.u_offset + t * p.u_stride;
+    for (var j = 0u; j < min(p.n, MAX_N); j++) {
+        u[ub + j] = pw[j];
+    }
+}
+
+// For `collapse`: binding 1 (`mix`) carries pre (N per token at mix_offset + t * mix_stride).
+@compute @workgroup_size(64)
+fn collapse(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let c = gid.x;
+    let t = gid.y;
+    if (c >= p.d || t >= p.n_tok) {
+        return;
+    }
+    let n = min(p.n, MAX_N);
+    let xb = t * n * p.d;
+    let mb = p.mix_offset + t * p.mix_stride;
+    var acc = 0.0;
+    for (var j = 0u; j < n; j++) {
+        acc += mix[mb + j] * xs[xb + j * p.d + c];
+    }
+    u[p.u_offset + t * p.u_stride + c] = acc;
 }

@@ -7,7 +7,7 @@
 // Entry `swiglu` (dispatch (ceil(n / 64), rows, 1)): h[r, c] = silu(min(g, L)) * clamp(u, -L, L) * (use_w ? rw[wi[r]] : 1)
 //   with g = gu[r * gu_stride + c], u = gu[r * gu_stride + up_offset + c], h at h_offset + r * h_stride + c.
 // Entry `gather` (dispatch (ceil(n / 64), rows, 1)): dst[r * n + c] = src[rows_idx[r] * src_stride + c].
-// Entry `scatter` (dispatch (ceil(n / 64), rows, 1)): dst[rows_idx[r] * dst_stride + c] += src[r * n + c].
+// Entry `scatter` (dispatch (ceil(n / 64), rows, 1)): dst[rows_idx[r] * dst_stride + c] += src[h_offset + r * n + c].
 //   A destination row must appear at most once per dispatch (true for one expert's token list).
 struct Params {
     n_tok: u32,
@@ -116,7 +116,7 @@ fn gather(@builtin(global_invocation_id) gid: vec3<u32>) {
     b[r * p.n + c] = a[ia[r] * p.stride + c];
 }
 
-// a = src (packed rows of n), b = dst (stride `stride`), ia = destination rows.
+// a = src (packed rows of n from element h_offset), b = dst (stride `stride`), ia = destination rows.
 @compute @workgroup_size(64)
 fn scatter(@builtin(global_invocation_id) gid: vec3<u32>) {
     let c = gid.x;
@@ -125,5 +125,5 @@ fn scatter(@builtin(global_invocation_id) gid: vec3<u32>) {
         return;
     }
     let d = ia[r] * p.stride + c;
-    b[d] = b[d] + a[r * p.n + c];
+    b[d] = b[d] + a[p.h_offset + r * p.n + c];
 }

@@ -254,6 +254,8 @@ impl Backend for CpuBackend {
             Op::ExpertDown { layer } => moe::expert_down(pool, sc, cx, layer),
             Op::MoeCombine => moe::combine(sc, cx),
             Op::Logits => rowops::logits(pool, sc, cx),
+            // The logits are written to the host buffer directly.
+            Op::Readback { .. } => Ok(()),
         }
     }
 

@@ -1,30 +1,30 @@
-//! The attention stage of the wgpu backend for one layer (same order and semantics as the recipe,
-//! [`crate::model::recipe`], whose module docs give the equations), entirely on the device.
-//!
-//! Every projection, norm, RoPE and activation simulation runs as before; the session state lives in the
-//! slot's device mirror ([`super::kvdev`]) and is advanced without any readback:
+//! The KV kernels of the wgpu backend — [`compress_push`], [`indexer_topk`], [`sparse_attention`], [`kv_store`]
+//! (the nodes of [`crate::graph::Op`] of those names) — entirely on the device. Each works run by run on the
+//! session state in the run's device mirror ([`super::kvdev`]), advanced without any readback:
 //! - compressor (main and indexer), per run: the frontier (carried block + pending block) and the run's projected
 //!   rows are copied into one scratch matrix (`ext`: rows `0..ratio` carried, `ratio..2·ratio` pending,
 //!   then the run's rows with `ape` added by `kvdev.wgsl`), the completed windows are pooled from slot lists into
 //!   that matrix (`compress.wgsl`, the CPU push's exact slot order), RMSNorm·norm, RoPE at the window's first
 //!   position and the simulation are applied, and the rows are appended to the mirror; then the carried block
 //!   (CSA) and the last writer of every pending slot are copied back into the frontier;
-//! - the indexer scores its queries against the mirror's indexer rows, and attention reads keys by tagged entry
-//!   (batch row, ring slot, compressed row, or the indexer's j-th selection) with `attention.wgsl`'s `keyed` entry,
-//!   so the selections never leave the device;
+//! - the indexer scores its queries against the mirror's indexer rows into [`BufId::Selected`], and attention reads
+//!   keys by tagged entry (batch row, ring slot, compressed row, or the indexer's j-th selection) with
+//!   `attention.wgsl`'s `keyed` entry, so the selections never leave the device;
 //! - the ring takes the last `window` raw rows of each run after attention.
 //!
-//! Everything the host decides (slot lists, key lists, positions for RoPE) is a function of the batch positions.
+//! Every node that touches a run's mirror gives the session a fresh epoch ([`session`]), so the host copy is stale
+//! from the first KV node of a tick on. Everything the host decides (slot lists, key lists, positions for RoPE) is a
+//! function of the batch positions.
 
 use std::collections::HashMap;
 
+use super::backend::WgpuBackend;
 use super::context::{backend_err, WgpuContext};
 use super::kvdev::{copy_rows, FrontDev, Rows, SlotKv};
-use super::matmul::{matmul, View};
 use super::ops::{self, key, ActSim, KeyLists, KeySources, RopeShape, Slot};
-use super::res::{rope_table, StageResources};
-use super::resident::Tick;
+use super::resident::{rope_table, Tick};
 use crate::backend::StepCtx;
+use crate::graph::BufId;
 use crate::model::{LayerKind, ModelConfig, RopeFreqs};
 use crate::tables::SessionKv;
 use crate::Result;
@@ -177,133 +177,166 @@ impl Compress<'_> {
     }
 }
 
-/// Records the [`crate::graph::Stage::Attention`] of `layer` on the device.
-pub fn attention(
-    be: &impl StageResources,
+/// The mirror of run `ri` of the batch (see [`mirror`]), its session stamped with a fresh epoch.
+fn session<'m>(
+    ctx: &WgpuContext,
+    kvs: &'m mut HashMap<usize, SlotKv>,
+    cx: &mut StepCtx<'_>,
+    ri: usize,
+) -> Result<&'m mut SlotKv> {
+    if cx.kv.len() != cx.batch.runs.len() {
+        return Err(backend_err(format!("attention: {} KV states for {} runs", cx.kv.len(), cx.batch.runs.len())));
+    }
+    let m = mirror(ctx, &cx.model.config, kvs, cx.batch.runs[ri].slot, &cx.kv[ri])?;
+    m.stamp(&mut cx.kv[ri].sync);
+    Ok(m)
+}
+
+/// [`crate::graph::Op::CompressPush`]: each run's projected rows through the layer's compressor (`indexer`: the
+/// indexer's) into its session's compressed (indexer) rows.
+pub fn compress_push(
+    be: &WgpuBackend,
+    t: &mut Tick,
+    kvs: &mut HashMap<usize, SlotKv>,
+    cx: &mut StepCtx<'_>,
+    layer: usize,
+    indexer: bool,
+    sim: bool,
+) -> Result<()> {
+    let ctx = be.context();
+    let model = cx.model;
+    let c = &model.config;
+    let lw = &model.layers[layer];
+    let comp = match (indexer, &lw.compressor, &lw.indexer) {
+        (false, Some(cw), _) => cw,
+        (true, _, Some(iw)) => &iw.comp,
+        _ => return Err(backend_err(format!("compress push: layer {layer} has no such compressor"))),
+    };
+    let (kv_id, gate_id) = if indexer { (BufId::IdxKv, BufId::IdxGate) } else { (BufId::CompKv, BufId::CompGate) };
+    let (src_kv, src_gate) = (be.buf(t, model, kv_id)?, be.buf(t, model, gate_id)?);
+    let (ape, norm) = (be.dense(model, comp.ape), be.dense(model, comp.norm));
+    let rope = cx.rope.for_layer(model, layer);
+    let row_sim = match (sim, indexer) {
+        (false, _) => RowSim::None,
+        (true, false) => RowSim::Fp8 { rope_dim: c.rope_dim },
+        (true, true) => RowSim::Fp4,
+    };
+    let enc = t.enc(ctx);
+    for ri in 0..cx.batch.runs.len() {
+        let run = cx.batch.runs[ri];
+        if run.len == 0 {
+            continue;
+        }
+        let p0 = cx.batch.rows[run.start].pos;
+        let ld = &mut session(ctx, kvs, cx, ri)?.layers[layer];
+        let (f, rows) = if indexer { (&ld.fidx, ld.idx.as_mut()) } else { (&ld.fcomp, ld.comp.as_mut()) };
+        let (Some(f), Some(out_rows)) = (f, rows) else {
+            return Err(backend_err(format!("device KV: layer {layer} has no compressor state")));
+        };
+        let job = Compress {
+            src_kv: &src_kv,
+            src_gate: &src_gate,
+            start: run.start,
+            p0,
+            len: run.len,
+            ape: &ape,
+            norm: &norm,
+            eps: c.rms_eps,
+            rope,
+            rope_dim: c.rope_dim,
+            sim: row_sim,
+        };
+        job.run(ctx, enc, f, out_rows)?;
+    }
+    Ok(())
+}
+
+/// [`crate::graph::Op::IndexerTopK`]: per run, the indexer scores of its queries against the session's indexer
+/// rows (this tick's included) and their top-k into the run's rows of `Selected`.
+pub fn indexer_topk(
+    be: &WgpuBackend,
     t: &mut Tick,
     kvs: &mut HashMap<usize, SlotKv>,
     cx: &mut StepCtx<'_>,
     layer: usize,
 ) -> Result<()> {
-    let ctx = be.ctx();
+    let ctx = be.context();
+    let model = cx.model;
+    let c = &model.config;
+    let (ih, ihd, ratio) = (c.idx_heads, c.idx_head_dim, c.compress_ratios[layer]);
+    let topk = c.idx_topk.max(1);
+    let (iq, iw, selected) =
+        (be.buf(t, model, BufId::IdxQ)?, be.buf(t, model, BufId::IdxW)?, be.buf(t, model, BufId::Selected)?);
+    if ratio == 0 {
+        return Err(backend_err(format!("indexer: layer {layer} does not compress")));
+    }
+    let f4 = 4u64;
+    let enc = t.enc(ctx);
+    for ri in 0..cx.batch.runs.len() {
+        let run = cx.batch.runs[ri];
+        let (start, len) = (run.start, run.len);
+        if len == 0 {
+            continue;
+        }
+        let ld = &session(ctx, kvs, cx, ri)?.layers[layer];
+        let idx_rows =
+            ld.idx.as_ref().ok_or_else(|| backend_err(format!("device KV: layer {layer} has no indexer")))?;
+        let n_keys = idx_rows.rows;
+        let rows = &cx.batch.rows;
+        let limit: Vec<u32> = (start..start + len).map(|r| ((rows[r].pos + 1) / ratio).min(n_keys) as u32).collect();
+        let (qrun, wrun) = (ctx.scratch(len * ih * ihd), ctx.scratch(len * ih));
+        enc.copy_buffer_to_buffer(&iq, (start * ih * ihd) as u64 * f4, &qrun, 0, (len * ih * ihd) as u64 * f4);
+        enc.copy_buffer_to_buffer(&iw, (start * ih) as u64 * f4, &wrun, 0, (len * ih) as u64 * f4);
+        let (sc, s) = (ctx.scratch(len * n_keys.max(1)), ctx.scratch(len * topk));
+        // The head weights carry 1/sqrt(heads) already (the recipe's Scale node).
+        let scale = 1.0 / (ihd as f32).sqrt();
+        let keys = &idx_rows.buf;
+        ops::indexer_topk(ctx, enc, &qrun, keys, &wrun, &limit, n_keys, ih, ihd, topk, scale, &sc, &s)?;
+        enc.copy_buffer_to_buffer(&s, 0, &selected, (start * topk) as u64 * f4, (len * topk) as u64 * f4);
+    }
+    Ok(())
+}
+
+/// [`crate::graph::Op::SparseAttention`]: per run, each row's window (batch rows and ring) plus its compressed
+/// rows (HCA: all visible; CSA: its selections), with sinks, into `AttnOut`.
+pub fn sparse_attention(
+    be: &WgpuBackend,
+    t: &mut Tick,
+    kvs: &mut HashMap<usize, SlotKv>,
+    cx: &mut StepCtx<'_>,
+    layer: usize,
+) -> Result<()> {
+    let ctx = be.context();
     let model = cx.model;
     let c = &model.config;
     let lw = &model.layers[layer];
-    let batch = cx.batch;
-    let rows = &batch.rows;
-    let n = rows.len();
-    if n == 0 {
-        return Ok(());
-    }
-    let (d, hd, nh, rd, ql) = (c.d_model, c.head_dim, c.n_heads, c.rope_dim, c.q_lora_rank);
-    let (ih, ihd) = (c.idx_heads, c.idx_head_dim);
-    let eps = c.rms_eps;
-    let rope = cx.rope.for_layer(model, layer);
+    let (hd, nh, window) = (c.head_dim, c.n_heads, c.window);
     let kind = c.layer_kind(layer);
     let ratio = c.compress_ratios[layer];
-    let sim_on = cx.sim;
-    let coff = if kind == LayerKind::Csa { 2 } else { 1 };
-
-    let cs = be.upload(&rope_table(rope, rows.iter().map(|r| r.pos)));
-    let u = t.act.collapsed.get(ctx, "collapsed", n * d).clone();
-    let out = t.act.sub_out.get(ctx, "sub out", n * d).clone();
-    let (xn, qr, q, kv) = (ctx.scratch(n * d), ctx.scratch(n * ql), ctx.scratch(n * nh * hd), ctx.scratch(n * hd));
-    let enc = t.enc(ctx);
-    let an = be.dense_buf(model, lw.attn_norm);
-    ops::rms_norm(ctx, enc, (&u, 0, d), (&xn, 0, d), Some(&an), d, n, eps)?;
-    be.matvec(enc, &*be.weight(model, lw.wq_a)?, View::new(&xn, d), n, View::new(&qr, ql))?;
-    let qn = be.dense_buf(model, lw.q_norm);
-    ops::rms_norm(ctx, enc, (&qr, 0, ql), (&qr, 0, ql), Some(&qn), ql, n, eps)?;
-    be.matvec(enc, &*be.weight(model, lw.wq_b)?, View::new(&qr, ql), n, View::new(&q, nh * hd))?;
-    ops::rms_norm(ctx, enc, (&q, 0, hd), (&q, 0, hd), None, hd, n * nh, eps)?;
-    let qshape =
-        RopeShape { n_tok: n, heads: nh, head_dim: hd, rope_dim: rd, offset: 0, tok_stride: nh * hd, head_stride: hd };
-    ops::rope(ctx, enc, &q, &cs, qshape, false)?;
-    be.matvec(enc, &*be.weight(model, lw.wkv)?, View::new(&xn, d), n, View::new(&kv, hd))?;
-    let kn = be.dense_buf(model, lw.kv_norm);
-    ops::rms_norm(ctx, enc, (&kv, 0, hd), (&kv, 0, hd), Some(&kn), hd, n, eps)?;
-    ops::rope(ctx, enc, &kv, &cs, RopeShape { heads: 1, tok_stride: hd, ..qshape }, false)?;
-    if sim_on {
-        ops::act_sim(ctx, enc, &kv, ActSim::Fp8, n, hd - rd, hd, 64)?;
-    }
-    let comp_bufs = match &lw.compressor {
-        Some(cw) => {
-            let (ckv, cg) = (ctx.scratch(n * coff * hd), ctx.scratch(n * coff * hd));
-            be.matvec(enc, &*be.weight(model, cw.wkv)?, View::new(&xn, d), n, View::new(&ckv, coff * hd))?;
-            be.matvec(enc, &*be.weight(model, cw.wgate)?, View::new(&xn, d), n, View::new(&cg, coff * hd))?;
-            Some((ckv, cg, be.dense_buf(model, cw.ape), be.dense_buf(model, cw.norm)))
-        }
-        None => None,
-    };
-    let idx_bufs = match &lw.indexer {
-        Some(iw) => {
-            let (ikv, ig) = (ctx.scratch(n * 2 * ihd), ctx.scratch(n * 2 * ihd));
-            let (iq, iwb) = (ctx.scratch(n * ih * ihd), ctx.scratch(n * ih));
-            be.matvec(enc, &*be.weight(model, iw.comp.wkv)?, View::new(&xn, d), n, View::new(&ikv, 2 * ihd))?;
-            be.matvec(enc, &*be.weight(model, iw.comp.wgate)?, View::new(&xn, d), n, View::new(&ig, 2 * ihd))?;
-            be.matvec(enc, &*be.weight(model, iw.wq_b)?, View::new(&qr, ql), n, View::new(&iq, ih * ihd))?;
-            let ishape = RopeShape { heads: ih, head_dim: ihd, tok_stride: ih * ihd, head_stride: ihd, ..qshape };
-            ops::rope(ctx, enc, &iq, &cs, ishape, false)?;
-            if sim_on {
-                ops::act_sim(ctx, enc, &iq, ActSim::Hadamard, n * ih, ihd, ihd, 0)?;
-                ops::act_sim(ctx, enc, &iq, ActSim::Fp4, n * ih, ihd, ihd, 32)?;
-            }
-            be.matvec(enc, &*be.weight(model, iw.proj)?, View::new(&xn, d), n, View::new(&iwb, ih))?;
-            let comp = &iw.comp;
-            Some((ikv, ig, iq, iwb, be.dense_buf(model, comp.ape), be.dense_buf(model, comp.norm)))
-        }
-        None => None,
-    };
-
-    let attn = ctx.scratch(n * nh * hd);
-    let sinks = be.dense_buf(model, lw.sinks);
     let topk = c.idx_topk.max(1);
-    let window = c.window;
+    let (q, kv, attn) =
+        (be.buf(t, model, BufId::Q)?, be.buf(t, model, BufId::KvRows)?, be.buf(t, model, BufId::AttnOut)?);
+    let selected = if kind == LayerKind::Csa { Some(be.buf(t, model, BufId::Selected)?) } else { None };
+    let sinks = be.dense(model, lw.sinks);
     let no_comp = ctx.storage_zeroed("no comp rows", 1);
     let no_sel = ctx.storage_u32("no selections", &[u32::MAX]);
-    if cx.kv.len() != batch.runs.len() {
-        return Err(backend_err(format!("attention: {} KV states for {} runs", cx.kv.len(), batch.runs.len())));
-    }
-    for (ri, run) in batch.runs.iter().enumerate() {
-        if run.len == 0 {
+    let f4 = 4u64;
+    let enc = t.enc(ctx);
+    for ri in 0..cx.batch.runs.len() {
+        let run = cx.batch.runs[ri];
+        let (start, len) = (run.start, run.len);
+        if len == 0 {
             continue;
         }
-        let m = mirror(ctx, c, kvs, run.slot, &cx.kv[ri])?;
-        let ld = &mut m.layers[layer];
-        let p0 = rows[run.start].pos;
-        let (start, len) = (run.start, run.len);
-        if let (Some((ckv, cg, ape, norm)), Some(f), Some(out_rows)) = (&comp_bufs, &ld.fcomp, ld.comp.as_mut()) {
-            let sim = if sim_on { RowSim::Fp8 { rope_dim: rd } } else { RowSim::None };
-            let job = Compress { src_kv: ckv, src_gate: cg, start, p0, len, ape, norm, eps, rope, rope_dim: rd, sim };
-            job.run(ctx, enc, f, out_rows)?;
-        }
-        let mut sel = None;
-        if let (Some((ikv, ig, iq, iwb, ape, norm)), Some(f), Some(idx_rows)) = (&idx_bufs, &ld.fidx, ld.idx.as_mut()) {
-            let sim = if sim_on { RowSim::Fp4 } else { RowSim::None };
-            let job = Compress { src_kv: ikv, src_gate: ig, start, p0, len, ape, norm, eps, rope, rope_dim: rd, sim };
-            job.run(ctx, enc, f, idx_rows)?;
-            // Indexer top-k of this run against the session's indexer rows (this tick's included).
-            let n_keys = idx_rows.rows;
-            let limit: Vec<u32> =
-                (start..start + len).map(|r| ((rows[r].pos + 1) / ratio).min(n_keys) as u32).collect();
-            let (qrun, wrun) = (ctx.scratch(len * ih * ihd), ctx.scratch(len * ih));
-            let f4 = 4u64;
-            enc.copy_buffer_to_buffer(iq, (start * ih * ihd) as u64 * f4, &qrun, 0, (len * ih * ihd) as u64 * f4);
-            enc.copy_buffer_to_buffer(iwb, (start * ih) as u64 * f4, &wrun, 0, (len * ih) as u64 * f4);
-            let (sc, s) = (ctx.scratch(len * n_keys.max(1)), ctx.scratch(len * topk));
-            let scale = 1.0 / ((ihd as f32).sqrt() * (ih as f32).sqrt());
-            let keys = &idx_rows.buf;
-            ops::indexer_topk(ctx, enc, &qrun, keys, &wrun, &limit, n_keys, ih, ihd, topk, scale, &sc, &s)?;
-            sel = Some(s);
-        }
-
-        // Key lists of this run's rows (local token index), attention on the device.
+        let ld = &session(ctx, kvs, cx, ri)?.layers[layer];
+        let rows = &cx.batch.rows;
+        let p0 = rows[start].pos;
         let mut keys = KeyLists { rows: Vec::new(), ranges: Vec::with_capacity(len) };
         let n_comp = ld.comp.as_ref().map_or(0, |r| r.rows);
         if n_comp.max(start + len).max(window) > key::MAX_INDEX as usize {
             return Err(backend_err(format!("attention: {n_comp} compressed rows exceed the key index range")));
         }
-        for (j, row) in rows[start..start + len].iter().enumerate() {
+        for row in &rows[start..start + len] {
             let tpos = row.pos;
             let k0 = keys.rows.len() as u32;
             for p in (tpos + 1).saturating_sub(window)..=tpos {
@@ -318,38 +351,52 @@ pub fn attention(
                 LayerKind::Hca => keys.rows.extend((0..((tpos + 1) / ratio).min(n_comp)).map(|w| key::COMP | w as u32)),
                 LayerKind::Csa => keys.rows.extend((0..topk).map(|i| key::SEL | i as u32)),
             }
-            debug_assert_eq!(j, keys.ranges.len());
             keys.ranges.push((k0, keys.rows.len() as u32 - k0));
         }
-        let src = KeySources {
-            batch: &kv,
-            ring: &ld.ring,
-            comp: ld.comp.as_ref().map_or(&no_comp, |r| &r.buf),
-            sel: sel.as_deref().unwrap_or(&no_sel),
-            topk,
+        // The keyed entry indexes selections by the run's own rows: bind the run's slice of `Selected`.
+        let run_sel;
+        let sel: &wgpu::Buffer = match &selected {
+            Some(s) if start == 0 => s,
+            Some(s) => {
+                run_sel = ctx.scratch(len * topk);
+                enc.copy_buffer_to_buffer(s, (start * topk) as u64 * f4, &run_sel, 0, (len * topk) as u64 * f4);
+                &run_sel
+            }
+            None => &no_sel,
         };
+        let src =
+            KeySources { batch: &kv, ring: &ld.ring, comp: ld.comp.as_ref().map_or(&no_comp, |r| &r.buf), sel, topk };
         let scale = 1.0 / (hd as f32).sqrt();
-        let (qv, ov) = ((&*q, start * nh * hd, nh * hd), (&*attn, start * nh * hd, nh * hd));
+        let (qv, ov) = ((&q, start * nh * hd, nh * hd), (&attn, start * nh * hd, nh * hd));
         ops::attention_keyed(ctx, enc, qv, &src, &keys, &sinks, ov, nh, hd, scale)?;
+    }
+    Ok(())
+}
 
-        // Ring update: the last `window` rows of the run.
+/// [`crate::graph::Op::KvStore`]: the last `window` raw rows of each run into its session's ring.
+pub fn kv_store(
+    be: &WgpuBackend,
+    t: &mut Tick,
+    kvs: &mut HashMap<usize, SlotKv>,
+    cx: &mut StepCtx<'_>,
+    layer: usize,
+) -> Result<()> {
+    let ctx = be.context();
+    let (hd, window) = (cx.model.config.head_dim, cx.model.config.window);
+    let kv = be.buf(t, cx.model, BufId::KvRows)?;
+    let enc = t.enc(ctx);
+    for ri in 0..cx.batch.runs.len() {
+        let run = cx.batch.runs[ri];
+        if run.len == 0 {
+            continue;
+        }
+        let p0 = cx.batch.rows[run.start].pos;
+        let (start, len) = (run.start, run.len);
+        let ld = &mut session(ctx, kvs, cx, ri)?.layers[layer];
         let pairs: Vec<(usize, usize)> =
             (len.saturating_sub(window)..len).map(|j| (start + j, (p0 + j) % window)).collect();
         copy_rows(enc, &kv, &ld.ring, &pairs, hd);
         ld.pos = Some(p0 + len);
-        m.stamp(&mut cx.kv[ri].sync);
     }
-
-    ops::rope(ctx, enc, &attn, &cs, qshape, true)?;
-    let (g, rank) = (c.o_groups, c.o_lora_rank);
-    let gs = nh * hd / g;
-    let oa = ctx.scratch(n * g * rank);
-    let wo_a = be.weight(model, lw.wo_a)?;
-    for gi in 0..g {
-        let x = View { buf: &attn, offset: gi * gs, stride: nh * hd };
-        let y = View { buf: &oa, offset: gi * rank, stride: g * rank };
-        matmul(ctx, enc, &wo_a, gi * rank..(gi + 1) * rank, x, n, y, false)?;
-    }
-    be.matvec(enc, &*be.weight(model, lw.wo_b)?, View::new(&oa, g * rank), n, View::new(&out, d))?;
     Ok(())
 }

@@ -8,18 +8,24 @@
 //! - [`matmul`]: quantized matrix-vector / matrix-matrix products and row gathers over split weights.
 //! - [`ops`]: every other kernel (norm, RoPE, attention, mHC, compressor, indexer, MoE, activation simulation,
 //!   compressor `ape`).
-//! - `resident`: the tick's command encoder and the device buffers that mirror the activations.
+//! - `resident`: the tick's command encoder and the device buffer behind each tensor ([`crate::graph::BufId`]).
 //! - [`kvdev`]: device-resident session KV (ring, compressed and indexer rows in page order, frontiers), upload and
 //!   sync to the host.
-//! - [`backend`] (+ `attn`): [`WgpuBackend`], the [`crate::backend::Backend`] op surface on those kernels.
+//! - the node kernels, one function per [`crate::graph::Op`] kind: `rows` (row ops, mHC, logits, readback), `attn`
+//!   (compressor push, indexer top-k, sparse attention, ring store), `moe` (routing and the expert halves).
+//! - [`backend`]: [`WgpuBackend`], the [`crate::backend::Backend`] kernel provider that dispatches nodes to them.
 //!
-//! Every function here only records commands into a `wgpu::CommandEncoder` unless it says otherwise; call
-//! [`context::WgpuContext::submit`] to run them and [`context::WgpuContext::read_f32`] to read results.
+//! Every function here only records commands into a `wgpu::CommandEncoder` unless it says otherwise (the readback
+//! node submits the tick); call [`context::WgpuContext::submit`] to run them and [`context::WgpuContext::read_f32`]
+//! to read results.
 //!
-//! Known limits (next steps): learned-routing MoE layers read the expert ids back to group rows by expert (an
-//! indirect, expert-indexed matmul would remove the last mid-tick readback); a device KV row buffer is one binding
+//! Known limits (next steps): learned-routing MoE layers in prefill-sized batches read the expert ids back to group
+//! rows by expert (an indirect, expert-indexed grouped matmul would remove the last mid-tick readback); the KV nodes
+//! do not write the roll-back log (roll back recomputes on wgpu); a device KV row buffer is one binding
 //! (at most the storage binding limit: ~128 MiB on lavapipe), so very long contexts need real page tables;
-//! uniform blocks, key lists and RoPE tables are small fresh buffers per dispatch; kernels are written for
+//! uniform blocks, bind groups, key and row lists are small fresh objects per dispatch and the RoPE tables one
+//! fresh buffer per tick and flavour (the tensor buffers are reused, grown only when the batch grows); kernels are
+//! written for
 //! correctness (one workgroup per output row, scalar decode) and are untuned.
 
 mod attn;
@@ -27,10 +33,11 @@ pub mod backend;
 pub mod context;
 pub mod kvdev;
 pub mod matmul;
+mod moe;
 pub mod moe_ids;
 pub mod ops;
-mod res;
 mod resident;
+mod rows;
 pub mod weights;
 
 #[cfg(test)]

@@ -570,7 +570,7 @@ fn gather_scatter(
     ctx: &WgpuContext,
     enc: &mut Enc,
     entry: &str,
-    src: &Buf,
+    src: (&Buf, usize),
     dst: &Buf,
     rows: &[u32],
     n: usize,
@@ -579,10 +579,13 @@ fn gather_scatter(
     if rows.is_empty() || n == 0 {
         return Ok(());
     }
+    let (src, src_offset) = src;
     let mut p = moe_params();
     p.n = u32_of(n, "n")?;
     p.rows = u32_of(rows.len(), "rows")?;
     p.stride = u32_of(stride, "stride")?;
+    // The scatter's source offset (the gather takes none).
+    p.h_offset = u32_of(src_offset, "source offset")?;
     let pl = ctx.pipeline_entry("moe", sh::MOE, entry)?;
     let ib = ctx.storage_u32("moe rows", rows);
     let ub = ctx.uniform("moe gather/scatter", &p);
@@ -599,7 +602,7 @@ pub fn gather_rows(
     n: usize,
     stride: usize,
 ) -> Result<()> {
-    gather_scatter(ctx, enc, "gather", src, dst, rows, n, stride)
+    gather_scatter(ctx, enc, "gather", (src, 0), dst, rows, n, stride)
 }
 
 /// `dst[rows[r]] += src[r]` (source packed rows of `n`; destination row stride `stride`; `rows` distinct).
@@ -612,11 +615,26 @@ pub fn scatter_add_rows(
     n: usize,
     stride: usize,
 ) -> Result<()> {
+    scatter_add_rows_from(ctx, enc, src, 0, dst, rows, n, stride)
+}
+
+/// [`scatter_add_rows`] with the packed source rows starting at element `src_offset` of `src`.
+#[allow(clippy::too_many_arguments)]
+pub fn scatter_add_rows_from(
+    ctx: &WgpuContext,
+    enc: &mut Enc,
+    src: &Buf,
+    src_offset: usize,
+    dst: &Buf,
+    rows: &[u32],
+    n: usize,
+    stride: usize,
+) -> Result<()> {
     let mut seen = std::collections::HashSet::new();
     if !rows.iter().all(|r| seen.insert(*r)) {
         return Err(backend_err("scatter_add_rows: destination rows must be distinct"));
     }
-    gather_scatter(ctx, enc, "scatter", src, dst, rows, n, stride)
+    gather_scatter(ctx, enc, "scatter", (src, src_offset), dst, rows, n, stride)
 }
 
 /// Which activation round trip [`act_sim`] applies.

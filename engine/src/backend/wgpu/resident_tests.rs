@@ -451,3 +451,21 @@ fn device_rows_of_a_page_equal_its_persist_row_block() {
     assert!(be.kv_rows(&stale, 2, RowTable::Comp, 0..11).is_err(), "past the rows written");
     assert!(be.kv_rows(&SessionKv::new(c, 8), 2, RowTable::Comp, 0..1).is_err(), "never on the device");
 }
+
+/// The wgpu backend is a kernel provider: every node of a prefill and of a decode tick goes to one of its kernels
+/// (no stage runs whole), the readback included.
+#[test]
+fn every_node_of_a_tick_has_a_wgpu_kernel() {
+    let Some((model, be)) = setup() else { return };
+    for (pos0, n) in [(0, 9), (9, 1)] {
+        let mut batch = Batch::default();
+        batch.push_run(0, pos0, tokens(3, n, model.config.vocab), false);
+        let mut graph = Graph::default();
+        crate::model::recipe::build(&mut graph, &model, &batch, true);
+        let mut ex = Executor::default();
+        let placed = ex.place(&graph, &be, &model, n);
+        assert_eq!(placed.staged, 0, "rows {n}: {placed:?}");
+        assert_eq!(placed.native + placed.portable, graph.nodes.len());
+        assert!(graph.nodes.iter().any(|node| matches!(node.op, crate::graph::Op::Readback { .. })));
+    }
+}

@@ -1,0 +1,237 @@
+//! The MoE kernels of the wgpu backend: [`route`], [`expert_up`], [`swiglu`], [`expert_down`], [`combine`] (the
+//! nodes of [`crate::graph::Op`] of those names).
+//!
+//! The routing node chooses the layout of the routed slot rows ([`MoePlan`], see `super::resident`):
+//! - on the device (learned routing, `rows · k ≤ experts`, i.e. decode): slot row `r·k + j` is row `r`'s `j`-th
+//!   choice and every product picks its expert's weight rows by the device-side ids ([`super::moe_ids`]); nothing is
+//!   read back;
+//! - grouped by expert (hash routing, or larger batches): the experts are known on the host — from the token ids, or
+//!   read back from the router (the tick's one extra submission) — and slot rows are sorted by expert, so each
+//!   expert's weights are read once.
+//!
+//! The routing weight multiplies the SwiGLU output (so the down product and the combine see weighted rows); the
+//! combine sums each row's experts in ascending expert order, then adds the shared expert.
+
+use std::sync::Arc;
+
+use super::backend::WgpuBackend;
+use super::context::backend_err;
+use super::matmul::{matmul, View};
+use super::moe_ids;
+use super::ops::{self, Routing};
+use super::resident::{MoePlan, Tick};
+use crate::backend::StepCtx;
+use crate::graph::BufId;
+use crate::Result;
+
+/// [`crate::graph::Op::MoeRoute`]: experts and weights into `Routes`, and the slot-row plan.
+pub fn route(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, layer: usize, hash: bool) -> Result<()> {
+    let model = cx.model;
+    let c = &model.config;
+    let lw = &model.layers[layer];
+    let rows = &cx.batch.rows;
+    let n = rows.len();
+    let (ne, k) = (c.n_experts, c.n_experts_used);
+    let ctx = be.context();
+    let (logits, sel, rw) =
+        (be.buf(t, model, BufId::Router)?, be.buf(t, model, BufId::Routes)?, t.route_weights(ctx, model));
+    let tid2eid = match (hash, &lw.tid2eid) {
+        (true, Some(tt)) => Some(tt),
+        (false, _) => None,
+        (true, None) => return Err(backend_err(format!("moe layer {layer}: hash routing without tid2eid"))),
+    };
+    let bias;
+    let (tid, toks);
+    let routing = match (tid2eid, lw.gate_bias) {
+        (Some(tt), _) => {
+            tid = ctx.storage_u32("tid2eid", tt);
+            toks = ctx.storage_u32("tokens", &rows.iter().map(|r| r.token).collect::<Vec<_>>());
+            Routing::Hash { tid2eid: &tid, tokens: &toks }
+        }
+        (None, Some(b)) => {
+            bias = be.dense(model, b);
+            Routing::Learned { bias: &bias }
+        }
+        (None, None) => {
+            bias = Arc::new(ctx.storage_zeroed("zero bias", ne));
+            Routing::Learned { bias: &bias }
+        }
+    };
+    ops::moe_route(ctx, t.enc(ctx), &logits, routing, n, ne, k, c.routed_scale, c.weights_norm, &sel, &rw)?;
+    let on_device = tid2eid.is_none() && n * k <= ne;
+    t.moe.on_device = on_device;
+    t.moe.shared = lw.gate_sh.is_some() && lw.up_sh.is_some() && lw.down_sh.is_some();
+    if on_device {
+        t.moe.weights.clear();
+        t.moe.weights.extend(0..(n * k) as u32);
+        return Ok(());
+    }
+    let chosen = match tid2eid {
+        Some(tt) => {
+            let mut v = Vec::with_capacity(n * k);
+            for r in rows {
+                let at = r.token as usize * k;
+                let ids = tt
+                    .get(at..at + k)
+                    .ok_or_else(|| backend_err(format!("moe layer {layer}: token {} outside tid2eid", r.token)))?;
+                v.extend_from_slice(ids);
+            }
+            v
+        }
+        None => ctx.submit_read_u32(t.take_enc(ctx), &sel, 0, n * k)?,
+    };
+    plan_by_expert(&mut t.moe, &chosen, n, k, ne).map_err(|e| backend_err(format!("moe layer {layer}: {e}")))
+}
+
+/// Slot rows sorted by expert (ascending), rows ascending within an expert.
+fn plan_by_expert(
+    plan: &mut MoePlan,
+    chosen: &[u32],
+    n: usize,
+    k: usize,
+    ne: usize,
+) -> std::result::Result<(), String> {
+    let mut count = vec![0usize; ne];
+    for &e in chosen {
+        let e = e as usize;
+        if e >= ne {
+            return Err(format!("expert id {e} out of 0..{ne}"));
+        }
+        count[e] += 1;
+    }
+    plan.groups.clear();
+    let mut at = vec![0usize; ne];
+    let mut off = 0;
+    for e in 0..ne {
+        at[e] = off;
+        if count[e] > 0 {
+            plan.groups.push((e, off, count[e]));
+        }
+        off += count[e];
+    }
+    plan.rows.clear();
+    plan.rows.resize(n * k, 0);
+    plan.weights.clear();
+    plan.weights.resize(n * k, 0);
+    for r in 0..n {
+        for j in 0..k {
+            let e = chosen[r * k + j] as usize;
+            plan.rows[at[e]] = r as u32;
+            plan.weights[at[e]] = (r * k + j) as u32;
+            at[e] += 1;
+        }
+    }
+    Ok(())
+}
+
+/// [`crate::graph::Op::ExpertUp`]: gate and up products of every slot row and of the shared expert.
+pub fn expert_up(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, layer: usize) -> Result<()> {
+    let model = cx.model;
+    let c = &model.config;
+    let lw = &model.layers[layer];
+    let n = cx.batch.rows.len();
+    let (d, k, ffn) = (c.d_model, c.n_experts_used, c.expert_ffn);
+    let ctx = be.context();
+    let (xn, gu, sel) =
+        (be.buf(t, model, BufId::Normed)?, be.buf(t, model, BufId::ExpertGate)?, be.buf(t, model, BufId::Routes)?);
+    let (gm, um) = (be.mat_grouped(model, lw.gate_exps, ffn)?, be.mat_grouped(model, lw.up_exps, ffn)?);
+    let (sh_gu, _) = t.shared(ctx, model);
+    let gv = View::new(&gu, 2 * ffn);
+    if t.moe.on_device {
+        let enc = t.enc(ctx);
+        let xv = View::new(&xn, d);
+        moe_ids::matmul_ids(ctx, enc, &gm, ffn, &sel, n * k, xv, k, gv)?;
+        moe_ids::matmul_ids(ctx, enc, &um, ffn, &sel, n * k, xv, k, gv.at(ffn))?;
+    } else {
+        let packed = ctx.scratch(n * k * d);
+        let (enc, plan) = t.enc_moe(ctx);
+        ops::gather_rows(ctx, enc, &xn, &packed, &plan.rows, d, d)?;
+        for &(e, off, m) in &plan.groups {
+            let xv = View::new(&packed, d).at(off * d);
+            matmul(ctx, enc, &gm, e * ffn..(e + 1) * ffn, xv, m, gv.at(off * 2 * ffn), false)?;
+            matmul(ctx, enc, &um, e * ffn..(e + 1) * ffn, xv, m, gv.at(off * 2 * ffn + ffn), false)?;
+        }
+    }
+    if let (Some(g), Some(up)) = (lw.gate_sh, lw.up_sh) {
+        let (g, up) = (be.mat(model, g)?, be.mat(model, up)?);
+        let enc = t.enc(ctx);
+        let (xv, sv) = (View::new(&xn, d), View::new(&sh_gu, 2 * ffn));
+        be.mm(enc, &g, xv, n, sv)?;
+        be.mm(enc, &up, xv, n, sv.at(ffn))?;
+    }
+    Ok(())
+}
+
+/// [`crate::graph::Op::SwiGlu`]: the clamped SwiGLU of every slot row (times its routing weight) and of the shared
+/// expert, written over the gate half.
+pub fn swiglu(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, layer: usize) -> Result<()> {
+    let model = cx.model;
+    let c = &model.config;
+    let n = cx.batch.rows.len();
+    let (k, ffn) = (c.n_experts_used, c.expert_ffn);
+    let limit = c.swiglu_limit[layer];
+    let ctx = be.context();
+    let (gu, rw) = (be.buf(t, model, BufId::ExpertGate)?, t.route_weights(ctx, model));
+    let (sh_gu, _) = t.shared(ctx, model);
+    let (enc, plan) = t.enc_moe(ctx);
+    ops::swiglu(ctx, enc, &gu, 2 * ffn, ffn, (&gu, 0, 2 * ffn), ffn, n * k, limit, Some((&rw, &plan.weights)))?;
+    if model.layers[layer].gate_sh.is_some() {
+        ops::swiglu(ctx, t.enc(ctx), &sh_gu, 2 * ffn, ffn, (&sh_gu, 0, 2 * ffn), ffn, n, limit, None)?;
+    }
+    Ok(())
+}
+
+/// [`crate::graph::Op::ExpertDown`]: down products of every slot row and of the shared expert.
+pub fn expert_down(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, layer: usize) -> Result<()> {
+    let model = cx.model;
+    let c = &model.config;
+    let lw = &model.layers[layer];
+    let n = cx.batch.rows.len();
+    let (d, k, ffn) = (c.d_model, c.n_experts_used, c.expert_ffn);
+    let ctx = be.context();
+    let (gu, eo, sel) =
+        (be.buf(t, model, BufId::ExpertGate)?, be.buf(t, model, BufId::ExpertOut)?, be.buf(t, model, BufId::Routes)?);
+    let dm = be.mat_grouped(model, lw.down_exps, d)?;
+    let (sh_gu, sh_out) = t.shared(ctx, model);
+    let hv = View::new(&gu, 2 * ffn);
+    if t.moe.on_device {
+        moe_ids::matmul_ids(ctx, t.enc(ctx), &dm, d, &sel, n * k, hv, 1, View::new(&eo, d))?;
+    } else {
+        let (enc, plan) = t.enc_moe(ctx);
+        for &(e, off, m) in &plan.groups {
+            matmul(ctx, enc, &dm, e * d..(e + 1) * d, hv.at(off * 2 * ffn), m, View::new(&eo, d).at(off * d), false)?;
+        }
+    }
+    if let Some(dn) = lw.down_sh {
+        let dn = be.mat(model, dn)?;
+        be.mm(t.enc(ctx), &dn, View::new(&sh_gu, 2 * ffn), n, View::new(&sh_out, d))?;
+    }
+    Ok(())
+}
+
+/// [`crate::graph::Op::MoeCombine`]: `SublayerOut` = each row's expert outputs in ascending expert order, plus the
+/// shared expert's.
+pub fn combine(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>) -> Result<()> {
+    let model = cx.model;
+    let c = &model.config;
+    let n = cx.batch.rows.len();
+    let (d, k) = (c.d_model, c.n_experts_used);
+    let ctx = be.context();
+    let (eo, sel, out) =
+        (be.buf(t, model, BufId::ExpertOut)?, be.buf(t, model, BufId::Routes)?, be.buf(t, model, BufId::SublayerOut)?);
+    let (_, sh_out) = t.shared(ctx, model);
+    let (enc, plan) = t.enc_moe(ctx);
+    if plan.on_device {
+        moe_ids::combine(ctx, enc, &eo, &sel, &out, d, n, k)?;
+    } else {
+        enc.clear_buffer(&out, 0, Some((n * d * 4) as u64));
+        for &(_, off, m) in &plan.groups {
+            ops::scatter_add_rows_from(ctx, enc, &eo, off * d, &out, &plan.rows[off..off + m], d, d)?;
+        }
+    }
+    if plan.shared {
+        let all: Vec<u32> = (0..n as u32).collect();
+        ops::scatter_add_rows(ctx, enc, &sh_out, &out, &all, d, d)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,309 @@
+//! The row kernels of [`super::WgpuBackend`]: embedding, RMSNorm, weight products, RoPE, activation simulation,
+//! scaling, the mHC nodes, the logits and the readback. Each records the dispatches of one node
+//! ([`crate::graph::Op`], whose docs give the math) over the tick's tensor buffers (`super::resident`); only
+//! [`readback`] submits.
+
+use ds4_shaders_wgsl as sh;
+use ds4_shaders_wgsl::params::{HcParams, ScaleParams};
+
+use super::backend::WgpuBackend;
+use super::context::backend_err;
+use super::matmul::{get_rows, matmul as record_matmul, u32_of, View};
+use super::ops::{self, ActSim, RopeShape};
+use super::resident::Tick;
+use crate::backend::StepCtx;
+use crate::graph::{BufId, SimKind, Sub};
+use crate::model::WeightId;
+use crate::Result;
+
+/// [`crate::graph::Op::Embed`]: the token's embedding row into every stream.
+pub fn embed(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>) -> Result<()> {
+    let model = cx.model;
+    let c = &model.config;
+    let (hc, d) = (c.hc_mult, c.d_model);
+    let emb = be.mat(model, model.global.embed)?;
+    let ids: Vec<(usize, usize)> = cx.batch.rows.iter().enumerate().map(|(r, row)| (row.token as usize, r)).collect();
+    t.reset_streams();
+    let out = be.buf(t, model, BufId::Streams)?;
+    let enc = t.enc(be.context());
+    for j in 0..hc {
+        get_rows(be.context(), enc, &emb, &ids, View::new(&out, hc * d).at(j * d))?;
+    }
+    Ok(())
+}
+
+/// [`crate::graph::Op::RmsNorm`].
+#[allow(clippy::too_many_arguments)]
+pub fn rms_norm(
+    be: &WgpuBackend,
+    t: &mut Tick,
+    cx: &StepCtx<'_>,
+    x: BufId,
+    y: BufId,
+    w: Option<WeightId>,
+    width: usize,
+    heads: usize,
+) -> Result<()> {
+    let model = cx.model;
+    let (xb, yb) = (be.buf(t, model, x)?, be.buf(t, model, y)?);
+    let g = w.map(|w| be.dense(model, w));
+    let n = cx.batch.rows.len() * heads;
+    let ctx = be.context();
+    ops::rms_norm(ctx, t.enc(ctx), (&xb, 0, width), (&yb, 0, width), g.as_deref(), width, n, model.config.rms_eps)
+}
+
+/// [`crate::graph::Op::MatMul`].
+pub fn matmul(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, w: WeightId, x: BufId, y: BufId) -> Result<()> {
+    let model = cx.model;
+    let wm = be.mat(model, w)?;
+    let (xb, yb) = (be.buf(t, model, x)?, be.buf(t, model, y)?);
+    let enc = t.enc(be.context());
+    be.mm(enc, &wm, View::new(&xb, wm.cols), cx.batch.rows.len(), View::new(&yb, wm.rows))
+}
+
+/// [`crate::graph::Op::GroupedMatMul`]: group `g` multiplies its slice of each row by its `rank` rows of `w`.
+#[allow(clippy::too_many_arguments)]
+pub fn grouped_matmul(
+    be: &WgpuBackend,
+    t: &mut Tick,
+    cx: &StepCtx<'_>,
+    w: WeightId,
+    x: BufId,
+    y: BufId,
+    groups: usize,
+    rank: usize,
+) -> Result<()> {
+    let model = cx.model;
+    let wm = be.mat(model, w)?;
+    if wm.rows != groups * rank {
+        return Err(backend_err(format!("grouped matmul {}: {} rows for {groups} groups of {rank}", wm.name, wm.rows)));
+    }
+    let (xb, yb) = (be.buf(t, model, x)?, be.buf(t, model, y)?);
+    let gs = wm.cols;
+    let n = cx.batch.rows.len();
+    let ctx = be.context();
+    let enc = t.enc(ctx);
+    for g in 0..groups {
+        let xv = View { buf: &xb, offset: g * gs, stride: groups * gs };
+        let yv = View { buf: &yb, offset: g * rank, stride: groups * rank };
+        record_matmul(ctx, enc, &wm, g * rank..(g + 1) * rank, xv, n, yv, false)?;
+    }
+    Ok(())
+}
+
+/// [`crate::graph::Op::Rope`] at the batch positions (the tick's table of the layer's rope).
+#[allow(clippy::too_many_arguments)]
+pub fn rope(
+    be: &WgpuBackend,
+    t: &mut Tick,
+    cx: &StepCtx<'_>,
+    x: BufId,
+    layer: usize,
+    width: usize,
+    heads: usize,
+    inverse: bool,
+) -> Result<()> {
+    let ctx = be.context();
+    let xb = be.buf(t, cx.model, x)?;
+    let cs = t.rope(ctx, cx, layer);
+    let shape = RopeShape {
+        n_tok: cx.batch.rows.len(),
+        heads,
+        head_dim: width,
+        rope_dim: cx.model.config.rope_dim,
+        offset: 0,
+        tok_stride: heads * width,
+        head_stride: width,
+    };
+    ops::rope(ctx, t.enc(ctx), &xb, &cs, shape, inverse)
+}
+
+/// [`crate::graph::Op::ActSim`].
+pub fn act_sim(
+    be: &WgpuBackend,
+    t: &mut Tick,
+    cx: &StepCtx<'_>,
+    x: BufId,
+    width: usize,
+    heads: usize,
+    kind: SimKind,
+) -> Result<()> {
+    let ctx = be.context();
+    let xb = be.buf(t, cx.model, x)?;
+    let rows = cx.batch.rows.len() * heads;
+    let enc = t.enc(ctx);
+    match kind {
+        SimKind::Fp8NoRope => {
+            let rd = cx.model.config.rope_dim;
+            ops::act_sim(ctx, enc, &xb, ActSim::Fp8, rows, width.saturating_sub(rd), width, 64)
+        }
+        SimKind::HadamardFp4 => {
+            ops::act_sim(ctx, enc, &xb, ActSim::Hadamard, rows, width, width, 0)?;
+            ops::act_sim(ctx, enc, &xb, ActSim::Fp4, rows, width, width, 32)
+        }
+    }
+}
+
+/// [`crate::graph::Op::Scale`].
+pub fn scale(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, x: BufId, width: usize, factor: f32) -> Result<()> {
+    let ctx = be.context();
+    let xb = be.buf(t, cx.model, x)?;
+    let n = cx.batch.rows.len() * width;
+    if n == 0 {
+        return Ok(());
+    }
+    let p = ScaleParams { n: u32_of(n, "scale values")?, _p0: 0, _p1: 0, factor };
+    let pl = ctx.pipeline("scale", sh::SCALE)?;
+    let ub = ctx.uniform("scale", &p);
+    ctx.dispatch(t.enc(ctx), &pl, &[&xb, &ub], [u32_of(n.div_ceil(64), "workgroups")?, 1, 1])
+}
+
+fn hc_params(cx: &StepCtx<'_>, head: bool) -> Result<HcParams> {
+    let c = &cx.model.config;
+    if c.hc_mult == 0 || c.hc_mult > 8 {
+        return Err(backend_err(format!("hc: {} streams (supported: 1..=8)", c.hc_mult)));
+    }
+    Ok(HcParams {
+        n_tok: u32_of(cx.batch.rows.len(), "n_tok")?,
+        d: u32_of(c.d_model, "d")?,
+        n: c.hc_mult as u32,
+        iters: u32_of(c.hc_sinkhorn_iters, "iters")?,
+        head: head as u32,
+        mix_offset: 0,
+        mix_stride: 0,
+        u_offset: 0,
+        u_stride: 0,
+        f_offset: 0,
+        f_stride: 0,
+        _p0: 0,
+        norm_eps: c.rms_eps,
+        hc_eps: c.hc_eps,
+        _p1: [0; 2],
+    })
+}
+
+/// `hc.wgsl`'s `weights` over the mixes of `base`/`scale`: `Pre`, and unless `head` the post/comb `PostComb`.
+fn hc_weights(
+    be: &WgpuBackend,
+    t: &mut Tick,
+    cx: &StepCtx<'_>,
+    base: WeightId,
+    scale: WeightId,
+    head: bool,
+) -> Result<()> {
+    let model = cx.model;
+    let c = &model.config;
+    let n = cx.batch.rows.len();
+    if n == 0 {
+        return Ok(());
+    }
+    let (mix, pre, state) =
+        (be.buf(t, model, BufId::Mix)?, be.buf(t, model, BufId::Pre)?, be.buf(t, model, BufId::PostComb)?);
+    let (bb, sb) = (be.dense(model, base), be.dense(model, scale));
+    let mut p = hc_params(cx, head)?;
+    p.mix_stride = u32_of(if head { c.hc_mult } else { c.hc_mix() }, "mix stride")?;
+    p.u_stride = c.hc_mult as u32;
+    let ctx = be.context();
+    let pl = ctx.pipeline_entry("hc", sh::HC, "weights")?;
+    let ub = ctx.uniform("hc weights", &p);
+    let groups = u32_of(n.div_ceil(64), "workgroups")?;
+    ctx.dispatch_at(t.enc(ctx), &pl, &[(1, &mix), (2, &bb), (3, &sb), (4, &state), (5, &pre), (6, &ub)], [groups, 1, 1])
+}
+
+/// [`crate::graph::Op::HcSinkhorn`]: `pre`, `post` and the Sinkhorn `comb` of a sublayer from its mixes.
+pub fn hc_sinkhorn(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, layer: usize, sub: Sub) -> Result<()> {
+    let lw = &cx.model.layers[layer];
+    let w = match sub {
+        Sub::Attn => lw.hc_attn,
+        Sub::Ffn => lw.hc_ffn,
+    };
+    hc_weights(be, t, cx, w.base, w.scale, false)
+}
+
+/// [`crate::graph::Op::HcHeadWeights`].
+pub fn hc_head_weights(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>) -> Result<()> {
+    let g = &cx.model.global;
+    hc_weights(be, t, cx, g.hc_base, g.hc_scale, true)
+}
+
+/// [`crate::graph::Op::HcCollapse`].
+pub fn hc_collapse(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, out: BufId) -> Result<()> {
+    let model = cx.model;
+    let c = &model.config;
+    let n = cx.batch.rows.len();
+    if n == 0 {
+        return Ok(());
+    }
+    let (xs, pre, u) = (be.buf(t, model, BufId::Streams)?, be.buf(t, model, BufId::Pre)?, be.buf(t, model, out)?);
+    let mut p = hc_params(cx, false)?;
+    p.mix_stride = c.hc_mult as u32;
+    p.u_stride = u32_of(c.d_model, "u stride")?;
+    let ctx = be.context();
+    let pl = ctx.pipeline_entry("hc", sh::HC, "collapse")?;
+    let ub = ctx.uniform("hc collapse", &p);
+    let groups = [u32_of(c.d_model.div_ceil(64), "workgroups")?, p.n_tok, 1];
+    ctx.dispatch_at(t.enc(ctx), &pl, &[(0, &xs), (1, &pre), (5, &u), (6, &ub)], groups)
+}
+
+/// [`crate::graph::Op::HcPost`]: writes the other stream buffer, which becomes the current streams.
+pub fn hc_post(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>) -> Result<()> {
+    let model = cx.model;
+    let c = &model.config;
+    let shape = ops::HcShape {
+        n_tok: cx.batch.rows.len(),
+        d: c.d_model,
+        n: c.hc_mult,
+        sinkhorn_iters: c.hc_sinkhorn_iters,
+        norm_eps: c.rms_eps,
+        hc_eps: c.hc_eps,
+    };
+    let xs = be.buf(t, model, BufId::Streams)?;
+    let f = be.buf(t, model, BufId::SublayerOut)?;
+    let state = be.buf(t, model, BufId::PostComb)?;
+    let out = t.next_streams(be.context(), model);
+    let ctx = be.context();
+    ops::hc_post(ctx, t.enc(ctx), &shape, &xs, (&f, 0, c.d_model), &state, &out)?;
+    t.flip_streams();
+    Ok(())
+}
+
+/// [`crate::graph::Op::Logits`]: the logit rows of `HeadOut`, gathered, times the output head, into `Logits`.
+pub fn logits(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>) -> Result<()> {
+    let model = cx.model;
+    let d = model.config.d_model;
+    let lr = &cx.batch.logit_rows;
+    if lr.is_empty() {
+        return Ok(());
+    }
+    let ctx = be.context();
+    let head = be.mat(model, model.global.head)?;
+    let x = ctx.scratch(lr.len() * d);
+    let (h, out) = (be.buf(t, model, BufId::HeadOut)?, be.buf(t, model, BufId::Logits)?);
+    let rows: Vec<u32> = lr.iter().map(|&r| r as u32).collect();
+    let enc = t.enc(ctx);
+    ops::gather_rows(ctx, enc, &h, &x, &rows, d, d)?;
+    be.mm(enc, &head, View::new(&x, d), lr.len(), View::new(&out, head.rows))
+}
+
+/// [`crate::graph::Op::Readback`] of the logits: submits the tick with a copy of the logit rows to the host (the
+/// tick's submission and its one readback; with no logit rows, just the submission).
+pub fn readback(be: &WgpuBackend, t: &mut Tick, cx: &mut StepCtx<'_>, buf: BufId) -> Result<()> {
+    if buf != BufId::Logits {
+        return Err(backend_err(format!("readback of {buf:?}: only the logits come back to the host")));
+    }
+    let ctx = be.context();
+    let n = cx.batch.logit_rows.len() * cx.model.config.vocab;
+    if n == 0 {
+        if t.pending() {
+            ctx.submit(t.take_enc(ctx))?;
+        }
+        return Ok(());
+    }
+    if cx.act.logits.len() < n {
+        return Err(backend_err(format!("readback: {} host logits for {n}", cx.act.logits.len())));
+    }
+    let out = be.buf(t, cx.model, BufId::Logits)?;
+    let got = ctx.submit_read_f32(t.take_enc(ctx), &out, 0, n)?;
+    cx.act.logits[..n].copy_from_slice(&got);
+    Ok(())
+}
