@@ -17,6 +17,9 @@ pub type DotQ = fn(&[u8], &[u8]) -> f32;
 /// [`DotQ`] calls of the same kernel (rows of unequal length get exactly that: four single calls).
 pub type DotQ4 = fn(&[u8], [&[u8]; 4]) -> [f32; 4];
 
+/// One weight row against eight activation rows, bit-identical to eight [`DotQ`] calls (like [`DotQ4`]).
+pub type DotQ8 = fn(&[u8], [&[u8]; 8]) -> [f32; 8];
+
 fn qerr(op: &'static str, ty: GgmlType, what: impl Into<String>) -> Error {
     Error::Quant { op, ty: ty.name().to_string(), what: what.into() }
 }
@@ -219,6 +222,12 @@ pub fn dot_q_kernel(weight_ty: GgmlType) -> Result<DotQ> {
 /// (the AVX-512 IQ2_XXS pair kernel) do it once for four activation rows. `None` means: call the single kernel.
 pub fn dot_q4_kernel(weight_ty: GgmlType) -> Option<DotQ4> {
     simd::dot_q4(weight_ty)
+}
+
+/// An eight-row form of [`dot_q_kernel`] (see [`DotQ8`]) where one exists (the AVX2 Q2_K and IQ2_XXS kernels:
+/// their weight decoding shared by eight rows). `None` means: use [`dot_q4_kernel`] or the single kernel.
+pub fn dot_q8_kernel(weight_ty: GgmlType) -> Option<DotQ8> {
+    simd::dot_q8(weight_ty)
 }
 
 /// `y[r] = row r of w · x` for a row-major `n_rows × n_cols` weight matrix of type `ty`, single-threaded, on the

@@ -27,7 +27,7 @@ use std::ops::Range;
 
 use crate::backend::cpu::pool::{split, Pool};
 use crate::model::mat::Mat;
-use crate::quant::{self, ActType, DotF32, DotQ, DotQ4, GgmlType};
+use crate::quant::{self, ActType, DotF32, DotQ, DotQ4, DotQ8, GgmlType};
 use crate::{Error, Result};
 
 /// Whether matrices of type `ty` can be multiplied (and their rows dequantized).
@@ -53,9 +53,10 @@ pub enum Kernel {
     F32,
     /// Float weights (F16/BF16) against f32 activations.
     F(DotF32),
-    /// Quantized weights against activations quantized to `act` (`act_bytes` per row); `dot4`, where the type has
-    /// one, multiplies a weight row into four activation rows at once (bit-identical to four `dot` calls).
-    Q { act: ActType, dot: DotQ, dot4: Option<DotQ4>, act_bytes: usize },
+    /// Quantized weights against activations quantized to `act` (`act_bytes` per row); `dot8` / `dot4`, where the
+    /// type has them, multiply a weight row into eight / four activation rows at once (bit-identical to that many
+    /// `dot` calls).
+    Q { act: ActType, dot: DotQ, dot4: Option<DotQ4>, dot8: Option<DotQ8>, act_bytes: usize },
 }
 
 impl Kernel {
@@ -67,7 +68,8 @@ impl Kernel {
         let act = quant::act_type(ty);
         if !act.is_f32() {
             if let (Ok(dot), Some(b)) = (quant::dot_q_kernel(ty), act.row_bytes(cols as u64)) {
-                return Ok(Kernel::Q { act, dot, dot4: quant::dot_q4_kernel(ty), act_bytes: b as usize });
+                let (dot4, dot8) = (quant::dot_q4_kernel(ty), quant::dot_q8_kernel(ty));
+                return Ok(Kernel::Q { act, dot, dot4, dot8, act_bytes: b as usize });
             }
         }
         Ok(Kernel::F(quant::dot_f32_kernel(ty)?))
@@ -361,7 +363,7 @@ impl Product<'_> {
             for b0 in (0..n).step_by(BATCH_BLOCK) {
                 let b1 = (b0 + BATCH_BLOCK).min(n);
                 match (self.k, self.input) {
-                    (Kernel::Q { dot, dot4, act_bytes, .. }, Input::Q { acts, rows }) => {
+                    (Kernel::Q { dot, dot4, dot8, act_bytes, .. }, Input::Q { acts, rows }) => {
                         let act = |b: usize| {
                             let a = rows.at(b);
                             &acts[a..a + act_bytes]
@@ -369,6 +371,15 @@ impl Product<'_> {
                         for r in s0..s1 {
                             let wr = w.row(r);
                             let mut b = b0;
+                            if let Some(dot8) = dot8 {
+                                while b + 8 <= b1 {
+                                    let v = dot8(wr, std::array::from_fn(|i| act(b + i)));
+                                    for (i, v) in v.into_iter().enumerate() {
+                                        put(b + i, r, v);
+                                    }
+                                    b += 8;
+                                }
+                            }
                             if let Some(dot4) = dot4 {
                                 while b + 4 <= b1 {
                                     let v = dot4(wr, [act(b), act(b + 1), act(b + 2), act(b + 3)]);
@@ -656,6 +667,35 @@ mod tests {
                 for (j, &b) in idx.iter().enumerate() {
                     assert_eq!(&g[j * rows..(j + 1) * rows], &want[b * rows..(b + 1) * rows], "{ty} gather");
                 }
+            }
+        }
+    }
+
+    /// Every batch size from 1 to 64 (eight-, four- and one-row kernels in every mix, batch blocking past 8) gives
+    /// each row exactly its single-row product, for every quantized and float weight type the engine uses.
+    #[test]
+    fn every_batch_size_up_to_64_matches_the_row_kernel() {
+        for (ty, rows, cols) in [
+            (GgmlType::Q8_0, 5usize, 96usize),
+            (GgmlType::Q2K, 5, 512),
+            (GgmlType::Q4K, 3, 256),
+            (GgmlType::Iq2Xxs, 5, 512),
+            (GgmlType::F16, 3, 64),
+        ] {
+            let w = vals(rows * cols, 7919, 1013, 400.0);
+            let x = vals(64 * cols, 104729, 777, 200.0);
+            let (bytes, rb) = quantized(ty, &w, rows, cols);
+            let m = Mat { ty, rows, cols, row_bytes: rb, data: &bytes };
+            let mut want = vec![0f32; 64 * rows];
+            for b in 0..64 {
+                let (xr, yr) = (&x[b * cols..(b + 1) * cols], &mut want[b * rows..(b + 1) * rows]);
+                quant::matvec(ty, &bytes, rows, cols, xr, yr).unwrap();
+            }
+            let pool = Pool::new(2);
+            for n in 1..=64 {
+                let mut y = vec![f32::NAN; n * rows];
+                matmul(&pool, m, &x, n, &mut y).unwrap();
+                assert_eq!(y, want[..n * rows], "{ty}, {n} rows");
             }
         }
     }

@@ -136,6 +136,17 @@ pub fn dot_q4(ty: GgmlType) -> Option<super::api::DotQ4> {
     None
 }
 
+/// The eight-activation-row kernel for `ty` (see [`crate::quant::DotQ8`]) where this CPU has one: `avx2_x4`'s
+/// Q2_K / IQ2_XXS eight-row forms where the single kernel is AVX2's (bit-identical to it).
+pub fn dot_q8(ty: GgmlType) -> Option<super::api::DotQ8> {
+    #[cfg(target_arch = "x86_64")]
+    if avx512_dot_q(ty).is_none() && avx2::dot_q(ty).is_some() {
+        return avx2_x4::dot_q8(ty);
+    }
+    let _ = ty;
+    None
+}
+
 /// Every SIMD kernel this CPU can run for weight type `ty` · its quantized activations, best first, named by
 /// instruction set, with the activation format each one reads (e.g. for IQ2_XXS on a GFNI machine
 /// `[("avx512-gfni", Q8KPairs, ..), ("avx512-vbmi", Q8K, ..), ("avx2", Q8K, ..)]`); empty where only the scalar
@@ -296,7 +307,7 @@ mod bench {
                 quantize_acts(crate::quant::act_type(ty), &x, &mut a).unwrap();
                 let hot = &w[..hot_rows * rb];
                 let passes = 16 * mib.max(1) / 16;
-                let (mut one, mut four) = (0f64, 0f64);
+                let (mut one, mut four, mut eight) = (0f64, 0f64, 0f64);
                 for _ in 0..3 {
                     let (t, c0) = (Instant::now(), cpu_ns());
                     let mut sink = 0f32;
@@ -321,12 +332,29 @@ mod bench {
                         (Some(p), Some(q)) => (q - p) as f64 / 1e9,
                         _ => t.elapsed().as_secs_f64(),
                     };
+                    let (t, c0) = (Instant::now(), cpu_ns());
+                    if let Some(k8) = dot_q8(ty) {
+                        for _ in 0..passes / 2 {
+                            for row in hot.chunks_exact(rb) {
+                                sink += k8(row, [&a; 8]).iter().sum::<f32>();
+                            }
+                        }
+                    }
+                    let s8 = match (c0, cpu_ns()) {
+                        (Some(p), Some(q)) => (q - p) as f64 / 1e9,
+                        _ => t.elapsed().as_secs_f64(),
+                    };
                     assert!(sink.is_finite());
                     let macs = (hot_rows * cols * 4 * passes) as f64 / 1e9;
                     one = one.max(macs / s1);
                     four = four.max(macs / s4);
+                    eight = eight.max((hot_rows * cols * 8 * (passes / 2)) as f64 / 1e9 / s8.max(1e-9));
                 }
-                println!("{ty:>8} 4 rows: single x4 {one:6.2} G MAC/s, four-row kernel {four:6.2} G MAC/s");
+                print!("{ty:>8} 4 rows: single x4 {one:6.2} G MAC/s, four-row kernel {four:6.2} G MAC/s");
+                if dot_q8(ty).is_some() {
+                    print!(", eight-row kernel {eight:6.2} G MAC/s");
+                }
+                println!();
             }
         }
     }
