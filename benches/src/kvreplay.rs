@@ -3,7 +3,11 @@
 //! (`ds4_engine::persist`: pages, checkpoints, restore points) — and reports per request how much of it could be
 //! reused and how much was.
 //!
-//! Per request (one JSON object per line: `{"tokens": [ids...]}`):
+//! Per request — one JSON object per line, either token ids `{"tokens": [ids...]}` or a conversation rendered with
+//! the engine's chat renderer ([`ds4_engine::chat::render_prompt`]) and tokenized with the model's tokenizer
+//! ([`parse_trace`]): OpenAI chat `{"messages": [...], "tools": [...]}` (optional `"thinking": true`), or Anthropic
+//! messages `{"system": ..., "messages": [...], "tools": [{"name", "input_schema"}]}` (text, `thinking`, `tool_use`
+//! and `tool_result` blocks, mapped onto the OpenAI shape):
 //! 1. `lcp`: the longest common prefix with every request seen before (including those of an earlier pass);
 //! 2. lookup: the parked session with the longest usable common prefix (`min(lcp, len − 1)` when it is within that
 //!    session's roll-back reach, or the whole session when the request extends it) versus the disk store's longest
@@ -13,6 +17,9 @@
 //! 4. with `verify`, a cold prefill of the whole request in a fresh session: `exact` = the logits are bit-identical;
 //! 5. the session is parked (LRU beyond `max_parked`, evicted sessions are saved to disk) and saved to the store
 //!    (a checkpoint at its end and a restore point at the page boundary below, as the server's save triggers do).
+//!    As in the server, a system + tools block (a rendered request's tokens before the first `<｜User｜>`) of at
+//!    least `system_block_min_tokens` is also saved at its last page boundary, the prefill pausing there (part of
+//!    `prefill_s`), unless the reused prefix or the store holds it already.
 //!
 //! `passes = 2` replays the trace again after a simulated restart: every parked session is dropped from RAM (saved
 //! first, like a shutdown), the store is reopened on the same directory, and the second pass starts with an empty
@@ -23,10 +30,13 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
+use ds4_engine::chat::{self, Mode, RenderInput, RenderOptions};
 use ds4_engine::engine::Engine;
 use ds4_engine::persist;
 use ds4_engine::tables::SessionId;
-use ds4_kv::{KvStore, SaveReason};
+use ds4_engine::tokenizer::Tokenizer;
+use ds4_kv::{KvStore, SavePolicy, SaveReason};
+use serde_json::{json, Value};
 
 /// The CSV header of a replay.
 pub const CSV_HEADER: &str = "pass,request,tokens,lcp,reused,tier,recomputed,restore_s,prefill_s,exact";
@@ -80,33 +90,144 @@ pub struct ReplayOptions {
     pub passes: usize,
     /// Compare every request's logits with a cold prefill.
     pub verify: bool,
+    /// A system + tools block at least this long is saved at its end (0: never), as the server's
+    /// `--kv-system-block-min-tokens`.
+    pub system_block_min_tokens: usize,
 }
 
-/// Parses a JSONL trace: one `{"tokens": [...]}` object per non-empty line. Errors name the line.
-pub fn parse_trace(text: &str, vocab: usize) -> Result<Vec<Vec<u32>>> {
+/// One request of a trace.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TraceRequest {
+    pub tokens: Vec<u32>,
+    /// Tokens before the first user message (rendered requests; 0 for token-id lines unless given as
+    /// `"system_block"`).
+    pub system_block: usize,
+}
+
+/// Parses a JSONL trace (see the module docs): token-id lines need no tokenizer, rendered lines need `tok`. Errors
+/// name the line.
+pub fn parse_trace(text: &str, vocab: usize, tok: Option<&Tokenizer>) -> Result<Vec<TraceRequest>> {
     let mut out = Vec::new();
     for (i, line) in text.lines().enumerate() {
         let line = line.trim();
         if line.is_empty() {
             continue;
         }
-        let v: serde_json::Value = serde_json::from_str(line).with_context(|| format!("trace line {}", i + 1))?;
-        let Some(arr) = v.get("tokens").and_then(|t| t.as_array()) else {
-            bail!("trace line {}: expected an object with a \"tokens\" array of token ids", i + 1);
-        };
+        let r = parse_line(line, vocab, tok).with_context(|| format!("trace line {}", i + 1))?;
+        out.push(r);
+    }
+    Ok(out)
+}
+
+fn parse_line(line: &str, vocab: usize, tok: Option<&Tokenizer>) -> Result<TraceRequest> {
+    let v: Value = serde_json::from_str(line)?;
+    let (tokens, system_block) = if let Some(arr) = v.get("tokens").and_then(Value::as_array) {
         let mut toks = Vec::with_capacity(arr.len());
         for t in arr {
             match t.as_u64() {
                 Some(t) if (t as usize) < vocab => toks.push(t as u32),
-                _ => bail!("trace line {}: {t} is not a token id below the vocabulary size {vocab}", i + 1),
+                _ => bail!("{t} is not a token id below the vocabulary size {vocab}"),
             }
         }
-        if toks.is_empty() {
-            bail!("trace line {}: empty request", i + 1);
+        let block = (v.get("system_block").and_then(Value::as_u64).unwrap_or(0) as usize).min(toks.len());
+        (toks, block)
+    } else if v.get("messages").is_some_and(Value::is_array) {
+        let Some(tok) = tok else { bail!("a rendered request needs the model's tokenizer") };
+        let openai = if is_anthropic(&v) { anthropic_to_openai(&v)? } else { v.clone() };
+        let thinking = v.get("thinking").is_some_and(|t| t.as_bool() == Some(true) || t.is_object());
+        let input = RenderInput::from_json(&openai.to_string())?;
+        let mode = if thinking { Mode::Thinking } else { Mode::Chat };
+        let text = chat::render_prompt(&input.messages, &RenderOptions { mode, ..RenderOptions::default() })?;
+        let toks = tok.encode(&text)?;
+        if let Some(&t) = toks.iter().find(|&&t| t as usize >= vocab) {
+            bail!("the tokenizer produced id {t}, not below the model's vocabulary size {vocab}");
         }
-        out.push(toks);
+        let block = tok.special().user.and_then(|u| toks.iter().position(|&t| t == u)).unwrap_or(0);
+        (toks, block)
+    } else {
+        bail!("expected an object with a \"tokens\" array of token ids or a \"messages\" array");
+    };
+    if tokens.is_empty() {
+        bail!("empty request");
     }
-    Ok(out)
+    Ok(TraceRequest { tokens, system_block })
+}
+
+/// An Anthropic Messages body: a top-level `system`, tools with `input_schema`, or content blocks of Anthropic
+/// types.
+fn is_anthropic(v: &Value) -> bool {
+    let block_types = ["tool_use", "tool_result", "thinking"];
+    v.get("system").is_some()
+        || v["tools"].as_array().is_some_and(|t| t.iter().any(|t| t.get("input_schema").is_some()))
+        || v["messages"].as_array().is_some_and(|ms| {
+            ms.iter().any(|m| {
+                m["content"]
+                    .as_array()
+                    .is_some_and(|bs| bs.iter().any(|b| b["type"].as_str().is_some_and(|t| block_types.contains(&t))))
+            })
+        })
+}
+
+/// The text of an Anthropic `system` / `content` value (a string or text blocks, joined with blank lines).
+fn anthropic_text(v: &Value) -> String {
+    match v {
+        Value::String(s) => s.clone(),
+        Value::Array(bs) => {
+            let texts: Vec<&str> =
+                bs.iter().filter(|b| b["type"] == "text").filter_map(|b| b["text"].as_str()).collect();
+            texts.join("\n\n")
+        }
+        _ => String::new(),
+    }
+}
+
+/// Maps an Anthropic Messages body onto the OpenAI chat shape the renderer reads: `system` → a system message,
+/// tools → functions, `tool_use` blocks → assistant tool calls, `tool_result` blocks → tool messages, `thinking`
+/// blocks → reasoning.
+fn anthropic_to_openai(v: &Value) -> Result<Value> {
+    let mut messages = Vec::new();
+    if let Some(sys) = v.get("system") {
+        messages.push(json!({"role": "system", "content": anthropic_text(sys)}));
+    }
+    for m in v["messages"].as_array().into_iter().flatten() {
+        let role = m["role"].as_str().context("a message without a role")?;
+        let Some(blocks) = m["content"].as_array() else {
+            messages.push(json!({"role": role, "content": anthropic_text(&m["content"])}));
+            continue;
+        };
+        let (mut text, mut reasoning, mut calls) = (Vec::new(), Vec::new(), Vec::new());
+        for b in blocks {
+            match b["type"].as_str().unwrap_or("") {
+                "text" => text.push(b["text"].as_str().unwrap_or("").to_string()),
+                "thinking" => reasoning.push(b["thinking"].as_str().unwrap_or("").to_string()),
+                "tool_use" => calls.push(json!({"id": b["id"], "type": "function",
+                    "function": {"name": b["name"], "arguments": b["input"].to_string()}})),
+                "tool_result" => messages.push(json!({"role": "tool", "tool_call_id": b["tool_use_id"],
+                    "content": anthropic_text(&b["content"])})),
+                _ => {}
+            }
+        }
+        if !text.is_empty() || !calls.is_empty() || !reasoning.is_empty() {
+            let mut msg = json!({"role": role, "content": text.join("\n\n")});
+            if !reasoning.is_empty() {
+                msg["reasoning_content"] = json!(reasoning.join("\n\n"));
+            }
+            if !calls.is_empty() {
+                msg["tool_calls"] = json!(calls);
+            }
+            messages.push(msg);
+        }
+    }
+    let tools: Vec<Value> = v["tools"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|t| {
+            json!({"type": "function", "function": {"name": t["name"], "description": t["description"],
+                "parameters": t["input_schema"]}})
+        })
+        .collect();
+    Ok(json!({"messages": messages, "tools": tools}))
 }
 
 fn common_prefix(a: &[u32], b: &[u32]) -> usize {
@@ -191,23 +312,20 @@ impl Cache {
     }
 }
 
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
-}
-
 /// Replays `requests` on `engine` (see the module docs), writing CSV lines to `out`.
 pub fn replay(
     engine: &mut Engine,
-    requests: &[Vec<u32>],
+    requests: &[TraceRequest],
     opts: &ReplayOptions,
     out: &mut dyn Write,
 ) -> Result<Vec<ReplayRow>> {
     if opts.passes == 0 || opts.passes > 2 {
         bail!("passes must be 1 or 2");
     }
-    if let Some(r) = requests.iter().find(|r| r.len() + 1 > engine.ctx()) {
-        bail!("a request of {} tokens does not fit the engine context {}", r.len(), engine.ctx());
+    if let Some(r) = requests.iter().find(|r| r.tokens.len() + 1 > engine.ctx()) {
+        bail!("a request of {} tokens does not fit the engine context {}", r.tokens.len(), engine.ctx());
     }
+    let policy = SavePolicy { system_block_min_tokens: opts.system_block_min_tokens, ..SavePolicy::default() };
     let kv_opts = persist::kv_options(engine, opts.span, u64::MAX / 4);
     std::fs::create_dir_all(&opts.dir).with_context(|| format!("creating {}", opts.dir.display()))?;
     let mut cache =
@@ -221,7 +339,8 @@ pub fn replay(
             // A restart: the store is reopened from its directory.
             cache.store = persist::open_store(engine, &opts.dir, kv_opts.clone())?;
         }
-        for (ri, req) in requests.iter().enumerate() {
+        for (ri, request) in requests.iter().enumerate() {
+            let req = &request.tokens;
             let lcp = seen.iter().map(|s| common_prefix(s, req)).max().unwrap_or(0);
             let t0 = Instant::now();
             let ram = cache.best_ram(engine, req);
@@ -248,14 +367,26 @@ pub fn replay(
             };
             let restore_s = t0.elapsed().as_secs_f64();
             let t0 = Instant::now();
-            engine.feed(id, &req[reused..])?;
+            let mut fed = reused;
+            if let Some(at) = policy.system_block_end(request.system_block, opts.span as usize) {
+                let probe = cache.store.longest_prefix(&req[..at]);
+                let stored = probe.checkpoint.is_some() && probe.matched_tokens == at;
+                if at > reused && at < req.len() && !stored {
+                    engine.feed(id, &req[reused..at])?;
+                    engine.run_until_idle()?;
+                    cache.save(engine, id, SaveReason::SystemBlock)?;
+                    fed = at;
+                }
+            }
+            engine.feed(id, &req[fed..])?;
             engine.run_until_idle()?;
             let prefill_s = t0.elapsed().as_secs_f64();
             let exact = if opts.verify {
                 let c = engine.create_session();
                 engine.feed(c, req)?;
                 engine.run_until_idle()?;
-                let same = bits(engine.logits(c)?) == bits(engine.logits(id)?);
+                let same =
+                    engine.logits(c)?.iter().map(|x| x.to_bits()).eq(engine.logits(id)?.iter().map(|x| x.to_bits()));
                 engine.free_session(c)?;
                 Some(same)
             } else {
@@ -268,7 +399,7 @@ pub fn replay(
             writeln!(out, "{}", row.csv())?;
             out.flush()?;
             rows.push(row);
-            seen.push(req);
+            seen.push(req.as_slice());
         }
     }
     cache.drop_all(engine)?;
@@ -280,17 +411,7 @@ mod tests {
     use super::*;
     use indicatif::ProgressBar;
 
-    fn ids(seed: u64, n: usize, vocab: usize) -> Vec<u32> {
-        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                (x % vocab as u64) as u32
-            })
-            .collect()
-    }
+    use ds4_tests::tokens as ids;
 
     fn cat(parts: &[&[u32]]) -> Vec<u32> {
         parts.iter().flat_map(|p| p.iter().copied()).collect()
@@ -329,12 +450,22 @@ mod tests {
             exact: false,
         };
         let mut engine = crate::engine_api::engine_for(file, &cfg).unwrap();
-        let trace = agent_trace(engine.config().vocab);
-        let text: String = trace.iter().map(|t| format!("{}\n", serde_json::json!({ "tokens": t }))).collect();
-        assert_eq!(parse_trace(&text, engine.config().vocab).unwrap(), trace);
+        let trace: Vec<TraceRequest> = agent_trace(engine.config().vocab)
+            .into_iter()
+            .map(|tokens| TraceRequest { tokens, system_block: 0 })
+            .collect();
+        let text: String = trace.iter().map(|t| format!("{}\n", serde_json::json!({ "tokens": t.tokens }))).collect();
+        assert_eq!(parse_trace(&text, engine.config().vocab, None).unwrap(), trace);
         let tmp = tempfile::tempdir().unwrap();
         let span = 16;
-        let opts = ReplayOptions { span, dir: tmp.path().join("kv"), max_parked: 4, passes: 2, verify: true };
+        let opts = ReplayOptions {
+            span,
+            dir: tmp.path().join("kv"),
+            max_parked: 4,
+            passes: 2,
+            verify: true,
+            system_block_min_tokens: 0,
+        };
         let mut out = Vec::new();
         let rows = replay(&mut engine, &trace, &opts, &mut out).unwrap();
         assert_eq!(rows.len(), 2 * trace.len());
@@ -355,11 +486,116 @@ mod tests {
         assert_eq!(text.lines().next(), Some(CSV_HEADER));
         assert_eq!(text.lines().count(), rows.len() + 1);
         // Bad traces are clear errors.
-        assert!(parse_trace("{\"tokens\": [1, 2]}\n{\"text\": \"x\"}", 100)
+        assert!(parse_trace("{\"tokens\": [1, 2]}\n{\"text\": \"x\"}", 100, None)
             .unwrap_err()
             .to_string()
             .contains("line 2"));
-        assert!(parse_trace("{\"tokens\": [1, 200]}", 100).is_err());
-        assert!(parse_trace("{\"tokens\": []}", 100).is_err());
+        assert!(parse_trace("{\"tokens\": [1, 200]}", 100, None).is_err());
+        assert!(parse_trace("{\"tokens\": []}", 100, None).is_err());
+        let no_tok = parse_trace("{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}", 100, None);
+        assert!(format!("{:#}", no_tok.unwrap_err()).contains("tokenizer"));
+    }
+
+    /// The demo model (random weights, the real tokenizer and chat template) as a replay engine.
+    fn demo_engine() -> (Engine, Tokenizer) {
+        let bytes = ds4_engine::convert::demo_model_gguf(1).unwrap();
+        let file = ds4_engine::gguf::GgufFile::from_bytes(bytes).unwrap();
+        let tok = Tokenizer::from_gguf(&file).unwrap();
+        let cfg = crate::engine_api::EngineConfig {
+            threads: 2,
+            ctx: 4096,
+            batch_tokens: 128,
+            backend: "cpu".into(),
+            exact: false,
+        };
+        (crate::engine_api::engine_for(file, &cfg).unwrap(), tok)
+    }
+
+    const AGENTS: &str = include_str!("../traces/agents.jsonl");
+
+    #[test]
+    fn anthropic_and_openai_shapes_render_to_the_same_tokens() {
+        let (engine, tok) = demo_engine();
+        let vocab = engine.config().vocab;
+        let anthropic = json!({"system": [{"type": "text", "text": "Be brief."}],
+            "tools": [{"name": "Bash", "description": "Runs a command.", "input_schema": {"type": "object"}}],
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "list files"}]},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "Bash", "input": {"c": 1}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "a.txt"}]}]});
+        let openai = json!({"messages": [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "list files"},
+                {"role": "assistant", "content": "", "tool_calls": [{"id": "t1", "type": "function",
+                    "function": {"name": "Bash", "arguments": "{\"c\":1}"}}]},
+                {"role": "tool", "tool_call_id": "t1", "content": "a.txt"}],
+            "tools": [{"type": "function", "function": {"name": "Bash", "description": "Runs a command.",
+                "parameters": {"type": "object"}}}]});
+        let text = format!("{anthropic}\n{openai}\n");
+        let reqs = parse_trace(&text, vocab, Some(&tok)).unwrap();
+        assert_eq!(reqs[0], reqs[1]);
+        let user = tok.special().user.unwrap();
+        let block = reqs[0].system_block;
+        assert!(block > 3 && reqs[0].tokens[block] == user && !reqs[0].tokens[..block].contains(&user));
+    }
+
+    #[test]
+    fn rendered_agent_trace_reuses_its_common_prefix_in_ram_and_after_a_restart_with_exact_logits() {
+        let (mut engine, tok) = demo_engine();
+        let trace = parse_trace(AGENTS, engine.config().vocab, Some(&tok)).unwrap();
+        assert_eq!(trace.len(), 11);
+        // Claude Code (0, 2, 3, 10) share the system + tools block; the title request (1) does not.
+        let cc_block = trace[0].system_block;
+        assert!(cc_block > 200, "the Claude Code-like block is {cc_block} tokens");
+        for i in [2, 3, 10] {
+            assert_eq!(trace[i].system_block, cc_block);
+            assert_eq!(trace[i].tokens[..cc_block], trace[0].tokens[..cc_block]);
+        }
+        assert!(trace[1].system_block < 64);
+        let tmp = tempfile::tempdir().unwrap();
+        let span = 64;
+        let opts = ReplayOptions {
+            span,
+            dir: tmp.path().join("kv"),
+            max_parked: 4,
+            passes: 2,
+            verify: true,
+            system_block_min_tokens: 128,
+        };
+        let mut out = Vec::new();
+        let rows = replay(&mut engine, &trace, &opts, &mut out).unwrap();
+        assert_eq!(rows.len(), 2 * trace.len());
+        for r in &rows {
+            assert_eq!(r.exact, Some(true), "logits differ from a cold prefill: {r:?}");
+            assert!(r.reused + 256 >= r.lcp && r.reused + span as usize >= r.lcp, "reused too little: {r:?}");
+            assert!(r.reused <= r.lcp, "{r:?}");
+        }
+        let first: Vec<_> = rows.iter().filter(|r| r.pass == 1).collect();
+        // The tool rounds extend the first requests (Codex's assistant turn comes back without its reasoning; with
+        // tools declared the renderer keeps the turn's `<think></think>`, so the history still extends the first
+        // prompt); opencode's edited first message diverges inside the earlier conversation: all from RAM, within a
+        // token of the common prefix. The new Claude Code conversation shares only the block (it has left RAM).
+        assert_eq!(first[2].reused, trace[0].tokens.len(), "{:?}", first[2]);
+        assert_eq!(first[5].lcp, trace[4].tokens.len(), "{:?}", first[5]);
+        assert!(first[9].lcp < trace[7].tokens.len(), "{:?}", first[9]);
+        assert!(first[10].lcp >= cc_block && first[10].lcp < cc_block + 8, "{:?}", first[10]);
+        for i in [2, 3, 5, 8, 9] {
+            assert!(first[i].tier == "ram" && first[i].reused + 1 >= first[i].lcp, "{:?}", first[i]);
+        }
+        // After the restart everything was seen before and comes from disk.
+        let second: Vec<_> = rows.iter().filter(|r| r.pass == 2).collect();
+        assert_eq!(second[0].tier, "disk");
+        assert!(second.iter().all(|r| r.lcp == r.tokens && r.reused == r.tokens), "{second:?}");
+
+        // The system-block save: one conversation, a restart, a new conversation of the same agent restores the
+        // block from disk (its own checkpoints lie past the block).
+        let tmp = tempfile::tempdir().unwrap();
+        let opts = ReplayOptions { dir: tmp.path().join("kv"), passes: 1, verify: false, ..opts };
+        replay(&mut engine, &trace[3..4], &opts, &mut Vec::new()).unwrap();
+        let rows = replay(&mut engine, &trace[10..11], &opts, &mut Vec::new()).unwrap();
+        assert_eq!(rows[0].tier, "disk", "{:?}", rows[0]);
+        assert!(rows[0].reused + span as usize > cc_block && rows[0].reused <= cc_block, "{:?}", rows[0]);
+        let off = ReplayOptions { dir: tmp.path().join("kv-off"), system_block_min_tokens: 0, ..opts };
+        replay(&mut engine, &trace[3..4], &off, &mut Vec::new()).unwrap();
+        let rows = replay(&mut engine, &trace[10..11], &off, &mut Vec::new()).unwrap();
+        assert!(rows[0].reused + span as usize <= cc_block, "without the block save: {:?}", rows[0]);
     }
 }

@@ -177,9 +177,10 @@ struct KvArgs {
     /// and bytes copied next to a deep copy (see `kvbench::fork`).
     #[arg(long, value_name = "TOKENS", conflicts_with = "replay")]
     fork: Option<usize>,
-    /// Replay mode: a JSONL trace of requests (`{"tokens": [ids...]}` per line) through the RAM + disk prefix
-    /// cache; prints per request the longest common prefix with everything before, the tokens reused, and restore
-    /// vs prefill time (see `kvreplay`).
+    /// Replay mode: a JSONL trace of requests (`{"tokens": [ids...]}`, or a conversation `{"messages": [...],
+    /// "tools": [...]}` in the OpenAI chat or Anthropic messages shape, rendered and tokenized with the model's
+    /// tokenizer, per line) through the RAM + disk prefix cache; prints per request the longest common prefix with
+    /// everything before, the tokens reused, and restore vs prefill time (see `kvreplay`).
     #[arg(long, value_name = "FILE.jsonl")]
     replay: Option<std::path::PathBuf>,
     /// Replay: also replay the trace a second time after a simulated restart (RAM dropped, disk kept).
@@ -191,6 +192,9 @@ struct KvArgs {
     /// Replay: parked RAM sessions kept (LRU).
     #[arg(long, default_value_t = 16)]
     max_parked: usize,
+    /// Replay: save a system + tools block at least this long at its end, as the server does (0: off).
+    #[arg(long, default_value_t = 1024)]
+    system_block_min_tokens: usize,
 }
 
 #[derive(Args, Debug)]
@@ -515,8 +519,10 @@ fn run_kv_replay(
         backend: "cpu".into(),
         exact: false,
     };
+    // Rendered requests need the model's tokenizer; a trace of token ids does not.
+    let tok = ds4_engine::tokenizer::Tokenizer::from_gguf(&file).ok();
     let mut engine = engine_api::engine_for(file, &cfg)?;
-    let requests = kvreplay::parse_trace(&text, engine.config().vocab)?;
+    let requests = kvreplay::parse_trace(&text, engine.config().vocab, tok.as_ref())?;
     let max_ratio = engine.config().compress_ratios.iter().copied().max().unwrap_or(0);
     let span = kvbench::span_for(max_ratio, a.span);
     let tmp;
@@ -534,6 +540,7 @@ fn run_kv_replay(
         max_parked: a.max_parked,
         passes: if a.restart { 2 } else { 1 },
         verify: a.verify,
+        system_block_min_tokens: a.system_block_min_tokens,
     };
     let rows = kvreplay::replay(&mut engine, &requests, &opts, out)?;
     let (tok, lcp, reused): (usize, usize, usize) =

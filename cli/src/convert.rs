@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use ds4_engine::convert::{convert, ConvertOptions, Recipe};
+use ds4_engine::convert::{convert_with, ConvertOptions, Progress, Recipe};
 
 /// Arguments of `ds4 convert`.
 #[derive(clap::Args, Debug)]
@@ -31,6 +31,34 @@ pub struct Args {
     pub quiet: bool,
 }
 
+/// The converter's progress as an indicatif bar on stderr (bytes of tensor data written).
+struct Bar(indicatif::ProgressBar);
+
+fn bar() -> indicatif::ProgressBar {
+    let pb = indicatif::ProgressBar::with_draw_target(None, indicatif::ProgressDrawTarget::stderr());
+    if let Ok(style) = indicatif::ProgressStyle::with_template(
+        "{spinner} [{elapsed_precise}] {wide_bar} {binary_bytes}/{binary_total_bytes} ({binary_bytes_per_sec}, eta {eta}) {msg}",
+    ) {
+        pb.set_style(style);
+    }
+    pb
+}
+
+impl Progress for Bar {
+    fn start(&self, total_bytes: u64) {
+        self.0.set_length(total_bytes);
+    }
+    fn tensor(&self, name: &str) {
+        self.0.set_message(name.to_string());
+    }
+    fn advance(&self, bytes: u64) {
+        self.0.inc(bytes);
+    }
+    fn finish(&self) {
+        self.0.finish_and_clear();
+    }
+}
+
 /// Runs `ds4 convert`.
 pub fn run(a: Args) -> anyhow::Result<i32> {
     let opts = ConvertOptions {
@@ -40,9 +68,9 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
         tokenizer: a.tokenizer,
         imatrix: a.imatrix,
         name: a.name,
-        progress: !a.quiet,
     };
-    let r = convert(&opts)?;
+    let bar = Bar(if a.quiet { indicatif::ProgressBar::hidden() } else { bar() });
+    let r = convert_with(&opts, &bar)?;
     println!(
         "wrote {} ({} tensors, {} bytes, {:.1} s, {:.1} MB/s)",
         opts.output.display(),

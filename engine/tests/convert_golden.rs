@@ -6,10 +6,34 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-use ds4_engine::convert::{convert, ConvertOptions, Recipe};
+use ds4_engine::convert::{convert_with, ConvertOptions, Progress, Recipe};
 use ds4_engine::gguf::GgufFile;
 use ds4_engine::quant::GgmlType;
 use safetensors::SafeTensors;
+
+/// Counts what the converter reports.
+#[derive(Default)]
+struct Recorder {
+    total: std::cell::Cell<u64>,
+    done: std::cell::Cell<u64>,
+    tensors: std::cell::Cell<usize>,
+    finished: std::cell::Cell<usize>,
+}
+
+impl Progress for Recorder {
+    fn start(&self, total_bytes: u64) {
+        self.total.set(total_bytes);
+    }
+    fn tensor(&self, _name: &str) {
+        self.tensors.set(self.tensors.get() + 1);
+    }
+    fn advance(&self, bytes: u64) {
+        self.done.set(self.done.get() + bytes);
+    }
+    fn finish(&self) {
+        self.finished.set(self.finished.get() + 1);
+    }
+}
 
 fn golden_dir() -> Option<PathBuf> {
     ds4_engine::testdata::shared("golden/tiny-a", "model.safetensors")
@@ -73,8 +97,15 @@ fn tiny_a_f32_matches_the_spec_layout() {
     let Some(dir) = golden_dir() else { return };
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("tiny-a-f32.gguf");
-    let report = convert(&ConvertOptions::new(&dir, &out, Recipe::F32)).unwrap();
+    let progress = Recorder::default();
+    let report = convert_with(&ConvertOptions::new(&dir, &out, Recipe::F32), &progress).unwrap();
     assert!(report.unused.is_empty(), "unused tensors: {:?}", report.unused);
+    // Progress: the announced total is what was written, one call per tensor, finished once.
+    let data_bytes: u64 = report.by_type.values().map(|(_, b)| b).sum();
+    assert_eq!(progress.total.get(), data_bytes);
+    assert_eq!(progress.done.get(), data_bytes);
+    assert_eq!(progress.tensors.get(), report.n_tensors);
+    assert_eq!(progress.finished.get(), 1);
     assert!(!tmp.path().join("tiny-a-f32.gguf.tmp").exists());
     let g = GgufFile::open(&out).unwrap();
 

@@ -5,7 +5,7 @@
 //!   0  [u8;8]  magic "DS4KV\0\r\n"
 //!   8  u16     version = 1
 //!  10  u8      kind: 1 page, 2 checkpoint
-//!  11  u8      save reason: 0 unknown, 1 cold, 2 continued, 3 evict, 4 shutdown
+//!  11  u8      save reason: 0 unknown, 1 cold, 2 continued, 3 evict, 4 shutdown, 5 system block
 //!  12  u32     identity text length
 //!  16  [u8;20] model identity hash
 //!  36  [u8;20] key (the file name stem)
@@ -87,6 +87,9 @@ pub enum SaveReason {
     Evict,
     /// Clean server shutdown.
     Shutdown,
+    /// The end of a long system prompt + tools block (the rendered prefix before the first user message), which
+    /// every conversation of the same agent shares.
+    SystemBlock,
 }
 
 impl SaveReason {
@@ -99,6 +102,7 @@ impl SaveReason {
             2 => SaveReason::Continued,
             3 => SaveReason::Evict,
             4 => SaveReason::Shutdown,
+            5 => SaveReason::SystemBlock,
             _ => SaveReason::Unknown,
         }
     }
@@ -627,5 +631,15 @@ mod tests {
         let v = vec![0f32; 10];
         let groups = vec![vec![RowBlock { tag: 0, rows: 3, width: 4, values: &v }]];
         assert!(matches!(validate_groups(&groups), Err(KvError::Invalid(_))));
+    }
+
+    #[test]
+    fn save_reasons_round_trip_through_their_ids() {
+        use SaveReason::*;
+        for (i, r) in [Unknown, Cold, Continued, Evict, Shutdown, SystemBlock].into_iter().enumerate() {
+            assert_eq!(r.id(), i as u8);
+            assert_eq!(SaveReason::from_id(i as u8), r);
+        }
+        assert_eq!(SaveReason::from_id(200), Unknown);
     }
 }

@@ -36,6 +36,11 @@ pub struct Args {
     /// Disk space for the KV cache, in MiB.
     #[arg(long, default_value_t = 4096)]
     pub kv_disk_space_mb: u64,
+    /// With --kv-disk-dir: a system prompt + tools block (the prompt before its first user message) at least this
+    /// many tokens long is saved to disk at its end (the last page boundary inside it), so another conversation of
+    /// the same agent restores it, also after a restart (0: off).
+    #[arg(long, default_value_t = 1024)]
+    pub kv_system_block_min_tokens: usize,
     #[arg(long, value_enum, default_value_t = BackendKind::Cpu)]
     pub backend: BackendKind,
     /// Sessions decoding at once (continuous batch width).

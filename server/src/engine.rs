@@ -152,6 +152,10 @@ impl Runner for EngineRunner {
     fn disk_error_counts(&self) -> crate::model::DiskErrors {
         self.disk.as_ref().map(|d| d.error_counts()).unwrap_or_default()
     }
+
+    fn disk_system_block(&mut self, prompt: &[u32], block: usize, cached: usize) -> Option<usize> {
+        self.disk.as_mut()?.system_block_save_at(prompt, block, cached)
+    }
 }
 
 /// Tokenizer + chat template + DSML parser as a [`Codec`].
@@ -257,6 +261,13 @@ impl Codec for EngineCodec {
         let neutraliser = self.neutraliser.as_ref().map_err(|e| EncodeError::Failed(e.clone()))?;
         let messages = to_chat_messages(conv)?;
         crate::markers::prompt_ids(&self.tok, neutraliser, &messages, &self.render_options(conv), limit)
+    }
+
+    fn system_block_len(&self, prompt: &[u32]) -> usize {
+        // Only the renderer's markers are special tokens (message text spelling one is plain text), so the first
+        // `<｜User｜>` id is where the first user message starts.
+        let Some(user) = self.tok.special().user else { return 0 };
+        prompt.iter().position(|&t| t == user).unwrap_or(0)
     }
 
     fn decoder(&self) -> Box<dyn TokenDecoder> {

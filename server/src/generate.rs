@@ -139,11 +139,13 @@ impl Generation {
         let max_tokens = opts.max_tokens.unwrap_or(usize::MAX).min(cap).min(room).max(1);
         let (tx, rx) = unbounded_channel();
         let usage = Usage { prompt_tokens: prompt.len(), ..Usage::default() };
+        let system_block = state.codec.system_block_len(&prompt);
         let job = GenRequest {
             prompt,
             sampling: opts.sampling.clone(),
             max_tokens,
             eos: state.codec.eos_tokens(),
+            system_block,
             events: tx,
         };
         state.scheduler.submit(job).map_err(|e| match e {

@@ -9,7 +9,11 @@
 //! * Save triggers ([`DiskEvent`]): **cold** — a prompt that missed (at least `cold_min_tokens` prefilled) is saved
 //!   right after its prefill; **continued** — a session that grew `continued_every` tokens since its last save is
 //!   saved when its request ends; **evict** — a parked session dropped from RAM; **shutdown** — every live session
-//!   on SIGTERM/SIGINT (after the HTTP drain). Pages are shared by prefix key, so a save writes only new spans plus
+//!   on SIGTERM/SIGINT (after the HTTP drain); **system block** — a prompt whose system prompt + tools block (the
+//!   tokens before the first user message, [`crate::model::Codec::system_block_len`]) is at least
+//!   `--kv-system-block-min-tokens` long is saved at the last page boundary inside the block
+//!   ([`DiskTier::system_block_save_at`]: the scheduler pauses that session's prefill there for one tick), unless
+//!   the store or the reused prefix has it already, so another conversation of the same agent restores it. Pages are shared by prefix key, so a save writes only new spans plus
 //!   one checkpoint.
 //! * Restore points: every save also writes one at the last page boundary below the saved position
 //!   (`ds4_engine::persist`), so a prompt that diverges inside the last page restores from there.
@@ -36,6 +40,9 @@ pub enum DiskEvent {
     Prefilled { cached: usize, prompt_len: usize },
     /// Its request ended (it is being parked).
     Finished,
+    /// Its prefill reached the end of its system + tools block (the position [`DiskTier::system_block_save_at`]
+    /// chose).
+    SystemBlock,
     /// It is being dropped from RAM.
     Evict,
     /// The server is stopping.
@@ -150,6 +157,22 @@ impl DiskTier {
         }
     }
 
+    /// Where a session prefilling `prompt` (with `cached` tokens held) should pause for a [`DiskEvent::SystemBlock`]
+    /// save, given a system + tools block of `block` tokens: the policy's page boundary, when it is past `cached`,
+    /// inside the prompt, and not stored yet (`None` otherwise, and when saving is off).
+    pub fn system_block_save_at(&mut self, prompt: &[u32], block: usize, cached: usize) -> Option<usize> {
+        let st = self.store.status();
+        if !st.enabled || st.read_only {
+            return None;
+        }
+        let at = self.policy.system_block_end(block.min(prompt.len()), self.store.span_tokens() as usize)?;
+        if at <= cached || at >= prompt.len() {
+            return None;
+        }
+        let probe = self.store.longest_prefix(&prompt[..at]);
+        (probe.checkpoint.is_none() || probe.matched_tokens < at).then_some(at)
+    }
+
     /// Applies the save triggers to `event` on `sid`.
     pub fn on_event(&mut self, engine: &Engine, sid: EngineSession, event: DiskEvent) {
         let pos = engine.position(sid).unwrap_or(0);
@@ -157,6 +180,7 @@ impl DiskTier {
         let reason = match event {
             DiskEvent::Prefilled { cached, prompt_len } => self.policy.after_prefill(cached, prompt_len),
             DiskEvent::Finished => self.policy.while_running(last.unwrap_or(0), pos),
+            DiskEvent::SystemBlock => Some(SaveReason::SystemBlock),
             DiskEvent::Evict => Some(SaveReason::Evict),
             DiskEvent::Shutdown => Some(SaveReason::Shutdown),
         };

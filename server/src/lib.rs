@@ -47,9 +47,6 @@ use std::sync::Arc;
 
 pub use state::{AppState, Limits};
 
-/// The old name of [`model`] (`server/src/backend.rs` until it was renamed), kept for code written against it.
-pub use model as backend;
-
 use metrics::Metrics;
 use model::{Codec, ModelInfo, Runner};
 use scheduler::{Scheduler, SchedulerConfig};

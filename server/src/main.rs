@@ -99,6 +99,13 @@ fn main() -> anyhow::Result<()> {
                 if let Err(e) = runner.enable_disk(dir.clone(), args.kv_disk_space_mb) {
                     tracing::error!(error = %e, "--kv-disk-dir: disk KV tier off");
                 }
+                if let Some(tier) = runner.disk_tier() {
+                    let policy = ds4_kv::SavePolicy {
+                        system_block_min_tokens: args.kv_system_block_min_tokens,
+                        ..ds4_kv::SavePolicy::default()
+                    };
+                    tier.set_policy(policy);
+                }
             }
             (Box::new(runner), Arc::new(codec), info)
         };

@@ -18,10 +18,6 @@ use serde_json::Value;
 /// A [`Runner`]'s session handle (the engine adapter maps it to a `ds4_engine::tables::SessionId`).
 pub type RunnerSessionId = u64;
 
-/// The old name of [`RunnerSessionId`] (it collided with `ds4_engine::tables::SessionId`), kept for code written
-/// against it.
-pub type SessionId = RunnerSessionId;
-
 /// An error from the model side, already phrased for a human.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BackendError(pub String);
@@ -95,7 +91,7 @@ pub trait Runner: Send {
     /// Smallest length `session` can be cut back to with [`Runner::truncate`] when the runner cannot truncate
     /// everything ([`Runner::can_truncate`] false) but can roll a session back within a reach (the engine's
     /// exact in-place roll back). `None`: no roll back for this session.
-    fn rollback_floor(&self, _session: SessionId) -> Option<usize> {
+    fn rollback_floor(&self, _session: RunnerSessionId) -> Option<usize> {
         None
     }
     /// A new session with a copy of `session`'s state (processed tokens and last logits), or `None` when the runner
@@ -130,6 +126,13 @@ pub trait Runner: Send {
     }
     /// Disk KV tier: `session` went through `event` (the tier applies its save triggers). No-op without one.
     fn disk_event(&mut self, _session: RunnerSessionId, _event: crate::kvdisk::DiskEvent) {}
+    /// Disk KV tier: the position at which a session prefilling `prompt` (of which `cached` tokens are held
+    /// already) should pause for a [`crate::kvdisk::DiskEvent::SystemBlock`] save, given that its system + tools
+    /// block is `block` tokens long; `None` when nothing is to be saved there (no tier, a short block, already
+    /// stored). The position is a page boundary in `cached + 1..=block`.
+    fn disk_system_block(&mut self, _prompt: &[u32], _block: usize, _cached: usize) -> Option<usize> {
+        None
+    }
     /// Disk KV tier failures so far (`ds4_kv_disk_errors_total`).
     fn disk_errors(&self) -> u64 {
         self.disk_error_counts().total()
@@ -255,6 +258,11 @@ pub trait Codec: Send + Sync {
     fn prompt(&self, conv: &Conversation, limit: usize) -> Result<Vec<u32>, EncodeError> {
         let text = self.render(conv)?;
         self.encode_bounded(&text, limit)
+    }
+    /// The length of the system + tools block at the start of the prompt ids `prompt`: the tokens before the first
+    /// user message (0 when the codec cannot tell). Conversations of one agent share it (the disk tier saves there).
+    fn system_block_len(&self, _prompt: &[u32]) -> usize {
+        0
     }
     fn decoder(&self) -> Box<dyn TokenDecoder>;
     /// A parser for a completion that starts inside a reasoning block when `thinking` is set.

@@ -71,6 +71,9 @@ pub struct GenRequest {
     pub max_tokens: usize,
     /// Token ids that end generation (not emitted).
     pub eos: Vec<u32>,
+    /// Length of the prompt's system + tools block (tokens before the first user message; 0: unknown). The disk
+    /// tier may save a checkpoint at its end ([`DiskEvent::SystemBlock`]).
+    pub system_block: usize,
     pub events: UnboundedSender<JobEvent>,
 }
 
@@ -167,6 +170,8 @@ struct Active {
     cached: usize,
     /// Where the cached tokens came from.
     tier: CacheTier,
+    /// Prefill stops at this position until the disk tier has saved it ([`DiskEvent::SystemBlock`]).
+    pause_at: Option<usize>,
     generated: usize,
     sampler: Sampler,
     submitted: Instant,
@@ -319,6 +324,7 @@ impl Worker {
                 }
             };
             let prompt_len = job.prompt.len();
+            let pause_at = self.runner.disk_system_block(&job.prompt, job.system_block, cached);
             self.metrics.prompt_tokens.fetch_add(prompt_len as u64, Ordering::Relaxed);
             if cached > 0 {
                 self.metrics.add_prefix_hit(tier, cached as u64);
@@ -335,6 +341,7 @@ impl Worker {
                 prompt_len,
                 cached,
                 tier,
+                pause_at,
                 generated: 0,
                 submitted,
                 admitted: Instant::now(),
@@ -486,6 +493,7 @@ impl Worker {
             let n = if a.fed >= a.prompt_len {
                 remaining // a decode token (exactly one)
             } else {
+                let remaining = a.pause_at.map_or(remaining, |p| remaining.min(p.saturating_sub(a.fed)));
                 let n = remaining.min(budget.saturating_sub(pending));
                 budget = budget.saturating_sub(pending + n);
                 n
@@ -518,6 +526,15 @@ impl Worker {
                     self.runner.free_session(a.session);
                 }
                 return;
+            }
+        }
+        // A prefill paused at its system block's end is saved there, then goes on next tick.
+        for i in 0..self.active.len() {
+            let a = &self.active[i];
+            if a.pause_at == Some(a.fed) && self.runner.pending(a.session) == 0 {
+                let session = a.session;
+                self.active[i].pause_at = None;
+                self.runner.disk_event(session, DiskEvent::SystemBlock);
             }
         }
         // Ready to sample: everything fed has been processed (after a full prefix hit, nothing needed feeding: the
@@ -594,7 +611,7 @@ mod tests {
     fn job(prompt: Vec<u32>, max_tokens: usize) -> (GenRequest, UnboundedReceiver<JobEvent>) {
         let (tx, rx) = unbounded_channel();
         let sampling = SamplerConfig::greedy();
-        (GenRequest { prompt, sampling, max_tokens, eos: vec![EOS], events: tx }, rx)
+        (GenRequest { prompt, sampling, max_tokens, eos: vec![EOS], system_block: 0, events: tx }, rx)
     }
 
     fn collect(rx: &mut UnboundedReceiver<JobEvent>) -> (Vec<JobEvent>, String) {

@@ -9,8 +9,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use common::{Options, TestServer};
-use ds4_server::backend::{BackendError, ModelInfo, Runner, SessionId};
 use ds4_server::fake::{FakeCodec, VOCAB};
+use ds4_server::model::{BackendError, ModelInfo, Runner, RunnerSessionId};
 use ds4_server::scheduler::SchedulerConfig;
 use ds4_server::{build_state, Limits};
 use serde_json::{json, Value};
@@ -65,8 +65,8 @@ fn a_full_context_is_reported_with_each_apis_signal() {
 
 /// A model that never stops: every step predicts `a`.
 struct Endless {
-    sessions: HashMap<SessionId, bool>,
-    next: SessionId,
+    sessions: HashMap<RunnerSessionId, bool>,
+    next: RunnerSessionId,
     logits: Vec<f32>,
 }
 
@@ -82,18 +82,18 @@ impl Runner for Endless {
     fn vocab_size(&self) -> usize {
         VOCAB
     }
-    fn create_session(&mut self) -> Result<SessionId, BackendError> {
+    fn create_session(&mut self) -> Result<RunnerSessionId, BackendError> {
         self.next += 1;
         self.sessions.insert(self.next, false);
         Ok(self.next)
     }
-    fn free_session(&mut self, session: SessionId) {
+    fn free_session(&mut self, session: RunnerSessionId) {
         self.sessions.remove(&session);
     }
-    fn truncate(&mut self, _session: SessionId, _len: usize) -> bool {
+    fn truncate(&mut self, _session: RunnerSessionId, _len: usize) -> bool {
         false
     }
-    fn feed(&mut self, session: SessionId, _tokens: &[u32]) -> Result<(), BackendError> {
+    fn feed(&mut self, session: RunnerSessionId, _tokens: &[u32]) -> Result<(), BackendError> {
         self.sessions.insert(session, false);
         Ok(())
     }
@@ -101,7 +101,7 @@ impl Runner for Endless {
         self.sessions.values_mut().for_each(|ready| *ready = true);
         Ok(())
     }
-    fn logits(&self, session: SessionId) -> Option<&[f32]> {
+    fn logits(&self, session: RunnerSessionId) -> Option<&[f32]> {
         self.sessions.get(&session).filter(|r| **r).map(|_| &self.logits[..])
     }
 }

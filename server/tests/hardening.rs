@@ -9,9 +9,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{parse_reply, Options, Reply, TestServer};
-use ds4_server::backend::ModelInfo;
 use ds4_server::conn::ConnLimits;
 use ds4_server::guard::Access;
+use ds4_server::model::ModelInfo;
 use ds4_server::scheduler::SchedulerConfig;
 use ds4_server::{build_state, Limits};
 use serde_json::{json, Value};

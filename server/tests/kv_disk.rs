@@ -25,6 +25,11 @@ impl Server {
     /// `unprivileged`: when the tests run as root, run the server as `nobody` (through `setpriv`), so file
     /// permissions apply to it (root writes into a mode 0555 directory).
     fn start_as(kv_dir: Option<&Path>, unprivileged: bool) -> Server {
+        Self::start_with(kv_dir, unprivileged, &[])
+    }
+
+    /// With `extra` flags.
+    fn start_with(kv_dir: Option<&Path>, unprivileged: bool, extra: &[&str]) -> Server {
         // SAFETY: geteuid has no preconditions and cannot fail.
         let root = unsafe { libc::geteuid() } == 0;
         let mut cmd = if unprivileged && root {
@@ -38,6 +43,7 @@ impl Server {
         if let Some(d) = kv_dir {
             cmd.arg("--kv-disk-dir").arg(d);
         }
+        cmd.args(extra);
         cmd.env("RUST_LOG", "warn").stdout(Stdio::null()).stderr(Stdio::piped());
         let mut child = cmd.spawn().expect("spawn ds4-server");
         let stderr = child.stderr.take().unwrap();
@@ -86,7 +92,14 @@ impl Server {
     }
 
     fn chat(&self, messages: &[Value]) -> Value {
-        let req = json!({"model": "deepseek-v4-flash", "messages": messages, "temperature": 0, "max_tokens": 8});
+        self.chat_tools(messages, &json!([]))
+    }
+
+    fn chat_tools(&self, messages: &[Value], tools: &Value) -> Value {
+        let mut req = json!({"model": "deepseek-v4-flash", "messages": messages, "temperature": 0, "max_tokens": 8});
+        if tools.as_array().is_some_and(|t| !t.is_empty()) {
+            req["tools"] = tools.clone();
+        }
         let body = self.request("POST", "/v1/chat/completions", Some(&req));
         serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {body}"))
     }
@@ -349,4 +362,45 @@ fn a_prompt_diverging_inside_a_parked_session_reuses_the_common_prefix_from_ram(
     assert_eq!(usage_u64(&r3, &["prompt_tokens_details", "cached_tokens"]), 0);
     assert_eq!(r2["choices"][0]["message"], r3["choices"][0]["message"], "rolled-back and cold outputs differ");
     c.stop();
+}
+
+#[cfg(unix)]
+#[test]
+fn a_new_conversation_of_the_same_agent_restores_the_system_block_after_a_restart() {
+    const SPAN: u64 = 256; // the server's page size (tokens)
+    let system = json!({"role": "system", "content": long_text(13, 420)});
+    let tools = json!([{"type": "function", "function": {"name": "read_file", "description": long_text(14, 60),
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]);
+    // Conversation A's first user message is long, so its cold and shutdown checkpoints (and their restore
+    // points) all lie more than a page past the system block: only the system-block save can serve B.
+    let a_msgs = [system.clone(), json!({"role": "user", "content": long_text(15, 450)})];
+    let b_msgs = [system.clone(), json!({"role": "user", "content": "what does main.rs do?"})];
+    let run = |min_tokens: &str| -> (u64, u64, Value) {
+        let dir = tempfile::tempdir().unwrap();
+        let flags = ["--kv-system-block-min-tokens", min_tokens];
+        let a = Server::start_with(Some(dir.path()), false, &flags);
+        let ra = a.chat_tools(&a_msgs, &tools);
+        a.stop();
+        let b = Server::start_with(Some(dir.path()), false, &flags);
+        let rb = b.chat_tools(&b_msgs, &tools);
+        let cached = usage_u64(&rb, &["prompt_tokens_details", "cached_tokens"]);
+        if cached > 0 {
+            assert!(b.metric("ds4_prefix_cache_hit_tokens_total{tier=\"disk\"}") >= cached as f64);
+        }
+        assert_eq!(b.metric_sum("ds4_kv_disk_errors_total"), 0.0);
+        b.stop();
+        (usage_u64(&ra, &["prompt_tokens"]), cached, rb)
+    };
+    let (pa, cached, rb) = run("256");
+    let pb = usage_u64(&rb, &["prompt_tokens"]);
+    // B's prompt is the block plus a few tokens: `<｜User｜>`, the short question, the assistant opening.
+    let block = pb.saturating_sub(16);
+    eprintln!("A: {pa} prompt tokens; B: {pb} prompt tokens (block ≈ {block}), {cached} restored from disk");
+    // A's restore points lie at the page boundary below its saved positions (≥ pa − SPAN): past B's prefix.
+    assert!(block >= 2 * SPAN && pa >= block + SPAN + 16, "the test's shapes are off: A {pa}, B {pb}");
+    assert!(cached + SPAN >= block && cached < pb, "B restored {cached} tokens of a {block}-token system block");
+    // The same with the trigger off: nothing of A's saved state lies inside the block.
+    let (_, cached_off, rb_off) = run("0");
+    assert!(cached_off + SPAN < block, "without the system-block save B restored {cached_off}");
+    assert_eq!(rb["choices"][0]["message"], rb_off["choices"][0]["message"], "restored and prefilled outputs differ");
 }

@@ -3,8 +3,8 @@
 //! tokens are a prefix of turn N+1's (the basis of prefix reuse), through each API's own request conversion.
 
 use ds4_server::api::{anthropic, openai_chat, responses};
-use ds4_server::backend::{Codec, Conversation};
 use ds4_server::engine::EngineCodec;
+use ds4_server::model::{Codec, Conversation};
 use serde_json::{json, Value};
 
 const ASSISTANT_THINK: &str = "<｜Assistant｜><think>";

@@ -1,7 +1,8 @@
 //! The converter: an official checkpoint folder (config.json + safetensors, f32/bf16/f16/FP8/FP4) → a DS4 GGUF file
 //! in the layout of `shared/spec/gguf-ds4.md`.
 //!
-//! Entry point: [`convert`] with [`ConvertOptions`]. Steps:
+//! Entry point: [`convert`] with [`ConvertOptions`] ([`convert_with`] also reports progress to a [`Progress`]: the
+//! CLI draws its bar from it; the engine draws nothing). Steps:
 //! 1. [`config`]: `config.json` (official key names) → hyperparameters → `deepseek4.*` metadata.
 //! 2. [`checkpoint`]: memory-map the shards (index json or all `*.safetensors`), look tensors up by name.
 //! 3. [`plan`]: the list of GGUF tensors, their sources and expected official shapes; every source is checked
@@ -69,12 +70,27 @@ pub struct ConvertOptions {
     pub imatrix: Option<PathBuf>,
     /// `general.name`; defaults to the input folder's name.
     pub name: Option<String>,
-    /// Show an indicatif progress bar on stderr.
-    pub progress: bool,
 }
 
+/// Where [`convert_with`] reports how far it is (bytes of tensor data written). Every method has a no-op default.
+pub trait Progress {
+    /// Before the first tensor: the tensor bytes the file will hold.
+    fn start(&self, _total_bytes: u64) {}
+    /// The tensor `name` is being converted.
+    fn tensor(&self, _name: &str) {}
+    /// `bytes` more tensor bytes were written.
+    fn advance(&self, _bytes: u64) {}
+    /// Everything was written (not called on error).
+    fn finish(&self) {}
+}
+
+/// The [`Progress`] that reports nothing.
+pub struct NoProgress;
+
+impl Progress for NoProgress {}
+
 impl ConvertOptions {
-    /// Options with no tokenizer, default name and no progress bar.
+    /// Options with no tokenizer, no importance matrix and the default name.
     pub fn new(input: impl Into<PathBuf>, output: impl Into<PathBuf>, recipe: Recipe) -> Self {
         ConvertOptions {
             input: input.into(),
@@ -83,7 +99,6 @@ impl ConvertOptions {
             tokenizer: None,
             imatrix: None,
             name: None,
-            progress: false,
         }
     }
 }
@@ -105,8 +120,13 @@ pub struct ConvertReport {
 
 /// Converts a checkpoint folder to a DS4 GGUF file. See the module docs.
 pub fn convert(opts: &ConvertOptions) -> Result<ConvertReport> {
+    convert_with(opts, &NoProgress)
+}
+
+/// [`convert`], reporting progress to `progress`.
+pub fn convert_with(opts: &ConvertOptions, progress: &dyn Progress) -> Result<ConvertReport> {
     let tmp = tmp_path(&opts.output);
-    let r = convert_to(opts, &tmp);
+    let r = convert_to(opts, &tmp, progress);
     match r {
         Ok(mut report) => {
             std::fs::rename(&tmp, &opts.output).map_err(|e| Error::io(&opts.output, e))?;
@@ -182,19 +202,6 @@ pub fn check_plan(ckpt: &Checkpoint, plan: &[Planned]) -> Result<()> {
         }
     }
     Ok(())
-}
-
-fn progress_bar(total: u64, show: bool) -> indicatif::ProgressBar {
-    if !show {
-        return indicatif::ProgressBar::hidden();
-    }
-    let pb = indicatif::ProgressBar::with_draw_target(Some(total), indicatif::ProgressDrawTarget::stderr());
-    if let Ok(style) = indicatif::ProgressStyle::with_template(
-        "{spinner} [{elapsed_precise}] {wide_bar} {binary_bytes}/{binary_total_bytes} ({binary_bytes_per_sec}, eta {eta}) {msg}",
-    ) {
-        pb.set_style(style);
-    }
-    pb
 }
 
 /// The bytes of one planned tensor in its declared type.
@@ -349,7 +356,7 @@ fn importance<'a>(
     }
 }
 
-fn convert_to(opts: &ConvertOptions, tmp: &Path) -> Result<ConvertReport> {
+fn convert_to(opts: &ConvertOptions, tmp: &Path, progress: &dyn Progress) -> Result<ConvertReport> {
     let t0 = Instant::now();
     let cfg = read_config(&opts.input)?;
     let ckpt = Checkpoint::open(&opts.input)?;
@@ -392,31 +399,31 @@ fn convert_to(opts: &ConvertOptions, tmp: &Path) -> Result<ConvertReport> {
     );
     let file = File::create(tmp).map_err(|e| Error::io(tmp, e))?;
     let mut w = GgufWriter::new(BufWriter::with_capacity(8 << 20, file), &meta, decls.clone())?;
-    let pb = progress_bar(total, opts.progress);
+    progress.start(total);
     let mut report = ConvertReport::default();
     for (t, decl) in plan.iter().zip(&decls) {
-        pb.set_message(t.name.clone());
+        progress.tensor(&t.name);
         let bytes = tensor_bytes(&ckpt, &cfg, t, decl, im.as_ref())?;
         w.write_tensor(&decl.name, &bytes)?;
         tracing::debug!(name = %decl.name, ty = %decl.ty, dims = ?decl.dims, "wrote tensor");
         let e = report.by_type.entry(decl.ty.name().to_string()).or_default();
         e.0 += 1;
         e.1 += bytes.len() as u64;
-        pb.inc(bytes.len() as u64);
+        progress.advance(bytes.len() as u64);
     }
     for d in &drafter {
-        pb.set_message(d.decl.name.clone());
+        progress.tensor(&d.decl.name);
         let bytes = drafter_bytes(&ckpt, d)?;
         w.write_tensor(&d.decl.name, &bytes)?;
         let e = report.by_type.entry(d.decl.ty.name().to_string()).or_default();
         e.0 += 1;
         e.1 += bytes.len() as u64;
-        pb.inc(bytes.len() as u64);
+        progress.advance(bytes.len() as u64);
     }
     let buf = w.finish()?;
     let file = buf.into_inner().map_err(|e| Error::io(tmp, e.into_error()))?;
     file.sync_all().map_err(|e| Error::io(tmp, e))?;
-    pb.finish_and_clear();
+    progress.finish();
     report.n_tensors = decls.len();
     report.unused = ckpt.unused();
     if !report.unused.is_empty() {

@@ -7,8 +7,8 @@ use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
 use std::time::Duration;
 
-use ds4_server::backend::ModelInfo;
 use ds4_server::fake::{FakeCodec, FakeRunner};
+use ds4_server::model::ModelInfo;
 use ds4_server::scheduler::SchedulerConfig;
 use ds4_server::{build_state, http, AppState, Limits};
 use serde_json::Value;
