@@ -23,8 +23,8 @@
 //! re-exported here), because the other crates use them: [`engine`] (the [`Engine`] facade: server, cli, benches,
 //! tests), [`tables`] (session ids and snapshots), [`persist`] (the `ds4-kv` bridge: server, benches), [`gguf`],
 //! [`tokenizer`], [`chat`], [`sampler`] (server, cli), [`convert`] (cli, server, tests), [`model`] (hyperparameters),
-//! [`graph`] and [`exec`] (benches, `ds4-kernels-native`), [`quant`] (benches, engine tests), [`backend`] and
-//! [`testdata`] (tests). Inside them only these submodules are public: `backend::{cpu, wgpu}`,
+//! [`graph`] (benches, `ds4-kernels-native`), [`exec`] (benches), [`quant`] (benches, engine tests), [`backend`]
+//! (benches, tests) and [`testdata`] (tests). Inside them only these submodules are public: `backend::{cpu, wgpu}`,
 //! `backend::wgpu::context` (the wgpu test context of the `ds4-tests` crate), `model::config` (`Revision`),
 //! `convert::{demo, imatrix, plan, synth_tokenizer}` (synthetic models and the imatrix writer for tests, benches and
 //! cli), `chat::effort` and `quant::simd`; every other submodule is `pub(crate)`, its public items reached through
