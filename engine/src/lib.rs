@@ -11,20 +11,32 @@
 //! | [`model`] | hyperparameters read from GGUF metadata, the weight table, the forward pass (`recipe`) |
 //! | [`persist`] | sessions ↔ the `ds4-kv` disk tier: shared pages + a checkpoint; restore the longest cached prefix |
 //! | [`tables`] | flat component tables (struct-of-arrays): sessions and their KV state |
-//! | [`graph`] | the per-tick node graph: fine ops over named tensors with declared reads/writes, as plain data (built by [`model::recipe`]) |
+//! | [`graph`] | the per-tick node graph: fine ops over named tensors with declared reads/writes, as plain data (built by `model::recipe`) |
 //! | [`exec`] | the executor: places each node (native override, portable kernel, or whole stage) and runs the graph |
 //! | [`backend`] | op implementations: `cpu` (reference + SIMD) and `wgpu` |
 //! | [`tokenizer`], [`chat`], [`sampler`] | text in, text out |
 //! | [`testdata`] | for tests: where `../shared` is, and the skip-unless-CI rule |
 //!
 //! Errors: every fallible function returns [`Result`], whose [`Error`] names the op, file or tensor involved.
+//!
+//! Public surface: the top-level modules above stay `pub` (except `error`, whose [`Error`] and [`Result`] are
+//! re-exported here), because the other crates use them: [`engine`] (the [`Engine`] facade: server, cli, benches,
+//! tests), [`tables`] (session ids and snapshots), [`persist`] (the `ds4-kv` bridge: server, benches), [`gguf`],
+//! [`tokenizer`], [`chat`], [`sampler`] (server, cli), [`convert`] (cli, server, tests), [`model`] (hyperparameters),
+//! [`graph`] (benches, `ds4-kernels-native`), [`exec`] (benches), [`quant`] (benches, engine tests), [`backend`]
+//! (benches, tests) and [`testdata`] (tests). Inside them only these submodules are public: `backend::{cpu, wgpu}`,
+//! `backend::wgpu::context` (the wgpu test context of the `ds4-tests` crate), `model::config` (`Revision`),
+//! `convert::{demo, imatrix, plan, synth_tokenizer}` (synthetic models and the imatrix writer for tests, benches and
+//! cli), `chat::effort` and `quant::simd`; every other submodule is `pub(crate)`, its public items reached through
+//! the re-exports of its parent. The `bench-internals` feature also opens `backend::cpu::{matmul, pool}` to the
+//! kernel benchmarks; that is not a stable API.
 #![forbid(unsafe_op_in_unsafe_fn)]
 
 pub mod backend;
 pub mod chat;
 pub mod convert;
 pub mod engine;
-pub mod error;
+pub(crate) mod error;
 pub mod exec;
 pub mod gguf;
 pub mod graph;

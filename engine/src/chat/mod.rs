@@ -15,10 +15,10 @@
 //! text or is reported in [`ParsedMessage::errors`].
 
 pub mod effort;
-pub mod json;
-pub mod parse;
-pub mod render;
-pub mod types;
+pub(crate) mod json;
+pub(crate) mod parse;
+pub(crate) mod render;
+pub(crate) mod types;
 
 pub use json::JsonValue;
 pub use parse::{parse_completion, ParseEvent, ParsedMessage, ParsedToolCall, StreamParser};

@@ -30,7 +30,7 @@
 
 use std::borrow::Cow;
 
-use super::json::{push_python_string, JsonValue};
+use super::json::JsonValue;
 use super::types::{Message, RenderInput, Role, Tool, ToolCall};
 use crate::tokenizer::{
     ASSISTANT_TOKEN, BOS_TOKEN, DSML_TOKEN, EOS_TOKEN, LATEST_REMINDER_TOKEN, THINK_END_TOKEN, THINK_START_TOKEN,
@@ -491,13 +491,6 @@ fn render_turn(
         out.push_str(if open { THINK_START_TOKEN } else { THINK_END_TOKEN });
     }
     Ok(())
-}
-
-/// Writes `s` as a JSON string literal the way the official encoder does (used by the parser for arguments).
-pub fn python_json_string(s: &str) -> String {
-    let mut out = String::new();
-    push_python_string(&mut out, s);
-    out
 }
 
 #[cfg(test)]

@@ -50,7 +50,8 @@ pub fn e2m1_to_f32(n: u8) -> f32 {
 
 /// Encodes an f32 as the nearest e4m3fn byte (saturating at ±448; ties to even by brute force over the table).
 /// Used by tests to build FP8 checkpoints.
-pub fn f32_to_e4m3(x: f32) -> u8 {
+#[cfg(test)]
+pub(crate) fn f32_to_e4m3(x: f32) -> u8 {
     let mut best = 0u8;
     let mut best_err = f32::INFINITY;
     for b in 0u8..=0x7e {
@@ -68,7 +69,8 @@ pub fn f32_to_e4m3(x: f32) -> u8 {
 }
 
 /// Encodes an f32 as the nearest e2m1 nibble (saturating at ±6). Used by tests to build FP4 checkpoints.
-pub fn f32_to_e2m1(x: f32) -> u8 {
+#[cfg(test)]
+pub(crate) fn f32_to_e2m1(x: f32) -> u8 {
     let a = x.abs();
     let mut best = 0u8;
     for (i, v) in E2M1_VALUES.iter().enumerate() {
@@ -81,11 +83,6 @@ pub fn f32_to_e2m1(x: f32) -> u8 {
     } else {
         best
     }
-}
-
-/// Encodes a power-of-two scale `2^k` as e8m0 (`k` clamped to the representable range).
-pub fn pow2_to_e8m0(k: i32) -> u8 {
-    (k + 127).clamp(0, 254) as u8
 }
 
 /// How to read the elements of one stored tensor as f32.

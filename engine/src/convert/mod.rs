@@ -30,13 +30,13 @@
 //! Other checkpoint tensors the plan does not use are listed in the report and logged.
 //! [`demo`] builds the small random-weight model that `ds4 run` uses without `-m`.
 
-pub mod checkpoint;
-pub mod config;
+pub(crate) mod checkpoint;
+pub(crate) mod config;
 pub mod demo;
-pub mod dtypes;
+pub(crate) mod dtypes;
 pub mod imatrix;
 pub mod plan;
-pub mod recipe;
+pub(crate) mod recipe;
 pub mod synth_tokenizer;
 
 use std::collections::BTreeMap;

@@ -4,11 +4,11 @@
 //! ([`crate::backend`]).
 
 pub mod config;
-pub mod mat;
-pub mod recipe;
-pub mod rope;
-pub mod sim;
-pub mod weights;
+pub(crate) mod mat;
+pub(crate) mod recipe;
+pub(crate) mod rope;
+pub(crate) mod sim;
+pub(crate) mod weights;
 
 pub use config::{LayerKind, ModelConfig, RopeParams};
 pub use mat::Mat;

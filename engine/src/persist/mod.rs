@@ -26,8 +26,8 @@
 //! removed by the store; `restore_longest` then looks up again (at most a few times) and never returns a session
 //! built from a partial load. Nothing here panics on bad stored data.
 
-pub mod identity;
-pub mod rows;
+pub(crate) mod identity;
+pub(crate) mod rows;
 
 use ds4_kv::{EntryRef, KvError, KvOptions, KvStore, SaveReason};
 

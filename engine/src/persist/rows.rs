@@ -178,7 +178,8 @@ fn fill_frontier(f: &mut Frontier, field: u32, v: &RowsView<'_>) -> Result<()> {
 
 impl<'c> SnapshotBuilder<'c> {
     /// An empty builder for `cfg` (pages in a pool of their own).
-    pub fn new(cfg: &'c ModelConfig) -> SnapshotBuilder<'c> {
+    #[cfg(test)]
+    pub(crate) fn new(cfg: &'c ModelConfig) -> SnapshotBuilder<'c> {
         SnapshotBuilder::new_in(cfg, &PagePool::new())
     }
 

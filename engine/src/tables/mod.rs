@@ -5,9 +5,9 @@
 //! Snapshots are plain data ([`SessionSnapshot`]) that share the pages (immutable once full, copied on write when
 //! partial); the `kv` crate serialises them to disk page by page.
 
-pub mod kv;
-pub mod pages;
-pub mod session;
+pub(crate) mod kv;
+pub(crate) mod pages;
+pub(crate) mod session;
 
 pub use kv::{Frontier, KvSync, LayerKv, SessionKv};
 pub use pages::{PagePool, PagedRows, PAGE_TOKENS};

@@ -7,21 +7,21 @@
 //! [`crate::model::recipe`]. [`Scratch`] holds every tensor of a tick (a [`BufId`] resolves to one of its
 //! buffers), grown to the largest batch seen and then reused, so the decode loop does not allocate.
 
-pub mod attention;
-pub mod compressor;
-pub mod hc;
-pub mod indexer;
+pub(crate) mod attention;
+pub(crate) mod compressor;
+pub(crate) mod hc;
+pub(crate) mod indexer;
 #[cfg(feature = "bench-internals")]
 pub mod matmul;
 #[cfg(not(feature = "bench-internals"))]
 pub(crate) mod matmul;
-pub mod moe;
-pub mod norm;
+pub(crate) mod moe;
+pub(crate) mod norm;
 #[cfg(feature = "bench-internals")]
 pub mod pool;
 #[cfg(not(feature = "bench-internals"))]
 pub(crate) mod pool;
-pub mod rowops;
+pub(crate) mod rowops;
 
 use parking_lot::Mutex;
 

@@ -31,14 +31,6 @@ pub fn rms_norm_unweighted(x: &mut [f32], eps: f32) {
     x.iter_mut().for_each(|v| *v *= s);
 }
 
-/// Batched weighted RMSNorm over `n` rows of `w.len()` values.
-pub fn rms_norm_rows(x: &[f32], w: &[f32], eps: f32, n: usize, out: &mut [f32]) {
-    let d = w.len();
-    for r in 0..n {
-        rms_norm(&x[r * d..(r + 1) * d], w, eps, &mut out[r * d..(r + 1) * d]);
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

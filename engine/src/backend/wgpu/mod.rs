@@ -29,16 +29,16 @@
 //! correctness (one workgroup per output row, scalar decode) and are untuned.
 
 mod attn;
-pub mod backend;
+pub(crate) mod backend;
 pub mod context;
-pub mod kvdev;
-pub mod matmul;
+pub(crate) mod kvdev;
+pub(crate) mod matmul;
 mod moe;
-pub mod moe_ids;
-pub mod ops;
+pub(crate) mod moe_ids;
+pub(crate) mod ops;
 mod resident;
 mod rows;
-pub mod weights;
+pub(crate) mod weights;
 
 #[cfg(test)]
 mod golden_tests;

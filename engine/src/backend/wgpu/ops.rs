@@ -165,7 +165,9 @@ fn attn_params_for_keys(
 
 /// Softmax-with-sink attention, K = V (see `attention.wgsl`). `q`/`o`: `(buffer, offset, token stride)`, heads of
 /// `dim` values contiguous per token. `o` may be the same buffer as `q`.
+/// The graph runs [`attention_keyed`]; this key-list form is kept as the reference its tests check against.
 #[allow(clippy::too_many_arguments)]
+#[cfg_attr(not(test), allow(dead_code))]
 pub fn attention(
     ctx: &WgpuContext,
     enc: &mut Enc,
@@ -320,8 +322,10 @@ fn hc_params(s: &HcShape, head: bool) -> Result<HcParams> {
 /// mHC pre: from the raw mixes (`mix`: `(buffer, offset, token stride)`, fn · flatten(X) per token) computes the
 /// pre weights (and, unless `head`, post + Sinkhorn comb into `state`, `N + N²` per token) and writes
 /// `u[t] = Σ_j pre_j X[t, j]`. `xs` holds X token-major (`N * d` per token). For the output head pass `head = true`
-/// (`state` is then untouched but must be bound).
+/// (`state` is then untouched but must be bound). The graph runs the split form (`rows::hc_sinkhorn`,
+/// `rows::hc_collapse`); this fused one is kept as the reference its tests check against.
 #[allow(clippy::too_many_arguments)]
+#[cfg_attr(not(test), allow(dead_code))]
 pub fn hc_pre(
     ctx: &WgpuContext,
     enc: &mut Enc,
