@@ -403,7 +403,8 @@ mod tests {
             }
             if nodes.len() > 1 {
                 assert!(ops.iter().all(|o| matches!(o, Op::MatMul { .. })));
-                groups.push(ops.iter().map(|o| if let Op::MatMul { w, .. } = *o { w } else { unreachable!() }).collect());
+                groups
+                    .push(ops.iter().map(|o| if let Op::MatMul { w, .. } = *o { w } else { unreachable!() }).collect());
             }
             Ok(())
         })
