@@ -102,6 +102,19 @@ pub trait Backend: Send + Sync {
         Err(crate::Error::Backend { backend: self.name(), what: format!("no kernels for stage {stage:?}") })
     }
 
+    /// Whether the executor should hand this backend groups of independent nodes ([`Backend::run_group`]).
+    /// Default: no (a backend that records in order, like wgpu, sees every node alone, in recipe order).
+    fn runs_groups(&self) -> bool {
+        false
+    }
+
+    /// Runs `ops`, weight products ([`Op::MatMul`]) placed on the portable kernel that were all ready at once
+    /// (independent of each other: no one reads or writes what another writes). The result must be the same as
+    /// running them one by one. Default: one by one, in order.
+    fn run_group(&self, ops: &[Op], cx: &mut StepCtx<'_>) -> Result<()> {
+        ops.iter().try_for_each(|op| self.run_node(op, cx))
+    }
+
     /// Called by the executor before the first node of a tick. Default: nothing.
     fn begin_tick(&self, _cx: &mut StepCtx<'_>) -> Result<()> {
         Ok(())

@@ -8,10 +8,17 @@
 //! [`Op::Readback`] node (a no-op on the CPU, whose logits are host memory).
 //!
 //! Running ([`Executor::run`]) is Kahn's algorithm over the graph's precomputed dependency counts and dependents:
-//! a node becomes ready when every node it depends on has finished. Ready nodes run one at a time on the calling
-//! thread, lowest index first (so a tick runs in recipe order); the parallelism lives inside the kernels (the CPU
-//! worker pool splits each product over every core, so running independent nodes side by side would only
-//! oversubscribe them). Its vectors are reused across ticks (no allocation in the decode loop).
+//! a node becomes ready when every node it depends on has finished. Ready nodes run on the calling thread, lowest
+//! index first (so a tick runs in recipe order); the parallelism lives inside the kernels (the CPU worker pool
+//! splits each product over every core). Its vectors are reused across ticks (no allocation in the decode loop).
+//!
+//! Grouping: on a backend that [`Backend::runs_groups`] (the CPU), when the next node is a weight product placed
+//! on the portable kernel, every other such product ready at that moment (up to [`MAX_GROUP`]) joins it and they
+//! go to [`Backend::run_group`] together — the projections of one normed input (`wq_a`, `wkv`, the compressor's
+//! and the indexer's), then `wq_b` with the indexer's query. Ready nodes are independent by construction (a
+//! conflict on a tensor is an edge), so only the scheduling changes, never a kernel's inputs. Other backends (wgpu,
+//! recording into one encoder) see every node alone, in order. `DS4_EXEC_GROUP=0` (environment, read by
+//! [`Executor::default`]) or [`Executor::group_nodes`] turns grouping off.
 //!
 //! Op timing ([`Executor::time_ops`]) adds up the wall time of each op kind ([`Op::KINDS`]; a stage run whole
 //! counts as `"stage"`) across runs, for finding where a tick's time goes (`ds4-bench` prints it per decoded
@@ -71,6 +78,9 @@ pub struct Placed {
     pub staged: usize,
 }
 
+/// Most nodes run as one group (see the module docs).
+pub const MAX_GROUP: usize = 8;
+
 /// A reusable executor. See the module docs.
 #[derive(Debug)]
 pub struct Executor {
@@ -78,6 +88,7 @@ pub struct Executor {
     /// Placement of each node of the last placed graph.
     pub places: Vec<Place>,
     native: bool,
+    group: bool,
 }
 
 /// The scheduler's reusable state.
@@ -86,12 +97,16 @@ struct Sched {
     remaining: Vec<usize>,
     ready: std::collections::BinaryHeap<std::cmp::Reverse<usize>>,
     order: Vec<usize>,
+    /// The nodes (and their ops) run in the current step: one node, or a group.
+    group: Vec<usize>,
+    group_ops: Vec<Op>,
     times: Option<OpTimes>,
 }
 
 impl Default for Executor {
     fn default() -> Executor {
-        Executor { sched: Sched::default(), places: Vec::new(), native: true }
+        let group = std::env::var("DS4_EXEC_GROUP").map_or(true, |v| v.trim() != "0");
+        Executor { sched: Sched::default(), places: Vec::new(), native: true, group }
     }
 }
 
@@ -102,18 +117,31 @@ impl Executor {
         self.place(g, backend, cx.model, cx.batch.rows.len());
         backend.begin_tick(cx)?;
         let places = &self.places;
-        self.sched.run(g, places, |i, op| match places[i] {
-            Place::Native(o) => {
-                if !backend.run_native(op, &o.kernel, cx)? {
-                    backend.run_node(op, cx)?;
-                }
-                Ok(())
+        let grouping = self.group && backend.runs_groups();
+        self.sched.run(g, places, grouping, |nodes, ops| {
+            if nodes.len() > 1 {
+                return backend.run_group(ops, cx);
             }
-            Place::Portable => backend.run_node(op, cx),
-            Place::Stage => backend.run_stage(g.nodes[i].stage, cx),
-            Place::InStage => Ok(()),
+            let (i, op) = (nodes[0], &ops[0]);
+            match places[i] {
+                Place::Native(o) => {
+                    if !backend.run_native(op, &o.kernel, cx)? {
+                        backend.run_node(op, cx)?;
+                    }
+                    Ok(())
+                }
+                Place::Portable => backend.run_node(op, cx),
+                Place::Stage => backend.run_stage(g.nodes[i].stage, cx),
+                Place::InStage => Ok(()),
+            }
         })?;
         backend.end_tick(cx)
+    }
+
+    /// Whether independent weight products are grouped on backends that run groups (on by default unless
+    /// `DS4_EXEC_GROUP=0`; see the module docs).
+    pub fn group_nodes(&mut self, on: bool) {
+        self.group = on;
     }
 
     /// Whether native overrides are consulted (on by default).
@@ -180,13 +208,25 @@ impl Executor {
 
     /// Runs every node of `g` through `f(index, op)`, in dependency order (ties: lowest index first), with the
     /// current placements (timing counts nodes of [`Place::Stage`] as `"stage"`).
-    pub fn run_with(&mut self, g: &Graph, f: impl FnMut(usize, &Op) -> Result<()>) -> Result<()> {
-        self.sched.run(g, &self.places, f)
+    pub fn run_with(&mut self, g: &Graph, mut f: impl FnMut(usize, &Op) -> Result<()>) -> Result<()> {
+        self.sched.run(g, &self.places, false, |nodes, ops| f(nodes[0], &ops[0]))
+    }
+
+    /// Like [`Executor::run_with`], with grouping (see the module docs): `f(nodes, ops)` gets one node or a group
+    /// of weight products ready together (ascending).
+    pub fn run_groups_with(&mut self, g: &Graph, f: impl FnMut(&[usize], &[Op]) -> Result<()>) -> Result<()> {
+        self.sched.run(g, &self.places, true, f)
     }
 }
 
 impl Sched {
-    fn run(&mut self, g: &Graph, places: &[Place], mut f: impl FnMut(usize, &Op) -> Result<()>) -> Result<()> {
+    fn run(
+        &mut self,
+        g: &Graph,
+        places: &[Place],
+        grouping: bool,
+        mut f: impl FnMut(&[usize], &[Op]) -> Result<()>,
+    ) -> Result<()> {
         self.remaining.clear();
         self.remaining.extend_from_slice(&g.deps);
         self.ready.clear();
@@ -199,27 +239,47 @@ impl Sched {
         if let Some(t) = &mut self.times {
             t.runs += 1;
         }
+        let groupable =
+            |j: usize| matches!(places.get(j), Some(Place::Portable)) && matches!(g.nodes[j].op, Op::MatMul { .. });
         while let Some(std::cmp::Reverse(j)) = self.ready.pop() {
-            let op = &g.nodes[j].op;
+            self.group.clear();
+            self.group.push(j);
+            if grouping && groupable(j) {
+                for &std::cmp::Reverse(k) in self.ready.iter() {
+                    if self.group.len() < MAX_GROUP && groupable(k) {
+                        self.group.push(k);
+                    }
+                }
+                if self.group.len() > 1 {
+                    let group = &self.group;
+                    self.ready.retain(|r| !group.contains(&r.0));
+                    self.group.sort_unstable();
+                }
+            }
+            self.group_ops.clear();
+            self.group_ops.extend(self.group.iter().map(|&i| g.nodes[i].op));
             match &mut self.times {
                 Some(t) => {
                     let t0 = std::time::Instant::now();
-                    let r = f(j, op);
+                    let r = f(&self.group, &self.group_ops);
                     let staged = matches!(places.get(j), Some(Place::Stage | Place::InStage));
-                    let k = if staged { Op::STAGE_KIND } else { op.kind() };
+                    let k = if staged { Op::STAGE_KIND } else { g.nodes[j].op.kind() };
                     if !matches!(places.get(j), Some(Place::InStage)) {
                         t.by_kind[k] += t0.elapsed();
-                        t.calls[k] += 1;
+                        t.calls[k] += self.group.len() as u64;
                     }
                     r?
                 }
-                None => f(j, op)?,
+                None => f(&self.group, &self.group_ops)?,
             }
-            self.order.push(j);
-            for &to in g.dependents(j) {
-                self.remaining[to] -= 1;
-                if self.remaining[to] == 0 {
-                    self.ready.push(std::cmp::Reverse(to));
+            for gi in 0..self.group.len() {
+                let i = self.group[gi];
+                self.order.push(i);
+                for &to in g.dependents(i) {
+                    self.remaining[to] -= 1;
+                    if self.remaining[to] == 0 {
+                        self.ready.push(std::cmp::Reverse(to));
+                    }
                 }
             }
         }
@@ -306,6 +366,103 @@ mod tests {
         assert_eq!(ex.take_op_times().unwrap().runs, 0);
         ex.time_ops(false);
         assert_eq!(ex.take_op_times(), None);
+    }
+
+    fn demo() -> Model {
+        let bytes = crate::convert::demo::demo_model_gguf(7).unwrap();
+        Model::load(crate::gguf::GgufFile::from_bytes(bytes).unwrap()).unwrap()
+    }
+
+    /// On the demo model's CSA layer (compressor and indexer), the projections of the normed input form one group
+    /// and `wq_b` goes with the indexer's query; the head's and MoE's products run alone.
+    #[test]
+    fn groups_the_projections_of_a_layer() {
+        use crate::graph::Batch;
+        let model = demo();
+        let layer = (0..model.config.n_layers).find(|&l| model.layers[l].indexer.is_some()).expect("a CSA layer");
+        let lw = &model.layers[layer];
+        let (cw, iw) = (lw.compressor.as_ref().unwrap(), lw.indexer.as_ref().unwrap());
+        let mut batch = Batch::default();
+        batch.push_run(0, 3, [5, 6], true);
+        let mut g = Graph::default();
+        crate::model::recipe::build(&mut g, &model, &batch, false);
+        let be = crate::backend::cpu::CpuBackend::new(1);
+        let mut ex = Executor::default();
+        ex.place(&g, &be, &model, batch.rows.len());
+        let mut groups: Vec<Vec<WeightId>> = Vec::new();
+        let mut seen = vec![false; g.nodes.len()];
+        ex.run_groups_with(&g, |nodes, ops| {
+            assert_eq!(nodes.len(), ops.len());
+            assert!(nodes.windows(2).all(|w| w[0] < w[1]), "ascending");
+            for &i in nodes {
+                // Every dependency finished before (ready together means independent).
+                assert!(g.edges.iter().filter(|e| e.1 == i).all(|e| seen[e.0]), "node {i} ran early");
+            }
+            for &i in nodes {
+                seen[i] = true;
+            }
+            if nodes.len() > 1 {
+                assert!(ops.iter().all(|o| matches!(o, Op::MatMul { .. })));
+                groups
+                    .push(ops.iter().map(|o| if let Op::MatMul { w, .. } = *o { w } else { unreachable!() }).collect());
+            }
+            Ok(())
+        })
+        .unwrap();
+        assert!(seen.iter().all(|&s| s));
+        let normed = vec![lw.wq_a, lw.wkv, cw.wkv, cw.wgate, iw.comp.wkv, iw.comp.wgate, iw.proj];
+        assert!(groups.contains(&normed), "{groups:?}");
+        assert!(groups.contains(&vec![lw.wq_b, iw.wq_b]), "{groups:?}");
+        for gr in &groups {
+            assert!(!gr.contains(&lw.gate) && !gr.contains(&model.global.hc_fn) && !gr.contains(&lw.hc_attn.fn_));
+        }
+        // Without grouping (run_with) every node runs alone, in recipe order.
+        ex.run_with(&g, |_, _| Ok(())).unwrap();
+        assert_eq!(ex.order(), (0..g.nodes.len()).collect::<Vec<_>>());
+    }
+
+    /// Grouped and ungrouped runs on the CPU give bit-identical logits over a prefill and a few decode ticks (two
+    /// sessions in one batch), with and without the activation simulation.
+    #[test]
+    fn grouped_runs_are_bit_identical() {
+        use crate::backend::{Activations, RopeSet};
+        use crate::graph::Batch;
+        use crate::tables::SessionKv;
+        let model = demo();
+        let rope = RopeSet::new(&model);
+        let vocab = model.config.vocab as u32;
+        for sim in [false, true] {
+            let run = |group: bool| -> Vec<Vec<f32>> {
+                let be = crate::backend::cpu::CpuBackend::new(2);
+                let mut ex = Executor::default();
+                ex.group_nodes(group);
+                let mut kv = vec![SessionKv::new(&model.config, 64), SessionKv::new(&model.config, 64)];
+                let mut g = Graph::default();
+                let mut out = Vec::new();
+                let tok = |i: usize| ((i as u32).wrapping_mul(2654435761) % 9973) % vocab;
+                for t in 0..4usize {
+                    let mut batch = Batch::default();
+                    if t == 0 {
+                        batch.push_run(0, 0, (0..9).map(tok), true);
+                        batch.push_run(1, 0, (20..25).map(tok), false);
+                    } else {
+                        batch.push_run(0, 8 + t, [tok(40 + t)], false);
+                        batch.push_run(1, 4 + t, [tok(60 + t)], false);
+                    }
+                    let mut act = Activations::default();
+                    act.ensure(&model, batch.rows.len(), batch.logit_rows.len());
+                    crate::model::recipe::build(&mut g, &model, &batch, sim);
+                    let mut cx = StepCtx { model: &model, rope: &rope, batch: &batch, kv: &mut kv, act: &mut act, sim };
+                    ex.run(&g, &be, &mut cx).unwrap();
+                    out.push(act.logits[..batch.logit_rows.len() * vocab as usize].to_vec());
+                }
+                out
+            };
+            let (a, b) = (run(true), run(false));
+            assert!(a.iter().flatten().all(|v| v.is_finite()));
+            let bits = |v: &Vec<Vec<f32>>| v.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&a), bits(&b), "sim {sim}");
+        }
     }
 
     #[test]

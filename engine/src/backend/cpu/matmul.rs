@@ -537,6 +537,112 @@ fn run(pool: &Pool, w: Mat<'_>, n: usize, at: RowAt<'_>, x: &[f32], y: &mut [f32
     })
 }
 
+/// Most products [`matmul_many`] runs in one dispatch (more run one by one).
+pub const MAX_MANY: usize = 8;
+
+/// One product of [`matmul_many`]: `y[b * w.rows + o] = W[o] · x[b * w.cols ..]` for `b < n`.
+#[derive(Debug)]
+pub struct MatJob<'a> {
+    pub w: Mat<'a>,
+    pub x: &'a [f32],
+    pub y: &'a mut [f32],
+}
+
+thread_local! {
+    /// Activation buffers of [`matmul_many`], one per product (grown, never shrunk).
+    static MANY_ACTS: RefCell<[Acts; MAX_MANY]> = const { RefCell::new([const { Acts::new() }; MAX_MANY]) };
+}
+
+/// Several independent products over `n` batch rows in ONE pool dispatch: the output rows of all of them are
+/// split across the threads as one range (cut at product boundaries), so there is one barrier instead of one per
+/// product. Products reading the same input with the same activation format share one quantization of it. Every
+/// output element is the same kernel call on the same bytes as [`matmul`]'s, so the results are bit-identical.
+/// Each entry of `jobs` must be `Some`; outputs must not overlap each other or any input (guaranteed by the
+/// borrows).
+pub fn matmul_many(pool: &Pool, jobs: &mut [Option<MatJob<'_>>], n: usize) -> Result<()> {
+    let m = jobs.len();
+    if n == 0 || m == 0 {
+        return Ok(());
+    }
+    let one_by_one = |jobs: &mut [Option<MatJob<'_>>]| -> Result<()> {
+        for j in jobs.iter_mut().flatten() {
+            matmul(pool, j.w, j.x, n, j.y)?;
+        }
+        Ok(())
+    };
+    if m > MAX_MANY || jobs.iter().any(Option::is_none) {
+        return one_by_one(jobs);
+    }
+    let mut kernels = [Kernel::F32; MAX_MANY];
+    for (i, j) in jobs.iter().flatten().enumerate() {
+        let (rows, cols) = (j.w.rows, j.w.cols);
+        assert!(n * cols <= j.x.len(), "matmul input shape");
+        assert!(n * rows <= j.y.len(), "matmul output shape");
+        kernels[i] = Kernel::for_pool(pool, j.w.ty, cols)?;
+    }
+    MANY_ACTS.with(|cell| {
+        // Re-entered on this thread (inside a pool task): one product at a time, each with its own buffer.
+        let Ok(mut acts) = cell.try_borrow_mut() else { return one_by_one(jobs) };
+        // `src[i]`: the product whose quantized activations product `i` reads (the first with the same input and
+        // activation format).
+        let mut src = [0usize; MAX_MANY];
+        for i in 0..m {
+            let j = jobs[i].as_ref().expect("checked above");
+            let same = |k: usize| {
+                let e = jobs[k].as_ref().expect("checked above");
+                std::ptr::eq(e.x, j.x) && e.w.cols == j.w.cols && kernels[k].act_type() == kernels[i].act_type()
+            };
+            src[i] = (0..i).find(|&k| same(k)).unwrap_or(i);
+            if src[i] == i && matches!(kernels[i], Kernel::Q { .. }) {
+                let (at, cols) = (RowAt::Strided { stride: j.w.cols, off: 0 }, j.w.cols);
+                if n * cols >= PAR_ACTS {
+                    acts[i].prepare_par(pool, &kernels[i], j.x, at, n, cols)?;
+                } else {
+                    acts[i].prepare(&kernels[i], j.x, at, n, cols)?;
+                }
+            }
+        }
+        let mut prods: [Option<Product<'_>>; MAX_MANY] = [None; MAX_MANY];
+        let mut start = [0usize; MAX_MANY + 1];
+        let (mut work, mut grain) = (0usize, usize::MAX);
+        for (i, j) in jobs.iter_mut().flatten().enumerate() {
+            let (w, k) = (j.w, kernels[i]);
+            let input = match k {
+                Kernel::Q { act_bytes, .. } => {
+                    Input::Q { acts: acts[src[i]].bytes(), rows: RowAt::Strided { stride: act_bytes, off: 0 } }
+                }
+                _ => Input::F32 { x: j.x, rows: RowAt::Strided { stride: w.cols, off: 0 } },
+            };
+            prods[i] = Some(Product { w, k, input, n, out: Out::new(j.y, w.rows, 0) });
+            start[i + 1] = start[i] + w.rows;
+            work += w.rows * w.cols * n;
+            grain = grain.min(grain_rows(w.row_bytes));
+        }
+        let prods = &prods[..m];
+        let start = &start[..=m];
+        let total = start[m];
+        let rows = |r: Range<usize>| {
+            let mut a = r.start;
+            while a < r.end {
+                // The product holding row `a` (the last whose start is <= a; empty products are skipped).
+                let u = start.partition_point(|&s| s <= a) - 1;
+                let b = start[u + 1].min(r.end);
+                let p = prods[u].as_ref().expect("filled above");
+                // SAFETY: each output buffer is borrowed mutably by `jobs` for this call and written only here, at
+                // the disjoint rows of disjoint ranges (`for_ranges`' contract); products' buffers are distinct.
+                unsafe { p.rows(a - start[u]..b - start[u]) };
+                a = b;
+            }
+        };
+        if work < INLINE_WORK {
+            rows(0..total);
+        } else {
+            pool.for_ranges(total, grain, &rows);
+        }
+        Ok(())
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -729,6 +835,48 @@ mod tests {
             let mut want = vec![0f32; n * rows];
             matmul_gather(&pool, all.rows_slice(u * rows, rows), &x, &idx[u], &mut want).unwrap();
             assert_eq!(&y[u * n * rows..(u + 1) * n * rows], &want[..], "product {u}");
+        }
+    }
+
+    /// Several products in one dispatch (shared and distinct inputs, mixed weight types and activation formats,
+    /// inline and pooled sizes) give bit-identical outputs to running them one by one.
+    #[test]
+    fn many_products_match_single_products() {
+        let cols = 512usize;
+        let shapes = [(GgmlType::Q8_0, 300usize), (GgmlType::Q2K, 77), (GgmlType::F16, 5), (GgmlType::Q4K, 130)];
+        let mats: Vec<(Vec<u8>, usize)> = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, &(ty, rows))| quantized(ty, &vals(rows * cols, 7919 + i, 1013, 400.0), rows, cols))
+            .collect();
+        let mat = |i: usize| Mat { ty: shapes[i].0, rows: shapes[i].1, cols, row_bytes: mats[i].1, data: &mats[i].0 };
+        for n in [1usize, 3, 9] {
+            let xa = vals(n * cols, 104729, 777, 200.0);
+            let xb = vals(n * cols, 7717, 555, 150.0);
+            // Products 0, 1 and 3 read `xa` (in two activation formats: Q8_0 and Q8_K), 2 reads `xb`.
+            let inputs: [&[f32]; 4] = [&xa, &xa, &xb, &xa];
+            for threads in [1usize, 2, 3] {
+                let pool = Pool::new(threads);
+                let want: Vec<Vec<f32>> = (0..4)
+                    .map(|i| {
+                        let mut y = vec![f32::NAN; n * shapes[i].1];
+                        matmul(&pool, mat(i), inputs[i], n, &mut y).unwrap();
+                        y
+                    })
+                    .collect();
+                let mut ys: Vec<Vec<f32>> = (0..4).map(|i| vec![f32::NAN; n * shapes[i].1]).collect();
+                let mut it = ys.iter_mut();
+                let mut jobs: Vec<Option<MatJob<'_>>> =
+                    (0..4).map(|i| Some(MatJob { w: mat(i), x: inputs[i], y: it.next().unwrap() })).collect();
+                matmul_many(&pool, &mut jobs, n).unwrap();
+                drop(jobs);
+                assert_eq!(ys, want, "{n} rows, {threads} threads");
+                // A small group (run inline) too.
+                let mut y2 = vec![f32::NAN; n * 5];
+                let mut jobs = [Some(MatJob { w: mat(2), x: &xb, y: &mut y2 })];
+                matmul_many(&pool, &mut jobs, n).unwrap();
+                assert_eq!(y2, want[2]);
+            }
         }
     }
 

@@ -259,6 +259,72 @@ impl Backend for CpuBackend {
         }
     }
 
+    fn runs_groups(&self) -> bool {
+        true
+    }
+
+    fn run_group(&self, ops: &[Op], cx: &mut StepCtx<'_>) -> Result<()> {
+        // Every product's (x, y); outputs distinct from each other and from every input (else one by one).
+        let mut xy = [(BufId::Streams, BufId::Streams); matmul::MAX_MANY];
+        let ok = ops.len() <= matmul::MAX_MANY
+            && ops.iter().enumerate().all(|(i, op)| match *op {
+                Op::MatMul { x, y, .. } => {
+                    xy[i] = (x, y);
+                    x != y
+                }
+                _ => false,
+            })
+            && (0..ops.len()).all(|i| (0..ops.len()).all(|k| i == k || (xy[i].1 != xy[k].1 && xy[i].1 != xy[k].0)));
+        if ops.len() < 2 || !ok {
+            return ops.iter().try_for_each(|op| self.run_node(op, cx));
+        }
+        let xy = &xy[..ops.len()];
+        let mut sc = self.scratch(cx);
+        // Move the tensors out (no copy, no allocation), run, and put them back whatever happened.
+        let mut bufs: [(Option<BufId>, Vec<f32>); 2 * matmul::MAX_MANY] = std::array::from_fn(|_| (None, Vec::new()));
+        let mut nb = 0;
+        let mut taken = Ok(());
+        for id in xy.iter().flat_map(|&(x, y)| [x, y]) {
+            if bufs[..nb].iter().any(|b| b.0 == Some(id)) {
+                continue;
+            }
+            match sc.f32_buf(id) {
+                Some(v) => bufs[nb] = (Some(id), std::mem::take(v)),
+                None => {
+                    taken = Err(not_f32(id));
+                    break;
+                }
+            }
+            nb += 1;
+        }
+        let r = taken.and_then(|()| {
+            let n = cx.batch.rows.len();
+            let mut xs: [Option<(BufId, &[f32])>; 2 * matmul::MAX_MANY] = [None; 2 * matmul::MAX_MANY];
+            let mut ys: [Option<(BufId, &mut [f32])>; 2 * matmul::MAX_MANY] = std::array::from_fn(|_| None);
+            for (k, (id, v)) in bufs[..nb].iter_mut().enumerate() {
+                let id = id.expect("taken above");
+                if xy.iter().any(|e| e.1 == id) {
+                    ys[k] = Some((id, &mut v[..]));
+                } else {
+                    xs[k] = Some((id, &v[..]));
+                }
+            }
+            let mut jobs: [Option<matmul::MatJob<'_>>; matmul::MAX_MANY] = std::array::from_fn(|_| None);
+            for (i, op) in ops.iter().enumerate() {
+                let Op::MatMul { w, .. } = *op else { unreachable!("checked above") };
+                let x = xs.iter().flatten().find(|e| e.0 == xy[i].0).map(|e| e.1).expect("taken above");
+                let y = ys.iter_mut().find(|e| e.as_ref().is_some_and(|e| e.0 == xy[i].1)).and_then(Option::take);
+                let y = y.expect("taken above").1;
+                jobs[i] = Some(matmul::MatJob { w: cx.model.mat(w), x, y });
+            }
+            matmul::matmul_many(&self.pool, &mut jobs[..ops.len()], n)
+        });
+        for (id, v) in bufs[..nb].iter_mut() {
+            *sc.f32_buf(id.expect("taken above")).expect("resolved above") = std::mem::take(v);
+        }
+        r
+    }
+
     fn run_native(&self, op: &Op, kernel: &ds4_kernels_native::Kernel, cx: &mut StepCtx<'_>) -> Result<bool> {
         match (*op, *kernel) {
             (Op::SwiGlu { layer }, ds4_kernels_native::Kernel::SwiGlu(f)) => {
