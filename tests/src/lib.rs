@@ -128,3 +128,18 @@ pub fn tokens(seed: u64, n: usize, vocab: usize) -> Vec<u32> {
 pub fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
+
+/// Logits (bits) of session `s` after each token of `cont`, fed one at a time.
+pub fn continue_with(
+    e: &mut ds4_engine::engine::Engine,
+    s: ds4_engine::tables::SessionId,
+    cont: &[u32],
+) -> Vec<Vec<u32>> {
+    cont.iter()
+        .map(|&t| {
+            e.feed(s, &[t]).unwrap();
+            e.run_until_idle().unwrap();
+            bits(e.logits(s).unwrap())
+        })
+        .collect()
+}

@@ -8,7 +8,7 @@ use ds4_engine::convert::{demo_config, random_model_gguf};
 use ds4_engine::engine::{Engine, EngineOptions};
 use ds4_engine::gguf::GgufFile;
 use ds4_engine::tables::{SessionId, PAGE_TOKENS};
-use ds4_tests::{bits, golden_gguf, shared, tokens};
+use ds4_tests::{bits, continue_with, golden_gguf, shared, tokens};
 
 fn open_tiny(ctx: usize) -> Option<Engine> {
     let sh = shared()?;
@@ -22,17 +22,6 @@ fn prefill(e: &mut Engine, toks: &[u32]) -> SessionId {
     e.feed(s, toks).unwrap();
     e.run_until_idle().unwrap();
     s
-}
-
-/// Logits (bits) after each token of `cont`, fed one at a time.
-fn continue_with(e: &mut Engine, s: SessionId, cont: &[u32]) -> Vec<Vec<u32>> {
-    cont.iter()
-        .map(|&t| {
-            e.feed(s, &[t]).unwrap();
-            e.run_until_idle().unwrap();
-            bits(e.logits(s).unwrap())
-        })
-        .collect()
 }
 
 /// Bytes one fork of `s` copies, and the fork.

@@ -8,7 +8,7 @@
 use ds4_engine::convert::{demo_config, random_model_gguf};
 use ds4_engine::engine::{BackendKind, Engine, EngineOptions};
 use ds4_engine::gguf::GgufFile;
-use ds4_tests::{bits, golden_gguf, shared, tokens, wgpu_available};
+use ds4_tests::{bits, continue_with, golden_gguf, shared, tokens, wgpu_available};
 
 /// A random model with one CSA (ratio 4), one HCA ratio-128 and one window layer; GGUF bytes.
 fn model_128() -> Vec<u8> {
@@ -48,17 +48,6 @@ fn prefill(e: &mut Engine, toks: &[u32]) -> ds4_engine::tables::SessionId {
         e.run_until_idle().unwrap();
     }
     s
-}
-
-/// Logits (bits) after each token of `cont`, fed one at a time to session `s`.
-fn continue_with(e: &mut Engine, s: ds4_engine::tables::SessionId, cont: &[u32]) -> Vec<Vec<u32>> {
-    cont.iter()
-        .map(|&t| {
-            e.feed(s, &[t]).unwrap();
-            e.run_until_idle().unwrap();
-            bits(e.logits(s).unwrap())
-        })
-        .collect()
 }
 
 /// Rolls one long session back to each of `points` (descending) and checks state and continued logits against
