@@ -224,17 +224,9 @@ impl Engine {
         self.exec.use_native(on);
     }
 
-    /// Nodes placed on native overrides, portable kernels and whole stages in the last tick.
+    /// Nodes placed on native overrides, portable kernels, a fallback backend and whole stages in the last tick.
     pub fn last_placement(&self) -> crate::exec::Placed {
-        let mut p = crate::exec::Placed::default();
-        for pl in &self.exec.places {
-            match pl {
-                crate::exec::Place::Native(_) => p.native += 1,
-                crate::exec::Place::Portable => p.portable += 1,
-                _ => p.staged += 1,
-            }
-        }
-        p
+        self.exec.placed()
     }
 
     /// The node graph of one decode tick of one session at position `pos`.

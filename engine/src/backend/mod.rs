@@ -6,8 +6,11 @@
 //! overrides from `ds4_kernels_native` ([`Backend::run_native`]). The executor ([`crate::exec`]) places each node:
 //! a native override first, then the backend's portable kernel; a stage with a node the backend has no kernel
 //! for runs whole through [`Backend::run_stage`] (no backend needs it today: both have a kernel for every op kind).
-//! The only host tensor every backend fills is [`Activations::logits`] (by [`crate::graph::Op::Readback`] on a
-//! device backend).
+//! A second backend (the CPU, as host fallback) can take nodes the first has no kernel for, or op kinds forced
+//! there; the executor then copies tensors between the two through [`Backend::download`] / [`Backend::upload`]
+//! where their residency changes (only tensors with one host layout, [`BufId::host_width`]; the KV pages never
+//! move). The only host tensor every backend fills is [`Activations::logits`] (by [`crate::graph::Op::Readback`]
+//! on a device backend).
 //!
 //! Device-resident backends (wgpu): the executor brackets every tick with [`Backend::begin_tick`] /
 //! [`Backend::end_tick`]. Such a backend may keep a session's KV on the device and leave the host [`SessionKv`]
@@ -19,7 +22,7 @@ pub mod cpu;
 #[cfg(feature = "wgpu")]
 pub mod wgpu;
 
-use crate::graph::{Batch, Op, Stage};
+use crate::graph::{Batch, BufId, Op, Stage};
 use crate::model::{Model, RopeFreqs};
 use crate::tables::SessionKv;
 use crate::Result;
@@ -113,6 +116,18 @@ pub trait Backend: Send + Sync {
     /// running them one by one. Default: one by one, in order.
     fn run_group(&self, ops: &[Op], cx: &mut StepCtx<'_>) -> Result<()> {
         ops.iter().try_for_each(|op| self.run_node(op, cx))
+    }
+
+    /// Copies this tick's value of tensor `id` (one with a host layout, [`BufId::host_width`]) into `out`
+    /// (`rows · width` values), for the executor's residency copies ([`crate::exec`]). Default: unsupported.
+    fn download(&self, id: BufId, _cx: &mut StepCtx<'_>, _out: &mut [f32]) -> Result<()> {
+        Err(crate::Error::Backend { backend: self.name(), what: format!("no download of {id:?}") })
+    }
+
+    /// Makes `data` (`rows · width` values, as [`Backend::download`] gives them) this tick's value of tensor `id`,
+    /// ordered after everything the backend ran before. Default: unsupported.
+    fn upload(&self, id: BufId, _cx: &mut StepCtx<'_>, _data: &[f32]) -> Result<()> {
+        Err(crate::Error::Backend { backend: self.name(), what: format!("no upload of {id:?}") })
     }
 
     /// Called by the executor before the first node of a tick. Default: nothing.

@@ -1,11 +1,25 @@
 //! The executor: places a tick's [`Graph`] on a [`Backend`] and runs it.
 //!
-//! Placement ([`Executor::place`], once per tick): each node goes to a native override from `ds4_kernels_native`
-//! when one is registered for its op kind on this backend and applies to its shape, else to the backend's portable
-//! kernel ([`Backend::supports`]). A stage containing a node neither can run is placed whole on
-//! [`Backend::run_stage`] (the layer-level path). Every tensor of a tick lives with one backend, so no copies are
-//! needed between nodes; the one host tensor, the logits, comes back through the recipe's
-//! [`Op::Readback`] node (a no-op on the CPU, whose logits are host memory).
+//! Placement ([`Executor::place`]): each node goes to a native override from `ds4_kernels_native` when one is
+//! registered for its op kind on this backend and applies to its shape, else to the backend's portable kernel
+//! ([`Backend::supports`]), else — when the run has a fallback backend (the CPU as host fallback,
+//! [`Executor::run_on`]) that can take it — to the fallback's portable kernel. Op kinds can also be sent to the
+//! fallback on purpose ([`Executor::force_fallback`]: tests, and the seam a device backend without some kernel
+//! uses). A node that touches a layer's KV pages, or a tensor whose layout is a backend's own
+//! ([`BufId::host_width`] is `None`: the routes, the expert slot rows, the selection, the logits), stays with the
+//! primary backend: forcing it elsewhere is an error. A stage containing a node nobody can run is placed whole on
+//! [`Backend::run_stage`] (the layer-level path). A run reuses the last placement when its signature (the
+//! backends, the model, the batch size, the options, each node's kind, weight and width) is unchanged, so a
+//! steady decode loop places once ([`Executor::placements`]).
+//!
+//! Residency: without a fallback every tensor lives with the one backend and nothing is copied (the CPU-only
+//! path does no residency work at all). With one, the executor tracks where each tensor's current value is
+//! (primary, fallback or both; the KV pages start with the primary) and, before a node runs, copies each of its
+//! inputs ([`Op::inputs`]: what it reads and what it updates in place) that is only on the other side — a
+//! [`Backend::download`] into one reused host buffer, then a [`Backend::upload`] — so copies happen exactly where
+//! residency changes ([`Executor::copies`]); what a node writes then lives on its side only. The host tensors of a
+//! tick come back through the recipe's [`Op::Readback`] nodes (the logits; a device backend's MoE routes), no-ops
+//! on the CPU.
 //!
 //! Running ([`Executor::run`]) is Kahn's algorithm over the graph's precomputed dependency counts and dependents:
 //! a node becomes ready when every node it depends on has finished. Ready nodes run on the calling thread, lowest
@@ -26,7 +40,7 @@
 //! time and every other node its recording time.
 
 use crate::backend::{Backend, StepCtx};
-use crate::graph::{Graph, Op};
+use crate::graph::{BufId, Graph, Op};
 use crate::model::Model;
 use crate::{Error, Result};
 
@@ -59,21 +73,25 @@ impl OpTimes {
 /// Where a node runs (see the module docs).
 #[derive(Clone, Copy, Debug)]
 pub enum Place {
-    /// A native override.
+    /// A native override (on the primary backend).
     Native(&'static ds4_kernels_native::Override),
-    /// The backend's portable kernel.
+    /// The primary backend's portable kernel.
     Portable,
-    /// First node of a stage run whole.
+    /// The fallback backend's portable kernel.
+    Fallback,
+    /// First node of a stage run whole (on the primary backend).
     Stage,
     /// Another node of a stage run whole (done by the stage's first node).
     InStage,
 }
 
-/// Nodes placed per kind of placement in the last [`Executor::place`].
+/// Nodes placed per kind of placement in the last placement.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Placed {
     pub native: usize,
     pub portable: usize,
+    /// Nodes on the fallback backend.
+    pub fallback: usize,
     /// Nodes inside stages run whole.
     pub staged: usize,
 }
@@ -87,8 +105,15 @@ pub struct Executor {
     sched: Sched,
     /// Placement of each node of the last placed graph.
     pub places: Vec<Place>,
+    placed: Placed,
     native: bool,
     group: bool,
+    /// Op kinds ([`Op::kind`]) sent to the fallback backend whenever one is given, as a bit set.
+    forced: u32,
+    /// Signature of the inputs of the last placement, and how many placements were computed.
+    sig: Option<u64>,
+    placements: u64,
+    res: Residency,
 }
 
 /// The scheduler's reusable state.
@@ -103,39 +128,183 @@ struct Sched {
     times: Option<OpTimes>,
 }
 
+/// Where each tensor's current value is during a run with a fallback backend (see the module docs).
+#[derive(Debug, Default)]
+struct Residency {
+    /// Per tensor ([`BufId::index`]): bit 0 set when the primary backend holds the current value, bit 1 the
+    /// fallback; 0 before the tick writes it.
+    valid: Vec<u8>,
+    /// Host staging of one copied tensor.
+    host: Vec<f32>,
+    /// Copies inserted by the last run.
+    copies: usize,
+}
+
+/// The two backends of a run (the fallback, if any, as host fallback or forced placement).
+#[derive(Clone, Copy)]
+struct Pair<'a> {
+    primary: &'a dyn Backend,
+    fallback: Option<&'a dyn Backend>,
+}
+
+impl Pair<'_> {
+    /// The backend of side `s` (0 primary, 1 fallback).
+    fn side(&self, s: usize) -> Result<&dyn Backend> {
+        match s {
+            0 => Ok(self.primary),
+            _ => self.fallback.ok_or_else(|| exec_err("a node is placed on the fallback, but none is given")),
+        }
+    }
+}
+
+impl Residency {
+    /// Starts a tick over `nbuf` tensors: only the KV pages have a value, and they live with the primary backend.
+    fn begin(&mut self, nbuf: usize) {
+        self.valid.clear();
+        self.valid.resize(nbuf, 0);
+        self.valid[BufId::FIXED..].fill(1);
+        self.copies = 0;
+    }
+
+    /// Makes the current value of every input of `op` present on side `s`, copying from the other side where it
+    /// is not.
+    fn inputs_on(&mut self, op: &Op, s: usize, be: Pair<'_>, cx: &mut StepCtx<'_>) -> Result<()> {
+        let bit = 1u8 << s;
+        let mut need = [None; 8];
+        let mut n = 0;
+        op.inputs(|b| {
+            if n < need.len() && !need[..n].contains(&Some(b)) {
+                need[n] = Some(b);
+                n += 1;
+            }
+        });
+        for b in need[..n].iter().flatten() {
+            let v = self.valid[b.index()];
+            if v == 0 || v & bit != 0 {
+                continue;
+            }
+            let width = b.host_width(&cx.model.config).ok_or_else(|| {
+                exec_err(format!("{} needs {b:?} on the other backend, and it has no host layout", op.name()))
+            })?;
+            self.host.clear();
+            self.host.resize(cx.batch.rows.len() * width, 0.0);
+            be.side(1 - s)?.download(*b, cx, &mut self.host)?;
+            be.side(s)?.upload(*b, cx, &self.host)?;
+            self.valid[b.index()] |= bit;
+            self.copies += 1;
+        }
+        Ok(())
+    }
+
+    /// Records that `op` ran on side `s`: what it wrote now lives there only.
+    fn wrote(&mut self, op: &Op, s: usize) {
+        let valid = &mut self.valid;
+        op.access(|_| {}, |b| valid[b.index()] = 1 << s);
+    }
+}
+
 impl Default for Executor {
     fn default() -> Executor {
         let group = std::env::var("DS4_EXEC_GROUP").map_or(true, |v| v.trim() != "0");
-        Executor { sched: Sched::default(), places: Vec::new(), native: true, group }
+        Executor {
+            sched: Sched::default(),
+            places: Vec::new(),
+            placed: Placed::default(),
+            native: true,
+            group,
+            forced: 0,
+            sig: None,
+            placements: 0,
+            res: Residency::default(),
+        }
     }
+}
+
+fn exec_err(what: impl Into<String>) -> Error {
+    Error::Backend { backend: "exec", what: what.into() }
 }
 
 impl Executor {
     /// Places `g` on `backend` and runs every node, bracketed by [`Backend::begin_tick`] and
     /// [`Backend::end_tick`]. Fails with the first kernel error, or if the graph has a cycle.
     pub fn run(&mut self, g: &Graph, backend: &dyn Backend, cx: &mut StepCtx<'_>) -> Result<()> {
-        self.place(g, backend, cx.model, cx.batch.rows.len());
-        backend.begin_tick(cx)?;
-        let places = &self.places;
-        let grouping = self.group && backend.runs_groups();
+        self.run_on(g, backend, None, cx)
+    }
+
+    /// Like [`Executor::run`], with `fallback` (the CPU, as host fallback) taking the nodes `primary` has no
+    /// kernel for and the op kinds forced there ([`Executor::force_fallback`]), and the copies between the two
+    /// inserted where a tensor's residency changes (see the module docs).
+    pub fn run_on(
+        &mut self,
+        g: &Graph,
+        primary: &dyn Backend,
+        fallback: Option<&dyn Backend>,
+        cx: &mut StepCtx<'_>,
+    ) -> Result<()> {
+        let rows = cx.batch.rows.len();
+        let sig = self.signature(g, primary, fallback, cx.model, rows);
+        if self.sig != Some(sig) || self.places.len() != g.nodes.len() {
+            self.sig = None;
+            self.place(g, primary, fallback, cx.model, rows)?;
+            self.sig = Some(sig);
+        }
+        let be = Pair { primary, fallback };
+        let two = fallback.is_some();
+        if two {
+            self.res.begin(BufId::FIXED + cx.model.config.n_layers);
+        }
+        primary.begin_tick(cx)?;
+        if let Some(f) = fallback {
+            f.begin_tick(cx)?;
+        }
+        let (places, res) = (&self.places, &mut self.res);
+        let grouping = self.group && primary.runs_groups();
         self.sched.run(g, places, grouping, |nodes, ops| {
             if nodes.len() > 1 {
-                return backend.run_group(ops, cx);
+                if two {
+                    ops.iter().try_for_each(|op| res.inputs_on(op, 0, be, cx))?;
+                }
+                primary.run_group(ops, cx)?;
+                if two {
+                    ops.iter().for_each(|op| res.wrote(op, 0));
+                }
+                return Ok(());
             }
             let (i, op) = (nodes[0], &ops[0]);
+            let s = matches!(places[i], Place::Fallback) as usize;
+            if two {
+                match places[i] {
+                    Place::InStage => return Ok(()),
+                    Place::Stage => {
+                        let &(_, a, b) = g.stages.iter().find(|st| (st.1..st.2).contains(&i)).expect("a stage");
+                        for j in a..b {
+                            res.inputs_on(&g.nodes[j].op, 0, be, cx)?;
+                            res.wrote(&g.nodes[j].op, 0);
+                        }
+                    }
+                    _ => res.inputs_on(op, s, be, cx)?,
+                }
+            }
             match places[i] {
                 Place::Native(o) => {
-                    if !backend.run_native(op, &o.kernel, cx)? {
-                        backend.run_node(op, cx)?;
+                    if !primary.run_native(op, &o.kernel, cx)? {
+                        primary.run_node(op, cx)?;
                     }
-                    Ok(())
                 }
-                Place::Portable => backend.run_node(op, cx),
-                Place::Stage => backend.run_stage(g.nodes[i].stage, cx),
-                Place::InStage => Ok(()),
+                Place::Portable => primary.run_node(op, cx)?,
+                Place::Fallback => be.side(1)?.run_node(op, cx)?,
+                Place::Stage => primary.run_stage(g.nodes[i].stage, cx)?,
+                Place::InStage => {}
             }
+            if two {
+                res.wrote(op, s);
+            }
+            Ok(())
         })?;
-        backend.end_tick(cx)
+        if let Some(f) = fallback {
+            f.end_tick(cx)?;
+        }
+        primary.end_tick(cx)
     }
 
     /// Whether independent weight products are grouped on backends that run groups (on by default unless
@@ -149,15 +318,88 @@ impl Executor {
         self.native = on;
     }
 
-    /// Places every node of `g` (see the module docs) into [`Executor::places`]; `rows` is the batch size.
-    pub fn place(&mut self, g: &Graph, backend: &dyn Backend, model: &Model, rows: usize) -> Placed {
+    /// Sends every node of op kind `kind` ([`Op::kind`]) to the fallback backend when a run has one (`on`), or
+    /// stops doing so.
+    pub fn force_fallback(&mut self, kind: usize, on: bool) {
+        if kind < Op::KINDS.len() {
+            self.forced = if on { self.forced | 1 << kind } else { self.forced & !(1 << kind) };
+        }
+    }
+
+    /// Copies between the backends inserted by the last run (0 without a fallback).
+    pub fn copies(&self) -> usize {
+        self.res.copies
+    }
+
+    /// How many times a placement was computed (a run reuses the last one when its signature is unchanged).
+    pub fn placements(&self) -> u64 {
+        self.placements
+    }
+
+    /// Nodes per kind of placement in the last placement.
+    pub fn placed(&self) -> Placed {
+        self.placed
+    }
+
+    /// What a placement depends on, hashed: the backends, the model, the batch size, the options, and each
+    /// node's kind, weight and width (the recipe's nodes are otherwise a function of these).
+    fn signature(
+        &self,
+        g: &Graph,
+        primary: &dyn Backend,
+        fallback: Option<&dyn Backend>,
+        model: &Model,
+        rows: usize,
+    ) -> u64 {
+        // FNV-1a over 64-bit words.
+        let mut h = 0xcbf2_9ce4_8422_2325u64;
+        let mut mix = |v: u64| h = (h ^ v).wrapping_mul(0x0000_0100_0000_01b3);
+        mix(primary as *const dyn Backend as *const () as u64 ^ primary.name().as_ptr() as u64);
+        mix(fallback.map_or(0, |f| f as *const dyn Backend as *const () as u64));
+        mix(model as *const Model as u64);
+        mix(rows as u64);
+        mix(u64::from(self.forced) << 2 | u64::from(self.native) << 1 | u64::from(self.group));
+        mix(g.nodes.len() as u64);
+        for n in &g.nodes {
+            let w = match n.op {
+                Op::MatMul { w, .. } | Op::GroupedMatMul { w, .. } => u64::from(w.0),
+                Op::RmsNorm { width, .. } | Op::Rope { width, .. } | Op::ActSim { width, .. } | Op::Scale { width, .. } => {
+                    width as u64
+                }
+                Op::ExpertUp { layer, .. } | Op::ExpertDown { layer, .. } | Op::SwiGlu { layer } => layer as u64,
+                _ => 0,
+            };
+            mix(n.op.kind() as u64 | w << 8);
+        }
+        h
+    }
+
+    /// Places every node of `g` (see the module docs) into [`Executor::places`]; `rows` is the batch size. Fails
+    /// when a node forced to the fallback cannot go there (it touches the KV pages, or a tensor without a host
+    /// layout).
+    pub fn place(
+        &mut self,
+        g: &Graph,
+        backend: &dyn Backend,
+        fallback: Option<&dyn Backend>,
+        model: &Model,
+        rows: usize,
+    ) -> Result<Placed> {
+        self.placements += 1;
         self.places.clear();
+        self.placed = Placed::default();
         let mut placed = Placed::default();
         for &(_, a, b) in &g.stages {
             let start = self.places.len();
             let mut whole = false;
             for i in a..b {
                 let op = &g.nodes[i].op;
+                let fb = fallback.filter(|f| f.supports(op, model));
+                if fb.is_some() && self.forced & (1 << op.kind()) != 0 {
+                    movable(op, model).map_err(|e| exec_err(format!("node {i} ({}): {e}", op.name())))?;
+                    self.places.push(Place::Fallback);
+                    continue;
+                }
                 let native = if self.native {
                     let shape = ds4_kernels_native::Shape { rows, width: native_width(op, model) };
                     ds4_kernels_native::find(op.name(), backend.name(), &shape)
@@ -167,6 +409,7 @@ impl Executor {
                 match native {
                     Some(o) => self.places.push(Place::Native(o)),
                     None if backend.supports(op, model) => self.places.push(Place::Portable),
+                    None if fb.is_some() && movable(op, model).is_ok() => self.places.push(Place::Fallback),
                     None => {
                         whole = true;
                         break;
@@ -182,12 +425,14 @@ impl Executor {
                 for p in &self.places[start..] {
                     match p {
                         Place::Native(_) => placed.native += 1,
+                        Place::Fallback => placed.fallback += 1,
                         _ => placed.portable += 1,
                     }
                 }
             }
         }
-        placed
+        self.placed = placed;
+        Ok(placed)
     }
 
     /// Turns op timing on (counters start at zero) or off (counters dropped).
@@ -216,6 +461,24 @@ impl Executor {
     /// of weight products ready together (ascending).
     pub fn run_groups_with(&mut self, g: &Graph, f: impl FnMut(&[usize], &[Op]) -> Result<()>) -> Result<()> {
         self.sched.run(g, &self.places, true, f)
+    }
+}
+
+/// Whether `op` may run away from the primary backend: every tensor it touches has a host layout
+/// ([`BufId::host_width`]); the KV pages stay where they live.
+fn movable(op: &Op, model: &Model) -> std::result::Result<(), String> {
+    let bad = std::cell::Cell::new(None);
+    let note = |b: BufId| {
+        // The KV pages are the reason to name first.
+        if b.host_width(&model.config).is_none() && !matches!(bad.get(), Some(BufId::Kv(_))) {
+            bad.set(Some(b));
+        }
+    };
+    op.access(note, note);
+    match bad.get() {
+        None => Ok(()),
+        Some(BufId::Kv(l)) => Err(format!("it touches layer {l}'s KV pages, which stay with the primary backend")),
+        Some(b) => Err(format!("{b:?} has a backend-private layout (no host copy)")),
     }
 }
 
@@ -319,7 +582,7 @@ mod tests {
         g.push(Op::MatMul { w: WeightId(1), x: BufId::StreamsNormed, y: BufId::Q });
         g.push(Op::HcHeadWeights);
         g.stage(Stage::Moe { layer: 0 });
-        g.push(Op::MoeCombine);
+        g.push(Op::MoeCombine { experts: crate::graph::Experts::ByExpert });
         g.finish();
         g
     }
@@ -388,7 +651,7 @@ mod tests {
         crate::model::recipe::build(&mut g, &model, &batch, false);
         let be = crate::backend::cpu::CpuBackend::new(1);
         let mut ex = Executor::default();
-        ex.place(&g, &be, &model, batch.rows.len());
+        ex.place(&g, &be, None, &model, batch.rows.len()).unwrap();
         let mut groups: Vec<Vec<WeightId>> = Vec::new();
         let mut seen = vec![false; g.nodes.len()];
         ex.run_groups_with(&g, |nodes, ops| {
@@ -463,6 +726,45 @@ mod tests {
             let bits = |v: &Vec<Vec<f32>>| v.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&a), bits(&b), "sim {sim}");
         }
+    }
+
+    /// A run reuses the last placement while the graph and its inputs are unchanged (a decode loop places once),
+    /// and places again when the graph changes (a prefill, then decode again), when options change, or when a
+    /// different backend runs it.
+    #[test]
+    fn placement_is_cached_while_the_graph_is_unchanged() {
+        use crate::backend::{Activations, RopeSet};
+        use crate::graph::Batch;
+        use crate::tables::SessionKv;
+        let model = demo();
+        let rope = RopeSet::new(&model);
+        let (be, other) = (crate::backend::cpu::CpuBackend::new(1), crate::backend::cpu::CpuBackend::new(1));
+        let mut ex = Executor::default();
+        let mut kv = vec![SessionKv::new(&model.config, 64)];
+        let mut g = Graph::default();
+        let mut pos = 0;
+        let mut tick = |ex: &mut Executor, n: usize, be: &crate::backend::cpu::CpuBackend| {
+            let mut batch = Batch::default();
+            batch.push_run(0, pos, (0..n as u32).map(|i| 7 + i), false);
+            pos += n;
+            let mut act = Activations::default();
+            act.ensure(&model, batch.rows.len(), batch.logit_rows.len());
+            crate::model::recipe::build(&mut g, &model, &batch, false);
+            let mut cx = StepCtx { model: &model, rope: &rope, batch: &batch, kv: &mut kv, act: &mut act, sim: false };
+            ex.run(&g, be, &mut cx).unwrap();
+            assert_eq!(ex.places.len(), g.nodes.len());
+            ex.placements()
+        };
+        assert_eq!(tick(&mut ex, 5, &be), 1);
+        assert_eq!(tick(&mut ex, 1, &be), 2, "decode after prefill: another graph");
+        assert_eq!(tick(&mut ex, 1, &be), 2, "the same decode graph: placed once");
+        assert_eq!(tick(&mut ex, 1, &be), 2);
+        assert_eq!(tick(&mut ex, 1, &other), 3, "another backend");
+        ex.use_native(false);
+        assert_eq!(tick(&mut ex, 1, &other), 4, "another option");
+        assert_eq!(ex.placed().native, 0);
+        assert_eq!(tick(&mut ex, 3, &other), 5, "another batch size");
+        assert_eq!(tick(&mut ex, 3, &other), 5);
     }
 
     #[test]

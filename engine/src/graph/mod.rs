@@ -19,7 +19,7 @@
 //!   stage can run the whole stage at once ([`crate::backend::Backend::run_stage`]).
 //! - Building reuses the graph's vectors: a tick allocates nothing once capacities are reached.
 
-use crate::model::WeightId;
+use crate::model::{ModelConfig, WeightId};
 
 /// Named tensors (and KV pages) a node reads or writes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -117,6 +117,32 @@ impl BufId {
             Kv(l) => Self::FIXED + l,
         }
     }
+
+    /// Values per batch row of a tensor that every backend keeps as plain f32 rows in one layout (row-major, `[rows,
+    /// width]`; [`BufId::PostComb`] is `post` then `comb` per row), so the executor can copy it from one backend to
+    /// another ([`crate::exec`]); `None` for the tensors whose layout is a backend's own: the indexer selection,
+    /// the routing and the expert slot rows, the logits and the KV pages.
+    pub fn host_width(self, c: &ModelConfig) -> Option<usize> {
+        use BufId::*;
+        let (hd, d, hc) = (c.head_dim, c.d_model, c.hc_mult);
+        Some(match self {
+            Streams | StreamsNormed => c.hc_dim(),
+            Mix => c.hc_mix().max(hc),
+            Pre => hc,
+            PostComb => hc + hc * hc,
+            Collapsed | Normed | SublayerOut | HeadOut => d,
+            QLow => c.q_lora_rank,
+            Q | AttnOut => c.n_heads * hd,
+            KvRows => hd,
+            CompKv | CompGate => 2 * hd,
+            IdxKv | IdxGate => 2 * c.idx_head_dim,
+            IdxQ => c.idx_heads * c.idx_head_dim,
+            IdxW => c.idx_heads,
+            OLow => c.o_groups * c.o_lora_rank,
+            Router => c.n_experts,
+            Selected | Routes | ExpertGate | ExpertUp | ExpertOut | Logits | Kv(_) => return None,
+        })
+    }
 }
 
 /// Which sublayer an mHC site wraps.
@@ -190,21 +216,38 @@ pub enum Op {
     /// `streams ← post·f + combᵀ·streams` per row.
     HcPost,
     /// Expert selection and weights per row (`hash`: the token's fixed experts, else top-k of scores + bias), and
-    /// the per-expert row plan.
-    MoeRoute { layer: usize, hash: bool },
-    /// Gate and up products of every routed row (rows gathered per expert) and of the shared expert.
-    ExpertUp { layer: usize },
+    /// the routed rows' layout `experts` (with [`Experts::ByExpert`], the per-expert row plan once the experts are
+    /// known on the host).
+    MoeRoute { layer: usize, hash: bool, experts: Experts },
+    /// Gate and up products of every routed row (laid out as `experts` says) and of the shared expert.
+    ExpertUp { layer: usize, experts: Experts },
     /// `gate ← silu(min(gate, L)) · clamp(up, −L, L)` over every expert row.
     SwiGlu { layer: usize },
-    /// Down products of every expert row.
-    ExpertDown { layer: usize },
+    /// Down products of every expert row (laid out as `experts` says).
+    ExpertDown { layer: usize, experts: Experts },
     /// `out = Σ routed weight · expert out (ascending expert) + shared out` per row (the scatter back).
-    MoeCombine,
+    MoeCombine { experts: Experts },
     /// Output projection of the rows in [`Batch::logit_rows`] into [`BufId::Logits`].
     Logits,
-    /// Brings tensor `buf` (the logit rows) to the host ([`crate::backend::Activations::logits`]): the tick's one
-    /// readback on a device backend, nothing on the CPU (whose logits are host memory already).
+    /// Brings tensor `buf` to the host: the logit rows ([`crate::backend::Activations::logits`]; the tick's last
+    /// node), or the selected experts ([`BufId::Routes`]) of a learned-routing layer laid out
+    /// [`Experts::ByExpert`], which the host groups by expert. Every host sync of a device backend's tick is one of
+    /// these nodes; on the CPU (host memory already) they do nothing.
     Readback { buf: BufId },
+}
+
+/// How an MoE layer lays out its routed rows — the two algorithms of the expert FFN; the recipe picks one per
+/// layer from the batch ([`crate::model::recipe`]). Both give every row the same bits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Experts {
+    /// Slot row `r·k + j` is row `r`'s `j`-th choice and each product picks its expert's weights by the selected
+    /// ids where they are (no host sync; each expert's weights read once per row that chose it): small batches
+    /// with learned routing.
+    PerRow,
+    /// Slot rows gathered by expert (ascending id, rows ascending within an expert) and scattered back by the
+    /// combine, so each expert's weights are read once per tick. The host must know the experts: from the token
+    /// ids (hash routing) or from an [`Op::Readback`] of [`BufId::Routes`] (learned routing).
+    ByExpert,
 }
 
 impl Op {
@@ -260,7 +303,7 @@ impl Op {
             Op::ExpertUp { .. } => 16,
             Op::SwiGlu { .. } => 17,
             Op::ExpertDown { .. } => 18,
-            Op::MoeCombine => 19,
+            Op::MoeCombine { .. } => 19,
             Op::Logits => 20,
             Op::Readback { .. } => 21,
         }
@@ -355,7 +398,7 @@ impl Op {
                 read(Routes);
                 write(ExpertOut);
             }
-            Op::MoeCombine => {
+            Op::MoeCombine { .. } => {
                 read(ExpertOut);
                 read(Routes);
                 write(SublayerOut);
@@ -364,7 +407,42 @@ impl Op {
                 read(HeadOut);
                 write(Logits);
             }
-            Op::Readback { buf } => read(buf),
+            // The tensor gains a host copy: later readers of it order after the readback.
+            Op::Readback { buf } => write(buf),
+        }
+    }
+
+    /// Calls `f` for every tensor whose current value the op needs: what it reads, and what it updates in place
+    /// (written, but not overwritten whole — see [`Op::overwrites`]).
+    pub fn inputs(&self, mut f: impl FnMut(BufId)) {
+        let mut written = [None; 3];
+        let mut nw = 0;
+        self.access(&mut f, |b| {
+            written[nw] = Some(b);
+            nw += 1;
+        });
+        written.iter().flatten().filter(|&&b| !self.overwrites(b)).for_each(|&b| f(b));
+    }
+
+    /// Whether the op writes every value of tensor `b` it leaves meaningful without reading the old ones (`false`
+    /// for in-place updates such as RoPE, the post-mix of the streams, the KV pages and a readback).
+    pub fn overwrites(&self, b: BufId) -> bool {
+        use BufId::*;
+        match *self {
+            Op::Embed => b == Streams,
+            Op::RmsNorm { x, y, .. } => x != y && b == y,
+            Op::MatMul { y, .. } | Op::GroupedMatMul { y, .. } => b == y,
+            Op::HcSinkhorn { .. } => matches!(b, Pre | PostComb),
+            Op::HcHeadWeights => b == Pre,
+            Op::HcCollapse { out } => b == out,
+            Op::IndexerTopK { .. } => b == Selected,
+            Op::SparseAttention { .. } => b == AttnOut,
+            Op::MoeRoute { .. } => b == Routes,
+            Op::ExpertUp { .. } => matches!(b, ExpertGate | ExpertUp),
+            Op::ExpertDown { .. } => b == ExpertOut,
+            Op::MoeCombine { .. } => b == SublayerOut,
+            Op::Logits => b == Logits,
+            _ => false,
         }
     }
 }

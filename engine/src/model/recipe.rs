@@ -4,8 +4,9 @@
 //! golden data follows it), grouped in [`Stage`]s: the embedding; per layer the mHC pre-mix, attention, mHC
 //! post-mix, mHC pre-mix, MoE FFN, mHC post-mix; the head; the logits. What differs between ticks and layers is
 //! visible in the nodes, not hidden in a backend: which layers compress (and which index), hash vs learned
-//! routing ([`Op::MoeRoute`]), activation simulation ([`Op::ActSim`]), and which rows get logits
-//! ([`Op::Logits`] reads [`crate::graph::Batch::logit_rows`]) and the readback of their logits ([`Op::Readback`]).
+//! routing ([`Op::MoeRoute`]), the expert FFN's algorithm for this batch size ([`Experts`]), activation
+//! simulation ([`Op::ActSim`]), which rows get logits ([`Op::Logits`] reads [`crate::graph::Batch::logit_rows`])
+//! and every readback to the host ([`Op::Readback`]).
 //!
 //! Attention of a layer (tensor names are [`BufId`]s): `Normed = RMSNorm(Collapsed)·attn_norm`;
 //! `QLow = RMSNorm(wq_a·Normed)·q_norm`; `Q = wq_b·QLow`, per-head unweighted RMSNorm, RoPE;
@@ -14,10 +15,14 @@
 //! nodes — then push them through the compressors into the KV pages; CSA picks its top-k rows; sparse attention
 //! with sinks; inverse RoPE; the raw rows into the ring; grouped output projection.
 //!
-//! MoE FFN: `Normed = RMSNorm(Collapsed)·ffn_norm`; router scores; routing; gate/up of every routed row (gathered
-//! per expert) and the shared expert; SwiGLU; down; the weighted scatter back to `SublayerOut`.
+//! MoE FFN: `Normed = RMSNorm(Collapsed)·ffn_norm`; router scores; routing; gate/up of every routed row and the
+//! shared expert; SwiGLU; down; the weighted sum back into `SublayerOut`. The routed rows' layout ([`Experts`],
+//! [`experts_layout`]) is the batch's choice, visible in the nodes: per row (decode with learned routing: every
+//! product picks its expert by the selected ids, no host sync), or gathered by expert and scattered back (prefill,
+//! and hash routing), where a learned-routing layer first reads its selection back ([`Op::Readback`] of
+//! [`BufId::Routes`]) — the one host sync of a tick besides the logits, and a node like every other.
 
-use crate::graph::{Batch, BufId, Graph, Op, SimKind, Stage, Sub};
+use crate::graph::{Batch, BufId, Experts, Graph, Op, SimKind, Stage, Sub};
 use crate::model::{LayerKind, Model};
 
 /// Rebuilds `g` as the graph of one tick over `batch` (see the module docs); `sim` adds the activation
@@ -33,7 +38,7 @@ pub fn build(g: &mut Graph, model: &Model, batch: &Batch, sim: bool) {
         g.stage(Stage::HcPost { layer, sub: Sub::Attn });
         g.push(Op::HcPost);
         hc_pre(g, model, layer, Sub::Ffn);
-        moe(g, model, layer);
+        moe(g, model, layer, batch.rows.len());
         g.stage(Stage::HcPost { layer, sub: Sub::Ffn });
         g.push(Op::HcPost);
     }
@@ -45,7 +50,6 @@ pub fn build(g: &mut Graph, model: &Model, batch: &Batch, sim: bool) {
     g.push(Op::HcCollapse { out: BufId::HeadOut });
     g.push(Op::RmsNorm { x: BufId::HeadOut, y: BufId::HeadOut, w: Some(gw.norm), width: c.d_model, heads: 1 });
     // Always present (a backend may finish the tick's work there); with no logit rows it computes nothing.
-    let _ = batch;
     g.stage(Stage::Logits);
     g.push(Op::Logits);
     g.push(Op::Readback { buf: BufId::Logits });
@@ -115,17 +119,36 @@ fn attention(g: &mut Graph, model: &Model, layer: usize, sim: bool) {
     g.push(Op::MatMul { w: lw.wo_b, x: OLow, y: SublayerOut });
 }
 
-fn moe(g: &mut Graph, model: &Model, layer: usize) {
+fn moe(g: &mut Graph, model: &Model, layer: usize, rows: usize) {
     use BufId::*;
     let lw = &model.layers[layer];
     g.stage(Stage::Moe { layer });
     g.push(Op::RmsNorm { x: Collapsed, y: Normed, w: Some(lw.ffn_norm), width: model.config.d_model, heads: 1 });
     g.push(Op::MatMul { w: lw.gate, x: Normed, y: Router });
-    g.push(Op::MoeRoute { layer, hash: lw.tid2eid.is_some() });
-    g.push(Op::ExpertUp { layer });
+    let hash = lw.tid2eid.is_some();
+    let experts = experts_layout(model, hash, rows);
+    g.push(Op::MoeRoute { layer, hash, experts });
+    if experts == Experts::ByExpert && !hash {
+        // The host groups the rows by the router's choice: bring it over.
+        g.push(Op::Readback { buf: Routes });
+    }
+    g.push(Op::ExpertUp { layer, experts });
     g.push(Op::SwiGlu { layer });
-    g.push(Op::ExpertDown { layer });
-    g.push(Op::MoeCombine);
+    g.push(Op::ExpertDown { layer, experts });
+    g.push(Op::MoeCombine { experts });
+}
+
+/// The routed-row layout of an MoE layer for a batch of `rows` rows (see [`Experts`]): per row for learned
+/// routing while the batch's choices (`rows · k`) do not outnumber the experts — decode, where grouping would read
+/// every chosen expert once anyway and would cost a host sync — else gathered by expert (hash routing knows the
+/// experts from the tokens, so it never needs the sync).
+pub fn experts_layout(model: &Model, hash: bool, rows: usize) -> Experts {
+    let c = &model.config;
+    if !hash && rows * c.n_experts_used <= c.n_experts {
+        Experts::PerRow
+    } else {
+        Experts::ByExpert
+    }
 }
 
 #[cfg(test)]
@@ -177,7 +200,8 @@ mod tests {
         build(&mut g, &model, &decode_batch(), false);
         for l in 0..model.config.n_layers {
             let hash = model.layers[l].tid2eid.is_some();
-            assert!(g.nodes.iter().any(|n| n.op == Op::MoeRoute { layer: l, hash }), "layer {l}");
+            let experts = if hash { Experts::ByExpert } else { Experts::PerRow };
+            assert!(g.nodes.iter().any(|n| n.op == Op::MoeRoute { layer: l, hash, experts }), "layer {l}");
         }
         let n = g.nodes.len();
         assert_eq!(g.nodes[n - 2].op, Op::Logits);

@@ -170,6 +170,27 @@ impl Scratch {
     }
 }
 
+/// [`BufId::PostComb`] in its host layout (`post` then `comb` per row) from the CPU's two buffers.
+fn post_comb_out(sc: &Scratch, cx: &StepCtx<'_>, out: &mut [f32]) -> Result<()> {
+    let hc = cx.model.config.hc_mult;
+    for (r, row) in out.chunks_exact_mut(hc + hc * hc).enumerate().take(cx.batch.rows.len()) {
+        row[..hc].copy_from_slice(&sc.post[r * hc..(r + 1) * hc]);
+        row[hc..].copy_from_slice(&sc.comb[r * hc * hc..(r + 1) * hc * hc]);
+    }
+    Ok(())
+}
+
+/// The inverse of [`post_comb_out`].
+fn post_comb_in(sc: &mut Scratch, cx: &StepCtx<'_>, data: &[f32]) -> Result<()> {
+    let hc = cx.model.config.hc_mult;
+    let w = hc + hc * hc;
+    for (r, row) in data.chunks_exact(w).enumerate().take(cx.batch.rows.len()) {
+        sc.post[r * hc..(r + 1) * hc].copy_from_slice(&row[..hc]);
+        sc.comb[r * hc * hc..(r + 1) * hc * hc].copy_from_slice(&row[hc..]);
+    }
+    Ok(())
+}
+
 fn not_f32(id: BufId) -> Error {
     Error::Backend { backend: "cpu", what: format!("tensor {id:?} is not an f32 tensor") }
 }
@@ -248,19 +269,47 @@ impl Backend for CpuBackend {
             Op::HcHeadWeights => rowops::hc_head_weights(sc, cx),
             Op::HcCollapse { out } => rowops::hc_collapse(pool, sc, cx, out),
             Op::HcPost => rowops::hc_post(pool, sc, cx),
-            Op::MoeRoute { layer, hash } => moe::route(sc, cx, layer, hash),
-            Op::ExpertUp { layer } => moe::expert_up(pool, sc, cx, layer),
+            // The routes are host memory: the rows are always gathered by expert (the per-row layout's products
+            // are the same per row, so both layouts give the same bits).
+            Op::MoeRoute { layer, hash, .. } => moe::route(sc, cx, layer, hash),
+            Op::ExpertUp { layer, .. } => moe::expert_up(pool, sc, cx, layer),
             Op::SwiGlu { layer } => moe::swiglu_rows(pool, sc, cx, layer, moe::swiglu),
-            Op::ExpertDown { layer } => moe::expert_down(pool, sc, cx, layer),
-            Op::MoeCombine => moe::combine(sc, cx),
+            Op::ExpertDown { layer, .. } => moe::expert_down(pool, sc, cx, layer),
+            Op::MoeCombine { .. } => moe::combine(sc, cx),
             Op::Logits => rowops::logits(pool, sc, cx),
-            // The logits are written to the host buffer directly.
+            // Every tensor is host memory (the logits are written to the host buffer directly).
             Op::Readback { .. } => Ok(()),
         }
     }
 
     fn runs_groups(&self) -> bool {
         true
+    }
+
+    fn download(&self, id: BufId, cx: &mut StepCtx<'_>, out: &mut [f32]) -> Result<()> {
+        let mut sc = self.scratch(cx);
+        let sc = &mut *sc;
+        if id == BufId::PostComb {
+            return post_comb_out(sc, cx, out);
+        }
+        let src = sc.buf(id)?;
+        let n = out.len().min(src.len());
+        out[..n].copy_from_slice(&src[..n]);
+        Ok(())
+    }
+
+    fn upload(&self, id: BufId, cx: &mut StepCtx<'_>, data: &[f32]) -> Result<()> {
+        let mut sc = self.scratch(cx);
+        let sc = &mut *sc;
+        if id == BufId::PostComb {
+            return post_comb_in(sc, cx, data);
+        }
+        let dst = sc.buf(id)?;
+        if dst.len() < data.len() {
+            return Err(Error::Backend { backend: "cpu", what: format!("upload of {} values into {id:?}", data.len()) });
+        }
+        dst[..data.len()].copy_from_slice(data);
+        Ok(())
     }
 
     fn run_group(&self, ops: &[Op], cx: &mut StepCtx<'_>) -> Result<()> {

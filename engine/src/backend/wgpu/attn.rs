@@ -19,12 +19,12 @@
 use std::collections::HashMap;
 
 use super::backend::WgpuBackend;
-use super::context::{backend_err, WgpuContext};
-use super::kvdev::{copy_rows, FrontDev, Rows, SlotKv};
+use super::context::{backend_err, Scratch, WgpuContext};
+use super::kvdev::{copy_rows, FrontDev, LayerDev, Rows, SlotKv};
 use super::ops::{self, key, ActSim, KeyLists, KeySources, RopeShape, Slot};
 use super::resident::{rope_table, Tick};
 use crate::backend::StepCtx;
-use crate::graph::BufId;
+use crate::graph::{BufId, Run};
 use crate::model::{LayerKind, ModelConfig, RopeFreqs};
 use crate::tables::SessionKv;
 use crate::Result;
@@ -192,6 +192,37 @@ fn session<'m>(
     Ok(m)
 }
 
+/// Runs `f(run, its first position, the layer's state in its session's mirror)` for every non-empty run of the
+/// batch, in order (each session stamped with a fresh epoch, see [`session`]).
+fn for_each_run(
+    ctx: &WgpuContext,
+    kvs: &mut HashMap<usize, SlotKv>,
+    cx: &mut StepCtx<'_>,
+    layer: usize,
+    mut f: impl FnMut(Run, usize, &mut LayerDev) -> Result<()>,
+) -> Result<()> {
+    let batch = cx.batch;
+    for (ri, &run) in batch.runs.iter().enumerate() {
+        if run.len == 0 {
+            continue;
+        }
+        let ld = session(ctx, kvs, cx, ri)?
+            .layers
+            .get_mut(layer)
+            .ok_or_else(|| backend_err(format!("device KV: no layer {layer}")))?;
+        f(run, batch.rows[run.start].pos, ld)?;
+    }
+    Ok(())
+}
+
+/// A scratch copy of rows `start..start + len` of `src` (`width` values each), for kernels that index a run's
+/// rows from 0.
+fn run_rows(ctx: &WgpuContext, enc: &mut Enc, src: &Buf, start: usize, len: usize, width: usize) -> Scratch {
+    let out = ctx.scratch(len * width);
+    enc.copy_buffer_to_buffer(src, (start * width * 4) as u64, &out, 0, (len * width * 4) as u64);
+    out
+}
+
 /// [`crate::graph::Op::CompressPush`]: each run's projected rows through the layer's compressor (`indexer`: the
 /// indexer's) into its session's compressed (indexer) rows.
 pub fn compress_push(
@@ -222,13 +253,7 @@ pub fn compress_push(
         (true, true) => RowSim::Fp4,
     };
     let enc = t.enc(ctx);
-    for ri in 0..cx.batch.runs.len() {
-        let run = cx.batch.runs[ri];
-        if run.len == 0 {
-            continue;
-        }
-        let p0 = cx.batch.rows[run.start].pos;
-        let ld = &mut session(ctx, kvs, cx, ri)?.layers[layer];
+    for_each_run(ctx, kvs, cx, layer, |run, p0, ld| {
         let (f, rows) = if indexer { (&ld.fidx, ld.idx.as_mut()) } else { (&ld.fcomp, ld.comp.as_mut()) };
         let (Some(f), Some(out_rows)) = (f, rows) else {
             return Err(backend_err(format!("device KV: layer {layer} has no compressor state")));
@@ -246,9 +271,8 @@ pub fn compress_push(
             rope_dim: c.rope_dim,
             sim: row_sim,
         };
-        job.run(ctx, enc, f, out_rows)?;
-    }
-    Ok(())
+        job.run(ctx, enc, f, out_rows)
+    })
 }
 
 /// [`crate::graph::Op::IndexerTopK`]: per run, the indexer scores of its queries against the session's indexer
@@ -272,29 +296,21 @@ pub fn indexer_topk(
     }
     let f4 = 4u64;
     let enc = t.enc(ctx);
-    for ri in 0..cx.batch.runs.len() {
-        let run = cx.batch.runs[ri];
+    for_each_run(ctx, kvs, cx, layer, |run, p0, ld| {
         let (start, len) = (run.start, run.len);
-        if len == 0 {
-            continue;
-        }
-        let ld = &session(ctx, kvs, cx, ri)?.layers[layer];
         let idx_rows =
             ld.idx.as_ref().ok_or_else(|| backend_err(format!("device KV: layer {layer} has no indexer")))?;
         let n_keys = idx_rows.rows;
-        let rows = &cx.batch.rows;
-        let limit: Vec<u32> = (start..start + len).map(|r| ((rows[r].pos + 1) / ratio).min(n_keys) as u32).collect();
-        let (qrun, wrun) = (ctx.scratch(len * ih * ihd), ctx.scratch(len * ih));
-        enc.copy_buffer_to_buffer(&iq, (start * ih * ihd) as u64 * f4, &qrun, 0, (len * ih * ihd) as u64 * f4);
-        enc.copy_buffer_to_buffer(&iw, (start * ih) as u64 * f4, &wrun, 0, (len * ih) as u64 * f4);
+        let limit: Vec<u32> = (p0..p0 + len).map(|pos| ((pos + 1) / ratio).min(n_keys) as u32).collect();
+        let (qrun, wrun) = (run_rows(ctx, enc, &iq, start, len, ih * ihd), run_rows(ctx, enc, &iw, start, len, ih));
         let (sc, s) = (ctx.scratch(len * n_keys.max(1)), ctx.scratch(len * topk));
         // The head weights carry 1/sqrt(heads) already (the recipe's Scale node).
         let scale = 1.0 / (ihd as f32).sqrt();
         let keys = &idx_rows.buf;
         ops::indexer_topk(ctx, enc, &qrun, keys, &wrun, &limit, n_keys, ih, ihd, topk, scale, &sc, &s)?;
         enc.copy_buffer_to_buffer(&s, 0, &selected, (start * topk) as u64 * f4, (len * topk) as u64 * f4);
-    }
-    Ok(())
+        Ok(())
+    })
 }
 
 /// [`crate::graph::Op::SparseAttention`]: per run, each row's window (batch rows and ring) plus its compressed
@@ -320,17 +336,11 @@ pub fn sparse_attention(
     let sinks = be.dense(model, lw.sinks);
     let no_comp = ctx.storage_zeroed("no comp rows", 1);
     let no_sel = ctx.storage_u32("no selections", &[u32::MAX]);
-    let f4 = 4u64;
     let enc = t.enc(ctx);
-    for ri in 0..cx.batch.runs.len() {
-        let run = cx.batch.runs[ri];
+    let batch = cx.batch;
+    let rows = &batch.rows;
+    for_each_run(ctx, kvs, cx, layer, |run, p0, ld| {
         let (start, len) = (run.start, run.len);
-        if len == 0 {
-            continue;
-        }
-        let ld = &session(ctx, kvs, cx, ri)?.layers[layer];
-        let rows = &cx.batch.rows;
-        let p0 = rows[start].pos;
         let mut keys = KeyLists { rows: Vec::new(), ranges: Vec::with_capacity(len) };
         let n_comp = ld.comp.as_ref().map_or(0, |r| r.rows);
         if n_comp.max(start + len).max(window) > key::MAX_INDEX as usize {
@@ -358,8 +368,7 @@ pub fn sparse_attention(
         let sel: &wgpu::Buffer = match &selected {
             Some(s) if start == 0 => s,
             Some(s) => {
-                run_sel = ctx.scratch(len * topk);
-                enc.copy_buffer_to_buffer(s, (start * topk) as u64 * f4, &run_sel, 0, (len * topk) as u64 * f4);
+                run_sel = run_rows(ctx, enc, s, start, len, topk);
                 &run_sel
             }
             None => &no_sel,
@@ -368,9 +377,8 @@ pub fn sparse_attention(
             KeySources { batch: &kv, ring: &ld.ring, comp: ld.comp.as_ref().map_or(&no_comp, |r| &r.buf), sel, topk };
         let scale = 1.0 / (hd as f32).sqrt();
         let (qv, ov) = ((&q, start * nh * hd, nh * hd), (&attn, start * nh * hd, nh * hd));
-        ops::attention_keyed(ctx, enc, qv, &src, &keys, &sinks, ov, nh, hd, scale)?;
-    }
-    Ok(())
+        ops::attention_keyed(ctx, enc, qv, &src, &keys, &sinks, ov, nh, hd, scale)
+    })
 }
 
 /// [`crate::graph::Op::KvStore`]: the last `window` raw rows of each run into its session's ring.
@@ -385,18 +393,12 @@ pub fn kv_store(
     let (hd, window) = (cx.model.config.head_dim, cx.model.config.window);
     let kv = be.buf(t, cx.model, BufId::KvRows)?;
     let enc = t.enc(ctx);
-    for ri in 0..cx.batch.runs.len() {
-        let run = cx.batch.runs[ri];
-        if run.len == 0 {
-            continue;
-        }
-        let p0 = cx.batch.rows[run.start].pos;
+    for_each_run(ctx, kvs, cx, layer, |run, p0, ld| {
         let (start, len) = (run.start, run.len);
-        let ld = &mut session(ctx, kvs, cx, ri)?.layers[layer];
         let pairs: Vec<(usize, usize)> =
             (len.saturating_sub(window)..len).map(|j| (start + j, (p0 + j) % window)).collect();
         copy_rows(enc, &kv, &ld.ring, &pairs, hd);
         ld.pos = Some(p0 + len);
-    }
-    Ok(())
+        Ok(())
+    })
 }

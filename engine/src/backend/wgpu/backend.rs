@@ -5,15 +5,17 @@
 //! command encoder (the kernels: `rows` for the row ops, mHC and logits, `attn` for the KV ops, `moe` for the
 //! expert ops). The executor records the nodes in recipe order; nothing is submitted until the readback node
 //! ([`crate::graph::Op::Readback`]) sends the tick with the copy of the logit rows to the host — one submission and
-//! one readback per decode tick (counted by [`WgpuContext::counters`]). The one other host sync point: MoE layers
-//! with learned routing keep the router's choice on the device for small batches (`rows · k ≤ experts`, the
-//! expert-indexed products of [`super::moe_ids`]); larger (prefill) batches read the expert ids back to group rows
-//! by expert, so each expert's weights are read once (hash-routed layers take the ids from the token ids).
+//! one readback per decode tick (counted by [`WgpuContext::counters`]). Every other host sync is a readback node too:
+//! the recipe gathers a learned-routing MoE layer's rows by expert in larger (prefill) batches and reads its
+//! selection back first (`Readback` of `Routes`, see [`super::moe`]); in decode the router's choice stays on the
+//! device (the expert-indexed products of [`super::moe_ids`]).
 //!
 //! Weights are uploaded once, lazily on first use, in their file encoding (split across bindings when large) and
 //! cached by weight id; small f32 tensors (norms, sinks, biases, mHC base/scale) likewise. Each tensor
 //! ([`crate::graph::BufId`]) resolves to device buffers of the tick state (`resident::Tick`); the host arrays of
-//! [`crate::backend::Activations`] are written only by the readback.
+//! [`crate::backend::Activations`] are written only by the readback. When the executor places nodes on a host
+//! fallback, [`Backend::download`] submits the tick so far and reads a tensor back (a submission and a readback of
+//! its own) and [`Backend::upload`] records a copy from a fresh buffer, in order with the tick's commands.
 //!
 //! Session KV lives on the device ([`super::kvdev`], advanced by the KV nodes without readbacks); the host
 //! [`SessionKv`] is a lazily synced mirror: [`Backend::sync_kv`] downloads it, and a host state the device has not
@@ -182,6 +184,34 @@ impl Backend for WgpuBackend {
         self.flush()
     }
 
+    /// Submits the tick so far and reads the tensor back (a submission and a readback of its own).
+    fn download(&self, id: BufId, cx: &mut StepCtx<'_>, out: &mut [f32]) -> Result<()> {
+        if out.is_empty() {
+            return Ok(());
+        }
+        let mut t = self.tick.lock();
+        let buf = self.buf(&mut t, cx.model, id)?;
+        let got = self.ctx.submit_read_f32(t.take_enc(&self.ctx), &buf, 0, out.len())?;
+        out.copy_from_slice(&got);
+        Ok(())
+    }
+
+    /// Records a copy from a fresh buffer holding `data` into the tensor's buffer, in order with the tick's other
+    /// commands (a host write straight into the tensor would land before them).
+    fn upload(&self, id: BufId, cx: &mut StepCtx<'_>, data: &[f32]) -> Result<()> {
+        let mut t = self.tick.lock();
+        let buf = self.buf(&mut t, cx.model, id)?;
+        let bytes = std::mem::size_of_val(data) as u64;
+        if bytes > buf.size() {
+            return Err(backend_err(format!("upload of {} values into {id:?}", data.len())));
+        }
+        if bytes > 0 {
+            let src = self.ctx.storage_f32("upload", data);
+            t.enc(&self.ctx).copy_buffer_to_buffer(&src, 0, &buf, 0, bytes);
+        }
+        Ok(())
+    }
+
     fn sync_kv(&self, slot: usize, kv: &mut SessionKv) -> Result<()> {
         if !kv.sync.host_stale {
             return Ok(());
@@ -210,7 +240,7 @@ impl Backend for WgpuBackend {
             Op::Embed => ok(model.global.embed),
             Op::MatMul { w, .. } | Op::GroupedMatMul { w, .. } => ok(w),
             Op::Logits => ok(model.global.head),
-            Op::ExpertUp { layer } | Op::ExpertDown { layer } => {
+            Op::ExpertUp { layer, .. } | Op::ExpertDown { layer, .. } => {
                 let lw = &model.layers[layer];
                 [lw.gate_exps, lw.up_exps, lw.down_exps]
                     .into_iter()
@@ -239,6 +269,7 @@ impl Backend for WgpuBackend {
             Op::HcCollapse { out } => rows::hc_collapse(self, t, cx, out),
             Op::HcPost => rows::hc_post(self, t, cx),
             Op::Logits => rows::logits(self, t, cx),
+            Op::Readback { buf: BufId::Routes } => moe::read_routes(self, t, cx),
             Op::Readback { buf } => rows::readback(self, t, cx, buf),
             Op::CompressPush { layer, indexer, sim } => {
                 attn::compress_push(self, t, &mut self.kv.lock(), cx, layer, indexer, sim)
@@ -246,11 +277,11 @@ impl Backend for WgpuBackend {
             Op::IndexerTopK { layer } => attn::indexer_topk(self, t, &mut self.kv.lock(), cx, layer),
             Op::SparseAttention { layer } => attn::sparse_attention(self, t, &mut self.kv.lock(), cx, layer),
             Op::KvStore { layer } => attn::kv_store(self, t, &mut self.kv.lock(), cx, layer),
-            Op::MoeRoute { layer, hash } => moe::route(self, t, cx, layer, hash),
-            Op::ExpertUp { layer } => moe::expert_up(self, t, cx, layer),
+            Op::MoeRoute { layer, hash, experts } => moe::route(self, t, cx, layer, hash, experts),
+            Op::ExpertUp { layer, experts } => moe::expert_up(self, t, cx, layer, experts),
             Op::SwiGlu { layer } => moe::swiglu(self, t, cx, layer),
-            Op::ExpertDown { layer } => moe::expert_down(self, t, cx, layer),
-            Op::MoeCombine => moe::combine(self, t, cx),
+            Op::ExpertDown { layer, experts } => moe::expert_down(self, t, cx, layer, experts),
+            Op::MoeCombine { experts } => moe::combine(self, t, cx, experts),
         }
     }
 }

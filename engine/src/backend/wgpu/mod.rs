@@ -19,8 +19,8 @@
 //! node submits the tick); call [`context::WgpuContext::submit`] to run them and [`context::WgpuContext::read_f32`]
 //! to read results.
 //!
-//! Known limits (next steps): learned-routing MoE layers in prefill-sized batches read the expert ids back to group
-//! rows by expert (an indirect, expert-indexed grouped matmul would remove the last mid-tick readback); the KV nodes
+//! Known limits (next steps): learned-routing MoE layers in prefill-sized batches read the expert ids back (the
+//! recipe's `Readback` of `Routes`) to group rows by expert (an indirect, expert-indexed grouped matmul would remove the last mid-tick readback); the KV nodes
 //! do not write the roll-back log (roll back recomputes on wgpu); a device KV row buffer is one binding
 //! (at most the storage binding limit: ~128 MiB on lavapipe), so very long contexts need real page tables;
 //! uniform blocks, bind groups, key and row lists are small fresh objects per dispatch and the RoPE tables one
@@ -40,6 +40,8 @@ mod resident;
 mod rows;
 pub(crate) mod weights;
 
+#[cfg(test)]
+mod fallback_tests;
 #[cfg(test)]
 mod golden_tests;
 #[cfg(test)]

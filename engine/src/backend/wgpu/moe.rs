@@ -1,13 +1,13 @@
 //! The MoE kernels of the wgpu backend: [`route`], [`expert_up`], [`swiglu`], [`expert_down`], [`combine`] (the
-//! nodes of [`crate::graph::Op`] of those names).
+//! nodes of [`crate::graph::Op`] of those names) and [`read_routes`] (the readback node of the routes).
 //!
-//! The routing node chooses the layout of the routed slot rows ([`MoePlan`], see `super::resident`):
-//! - on the device (learned routing, `rows · k ≤ experts`, i.e. decode): slot row `r·k + j` is row `r`'s `j`-th
-//!   choice and every product picks its expert's weight rows by the device-side ids ([`super::moe_ids`]); nothing is
-//!   read back;
-//! - grouped by expert (hash routing, or larger batches): the experts are known on the host — from the token ids, or
-//!   read back from the router (the tick's one extra submission) — and slot rows are sorted by expert, so each
-//!   expert's weights are read once.
+//! The routed slot rows are laid out as the nodes say ([`Experts`], chosen by the recipe):
+//! - [`Experts::PerRow`]: slot row `r·k + j` is row `r`'s `j`-th choice and every product picks its expert's weight
+//!   rows by the device-side ids ([`super::moe_ids`]); nothing is read back;
+//! - [`Experts::ByExpert`]: the experts are known on the host — from the token ids (hash routing, at the routing
+//!   node), or read back from the router by the recipe's [`crate::graph::Op::Readback`] of the routes
+//!   ([`read_routes`], a submission of its own) — and slot rows are sorted by expert, so each expert's weights are
+//!   read once. An expert node whose layout was not planned (a graph without that readback) is an error.
 //!
 //! The routing weight multiplies the SwiGLU output (so the down product and the combine see weighted rows); the
 //! combine sums each row's experts in ascending expert order, then adds the shared expert.
@@ -21,11 +21,18 @@ use super::moe_ids;
 use super::ops::{self, Routing};
 use super::resident::{MoePlan, Tick};
 use crate::backend::StepCtx;
-use crate::graph::BufId;
+use crate::graph::{BufId, Experts};
 use crate::Result;
 
 /// [`crate::graph::Op::MoeRoute`]: experts and weights into `Routes`, and the slot-row plan.
-pub fn route(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, layer: usize, hash: bool) -> Result<()> {
+pub fn route(
+    be: &WgpuBackend,
+    t: &mut Tick,
+    cx: &StepCtx<'_>,
+    layer: usize,
+    hash: bool,
+    experts: Experts,
+) -> Result<()> {
     let model = cx.model;
     let c = &model.config;
     let lw = &model.layers[layer];
@@ -58,29 +65,59 @@ pub fn route(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, layer: usize, has
         }
     };
     ops::moe_route(ctx, t.enc(ctx), &logits, routing, n, ne, k, c.routed_scale, c.weights_norm, &sel, &rw)?;
-    let on_device = tid2eid.is_none() && n * k <= ne;
-    t.moe.on_device = on_device;
     t.moe.shared = lw.gate_sh.is_some() && lw.up_sh.is_some() && lw.down_sh.is_some();
-    if on_device {
-        t.moe.weights.clear();
-        t.moe.weights.extend(0..(n * k) as u32);
-        return Ok(());
-    }
-    let chosen = match tid2eid {
-        Some(tt) => {
-            let mut v = Vec::with_capacity(n * k);
+    t.moe.layout = None;
+    match (experts, tid2eid) {
+        (Experts::PerRow, _) => {
+            t.moe.weights.clear();
+            t.moe.weights.extend(0..(n * k) as u32);
+            t.moe.layout = Some(Experts::PerRow);
+            Ok(())
+        }
+        (Experts::ByExpert, Some(tt)) => {
+            let mut chosen = Vec::with_capacity(n * k);
             for r in rows {
                 let at = r.token as usize * k;
                 let ids = tt
                     .get(at..at + k)
                     .ok_or_else(|| backend_err(format!("moe layer {layer}: token {} outside tid2eid", r.token)))?;
-                v.extend_from_slice(ids);
+                chosen.extend_from_slice(ids);
             }
-            v
+            plan(t, &chosen, n, k, ne, layer)
         }
-        None => ctx.submit_read_u32(t.take_enc(ctx), &sel, 0, n * k)?,
-    };
-    plan_by_expert(&mut t.moe, &chosen, n, k, ne).map_err(|e| backend_err(format!("moe layer {layer}: {e}")))
+        // The recipe's readback of the routes plans the rows (`read_routes`).
+        (Experts::ByExpert, None) => Ok(()),
+    }
+}
+
+/// [`crate::graph::Op::Readback`] of [`BufId::Routes`]: submits the tick so far, reads the selected experts back
+/// and groups the slot rows by expert (for the learned-routing layer whose routing node ran last).
+pub fn read_routes(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>) -> Result<()> {
+    let model = cx.model;
+    let c = &model.config;
+    let (n, k, ne) = (cx.batch.rows.len(), c.n_experts_used, c.n_experts);
+    let ctx = be.context();
+    let sel = be.buf(t, model, BufId::Routes)?;
+    let chosen = ctx.submit_read_u32(t.take_enc(ctx), &sel, 0, n * k)?;
+    plan(t, &chosen, n, k, ne, usize::MAX)
+}
+
+/// Groups the slot rows of `chosen` by expert into the tick's plan ([`Experts::ByExpert`]).
+fn plan(t: &mut Tick, chosen: &[u32], n: usize, k: usize, ne: usize, layer: usize) -> Result<()> {
+    plan_by_expert(&mut t.moe, chosen, n, k, ne).map_err(|e| backend_err(format!("moe layer {layer}: {e}")))?;
+    t.moe.layout = Some(Experts::ByExpert);
+    Ok(())
+}
+
+/// The tick's plan when it is laid out as `experts` (the routing node, and for learned routing gathered by expert,
+/// the readback of its routes, ran), else an error.
+fn planned(t: &Tick, experts: Experts, layer: usize) -> Result<()> {
+    if t.moe.layout == Some(experts) {
+        return Ok(());
+    }
+    Err(backend_err(format!(
+        "moe layer {layer}: expert rows not laid out {experts:?} (routing, or the readback of its routes, missing)"
+    )))
 }
 
 /// Slot rows sorted by expert (ascending), rows ascending within an expert.
@@ -124,8 +161,43 @@ fn plan_by_expert(
     Ok(())
 }
 
+/// The routed slot rows of one MoE layer, laid out as `experts` says.
+struct Slots<'a> {
+    experts: Experts,
+    plan: &'a MoePlan,
+    /// The selected experts (`[rows, k]`, on the device) and the number of slot rows (`rows · k`).
+    sel: &'a wgpu::Buffer,
+    n: usize,
+}
+
+impl Slots<'_> {
+    /// Products of expert matrix `w` (`per` rows per expert) for every slot row into row `i` of `y`: per row, slot
+    /// `i` reads row `i / x_div` of `x` and picks its expert by the selected id; by expert, slot `i` reads row `i`
+    /// of `x` (gathered) and each group of the plan multiplies its expert's rows once.
+    #[allow(clippy::too_many_arguments)]
+    fn products(
+        &self,
+        ctx: &super::context::WgpuContext,
+        enc: &mut wgpu::CommandEncoder,
+        w: &super::weights::GpuWeight,
+        per: usize,
+        x: View<'_>,
+        x_div: usize,
+        y: View<'_>,
+    ) -> Result<()> {
+        if self.experts == Experts::PerRow {
+            return moe_ids::matmul_ids(ctx, enc, w, per, self.sel, self.n, x, x_div, y);
+        }
+        for &(e, off, m) in &self.plan.groups {
+            matmul(ctx, enc, w, e * per..(e + 1) * per, x.at(off * x.stride), m, y.at(off * y.stride), false)?;
+        }
+        Ok(())
+    }
+}
+
 /// [`crate::graph::Op::ExpertUp`]: gate and up products of every slot row and of the shared expert.
-pub fn expert_up(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, layer: usize) -> Result<()> {
+pub fn expert_up(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, layer: usize, experts: Experts) -> Result<()> {
+    planned(t, experts, layer)?;
     let model = cx.model;
     let c = &model.config;
     let lw = &model.layers[layer];
@@ -137,21 +209,19 @@ pub fn expert_up(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, layer: usize)
     let (gm, um) = (be.mat_grouped(model, lw.gate_exps, ffn)?, be.mat_grouped(model, lw.up_exps, ffn)?);
     let (sh_gu, _) = t.shared(ctx, model);
     let gv = View::new(&gu, 2 * ffn);
-    if t.moe.on_device {
-        let enc = t.enc(ctx);
-        let xv = View::new(&xn, d);
-        moe_ids::matmul_ids(ctx, enc, &gm, ffn, &sel, n * k, xv, k, gv)?;
-        moe_ids::matmul_ids(ctx, enc, &um, ffn, &sel, n * k, xv, k, gv.at(ffn))?;
-    } else {
-        let packed = ctx.scratch(n * k * d);
-        let (enc, plan) = t.enc_moe(ctx);
-        ops::gather_rows(ctx, enc, &xn, &packed, &plan.rows, d, d)?;
-        for &(e, off, m) in &plan.groups {
-            let xv = View::new(&packed, d).at(off * d);
-            matmul(ctx, enc, &gm, e * ffn..(e + 1) * ffn, xv, m, gv.at(off * 2 * ffn), false)?;
-            matmul(ctx, enc, &um, e * ffn..(e + 1) * ffn, xv, m, gv.at(off * 2 * ffn + ffn), false)?;
+    let (enc, plan) = t.enc_moe(ctx);
+    let packed;
+    let x = match experts {
+        Experts::PerRow => View::new(&xn, d),
+        Experts::ByExpert => {
+            packed = ctx.scratch(n * k * d);
+            ops::gather_rows(ctx, enc, &xn, &packed, &plan.rows, d, d)?;
+            View::new(&packed, d)
         }
-    }
+    };
+    let slots = Slots { experts, plan, sel: &sel, n: n * k };
+    slots.products(ctx, enc, &gm, ffn, x, k, gv)?;
+    slots.products(ctx, enc, &um, ffn, x, k, gv.at(ffn))?;
     if let (Some(g), Some(up)) = (lw.gate_sh, lw.up_sh) {
         let (g, up) = (be.mat(model, g)?, be.mat(model, up)?);
         let enc = t.enc(ctx);
@@ -165,6 +235,8 @@ pub fn expert_up(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, layer: usize)
 /// [`crate::graph::Op::SwiGlu`]: the clamped SwiGLU of every slot row (times its routing weight) and of the shared
 /// expert, written over the gate half.
 pub fn swiglu(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, layer: usize) -> Result<()> {
+    // Either layout (the slot rows' routing weights are in the plan).
+    planned(t, t.moe.layout.unwrap_or(Experts::ByExpert), layer)?;
     let model = cx.model;
     let c = &model.config;
     let n = cx.batch.rows.len();
@@ -182,7 +254,8 @@ pub fn swiglu(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, layer: usize) ->
 }
 
 /// [`crate::graph::Op::ExpertDown`]: down products of every slot row and of the shared expert.
-pub fn expert_down(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, layer: usize) -> Result<()> {
+pub fn expert_down(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, layer: usize, experts: Experts) -> Result<()> {
+    planned(t, experts, layer)?;
     let model = cx.model;
     let c = &model.config;
     let lw = &model.layers[layer];
@@ -193,15 +266,9 @@ pub fn expert_down(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, layer: usiz
         (be.buf(t, model, BufId::ExpertGate)?, be.buf(t, model, BufId::ExpertOut)?, be.buf(t, model, BufId::Routes)?);
     let dm = be.mat_grouped(model, lw.down_exps, d)?;
     let (sh_gu, sh_out) = t.shared(ctx, model);
-    let hv = View::new(&gu, 2 * ffn);
-    if t.moe.on_device {
-        moe_ids::matmul_ids(ctx, t.enc(ctx), &dm, d, &sel, n * k, hv, 1, View::new(&eo, d))?;
-    } else {
-        let (enc, plan) = t.enc_moe(ctx);
-        for &(e, off, m) in &plan.groups {
-            matmul(ctx, enc, &dm, e * d..(e + 1) * d, hv.at(off * 2 * ffn), m, View::new(&eo, d).at(off * d), false)?;
-        }
-    }
+    let (enc, plan) = t.enc_moe(ctx);
+    let slots = Slots { experts, plan, sel: &sel, n: n * k };
+    slots.products(ctx, enc, &dm, d, View::new(&gu, 2 * ffn), 1, View::new(&eo, d))?;
     if let Some(dn) = lw.down_sh {
         let dn = be.mat(model, dn)?;
         be.mm(t.enc(ctx), &dn, View::new(&sh_gu, 2 * ffn), n, View::new(&sh_out, d))?;
@@ -211,7 +278,8 @@ pub fn expert_down(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, layer: usiz
 
 /// [`crate::graph::Op::MoeCombine`]: `SublayerOut` = each row's expert outputs in ascending expert order, plus the
 /// shared expert's.
-pub fn combine(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>) -> Result<()> {
+pub fn combine(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, experts: Experts) -> Result<()> {
+    planned(t, experts, usize::MAX)?;
     let model = cx.model;
     let c = &model.config;
     let n = cx.batch.rows.len();
@@ -221,7 +289,7 @@ pub fn combine(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>) -> Result<()> {
         (be.buf(t, model, BufId::ExpertOut)?, be.buf(t, model, BufId::Routes)?, be.buf(t, model, BufId::SublayerOut)?);
     let (_, sh_out) = t.shared(ctx, model);
     let (enc, plan) = t.enc_moe(ctx);
-    if plan.on_device {
+    if experts == Experts::PerRow {
         moe_ids::combine(ctx, enc, &eo, &sel, &out, d, n, k)?;
     } else {
         enc.clear_buffer(&out, 0, Some((n * d * 4) as u64));

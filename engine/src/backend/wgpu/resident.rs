@@ -54,29 +54,15 @@ impl Grown {
 pub fn len_of(id: BufId, model: &Model, rows: usize, logit_rows: usize) -> Option<usize> {
     use BufId::*;
     let c = &model.config;
-    let (hd, d, hc) = (c.head_dim, c.d_model, c.hc_mult);
     let per_row = match id {
-        Streams | StreamsNormed => c.hc_dim(),
-        Mix => c.hc_mix().max(hc),
-        Pre => hc,
-        PostComb => hc + hc * hc,
-        Collapsed | Normed | SublayerOut | HeadOut => d,
-        QLow => c.q_lora_rank,
-        Q | AttnOut => c.n_heads * hd,
-        KvRows => hd,
-        CompKv | CompGate => 2 * hd,
-        IdxKv | IdxGate => 2 * c.idx_head_dim,
-        IdxQ => c.idx_heads * c.idx_head_dim,
-        IdxW => c.idx_heads,
         Selected => c.idx_topk.max(1),
-        OLow => c.o_groups * c.o_lora_rank,
-        Router => c.n_experts,
         Routes => c.n_experts_used,
         // One buffer holds both halves.
         ExpertGate | ExpertUp => c.n_experts_used * 2 * c.expert_ffn,
-        ExpertOut => c.n_experts_used * d,
+        ExpertOut => c.n_experts_used * c.d_model,
         Logits => return Some(logit_rows * c.vocab),
         Kv(_) => return None,
+        _ => id.host_width(c)?,
     };
     Some(rows * per_row)
 }
@@ -85,9 +71,9 @@ pub fn len_of(id: BufId, model: &Model, rows: usize, logit_rows: usize) -> Optio
 /// expert nodes of the same layer).
 #[derive(Debug, Default)]
 pub struct MoePlan {
-    /// Slot rows follow the (row, choice) order and each product picks its expert on the device (decode with
-    /// learned routing); otherwise rows are grouped by expert on the host.
-    pub on_device: bool,
+    /// The layout the rows are planned in for the current layer (`None` until planned: a learned-routing layer
+    /// grouped by expert waits for the readback of its routes).
+    pub layout: Option<crate::graph::Experts>,
     /// The layer has a shared expert (the combine adds it).
     pub shared: bool,
     /// `(expert, first slot row, rows)` in ascending expert order (host grouping only).
@@ -127,6 +113,7 @@ impl Tick {
         self.moe.groups.clear();
         self.moe.rows.clear();
         self.moe.weights.clear();
+        self.moe.layout = None;
         if self.bufs.is_empty() {
             self.bufs.resize_with(BufId::FIXED, Grown::default);
         }

@@ -463,7 +463,7 @@ fn every_node_of_a_tick_has_a_wgpu_kernel() {
         let mut graph = Graph::default();
         crate::model::recipe::build(&mut graph, &model, &batch, true);
         let mut ex = Executor::default();
-        let placed = ex.place(&graph, &be, &model, n);
+        let placed = ex.place(&graph, &be, None, &model, n).unwrap();
         assert_eq!(placed.staged, 0, "rows {n}: {placed:?}");
         assert_eq!(placed.native + placed.portable, graph.nodes.len());
         assert!(graph.nodes.iter().any(|node| matches!(node.op, crate::graph::Op::Readback { .. })));

@@ -1,0 +1,172 @@
+//! The executor's seams on a device backend, on the demo model: every host sync of a wgpu tick is a readback node
+//! of its graph, and op kinds forced to the CPU as host fallback run there with copies exactly where a tensor's
+//! residency changes. Skipped like the other wgpu tests when no adapter is found outside CI.
+
+use std::collections::HashMap;
+
+use super::context::test_context;
+use super::WgpuBackend;
+use crate::backend::cpu::CpuBackend;
+use crate::backend::{Activations, Backend, RopeSet, StepCtx};
+use crate::exec::Executor;
+use crate::gguf::GgufFile;
+use crate::graph::{Batch, BufId, Graph, Op};
+use crate::model::Model;
+use crate::tables::SessionKv;
+
+fn demo() -> Model {
+    Model::load(GgufFile::from_bytes(crate::convert::demo::demo_model_gguf(7).unwrap()).unwrap()).unwrap()
+}
+
+fn tok(i: usize, vocab: usize) -> u32 {
+    ((i as u32).wrapping_mul(2654435761) >> 5) % vocab as u32
+}
+
+/// A prefill of `n` tokens then `decode` one-token ticks of one session, each tick built by the recipe and run by
+/// `ex` on `be` (with `fallback`); `each(graph, executor)` sees every tick after it ran. Returns every tick's
+/// logits.
+fn ticks(
+    model: &Model,
+    be: &dyn Backend,
+    fallback: Option<&dyn Backend>,
+    ex: &mut Executor,
+    n: usize,
+    decode: usize,
+    mut each: impl FnMut(&Graph, &Executor),
+) -> crate::Result<Vec<Vec<f32>>> {
+    let rope = RopeSet::new(model);
+    let vocab = model.config.vocab;
+    let mut kv = vec![SessionKv::new(&model.config, 64)];
+    let mut g = Graph::default();
+    let mut out = Vec::new();
+    for t in 0..=decode {
+        let mut batch = Batch::default();
+        if t == 0 {
+            batch.push_run(0, 0, (0..n).map(|i| tok(i, vocab)), true);
+        } else {
+            batch.push_run(0, n + t - 1, [tok(100 + t, vocab)], false);
+        }
+        let mut act = Activations::default();
+        act.ensure(model, batch.rows.len(), batch.logit_rows.len());
+        crate::model::recipe::build(&mut g, model, &batch, true);
+        let mut cx = StepCtx { model, rope: &rope, batch: &batch, kv: &mut kv, act: &mut act, sim: true };
+        ex.run_on(&g, be, fallback, &mut cx)?;
+        each(&g, ex);
+        out.push(act.logits[..batch.logit_rows.len() * vocab].to_vec());
+    }
+    Ok(out)
+}
+
+fn readback_nodes(g: &Graph) -> u64 {
+    g.nodes.iter().filter(|n| matches!(n.op, Op::Readback { .. })).count() as u64
+}
+
+/// Every submission and readback of a tick is a readback node of its graph: prefill batches read the routes of
+/// each learned-routing MoE layer back (rows grouped by expert), decode ticks only the logits.
+#[test]
+fn every_host_sync_of_a_tick_is_a_readback_node() {
+    let Some(ctx) = test_context(Default::default()) else { return };
+    let model = demo();
+    let be = WgpuBackend::with_context(ctx);
+    let c = &model.config;
+    let learned = model.layers.iter().filter(|l| l.tid2eid.is_none()).count() as u64;
+    assert!(learned > 0, "the demo model has learned-routing layers");
+    let mut ex = Executor::default();
+    for n in [1, c.n_experts / c.n_experts_used, c.n_experts / c.n_experts_used + 1, 9] {
+        let mut before = be.context().counters();
+        let mut syncs = Vec::new();
+        ticks(&model, &be, None, &mut ex, n, 2, |g, _| {
+            let now = be.context().counters();
+            let d = now - before;
+            before = now;
+            syncs.push((readback_nodes(g), d.readbacks, d.submits));
+        })
+        .unwrap();
+        for (t, &(nodes, readbacks, submits)) in syncs.iter().enumerate() {
+            assert_eq!((readbacks, submits), (nodes, nodes), "{n} rows, tick {t}");
+        }
+        let grouped = n * c.n_experts_used > c.n_experts;
+        assert_eq!(syncs[0].0, 1 + if grouped { learned } else { 0 }, "{n}-row prefill");
+        assert!(syncs[1..].iter().all(|s| s.0 == 1), "decode ticks read back the logits only");
+    }
+}
+
+/// Copies the residency rule of the module docs would insert for `g` with the kinds in `forced` on the fallback:
+/// counted from the nodes' declared accesses, in node order: `(all, to the CPU)`.
+fn expected_copies(g: &Graph, forced: &[usize]) -> (usize, usize) {
+    // Per tensor: the side of its last writer and whether the other side has a copy since.
+    let mut state: HashMap<BufId, (bool, bool)> = HashMap::new();
+    let (mut copies, mut to_cpu) = (0, 0);
+    for node in &g.nodes {
+        let on_cpu = forced.contains(&node.op.kind());
+        let mut needed = Vec::new();
+        node.op.inputs(|b| needed.push(b));
+        needed.dedup();
+        for b in needed {
+            if let Some((writer_cpu, copied)) = state.get_mut(&b) {
+                if *writer_cpu != on_cpu && !*copied {
+                    *copied = true;
+                    copies += 1;
+                    to_cpu += usize::from(on_cpu);
+                }
+            }
+        }
+        node.op.access(|_| {}, |b| {
+            state.insert(b, (on_cpu, false));
+        });
+    }
+    (copies, to_cpu)
+}
+
+/// Op kinds forced to the CPU (the host fallback) give logits within the cross-backend tolerance of the all-wgpu
+/// run; the executor inserts exactly the copies the residency changes need (each download is one wgpu readback);
+/// with nothing forced it copies nothing; a node on the KV pages cannot leave the device.
+#[test]
+fn forced_fallback_nodes_copy_only_where_residency_changes() {
+    let Some(ctx) = test_context(Default::default()) else { return };
+    let model = demo();
+    let be = WgpuBackend::with_context(ctx);
+    let cpu = CpuBackend::new(2);
+    let mut ex = Executor::default();
+    let mut copies = Vec::new();
+    let want = ticks(&model, &be, Some(&cpu), &mut ex, 7, 2, |_, ex| copies.push(ex.copies())).unwrap();
+    assert_eq!(copies, vec![0; 3], "nothing forced: nothing copied");
+    assert_eq!(ex.placed().fallback, 0);
+
+    let kind = |name: &str| Op::KINDS.iter().position(|k| *k == name).unwrap();
+    let forced = [kind("rms_norm"), kind("hc_sinkhorn"), kind("rope")];
+    let mut ex = Executor::default();
+    for &k in &forced {
+        ex.force_fallback(k, true);
+    }
+    let mut before = be.context().counters();
+    let mut seen = Vec::new();
+    let got = ticks(&model, &be, Some(&cpu), &mut ex, 7, 2, |g, ex| {
+        let now = be.context().counters();
+        let d = now - before;
+        before = now;
+        let on_cpu = g.nodes.iter().filter(|n| forced.contains(&n.op.kind())).count();
+        assert_eq!(ex.placed().fallback, on_cpu);
+        // Copies to the CPU are the downloads, each a readback of its own.
+        let downloads = d.readbacks - readback_nodes(g);
+        seen.push((ex.copies(), expected_copies(g, &forced), downloads));
+    })
+    .unwrap();
+    for (t, &(made, (expected, to_cpu), downloads)) in seen.iter().enumerate() {
+        assert!(made > 0 && to_cpu > 0 && to_cpu < made, "tick {t}: copies both ways");
+        assert_eq!(made, expected, "tick {t}");
+        assert_eq!(downloads as usize, to_cpu, "tick {t}");
+    }
+    let d = want.iter().flatten().zip(got.iter().flatten()).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    assert!(want.iter().flatten().all(|v| v.is_finite()));
+    assert!(d <= 1e-3, "max |Δlogit| {d} with {forced:?} on the CPU");
+
+    let mut ex = Executor::default();
+    ex.force_fallback(kind("sparse_attention"), true);
+    let err = ticks(&model, &be, Some(&cpu), &mut ex, 3, 0, |_, _| {}).unwrap_err().to_string();
+    assert!(err.contains("KV pages"), "{err}");
+    let mut ex = Executor::default();
+    ex.force_fallback(kind("swiglu"), true);
+    let err = ticks(&model, &be, Some(&cpu), &mut ex, 3, 0, |_, _| {}).unwrap_err().to_string();
+    assert!(err.contains("backend-private layout"), "{err}");
+}
