@@ -363,9 +363,10 @@ impl Executor {
         for n in &g.nodes {
             let w = match n.op {
                 Op::MatMul { w, .. } | Op::GroupedMatMul { w, .. } => u64::from(w.0),
-                Op::RmsNorm { width, .. } | Op::Rope { width, .. } | Op::ActSim { width, .. } | Op::Scale { width, .. } => {
-                    width as u64
-                }
+                Op::RmsNorm { width, .. }
+                | Op::Rope { width, .. }
+                | Op::ActSim { width, .. }
+                | Op::Scale { width, .. } => width as u64,
                 Op::ExpertUp { layer, .. } | Op::ExpertDown { layer, .. } | Op::SwiGlu { layer } => layer as u64,
                 _ => 0,
             };

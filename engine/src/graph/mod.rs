@@ -3,8 +3,8 @@
 //! A tick's [`Batch`] covers several sessions, each contributing a run of consecutive tokens (a prefill chunk or
 //! one decode token); rows of the batch are `(session, position, token)` triples, grouped by session in
 //! [`Run`]s. The [`Graph`] lists [`Node`]s — one fine [`Op`] each (a norm, a weight product, a rope, a compressor
-//! push, a top-k, sparse attention, an mHC mix, a routing decision, an expert FFN half, …) — over named tensors
-//! ([`BufId`]) and the KV pages of a layer ([`BufId::Kv`]). The recipe that emits the nodes of a tick is
+//! push, a top-k, sparse attention, an mHC mix, a routing decision, an expert FFN half, a readback to the host, …)
+//! — over named tensors ([`BufId`]) and the KV pages of a layer ([`BufId::Kv`]). The recipe that emits the nodes of a tick is
 //! [`crate::model::recipe`]; this module only stores them and derives their dependencies.
 //!
 //! Invariants:
@@ -17,6 +17,8 @@
 //! - Each node belongs to one [`Stage`] (the layer-sized step of the model it is part of: an mHC pre-mix, an
 //!   attention, an MoE FFN, …); a stage's nodes are consecutive. A backend without a kernel for some node of a
 //!   stage can run the whole stage at once ([`crate::backend::Backend::run_stage`]).
+//! - What depends on the batch's shape is in the nodes: the MoE layers' expert layout ([`Experts`], per row or
+//!   gathered by expert) and every host sync of a device backend ([`Op::Readback`]).
 //! - Building reuses the graph's vectors: a tick allocates nothing once capacities are reached.
 
 use crate::model::{ModelConfig, WeightId};

@@ -306,7 +306,10 @@ impl Backend for CpuBackend {
         }
         let dst = sc.buf(id)?;
         if dst.len() < data.len() {
-            return Err(Error::Backend { backend: "cpu", what: format!("upload of {} values into {id:?}", data.len()) });
+            return Err(Error::Backend {
+                backend: "cpu",
+                what: format!("upload of {} values into {id:?}", data.len()),
+            });
         }
         dst[..data.len()].copy_from_slice(data);
         Ok(())

@@ -72,10 +72,11 @@ fn every_host_sync_of_a_tick_is_a_readback_node() {
     let learned = model.layers.iter().filter(|l| l.tid2eid.is_none()).count() as u64;
     assert!(learned > 0, "the demo model has learned-routing layers");
     let mut ex = Executor::default();
-    for n in [1, c.n_experts / c.n_experts_used, c.n_experts / c.n_experts_used + 1, 9] {
+    // The largest batch laid out per row, and the smallest gathered by expert (decode ticks follow each).
+    for n in [c.n_experts / c.n_experts_used, c.n_experts / c.n_experts_used + 1] {
         let mut before = be.context().counters();
         let mut syncs = Vec::new();
-        ticks(&model, &be, None, &mut ex, n, 2, |g, _| {
+        ticks(&model, &be, None, &mut ex, n, 1, |g, _| {
             let now = be.context().counters();
             let d = now - before;
             before = now;
@@ -111,9 +112,12 @@ fn expected_copies(g: &Graph, forced: &[usize]) -> (usize, usize) {
                 }
             }
         }
-        node.op.access(|_| {}, |b| {
-            state.insert(b, (on_cpu, false));
-        });
+        node.op.access(
+            |_| {},
+            |b| {
+                state.insert(b, (on_cpu, false));
+            },
+        );
     }
     (copies, to_cpu)
 }
@@ -129,8 +133,8 @@ fn forced_fallback_nodes_copy_only_where_residency_changes() {
     let cpu = CpuBackend::new(2);
     let mut ex = Executor::default();
     let mut copies = Vec::new();
-    let want = ticks(&model, &be, Some(&cpu), &mut ex, 7, 2, |_, ex| copies.push(ex.copies())).unwrap();
-    assert_eq!(copies, vec![0; 3], "nothing forced: nothing copied");
+    let want = ticks(&model, &be, Some(&cpu), &mut ex, 7, 1, |_, ex| copies.push(ex.copies())).unwrap();
+    assert_eq!(copies, vec![0; 2], "nothing forced: nothing copied");
     assert_eq!(ex.placed().fallback, 0);
 
     let kind = |name: &str| Op::KINDS.iter().position(|k| *k == name).unwrap();
@@ -141,7 +145,7 @@ fn forced_fallback_nodes_copy_only_where_residency_changes() {
     }
     let mut before = be.context().counters();
     let mut seen = Vec::new();
-    let got = ticks(&model, &be, Some(&cpu), &mut ex, 7, 2, |g, ex| {
+    let got = ticks(&model, &be, Some(&cpu), &mut ex, 7, 1, |g, ex| {
         let now = be.context().counters();
         let d = now - before;
         before = now;
@@ -160,6 +164,7 @@ fn forced_fallback_nodes_copy_only_where_residency_changes() {
     let d = want.iter().flatten().zip(got.iter().flatten()).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
     assert!(want.iter().flatten().all(|v| v.is_finite()));
     assert!(d <= 1e-3, "max |Δlogit| {d} with {forced:?} on the CPU");
+    eprintln!("forced to the CPU: (copies, expected, downloads) per tick {seen:?}, max |Δlogit| {d}");
 
     let mut ex = Executor::default();
     ex.force_fallback(kind("sparse_attention"), true);
