@@ -215,9 +215,51 @@ mod tests {
             at = b;
         }
         assert_eq!(at, g.nodes.len());
+        // Decode with learned routing stays per row: the logits are the one readback.
+        assert_eq!(g.nodes.iter().filter(|n| matches!(n.op, Op::Readback { .. })).count(), 1);
         // Rebuilding the same tick gives the same graph.
         let before = (g.nodes.clone(), g.edges.clone());
         build(&mut g, &model, &decode_batch(), false);
         assert_eq!((g.nodes.clone(), g.edges.clone()), before);
+    }
+
+    /// The expert layout follows the batch: learned-routing layers go per row while `rows · k ≤ experts`, then
+    /// gather by expert behind a readback of their routes; hash layers always gather (no readback). Every expert
+    /// node of a layer carries its routing node's layout.
+    #[test]
+    fn expert_layout_and_route_readbacks_follow_the_batch() {
+        let model = demo();
+        let c = &model.config;
+        let per_row_max = c.n_experts / c.n_experts_used;
+        let learned = model.layers.iter().filter(|l| l.tid2eid.is_none()).count();
+        assert!(learned > 0 && learned < c.n_layers, "the demo has both routings");
+        let mut g = Graph::default();
+        for rows in [1, per_row_max, per_row_max + 1, 3 * per_row_max] {
+            let mut b = Batch::default();
+            b.push_run(0, 0, (0..rows as u32).map(|i| 3 + i), false);
+            build(&mut g, &model, &b, false);
+            let grouped = rows > per_row_max;
+            for l in 0..c.n_layers {
+                let hash = model.layers[l].tid2eid.is_some();
+                let want = if hash || grouped { Experts::ByExpert } else { Experts::PerRow };
+                assert_eq!(experts_layout(&model, hash, rows), want);
+                let &(_, a, e) = g.stages.iter().find(|s| s.0 == Stage::Moe { layer: l }).unwrap();
+                let ops: Vec<Op> = g.nodes[a..e].iter().map(|n| n.op).collect();
+                let route = ops.iter().position(|o| matches!(o, Op::MoeRoute { .. })).unwrap();
+                assert_eq!(ops[route], Op::MoeRoute { layer: l, hash, experts: want });
+                let readback = ops[route + 1] == Op::Readback { buf: BufId::Routes };
+                assert_eq!(readback, want == Experts::ByExpert && !hash, "{rows} rows, layer {l}");
+                assert!(ops.contains(&Op::ExpertUp { layer: l, experts: want }));
+                assert!(ops.contains(&Op::ExpertDown { layer: l, experts: want }));
+                assert!(ops.contains(&Op::MoeCombine { experts: want }));
+            }
+            let readbacks = g.nodes.iter().filter(|n| matches!(n.op, Op::Readback { .. })).count();
+            assert_eq!(readbacks, 1 + if grouped { learned } else { 0 }, "{rows} rows");
+            // The experts wait for the readback (it writes the routes' host copy).
+            if grouped {
+                let rb = g.nodes.iter().position(|n| n.op == Op::Readback { buf: BufId::Routes }).unwrap();
+                assert!(g.edges.contains(&(rb, rb + 1)), "ExpertUp depends on the readback");
+            }
+        }
     }
 }
