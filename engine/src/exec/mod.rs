@@ -567,7 +567,7 @@ fn native_width(op: &Op, model: &Model) -> usize {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::graph::{BufId, Stage};
     use crate::model::WeightId;
@@ -766,6 +766,90 @@ mod tests {
         assert_eq!(ex.placed().native, 0);
         assert_eq!(tick(&mut ex, 3, &other), 5, "another batch size");
         assert_eq!(tick(&mut ex, 3, &other), 5);
+    }
+
+    /// Copies the residency rule of the module docs inserts for `g` with the kinds in `forced` on the fallback,
+    /// counted from the nodes' declared accesses in node order: `(all, to the fallback)`.
+    pub(crate) fn expected_copies(g: &Graph, forced: &[usize]) -> (usize, usize) {
+        // Per tensor: whether its last writer ran on the fallback, and whether the other side has a copy since.
+        let mut state: std::collections::HashMap<BufId, (bool, bool)> = std::collections::HashMap::new();
+        let (mut copies, mut to_fallback) = (0, 0);
+        for node in &g.nodes {
+            let on_fb = forced.contains(&node.op.kind());
+            let mut needed = Vec::new();
+            node.op.inputs(|b| needed.push(b));
+            needed.dedup();
+            for b in needed {
+                if let Some((writer_fb, copied)) = state.get_mut(&b) {
+                    if *writer_fb != on_fb && !*copied {
+                        *copied = true;
+                        copies += 1;
+                        to_fallback += usize::from(on_fb);
+                    }
+                }
+            }
+            node.op.access(
+                |_| {},
+                |b| {
+                    state.insert(b, (on_fb, false));
+                },
+            );
+        }
+        (copies, to_fallback)
+    }
+
+    /// Two CPU backends (each with its own tensors) with op kinds forced onto the second: the residency copies
+    /// are exact, so the logits are bit-identical to one backend's, and the copies are the residency changes of the
+    /// graph; nothing forced, nothing is copied; the KV nodes cannot move.
+    #[test]
+    fn fallback_on_a_second_cpu_backend_is_bit_identical() {
+        use crate::backend::cpu::CpuBackend;
+        use crate::backend::{Activations, RopeSet};
+        use crate::graph::Batch;
+        use crate::tables::SessionKv;
+        let model = demo();
+        let rope = RopeSet::new(&model);
+        let vocab = model.config.vocab;
+        let kind = |name: &str| Op::KINDS.iter().position(|k| *k == name).unwrap();
+        // Per tick: (copies made, expected copies (all, to the fallback)).
+        type Copies = Vec<(usize, (usize, usize))>;
+        let run = |forced: &[usize]| -> Result<(Vec<f32>, Copies)> {
+            let (be, fb) = (CpuBackend::new(2), CpuBackend::new(1));
+            let mut ex = Executor::default();
+            forced.iter().for_each(|&k| ex.force_fallback(k, true));
+            let mut kv = vec![SessionKv::new(&model.config, 64)];
+            let (mut g, mut logits, mut copies) = (Graph::default(), Vec::new(), Vec::new());
+            for t in 0..3usize {
+                let mut batch = Batch::default();
+                match t {
+                    0 => batch.push_run(0, 0, (0..6u32).map(|i| 11 + 13 * i), true),
+                    _ => batch.push_run(0, 5 + t, [40 + t as u32], false),
+                }
+                let mut act = Activations::default();
+                act.ensure(&model, batch.rows.len(), batch.logit_rows.len());
+                crate::model::recipe::build(&mut g, &model, &batch, true);
+                let mut cx =
+                    StepCtx { model: &model, rope: &rope, batch: &batch, kv: &mut kv, act: &mut act, sim: true };
+                ex.run_on(&g, &be, Some(&fb), &mut cx)?;
+                copies.push((ex.copies(), expected_copies(&g, forced)));
+                assert_eq!(ex.placed().fallback, g.nodes.iter().filter(|n| forced.contains(&n.op.kind())).count());
+                logits.extend_from_slice(&act.logits[..batch.logit_rows.len() * vocab]);
+            }
+            Ok((logits, copies))
+        };
+        let (want, none) = run(&[]).unwrap();
+        assert!(none.iter().all(|c| c.0 == 0), "{none:?}");
+        let forced = [kind("rms_norm"), kind("hc_sinkhorn"), kind("rope"), kind("matmul"), kind("hc_post")];
+        let (got, copies) = run(&forced).unwrap();
+        for (t, &(made, (expected, to_fb))) in copies.iter().enumerate() {
+            assert!(made > 0 && to_fb > 0 && to_fb < made, "tick {t}: copies both ways");
+            assert_eq!(made, expected, "tick {t}");
+        }
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert!(want.iter().all(|v| v.is_finite()));
+        assert_eq!(bits(&got), bits(&want));
+        let err = run(&[kind("kv_store")]).unwrap_err().to_string();
+        assert!(err.contains("KV pages"), "{err}");
     }
 
     #[test]

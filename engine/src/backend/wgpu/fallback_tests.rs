@@ -2,15 +2,13 @@
 //! of its graph, and op kinds forced to the CPU as host fallback run there with copies exactly where a tensor's
 //! residency changes. Skipped like the other wgpu tests when no adapter is found outside CI.
 
-use std::collections::HashMap;
-
 use super::context::test_context;
 use super::WgpuBackend;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::{Activations, Backend, RopeSet, StepCtx};
 use crate::exec::Executor;
 use crate::gguf::GgufFile;
-use crate::graph::{Batch, BufId, Graph, Op};
+use crate::graph::{Batch, Graph, Op};
 use crate::model::Model;
 use crate::tables::SessionKv;
 
@@ -92,36 +90,6 @@ fn every_host_sync_of_a_tick_is_a_readback_node() {
     }
 }
 
-/// Copies the residency rule of the module docs would insert for `g` with the kinds in `forced` on the fallback:
-/// counted from the nodes' declared accesses, in node order: `(all, to the CPU)`.
-fn expected_copies(g: &Graph, forced: &[usize]) -> (usize, usize) {
-    // Per tensor: the side of its last writer and whether the other side has a copy since.
-    let mut state: HashMap<BufId, (bool, bool)> = HashMap::new();
-    let (mut copies, mut to_cpu) = (0, 0);
-    for node in &g.nodes {
-        let on_cpu = forced.contains(&node.op.kind());
-        let mut needed = Vec::new();
-        node.op.inputs(|b| needed.push(b));
-        needed.dedup();
-        for b in needed {
-            if let Some((writer_cpu, copied)) = state.get_mut(&b) {
-                if *writer_cpu != on_cpu && !*copied {
-                    *copied = true;
-                    copies += 1;
-                    to_cpu += usize::from(on_cpu);
-                }
-            }
-        }
-        node.op.access(
-            |_| {},
-            |b| {
-                state.insert(b, (on_cpu, false));
-            },
-        );
-    }
-    (copies, to_cpu)
-}
-
 /// Op kinds forced to the CPU (the host fallback) give logits within the cross-backend tolerance of the all-wgpu
 /// run; the executor inserts exactly the copies the residency changes need (each download is one wgpu readback);
 /// with nothing forced it copies nothing; a node on the KV pages cannot leave the device.
@@ -153,7 +121,7 @@ fn forced_fallback_nodes_copy_only_where_residency_changes() {
         assert_eq!(ex.placed().fallback, on_cpu);
         // Copies to the CPU are the downloads, each a readback of its own.
         let downloads = d.readbacks - readback_nodes(g);
-        seen.push((ex.copies(), expected_copies(g, &forced), downloads));
+        seen.push((ex.copies(), crate::exec::tests::expected_copies(g, &forced), downloads));
     })
     .unwrap();
     for (t, &(made, (expected, to_cpu), downloads)) in seen.iter().enumerate() {
