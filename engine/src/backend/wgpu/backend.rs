@@ -253,15 +253,15 @@ impl Backend for WgpuBackend {
     /// arrays become stale (a fresh epoch).
     fn rollback_kv(&self, slot: usize, kv: &mut SessionKv, model: &Model, pos: usize, len: usize) -> Result<bool> {
         self.flush()?;
-        let apes: Vec<(Option<Arc<Buf>>, Option<Arc<Buf>>)> = model
+        let apes: Vec<[Option<Arc<Buf>>; 2]> = model
             .layers
             .iter()
             .map(|lw| {
                 let ape = |c: Option<&CompressorWeights>| c.map(|c| self.dense(model, c.ape));
-                (ape(lw.compressor.as_ref()), ape(lw.indexer.as_ref().map(|i| &i.comp)))
+                [ape(lw.compressor.as_ref()), ape(lw.indexer.as_ref().map(|i| &i.comp))]
             })
             .collect();
-        let apes: Vec<(Option<&Buf>, Option<&Buf>)> = apes.iter().map(|(a, b)| (a.as_deref(), b.as_deref())).collect();
+        let apes: Vec<(Option<&Buf>, Option<&Buf>)> = apes.iter().map(|[a, b]| (a.as_deref(), b.as_deref())).collect();
         let mut kvs = self.kv.lock();
         let Some(m) = Self::mirror_of(&mut kvs, slot, kv) else { return Ok(false) };
         let mut enc = self.ctx.device.create_command_encoder(&Default::default());
