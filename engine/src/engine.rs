@@ -72,8 +72,8 @@ pub struct EngineOptions {
     /// [`Engine::set_prefill_logits`].
     pub prefill_logits: bool,
     /// Tokens a session can be rolled back by without recomputing anything ([`Engine::rollback`]; R in
-    /// [`crate::tables::kv`], which gives the memory it costs per session). 0: no roll-back log (roll back
-    /// recomputes).
+    /// [`crate::tables::kv`], which gives the memory it costs per session; a device backend keeps the same log on
+    /// the device, `backend::wgpu::kvdev`). 0: no roll-back log (roll back recomputes).
     pub rollback: usize,
 }
 
@@ -170,6 +170,7 @@ impl Engine {
         if opts.max_batch_tokens == 0 {
             return Err(Error::InvalidArgument("max_batch_tokens must be > 0".into()));
         }
+        backend.set_device_rollback(opts.rollback);
         let ctx = if opts.ctx == 0 { model.config.ctx_len.max(1) } else { opts.ctx };
         let rope = RopeSet::new(&model);
         let graph = Graph::default();
@@ -424,10 +425,14 @@ impl Engine {
     }
 
     /// Smallest length session `id` can be rolled back to in place ([`Engine::rollback`]); its position when
-    /// it cannot be rolled back at all (no live roll-back log: log off, or a device backend).
+    /// it cannot be rolled back at all (no live roll-back log: log off, or a device copy without one). The log is
+    /// the host's ([`crate::tables::kv`]) or, for a session a device backend keeps, the device's
+    /// ([`Backend::device_rollback_floor`]).
     pub fn rollback_floor(&self, id: SessionId) -> Result<usize> {
         let s = self.slot(id)?;
-        Ok(self.sessions.kv[s].rollback_floor(&self.model.config, self.sessions.pos[s]))
+        let (kv, pos, cfg) = (&self.sessions.kv[s], self.sessions.pos[s], &self.model.config);
+        let host = kv.rollback_floor(cfg, pos);
+        Ok(self.backend.device_rollback_floor(s, kv, cfg, pos).map_or(host, |d| d.min(host)))
     }
 
     /// Rolls session `id` back to its first `len` processed tokens in place, recomputing nothing: the KV state
@@ -438,8 +443,10 @@ impl Engine {
         let s = self.slot(id)?;
         let pos = self.sessions.pos[s];
         let apes = apes(&self.model);
-        if !self.sessions.kv[s].rollback(&self.model.config, &apes, pos, len) {
-            let floor = self.sessions.kv[s].rollback_floor(&self.model.config, pos);
+        if !self.sessions.kv[s].rollback(&self.model.config, &apes, pos, len)
+            && !self.backend.rollback_kv(s, &mut self.sessions.kv[s], &self.model, pos, len)?
+        {
+            let floor = self.rollback_floor(id)?;
             return Err(Error::InvalidArgument(format!(
                 "cannot roll a session of {pos} tokens back to {len} in place (reachable: {floor}..={pos})"
             )));
@@ -554,13 +561,26 @@ impl Engine {
     /// log chunks are shared by reference, so this copies only the private tail (raw window rings and compressor
     /// frontiers: [`SessionKv::tail_bytes`], independent of the session's length); either session's first append
     /// into a shared partial page or log chunk copies that page or chunk (copy on write). All of it counts in
-    /// [`Engine::kv_bytes_copied`]. On a device-resident backend the source's host arrays are synced first.
+    /// [`Engine::kv_bytes_copied`]. A session whose state lives on a device backend (its host arrays stale) is
+    /// copied there instead ([`Backend::fork_kv`]: device-side copies of its rows, ring, frontiers and roll-back
+    /// log, nothing through the host, all counted as copied); the fork's host arrays start stale too.
     pub fn fork(&mut self, id: SessionId) -> Result<SessionId> {
         let s = self.slot(id)?;
-        self.backend.sync_kv(s, &mut self.sessions.kv[s])?;
-        let kv = self.sessions.kv[s].fork();
         let (pos, history, logits) =
             (self.sessions.pos[s], self.sessions.history[s].clone(), self.sessions.logits[s].clone());
+        if self.sessions.kv[s].sync.host_stale {
+            let placeholder = SessionKv::new_in(&self.model.config, 0, &self.pages);
+            let new = self.install(placeholder, pos, history.clone(), logits.clone());
+            let ns = new.slot as usize;
+            if let Some((tag, bytes)) = self.backend.fork_kv(s, &self.sessions.kv[s], ns)? {
+                self.sessions.kv[ns].sync = tag;
+                self.pages.add_copied(bytes);
+                return Ok(new);
+            }
+            self.free_session(new)?;
+        }
+        self.backend.sync_kv(s, &mut self.sessions.kv[s])?;
+        let kv = self.sessions.kv[s].fork();
         Ok(self.install(kv, pos, history, logits))
     }
 

@@ -3,7 +3,8 @@
 //! once re-fed it gives bit-identical logits — at positions on both sides of compressor block boundaries, for a
 //! model with CSA (ratio 4), HCA ratio 128 and window layers, in simulation and exact mode, and for the tiny-a
 //! golden checkpoint (ratios 4 and 8). Beyond the reach an in-place roll back is refused and changes nothing;
-//! truncate then recomputes, with the same result. On wgpu (device-resident KV, no log) truncate recomputes.
+//! truncate then recomputes, with the same result. On wgpu the same log lives on the device (`kvdev`), and a
+//! roll back is device-side copies: the same exactness checks run there, against cold wgpu prefills.
 
 use ds4_engine::convert::{demo_config, random_model_gguf};
 use ds4_engine::engine::{BackendKind, Engine, EngineOptions};
@@ -53,13 +54,17 @@ fn prefill(e: &mut Engine, toks: &[u32]) -> ds4_engine::tables::SessionId {
 /// Rolls one long session back to each of `points` (descending) and checks state and continued logits against
 /// cold prefills of the same prefix.
 fn check_points(m: M<'_>, exact: bool, n: usize, points: &[usize]) {
-    let mut e = open(m, exact, 1024, BackendKind::Cpu);
+    check_points_on(BackendKind::Cpu, m, exact, n, points)
+}
+
+fn check_points_on(backend: BackendKind, m: M<'_>, exact: bool, n: usize, points: &[usize]) {
+    let mut e = open(m, exact, 1024, backend);
     let vocab = e.config().vocab;
     let all = tokens(3, n, vocab);
     let cont = tokens(9, 3, vocab);
     let s = prefill(&mut e, &all);
     assert_eq!(e.rollback_floor(s).unwrap(), 0, "the whole history is within R");
-    let mut cold = open(m, exact, 0, BackendKind::Cpu);
+    let mut cold = open(m, exact, 0, backend);
     for &l in points {
         e.rollback(s, l).unwrap();
         assert_eq!(e.position(s).unwrap(), l);
@@ -162,21 +167,77 @@ fn forked_session_rolls_back_without_touching_the_original() {
 }
 
 #[test]
-fn wgpu_sessions_truncate_by_recompute() {
-    let Some(sh) = shared() else { return };
+fn wgpu_rollback_is_exact_on_the_device() {
     if !wgpu_available() {
         return;
     }
-    let gguf = golden_gguf(&sh, "tiny-a", "f32");
-    let mut g = open(M::File(&gguf), true, 1024, BackendKind::Wgpu);
+    // Ratios 4 and 8, window 16, both modes; then the ratio-128 boundaries in simulation mode (lavapipe is slow).
+    let small = random_model_gguf(&demo_config(), 5, Vec::new()).expect("random model");
+    let points = [59, 33, 32, 17, 16, 15, 8, 4, 1, 0];
+    for exact in [true, false] {
+        check_points_on(BackendKind::Wgpu, M::Bytes(&small), exact, 60, &points);
+    }
+    check_points_on(BackendKind::Wgpu, M::Bytes(&model_128()), false, 300, &[299, 256, 255, 128]);
+}
+
+#[test]
+fn wgpu_rollback_reach_and_truncate() {
+    if !wgpu_available() {
+        return;
+    }
+    // Ratios 4 and 8, window 16: a roll back to L needs L − 16.. logged, so the reach is exactly R.
+    let bytes = random_model_gguf(&demo_config(), 5, Vec::new()).expect("random model");
+    let r = 20;
+    let mut g = open(M::Bytes(&bytes), true, r, BackendKind::Wgpu);
     let vocab = g.config().vocab;
-    let all = tokens(4, 40, vocab);
+    let all = tokens(4, 60, vocab);
     let s = prefill(&mut g, &all);
-    assert_eq!(g.rollback_floor(s).unwrap(), 40, "device-resident KV has no live roll-back log");
-    assert!(g.rollback(s, 20).is_err());
-    g.truncate(s, 20).unwrap();
-    g.run_until_idle().unwrap();
-    let mut cold = open(M::File(&gguf), true, 1024, BackendKind::Wgpu);
-    let c = prefill(&mut cold, &all[..20]);
-    assert_eq!(bits(g.logits(s).unwrap()), bits(cold.logits(c).unwrap()));
+    assert_eq!(g.rollback_floor(s).unwrap(), 60 - r, "the device log reaches exactly R tokens");
+    assert!(g.rollback(s, 60 - r - 1).is_err(), "beyond the reach");
+    let mut cold = open(M::Bytes(&bytes), true, 0, BackendKind::Wgpu);
+    let fresh = cold.create_session();
+    assert_eq!(cold.rollback_floor(fresh).unwrap(), 0);
+    for len in [50, 20] {
+        // Within reach: roll back to len − 1 and recompute one token; beyond: recompute everything.
+        g.truncate(s, len).unwrap();
+        g.run_until_idle().unwrap();
+        assert_eq!(g.position(s).unwrap(), len);
+        let c = prefill(&mut cold, &all[..len]);
+        assert_eq!(bits(g.logits(s).unwrap()), bits(cold.logits(c).unwrap()), "truncate to {len}");
+        cold.free_session(c).unwrap();
+    }
+    // A session without a device copy yet (restored from a host snapshot) has no device log: nothing to roll.
+    let snap = g.snapshot(s).unwrap();
+    let p = g.restore(snap).unwrap();
+    assert_eq!(g.rollback_floor(p).unwrap(), 20);
+    assert!(g.rollback(p, 10).is_err());
+}
+
+#[test]
+fn wgpu_fork_is_made_on_the_device_and_rolls_back_alone() {
+    if !wgpu_available() {
+        return;
+    }
+    let bytes = model_128();
+    let mut e = open(M::Bytes(&bytes), false, 1024, BackendKind::Wgpu);
+    let vocab = e.config().vocab;
+    let all = tokens(6, 150, vocab);
+    let s = prefill(&mut e, &all);
+    let copied = e.kv_bytes_copied();
+    let f = e.fork(s).unwrap();
+    assert!(e.kv_bytes_copied() - copied >= e.kv_bytes(s).unwrap(), "every row is copied on the device");
+    assert_eq!(e.kv_bytes(f).unwrap(), e.kv_bytes(s).unwrap());
+    assert_eq!(e.rollback_floor(f).unwrap(), 0, "the fork keeps the device roll-back log");
+    let before = e.snapshot(s).unwrap();
+    e.rollback(f, 130).unwrap();
+    let cont = tokens(2, 2, vocab);
+    let a = continue_with(&mut e, f, &cont);
+    assert!(e.snapshot(s).unwrap() == before, "rolling the fork back changed the original");
+    let mut cold = open(M::Bytes(&bytes), false, 0, BackendKind::Wgpu);
+    let c = prefill(&mut cold, &all[..130]);
+    assert!(a == continue_with(&mut cold, c, &cont), "the fork rolled back differs from a cold prefill");
+    // The original still continues as if nothing happened.
+    let b = continue_with(&mut e, s, &cont);
+    let c2 = prefill(&mut cold, &all);
+    assert!(b == continue_with(&mut cold, c2, &cont));
 }

@@ -23,7 +23,7 @@ pub mod cpu;
 pub mod wgpu;
 
 use crate::graph::{Batch, BufId, Op, Stage};
-use crate::model::{Model, RopeFreqs};
+use crate::model::{Model, ModelConfig, RopeFreqs};
 use crate::tables::SessionKv;
 use crate::Result;
 
@@ -151,6 +151,31 @@ pub trait Backend: Send + Sync {
     /// The session at batch slot `slot` was freed: a backend may drop its device copy of the KV (a stale host copy
     /// of that session can then no longer be synced). Default: nothing.
     fn release_kv(&self, _slot: usize) {}
+
+    /// Copies the device copy of the session at batch slot `slot` (host state `kv`) on the device, for a new
+    /// session at slot `dst` whose host arrays then stay stale; returns the new session's sync tag and the bytes
+    /// copied, or `None` when the backend holds no device copy of that state. Default: `None`.
+    fn fork_kv(&self, _slot: usize, _kv: &SessionKv, _dst: usize) -> Result<Option<(crate::tables::KvSync, u64)>> {
+        Ok(None)
+    }
+
+    /// Sets R, the tokens of roll-back log a device-resident backend keeps on the device for each session it
+    /// mirrors (0: none); the engine calls it once, with [`crate::EngineOptions::rollback`]. Default: ignored.
+    fn set_device_rollback(&self, _tokens: usize) {}
+
+    /// Smallest length the backend's device copy of the session at batch slot `slot` (host state `kv`, `pos` tokens
+    /// processed) can be rolled back to in place from a log kept on the device ([`Backend::rollback_kv`]); `None`
+    /// when the backend holds no device copy of that state. Default: `None`.
+    fn device_rollback_floor(&self, _slot: usize, _kv: &SessionKv, _cfg: &ModelConfig, _pos: usize) -> Option<usize> {
+        None
+    }
+
+    /// Rolls the device copy of the session at batch slot `slot` (host state `kv`) back from `pos` to `len`
+    /// tokens in place, exactly (the state of a cold run to `len`), when `device_rollback_floor <= len <= pos`;
+    /// `Ok(false)` (nothing changed) otherwise. Default: `Ok(false)`.
+    fn rollback_kv(&self, _slot: usize, _kv: &mut SessionKv, _model: &Model, _pos: usize, _len: usize) -> Result<bool> {
+        Ok(false)
+    }
 
     /// Whether this backend's kernels write each session's roll-back log ([`crate::tables::kv`]'s `TokenLog`, by
     /// [`crate::graph::Op::KvStore`]). The engine allocates the log only then (elsewhere roll back recomputes).

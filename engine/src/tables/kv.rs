@@ -19,7 +19,8 @@
 //!   `L ≥ pos − R` exactly (the gates get `ape` added again with the same f32 add), and cuts the row tables back
 //!   to `L / ratio` rows: no token is recomputed, and the state equals a cold prefill of the first `L` tokens.
 //!   The log is live only while `log.end == pos` (the CPU backend records every processed row; a backend that
-//!   keeps KV on a device records nothing, so its sessions are never rolled back in place).
+//!   keeps KV on a device keeps the same log there instead, and rolls its copy back itself:
+//!   [`crate::backend::Backend::rollback_kv`]).
 //!   Memory per session and layer: `cap × (head_dim + 2·coff·head_dim + [CSA] 4·idx_head_dim)` f32 (reserved at
 //!   creation, touched as tokens arrive). DS4 Flash (`head_dim` 512, `idx_head_dim` 128, window 128, ratios 4 /
 //!   128) with R = 1024: ≈ 12 KiB per token on a CSA layer, 6 KiB on an HCA layer, 2 KiB on a window layer —

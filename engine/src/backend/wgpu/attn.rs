@@ -20,7 +20,7 @@ use std::collections::HashMap;
 
 use super::backend::WgpuBackend;
 use super::context::{backend_err, Scratch, WgpuContext};
-use super::kvdev::{copy_rows, FrontDev, LayerDev, Rows, SlotKv};
+use super::kvdev::{copy_rows, FrontDev, LayerDev, LogSources, Rows, SlotKv};
 use super::ops::{self, key, ActSim, KeyLists, KeySources, RopeShape, Slot};
 use super::resident::{rope_table, Tick};
 use crate::backend::StepCtx;
@@ -35,17 +35,18 @@ type Enc = wgpu::CommandEncoder;
 /// The mirror of `slot` for session state `kv`, uploading or taking over another slot's mirror as needed (see
 /// [`super::kvdev`] on identity).
 pub(super) fn mirror<'m>(
-    ctx: &WgpuContext,
+    be: &WgpuBackend,
     cfg: &ModelConfig,
     kvs: &'m mut HashMap<usize, SlotKv>,
     slot: usize,
     kv: &SessionKv,
 ) -> Result<&'m mut SlotKv> {
+    let ctx = be.context();
     let e = kv.sync.epoch;
     let here = e != 0 && kvs.get(&slot).is_some_and(|m| m.epoch == e);
     if !here {
         let m = if !kv.sync.host_stale {
-            SlotKv::upload(ctx, cfg, kv)?
+            SlotKv::upload(ctx, cfg, kv, be.rollback_tokens())?
         } else {
             let from = kvs.iter().find(|(_, m)| e != 0 && m.epoch == e).map(|(&s, _)| s);
             match from.and_then(|s| kvs.remove(&s)) {
@@ -179,7 +180,7 @@ impl Compress<'_> {
 
 /// The mirror of run `ri` of the batch (see [`mirror`]), its session stamped with a fresh epoch.
 fn session<'m>(
-    ctx: &WgpuContext,
+    be: &WgpuBackend,
     kvs: &'m mut HashMap<usize, SlotKv>,
     cx: &mut StepCtx<'_>,
     ri: usize,
@@ -187,7 +188,7 @@ fn session<'m>(
     if cx.kv.len() != cx.batch.runs.len() {
         return Err(backend_err(format!("attention: {} KV states for {} runs", cx.kv.len(), cx.batch.runs.len())));
     }
-    let m = mirror(ctx, &cx.model.config, kvs, cx.batch.runs[ri].slot, &cx.kv[ri])?;
+    let m = mirror(be, &cx.model.config, kvs, cx.batch.runs[ri].slot, &cx.kv[ri])?;
     m.stamp(&mut cx.kv[ri].sync);
     Ok(m)
 }
@@ -195,7 +196,7 @@ fn session<'m>(
 /// Runs `f(run, its first position, the layer's state in its session's mirror)` for every non-empty run of the
 /// batch, in order (each session stamped with a fresh epoch, see [`session`]).
 fn for_each_run(
-    ctx: &WgpuContext,
+    be: &WgpuBackend,
     kvs: &mut HashMap<usize, SlotKv>,
     cx: &mut StepCtx<'_>,
     layer: usize,
@@ -206,7 +207,7 @@ fn for_each_run(
         if run.len == 0 {
             continue;
         }
-        let ld = session(ctx, kvs, cx, ri)?
+        let ld = session(be, kvs, cx, ri)?
             .layers
             .get_mut(layer)
             .ok_or_else(|| backend_err(format!("device KV: no layer {layer}")))?;
@@ -253,7 +254,7 @@ pub fn compress_push(
         (true, true) => RowSim::Fp4,
     };
     let enc = t.enc(ctx);
-    for_each_run(ctx, kvs, cx, layer, |run, p0, ld| {
+    for_each_run(be, kvs, cx, layer, |run, p0, ld| {
         let (f, rows) = if indexer { (&ld.fidx, ld.idx.as_mut()) } else { (&ld.fcomp, ld.comp.as_mut()) };
         let (Some(f), Some(out_rows)) = (f, rows) else {
             return Err(backend_err(format!("device KV: layer {layer} has no compressor state")));
@@ -296,7 +297,7 @@ pub fn indexer_topk(
     }
     let f4 = 4u64;
     let enc = t.enc(ctx);
-    for_each_run(ctx, kvs, cx, layer, |run, p0, ld| {
+    for_each_run(be, kvs, cx, layer, |run, p0, ld| {
         let (start, len) = (run.start, run.len);
         let idx_rows =
             ld.idx.as_ref().ok_or_else(|| backend_err(format!("device KV: layer {layer} has no indexer")))?;
@@ -339,7 +340,7 @@ pub fn sparse_attention(
     let enc = t.enc(ctx);
     let batch = cx.batch;
     let rows = &batch.rows;
-    for_each_run(ctx, kvs, cx, layer, |run, p0, ld| {
+    for_each_run(be, kvs, cx, layer, |run, p0, ld| {
         let (start, len) = (run.start, run.len);
         let mut keys = KeyLists { rows: Vec::new(), ranges: Vec::with_capacity(len) };
         let n_comp = ld.comp.as_ref().map_or(0, |r| r.rows);
@@ -390,14 +391,27 @@ pub fn kv_store(
     layer: usize,
 ) -> Result<()> {
     let ctx = be.context();
-    let (hd, window) = (cx.model.config.head_dim, cx.model.config.window);
-    let kv = be.buf(t, cx.model, BufId::KvRows)?;
+    let model = cx.model;
+    let (hd, window) = (model.config.head_dim, model.config.window);
+    let kv = be.buf(t, model, BufId::KvRows)?;
+    // The roll-back log's inputs, where the backend keeps a log and the layer has them.
+    let logged = be.rollback_tokens() > 0;
+    let lw = &model.layers[layer];
+    let pair =
+        |t: &mut Tick, a: BufId, b: BufId| -> Result<(Buf, Buf)> { Ok((be.buf(t, model, a)?, be.buf(t, model, b)?)) };
+    let comp = if logged && lw.compressor.is_some() { Some(pair(t, BufId::CompKv, BufId::CompGate)?) } else { None };
+    let idx = if logged && lw.indexer.is_some() { Some(pair(t, BufId::IdxKv, BufId::IdxGate)?) } else { None };
+    let src =
+        LogSources { raw: &kv, hd, comp: comp.as_ref().map(|(a, b)| (a, b)), idx: idx.as_ref().map(|(a, b)| (a, b)) };
     let enc = t.enc(ctx);
-    for_each_run(ctx, kvs, cx, layer, |run, p0, ld| {
+    for_each_run(be, kvs, cx, layer, |run, p0, ld| {
         let (start, len) = (run.start, run.len);
         let pairs: Vec<(usize, usize)> =
             (len.saturating_sub(window)..len).map(|j| (start + j, (p0 + j) % window)).collect();
         copy_rows(enc, &kv, &ld.ring, &pairs, hd);
+        if let Some(log) = ld.log.as_mut() {
+            log.record(enc, &src, start, p0, len);
+        }
         ld.pos = Some(p0 + len);
         Ok(())
     })

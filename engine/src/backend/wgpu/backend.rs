@@ -25,6 +25,7 @@
 //! `sin_cos`) and uploaded once per tick and rope flavour, so both backends rotate by identical angles.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -37,8 +38,8 @@ use super::weights::{weight_format, GpuWeight};
 use super::{attn, moe, rows};
 use crate::backend::{Backend, StepCtx};
 use crate::graph::{BufId, Op};
-use crate::model::{Model, WeightId};
-use crate::tables::SessionKv;
+use crate::model::{CompressorWeights, Model, ModelConfig, WeightId};
+use crate::tables::{KvSync, SessionKv};
 use crate::Result;
 
 type Buf = wgpu::Buffer;
@@ -51,6 +52,8 @@ pub struct WgpuBackend {
     tick: Mutex<Tick>,
     /// Device KV mirrors by batch slot (see [`super::kvdev`]).
     kv: Mutex<HashMap<usize, SlotKv>>,
+    /// Tokens of roll-back log (R) each mirror keeps on the device; 0: none ([`Backend::set_device_rollback`]).
+    rollback: AtomicUsize,
 }
 
 impl std::fmt::Debug for WgpuBackend {
@@ -73,7 +76,27 @@ impl WgpuBackend {
             dense: Mutex::new(HashMap::new()),
             tick: Mutex::new(Tick::default()),
             kv: Mutex::new(HashMap::new()),
+            rollback: AtomicUsize::new(0),
         }
+    }
+
+    /// Tokens of roll-back log each device mirror keeps (R; 0: none).
+    pub(super) fn rollback_tokens(&self) -> usize {
+        self.rollback.load(Ordering::Relaxed)
+    }
+
+    /// The mirror holding session state `kv` (by its [`crate::tables::KvSync`] epoch; preferably at `slot`).
+    fn mirror_of<'m>(kvs: &'m mut HashMap<usize, SlotKv>, slot: usize, kv: &SessionKv) -> Option<&'m mut SlotKv> {
+        let e = kv.sync.epoch;
+        if e == 0 {
+            return None;
+        }
+        let at = if kvs.get(&slot).is_some_and(|m| m.epoch == e) {
+            Some(slot)
+        } else {
+            kvs.iter().find(|(_, m)| m.epoch == e).map(|(&s, _)| s)
+        };
+        at.and_then(move |s| kvs.get_mut(&s))
     }
 
     /// The device context.
@@ -231,6 +254,53 @@ impl Backend for WgpuBackend {
 
     fn release_kv(&self, slot: usize) {
         self.kv.lock().remove(&slot);
+    }
+
+    /// Duplicates the mirror with device-side copies, submitted at once, under slot `dst` with a fresh epoch.
+    fn fork_kv(&self, slot: usize, kv: &SessionKv, dst: usize) -> Result<Option<(KvSync, u64)>> {
+        self.flush()?;
+        let mut kvs = self.kv.lock();
+        let Some(m) = Self::mirror_of(&mut kvs, slot, kv) else { return Ok(None) };
+        let mut enc = self.ctx.device.create_command_encoder(&Default::default());
+        let (mut copy, bytes) = m.duplicate(&self.ctx, &mut enc);
+        self.ctx.submit(enc)?;
+        let mut tag = KvSync::default();
+        copy.stamp(&mut tag);
+        kvs.insert(dst, copy);
+        Ok(Some((tag, bytes)))
+    }
+
+    fn set_device_rollback(&self, tokens: usize) {
+        self.rollback.store(tokens, Ordering::Relaxed);
+    }
+
+    fn device_rollback_floor(&self, slot: usize, kv: &SessionKv, cfg: &ModelConfig, pos: usize) -> Option<usize> {
+        let mut kvs = self.kv.lock();
+        Self::mirror_of(&mut kvs, slot, kv).map(|m| m.rollback_floor(cfg, pos))
+    }
+
+    /// Rolls the mirror back with device-side copies (see [`super::kvdev`]), submitted at once; the session's host
+    /// arrays become stale (a fresh epoch).
+    fn rollback_kv(&self, slot: usize, kv: &mut SessionKv, model: &Model, pos: usize, len: usize) -> Result<bool> {
+        self.flush()?;
+        let apes: Vec<[Option<Arc<Buf>>; 2]> = model
+            .layers
+            .iter()
+            .map(|lw| {
+                let ape = |c: Option<&CompressorWeights>| c.map(|c| self.dense(model, c.ape));
+                [ape(lw.compressor.as_ref()), ape(lw.indexer.as_ref().map(|i| &i.comp))]
+            })
+            .collect();
+        let apes: Vec<(Option<&Buf>, Option<&Buf>)> = apes.iter().map(|[a, b]| (a.as_deref(), b.as_deref())).collect();
+        let mut kvs = self.kv.lock();
+        let Some(m) = Self::mirror_of(&mut kvs, slot, kv) else { return Ok(false) };
+        let mut enc = self.ctx.device.create_command_encoder(&Default::default());
+        if !m.rollback(&self.ctx, &mut enc, &model.config, &apes, pos, len)? {
+            return Ok(false);
+        }
+        self.ctx.submit(enc)?;
+        m.stamp(&mut kv.sync);
+        Ok(true)
     }
 
     /// Every op kind has a kernel; ops whose weights have no WGSL decoder are not supported.
