@@ -12,10 +12,9 @@
 
 use std::sync::{Mutex, MutexGuard};
 
-use super::matmul::dot_f32;
 use super::norm::rms_norm_inplace;
 use super::pool::{par_rows, thread_slot, Pool};
-use super::{compressor, indexer, Scratch};
+use super::{compressor, fdot, indexer, Scratch};
 use crate::backend::StepCtx;
 use crate::model::sim;
 use crate::model::LayerKind;
@@ -171,7 +170,16 @@ pub fn indexer_topk(pool: &Pool, sc: &mut Scratch, cx: &StepCtx<'_>, layer: usiz
     Ok(())
 }
 
+/// Heads per sparse-attention task: they share each key row's loads (see [`fdot`]).
+const HEAD_GROUP: usize = 4;
+
 /// [`crate::graph::Op::SparseAttention`]: attention with sinks per (row, head) into `AttnOut`.
+///
+/// A task is one row and a group of [`HEAD_GROUP`] heads (one head where `n_heads` is not a multiple). Keys `j` of a
+/// row are its raw window in position order, then its compressed rows (all visible ones for HCA, the selection for
+/// CSA). Per head the float operations are those of the one-head loop: `score_j = dot_f32(q, key_j) · scale`, the
+/// softmax with the sink as below, and `out = Σ_j p_j · key_j` over the keys in order from `+0.0`, skipping weights
+/// below the smallest normal f32 — so results do not depend on the grouping (`tests`).
 pub fn sparse_attention(pool: &Pool, sc: &mut Scratch, cx: &StepCtx<'_>, layer: usize) -> Result<()> {
     let model = cx.model;
     let c = &model.config;
@@ -187,88 +195,132 @@ pub fn sparse_attention(pool: &Pool, sc: &mut Scratch, cx: &StepCtx<'_>, layer: 
     let scale = 1.0 / (hd as f32).sqrt();
     let sinks = model.dense(lw.sinks);
     let kvs = &*cx.kv;
+    let hg = if nh % HEAD_GROUP == 0 { HEAD_GROUP } else { 1 };
+    let groups = nh / hg;
     let need = kvs.iter().map(|k| window + k.layers[layer].comp_rows.capacity_rows()).max().unwrap_or(0);
-    grow_slots(&mut sc.scores, pool.threads(), need, 0);
+    grow_slots(&mut sc.scores, pool.threads(), hg * need, hg * need);
     let (q, kvb, sel, slots) = (&sc.q, &sc.kv, &sc.sel, &sc.scores);
-    par_rows(pool, &mut sc.attn[..n * nh * hd], hd, &|i, out| {
-        let (r, h) = (i / nh, i % nh);
+    par_rows(pool, &mut sc.attn[..n * nh * hd], hg * hd, &|i, out| {
+        let (r, h0) = (i / groups, (i % groups) * hg);
         let row = rows[r];
         let run = &batch.runs[row.run];
         let p0 = rows[run.start].pos;
         let lk = &kvs[row.run].layers[layer];
         let t = row.pos;
-        let qh = &q[(r * nh + h) * hd..(r * nh + h + 1) * hd];
-        let key = |p: usize| -> &[f32] {
-            if p >= p0 {
-                let j = run.start + (p - p0);
-                &kvb[j * hd..(j + 1) * hd]
+        let first = (t + 1).saturating_sub(window);
+        let nw = t + 1 - first;
+        let sel_r = &sel[r * topk..(r + 1) * topk];
+        let nc = match kind {
+            LayerKind::Window => 0,
+            LayerKind::Hca => (t + 1).checked_div(ratio).unwrap_or(0),
+            LayerKind::Csa => sel_r.iter().position(|&x| x == u32::MAX).unwrap_or(topk),
+        };
+        let nk = nw + nc;
+        let key = |j: usize| -> &[f32] {
+            if j < nw {
+                let p = first + j;
+                if p >= p0 {
+                    let k = run.start + (p - p0);
+                    &kvb[k * hd..(k + 1) * hd]
+                } else {
+                    ring_row(lk, p, window, hd)
+                }
+            } else if kind == LayerKind::Csa {
+                comp_row(lk, sel_r[j - nw] as usize, hd)
             } else {
-                ring_row(lk, p, window, hd)
+                comp_row(lk, j - nw, hd)
             }
         };
-        let first = (t + 1).saturating_sub(window);
-        let n_comp_vis = (t + 1).checked_div(ratio).unwrap_or(0);
-        let sel_r = &sel[r * topk..(r + 1) * topk];
-        let n_sel = if kind == LayerKind::Csa { sel_r.iter().position(|&x| x == u32::MAX).unwrap_or(topk) } else { 0 };
         let mut g = slot(slots);
-        let (scores, _) = &mut *g;
-        reserve_to(scores, window + lk.comp_rows.capacity_rows());
-        scores.clear();
-        for p in first..=t {
-            scores.push(dot_f32(qh, key(p)) * scale);
+        let (scores, order) = &mut *g;
+        reserve_to(scores, hg * (window + lk.comp_rows.capacity_rows()));
+        reserve_to(order, hg * (window + lk.comp_rows.capacity_rows()));
+        let qs = &q[(r * nh + h0) * hd..(r * nh + h0 + hg) * hd];
+        attend(qs, &sinks[h0..h0 + hg], nk, &key, scale, scores, order, out);
+    });
+    Ok(())
+}
+
+/// Attention of `sinks.len()` heads (`qs`: their query rows, `out`: their outputs, `hd` values each) over keys
+/// `key(0..nk)`, as documented on [`sparse_attention`]. `scores` and `order` are scratch (grown to
+/// `sinks.len() · nk`; no allocation when their capacity suffices).
+#[allow(clippy::too_many_arguments)]
+fn attend<'k>(
+    qs: &[f32],
+    sinks: &[f32],
+    nk: usize,
+    key: &impl Fn(usize) -> &'k [f32],
+    scale: f32,
+    scores: &mut Vec<f32>,
+    order: &mut Vec<u32>,
+    out: &mut [f32],
+) {
+    let hg = sinks.len();
+    let hd = out.len() / hg.max(1);
+    scores.clear();
+    scores.resize(hg * nk, 0.0);
+    order.clear();
+    order.resize(hg * nk, 0);
+    if hg == HEAD_GROUP {
+        head_scores::<HEAD_GROUP>(std::array::from_fn(|k| &qs[k * hd..(k + 1) * hd]), nk, key, hd, scale, scores);
+    } else {
+        for k in 0..hg {
+            head_scores::<1>([&qs[k * hd..(k + 1) * hd]], nk, key, hd, scale, &mut scores[k * nk..(k + 1) * nk]);
         }
-        match kind {
-            LayerKind::Window => {}
-            LayerKind::Hca => {
-                for w in 0..n_comp_vis {
-                    scores.push(dot_f32(qh, comp_row(lk, w, hd)) * scale);
-                }
-            }
-            LayerKind::Csa => {
-                for &w in &sel_r[..n_sel] {
-                    scores.push(dot_f32(qh, comp_row(lk, w as usize, hd)) * scale);
-                }
-            }
-        }
-        let sink = sinks[h];
-        let mx = scores.iter().fold(sink, |a, &b| a.max(b));
+    }
+    if nk == 0 {
+        out.fill(0.0);
+        return;
+    }
+    for (k, (s, o)) in scores.chunks_exact_mut(nk).zip(order.chunks_exact_mut(nk)).enumerate() {
+        let sink = sinks[k];
+        let mx = s.iter().fold(sink, |a, &b| a.max(b));
         let mut den = (sink - mx).exp();
-        for v in scores.iter_mut() {
+        for v in s.iter_mut() {
             *v = softmax_term(*v - mx);
             den += *v;
         }
         let inv = 1.0 / den;
-        out.fill(0.0);
-        let mut acc = |p: f32, k: &[f32]| {
-            let p = p * inv;
-            // Weights below the smallest normal f32 add nothing an f32 sum with the top weight's term can hold,
-            // and as denormal operands they would cost a microcode assist per element on x86.
-            if p < f32::MIN_POSITIVE {
-                return;
-            }
-            for (o, &kv) in out.iter_mut().zip(k) {
-                *o += p * kv;
-            }
-        };
-        let nw = t + 1 - first;
-        for (j, p) in (first..=t).enumerate() {
-            acc(scores[j], key(p));
-        }
-        match kind {
-            LayerKind::Window => {}
-            LayerKind::Hca => {
-                for w in 0..n_comp_vis {
-                    acc(scores[nw + w], comp_row(lk, w, hd));
-                }
-            }
-            LayerKind::Csa => {
-                for (j, &w) in sel_r[..n_sel].iter().enumerate() {
-                    acc(scores[nw + j], comp_row(lk, w as usize, hd));
-                }
+        // Weights below the smallest normal f32 add nothing an f32 sum with the top weight's term can hold, and as
+        // denormal operands they would cost a microcode assist per element on x86: the kept weights and their key
+        // indices are packed to the front, in key order.
+        let mut m = 0;
+        for j in 0..nk {
+            let p = s[j] * inv;
+            if !(p < f32::MIN_POSITIVE) {
+                s[m] = p;
+                o[m] = j as u32;
+                m += 1;
             }
         }
-    });
-    Ok(())
+        fdot::weighted_sum(&mut out[k * hd..(k + 1) * hd], &s[..m], &o[..m], key);
+    }
+}
+
+/// `scores[k·nk + j] = dot_f32(qs[k], key(j)) · scale` for `j < nk`, two keys per tile.
+fn head_scores<'k, const H: usize>(
+    qs: [&[f32]; H],
+    nk: usize,
+    key: &impl Fn(usize) -> &'k [f32],
+    hd: usize,
+    scale: f32,
+    scores: &mut [f32],
+) {
+    let mut j = 0;
+    while j + 2 <= nk {
+        let d = fdot::dots(qs, [key(j), key(j + 1)], hd);
+        for (k, dk) in d.iter().enumerate() {
+            scores[k * nk + j] = dk[0] * scale;
+            scores[k * nk + j + 1] = dk[1] * scale;
+        }
+        j += 2;
+    }
+    if j < nk {
+        let d = fdot::dots(qs, [key(j)], hd);
+        for (k, dk) in d.iter().enumerate() {
+            scores[k * nk + j] = dk[0] * scale;
+        }
+    }
 }
 
 /// [`crate::graph::Op::KvStore`]: every row of the tick into its session's roll-back log (raw KV row, compressor and

@@ -3,6 +3,8 @@
 //! `I(t, s) = Σ_h w_h · ReLU(q_h · K_s) · idx_head_dim^-½`, where `w_h` already carries `idx_heads^-½`. Ties
 //! break toward the lower row index (stable), and the selection is returned in ascending row order.
 
+use super::fdot::dots;
+
 #[allow(clippy::too_many_arguments)]
 /// Selects rows for one query. `q`: `heads × dim`; `w`: `heads`; `keys`: the key rows in order as consecutive
 /// slices of whole rows (a session's pages), of which the first `n_vis` are visible;
@@ -19,7 +21,6 @@ pub fn select<'k>(
     order: &mut Vec<u32>,
     out: &mut [u32],
 ) -> usize {
-    let heads = w.len();
     if n_vis <= topk {
         for (i, o) in out.iter_mut().take(n_vis).enumerate() {
             *o = i as u32;
@@ -28,13 +29,13 @@ pub fn select<'k>(
     }
     let scale = 1.0 / (dim as f32).sqrt();
     scores.clear();
-    for k in keys.into_iter().flat_map(|page| page.chunks_exact(dim.max(1))).take(n_vis) {
-        let mut acc = 0f32;
-        for h in 0..heads {
-            let d = super::matmul::dot_f32(&q[h * dim..(h + 1) * dim], k);
-            acc += d.max(0.0) * scale * w[h];
+    let mut rows = keys.into_iter().flat_map(|page| page.chunks_exact(dim.max(1))).take(n_vis);
+    loop {
+        match (rows.next(), rows.next()) {
+            (Some(k0), Some(k1)) => scores.extend_from_slice(&score([k0, k1], q, w, dim, scale)),
+            (Some(k0), None) => scores.push(score([k0], q, w, dim, scale)[0]),
+            _ => break,
         }
-        scores.push(acc);
     }
     order.clear();
     order.extend(0..n_vis as u32);
@@ -47,6 +48,33 @@ pub fn select<'k>(
     sel.sort_unstable();
     out[..topk].copy_from_slice(sel);
     topk
+}
+
+/// Heads per dot tile of [`score`].
+const HEADS: usize = 4;
+
+/// `I(t, s)` of `K` key rows: per key `Σ_h ReLU(q_h · K_s) · scale · w_h`, each term added in head order, every dot
+/// exactly [`super::matmul::dot_f32`] (computed [`HEADS`] heads × `K` keys per [`dots`] tile).
+fn score<const K: usize>(keys: [&[f32]; K], q: &[f32], w: &[f32], dim: usize, scale: f32) -> [f32; K] {
+    let mut acc = [0f32; K];
+    let mut add = |d: &[f32; K], h: usize| {
+        for (a, &v) in acc.iter_mut().zip(d) {
+            *a += v.max(0.0) * scale * w[h];
+        }
+    };
+    let qh = |h: usize| &q[h * dim..(h + 1) * dim];
+    let mut h = 0;
+    while h + HEADS <= w.len() {
+        let d = dots::<HEADS, K>(std::array::from_fn(|i| qh(h + i)), keys, dim);
+        for (i, di) in d.iter().enumerate() {
+            add(di, h + i);
+        }
+        h += HEADS;
+    }
+    for h in h..w.len() {
+        add(&dots([qh(h)], keys, dim)[0], h);
+    }
+    acc
 }
 
 #[cfg(test)]

@@ -9,6 +9,7 @@
 
 pub(crate) mod attention;
 pub(crate) mod compressor;
+pub(crate) mod fdot;
 pub(crate) mod hc;
 pub(crate) mod indexer;
 #[cfg(feature = "bench-internals")]
