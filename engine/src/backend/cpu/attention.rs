@@ -198,7 +198,7 @@ pub fn sparse_attention(pool: &Pool, sc: &mut Scratch, cx: &StepCtx<'_>, layer: 
     let hg = if nh % HEAD_GROUP == 0 { HEAD_GROUP } else { 1 };
     let groups = nh / hg;
     let need = kvs.iter().map(|k| window + k.layers[layer].comp_rows.capacity_rows()).max().unwrap_or(0);
-    grow_slots(&mut sc.scores, pool.threads(), hg * need, hg * need);
+    grow_slots(&mut sc.scores, pool.threads(), hg * need, 0);
     let (q, kvb, sel, slots) = (&sc.q, &sc.kv, &sc.sel, &sc.scores);
     par_rows(pool, &mut sc.attn[..n * nh * hd], hg * hd, &|i, out| {
         let (r, h0) = (i / groups, (i % groups) * hg);
@@ -232,19 +232,17 @@ pub fn sparse_attention(pool: &Pool, sc: &mut Scratch, cx: &StepCtx<'_>, layer: 
             }
         };
         let mut g = slot(slots);
-        let (scores, order) = &mut *g;
+        let (scores, _) = &mut *g;
         reserve_to(scores, hg * (window + lk.comp_rows.capacity_rows()));
-        reserve_to(order, hg * (window + lk.comp_rows.capacity_rows()));
         let qs = &q[(r * nh + h0) * hd..(r * nh + h0 + hg) * hd];
-        attend(qs, &sinks[h0..h0 + hg], nk, &key, scale, scores, order, out);
+        attend(qs, &sinks[h0..h0 + hg], nk, &key, scale, scores, out);
     });
     Ok(())
 }
 
 /// Attention of `sinks.len()` heads (`qs`: their query rows, `out`: their outputs, `hd` values each) over keys
-/// `key(0..nk)`, as documented on [`sparse_attention`]. `scores` and `order` are scratch (grown to
-/// `sinks.len() · nk`; no allocation when their capacity suffices).
-#[allow(clippy::too_many_arguments)]
+/// `key(0..nk)`, as documented on [`sparse_attention`]. `scores` is scratch (grown to `sinks.len() · nk`; no
+/// allocation when its capacity suffices).
 fn attend<'k>(
     qs: &[f32],
     sinks: &[f32],
@@ -252,15 +250,12 @@ fn attend<'k>(
     key: &impl Fn(usize) -> &'k [f32],
     scale: f32,
     scores: &mut Vec<f32>,
-    order: &mut Vec<u32>,
     out: &mut [f32],
 ) {
     let hg = sinks.len();
     let hd = out.len() / hg.max(1);
     scores.clear();
     scores.resize(hg * nk, 0.0);
-    order.clear();
-    order.resize(hg * nk, 0);
     if hg == HEAD_GROUP {
         head_scores::<HEAD_GROUP>(std::array::from_fn(|k| &qs[k * hd..(k + 1) * hd]), nk, key, hd, scale, scores);
     } else {
@@ -268,11 +263,8 @@ fn attend<'k>(
             head_scores::<1>([&qs[k * hd..(k + 1) * hd]], nk, key, hd, scale, &mut scores[k * nk..(k + 1) * nk]);
         }
     }
-    if nk == 0 {
-        out.fill(0.0);
-        return;
-    }
-    for (k, (s, o)) in scores.chunks_exact_mut(nk).zip(order.chunks_exact_mut(nk)).enumerate() {
+    for (k, s) in scores.chunks_exact_mut(nk.max(1)).take(hg).enumerate() {
+        let s = &mut s[..nk];
         let sink = sinks[k];
         let mx = s.iter().fold(sink, |a, &b| a.max(b));
         let mut den = (sink - mx).exp();
@@ -281,19 +273,22 @@ fn attend<'k>(
             den += *v;
         }
         let inv = 1.0 / den;
-        // Weights below the smallest normal f32 add nothing an f32 sum with the top weight's term can hold, and as
-        // denormal operands they would cost a microcode assist per element on x86: the kept weights and their key
-        // indices are packed to the front, in key order.
-        let mut m = 0;
-        for j in 0..nk {
-            let p = s[j] * inv;
-            if !(p < f32::MIN_POSITIVE) {
-                s[m] = p;
-                o[m] = j as u32;
-                m += 1;
+        for v in s.iter_mut() {
+            *v *= inv;
+            // Left out below (a zero instead of a denormal keeps the discarded products free of assists).
+            if *v < f32::MIN_POSITIVE {
+                *v = 0.0;
             }
         }
-        fdot::weighted_sum(&mut out[k * hd..(k + 1) * hd], &s[..m], &o[..m], key);
+    }
+    // Weights below the smallest normal f32 add nothing an f32 sum with the top weight's term can hold, and as
+    // denormal operands they would cost a microcode assist per element on x86: `weighted_sums` leaves them out.
+    if hg == HEAD_GROUP {
+        fdot::weighted_sums::<HEAD_GROUP>(out, scores, nk, key);
+    } else {
+        for (k, o) in out.chunks_exact_mut(hd).enumerate() {
+            fdot::weighted_sums::<1>(o, &scores[k * nk..(k + 1) * nk], nk, key);
+        }
     }
 }
 
@@ -349,7 +344,71 @@ pub fn kv_store(sc: &mut Scratch, cx: &mut StepCtx<'_>, layer: usize) -> Result<
 
 #[cfg(test)]
 mod tests {
-    use super::softmax_term;
+    use super::super::matmul::dot_f32;
+    use super::{attend, softmax_term, HEAD_GROUP};
+
+    /// Deterministic values in [-amp, amp).
+    fn values(n: usize, seed: u32, amp: f32) -> Vec<f32> {
+        let mut x = seed.wrapping_mul(0x9e37_79b9) | 1;
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 17;
+                x ^= x << 5;
+                ((x >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0) * amp
+            })
+            .collect()
+    }
+
+    /// The one-head loop `attend` replaced (kept verbatim as the reference): scores, softmax with the sink, then
+    /// `out += p · key` per key in order, skipping weights below the smallest normal f32.
+    fn reference(qh: &[f32], sink: f32, keys: &[&[f32]], scale: f32, out: &mut [f32]) {
+        let mut scores: Vec<f32> = keys.iter().map(|k| dot_f32(qh, k) * scale).collect();
+        let mx = scores.iter().fold(sink, |a, &b| a.max(b));
+        let mut den = (sink - mx).exp();
+        for v in scores.iter_mut() {
+            *v = softmax_term(*v - mx);
+            den += *v;
+        }
+        let inv = 1.0 / den;
+        out.fill(0.0);
+        for (j, k) in keys.iter().enumerate() {
+            let p = scores[j] * inv;
+            if p < f32::MIN_POSITIVE {
+                continue;
+            }
+            for (o, &kv) in out.iter_mut().zip(k.iter()) {
+                *o += p * kv;
+            }
+        }
+    }
+
+    #[test]
+    fn grouped_heads_match_the_one_head_loop_bit_for_bit() {
+        // Head dims with and without a register-block tail; key counts odd and even; query amplitudes from flat
+        // softmaxes to ones whose small weights fall below the normal range (the skipped terms).
+        for (hd, nk, amp) in [(512usize, 640usize, 0.05f32), (512, 257, 3.0), (128, 1, 1.0), (72, 37, 12.0), (8, 2, 40.0)]
+        {
+            let key_vals = values(nk * hd, hd as u32 + nk as u32, 1.0);
+            let keys: Vec<&[f32]> = key_vals.chunks_exact(hd).collect();
+            let scale = 1.0 / (hd as f32).sqrt();
+            for hg in [HEAD_GROUP, 1, 3] {
+                let qs = values(hg * hd, 7 + hg as u32, amp);
+                let sinks = values(hg, 99, 2.0);
+                let mut sc = Vec::new();
+                let mut out = vec![f32::NAN; hg * hd];
+                attend(&qs, &sinks, nk, &|j| keys[j], scale, &mut sc, &mut out);
+                for h in 0..hg {
+                    let mut want = vec![0f32; hd];
+                    reference(&qs[h * hd..(h + 1) * hd], sinks[h], &keys, scale, &mut want);
+                    let got = &out[h * hd..(h + 1) * hd];
+                    for (d, (g, w)) in got.iter().zip(&want).enumerate() {
+                        assert_eq!(g.to_bits(), w.to_bits(), "hd {hd} nk {nk} group {hg} head {h} dim {d}");
+                    }
+                }
+            }
+        }
+    }
 
     #[test]
     fn softmax_terms_are_exp_or_zero_never_denormal() {

@@ -6,9 +6,11 @@
 //!   eight, a separate multiply and add, then `((a0+a4)+(a1+a5)) + ((a2+a6)+(a3+a7)) + tail` with the scalar tail).
 //!   With AVX one 256-bit register is one pair's eight lanes, so a tile keeps `A·B` independent accumulators in
 //!   flight and loads each vector once per tile instead of once per pair.
-//! - [`weighted_sum`]: `out = Σ_j p_j · row_j` with every output element accumulated from `+0.0` over `j` in order
-//!   (`o += p_j · r_j[d]`), the loop `for j { for d { out[d] += p[j] * row_j[d] } }` — computed a block of 64
-//!   outputs at a time in registers, so `out` is not loaded and stored once per row.
+//! - [`weighted_sums`]: for `H` heads at once, `out_h = Σ_j p_hj · row_j` with every output element accumulated
+//!   from `+0.0` over `j` in order (`o += p_hj · r_j[d]`), terms whose weight is below the smallest normal f32 left
+//!   out (`p < f32::MIN_POSITIVE`: not added at all) — the loop `for j { if keep { for d { out[d] += p * row_j[d] } } }`
+//!   of each head, computed 16 outputs of each of the `H` heads at a time in registers, so each row's values are
+//!   loaded once for all `H` heads and `out` is not loaded and stored once per row.
 //!
 //! Both pick the AVX path when the CPU has it (checked once per call with `is_x86_feature_detected!`, which caches)
 //! and otherwise run the portable loops; both paths give the same bits (`tests`).
@@ -34,22 +36,41 @@ pub fn dots<const A: usize, const B: usize>(a: [&[f32]; A], b: [&[f32]; B], n: u
     out
 }
 
-/// `out[d] = Σ_j p[j] · row(idx[j])[d]` accumulated in `j` order from `+0.0` (see the module docs); `row(i)` must
-/// hold at least `out.len()` values.
+/// `out[h·n ..][d] = Σ_j p[h·nk + j] · row(j)[d]` for `h < H`, `n = out.len() / H`, accumulated in `j` order from
+/// `+0.0`, leaving out terms with `p < f32::MIN_POSITIVE` (see the module docs); `row(j)` must hold at least `n`
+/// values and `p` at least `H · nk`.
 #[inline]
-pub fn weighted_sum<'k>(out: &mut [f32], p: &[f32], idx: &[u32], row: impl Fn(usize) -> &'k [f32]) {
-    let n = out.len();
+pub fn weighted_sums<'k, const H: usize>(out: &mut [f32], p: &[f32], nk: usize, row: impl Fn(usize) -> &'k [f32]) {
+    let n = out.len() / H.max(1);
+    assert!(p.len() >= H * nk, "weights");
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx") {
-        // SAFETY: AVX is present (checked above); `avx::weighted_sum` checks each row's length.
-        unsafe { avx::weighted_sum(out, p, idx, &row) };
+        // SAFETY: AVX is present (checked above); `avx::weighted_sums` slices every row it reads.
+        unsafe { avx::weighted_sums::<H>(out, p, nk, n, &row) };
         return;
     }
-    out.fill(0.0);
-    for (&pj, &i) in p.iter().zip(idx) {
-        let r = &row(i as usize)[..n];
-        for (o, &v) in out.iter_mut().zip(r) {
-            *o += pj * v;
+    tail_sums::<H>(out, p, nk, n, 0, &row);
+}
+
+/// The portable loop of [`weighted_sums`] for outputs `from..n` of each head.
+fn tail_sums<'k, const H: usize>(
+    out: &mut [f32],
+    p: &[f32],
+    nk: usize,
+    n: usize,
+    from: usize,
+    row: &impl Fn(usize) -> &'k [f32],
+) {
+    for h in 0..H {
+        let o = &mut out[h * n + from..(h + 1) * n];
+        o.fill(0.0);
+        for (j, &pj) in p[h * nk..(h + 1) * nk].iter().enumerate() {
+            if pj < f32::MIN_POSITIVE {
+                continue;
+            }
+            for (o, &v) in o.iter_mut().zip(&row(j)[from..n]) {
+                *o += pj * v;
+            }
         }
     }
 }
@@ -96,43 +117,48 @@ mod avx {
         out
     }
 
-    /// Outputs per register block of [`weighted_sum`].
-    const BLOCK: usize = 64;
+    /// Outputs per head of a register block of [`weighted_sums`] (two registers).
+    const BLOCK: usize = 16;
 
-    /// [`super::weighted_sum`]: blocks of 64 outputs in eight registers, then the scalar tail.
+    /// [`super::weighted_sums`]: blocks of 16 outputs of every head in `2·H` registers (a skipped term is blended
+    /// away, leaving the accumulator as it was), then the portable loop for the tail.
     ///
     /// # Safety
     /// AVX must be available.
     #[target_feature(enable = "avx")]
-    pub unsafe fn weighted_sum<'k>(out: &mut [f32], p: &[f32], idx: &[u32], row: &impl Fn(usize) -> &'k [f32]) {
-        let n = out.len();
-        let m = p.len().min(idx.len());
+    pub unsafe fn weighted_sums<'k, const H: usize>(
+        out: &mut [f32],
+        p: &[f32],
+        nk: usize,
+        n: usize,
+        row: &impl Fn(usize) -> &'k [f32],
+    ) {
         let full = n / BLOCK * BLOCK;
+        let min = _mm256_set1_ps(f32::MIN_POSITIVE);
         for b0 in (0..full).step_by(BLOCK) {
-            let mut acc = [_mm256_setzero_ps(); BLOCK / 8];
-            for j in 0..m {
-                let r = &row(idx[j] as usize)[b0..b0 + BLOCK];
-                let pv = _mm256_set1_ps(p[j]);
-                for (k, s) in acc.iter_mut().enumerate() {
-                    // SAFETY: `r` holds BLOCK values (sliced above), `k·8 + 8 ≤ BLOCK`.
-                    let v = unsafe { _mm256_loadu_ps(r.as_ptr().add(k * 8)) };
-                    *s = _mm256_add_ps(*s, _mm256_mul_ps(pv, v));
+            let mut acc = [[_mm256_setzero_ps(); 2]; H];
+            for j in 0..nk {
+                let r = &row(j)[b0..b0 + BLOCK];
+                // SAFETY: `r` holds BLOCK = 16 values (sliced above).
+                let (v0, v1) = unsafe { (_mm256_loadu_ps(r.as_ptr()), _mm256_loadu_ps(r.as_ptr().add(8))) };
+                for (h, a) in acc.iter_mut().enumerate() {
+                    let pv = _mm256_set1_ps(p[h * nk + j]);
+                    let skip = _mm256_cmp_ps::<_CMP_LT_OQ>(pv, min);
+                    a[0] = _mm256_blendv_ps(_mm256_add_ps(a[0], _mm256_mul_ps(pv, v0)), a[0], skip);
+                    a[1] = _mm256_blendv_ps(_mm256_add_ps(a[1], _mm256_mul_ps(pv, v1)), a[1], skip);
                 }
             }
-            for (k, s) in acc.iter().enumerate() {
-                // SAFETY: `out[b0 + k·8 .. + 8]` is inside `out` (`b0 + BLOCK ≤ full ≤ n`).
-                unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(b0 + k * 8), *s) };
+            for (h, a) in acc.iter().enumerate() {
+                let o = &mut out[h * n + b0..h * n + b0 + BLOCK];
+                // SAFETY: `o` holds BLOCK = 16 values (sliced above).
+                unsafe {
+                    _mm256_storeu_ps(o.as_mut_ptr(), a[0]);
+                    _mm256_storeu_ps(o.as_mut_ptr().add(8), a[1]);
+                }
             }
         }
         if full < n {
-            let tail = &mut out[full..];
-            tail.fill(0.0);
-            for j in 0..m {
-                let r = &row(idx[j] as usize)[full..n];
-                for (o, &v) in tail.iter_mut().zip(r) {
-                    *o += p[j] * v;
-                }
-            }
+            super::tail_sums::<H>(out, p, nk, n, full, row);
         }
     }
 }
@@ -174,21 +200,36 @@ mod tests {
 
     #[test]
     fn weighted_sums_accumulate_rows_in_order_bit_for_bit() {
-        for n in [1usize, 8, 63, 64, 65, 130, 512] {
+        for n in [1usize, 8, 15, 16, 17, 130, 512] {
             let rows: Vec<Vec<f32>> = (0..40).map(|s| values(n, 1000 + s)).collect();
-            let p = values(25, 5);
-            let idx: Vec<u32> = (0..25).map(|j| (j * 7 % 40) as u32).collect();
-            let mut got = vec![f32::NAN; n];
-            weighted_sum(&mut got, &p, &idx, |i| &rows[i]);
-            let mut want = vec![0f32; n];
-            for (&pj, &i) in p.iter().zip(&idx) {
-                for (o, &v) in want.iter_mut().zip(&rows[i as usize]) {
-                    *o += pj * v;
+            let nk = rows.len();
+            // Weights with denormal, zero, negative and tiny-normal entries: the skipped terms and the kept ones.
+            let mut p = values(3 * nk, 5 + n as u32);
+            for (i, v) in p.iter_mut().enumerate() {
+                match i % 7 {
+                    0 => *v = f32::MIN_POSITIVE / 3.0,
+                    1 => *v = 0.0,
+                    2 => *v = f32::MIN_POSITIVE,
+                    _ => {}
                 }
             }
-            assert_eq!(got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "n {n}");
-            weighted_sum(&mut got, &[], &[], |i| &rows[i]);
-            assert!(got.iter().all(|v| v.to_bits() == 0), "empty sum is +0.0");
+            let mut got = vec![f32::NAN; 3 * n];
+            weighted_sums::<3>(&mut got, &p, nk, |j| &rows[j]);
+            for h in 0..3 {
+                let mut want = vec![0f32; n];
+                for (j, &pj) in p[h * nk..(h + 1) * nk].iter().enumerate() {
+                    if pj < f32::MIN_POSITIVE {
+                        continue;
+                    }
+                    for (o, &v) in want.iter_mut().zip(&rows[j]) {
+                        *o += pj * v;
+                    }
+                }
+                let g: Vec<u32> = got[h * n..(h + 1) * n].iter().map(|v| v.to_bits()).collect();
+                assert_eq!(g, want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "n {n} head {h}");
+            }
+            weighted_sums::<3>(&mut got, &[], 0, |j| &rows[j]);
+            assert!(got.iter().all(|v| v.to_bits() == 0), "an empty sum is +0.0");
         }
     }
 }

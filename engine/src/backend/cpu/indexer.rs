@@ -8,7 +8,7 @@ use super::fdot::dots;
 #[allow(clippy::too_many_arguments)]
 /// Selects rows for one query. `q`: `heads × dim`; `w`: `heads`; `keys`: the key rows in order as consecutive
 /// slices of whole rows (a session's pages), of which the first `n_vis` are visible;
-/// `scores`: scratch of at least `n_vis`; `out`: receives the selected row indices (ascending); returns the count
+/// `scores`: scratch (on return, when `n_vis > topk`, each visible row's score); `out`: receives the selected row indices (ascending); returns the count
 /// (`min(topk, n_vis)`).
 pub fn select<'k>(
     q: &[f32],
@@ -79,7 +79,62 @@ fn score<const K: usize>(keys: [&[f32]; K], q: &[f32], w: &[f32], dim: usize, sc
 
 #[cfg(test)]
 mod tests {
+    use super::super::matmul::dot_f32;
     use super::*;
+
+    /// The per-key loop `score` replaced (kept as the reference): one `dot_f32` per head.
+    fn reference_scores(q: &[f32], w: &[f32], keys: &[f32], dim: usize) -> Vec<f32> {
+        let scale = 1.0 / (dim as f32).sqrt();
+        keys.chunks_exact(dim)
+            .map(|k| {
+                let mut acc = 0f32;
+                for h in 0..w.len() {
+                    let d = dot_f32(&q[h * dim..(h + 1) * dim], k);
+                    acc += d.max(0.0) * scale * w[h];
+                }
+                acc
+            })
+            .collect()
+    }
+
+    fn values(n: usize, seed: u32) -> Vec<f32> {
+        let mut x = seed.wrapping_mul(0x9e37_79b9) | 1;
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 17;
+                x ^= x << 5;
+                (x >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    #[test]
+    fn tiled_scores_match_one_dot_per_head_bit_for_bit() {
+        // 64 heads × 128 (Flash), a head count with a remainder, odd row counts, keys split over uneven pages.
+        for (heads, dim, n_vis) in [(64usize, 128usize, 1001usize), (6, 36, 77), (3, 8, 40)] {
+            let q = values(heads * dim, heads as u32);
+            let w = values(heads, 5);
+            let keys = values(n_vis * dim, dim as u32);
+            let cut = (n_vis / 3) * dim;
+            let (mut s, mut o) = (Vec::new(), Vec::new());
+            let mut out = vec![0u32; n_vis];
+            let topk = n_vis / 4;
+            let n = select(&q, &w, [&keys[..cut], &keys[cut..]], n_vis, dim, topk, &mut s, &mut o, &mut out);
+            assert_eq!(n, topk);
+            let want = reference_scores(&q, &w, &keys, dim);
+            assert_eq!(s.len(), n_vis);
+            for (i, (g, r)) in s.iter().zip(&want).enumerate() {
+                assert_eq!(g.to_bits(), r.to_bits(), "heads {heads} dim {dim} row {i}");
+            }
+            // The selection is the reference scores' top k (descending, ties to the lower index).
+            let mut idx: Vec<u32> = (0..n_vis as u32).collect();
+            idx.sort_by(|a, b| want[*b as usize].partial_cmp(&want[*a as usize]).expect("finite scores").then(a.cmp(b)));
+            let mut top = idx[..topk].to_vec();
+            top.sort_unstable();
+            assert_eq!(&out[..n], &top[..]);
+        }
+    }
 
     #[test]
     fn keeps_top_scores_with_low_index_ties() {
