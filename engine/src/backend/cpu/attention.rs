@@ -387,7 +387,8 @@ mod tests {
     fn grouped_heads_match_the_one_head_loop_bit_for_bit() {
         // Head dims with and without a register-block tail; key counts odd and even; query amplitudes from flat
         // softmaxes to ones whose small weights fall below the normal range (the skipped terms).
-        for (hd, nk, amp) in [(512usize, 640usize, 0.05f32), (512, 257, 3.0), (128, 1, 1.0), (72, 37, 12.0), (8, 2, 40.0)]
+        for (hd, nk, amp) in
+            [(512usize, 640usize, 0.05f32), (512, 257, 3.0), (128, 1, 1.0), (72, 37, 12.0), (8, 2, 40.0)]
         {
             let key_vals = values(nk * hd, hd as u32 + nk as u32, 1.0);
             let keys: Vec<&[f32]> = key_vals.chunks_exact(hd).collect();

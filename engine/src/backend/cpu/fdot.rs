@@ -8,9 +8,10 @@
 //!   flight and loads each vector once per tile instead of once per pair.
 //! - [`weighted_sums`]: for `H` heads at once, `out_h = Σ_j p_hj · row_j` with every output element accumulated
 //!   from `+0.0` over `j` in order (`o += p_hj · r_j[d]`), terms whose weight is below the smallest normal f32 left
-//!   out (`p < f32::MIN_POSITIVE`: not added at all) — the loop `for j { if keep { for d { out[d] += p * row_j[d] } } }`
-//!   of each head, computed 16 outputs of each of the `H` heads at a time in registers, so each row's values are
-//!   loaded once for all `H` heads and `out` is not loaded and stored once per row.
+//!   out (`p < f32::MIN_POSITIVE`: not added at all) — each head's loop
+//!   `for j { if keep { for d { out[d] += p * row_j[d] } } }`, computed 16 outputs of each of the `H` heads at a
+//!   time in registers, so each row's values are loaded once for all `H` heads and `out` is not loaded and stored
+//!   once per row. The attention's `H` is its head group; the indexer uses [`dots`] only.
 //!
 //! Both pick the AVX path when the CPU has it (checked once per call with `is_x86_feature_detected!`, which caches)
 //! and otherwise run the portable loops; both paths give the same bits (`tests`).

@@ -7,9 +7,9 @@ use super::fdot::dots;
 
 #[allow(clippy::too_many_arguments)]
 /// Selects rows for one query. `q`: `heads × dim`; `w`: `heads`; `keys`: the key rows in order as consecutive
-/// slices of whole rows (a session's pages), of which the first `n_vis` are visible;
-/// `scores`: scratch (on return, when `n_vis > topk`, each visible row's score); `out`: receives the selected row indices (ascending); returns the count
-/// (`min(topk, n_vis)`).
+/// slices of whole rows (a session's pages), of which the first `n_vis` are visible; `scores`: scratch (on return,
+/// when `n_vis > topk`, each visible row's score); `out`: receives the selected row indices (ascending); returns the
+/// count (`min(topk, n_vis)`).
 pub fn select<'k>(
     q: &[f32],
     w: &[f32],
@@ -129,7 +129,9 @@ mod tests {
             }
             // The selection is the reference scores' top k (descending, ties to the lower index).
             let mut idx: Vec<u32> = (0..n_vis as u32).collect();
-            idx.sort_by(|a, b| want[*b as usize].partial_cmp(&want[*a as usize]).expect("finite scores").then(a.cmp(b)));
+            idx.sort_by(|a, b| {
+                want[*b as usize].partial_cmp(&want[*a as usize]).expect("finite scores").then(a.cmp(b))
+            });
             let mut top = idx[..topk].to_vec();
             top.sort_unstable();
             assert_eq!(&out[..n], &top[..]);
