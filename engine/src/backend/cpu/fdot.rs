@@ -109,8 +109,8 @@ mod avx {
                 // SAFETY: `l` holds 8 floats.
                 unsafe { _mm256_storeu_ps(l.as_mut_ptr(), *s) };
                 let mut tail = 0f32;
-                for k in chunks * 8..n {
-                    tail += ra[k] * rb[k];
+                for (x, y) in ra[chunks * 8..n].iter().zip(&rb[chunks * 8..n]) {
+                    tail += x * y;
                 }
                 *v = ((l[0] + l[4]) + (l[1] + l[5])) + ((l[2] + l[6]) + (l[3] + l[7])) + tail;
             }
