@@ -344,21 +344,9 @@ pub fn kv_store(sc: &mut Scratch, cx: &mut StepCtx<'_>, layer: usize) -> Result<
 
 #[cfg(test)]
 mod tests {
+    use super::super::fdot::tests::random_values as values;
     use super::super::matmul::dot_f32;
     use super::{attend, softmax_term, HEAD_GROUP};
-
-    /// Deterministic values in [-amp, amp).
-    fn values(n: usize, seed: u32, amp: f32) -> Vec<f32> {
-        let mut x = seed.wrapping_mul(0x9e37_79b9) | 1;
-        (0..n)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 17;
-                x ^= x << 5;
-                ((x >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0) * amp
-            })
-            .collect()
-    }
 
     /// The one-head loop `attend` replaced (kept verbatim as the reference): scores, softmax with the sink, then
     /// `out += p · key` per key in order, skipping weights below the smallest normal f32.

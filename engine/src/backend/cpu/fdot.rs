@@ -165,21 +165,26 @@ mod avx {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    /// Deterministic values in [-2, 2) with a spread of exponents, so rounding differences would show.
-    fn values(n: usize, seed: u32) -> Vec<f32> {
+    /// Deterministic pseudo-random values in `[-amp, amp)` (xorshift of `seed`), for the kernels' tests.
+    pub(crate) fn random_values(n: usize, seed: u32, amp: f32) -> Vec<f32> {
         let mut x = seed.wrapping_mul(0x9e37_79b9) | 1;
         (0..n)
             .map(|_| {
                 x ^= x << 13;
                 x ^= x >> 17;
                 x ^= x << 5;
-                let m = (x >> 8) as f32 / (1u32 << 24) as f32 * 4.0 - 2.0;
-                m * [1.0, 1e-3, 37.0, 0.25][(x & 3) as usize]
+                ((x >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0) * amp
             })
             .collect()
+    }
+
+    /// Values in [-2, 2) with a spread of exponents, so rounding differences would show.
+    fn values(n: usize, seed: u32) -> Vec<f32> {
+        let scales = [1.0, 1e-3, 37.0, 0.25];
+        random_values(n, seed, 2.0).iter().enumerate().map(|(i, v)| v * scales[i % 4]).collect()
     }
 
     #[test]

@@ -98,15 +98,7 @@ mod tests {
     }
 
     fn values(n: usize, seed: u32) -> Vec<f32> {
-        let mut x = seed.wrapping_mul(0x9e37_79b9) | 1;
-        (0..n)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 17;
-                x ^= x << 5;
-                (x >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0
-            })
-            .collect()
+        super::super::fdot::tests::random_values(n, seed, 1.0)
     }
 
     #[test]
