@@ -12,10 +12,9 @@
 
 use std::sync::{Mutex, MutexGuard};
 
-use super::matmul::dot_f32;
 use super::norm::rms_norm_inplace;
 use super::pool::{par_rows, thread_slot, Pool};
-use super::{compressor, indexer, Scratch};
+use super::{compressor, fdot, indexer, Scratch};
 use crate::backend::StepCtx;
 use crate::model::sim;
 use crate::model::LayerKind;
@@ -171,7 +170,16 @@ pub fn indexer_topk(pool: &Pool, sc: &mut Scratch, cx: &StepCtx<'_>, layer: usiz
     Ok(())
 }
 
+/// Heads per sparse-attention task: they share each key row's loads (see [`fdot`]).
+const HEAD_GROUP: usize = 4;
+
 /// [`crate::graph::Op::SparseAttention`]: attention with sinks per (row, head) into `AttnOut`.
+///
+/// A task is one row and a group of [`HEAD_GROUP`] heads (one head where `n_heads` is not a multiple). Keys `j` of a
+/// row are its raw window in position order, then its compressed rows (all visible ones for HCA, the selection for
+/// CSA). Per head the float operations are those of the one-head loop: `score_j = dot_f32(q, key_j) · scale`, the
+/// softmax with the sink as below, and `out = Σ_j p_j · key_j` over the keys in order from `+0.0`, skipping weights
+/// below the smallest normal f32 — so results do not depend on the grouping (`tests`).
 pub fn sparse_attention(pool: &Pool, sc: &mut Scratch, cx: &StepCtx<'_>, layer: usize) -> Result<()> {
     let model = cx.model;
     let c = &model.config;
@@ -187,88 +195,127 @@ pub fn sparse_attention(pool: &Pool, sc: &mut Scratch, cx: &StepCtx<'_>, layer: 
     let scale = 1.0 / (hd as f32).sqrt();
     let sinks = model.dense(lw.sinks);
     let kvs = &*cx.kv;
+    let hg = if nh % HEAD_GROUP == 0 { HEAD_GROUP } else { 1 };
+    let groups = nh / hg;
     let need = kvs.iter().map(|k| window + k.layers[layer].comp_rows.capacity_rows()).max().unwrap_or(0);
-    grow_slots(&mut sc.scores, pool.threads(), need, 0);
+    grow_slots(&mut sc.scores, pool.threads(), hg * need, 0);
     let (q, kvb, sel, slots) = (&sc.q, &sc.kv, &sc.sel, &sc.scores);
-    par_rows(pool, &mut sc.attn[..n * nh * hd], hd, &|i, out| {
-        let (r, h) = (i / nh, i % nh);
+    par_rows(pool, &mut sc.attn[..n * nh * hd], hg * hd, &|i, out| {
+        let (r, h0) = (i / groups, (i % groups) * hg);
         let row = rows[r];
         let run = &batch.runs[row.run];
         let p0 = rows[run.start].pos;
         let lk = &kvs[row.run].layers[layer];
         let t = row.pos;
-        let qh = &q[(r * nh + h) * hd..(r * nh + h + 1) * hd];
-        let key = |p: usize| -> &[f32] {
-            if p >= p0 {
-                let j = run.start + (p - p0);
-                &kvb[j * hd..(j + 1) * hd]
+        let first = (t + 1).saturating_sub(window);
+        let nw = t + 1 - first;
+        let sel_r = &sel[r * topk..(r + 1) * topk];
+        let nc = match kind {
+            LayerKind::Window => 0,
+            LayerKind::Hca => (t + 1).checked_div(ratio).unwrap_or(0),
+            LayerKind::Csa => sel_r.iter().position(|&x| x == u32::MAX).unwrap_or(topk),
+        };
+        let nk = nw + nc;
+        let key = |j: usize| -> &[f32] {
+            if j < nw {
+                let p = first + j;
+                if p >= p0 {
+                    let k = run.start + (p - p0);
+                    &kvb[k * hd..(k + 1) * hd]
+                } else {
+                    ring_row(lk, p, window, hd)
+                }
+            } else if kind == LayerKind::Csa {
+                comp_row(lk, sel_r[j - nw] as usize, hd)
             } else {
-                ring_row(lk, p, window, hd)
+                comp_row(lk, j - nw, hd)
             }
         };
-        let first = (t + 1).saturating_sub(window);
-        let n_comp_vis = (t + 1).checked_div(ratio).unwrap_or(0);
-        let sel_r = &sel[r * topk..(r + 1) * topk];
-        let n_sel = if kind == LayerKind::Csa { sel_r.iter().position(|&x| x == u32::MAX).unwrap_or(topk) } else { 0 };
         let mut g = slot(slots);
         let (scores, _) = &mut *g;
-        reserve_to(scores, window + lk.comp_rows.capacity_rows());
-        scores.clear();
-        for p in first..=t {
-            scores.push(dot_f32(qh, key(p)) * scale);
+        reserve_to(scores, hg * (window + lk.comp_rows.capacity_rows()));
+        let qs = &q[(r * nh + h0) * hd..(r * nh + h0 + hg) * hd];
+        attend(qs, &sinks[h0..h0 + hg], nk, &key, scale, scores, out);
+    });
+    Ok(())
+}
+
+/// Attention of `sinks.len()` heads (`qs`: their query rows, `out`: their outputs, `hd` values each) over keys
+/// `key(0..nk)`, as documented on [`sparse_attention`]. `scores` is scratch (grown to `sinks.len() · nk`; no
+/// allocation when its capacity suffices).
+fn attend<'k>(
+    qs: &[f32],
+    sinks: &[f32],
+    nk: usize,
+    key: &impl Fn(usize) -> &'k [f32],
+    scale: f32,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    let hg = sinks.len();
+    let hd = out.len() / hg.max(1);
+    scores.clear();
+    scores.resize(hg * nk, 0.0);
+    if hg == HEAD_GROUP {
+        head_scores::<HEAD_GROUP>(std::array::from_fn(|k| &qs[k * hd..(k + 1) * hd]), nk, key, hd, scale, scores);
+    } else {
+        for k in 0..hg {
+            head_scores::<1>([&qs[k * hd..(k + 1) * hd]], nk, key, hd, scale, &mut scores[k * nk..(k + 1) * nk]);
         }
-        match kind {
-            LayerKind::Window => {}
-            LayerKind::Hca => {
-                for w in 0..n_comp_vis {
-                    scores.push(dot_f32(qh, comp_row(lk, w, hd)) * scale);
-                }
-            }
-            LayerKind::Csa => {
-                for &w in &sel_r[..n_sel] {
-                    scores.push(dot_f32(qh, comp_row(lk, w as usize, hd)) * scale);
-                }
-            }
-        }
-        let sink = sinks[h];
-        let mx = scores.iter().fold(sink, |a, &b| a.max(b));
+    }
+    for (k, s) in scores.chunks_exact_mut(nk.max(1)).take(hg).enumerate() {
+        let s = &mut s[..nk];
+        let sink = sinks[k];
+        let mx = s.iter().fold(sink, |a, &b| a.max(b));
         let mut den = (sink - mx).exp();
-        for v in scores.iter_mut() {
+        for v in s.iter_mut() {
             *v = softmax_term(*v - mx);
             den += *v;
         }
         let inv = 1.0 / den;
-        out.fill(0.0);
-        let mut acc = |p: f32, k: &[f32]| {
-            let p = p * inv;
-            // Weights below the smallest normal f32 add nothing an f32 sum with the top weight's term can hold,
-            // and as denormal operands they would cost a microcode assist per element on x86.
-            if p < f32::MIN_POSITIVE {
-                return;
-            }
-            for (o, &kv) in out.iter_mut().zip(k) {
-                *o += p * kv;
-            }
-        };
-        let nw = t + 1 - first;
-        for (j, p) in (first..=t).enumerate() {
-            acc(scores[j], key(p));
-        }
-        match kind {
-            LayerKind::Window => {}
-            LayerKind::Hca => {
-                for w in 0..n_comp_vis {
-                    acc(scores[nw + w], comp_row(lk, w, hd));
-                }
-            }
-            LayerKind::Csa => {
-                for (j, &w) in sel_r[..n_sel].iter().enumerate() {
-                    acc(scores[nw + j], comp_row(lk, w as usize, hd));
-                }
+        for v in s.iter_mut() {
+            *v *= inv;
+            // Left out below (a zero instead of a denormal keeps the discarded products free of assists).
+            if *v < f32::MIN_POSITIVE {
+                *v = 0.0;
             }
         }
-    });
-    Ok(())
+    }
+    // Weights below the smallest normal f32 add nothing an f32 sum with the top weight's term can hold, and as
+    // denormal operands they would cost a microcode assist per element on x86: `weighted_sums` leaves them out.
+    if hg == HEAD_GROUP {
+        fdot::weighted_sums::<HEAD_GROUP>(out, scores, nk, key);
+    } else {
+        for (k, o) in out.chunks_exact_mut(hd).enumerate() {
+            fdot::weighted_sums::<1>(o, &scores[k * nk..(k + 1) * nk], nk, key);
+        }
+    }
+}
+
+/// `scores[k·nk + j] = dot_f32(qs[k], key(j)) · scale` for `j < nk`, two keys per tile.
+fn head_scores<'k, const H: usize>(
+    qs: [&[f32]; H],
+    nk: usize,
+    key: &impl Fn(usize) -> &'k [f32],
+    hd: usize,
+    scale: f32,
+    scores: &mut [f32],
+) {
+    let mut j = 0;
+    while j + 2 <= nk {
+        let d = fdot::dots(qs, [key(j), key(j + 1)], hd);
+        for (k, dk) in d.iter().enumerate() {
+            scores[k * nk + j] = dk[0] * scale;
+            scores[k * nk + j + 1] = dk[1] * scale;
+        }
+        j += 2;
+    }
+    if j < nk {
+        let d = fdot::dots(qs, [key(j)], hd);
+        for (k, dk) in d.iter().enumerate() {
+            scores[k * nk + j] = dk[0] * scale;
+        }
+    }
 }
 
 /// [`crate::graph::Op::KvStore`]: every row of the tick into its session's roll-back log (raw KV row, compressor and
@@ -297,7 +344,60 @@ pub fn kv_store(sc: &mut Scratch, cx: &mut StepCtx<'_>, layer: usize) -> Result<
 
 #[cfg(test)]
 mod tests {
-    use super::softmax_term;
+    use super::super::fdot::tests::random_values as values;
+    use super::super::matmul::dot_f32;
+    use super::{attend, softmax_term, HEAD_GROUP};
+
+    /// The one-head loop `attend` replaced (kept verbatim as the reference): scores, softmax with the sink, then
+    /// `out += p · key` per key in order, skipping weights below the smallest normal f32.
+    fn reference(qh: &[f32], sink: f32, keys: &[&[f32]], scale: f32, out: &mut [f32]) {
+        let mut scores: Vec<f32> = keys.iter().map(|k| dot_f32(qh, k) * scale).collect();
+        let mx = scores.iter().fold(sink, |a, &b| a.max(b));
+        let mut den = (sink - mx).exp();
+        for v in scores.iter_mut() {
+            *v = softmax_term(*v - mx);
+            den += *v;
+        }
+        let inv = 1.0 / den;
+        out.fill(0.0);
+        for (j, k) in keys.iter().enumerate() {
+            let p = scores[j] * inv;
+            if p < f32::MIN_POSITIVE {
+                continue;
+            }
+            for (o, &kv) in out.iter_mut().zip(k.iter()) {
+                *o += p * kv;
+            }
+        }
+    }
+
+    #[test]
+    fn grouped_heads_match_the_one_head_loop_bit_for_bit() {
+        // Head dims with and without a register-block tail; key counts odd and even; query amplitudes from flat
+        // softmaxes to ones whose small weights fall below the normal range (the skipped terms).
+        for (hd, nk, amp) in
+            [(512usize, 640usize, 0.05f32), (512, 257, 3.0), (128, 1, 1.0), (72, 37, 12.0), (8, 2, 40.0)]
+        {
+            let key_vals = values(nk * hd, hd as u32 + nk as u32, 1.0);
+            let keys: Vec<&[f32]> = key_vals.chunks_exact(hd).collect();
+            let scale = 1.0 / (hd as f32).sqrt();
+            for hg in [HEAD_GROUP, 1, 3] {
+                let qs = values(hg * hd, 7 + hg as u32, amp);
+                let sinks = values(hg, 99, 2.0);
+                let mut sc = Vec::new();
+                let mut out = vec![f32::NAN; hg * hd];
+                attend(&qs, &sinks, nk, &|j| keys[j], scale, &mut sc, &mut out);
+                for h in 0..hg {
+                    let mut want = vec![0f32; hd];
+                    reference(&qs[h * hd..(h + 1) * hd], sinks[h], &keys, scale, &mut want);
+                    let got = &out[h * hd..(h + 1) * hd];
+                    for (d, (g, w)) in got.iter().zip(&want).enumerate() {
+                        assert_eq!(g.to_bits(), w.to_bits(), "hd {hd} nk {nk} group {hg} head {h} dim {d}");
+                    }
+                }
+            }
+        }
+    }
 
     #[test]
     fn softmax_terms_are_exp_or_zero_never_denormal() {

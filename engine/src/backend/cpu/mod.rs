@@ -3,12 +3,14 @@
 //! Kernels only: [`rowops`] (embedding, RMSNorm, RoPE, activation simulation, scaling, mHC, logits),
 //! [`matmul`] (weight products, split over output rows), [`attention`] (compressor push, indexer top-k, sparse
 //! attention, ring store), [`moe`] (routing, expert halves, SwiGLU, scatter), with the per-token math in
-//! [`norm`], [`hc`], [`compressor`], [`indexer`]. The recipe that strings them together is
-//! [`crate::model::recipe`]. [`Scratch`] holds every tensor of a tick (a [`BufId`] resolves to one of its
-//! buffers), grown to the largest batch seen and then reused, so the decode loop does not allocate.
+//! [`norm`], [`hc`], [`compressor`], [`indexer`], and the attention's and indexer's tiled f32 products in
+//! [`fdot`]. The recipe that strings them together is [`crate::model::recipe`]. [`Scratch`] holds every tensor of a
+//! tick (a [`BufId`] resolves to one of its buffers), grown to the largest batch seen and then reused, so the decode
+//! loop does not allocate.
 
 pub(crate) mod attention;
 pub(crate) mod compressor;
+pub(crate) mod fdot;
 pub(crate) mod hc;
 pub(crate) mod indexer;
 #[cfg(feature = "bench-internals")]

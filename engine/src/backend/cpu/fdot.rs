@@ -1,0 +1,241 @@
+//! f32 kernels of the attention and the indexer that reuse each loaded vector across several rows, with results
+//! bit-identical to the one-pair loops they replace.
+//!
+//! - [`dots`]: the `A × B` dot products of `A` rows with `B` rows; each one is exactly
+//!   [`super::matmul::dot_f32`] of its pair (eight lane accumulators `acc[k] += x[k]·y[k]` over the whole groups of
+//!   eight, a separate multiply and add, then `((a0+a4)+(a1+a5)) + ((a2+a6)+(a3+a7)) + tail` with the scalar tail).
+//!   With AVX one 256-bit register is one pair's eight lanes, so a tile keeps `A·B` independent accumulators in
+//!   flight and loads each vector once per tile instead of once per pair.
+//! - [`weighted_sums`]: for `H` heads at once, `out_h = Σ_j p_hj · row_j` with every output element accumulated
+//!   from `+0.0` over `j` in order (`o += p_hj · r_j[d]`), terms whose weight is below the smallest normal f32 left
+//!   out (`p < f32::MIN_POSITIVE`: not added at all) — each head's loop
+//!   `for j { if keep { for d { out[d] += p * row_j[d] } } }`, computed 16 outputs of each of the `H` heads at a
+//!   time in registers, so each row's values are loaded once for all `H` heads and `out` is not loaded and stored
+//!   once per row. The attention's `H` is its head group; the indexer uses [`dots`] only.
+//!
+//! Both pick the AVX path when the CPU has it (checked once per call with `is_x86_feature_detected!`, which caches)
+//! and otherwise run the portable loops; both paths give the same bits (`tests`).
+
+use super::matmul::dot_f32;
+
+/// `out[i][j] = dot_f32(a[i], b[j])` for rows of one length `n` (every slice at least `n` long; only the first `n`
+/// values are read).
+#[inline]
+pub fn dots<const A: usize, const B: usize>(a: [&[f32]; A], b: [&[f32]; B], n: usize) -> [[f32; B]; A] {
+    assert!(a.iter().chain(b.iter()).all(|r| r.len() >= n), "row shorter than n");
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx") {
+        // SAFETY: AVX is present (checked above) and every row holds at least `n` values (asserted above).
+        return unsafe { avx::dots(a, b, n) };
+    }
+    let mut out = [[0f32; B]; A];
+    for (o, ra) in out.iter_mut().zip(a) {
+        for (v, rb) in o.iter_mut().zip(b) {
+            *v = dot_f32(&ra[..n], &rb[..n]);
+        }
+    }
+    out
+}
+
+/// `out[h·n ..][d] = Σ_j p[h·nk + j] · row(j)[d]` for `h < H`, `n = out.len() / H`, accumulated in `j` order from
+/// `+0.0`, leaving out terms with `p < f32::MIN_POSITIVE` (see the module docs); `row(j)` must hold at least `n`
+/// values and `p` at least `H · nk`.
+#[inline]
+pub fn weighted_sums<'k, const H: usize>(out: &mut [f32], p: &[f32], nk: usize, row: impl Fn(usize) -> &'k [f32]) {
+    let n = out.len() / H.max(1);
+    assert!(p.len() >= H * nk, "weights");
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx") {
+        // SAFETY: AVX is present (checked above); `avx::weighted_sums` slices every row it reads.
+        unsafe { avx::weighted_sums::<H>(out, p, nk, n, &row) };
+        return;
+    }
+    tail_sums::<H>(out, p, nk, n, 0, &row);
+}
+
+/// The portable loop of [`weighted_sums`] for outputs `from..n` of each head.
+fn tail_sums<'k, const H: usize>(
+    out: &mut [f32],
+    p: &[f32],
+    nk: usize,
+    n: usize,
+    from: usize,
+    row: &impl Fn(usize) -> &'k [f32],
+) {
+    for h in 0..H {
+        let o = &mut out[h * n + from..(h + 1) * n];
+        o.fill(0.0);
+        for (j, &pj) in p[h * nk..(h + 1) * nk].iter().enumerate() {
+            if pj < f32::MIN_POSITIVE {
+                continue;
+            }
+            for (o, &v) in o.iter_mut().zip(&row(j)[from..n]) {
+                *o += pj * v;
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx {
+    use std::arch::x86_64::*;
+
+    /// [`super::dots`] with one 256-bit accumulator per pair.
+    ///
+    /// # Safety
+    /// AVX must be available and every row must hold at least `n` values.
+    #[target_feature(enable = "avx")]
+    pub unsafe fn dots<const A: usize, const B: usize>(a: [&[f32]; A], b: [&[f32]; B], n: usize) -> [[f32; B]; A] {
+        let mut acc = [[_mm256_setzero_ps(); B]; A];
+        let chunks = n / 8;
+        for c in 0..chunks {
+            let mut bv = [_mm256_setzero_ps(); B];
+            for (v, r) in bv.iter_mut().zip(&b) {
+                // SAFETY: `c·8 + 8 ≤ n ≤ r.len()`.
+                *v = unsafe { _mm256_loadu_ps(r.as_ptr().add(c * 8)) };
+            }
+            for (acc_i, r) in acc.iter_mut().zip(&a) {
+                // SAFETY: as above.
+                let av = unsafe { _mm256_loadu_ps(r.as_ptr().add(c * 8)) };
+                for (s, &v) in acc_i.iter_mut().zip(&bv) {
+                    *s = _mm256_add_ps(*s, _mm256_mul_ps(av, v));
+                }
+            }
+        }
+        let mut out = [[0f32; B]; A];
+        for ((o, acc_i), ra) in out.iter_mut().zip(&acc).zip(&a) {
+            for ((v, s), rb) in o.iter_mut().zip(acc_i).zip(&b) {
+                let mut l = [0f32; 8];
+                // SAFETY: `l` holds 8 floats.
+                unsafe { _mm256_storeu_ps(l.as_mut_ptr(), *s) };
+                let mut tail = 0f32;
+                for (x, y) in ra[chunks * 8..n].iter().zip(&rb[chunks * 8..n]) {
+                    tail += x * y;
+                }
+                *v = ((l[0] + l[4]) + (l[1] + l[5])) + ((l[2] + l[6]) + (l[3] + l[7])) + tail;
+            }
+        }
+        out
+    }
+
+    /// Outputs per head of a register block of [`weighted_sums`] (two registers).
+    const BLOCK: usize = 16;
+
+    /// [`super::weighted_sums`]: blocks of 16 outputs of every head in `2·H` registers (a skipped term is blended
+    /// away, leaving the accumulator as it was), then the portable loop for the tail.
+    ///
+    /// # Safety
+    /// AVX must be available.
+    #[target_feature(enable = "avx")]
+    pub unsafe fn weighted_sums<'k, const H: usize>(
+        out: &mut [f32],
+        p: &[f32],
+        nk: usize,
+        n: usize,
+        row: &impl Fn(usize) -> &'k [f32],
+    ) {
+        let full = n / BLOCK * BLOCK;
+        let min = _mm256_set1_ps(f32::MIN_POSITIVE);
+        for b0 in (0..full).step_by(BLOCK) {
+            let mut acc = [[_mm256_setzero_ps(); 2]; H];
+            for j in 0..nk {
+                let r = &row(j)[b0..b0 + BLOCK];
+                // SAFETY: `r` holds BLOCK = 16 values (sliced above).
+                let (v0, v1) = unsafe { (_mm256_loadu_ps(r.as_ptr()), _mm256_loadu_ps(r.as_ptr().add(8))) };
+                for (h, a) in acc.iter_mut().enumerate() {
+                    let pv = _mm256_set1_ps(p[h * nk + j]);
+                    let skip = _mm256_cmp_ps::<_CMP_LT_OQ>(pv, min);
+                    a[0] = _mm256_blendv_ps(_mm256_add_ps(a[0], _mm256_mul_ps(pv, v0)), a[0], skip);
+                    a[1] = _mm256_blendv_ps(_mm256_add_ps(a[1], _mm256_mul_ps(pv, v1)), a[1], skip);
+                }
+            }
+            for (h, a) in acc.iter().enumerate() {
+                let o = &mut out[h * n + b0..h * n + b0 + BLOCK];
+                // SAFETY: `o` holds BLOCK = 16 values (sliced above).
+                unsafe {
+                    _mm256_storeu_ps(o.as_mut_ptr(), a[0]);
+                    _mm256_storeu_ps(o.as_mut_ptr().add(8), a[1]);
+                }
+            }
+        }
+        if full < n {
+            super::tail_sums::<H>(out, p, nk, n, full, row);
+        }
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    /// Deterministic pseudo-random values in `[-amp, amp)` (xorshift of `seed`), for the kernels' tests.
+    pub(crate) fn random_values(n: usize, seed: u32, amp: f32) -> Vec<f32> {
+        let mut x = seed.wrapping_mul(0x9e37_79b9) | 1;
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 17;
+                x ^= x << 5;
+                ((x >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0) * amp
+            })
+            .collect()
+    }
+
+    /// Values in [-2, 2) with a spread of exponents, so rounding differences would show.
+    fn values(n: usize, seed: u32) -> Vec<f32> {
+        let scales = [1.0, 1e-3, 37.0, 0.25];
+        random_values(n, seed, 2.0).iter().enumerate().map(|(i, v)| v * scales[i % 4]).collect()
+    }
+
+    #[test]
+    fn dot_tiles_are_dot_f32_bit_for_bit() {
+        for n in [0usize, 1, 7, 8, 9, 64, 127, 128, 131, 512] {
+            let rows: Vec<Vec<f32>> = (0..6).map(|s| values(n, s as u32 + 7 * n as u32)).collect();
+            let got = dots::<4, 2>([&rows[0], &rows[1], &rows[2], &rows[3]], [&rows[4], &rows[5]], n);
+            for (i, g) in got.iter().enumerate() {
+                for (j, &v) in g.iter().enumerate() {
+                    assert_eq!(v.to_bits(), dot_f32(&rows[i], &rows[4 + j]).to_bits(), "n {n} pair {i},{j}");
+                }
+            }
+            let got = dots::<1, 3>([&rows[5]], [&rows[0], &rows[2], &rows[3]], n);
+            for (j, k) in [0, 2, 3].into_iter().enumerate() {
+                assert_eq!(got[0][j].to_bits(), dot_f32(&rows[5], &rows[k]).to_bits(), "n {n} 1x3 {j}");
+            }
+        }
+    }
+
+    #[test]
+    fn weighted_sums_accumulate_rows_in_order_bit_for_bit() {
+        for n in [1usize, 8, 15, 16, 17, 130, 512] {
+            let rows: Vec<Vec<f32>> = (0..40).map(|s| values(n, 1000 + s)).collect();
+            let nk = rows.len();
+            // Weights with denormal, zero, negative and tiny-normal entries: the skipped terms and the kept ones.
+            let mut p = values(3 * nk, 5 + n as u32);
+            for (i, v) in p.iter_mut().enumerate() {
+                match i % 7 {
+                    0 => *v = f32::MIN_POSITIVE / 3.0,
+                    1 => *v = 0.0,
+                    2 => *v = f32::MIN_POSITIVE,
+                    _ => {}
+                }
+            }
+            let mut got = vec![f32::NAN; 3 * n];
+            weighted_sums::<3>(&mut got, &p, nk, |j| &rows[j]);
+            for h in 0..3 {
+                let mut want = vec![0f32; n];
+                for (j, &pj) in p[h * nk..(h + 1) * nk].iter().enumerate() {
+                    if pj < f32::MIN_POSITIVE {
+                        continue;
+                    }
+                    for (o, &v) in want.iter_mut().zip(&rows[j]) {
+                        *o += pj * v;
+                    }
+                }
+                let g: Vec<u32> = got[h * n..(h + 1) * n].iter().map(|v| v.to_bits()).collect();
+                assert_eq!(g, want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "n {n} head {h}");
+            }
+            weighted_sums::<3>(&mut got, &[], 0, |j| &rows[j]);
+            assert!(got.iter().all(|v| v.to_bits() == 0), "an empty sum is +0.0");
+        }
+    }
+}
