@@ -216,10 +216,17 @@ impl Kernels for EngineKernels {
                 quant::quantize_acts(act, x, &mut one)?;
                 all.extend_from_slice(&one);
             }
-            // Four activation rows per call where the type has a four-row kernel, as the engine's matmul does.
-            let k4 = quant::dot_q4_kernel(ty);
+            // Eight, then four activation rows per call where the type has those kernels, as the engine's matmul does.
+            let (k4, k8) = (quant::dot_q4_kernel(ty), quant::dot_q8_kernel(ty));
             for (wr, yr) in w.chunks_exact(rb).zip(ys.chunks_exact_mut(batch)) {
                 let mut b = 0;
+                if let Some(k8) = k8 {
+                    while b + 8 <= batch {
+                        let a = |i: usize| &all[(b + i) * ab..(b + i + 1) * ab];
+                        yr[b..b + 8].copy_from_slice(&k8(wr, std::array::from_fn(a)));
+                        b += 8;
+                    }
+                }
                 if let Some(k4) = k4 {
                     while b + 4 <= batch {
                         let a = |i: usize| &all[(b + i) * ab..(b + i + 1) * ab];

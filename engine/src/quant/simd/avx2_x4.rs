@@ -35,6 +35,7 @@ pub(super) fn dot_q4(ty: GgmlType) -> Option<DotQ4> {
         return None;
     }
     Some(match ty {
+        GgmlType::Q8_0 if vnni() => q8_0_x4_vnni,
         GgmlType::Q8_0 => q8_0_x4,
         GgmlType::Q2K => q2_k_x4,
         GgmlType::Iq2Xxs => iq2_xxs_x4,
@@ -48,10 +49,19 @@ pub(super) fn dot_q8(ty: GgmlType) -> Option<DotQ8> {
         return None;
     }
     Some(match ty {
+        GgmlType::Q8_0 if vnni() => q8_0_x8_vnni,
+        GgmlType::Q8_0 => q8_0_x8,
         GgmlType::Q2K => q2_k_x8,
         GgmlType::Iq2Xxs => iq2_xxs_x8,
         _ => return None,
     })
+}
+
+/// Whether the Q8_0 multi-row kernels can use AVX-512 VNNI (`vpdpbusd` on 256-bit vectors) here.
+fn vnni() -> bool {
+    is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512vl")
+        && is_x86_feature_detected!("avx512vnni")
 }
 
 /// Whether all rows hold exactly `n` whole blocks of `ab` bytes.
@@ -64,7 +74,8 @@ macro_rules! wrap_r {
         fn $name(w: &[u8], a: [&[u8]; $r]) -> [f32; $r] {
             let n = w.len() / $wb;
             // SAFETY: handed out by `dot_q4` / `dot_q8` only after `avx2::available()` (AVX2, FMA, F16C), the
-            // features both functions are compiled for; the multi-row one gets rows of exactly `n` whole blocks.
+            // features both functions are compiled for — and, for the `_vnni` forms, after `vnni()` confirmed the
+            // AVX-512 features they add; the multi-row one gets rows of exactly `n` whole blocks.
             unsafe {
                 if same_blocks(&a, $ab, n) {
                     $imp::<$r>(w, a, n)
@@ -76,67 +87,112 @@ macro_rules! wrap_r {
     };
 }
 wrap_r!(q8_0_x4, 4, q8_0_xr_imp, q8_0_q8_0_imp, q8_0::BLOCK_BYTES, q8_0::BLOCK_BYTES);
+wrap_r!(q8_0_x8, 8, q8_0_xr_imp, q8_0_q8_0_imp, q8_0::BLOCK_BYTES, q8_0::BLOCK_BYTES);
+wrap_r!(q8_0_x4_vnni, 4, q8_0_xr_vnni_imp, q8_0_q8_0_imp, q8_0::BLOCK_BYTES, q8_0::BLOCK_BYTES);
+wrap_r!(q8_0_x8_vnni, 8, q8_0_xr_vnni_imp, q8_0_q8_0_imp, q8_0::BLOCK_BYTES, q8_0::BLOCK_BYTES);
 wrap_r!(q2_k_x4, 4, q2_k_xr_imp, q2_k_q8_k_imp, q2_k::BLOCK_BYTES, q8_k::BLOCK_BYTES);
 wrap_r!(iq2_xxs_x4, 4, iq2_xxs_xr_imp, iq2_xxs_q8_k_imp, iq2_xxs::BLOCK_BYTES, q8_k::BLOCK_BYTES);
 wrap_r!(q2_k_x8, 8, q2_k_xr_imp, q2_k_q8_k_imp, q2_k::BLOCK_BYTES, q8_k::BLOCK_BYTES);
 wrap_r!(iq2_xxs_x8, 8, iq2_xxs_xr_imp, iq2_xxs_q8_k_imp, iq2_xxs::BLOCK_BYTES, q8_k::BLOCK_BYTES);
 
-/// Q8_0 · Q8_0, four rows (the single kernel: two accumulators, even blocks into the first).
+/// Blocks whose scales one gather fetches per row (the Q8_0 multi-row kernels convert them eight at a time).
+const SCALE_CHUNK: usize = 8;
+
+/// The f16 scales of blocks `0..8` of a Q8_0 row starting at `p` (the first two bytes of each 34-byte block),
+/// as f32, exactly (F16C's conversion is exact, like `f16_at`); lanes where `live` is zero read nothing and are 0.
 ///
 /// # Safety
-/// AVX2/FMA/F16C present; `w` and every `a[r]` hold at least `n` whole blocks; `R == 4`.
+/// AVX2/FMA/F16C present; every block whose lane is live in `live` lies inside the row.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q8_0_scales(p: *const u8, live: __m256i) -> __m256 {
+    let at = _mm256_setr_epi32(0, 34, 68, 102, 136, 170, 204, 238);
+    // SAFETY: live lanes read 4 bytes at the start of a block inside the row (the caller's contract); masked lanes
+    // are not accessed.
+    let g = unsafe { _mm256_mask_i32gather_epi32::<1>(_mm256_setzero_si256(), p as *const i32, at, live) };
+    let h = _mm256_packus_epi32(_mm256_and_si256(g, _mm256_set1_epi32(0xffff)), _mm256_setzero_si256());
+    _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64::<0b1000>(h)))
+}
+
+/// The body of the Q8_0 multi-row kernels, `$R` rows of `$n` blocks; `$prod(mag, qw, qa)` is one block's eight
+/// i32 lanes `Σ₄ w·a` from the weight quants `qw`, their magnitudes `mag` and the activation quants `qa`.
+///
+/// Per chunk of eight blocks the rows' `d_w · d_a` are computed at once (gathered scales, one multiply per row:
+/// the single kernel's product, bit for bit) into a small array the block loop broadcasts from; per block the
+/// weight quants and their magnitudes are loaded once for every row. Even blocks accumulate into a row's first
+/// accumulator, odd ones into its second, as in the single kernel.
+macro_rules! q8_0_rows_body {
+    ($w:ident, $a:ident, $n:ident, $R:ident, $prod:expr) => {{
+        const B: usize = q8_0::BLOCK_BYTES;
+        let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        let mut acc = [[_mm256_setzero_ps(); 2]; $R];
+        let mut dd = [[0f32; SCALE_CHUNK]; $R];
+        let wp = $w.as_ptr();
+        let mut c0 = 0;
+        while c0 < $n {
+            let nb = ($n - c0).min(SCALE_CHUNK);
+            let live = _mm256_cmpgt_epi32(_mm256_set1_epi32(nb as i32), lane);
+            // SAFETY: blocks `c0..c0 + nb` lie inside the weight row and every activation row (`$n` blocks each).
+            let dw = unsafe { q8_0_scales(wp.add(c0 * B), live) };
+            for r in 0..$R {
+                // SAFETY: as above.
+                let da = unsafe { q8_0_scales($a[r].as_ptr().add(c0 * B), live) };
+                // SAFETY: `dd[r]` is 8 writable f32.
+                unsafe { _mm256_storeu_ps(dd[r].as_mut_ptr(), _mm256_mul_ps(dw, da)) };
+            }
+            let mut k = 0;
+            while k < nb {
+                let off = (c0 + k) * B;
+                prefetch_ahead::<2>(wp.wrapping_add(off));
+                for h in 0..2 {
+                    if h == 1 && k + 1 == nb {
+                        break;
+                    }
+                    let o = off + h * B;
+                    // SAFETY: block `c0 + k + h < $n` of the weight row; 32 bytes at offset 2.
+                    let qw = unsafe { ld_si256(wp.add(o + 2)) };
+                    let mag = _mm256_sign_epi8(qw, qw);
+                    for r in 0..$R {
+                        // SAFETY: block `c0 + k + h < $n` of row `r`.
+                        let qa = unsafe { ld_si256($a[r].as_ptr().add(o + 2)) };
+                        let p = _mm256_cvtepi32_ps($prod(mag, qw, qa));
+                        acc[r][h] = _mm256_fmadd_ps(_mm256_set1_ps(dd[r][k + h]), p, acc[r][h]);
+                    }
+                }
+                k += 2;
+            }
+            c0 += SCALE_CHUNK;
+        }
+        std::array::from_fn(|r| hsum_ps(_mm256_add_ps(acc[r][0], acc[r][1])))
+    }};
+}
+
+/// Q8_0 · Q8_0, `R` rows, AVX2: `maddubs(|w|, sign(a, w))` then `madd` with ones, as the single kernel.
+///
+/// # Safety
+/// AVX2/FMA/F16C present; `w` and every `a[r]` hold at least `n` whole blocks.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q8_0_xr_imp<const R: usize>(w: &[u8], a: [&[u8]; R], n: usize) -> [f32; R] {
-    const B: usize = q8_0::BLOCK_BYTES;
-    const { assert!(R == 4) };
     let ones = _mm256_set1_epi16(1);
-    let mut acc = [[_mm256_setzero_ps(); 2]; R];
-    let wp = w.as_ptr();
-    // `d_w · d_a` of the step's (block, row) pairs, block-major, for broadcasts from memory.
-    let mut dd = [0f32; 8];
-    let mut j = 0;
-    while j < n {
-        let pair = j + 1 < n;
-        let blocks = if pair { 2 } else { 1 };
-        if pair {
-            prefetch_ahead::<2>(wp.wrapping_add(j * B));
-        }
-        // The rows' scales of both blocks converted together (F16C's conversion is exact, like `f16_at`), then
-        // `d_w · d_a` per (block, row): the single kernel's product, bit for bit. A lone last block reads its own
-        // scales twice.
-        let o1 = (j + blocks - 1) * B;
-        // SAFETY: blocks `j` and `j + blocks - 1` are below `n` in every row; the scale is their first two bytes.
-        let h = |r: usize, off: usize| unsafe { std::ptr::read_unaligned(a[r].as_ptr().add(off) as *const i16) };
-        let o0 = j * B;
-        let da = _mm256_cvtph_ps(_mm_setr_epi16(
-            h(0, o0),
-            h(1, o0),
-            h(2, o0),
-            h(3, o0),
-            h(0, o1),
-            h(1, o1),
-            h(2, o1),
-            h(3, o1),
-        ));
-        let dw = _mm256_setr_m128(_mm_set1_ps(f16_at(w, o0)), _mm_set1_ps(f16_at(w, o1)));
-        // SAFETY: `dd` is 8 writable f32.
-        unsafe { _mm256_storeu_ps(dd.as_mut_ptr(), _mm256_mul_ps(dw, da)) };
-        for k in 0..blocks {
-            let off = (j + k) * B;
-            // SAFETY: block `j + k < n` of the weight row; 32 bytes at offset 2.
-            let qw = unsafe { ld_si256(wp.add(off + 2)) };
-            let mag = _mm256_sign_epi8(qw, qw);
-            for r in 0..R {
-                // SAFETY: block `j + k < n` of row `r`.
-                let qa = unsafe { ld_si256(a[r].as_ptr().add(off + 2)) };
-                let p16 = _mm256_maddubs_epi16(mag, _mm256_sign_epi8(qa, qw));
-                let p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
-                acc[r][k] = _mm256_fmadd_ps(_mm256_set1_ps(dd[4 * k + r]), p, acc[r][k]);
-            }
-        }
-        j += 2;
-    }
-    std::array::from_fn(|r| hsum_ps(_mm256_add_ps(acc[r][0], acc[r][1])))
+    q8_0_rows_body!(w, a, n, R, |mag, qw, qa| _mm256_madd_epi16(
+        _mm256_maddubs_epi16(mag, _mm256_sign_epi8(qa, qw)),
+        ones
+    ))
+}
+
+/// Q8_0 · Q8_0, `R` rows, with AVX-512 VNNI's `vpdpbusd` on 256-bit vectors: `|w| · sign(a, w)` summed four bytes
+/// per i32 lane in one instruction — the same lanes as `maddubs` + `madd` (no pair sum saturates: at most
+/// 2·128·127), so the same exact integers. The 32 vector registers hold all eight rows' sixteen accumulators.
+///
+/// # Safety
+/// AVX2/FMA/F16C and AVX-512 F/VL/VNNI present; `w` and every `a[r]` hold at least `n` whole blocks.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+unsafe fn q8_0_xr_vnni_imp<const R: usize>(w: &[u8], a: [&[u8]; R], n: usize) -> [f32; R] {
+    q8_0_rows_body!(w, a, n, R, |mag, qw, qa| _mm256_dpbusd_epi32(
+        _mm256_setzero_si256(),
+        mag,
+        _mm256_sign_epi8(qa, qw)
+    ))
 }
 
 /// Q2_K · Q8_K, `R` rows.
@@ -261,9 +317,9 @@ mod tests {
                 return;
             };
             let k8 = dot_q8(ty);
-            assert_eq!(k8.is_some(), ty != GgmlType::Q8_0, "{ty}: eight-row kernel");
+            assert!(k8.is_some(), "{ty}: eight-row kernel");
             let bv = ty.block_values();
-            for n in [1usize, 2, 3, 5, 8] {
+            for n in [1usize, 2, 3, 5, 8, 9, 17] {
                 for scale in [1e-3f32, 1.0, 30.0] {
                     let x: Vec<f32> = (0..n * bv).map(|_| rng.gen_range(-1f32..1.0) * scale).collect();
                     let mut wr = vec![0u8; ty.row_bytes((n * bv) as u64).unwrap() as usize];
@@ -295,6 +351,46 @@ mod tests {
                         assert_eq!(k8(&wr, mixed).map(f32::to_bits)[..], want[..], "{ty} {n} blocks, unequal rows");
                     }
                 }
+            }
+        }
+    }
+
+    /// Both Q8_0 multi-row forms (AVX2, and VNNI where present) on raw bytes — every quant value including -128 on
+    /// both sides, scales normal and subnormal — give the single kernel's bits, for 1..=20 blocks (whole and
+    /// partial scale chunks, odd and even counts).
+    #[test]
+    fn q8_0_multi_row_forms_match_the_single_kernel_on_raw_bytes() {
+        if !super::super::avx2::available() {
+            eprintln!("no AVX2 here: nothing to test");
+            return;
+        }
+        // SAFETY: AVX2, FMA and F16C were checked above.
+        let single = |w: &[u8], a: &[u8]| unsafe { super::super::avx2::q8_0_q8_0_imp(w, a) };
+        let mut forms: Vec<(&str, DotQ4, DotQ8)> = vec![("avx2", q8_0_x4, q8_0_x8)];
+        if vnni() {
+            forms.push(("vnni", q8_0_x4_vnni, q8_0_x8_vnni));
+        }
+        let mut rng = StdRng::seed_from_u64(17);
+        let mut block = |rng: &mut StdRng| -> Vec<u8> {
+            let mut b: Vec<u8> = (0..q8_0::BLOCK_BYTES).map(|_| rng.gen()).collect();
+            // A finite f16 scale: normal (exponent 1..=30) or subnormal (exponent 0).
+            let exp: u16 = if rng.gen_bool(0.3) { 0 } else { rng.gen_range(1..31) };
+            let h = (rng.gen::<u16>() & 0x83ff) | (exp << 10);
+            b[..2].copy_from_slice(&h.to_le_bytes());
+            b
+        };
+        for n in 1..=20usize {
+            let row = |rng: &mut StdRng, block: &mut dyn FnMut(&mut StdRng) -> Vec<u8>| -> Vec<u8> {
+                (0..n).flat_map(|_| block(rng)).collect()
+            };
+            let w = row(&mut rng, &mut block);
+            let rows: Vec<Vec<u8>> = (0..8).map(|_| row(&mut rng, &mut block)).collect();
+            let want: Vec<u32> = rows.iter().map(|r| single(&w, r).to_bits()).collect();
+            for (name, k4, k8) in &forms {
+                let got = k4(&w, std::array::from_fn(|r| &rows[r][..]));
+                assert_eq!(got.map(f32::to_bits)[..], want[..4], "{name}, 4 rows, {n} blocks");
+                let got = k8(&w, std::array::from_fn(|r| &rows[r][..]));
+                assert_eq!(got.map(f32::to_bits)[..], want[..], "{name}, 8 rows, {n} blocks");
             }
         }
     }
