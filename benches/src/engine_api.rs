@@ -216,21 +216,26 @@ impl Kernels for EngineKernels {
                 quant::quantize_acts(act, x, &mut one)?;
                 all.extend_from_slice(&one);
             }
-            // Eight, then four activation rows per call where the type has those kernels, as the engine's matmul does.
+            // Eight, then four activation rows per call where the type has those kernels, with the rows' block
+            // scales converted once, as the engine's matmul does.
             let (k4, k8) = (quant::dot_q4_kernel(ty), quant::dot_q8_kernel(ty));
+            let mut scales = Vec::new();
+            quant::act_block_scales(act, &all, &mut scales);
+            let per_row = scales.len() / batch;
+            let d = |b: usize| scales.get(b * per_row..(b + 1) * per_row).unwrap_or(&[]);
             for (wr, yr) in w.chunks_exact(rb).zip(ys.chunks_exact_mut(batch)) {
                 let mut b = 0;
                 if let Some(k8) = k8 {
                     while b + 8 <= batch {
                         let a = |i: usize| &all[(b + i) * ab..(b + i + 1) * ab];
-                        yr[b..b + 8].copy_from_slice(&k8(wr, std::array::from_fn(a)));
+                        yr[b..b + 8].copy_from_slice(&k8(wr, std::array::from_fn(a), std::array::from_fn(|i| d(b + i))));
                         b += 8;
                     }
                 }
                 if let Some(k4) = k4 {
                     while b + 4 <= batch {
                         let a = |i: usize| &all[(b + i) * ab..(b + i + 1) * ab];
-                        yr[b..b + 4].copy_from_slice(&k4(wr, [a(0), a(1), a(2), a(3)]));
+                        yr[b..b + 4].copy_from_slice(&k4(wr, std::array::from_fn(a), std::array::from_fn(|i| d(b + i))));
                         b += 4;
                     }
                 }

@@ -79,7 +79,7 @@ wrap!(iq2_xxs_q8_k, iq2_xxs_q8_k_imp, &[u8]);
 /// `p` must be valid for reading 32 bytes.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn ld_ps(p: *const u8) -> __m256 {
+pub(super) unsafe fn ld_ps(p: *const u8) -> __m256 {
     // SAFETY: guaranteed by the caller.
     unsafe { _mm256_loadu_ps(p as *const f32) }
 }
@@ -115,7 +115,8 @@ fn f32_f32_imp(w: &[u8], x: &[f32]) -> f32 {
     dot_f32_bytes(w, x, (w.len() / 4).min(x.len()))
 }
 
-/// Shared loop for the 16-bit float formats: `cvt` turns 8 packed 16-bit values into 8 f32.
+/// Shared loop for the 16-bit float formats: `cvt` turns 8 packed 16-bit values into 8 f32 (`avx2_x4` has the
+/// multi-row form, `half_rows`, in the same order).
 macro_rules! half_dot {
     ($w:ident, $x:ident, $cvt:expr, $scalar:expr) => {{
         let n = ($w.len() / 2).min($x.len());
@@ -142,19 +143,19 @@ macro_rules! half_dot {
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-fn f16_f32_imp(w: &[u8], x: &[f32]) -> f32 {
+pub(super) fn f16_f32_imp(w: &[u8], x: &[f32]) -> f32 {
     half_dot!(w, x, _mm256_cvtph_ps, |b| half::f16::from_bits(b).to_f32())
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-fn bf16_f32_imp(w: &[u8], x: &[f32]) -> f32 {
+pub(super) fn bf16_f32_imp(w: &[u8], x: &[f32]) -> f32 {
     half_dot!(w, x, bf16x8_to_ps, super::super::f16::bf16_to_f32)
 }
 
 /// 8 packed BF16 values to 8 f32 (exact: shift into the high half).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn bf16x8_to_ps(h: __m128i) -> __m256 {
+pub(super) fn bf16x8_to_ps(h: __m128i) -> __m256 {
     _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
 }
 

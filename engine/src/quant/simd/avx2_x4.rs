@@ -23,10 +23,10 @@
 
 use std::arch::x86_64::*;
 
-use super::super::api::{DotQ4, DotQ8};
+use super::super::api::{DotF4, DotF8, DotQ4, DotQ8};
 use super::super::iq2_tables::IQ2XXS_GRID;
 use super::super::{iq2_xxs, q2_k, q8_0, q8_k, GgmlType};
-use super::avx2::{Q2_SCALE_SHUF, SIGNS_PM1};
+use super::avx2::{bf16x8_to_ps, ld_ps, Q2_SCALE_SHUF, SIGNS_PM1};
 use super::x86::{f16_at, hsum_ps, ld_si256, prefetch_ahead};
 
 /// The four-row kernel for `ty` where its single kernel is the AVX2 one (the caller checks that).
@@ -57,6 +57,18 @@ pub(super) fn dot_q8(ty: GgmlType) -> Option<DotQ8> {
     })
 }
 
+/// The four- and eight-row F16 / BF16 kernels (the AVX2 single kernels' multi-row forms).
+pub(super) fn dot_f_multi(ty: GgmlType) -> (Option<DotF4>, Option<DotF8>) {
+    if !super::avx2::available() {
+        return (None, None);
+    }
+    match ty {
+        GgmlType::F16 => (Some(f16_x4), Some(f16_x8)),
+        GgmlType::Bf16 => (Some(bf16_x4), Some(bf16_x8)),
+        _ => (None, None),
+    }
+}
+
 /// Whether the Q8_0 multi-row kernels can use AVX-512 VNNI (`vpdpbusd` on 256-bit vectors) here.
 fn vnni() -> bool {
     is_x86_feature_detected!("avx512f")
@@ -71,14 +83,14 @@ fn same_blocks<const R: usize>(a: &[&[u8]; R], ab: usize, n: usize) -> bool {
 
 macro_rules! wrap_r {
     ($name:ident, $r:literal, $imp:ident, $single:ident, $wb:expr, $ab:expr) => {
-        fn $name(w: &[u8], a: [&[u8]; $r]) -> [f32; $r] {
+        fn $name(w: &[u8], a: [&[u8]; $r], da: [&[f32]; $r]) -> [f32; $r] {
             let n = w.len() / $wb;
             // SAFETY: handed out by `dot_q4` / `dot_q8` only after `avx2::available()` (AVX2, FMA, F16C), the
             // features both functions are compiled for — and, for the `_vnni` forms, after `vnni()` confirmed the
             // AVX-512 features they add; the multi-row one gets rows of exactly `n` whole blocks.
             unsafe {
                 if same_blocks(&a, $ab, n) {
-                    $imp::<$r>(w, a, n)
+                    $imp::<$r>(w, a, da, n)
                 } else {
                     a.map(|r| super::avx2::$single(w, r))
                 }
@@ -94,6 +106,76 @@ wrap_r!(q2_k_x4, 4, q2_k_xr_imp, q2_k_q8_k_imp, q2_k::BLOCK_BYTES, q8_k::BLOCK_B
 wrap_r!(iq2_xxs_x4, 4, iq2_xxs_xr_imp, iq2_xxs_q8_k_imp, iq2_xxs::BLOCK_BYTES, q8_k::BLOCK_BYTES);
 wrap_r!(q2_k_x8, 8, q2_k_xr_imp, q2_k_q8_k_imp, q2_k::BLOCK_BYTES, q8_k::BLOCK_BYTES);
 wrap_r!(iq2_xxs_x8, 8, iq2_xxs_xr_imp, iq2_xxs_q8_k_imp, iq2_xxs::BLOCK_BYTES, q8_k::BLOCK_BYTES);
+
+macro_rules! wrap_half {
+    ($name:ident, $r:literal, $imp:ident, $single:ident) => {
+        fn $name(w: &[u8], x: [&[f32]; $r]) -> [f32; $r] {
+            // SAFETY: handed out by `dot_f_multi` only after `avx2::available()` (AVX2, FMA, F16C), the features
+            // both functions are compiled for; the multi-row one gets rows of one length.
+            unsafe {
+                if x.iter().all(|r| r.len() == x[0].len()) {
+                    $imp::<$r>(w, x)
+                } else {
+                    x.map(|r| super::avx2::$single(w, r))
+                }
+            }
+        }
+    };
+}
+wrap_half!(f16_x4, 4, f16_xr_imp, f16_f32_imp);
+wrap_half!(f16_x8, 8, f16_xr_imp, f16_f32_imp);
+wrap_half!(bf16_x4, 4, bf16_xr_imp, bf16_f32_imp);
+wrap_half!(bf16_x8, 8, bf16_xr_imp, bf16_f32_imp);
+
+/// The body of the 16-bit float multi-row kernels: the single kernel's loop (`avx2`'s `half_dot`: two
+/// accumulators, 16 values per step, a scalar tail) with each 16 weights converted once for the `$R` rows.
+macro_rules! half_rows {
+    ($w:ident, $x:ident, $R:ident, $cvt:expr, $scalar:expr) => {{
+        let n = ($w.len() / 2).min($x[0].len());
+        let wp = $w.as_ptr();
+        let mut acc = [[_mm256_setzero_ps(); 2]; $R];
+        let mut i = 0;
+        while i + 16 <= n {
+            // SAFETY: i + 16 ≤ n, so 32 bytes of w at 2i and 64 bytes of every row (all `n` or longer) at 4i are in
+            // bounds.
+            unsafe {
+                let w0 = $cvt(_mm_loadu_si128(wp.add(2 * i) as *const __m128i));
+                let w1 = $cvt(_mm_loadu_si128(wp.add(2 * i + 16) as *const __m128i));
+                for r in 0..$R {
+                    let xp = $x[r].as_ptr() as *const u8;
+                    acc[r][0] = _mm256_fmadd_ps(w0, ld_ps(xp.add(4 * i)), acc[r][0]);
+                    acc[r][1] = _mm256_fmadd_ps(w1, ld_ps(xp.add(4 * i + 32)), acc[r][1]);
+                }
+            }
+            i += 16;
+        }
+        std::array::from_fn(|r| {
+            let mut s = hsum_ps(_mm256_add_ps(acc[r][0], acc[r][1]));
+            for j in i..n {
+                s += $scalar(u16::from_le_bytes([$w[2 * j], $w[2 * j + 1]])) * $x[r][j];
+            }
+            s
+        })
+    }};
+}
+
+/// F16 · f32, `R` rows of one length.
+///
+/// # Safety
+/// AVX2/FMA/F16C present.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn f16_xr_imp<const R: usize>(w: &[u8], x: [&[f32]; R]) -> [f32; R] {
+    half_rows!(w, x, R, _mm256_cvtph_ps, |b| half::f16::from_bits(b).to_f32())
+}
+
+/// BF16 · f32, `R` rows of one length.
+///
+/// # Safety
+/// AVX2/FMA/F16C present.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn bf16_xr_imp<const R: usize>(w: &[u8], x: [&[f32]; R]) -> [f32; R] {
+    half_rows!(w, x, R, bf16x8_to_ps, super::super::f16::bf16_to_f32)
+}
 
 /// Blocks whose scales one gather fetches per row (the Q8_0 multi-row kernels convert them eight at a time).
 const SCALE_CHUNK: usize = 8;
@@ -117,12 +199,13 @@ unsafe fn q8_0_scales(p: *const u8, live: __m256i) -> __m256 {
 /// The body of the Q8_0 multi-row kernels, `$R` rows of `$n` blocks; `$prod(mag, qw, qa)` is one block's eight
 /// i32 lanes `Σ₄ w·a` from the weight quants `qw`, their magnitudes `mag` and the activation quants `qa`.
 ///
-/// Per chunk of eight blocks the rows' `d_w · d_a` are computed at once (gathered scales, one multiply per row:
-/// the single kernel's product, bit for bit) into a small array the block loop broadcasts from; per block the
+/// Per chunk of eight blocks the rows' `d_w · d_a` are computed at once (one multiply per row: the single kernel's
+/// product, bit for bit; the activation scales from `$da` where the caller converted them, else gathered) into a
+/// small array the block loop broadcasts from; per block the
 /// weight quants and their magnitudes are loaded once for every row. Even blocks accumulate into a row's first
 /// accumulator, odd ones into its second, as in the single kernel.
 macro_rules! q8_0_rows_body {
-    ($w:ident, $a:ident, $n:ident, $R:ident, $prod:expr) => {{
+    ($w:ident, $a:ident, $da:ident, $n:ident, $R:ident, $prod:expr) => {{
         const B: usize = q8_0::BLOCK_BYTES;
         let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
         let mut acc = [[_mm256_setzero_ps(); 2]; $R];
@@ -135,8 +218,13 @@ macro_rules! q8_0_rows_body {
             // SAFETY: blocks `c0..c0 + nb` lie inside the weight row and every activation row (`$n` blocks each).
             let dw = unsafe { q8_0_scales(wp.add(c0 * B), live) };
             for r in 0..$R {
-                // SAFETY: as above.
-                let da = unsafe { q8_0_scales($a[r].as_ptr().add(c0 * B), live) };
+                let da = if $da[r].len() >= $n {
+                    // SAFETY: lanes below `nb` read `$da[r][c0..c0 + nb]`, inside the slice; the others nothing.
+                    unsafe { _mm256_maskload_ps($da[r].as_ptr().add(c0), live) }
+                } else {
+                    // SAFETY: as above.
+                    unsafe { q8_0_scales($a[r].as_ptr().add(c0 * B), live) }
+                };
                 // SAFETY: `dd[r]` is 8 writable f32.
                 unsafe { _mm256_storeu_ps(dd[r].as_mut_ptr(), _mm256_mul_ps(dw, da)) };
             }
@@ -172,9 +260,9 @@ macro_rules! q8_0_rows_body {
 /// # Safety
 /// AVX2/FMA/F16C present; `w` and every `a[r]` hold at least `n` whole blocks.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q8_0_xr_imp<const R: usize>(w: &[u8], a: [&[u8]; R], n: usize) -> [f32; R] {
+unsafe fn q8_0_xr_imp<const R: usize>(w: &[u8], a: [&[u8]; R], da: [&[f32]; R], n: usize) -> [f32; R] {
     let ones = _mm256_set1_epi16(1);
-    q8_0_rows_body!(w, a, n, R, |mag, qw, qa| _mm256_madd_epi16(
+    q8_0_rows_body!(w, a, da, n, R, |mag, qw, qa| _mm256_madd_epi16(
         _mm256_maddubs_epi16(mag, _mm256_sign_epi8(qa, qw)),
         ones
     ))
@@ -187,8 +275,8 @@ unsafe fn q8_0_xr_imp<const R: usize>(w: &[u8], a: [&[u8]; R], n: usize) -> [f32
 /// # Safety
 /// AVX2/FMA/F16C and AVX-512 F/VL/VNNI present; `w` and every `a[r]` hold at least `n` whole blocks.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-unsafe fn q8_0_xr_vnni_imp<const R: usize>(w: &[u8], a: [&[u8]; R], n: usize) -> [f32; R] {
-    q8_0_rows_body!(w, a, n, R, |mag, qw, qa| _mm256_dpbusd_epi32(
+unsafe fn q8_0_xr_vnni_imp<const R: usize>(w: &[u8], a: [&[u8]; R], da: [&[f32]; R], n: usize) -> [f32; R] {
+    q8_0_rows_body!(w, a, da, n, R, |mag, qw, qa| _mm256_dpbusd_epi32(
         _mm256_setzero_si256(),
         mag,
         _mm256_sign_epi8(qa, qw)
@@ -200,7 +288,7 @@ unsafe fn q8_0_xr_vnni_imp<const R: usize>(w: &[u8], a: [&[u8]; R], n: usize) ->
 /// # Safety
 /// AVX2/FMA/F16C present; `w` holds `n` whole Q2_K blocks, every `a[r]` `n` whole Q8_K blocks.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q2_k_xr_imp<const R: usize>(w: &[u8], a: [&[u8]; R], n: usize) -> [f32; R] {
+unsafe fn q2_k_xr_imp<const R: usize>(w: &[u8], a: [&[u8]; R], _da: [&[f32]; R], n: usize) -> [f32; R] {
     const WB: usize = q2_k::BLOCK_BYTES;
     const AB: usize = q8_k::BLOCK_BYTES;
     let m3 = _mm256_set1_epi8(3);
@@ -257,7 +345,7 @@ unsafe fn q2_k_xr_imp<const R: usize>(w: &[u8], a: [&[u8]; R], n: usize) -> [f32
 /// # Safety
 /// AVX2/FMA/F16C present; `w` holds `n` whole IQ2_XXS blocks, every `a[r]` `n` whole Q8_K blocks.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn iq2_xxs_xr_imp<const R: usize>(w: &[u8], a: [&[u8]; R], n: usize) -> [f32; R] {
+unsafe fn iq2_xxs_xr_imp<const R: usize>(w: &[u8], a: [&[u8]; R], _da: [&[f32]; R], n: usize) -> [f32; R] {
     const WB: usize = iq2_xxs::BLOCK_BYTES;
     const AB: usize = q8_k::BLOCK_BYTES;
     let mut acc = [_mm256_setzero_ps(); R];
@@ -303,7 +391,7 @@ unsafe fn iq2_xxs_xr_imp<const R: usize>(w: &[u8], a: [&[u8]; R], n: usize) -> [
 mod tests {
     use super::*;
     use crate::quant::act::plain_act_type as plain;
-    use crate::quant::{quantize_acts, quantize_row};
+    use crate::quant::{act_block_scales, quantize_acts, quantize_row};
     use rand::{rngs::StdRng, Rng, SeedableRng};
 
     /// Four and eight rows at once give exactly that many single AVX2 dots for every type: block counts odd and
@@ -336,19 +424,31 @@ mod tests {
                         })
                         .collect();
                     let want: Vec<u32> = rows.iter().map(|r| k(&wr, r).to_bits()).collect();
-                    let got = k4(&wr, std::array::from_fn(|r| &rows[r][..]));
-                    assert_eq!(got.map(f32::to_bits)[..], want[..4], "{ty} {n} blocks, scale {scale}");
-                    if let Some(k8) = k8 {
-                        let got = k8(&wr, std::array::from_fn(|r| &rows[r][..]));
-                        assert_eq!(got.map(f32::to_bits)[..], want[..], "{ty} {n} blocks, scale {scale}, 8 rows");
+                    // Without and with the rows' block scales converted by the caller.
+                    let scales: Vec<Vec<f32>> = rows
+                        .iter()
+                        .map(|r| {
+                            let mut v = Vec::new();
+                            act_block_scales(plain(ty), r, &mut v);
+                            v
+                        })
+                        .collect();
+                    for da in [[&[][..]; 8], std::array::from_fn(|r| &scales[r][..])] {
+                        let got = k4(&wr, std::array::from_fn(|r| &rows[r][..]), std::array::from_fn(|r| da[r]));
+                        assert_eq!(got.map(f32::to_bits)[..], want[..4], "{ty} {n} blocks, scale {scale}");
+                        if let Some(k8) = k8 {
+                            let got = k8(&wr, std::array::from_fn(|r| &rows[r][..]), da);
+                            assert_eq!(got.map(f32::to_bits)[..], want[..], "{ty} {n} blocks, scale {scale}, 8 rows");
+                        }
                     }
                     let short = &rows[3][..rows[3].len() / 2];
                     let mixed: [&[u8]; 8] = std::array::from_fn(|r| if r == 3 { short } else { &rows[r][..] });
                     let want: Vec<u32> = mixed.iter().map(|r| k(&wr, r).to_bits()).collect();
-                    let got = k4(&wr, std::array::from_fn(|r| mixed[r]));
+                    let got = k4(&wr, std::array::from_fn(|r| mixed[r]), [&[]; 4]);
                     assert_eq!(got.map(f32::to_bits)[..], want[..4], "{ty} {n} blocks, unequal rows");
                     if let Some(k8) = k8 {
-                        assert_eq!(k8(&wr, mixed).map(f32::to_bits)[..], want[..], "{ty} {n} blocks, unequal rows");
+                        let got = k8(&wr, mixed, [&[]; 8]);
+                        assert_eq!(got.map(f32::to_bits)[..], want[..], "{ty} {n} blocks, unequal rows");
                     }
                 }
             }
@@ -386,12 +486,176 @@ mod tests {
             let w = row(&mut rng, &mut block);
             let rows: Vec<Vec<u8>> = (0..8).map(|_| row(&mut rng, &mut block)).collect();
             let want: Vec<u32> = rows.iter().map(|r| single(&w, r).to_bits()).collect();
+            let scales: Vec<Vec<f32>> = rows
+                .iter()
+                .map(|r| {
+                    let mut v = Vec::new();
+                    act_block_scales(crate::quant::ActType::Q8_0, r, &mut v);
+                    v
+                })
+                .collect();
             for (name, k4, k8) in &forms {
-                let got = k4(&w, std::array::from_fn(|r| &rows[r][..]));
-                assert_eq!(got.map(f32::to_bits)[..], want[..4], "{name}, 4 rows, {n} blocks");
-                let got = k8(&w, std::array::from_fn(|r| &rows[r][..]));
-                assert_eq!(got.map(f32::to_bits)[..], want[..], "{name}, 8 rows, {n} blocks");
+                for da in [[&[][..]; 8], std::array::from_fn(|r| &scales[r][..])] {
+                    let got = k4(&w, std::array::from_fn(|r| &rows[r][..]), std::array::from_fn(|r| da[r]));
+                    assert_eq!(got.map(f32::to_bits)[..], want[..4], "{name}, 4 rows, {n} blocks");
+                    let got = k8(&w, std::array::from_fn(|r| &rows[r][..]), da);
+                    assert_eq!(got.map(f32::to_bits)[..], want[..], "{name}, 8 rows, {n} blocks");
+                }
             }
         }
     }
+
+    /// The F16 and BF16 four- and eight-row forms give the single kernel's bits for lengths with and without a
+    /// scalar tail, and fall back to it for rows of unequal length.
+    #[test]
+    fn float_multi_row_kernels_match_single_dots_bit_for_bit() {
+        let mut rng = StdRng::seed_from_u64(23);
+        for ty in [GgmlType::F16, GgmlType::Bf16] {
+            let ((Some(k4), Some(k8)), Some(k)) = (dot_f_multi(ty), super::super::avx2::dot_f32(ty)) else {
+                eprintln!("no AVX2 here: nothing to test");
+                return;
+            };
+            for n in [1usize, 15, 16, 33, 64, 100] {
+                let x: Vec<f32> = (0..n).map(|_| rng.gen_range(-2f32..2.0)).collect();
+                let mut w = vec![0u8; 2 * n];
+                quantize_row(ty, &x, None, &mut w).unwrap();
+                let rows: Vec<Vec<f32>> = (0..8).map(|_| (0..n).map(|_| rng.gen_range(-3f32..3.0)).collect()).collect();
+                let want: Vec<u32> = rows.iter().map(|r| k(&w, r).to_bits()).collect();
+                let got = k4(&w, std::array::from_fn(|r| &rows[r][..]));
+                assert_eq!(got.map(f32::to_bits)[..], want[..4], "{ty} {n} values, 4 rows");
+                let got = k8(&w, std::array::from_fn(|r| &rows[r][..]));
+                assert_eq!(got.map(f32::to_bits)[..], want[..], "{ty} {n} values, 8 rows");
+                let short = &rows[5][..n / 2];
+                let mixed: [&[f32]; 8] = std::array::from_fn(|r| if r == 5 { short } else { &rows[r][..] });
+                let want: Vec<u32> = mixed.iter().map(|r| k(&w, r).to_bits()).collect();
+                assert_eq!(k8(&w, mixed).map(f32::to_bits)[..], want[..], "{ty} {n} values, unequal rows");
+            }
+        }
+    }
+
+    // TEMP-BENCH-BEGIN
+    use crate::quant::simd::x86::f16_at as f16_at_t;
+    #[allow(dead_code)]
+    mod oldk {
+        use super::super::*;
+        use super::f16_at_t as f16_at;
+/// Q8_0 · Q8_0, four rows (the single kernel: two accumulators, even blocks into the first).
+///
+/// # Safety
+/// AVX2/FMA/F16C present; `w` and every `a[r]` hold at least `n` whole blocks; `R == 4`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn old_q8_0_x4_imp<const R: usize>(w: &[u8], a: [&[u8]; R], n: usize) -> [f32; R] {
+    const B: usize = q8_0::BLOCK_BYTES;
+    const { assert!(R == 4) };
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [[_mm256_setzero_ps(); 2]; R];
+    let wp = w.as_ptr();
+    // `d_w · d_a` of the step's (block, row) pairs, block-major, for broadcasts from memory.
+    let mut dd = [0f32; 8];
+    let mut j = 0;
+    while j < n {
+        let pair = j + 1 < n;
+        let blocks = if pair { 2 } else { 1 };
+        if pair {
+            prefetch_ahead::<2>(wp.wrapping_add(j * B));
+        }
+        // The rows' scales of both blocks converted together (F16C's conversion is exact, like `f16_at`), then
+        // `d_w · d_a` per (block, row): the single kernel's product, bit for bit. A lone last block reads its own
+        // scales twice.
+        let o1 = (j + blocks - 1) * B;
+        // SAFETY: blocks `j` and `j + blocks - 1` are below `n` in every row; the scale is their first two bytes.
+        let h = |r: usize, off: usize| unsafe { std::ptr::read_unaligned(a[r].as_ptr().add(off) as *const i16) };
+        let o0 = j * B;
+        let da = _mm256_cvtph_ps(_mm_setr_epi16(
+            h(0, o0),
+            h(1, o0),
+            h(2, o0),
+            h(3, o0),
+            h(0, o1),
+            h(1, o1),
+            h(2, o1),
+            h(3, o1),
+        ));
+        let dw = _mm256_setr_m128(_mm_set1_ps(f16_at(w, o0)), _mm_set1_ps(f16_at(w, o1)));
+        // SAFETY: `dd` is 8 writable f32.
+        unsafe { _mm256_storeu_ps(dd.as_mut_ptr(), _mm256_mul_ps(dw, da)) };
+        for k in 0..blocks {
+            let off = (j + k) * B;
+            // SAFETY: block `j + k < n` of the weight row; 32 bytes at offset 2.
+            let qw = unsafe { ld_si256(wp.add(off + 2)) };
+            let mag = _mm256_sign_epi8(qw, qw);
+            for r in 0..R {
+                // SAFETY: block `j + k < n` of row `r`.
+                let qa = unsafe { ld_si256(a[r].as_ptr().add(off + 2)) };
+                let p16 = _mm256_maddubs_epi16(mag, _mm256_sign_epi8(qa, qw));
+                let p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
+                acc[r][k] = _mm256_fmadd_ps(_mm256_set1_ps(dd[4 * k + r]), p, acc[r][k]);
+            }
+        }
+        j += 2;
+    }
+    std::array::from_fn(|r| hsum_ps(_mm256_add_ps(acc[r][0], acc[r][1])))
+}
+
+
+    }
+
+    fn cpu_ns() -> u64 {
+        #[repr(C)]
+        struct Ts { sec: i64, nsec: i64 }
+        extern "C" { fn clock_gettime(c: i32, t: *mut Ts) -> i32; }
+        let mut t = Ts { sec: 0, nsec: 0 };
+        unsafe { clock_gettime(3, &mut t) };
+        t.sec as u64 * 1_000_000_000 + t.nsec as u64
+    }
+
+    #[test]
+    #[ignore]
+    fn temp_bench_q8_rows() {
+        let cols = 4096usize;
+        let rb = 34 * cols / 32;
+        let nrows = (2usize << 20) / rb;
+        let mut rng = StdRng::seed_from_u64(1);
+        let x: Vec<f32> = (0..nrows * cols).map(|_| rng.gen_range(-1f32..1.0)).collect();
+        let mut w = vec![0u8; nrows * rb];
+        for r in 0..nrows { quantize_row(GgmlType::Q8_0, &x[r*cols..(r+1)*cols], None, &mut w[r*rb..(r+1)*rb]).unwrap(); }
+        let acts: Vec<Vec<u8>> = (0..8).map(|_| { let v: Vec<f32> = (0..cols).map(|_| rng.gen_range(-1f32..1.0)).collect(); let mut q = Vec::new(); quantize_acts(crate::quant::ActType::Q8_0, &v, &mut q).unwrap(); q }).collect();
+        let a: [&[u8]; 8] = std::array::from_fn(|i| &acts[i][..]);
+        let single = super::super::avx2::dot_q(GgmlType::Q8_0).unwrap();
+        let old4 = |w: &[u8], a: [&[u8]; 4]| unsafe { oldk::old_q8_0_x4_imp::<4>(w, a, w.len() / 34) };
+        let names = ["single x8", "old4 x2", "avx2 x4 x2", "avx2 x8", "vnni x4 x2", "vnni x8", "avx2 x8 da", "vnni x8 da", "vnni x4 x2 da", "avx2 x4 x2 da"];
+        let sc: Vec<Vec<f32>> = acts.iter().map(|r| { let mut v = Vec::new(); act_block_scales(crate::quant::ActType::Q8_0, r, &mut v); v }).collect();
+        let d: [&[f32]; 8] = std::array::from_fn(|i| &sc[i][..]);
+        let e: [&[f32]; 8] = [&[]; 8];
+        let mut best = [f64::MAX; 10];
+        for _ in 0..5 {
+            for k in 0..10 {
+                let t = cpu_ns();
+                let mut sink = 0f32;
+                for _ in 0..10 {
+                    for wr in w.chunks_exact(rb) {
+                        let v: [f32; 8] = match k {
+                            0 => a.map(|r| single(wr, r)),
+                            1 => { let p = old4(wr, [a[0],a[1],a[2],a[3]]); let q = old4(wr, [a[4],a[5],a[6],a[7]]); [p[0],p[1],p[2],p[3],q[0],q[1],q[2],q[3]] }
+                            2 => { let p = q8_0_x4(wr, [a[0],a[1],a[2],a[3]], [&[];4]); let q = q8_0_x4(wr, [a[4],a[5],a[6],a[7]], [&[];4]); [p[0],p[1],p[2],p[3],q[0],q[1],q[2],q[3]] }
+                            3 => q8_0_x8(wr, a, e),
+                            4 => { let p = q8_0_x4_vnni(wr, [a[0],a[1],a[2],a[3]], [&[];4]); let q = q8_0_x4_vnni(wr, [a[4],a[5],a[6],a[7]], [&[];4]); [p[0],p[1],p[2],p[3],q[0],q[1],q[2],q[3]] }
+                            5 => q8_0_x8_vnni(wr, a, e),
+                            6 => q8_0_x8(wr, a, d),
+                            7 => q8_0_x8_vnni(wr, a, d),
+                            9 => { let p = q8_0_x4(wr, [a[0],a[1],a[2],a[3]], [d[0],d[1],d[2],d[3]]); let q = q8_0_x4(wr, [a[4],a[5],a[6],a[7]], [d[4],d[5],d[6],d[7]]); [p[0],p[1],p[2],p[3],q[0],q[1],q[2],q[3]] }
+                            _ => { let p = q8_0_x4_vnni(wr, [a[0],a[1],a[2],a[3]], [d[0],d[1],d[2],d[3]]); let q = q8_0_x4_vnni(wr, [a[4],a[5],a[6],a[7]], [d[4],d[5],d[6],d[7]]); [p[0],p[1],p[2],p[3],q[0],q[1],q[2],q[3]] }
+                        };
+                        sink += v.iter().sum::<f32>();
+                    }
+                }
+                assert!(sink.is_finite());
+                let s = (cpu_ns() - t) as f64 / 1e9;
+                best[k] = best[k].min(s);
+            }
+        }
+        let macs = (nrows * cols * 8 * 10) as f64;
+        for k in 0..10 { println!("{:>12}: {:6.2} G MAC/s", names[k], macs / best[k] / 1e9); }
+    }
+    // TEMP-BENCH-END
 }

@@ -147,6 +147,18 @@ pub fn dot_q8(ty: GgmlType) -> Option<super::api::DotQ8> {
     None
 }
 
+/// The four- and eight-row float kernels for `ty` (see [`crate::quant::DotF4`]) where this CPU has them: `avx2_x4`'s
+/// F16 / BF16 forms, bit-identical to the AVX2 single kernel [`dot_f32`] picks for those types.
+pub(crate) fn dot_f_multi(ty: GgmlType) -> (Option<super::api::DotF4>, Option<super::api::DotF8>) {
+    #[cfg(target_arch = "x86_64")]
+    return avx2_x4::dot_f_multi(ty);
+    #[allow(unreachable_code)]
+    {
+        let _ = ty;
+        (None, None)
+    }
+}
+
 /// Every SIMD kernel this CPU can run for weight type `ty` · its quantized activations, best first, named by
 /// instruction set, with the activation format each one reads (e.g. for IQ2_XXS on a GFNI machine
 /// `[("avx512-gfni", Q8KPairs, ..), ("avx512-vbmi", Q8K, ..), ("avx2", Q8K, ..)]`); empty where only the scalar
@@ -305,6 +317,8 @@ mod bench {
             if let (Some(k4), Ok(k)) = (dot_q4(ty), crate::quant::dot_q_kernel(ty)) {
                 let mut a = Vec::new();
                 quantize_acts(crate::quant::act_type(ty), &x, &mut a).unwrap();
+                let mut da = Vec::new();
+                crate::quant::act_block_scales(crate::quant::act_type(ty), &a, &mut da);
                 let hot = &w[..hot_rows * rb];
                 let passes = 16 * mib.max(1) / 16;
                 let (mut one, mut four, mut eight) = (0f64, 0f64, 0f64);
@@ -325,7 +339,7 @@ mod bench {
                     let (t, c0) = (Instant::now(), cpu_ns());
                     for _ in 0..passes {
                         for row in hot.chunks_exact(rb) {
-                            sink += k4(row, [&a, &a, &a, &a]).iter().sum::<f32>();
+                            sink += k4(row, [&a, &a, &a, &a], [&da, &da, &da, &da]).iter().sum::<f32>();
                         }
                     }
                     let s4 = match (c0, cpu_ns()) {
@@ -336,7 +350,7 @@ mod bench {
                     if let Some(k8) = dot_q8(ty) {
                         for _ in 0..passes / 2 {
                             for row in hot.chunks_exact(rb) {
-                                sink += k8(row, [&a; 8]).iter().sum::<f32>();
+                                sink += k8(row, [&a; 8], [&da; 8]).iter().sum::<f32>();
                             }
                         }
                     }
