@@ -228,14 +228,22 @@ impl Kernels for EngineKernels {
                 if let Some(k8) = k8 {
                     while b + 8 <= batch {
                         let a = |i: usize| &all[(b + i) * ab..(b + i + 1) * ab];
-                        yr[b..b + 8].copy_from_slice(&k8(wr, std::array::from_fn(a), std::array::from_fn(|i| d(b + i))));
+                        yr[b..b + 8].copy_from_slice(&k8(
+                            wr,
+                            std::array::from_fn(a),
+                            std::array::from_fn(|i| d(b + i)),
+                        ));
                         b += 8;
                     }
                 }
                 if let Some(k4) = k4 {
                     while b + 4 <= batch {
                         let a = |i: usize| &all[(b + i) * ab..(b + i + 1) * ab];
-                        yr[b..b + 4].copy_from_slice(&k4(wr, std::array::from_fn(a), std::array::from_fn(|i| d(b + i))));
+                        yr[b..b + 4].copy_from_slice(&k4(
+                            wr,
+                            std::array::from_fn(a),
+                            std::array::from_fn(|i| d(b + i)),
+                        ));
                         b += 4;
                     }
                 }

@@ -9,7 +9,12 @@
 //! Kernels: F32 weights use [`dot_f32`] here (the golden-checked path); F16/BF16 use `quant::dot_f32_kernel`;
 //! quantized weights (Q8_0, Q2_K, Q4_K, IQ2_XXS) quantize each activation row into `quant::act_type` (Q8_0 /
 //! Q8_K, as ggml does; for IQ2_XXS on AVX-512 + GFNI, Q8_K in the pair layout its kernel reads) and use
-//! `quant::dot_q_kernel`. Types without a kernel are rejected at load by [`supports`].
+//! `quant::dot_q_kernel`. Types without a kernel are rejected at load by [`supports`]. Batch rows go eight at a
+//! time through the kernel's eight-row form, then four at a time through its four-row form, where the CPU has
+//! them (`quant::dot_q8_kernel`, `quant::dot_q4_kernel`, `quant::dot_f32_multi_kernels`: one weight row decoded
+//! once for the rows, bit-identical to the single-row kernel), the rest one by one. Quantized activations carry
+//! their blocks' scales as f32 where the format stores f16 ones (Q8_0, [`Acts`]), converted once per product for
+//! the multi-row kernels.
 //!
 //! Activation quantization is the CPU's one deliberate approximation: each activation is rounded to a grid of
 //! `amax/127` per block of 32 (Q8_0) or 256 (Q8_K) values, an error of up to half a step per activation. When the
@@ -181,10 +186,17 @@ impl RowAt<'_> {
 /// The input rows of a product: f32 values, or activations already quantized for the product's kernel.
 #[derive(Clone, Copy, Debug)]
 pub enum Input<'a> {
-    F32 { x: &'a [f32], rows: RowAt<'a> },
+    F32 {
+        x: &'a [f32],
+        rows: RowAt<'a>,
+    },
     /// `scales`: the f32 value of every block scale of `acts` where the format has f16 ones (Q8_0; see
     /// `quant::act_block_scales`), else empty — the multi-row kernels read them instead of converting per weight row.
-    Q { acts: &'a [u8], scales: &'a [f32], rows: RowAt<'a> },
+    Q {
+        acts: &'a [u8],
+        scales: &'a [f32],
+        rows: RowAt<'a>,
+    },
 }
 
 /// Activation rows quantized once for every product that reads them (grown, never shrunk: no allocation once
@@ -320,7 +332,7 @@ impl Acts {
         match k {
             Kernel::Q { act_bytes, .. } if self.act.is_some() => {
                 Input::Q { acts: &self.data, scales: &self.scales, rows: scale(*act_bytes) }
-            },
+            }
             _ => Input::F32 { x, rows: scale(cols) },
         }
     }
@@ -394,12 +406,10 @@ impl Product<'_> {
                             (&acts[a..a + act_bytes], scales.get(a / bb..(a + act_bytes) / bb).unwrap_or(&[]))
                         };
                         let one = |wr: &[u8], (a, _): (&[u8], &[f32])| dot(wr, a);
-                        let four = dot4.map(|k| {
-                            move |wr: &[u8], a: [(&[u8], &[f32]); 4]| k(wr, a.map(|r| r.0), a.map(|r| r.1))
-                        });
-                        let eight = dot8.map(|k| {
-                            move |wr: &[u8], a: [(&[u8], &[f32]); 8]| k(wr, a.map(|r| r.0), a.map(|r| r.1))
-                        });
+                        let four = dot4
+                            .map(|k| move |wr: &[u8], a: [(&[u8], &[f32]); 4]| k(wr, a.map(|r| r.0), a.map(|r| r.1)));
+                        let eight = dot8
+                            .map(|k| move |wr: &[u8], a: [(&[u8], &[f32]); 8]| k(wr, a.map(|r| r.0), a.map(|r| r.1)));
                         for r in s0..s1 {
                             row_times_batch(
                                 w.row(r),
@@ -582,13 +592,11 @@ fn run(pool: &Pool, w: Mat<'_>, n: usize, at: RowAt<'_>, x: &[f32], y: &mut [f32
             acts.prepare(&k, x, at, n, cols)?;
         }
         let input = match k {
-            Kernel::Q { act_bytes, .. } => {
-                Input::Q {
-                    acts: acts.bytes(),
-                    scales: acts.scales(),
-                    rows: RowAt::Strided { stride: act_bytes, off: 0 },
-                }
-            }
+            Kernel::Q { act_bytes, .. } => Input::Q {
+                acts: acts.bytes(),
+                scales: acts.scales(),
+                rows: RowAt::Strided { stride: act_bytes, off: 0 },
+            },
             _ => Input::F32 { x, rows: at },
         };
         run_one(pool, &Product { w, k, input, n, out });
@@ -675,13 +683,11 @@ pub fn matmul_many(pool: &Pool, jobs: &mut [Option<MatJob<'_>>], n: usize) -> Re
         for (i, j) in jobs.iter_mut().flatten().enumerate() {
             let (w, k) = (j.w, kernels[i]);
             let input = match k {
-                Kernel::Q { act_bytes, .. } => {
-                    Input::Q {
+                Kernel::Q { act_bytes, .. } => Input::Q {
                     acts: acts[src[i]].bytes(),
                     scales: acts[src[i]].scales(),
                     rows: RowAt::Strided { stride: act_bytes, off: 0 },
-                }
-                }
+                },
                 _ => Input::F32 { x: j.x, rows: RowAt::Strided { stride: w.cols, off: 0 } },
             };
             prods[i] = Some(Product { w, k, input, n, out: Out::new(j.y, w.rows, 0) });

@@ -1,25 +1,36 @@
-//! Multi-row AVX2 kernels: one weight row against four ([`crate::quant::DotQ4`]) or eight
-//! ([`crate::quant::DotQ8`]) activation rows for Q8_0, Q2_K and IQ2_XXS, each the batched form of the AVX2
+//! Multi-row 256-bit kernels: one weight row against four ([`crate::quant::DotQ4`]) or eight
+//! ([`crate::quant::DotQ8`]) activation rows for Q8_0, Q2_K and IQ2_XXS, and against four or eight f32 rows
+//! ([`crate::quant::DotF4`], [`crate::quant::DotF8`]) for F16 and BF16 — each the batched form of the AVX2
 //! single-row kernel of its type (`avx2`), bit for bit. One generic implementation per type, over the row count `R`.
 //!
 //! What is shared: the weight row is streamed (and prefetched) once, and everything decoded from a weight block
 //! alone is computed once for the `R` rows — Q8_0's `|w|`, IQ2_XXS's grid octets, sign vectors and group scales
 //! (the expensive part: eight table lookups and inserts per 32 weights), Q2_K's 2-bit planes, sub-block scale
-//! vectors and minimums. What stays per row: the activation loads and the multiply-adds.
+//! vectors and minimums, the F16/BF16 → f32 conversion. What stays per row: the activation loads and the
+//! multiply-adds.
+//!
+//! Q8_0, whose per-row work dominates, has two forms. Both take the activation rows' f16 block scales already
+//! converted to f32 (the caller does it once per activation row, `quant::act_block_scales`; without them the
+//! kernel gathers and converts them per weight row, eight blocks at a time), so per block and row only `d_w · d_a`
+//! remains, computed eight blocks at a time. The AVX2 form (`maddubs` + `madd`) has four rows only: eight rows'
+//! sixteen accumulators do not fit the sixteen registers (measured slower than two four-row calls). Where AVX-512
+//! VNNI is present, `vpdpbusd` on 256-bit vectors does `maddubs` + `madd` in one instruction, and the 32 registers
+//! hold eight rows (measured: eight rows 3.5× eight single calls, 1.65× the previous four-row kernel;
+//! `benches/README.md`).
 //!
 //! Why the results are the single kernels' exactly: every integer partial sum is exact (the same operand ranges as
-//! the single kernel, no saturation; integer addition is associative, so how the i32 lanes are summed within a
-//! block does not matter), and each row's float operations — the lane conversions, the products of the block
-//! scales (`d_w · d_a` in the single kernel's order), the fused multiply-adds into the same number of accumulators
-//! in the same block order, the final horizontal sums — are the single kernel's, only interleaved with the other
-//! rows'. Rows of unequal length (never in the engine) fall back to single calls.
-//!
-//! Q8_0 has no eight-row form: its per-row work (load, sign, two multiply-adds, conversion, FMA into one of two
-//! accumulators) dominates, and sixteen live accumulators would not fit the sixteen vector registers.
+//! the single kernel, no saturation), and where the single kernel converts i32 lanes to f32 the lanes hold the
+//! same sums (Q8_0: lane `i` = bytes `4i..4i+4`, for `maddubs` + `madd` and `vpdpbusd` alike; elsewhere only
+//! a block's lane total matters, and integer addition is associative); each row's float operations — the lane
+//! conversions, the products of the block scales (`d_w · d_a` in the single kernel's order), the fused
+//! multiply-adds into the same number of accumulators in the same block order, the final horizontal sums and
+//! scalar tails — are the single kernel's, only interleaved with the other rows'. Rows of unequal length (never in
+//! the engine) fall back to single calls.
 //!
 //! Soundness: as in `avx2`, the `#[target_feature]` functions are reached only through wrappers that
-//! [`dot_q4`] / [`dot_q8`] hand out after `avx2::available()`; vector loads read inside whole blocks of slices whose
-//! block counts were checked.
+//! [`dot_q4`] / [`dot_q8`] / [`dot_f_multi`] hand out after `avx2::available()` (and, for the VNNI forms, after
+//! the AVX-512 features are detected); vector loads read inside whole blocks of slices whose block counts were
+//! checked, and the scale gathers and masked loads touch only lanes of blocks inside the row.
 
 use std::arch::x86_64::*;
 
@@ -49,8 +60,9 @@ pub(super) fn dot_q8(ty: GgmlType) -> Option<DotQ8> {
         return None;
     }
     Some(match ty {
+        // Without VNNI, eight rows' sixteen accumulators do not fit the sixteen AVX2 registers: two four-row
+        // calls are faster (measured, `benches/README.md`).
         GgmlType::Q8_0 if vnni() => q8_0_x8_vnni,
-        GgmlType::Q8_0 => q8_0_x8,
         GgmlType::Q2K => q2_k_x8,
         GgmlType::Iq2Xxs => iq2_xxs_x8,
         _ => return None,
@@ -99,7 +111,6 @@ macro_rules! wrap_r {
     };
 }
 wrap_r!(q8_0_x4, 4, q8_0_xr_imp, q8_0_q8_0_imp, q8_0::BLOCK_BYTES, q8_0::BLOCK_BYTES);
-wrap_r!(q8_0_x8, 8, q8_0_xr_imp, q8_0_q8_0_imp, q8_0::BLOCK_BYTES, q8_0::BLOCK_BYTES);
 wrap_r!(q8_0_x4_vnni, 4, q8_0_xr_vnni_imp, q8_0_q8_0_imp, q8_0::BLOCK_BYTES, q8_0::BLOCK_BYTES);
 wrap_r!(q8_0_x8_vnni, 8, q8_0_xr_vnni_imp, q8_0_q8_0_imp, q8_0::BLOCK_BYTES, q8_0::BLOCK_BYTES);
 wrap_r!(q2_k_x4, 4, q2_k_xr_imp, q2_k_q8_k_imp, q2_k::BLOCK_BYTES, q8_k::BLOCK_BYTES);
@@ -405,7 +416,7 @@ mod tests {
                 return;
             };
             let k8 = dot_q8(ty);
-            assert!(k8.is_some(), "{ty}: eight-row kernel");
+            assert_eq!(k8.is_some(), ty != GgmlType::Q8_0 || vnni(), "{ty}: eight-row kernel");
             let bv = ty.block_values();
             for n in [1usize, 2, 3, 5, 8, 9, 17] {
                 for scale in [1e-3f32, 1.0, 30.0] {
@@ -466,9 +477,9 @@ mod tests {
         }
         // SAFETY: AVX2, FMA and F16C were checked above.
         let single = |w: &[u8], a: &[u8]| unsafe { super::super::avx2::q8_0_q8_0_imp(w, a) };
-        let mut forms: Vec<(&str, DotQ4, DotQ8)> = vec![("avx2", q8_0_x4, q8_0_x8)];
+        let mut forms: Vec<(&str, DotQ4, Option<DotQ8>)> = vec![("avx2", q8_0_x4, None)];
         if vnni() {
-            forms.push(("vnni", q8_0_x4_vnni, q8_0_x8_vnni));
+            forms.push(("vnni", q8_0_x4_vnni, Some(q8_0_x8_vnni)));
         }
         let mut rng = StdRng::seed_from_u64(17);
         let mut block = |rng: &mut StdRng| -> Vec<u8> {
@@ -498,8 +509,10 @@ mod tests {
                 for da in [[&[][..]; 8], std::array::from_fn(|r| &scales[r][..])] {
                     let got = k4(&w, std::array::from_fn(|r| &rows[r][..]), std::array::from_fn(|r| da[r]));
                     assert_eq!(got.map(f32::to_bits)[..], want[..4], "{name}, 4 rows, {n} blocks");
-                    let got = k8(&w, std::array::from_fn(|r| &rows[r][..]), da);
-                    assert_eq!(got.map(f32::to_bits)[..], want[..], "{name}, 8 rows, {n} blocks");
+                    if let Some(k8) = k8 {
+                        let got = k8(&w, std::array::from_fn(|r| &rows[r][..]), da);
+                        assert_eq!(got.map(f32::to_bits)[..], want[..], "{name}, 8 rows, {n} blocks");
+                    }
                 }
             }
         }
@@ -532,130 +545,4 @@ mod tests {
             }
         }
     }
-
-    // TEMP-BENCH-BEGIN
-    use crate::quant::simd::x86::f16_at as f16_at_t;
-    #[allow(dead_code)]
-    mod oldk {
-        use super::super::*;
-        use super::f16_at_t as f16_at;
-/// Q8_0 · Q8_0, four rows (the single kernel: two accumulators, even blocks into the first).
-///
-/// # Safety
-/// AVX2/FMA/F16C present; `w` and every `a[r]` hold at least `n` whole blocks; `R == 4`.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn old_q8_0_x4_imp<const R: usize>(w: &[u8], a: [&[u8]; R], n: usize) -> [f32; R] {
-    const B: usize = q8_0::BLOCK_BYTES;
-    const { assert!(R == 4) };
-    let ones = _mm256_set1_epi16(1);
-    let mut acc = [[_mm256_setzero_ps(); 2]; R];
-    let wp = w.as_ptr();
-    // `d_w · d_a` of the step's (block, row) pairs, block-major, for broadcasts from memory.
-    let mut dd = [0f32; 8];
-    let mut j = 0;
-    while j < n {
-        let pair = j + 1 < n;
-        let blocks = if pair { 2 } else { 1 };
-        if pair {
-            prefetch_ahead::<2>(wp.wrapping_add(j * B));
-        }
-        // The rows' scales of both blocks converted together (F16C's conversion is exact, like `f16_at`), then
-        // `d_w · d_a` per (block, row): the single kernel's product, bit for bit. A lone last block reads its own
-        // scales twice.
-        let o1 = (j + blocks - 1) * B;
-        // SAFETY: blocks `j` and `j + blocks - 1` are below `n` in every row; the scale is their first two bytes.
-        let h = |r: usize, off: usize| unsafe { std::ptr::read_unaligned(a[r].as_ptr().add(off) as *const i16) };
-        let o0 = j * B;
-        let da = _mm256_cvtph_ps(_mm_setr_epi16(
-            h(0, o0),
-            h(1, o0),
-            h(2, o0),
-            h(3, o0),
-            h(0, o1),
-            h(1, o1),
-            h(2, o1),
-            h(3, o1),
-        ));
-        let dw = _mm256_setr_m128(_mm_set1_ps(f16_at(w, o0)), _mm_set1_ps(f16_at(w, o1)));
-        // SAFETY: `dd` is 8 writable f32.
-        unsafe { _mm256_storeu_ps(dd.as_mut_ptr(), _mm256_mul_ps(dw, da)) };
-        for k in 0..blocks {
-            let off = (j + k) * B;
-            // SAFETY: block `j + k < n` of the weight row; 32 bytes at offset 2.
-            let qw = unsafe { ld_si256(wp.add(off + 2)) };
-            let mag = _mm256_sign_epi8(qw, qw);
-            for r in 0..R {
-                // SAFETY: block `j + k < n` of row `r`.
-                let qa = unsafe { ld_si256(a[r].as_ptr().add(off + 2)) };
-                let p16 = _mm256_maddubs_epi16(mag, _mm256_sign_epi8(qa, qw));
-                let p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
-                acc[r][k] = _mm256_fmadd_ps(_mm256_set1_ps(dd[4 * k + r]), p, acc[r][k]);
-            }
-        }
-        j += 2;
-    }
-    std::array::from_fn(|r| hsum_ps(_mm256_add_ps(acc[r][0], acc[r][1])))
-}
-
-
-    }
-
-    fn cpu_ns() -> u64 {
-        #[repr(C)]
-        struct Ts { sec: i64, nsec: i64 }
-        extern "C" { fn clock_gettime(c: i32, t: *mut Ts) -> i32; }
-        let mut t = Ts { sec: 0, nsec: 0 };
-        unsafe { clock_gettime(3, &mut t) };
-        t.sec as u64 * 1_000_000_000 + t.nsec as u64
-    }
-
-    #[test]
-    #[ignore]
-    fn temp_bench_q8_rows() {
-        let cols = 4096usize;
-        let rb = 34 * cols / 32;
-        let nrows = (2usize << 20) / rb;
-        let mut rng = StdRng::seed_from_u64(1);
-        let x: Vec<f32> = (0..nrows * cols).map(|_| rng.gen_range(-1f32..1.0)).collect();
-        let mut w = vec![0u8; nrows * rb];
-        for r in 0..nrows { quantize_row(GgmlType::Q8_0, &x[r*cols..(r+1)*cols], None, &mut w[r*rb..(r+1)*rb]).unwrap(); }
-        let acts: Vec<Vec<u8>> = (0..8).map(|_| { let v: Vec<f32> = (0..cols).map(|_| rng.gen_range(-1f32..1.0)).collect(); let mut q = Vec::new(); quantize_acts(crate::quant::ActType::Q8_0, &v, &mut q).unwrap(); q }).collect();
-        let a: [&[u8]; 8] = std::array::from_fn(|i| &acts[i][..]);
-        let single = super::super::avx2::dot_q(GgmlType::Q8_0).unwrap();
-        let old4 = |w: &[u8], a: [&[u8]; 4]| unsafe { oldk::old_q8_0_x4_imp::<4>(w, a, w.len() / 34) };
-        let names = ["single x8", "old4 x2", "avx2 x4 x2", "avx2 x8", "vnni x4 x2", "vnni x8", "avx2 x8 da", "vnni x8 da", "vnni x4 x2 da", "avx2 x4 x2 da"];
-        let sc: Vec<Vec<f32>> = acts.iter().map(|r| { let mut v = Vec::new(); act_block_scales(crate::quant::ActType::Q8_0, r, &mut v); v }).collect();
-        let d: [&[f32]; 8] = std::array::from_fn(|i| &sc[i][..]);
-        let e: [&[f32]; 8] = [&[]; 8];
-        let mut best = [f64::MAX; 10];
-        for _ in 0..5 {
-            for k in 0..10 {
-                let t = cpu_ns();
-                let mut sink = 0f32;
-                for _ in 0..10 {
-                    for wr in w.chunks_exact(rb) {
-                        let v: [f32; 8] = match k {
-                            0 => a.map(|r| single(wr, r)),
-                            1 => { let p = old4(wr, [a[0],a[1],a[2],a[3]]); let q = old4(wr, [a[4],a[5],a[6],a[7]]); [p[0],p[1],p[2],p[3],q[0],q[1],q[2],q[3]] }
-                            2 => { let p = q8_0_x4(wr, [a[0],a[1],a[2],a[3]], [&[];4]); let q = q8_0_x4(wr, [a[4],a[5],a[6],a[7]], [&[];4]); [p[0],p[1],p[2],p[3],q[0],q[1],q[2],q[3]] }
-                            3 => q8_0_x8(wr, a, e),
-                            4 => { let p = q8_0_x4_vnni(wr, [a[0],a[1],a[2],a[3]], [&[];4]); let q = q8_0_x4_vnni(wr, [a[4],a[5],a[6],a[7]], [&[];4]); [p[0],p[1],p[2],p[3],q[0],q[1],q[2],q[3]] }
-                            5 => q8_0_x8_vnni(wr, a, e),
-                            6 => q8_0_x8(wr, a, d),
-                            7 => q8_0_x8_vnni(wr, a, d),
-                            9 => { let p = q8_0_x4(wr, [a[0],a[1],a[2],a[3]], [d[0],d[1],d[2],d[3]]); let q = q8_0_x4(wr, [a[4],a[5],a[6],a[7]], [d[4],d[5],d[6],d[7]]); [p[0],p[1],p[2],p[3],q[0],q[1],q[2],q[3]] }
-                            _ => { let p = q8_0_x4_vnni(wr, [a[0],a[1],a[2],a[3]], [d[0],d[1],d[2],d[3]]); let q = q8_0_x4_vnni(wr, [a[4],a[5],a[6],a[7]], [d[4],d[5],d[6],d[7]]); [p[0],p[1],p[2],p[3],q[0],q[1],q[2],q[3]] }
-                        };
-                        sink += v.iter().sum::<f32>();
-                    }
-                }
-                assert!(sink.is_finite());
-                let s = (cpu_ns() - t) as f64 / 1e9;
-                best[k] = best[k].min(s);
-            }
-        }
-        let macs = (nrows * cols * 8 * 10) as f64;
-        for k in 0..10 { println!("{:>12}: {:6.2} G MAC/s", names[k], macs / best[k] / 1e9); }
-    }
-    // TEMP-BENCH-END
 }
