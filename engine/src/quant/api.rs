@@ -249,7 +249,7 @@ pub fn dot_q4_kernel(weight_ty: GgmlType) -> Option<DotQ4> {
     simd::dot_q4(weight_ty)
 }
 
-/// An eight-row form of [`dot_q_kernel`] (see [`DotQ8`]) where one exists (the AVX2 Q2_K and IQ2_XXS kernels:
+/// An eight-row form of [`dot_q_kernel`] (see [`DotQ8`]) where one exists (the AVX2 Q2_K, Q4_K and IQ2_XXS kernels:
 /// their weight decoding shared by eight rows; Q8_0 with AVX-512 VNNI). `None` means: use [`dot_q4_kernel`] or the
 /// single kernel.
 pub fn dot_q8_kernel(weight_ty: GgmlType) -> Option<DotQ8> {

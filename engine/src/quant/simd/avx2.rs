@@ -307,7 +307,7 @@ pub(super) fn q8_0_q8_0_imp(w: &[u8], a: &[u8]) -> f32 {
 
 /// Unpacks the 12 packed Q4_K scale bytes into (8 six-bit scales, 8 six-bit mins), one per byte.
 #[inline(always)]
-fn q4_k_scales(s: &[u8]) -> (u64, u64) {
+pub(super) fn q4_k_scales(s: &[u8]) -> (u64, u64) {
     const LOW6: u32 = 0x3f3f_3f3f;
     const LOW4: u32 = 0x0f0f_0f0f;
     const TOP2: u32 = 0x0303_0303;
@@ -323,7 +323,7 @@ fn q4_k_scales(s: &[u8]) -> (u64, u64) {
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-fn q4_k_q8_k_imp(w: &[u8], a: &[u8]) -> f32 {
+pub(super) fn q4_k_q8_k_imp(w: &[u8], a: &[u8]) -> f32 {
     let m4 = _mm256_set1_epi8(0x0f);
     let mut acc = _mm256_setzero_ps();
     let mut acc_min = _mm256_setzero_ps();

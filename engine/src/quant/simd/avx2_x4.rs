@@ -1,12 +1,12 @@
 //! Multi-row 256-bit kernels: one weight row against four ([`crate::quant::DotQ4`]) or eight
-//! ([`crate::quant::DotQ8`]) activation rows for Q8_0, Q2_K and IQ2_XXS, and against four or eight f32 rows
+//! ([`crate::quant::DotQ8`]) activation rows for Q8_0, Q2_K, Q4_K and IQ2_XXS, and against four or eight f32 rows
 //! ([`crate::quant::DotF4`], [`crate::quant::DotF8`]) for F16 and BF16 — each the batched form of the AVX2
 //! single-row kernel of its type (`avx2`), bit for bit. One generic implementation per type, over the row count `R`.
 //!
 //! What is shared: the weight row is streamed (and prefetched) once, and everything decoded from a weight block
 //! alone is computed once for the `R` rows — Q8_0's `|w|`, IQ2_XXS's grid octets, sign vectors and group scales
-//! (the expensive part: eight table lookups and inserts per 32 weights), Q2_K's 2-bit planes, sub-block scale
-//! vectors and minimums, the F16/BF16 → f32 conversion. What stays per row: the activation loads and the
+//! (the expensive part: eight table lookups and inserts per 32 weights), Q2_K's 2-bit and Q4_K's 4-bit planes,
+//! sub-block scale vectors and minimums, the F16/BF16 → f32 conversion. What stays per row: the activation loads and the
 //! multiply-adds.
 //!
 //! Q8_0, whose per-row work dominates, has two forms. Both take the activation rows' f16 block scales already
@@ -36,8 +36,8 @@ use std::arch::x86_64::*;
 
 use super::super::api::{DotF4, DotF8, DotQ4, DotQ8};
 use super::super::iq2_tables::IQ2XXS_GRID;
-use super::super::{iq2_xxs, q2_k, q8_0, q8_k, GgmlType};
-use super::avx2::{bf16x8_to_ps, ld_ps, Q2_SCALE_SHUF, SIGNS_PM1};
+use super::super::{iq2_xxs, q2_k, q4_k, q8_0, q8_k, GgmlType};
+use super::avx2::{bf16x8_to_ps, ld_ps, q4_k_scales, Q2_SCALE_SHUF, SIGNS_PM1};
 use super::x86::{f16_at, hsum_ps, ld_si256, prefetch_ahead};
 
 /// The four-row kernel for `ty` where its single kernel is the AVX2 one (the caller checks that).
@@ -49,6 +49,7 @@ pub(super) fn dot_q4(ty: GgmlType) -> Option<DotQ4> {
         GgmlType::Q8_0 if vnni() => q8_0_x4_vnni,
         GgmlType::Q8_0 => q8_0_x4,
         GgmlType::Q2K => q2_k_x4,
+        GgmlType::Q4K => q4_k_x4,
         GgmlType::Iq2Xxs => iq2_xxs_x4,
         _ => return None,
     })
@@ -64,6 +65,7 @@ pub(super) fn dot_q8(ty: GgmlType) -> Option<DotQ8> {
         // calls are faster (measured, `benches/README.md`).
         GgmlType::Q8_0 if vnni() => q8_0_x8_vnni,
         GgmlType::Q2K => q2_k_x8,
+        GgmlType::Q4K => q4_k_x8,
         GgmlType::Iq2Xxs => iq2_xxs_x8,
         _ => return None,
     })
@@ -116,6 +118,8 @@ wrap_r!(q8_0_x8_vnni, 8, q8_0_xr_vnni_imp, q8_0_q8_0_imp, q8_0::BLOCK_BYTES, q8_
 wrap_r!(q2_k_x4, 4, q2_k_xr_imp, q2_k_q8_k_imp, q2_k::BLOCK_BYTES, q8_k::BLOCK_BYTES);
 wrap_r!(iq2_xxs_x4, 4, iq2_xxs_xr_imp, iq2_xxs_q8_k_imp, iq2_xxs::BLOCK_BYTES, q8_k::BLOCK_BYTES);
 wrap_r!(q2_k_x8, 8, q2_k_xr_imp, q2_k_q8_k_imp, q2_k::BLOCK_BYTES, q8_k::BLOCK_BYTES);
+wrap_r!(q4_k_x4, 4, q4_k_xr_imp, q4_k_q8_k_imp, q4_k::BLOCK_BYTES, q8_k::BLOCK_BYTES);
+wrap_r!(q4_k_x8, 8, q4_k_xr_imp, q4_k_q8_k_imp, q4_k::BLOCK_BYTES, q8_k::BLOCK_BYTES);
 wrap_r!(iq2_xxs_x8, 8, iq2_xxs_xr_imp, iq2_xxs_q8_k_imp, iq2_xxs::BLOCK_BYTES, q8_k::BLOCK_BYTES);
 
 macro_rules! wrap_half {
@@ -351,6 +355,58 @@ unsafe fn q2_k_xr_imp<const R: usize>(w: &[u8], a: [&[u8]; R], _da: [&[f32]; R],
     std::array::from_fn(|r| hsum_ps(acc[r]) - hsum_ps(acc_min[r]))
 }
 
+/// Q4_K · Q8_K, `R` rows: the nibble planes and sub-block scale vectors of a block decoded once (into L1) for
+/// the rows.
+///
+/// # Safety
+/// AVX2/FMA/F16C present; `w` holds `n` whole Q4_K blocks, every `a[r]` `n` whole Q8_K blocks.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_k_xr_imp<const R: usize>(w: &[u8], a: [&[u8]; R], _da: [&[f32]; R], n: usize) -> [f32; R] {
+    const WB: usize = q4_k::BLOCK_BYTES;
+    const AB: usize = q8_k::BLOCK_BYTES;
+    let m4 = _mm256_set1_epi8(0x0f);
+    let mut acc = [_mm256_setzero_ps(); R];
+    let mut acc_min = [_mm256_setzero_ps(); R];
+    for i in 0..n {
+        let b = &w[i * WB..(i + 1) * WB];
+        let bp = b.as_ptr();
+        prefetch_ahead::<3>(bp);
+        let (sc, mins) = q4_k_scales(&b[4..16]);
+        let m8 = _mm_cvtsi64_si128(mins as i64);
+        let m16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));
+        let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+        // Plane 2c / 2c + 1: the low / high nibbles of quant bytes 32c..32c + 32 (sub-blocks 2c, 2c + 1), with
+        // their scales.
+        let mut planes = [_mm256_setzero_si256(); 8];
+        let mut scv = [_mm256_setzero_si256(); 8];
+        for c in 0..4 {
+            // SAFETY: qs are bytes 16..144 of the 144-byte block (32 read at 16 + 32c ≤ 112).
+            let q4 = unsafe { ld_si256(bp.add(16 + 32 * c)) };
+            planes[2 * c] = _mm256_and_si256(q4, m4);
+            planes[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16::<4>(q4), m4);
+            scv[2 * c] = _mm256_set1_epi16(((sc >> (16 * c)) & 0xff) as i16);
+            scv[2 * c + 1] = _mm256_set1_epi16(((sc >> (16 * c + 8)) & 0xff) as i16);
+        }
+        for r in 0..R {
+            let qa = &a[r][i * AB..(i + 1) * AB];
+            let ap = qa.as_ptr();
+            let da = q8_k::d(qa);
+            // SAFETY: the 16 i16 block sums are bytes 260..292 of the 292-byte Q8_K block.
+            let bsums = unsafe { ld_si256(ap.add(q8_k::BSUMS)) };
+            let pm = _mm256_cvtepi32_ps(_mm256_madd_epi16(m16, bsums));
+            acc_min[r] = _mm256_fmadd_ps(_mm256_set1_ps(da * dmin), pm, acc_min[r]);
+            let mut sumi = _mm256_setzero_si256();
+            for k in 0..8 {
+                // SAFETY: 32 Q8_K quants at 4 + 32k ≤ 228 inside the 292-byte block.
+                let qa8 = unsafe { ld_si256(ap.add(4 + 32 * k)) };
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(planes[k], qa8), scv[k]));
+            }
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(da * d), _mm256_cvtepi32_ps(sumi), acc[r]);
+        }
+    }
+    std::array::from_fn(|r| hsum_ps(acc[r]) - hsum_ps(acc_min[r]))
+}
+
 /// IQ2_XXS · Q8_K, `R` rows (the single kernel's two integer sums per block are one here: the same exact total).
 ///
 /// # Safety
@@ -405,12 +461,23 @@ mod tests {
     use crate::quant::{act_block_scales, quantize_acts, quantize_row};
     use rand::{rngs::StdRng, Rng, SeedableRng};
 
+    /// Each row's block scales as the matmul hands them to the multi-row kernels.
+    fn block_scales(act: crate::quant::ActType, rows: &[Vec<u8>]) -> Vec<Vec<f32>> {
+        rows.iter()
+            .map(|r| {
+                let mut v = Vec::new();
+                act_block_scales(act, r, &mut v);
+                v
+            })
+            .collect()
+    }
+
     /// Four and eight rows at once give exactly that many single AVX2 dots for every type: block counts odd and
     /// even, weight scales small and large, rows of unequal length.
     #[test]
     fn multi_row_kernels_match_single_dots_bit_for_bit() {
         let mut rng = StdRng::seed_from_u64(9);
-        for ty in [GgmlType::Q8_0, GgmlType::Q2K, GgmlType::Iq2Xxs] {
+        for ty in [GgmlType::Q8_0, GgmlType::Q2K, GgmlType::Q4K, GgmlType::Iq2Xxs] {
             let (Some(k4), Some(k)) = (dot_q4(ty), super::super::avx2::dot_q(ty)) else {
                 eprintln!("no AVX2 here: nothing to test");
                 return;
@@ -436,14 +503,7 @@ mod tests {
                         .collect();
                     let want: Vec<u32> = rows.iter().map(|r| k(&wr, r).to_bits()).collect();
                     // Without and with the rows' block scales converted by the caller.
-                    let scales: Vec<Vec<f32>> = rows
-                        .iter()
-                        .map(|r| {
-                            let mut v = Vec::new();
-                            act_block_scales(plain(ty), r, &mut v);
-                            v
-                        })
-                        .collect();
+                    let scales = block_scales(plain(ty), &rows);
                     for da in [[&[][..]; 8], std::array::from_fn(|r| &scales[r][..])] {
                         let got = k4(&wr, std::array::from_fn(|r| &rows[r][..]), std::array::from_fn(|r| da[r]));
                         assert_eq!(got.map(f32::to_bits)[..], want[..4], "{ty} {n} blocks, scale {scale}");
@@ -497,14 +557,7 @@ mod tests {
             let w = row(&mut rng, &mut block);
             let rows: Vec<Vec<u8>> = (0..8).map(|_| row(&mut rng, &mut block)).collect();
             let want: Vec<u32> = rows.iter().map(|r| single(&w, r).to_bits()).collect();
-            let scales: Vec<Vec<f32>> = rows
-                .iter()
-                .map(|r| {
-                    let mut v = Vec::new();
-                    act_block_scales(crate::quant::ActType::Q8_0, r, &mut v);
-                    v
-                })
-                .collect();
+            let scales = block_scales(crate::quant::ActType::Q8_0, &rows);
             for (name, k4, k8) in &forms {
                 for da in [[&[][..]; 8], std::array::from_fn(|r| &scales[r][..])] {
                     let got = k4(&w, std::array::from_fn(|r| &rows[r][..]), std::array::from_fn(|r| da[r]));

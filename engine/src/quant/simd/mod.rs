@@ -120,8 +120,8 @@ pub(crate) fn dot_q(ty: GgmlType) -> Option<DotQ> {
 
 /// The four-activation-row kernel for `ty` (see [`crate::quant::DotQ4`]) where this CPU has one, always the batched
 /// form of the kernel [`dot_q`] picks: the IQ2_XXS pair kernel's (exactly where [`dot_q`] picks the pair kernel)
-/// and, where the single kernel is AVX2's, `avx2_x4`'s Q8_0 (with VNNI where present) / Q2_K / IQ2_XXS four-row
-/// forms, each bit-identical to the single kernel.
+/// and, where the single kernel is AVX2's, `avx2_x4`'s Q8_0 (with VNNI where present) / Q2_K / Q4_K / IQ2_XXS
+/// four-row forms, each bit-identical to the single kernel.
 pub fn dot_q4(ty: GgmlType) -> Option<super::api::DotQ4> {
     #[cfg(target_arch = "x86_64")]
     if ty == GgmlType::Iq2Xxs && iq2_pairs() {
@@ -137,7 +137,7 @@ pub fn dot_q4(ty: GgmlType) -> Option<super::api::DotQ4> {
 }
 
 /// The eight-activation-row kernel for `ty` (see [`crate::quant::DotQ8`]) where this CPU has one: `avx2_x4`'s
-/// Q2_K / IQ2_XXS eight-row forms where the single kernel is AVX2's, and its Q8_0 one where AVX-512 VNNI is
+/// Q2_K / Q4_K / IQ2_XXS eight-row forms where the single kernel is AVX2's, and its Q8_0 one where AVX-512 VNNI is
 /// present (bit-identical to the single kernel).
 pub fn dot_q8(ty: GgmlType) -> Option<super::api::DotQ8> {
     #[cfg(target_arch = "x86_64")]
