@@ -198,18 +198,12 @@ impl Kernels for EngineKernels {
         }
         let act = quant::act_type(ty);
         if act.is_f32() {
-            // Eight, then four rows per call where the type has those kernels, as the engine's matmul does.
+            // Four rows per call where the type has a four-row kernel, as the engine's matmul does.
             let k = quant::dot_f32_kernel(ty)?;
-            let (k4, k8) = quant::dot_f32_multi_kernels(ty);
+            let k4 = quant::dot_f4_kernel(ty);
             let x = |b: usize| &xs[b * cols..(b + 1) * cols];
             for (wr, yr) in w.chunks_exact(rb).zip(ys.chunks_exact_mut(batch)) {
-                let mut b = 0;
-                if let Some(k8) = k8 {
-                    b = rows_at_once(&|wr, a| k8(wr, a), wr, yr, b, &x);
-                }
-                if let Some(k4) = k4 {
-                    b = rows_at_once(&|wr, a| k4(wr, a), wr, yr, b, &x);
-                }
+                let b = k4.map_or(0, |k4| rows_at_once(&|wr, a| k4(wr, a), wr, yr, 0, &x));
                 for (y, x) in yr[b..].iter_mut().zip(xs[b * cols..].chunks_exact(cols)) {
                     *y = k(wr, x);
                 }

@@ -26,9 +26,6 @@ pub type DotQ8 = fn(&[u8], [&[u8]; 8], [&[f32]; 8]) -> [f32; 8];
 /// One float weight row (F16/BF16) against four f32 activation rows, bit-identical to four [`DotF32`] calls.
 pub type DotF4 = fn(&[u8], [&[f32]; 4]) -> [f32; 4];
 
-/// One float weight row (F16/BF16) against eight f32 activation rows, bit-identical to eight [`DotF32`] calls.
-pub type DotF8 = fn(&[u8], [&[f32]; 8]) -> [f32; 8];
-
 fn qerr(op: &'static str, ty: GgmlType, what: impl Into<String>) -> Error {
     Error::Quant { op, ty: ty.name().to_string(), what: what.into() }
 }
@@ -150,10 +147,10 @@ pub fn act_block_scales(act: ActType, a: &[u8], out: &mut Vec<f32>) {
     }
 }
 
-/// Four- and eight-row forms of [`dot_f32_kernel`] (see [`DotF4`], [`DotF8`]) where this CPU has them (F16 and
-/// BF16 with AVX2: each weight vector converted once for all rows). `None` means: call the single kernel.
-pub fn dot_f32_multi_kernels(weight_ty: GgmlType) -> (Option<DotF4>, Option<DotF8>) {
-    simd::dot_f_multi(weight_ty)
+/// A four-row form of [`dot_f32_kernel`] (see [`DotF4`]) where this CPU has one (F16 and BF16 with AVX2: each
+/// weight vector converted once for the four rows). `None` means: call the single kernel.
+pub fn dot_f4_kernel(weight_ty: GgmlType) -> Option<DotF4> {
+    simd::dot_f4(weight_ty)
 }
 
 /// The activation format paired with a weight type on this CPU: Q8_0 for Q8_0; Q8_K for Q2_K and Q4_K; Q8_K for

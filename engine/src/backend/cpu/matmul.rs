@@ -11,7 +11,7 @@
 //! Q8_K, as ggml does; for IQ2_XXS on AVX-512 + GFNI, Q8_K in the pair layout its kernel reads) and use
 //! `quant::dot_q_kernel`. Types without a kernel are rejected at load by [`supports`]. Batch rows go eight at a
 //! time through the kernel's eight-row form, then four at a time through its four-row form, where the CPU has
-//! them (`quant::dot_q8_kernel`, `quant::dot_q4_kernel`, `quant::dot_f32_multi_kernels`: one weight row decoded
+//! them (`quant::dot_q8_kernel`, `quant::dot_q4_kernel`, `quant::dot_f4_kernel`: one weight row decoded
 //! once for the rows, bit-identical to the single-row kernel), the rest one by one. Quantized activations carry
 //! their blocks' scales as f32 where the format stores f16 ones (Q8_0, [`Acts`]), converted once per product for
 //! the multi-row kernels.
@@ -32,7 +32,7 @@ use std::ops::Range;
 
 use crate::backend::cpu::pool::{split, Pool};
 use crate::model::mat::Mat;
-use crate::quant::{self, ActType, DotF32, DotF4, DotF8, DotQ, DotQ4, DotQ8, GgmlType};
+use crate::quant::{self, ActType, DotF32, DotF4, DotQ, DotQ4, DotQ8, GgmlType};
 use crate::{Error, Result};
 
 /// Whether matrices of type `ty` can be multiplied (and their rows dequantized).
@@ -56,9 +56,9 @@ const INLINE_WORK: usize = 32 * 1024;
 pub enum Kernel {
     /// F32 weights, [`dot_f32`].
     F32,
-    /// Float weights (F16/BF16, or quantized weights with [`Pool::f32_acts`]) against f32 activations; `dot8` /
-    /// `dot4` as for [`Kernel::Q`].
-    F { dot: DotF32, dot4: Option<DotF4>, dot8: Option<DotF8> },
+    /// Float weights (F16/BF16, or quantized weights with [`Pool::f32_acts`]) against f32 activations; `dot4` as
+    /// for [`Kernel::Q`].
+    F { dot: DotF32, dot4: Option<DotF4> },
     /// Quantized weights against activations quantized to `act` (`act_bytes` per row); `dot8` / `dot4`, where the
     /// type has them, multiply a weight row into eight / four activation rows at once (bit-identical to that many
     /// `dot` calls).
@@ -81,10 +81,9 @@ impl Kernel {
         Kernel::float(ty)
     }
 
-    /// The f32-activation kernel for `ty`, with its multi-row forms where the CPU has them.
+    /// The f32-activation kernel for `ty`, with its four-row form where the CPU has one.
     fn float(ty: GgmlType) -> Result<Kernel> {
-        let (dot4, dot8) = quant::dot_f32_multi_kernels(ty);
-        Ok(Kernel::F { dot: quant::dot_f32_kernel(ty)?, dot4, dot8 })
+        Ok(Kernel::F { dot: quant::dot_f32_kernel(ty)?, dot4: quant::dot_f4_kernel(ty) })
     }
 
     /// The kernel the pool's settings ask for: [`Kernel::for_type`], or f32 activations for every weight type when
@@ -422,13 +421,12 @@ impl Product<'_> {
                             );
                         }
                     }
-                    (Kernel::F { dot, dot4, dot8 }, Input::F32 { x, rows }) => {
+                    (Kernel::F { dot, dot4 }, Input::F32 { x, rows }) => {
                         let act = |b: usize| {
                             let a = rows.at(b);
                             &x[a..a + cols]
                         };
                         let four = dot4.map(|k| move |wr: &[u8], a: [&[f32]; 4]| k(wr, a));
-                        let eight = dot8.map(|k| move |wr: &[u8], a: [&[f32]; 8]| k(wr, a));
                         for r in s0..s1 {
                             row_times_batch(
                                 w.row(r),
@@ -436,7 +434,7 @@ impl Product<'_> {
                                 &act,
                                 &|wr, a| dot(wr, a),
                                 four.as_ref().map(|f| f as _),
-                                eight.as_ref().map(|f| f as _),
+                                None,
                                 &|b, v| put(b, r, v),
                             );
                         }

@@ -1,6 +1,6 @@
 //! Multi-row 256-bit kernels: one weight row against four ([`crate::quant::DotQ4`]) or eight
-//! ([`crate::quant::DotQ8`]) activation rows for Q8_0, Q2_K, Q4_K and IQ2_XXS, and against four or eight f32 rows
-//! ([`crate::quant::DotF4`], [`crate::quant::DotF8`]) for F16 and BF16 — each the batched form of the AVX2
+//! ([`crate::quant::DotQ8`]) activation rows for Q8_0, Q2_K, Q4_K and IQ2_XXS, and against four f32 rows
+//! ([`crate::quant::DotF4`]) for F16 and BF16 — each the batched form of the AVX2
 //! single-row kernel of its type (`avx2`), bit for bit. One generic implementation per type, over the row count `R`.
 //!
 //! What is shared: the weight row is streamed (and prefetched) once, and everything decoded from a weight block
@@ -28,13 +28,13 @@
 //! the engine) fall back to single calls.
 //!
 //! Soundness: as in `avx2`, the `#[target_feature]` functions are reached only through wrappers that
-//! [`dot_q4`] / [`dot_q8`] / [`dot_f_multi`] hand out after `avx2::available()` (and, for the VNNI forms, after
+//! [`dot_q4`] / [`dot_q8`] / [`dot_f4`] hand out after `avx2::available()` (and, for the VNNI forms, after
 //! the AVX-512 features are detected); vector loads read inside whole blocks of slices whose block counts were
 //! checked, and the scale gathers and masked loads touch only lanes of blocks inside the row.
 
 use std::arch::x86_64::*;
 
-use super::super::api::{DotF4, DotF8, DotQ4, DotQ8};
+use super::super::api::{DotF4, DotQ4, DotQ8};
 use super::super::iq2_tables::IQ2XXS_GRID;
 use super::super::{iq2_xxs, q2_k, q4_k, q8_0, q8_k, GgmlType};
 use super::avx2::{bf16x8_to_ps, ld_ps, q4_k_scales, Q2_SCALE_SHUF, SIGNS_PM1};
@@ -71,15 +71,17 @@ pub(super) fn dot_q8(ty: GgmlType) -> Option<DotQ8> {
     })
 }
 
-/// The four- and eight-row F16 / BF16 kernels (the AVX2 single kernels' multi-row forms).
-pub(super) fn dot_f_multi(ty: GgmlType) -> (Option<DotF4>, Option<DotF8>) {
+/// The four-row F16 / BF16 kernels (the AVX2 single kernels' multi-row forms). No eight-row ones: their sixteen
+/// accumulators would spill, and a spilled accumulator, updated every 16 values, puts a store-to-load round trip
+/// on the loop's critical path (measured: 0.6–0.7× the single kernel's rate; `benches/README.md`).
+pub(super) fn dot_f4(ty: GgmlType) -> Option<DotF4> {
     if !super::avx2::available() {
-        return (None, None);
+        return None;
     }
     match ty {
-        GgmlType::F16 => (Some(f16_x4), Some(f16_x8)),
-        GgmlType::Bf16 => (Some(bf16_x4), Some(bf16_x8)),
-        _ => (None, None),
+        GgmlType::F16 => Some(f16_x4),
+        GgmlType::Bf16 => Some(bf16_x4),
+        _ => None,
     }
 }
 
@@ -125,7 +127,7 @@ wrap_r!(iq2_xxs_x8, 8, iq2_xxs_xr_imp, iq2_xxs_q8_k_imp, iq2_xxs::BLOCK_BYTES, q
 macro_rules! wrap_half {
     ($name:ident, $r:literal, $imp:ident, $single:ident) => {
         fn $name(w: &[u8], x: [&[f32]; $r]) -> [f32; $r] {
-            // SAFETY: handed out by `dot_f_multi` only after `avx2::available()` (AVX2, FMA, F16C), the features
+            // SAFETY: handed out by `dot_f4` only after `avx2::available()` (AVX2, FMA, F16C), the features
             // both functions are compiled for; the multi-row one gets rows of one length.
             unsafe {
                 if x.iter().all(|r| r.len() == x[0].len()) {
@@ -138,9 +140,7 @@ macro_rules! wrap_half {
     };
 }
 wrap_half!(f16_x4, 4, f16_xr_imp, f16_f32_imp);
-wrap_half!(f16_x8, 8, f16_xr_imp, f16_f32_imp);
 wrap_half!(bf16_x4, 4, bf16_xr_imp, bf16_f32_imp);
-wrap_half!(bf16_x8, 8, bf16_xr_imp, bf16_f32_imp);
 
 /// The body of the 16-bit float multi-row kernels: the single kernel's loop (`avx2`'s `half_dot`: two
 /// accumulators, 16 values per step, a scalar tail) with each 16 weights converted once for the `$R` rows.
@@ -571,13 +571,13 @@ mod tests {
         }
     }
 
-    /// The F16 and BF16 four- and eight-row forms give the single kernel's bits for lengths with and without a
-    /// scalar tail, and fall back to it for rows of unequal length.
+    /// The F16 and BF16 four-row forms give the single kernel's bits for lengths with and without a scalar tail,
+    /// and fall back to it for rows of unequal length.
     #[test]
     fn float_multi_row_kernels_match_single_dots_bit_for_bit() {
         let mut rng = StdRng::seed_from_u64(23);
         for ty in [GgmlType::F16, GgmlType::Bf16] {
-            let ((Some(k4), Some(k8)), Some(k)) = (dot_f_multi(ty), super::super::avx2::dot_f32(ty)) else {
+            let (Some(k4), Some(k)) = (dot_f4(ty), super::super::avx2::dot_f32(ty)) else {
                 eprintln!("no AVX2 here: nothing to test");
                 return;
             };
@@ -585,16 +585,14 @@ mod tests {
                 let x: Vec<f32> = (0..n).map(|_| rng.gen_range(-2f32..2.0)).collect();
                 let mut w = vec![0u8; 2 * n];
                 quantize_row(ty, &x, None, &mut w).unwrap();
-                let rows: Vec<Vec<f32>> = (0..8).map(|_| (0..n).map(|_| rng.gen_range(-3f32..3.0)).collect()).collect();
+                let rows: Vec<Vec<f32>> = (0..4).map(|_| (0..n).map(|_| rng.gen_range(-3f32..3.0)).collect()).collect();
                 let want: Vec<u32> = rows.iter().map(|r| k(&w, r).to_bits()).collect();
                 let got = k4(&w, std::array::from_fn(|r| &rows[r][..]));
-                assert_eq!(got.map(f32::to_bits)[..], want[..4], "{ty} {n} values, 4 rows");
-                let got = k8(&w, std::array::from_fn(|r| &rows[r][..]));
-                assert_eq!(got.map(f32::to_bits)[..], want[..], "{ty} {n} values, 8 rows");
-                let short = &rows[5][..n / 2];
-                let mixed: [&[f32]; 8] = std::array::from_fn(|r| if r == 5 { short } else { &rows[r][..] });
+                assert_eq!(got.map(f32::to_bits)[..], want[..], "{ty} {n} values, 4 rows");
+                let short = &rows[2][..n / 2];
+                let mixed: [&[f32]; 4] = std::array::from_fn(|r| if r == 2 { short } else { &rows[r][..] });
                 let want: Vec<u32> = mixed.iter().map(|r| k(&w, r).to_bits()).collect();
-                assert_eq!(k8(&w, mixed).map(f32::to_bits)[..], want[..], "{ty} {n} values, unequal rows");
+                assert_eq!(k4(&w, mixed).map(f32::to_bits)[..], want[..], "{ty} {n} values, unequal rows");
             }
         }
     }

@@ -148,15 +148,15 @@ pub fn dot_q8(ty: GgmlType) -> Option<super::api::DotQ8> {
     None
 }
 
-/// The four- and eight-row float kernels for `ty` (see [`crate::quant::DotF4`]) where this CPU has them: `avx2_x4`'s
-/// F16 / BF16 forms, bit-identical to the AVX2 single kernel [`dot_f32`] picks for those types.
-pub(crate) fn dot_f_multi(ty: GgmlType) -> (Option<super::api::DotF4>, Option<super::api::DotF8>) {
+/// The four-row float kernel for `ty` (see [`crate::quant::DotF4`]) where this CPU has one: `avx2_x4`'s F16 / BF16
+/// forms, bit-identical to the AVX2 single kernel [`dot_f32`] picks for those types.
+pub(crate) fn dot_f4(ty: GgmlType) -> Option<super::api::DotF4> {
     #[cfg(target_arch = "x86_64")]
-    return avx2_x4::dot_f_multi(ty);
+    return avx2_x4::dot_f4(ty);
     #[allow(unreachable_code)]
     {
         let _ = ty;
-        (None, None)
+        None
     }
 }
 
