@@ -203,7 +203,7 @@ impl Kernels for EngineKernels {
             let k4 = quant::dot_f4_kernel(ty);
             let x = |b: usize| &xs[b * cols..(b + 1) * cols];
             for (wr, yr) in w.chunks_exact(rb).zip(ys.chunks_exact_mut(batch)) {
-                let b = k4.map_or(0, |k4| rows_at_once(&|wr, a| k4(wr, a), wr, yr, 0, &x));
+                let b = k4.map_or(0, |k4| rows_at_once(k4, wr, yr, 0, &x));
                 for (y, x) in yr[b..].iter_mut().zip(xs[b * cols..].chunks_exact(cols)) {
                     *y = k(wr, x);
                 }
@@ -232,8 +232,8 @@ impl Kernels for EngineKernels {
             for (wr, yr) in w.chunks_exact(rb).zip(ys.chunks_exact_mut(batch)) {
                 let mut b = 0;
                 if let Some(k8) = k8 {
-                    b = rows_at_once(
-                        &|wr, r: [(&[u8], &[f32]); 8]| k8(wr, r.map(|r| r.0), r.map(|r| r.1)),
+                    b = rows_at_once::<(&[u8], &[f32]), 8, _>(
+                        |wr, r| k8(wr, r.map(|r| r.0), r.map(|r| r.1)),
                         wr,
                         yr,
                         b,
@@ -241,8 +241,8 @@ impl Kernels for EngineKernels {
                     );
                 }
                 if let Some(k4) = k4 {
-                    b = rows_at_once(
-                        &|wr, r: [(&[u8], &[f32]); 4]| k4(wr, r.map(|r| r.0), r.map(|r| r.1)),
+                    b = rows_at_once::<(&[u8], &[f32]), 4, _>(
+                        |wr, r| k4(wr, r.map(|r| r.0), r.map(|r| r.1)),
                         wr,
                         yr,
                         b,
@@ -260,8 +260,8 @@ impl Kernels for EngineKernels {
 
 /// Calls the `R`-row kernel `k` for weight row `wr` on batch rows `b, b + 1, ..` (activation row `a(b)`) while
 /// `R` rows remain, writing `y[b]`; returns the first row not done.
-fn rows_at_once<A: Copy, const R: usize>(
-    k: &dyn Fn(&[u8], [A; R]) -> [f32; R],
+fn rows_at_once<A: Copy, const R: usize, K: Fn(&[u8], [A; R]) -> [f32; R]>(
+    k: K,
     wr: &[u8],
     y: &mut [f32],
     mut b: usize,

@@ -461,6 +461,9 @@ impl Product<'_> {
     }
 }
 
+/// A multi-row kernel as [`row_times_batch`] calls it: one weight row against `R` activation rows.
+type RowsDot<'a, A, const R: usize> = &'a dyn Fn(&[u8], [A; R]) -> [f32; R];
+
 /// One weight row `wr` times batch rows `bs` (activation row `b` is `act(b)`): eight rows per `dot8` call, then
 /// four per `dot4` call where the kernel has them, the rest one by one; `put(b, v)` receives each result. The
 /// multi-row kernels are bit-identical to `dot`, so the grouping never shows in the results.
@@ -470,8 +473,8 @@ fn row_times_batch<A: Copy>(
     bs: Range<usize>,
     act: &dyn Fn(usize) -> A,
     dot: &dyn Fn(&[u8], A) -> f32,
-    dot4: Option<&dyn Fn(&[u8], [A; 4]) -> [f32; 4]>,
-    dot8: Option<&dyn Fn(&[u8], [A; 8]) -> [f32; 8]>,
+    dot4: Option<RowsDot<'_, A, 4>>,
+    dot8: Option<RowsDot<'_, A, 8>>,
     put: &dyn Fn(usize, f32),
 ) {
     let mut b = bs.start;
