@@ -298,6 +298,44 @@ unsafe fn q8_0_xr_vnni_imp<const R: usize>(w: &[u8], a: [&[u8]; R], da: [&[f32];
     ))
 }
 
+/// The per-row part of a Q2_K / Q4_K block `i` (shared by both multi-row kernels): `sumi = Σ_k madd(maddubs(plane k,
+/// quants 32k..32k + 32), scales k)` into `acc[r]` scaled by `d_a · d`, and the minimums (`mins16`, one i16 per
+/// block-sum lane) times the Q8_K block sums into `acc_min[r]` scaled by `d_a · dmin` — the single kernels' order.
+///
+/// # Safety
+/// AVX2/FMA/F16C present; every `a[r]` holds Q8_K block `i`.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn kquant_rows<const R: usize>(
+    a: &[&[u8]; R],
+    i: usize,
+    planes: &[__m256i; 8],
+    scv: &[__m256i; 8],
+    mins16: __m256i,
+    (d, dmin): (f32, f32),
+    acc: &mut [__m256; R],
+    acc_min: &mut [__m256; R],
+) {
+    const AB: usize = q8_k::BLOCK_BYTES;
+    for r in 0..R {
+        let qa = &a[r][i * AB..(i + 1) * AB];
+        let ap = qa.as_ptr();
+        let da = q8_k::d(qa);
+        // SAFETY: the 16 i16 block sums are bytes 260..292 of the 292-byte Q8_K block.
+        let bsums = unsafe { ld_si256(ap.add(q8_k::BSUMS)) };
+        let pm = _mm256_cvtepi32_ps(_mm256_madd_epi16(mins16, bsums));
+        acc_min[r] = _mm256_fmadd_ps(_mm256_set1_ps(da * dmin), pm, acc_min[r]);
+        let mut sumi = _mm256_setzero_si256();
+        for k in 0..8 {
+            // SAFETY: 32 Q8_K quants at 4 + 32k ≤ 228 inside the 292-byte block (plane k = sub-blocks 2k, 2k+1).
+            let qa8 = unsafe { ld_si256(ap.add(4 + 32 * k)) };
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(planes[k], qa8), scv[k]));
+        }
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(da * d), _mm256_cvtepi32_ps(sumi), acc[r]);
+    }
+}
+
 /// Q2_K · Q8_K, `R` rows.
 ///
 /// # Safety
@@ -305,7 +343,6 @@ unsafe fn q8_0_xr_vnni_imp<const R: usize>(w: &[u8], a: [&[u8]; R], da: [&[f32];
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q2_k_xr_imp<const R: usize>(w: &[u8], a: [&[u8]; R], _da: [&[f32]; R], n: usize) -> [f32; R] {
     const WB: usize = q2_k::BLOCK_BYTES;
-    const AB: usize = q8_k::BLOCK_BYTES;
     let m3 = _mm256_set1_epi8(3);
     let m4 = _mm_set1_epi8(0x0f);
     // SAFETY: each mask is a 32-byte array.
@@ -335,22 +372,8 @@ unsafe fn q2_k_xr_imp<const R: usize>(w: &[u8], a: [&[u8]; R], _da: [&[f32]; R],
                 scv[4 * h + j] = _mm256_shuffle_epi8(scales, shuf[4 * h + j]);
             }
         }
-        for r in 0..R {
-            let qa = &a[r][i * AB..(i + 1) * AB];
-            let ap = qa.as_ptr();
-            // SAFETY: block sums are bytes 260..292 of the Q8_K block.
-            let bsums = unsafe { ld_si256(ap.add(q8_k::BSUMS)) };
-            let pm = _mm256_cvtepi32_ps(_mm256_madd_epi16(mins, bsums));
-            let da = q8_k::d(qa);
-            acc_min[r] = _mm256_fmadd_ps(_mm256_set1_ps(da * dmin), pm, acc_min[r]);
-            let mut sumi = _mm256_setzero_si256();
-            for k in 0..8 {
-                // SAFETY: 32 Q8_K quants at 4 + 32k ≤ 228 inside the 292-byte block (plane k = sub-blocks 2k, 2k+1).
-                let qa8 = unsafe { ld_si256(ap.add(4 + 32 * k)) };
-                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(planes[k], qa8), scv[k]));
-            }
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(da * d), _mm256_cvtepi32_ps(sumi), acc[r]);
-        }
+        // SAFETY: AVX2/FMA/F16C present and every row holds block `i` (this function's contract).
+        unsafe { kquant_rows(&a, i, &planes, &scv, mins, (d, dmin), &mut acc, &mut acc_min) };
     }
     std::array::from_fn(|r| hsum_ps(acc[r]) - hsum_ps(acc_min[r]))
 }
@@ -363,7 +386,6 @@ unsafe fn q2_k_xr_imp<const R: usize>(w: &[u8], a: [&[u8]; R], _da: [&[f32]; R],
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q4_k_xr_imp<const R: usize>(w: &[u8], a: [&[u8]; R], _da: [&[f32]; R], n: usize) -> [f32; R] {
     const WB: usize = q4_k::BLOCK_BYTES;
-    const AB: usize = q8_k::BLOCK_BYTES;
     let m4 = _mm256_set1_epi8(0x0f);
     let mut acc = [_mm256_setzero_ps(); R];
     let mut acc_min = [_mm256_setzero_ps(); R];
@@ -387,22 +409,8 @@ unsafe fn q4_k_xr_imp<const R: usize>(w: &[u8], a: [&[u8]; R], _da: [&[f32]; R],
             scv[2 * c] = _mm256_set1_epi16(((sc >> (16 * c)) & 0xff) as i16);
             scv[2 * c + 1] = _mm256_set1_epi16(((sc >> (16 * c + 8)) & 0xff) as i16);
         }
-        for r in 0..R {
-            let qa = &a[r][i * AB..(i + 1) * AB];
-            let ap = qa.as_ptr();
-            let da = q8_k::d(qa);
-            // SAFETY: the 16 i16 block sums are bytes 260..292 of the 292-byte Q8_K block.
-            let bsums = unsafe { ld_si256(ap.add(q8_k::BSUMS)) };
-            let pm = _mm256_cvtepi32_ps(_mm256_madd_epi16(m16, bsums));
-            acc_min[r] = _mm256_fmadd_ps(_mm256_set1_ps(da * dmin), pm, acc_min[r]);
-            let mut sumi = _mm256_setzero_si256();
-            for k in 0..8 {
-                // SAFETY: 32 Q8_K quants at 4 + 32k ≤ 228 inside the 292-byte block.
-                let qa8 = unsafe { ld_si256(ap.add(4 + 32 * k)) };
-                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(planes[k], qa8), scv[k]));
-            }
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(da * d), _mm256_cvtepi32_ps(sumi), acc[r]);
-        }
+        // SAFETY: AVX2/FMA/F16C present and every row holds block `i` (this function's contract).
+        unsafe { kquant_rows(&a, i, &planes, &scv, m16, (d, dmin), &mut acc, &mut acc_min) };
     }
     std::array::from_fn(|r| hsum_ps(acc[r]) - hsum_ps(acc_min[r]))
 }
