@@ -198,9 +198,13 @@ impl Kernels for EngineKernels {
         }
         let act = quant::act_type(ty);
         if act.is_f32() {
+            // Four rows per call where the type has a four-row kernel, as the engine's matmul does.
             let k = quant::dot_f32_kernel(ty)?;
+            let k4 = quant::dot_f4_kernel(ty);
+            let x = |b: usize| &xs[b * cols..(b + 1) * cols];
             for (wr, yr) in w.chunks_exact(rb).zip(ys.chunks_exact_mut(batch)) {
-                for (y, x) in yr.iter_mut().zip(xs.chunks_exact(cols)) {
+                let b = k4.map_or(0, |k4| rows_at_once(k4, wr, yr, 0, &x));
+                for (y, x) in yr[b..].iter_mut().zip(xs[b * cols..].chunks_exact(cols)) {
                     *y = k(wr, x);
                 }
             }
@@ -216,16 +220,34 @@ impl Kernels for EngineKernels {
                 quant::quantize_acts(act, x, &mut one)?;
                 all.extend_from_slice(&one);
             }
-            // Four activation rows per call where the type has a four-row kernel, as the engine's matmul does.
-            let k4 = quant::dot_q4_kernel(ty);
+            // Eight, then four activation rows per call where the type has those kernels, with the rows' block
+            // scales converted once, as the engine's matmul does.
+            let (k4, k8) = (quant::dot_q4_kernel(ty), quant::dot_q8_kernel(ty));
+            let mut scales = Vec::new();
+            quant::act_block_scales(act, &all, &mut scales);
+            let per_row = scales.len() / batch;
+            let d = |b: usize| scales.get(b * per_row..(b + 1) * per_row).unwrap_or(&[]);
+            // Row `b`: its quantized bytes and its block scales.
+            let a = |b: usize| (&all[b * ab..(b + 1) * ab], d(b));
             for (wr, yr) in w.chunks_exact(rb).zip(ys.chunks_exact_mut(batch)) {
                 let mut b = 0;
+                if let Some(k8) = k8 {
+                    b = rows_at_once::<(&[u8], &[f32]), 8, _>(
+                        |wr, r| k8(wr, r.map(|r| r.0), r.map(|r| r.1)),
+                        wr,
+                        yr,
+                        b,
+                        &a,
+                    );
+                }
                 if let Some(k4) = k4 {
-                    while b + 4 <= batch {
-                        let a = |i: usize| &all[(b + i) * ab..(b + i + 1) * ab];
-                        yr[b..b + 4].copy_from_slice(&k4(wr, [a(0), a(1), a(2), a(3)]));
-                        b += 4;
-                    }
+                    b = rows_at_once::<(&[u8], &[f32]), 4, _>(
+                        |wr, r| k4(wr, r.map(|r| r.0), r.map(|r| r.1)),
+                        wr,
+                        yr,
+                        b,
+                        &a,
+                    );
                 }
                 for (y, a) in yr[b..].iter_mut().zip(all[b * ab..].chunks_exact(ab)) {
                     *y = k(wr, a);
@@ -234,6 +256,22 @@ impl Kernels for EngineKernels {
             Ok(())
         })
     }
+}
+
+/// Calls the `R`-row kernel `k` for weight row `wr` on batch rows `b, b + 1, ..` (activation row `a(b)`) while
+/// `R` rows remain, writing `y[b]`; returns the first row not done.
+fn rows_at_once<A: Copy, const R: usize, K: Fn(&[u8], [A; R]) -> [f32; R]>(
+    k: K,
+    wr: &[u8],
+    y: &mut [f32],
+    mut b: usize,
+    a: &dyn Fn(usize) -> A,
+) -> usize {
+    while b + R <= y.len() {
+        y[b..b + R].copy_from_slice(&k(wr, std::array::from_fn(|i| a(b + i))));
+        b += R;
+    }
+    b
 }
 
 #[cfg(test)]

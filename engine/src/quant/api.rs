@@ -14,11 +14,17 @@ pub type DotF32 = fn(&[u8], &[f32]) -> f32;
 pub type DotQ = fn(&[u8], &[u8]) -> f32;
 
 /// One weight row against four activation rows: `[dot(w, a[0]), .., dot(w, a[3])]`, bit-identical to four
-/// [`DotQ`] calls of the same kernel (rows of unequal length get exactly that: four single calls).
-pub type DotQ4 = fn(&[u8], [&[u8]; 4]) -> [f32; 4];
+/// [`DotQ`] calls of the same kernel (rows of unequal length get exactly that: four single calls). The third
+/// argument may carry each row's block scales as f32 ([`act_block_scales`]) for activation formats whose blocks
+/// have f16 scales (Q8_0): converted once per activation row instead of once per weight row. Kernels of other
+/// formats ignore it; empty (or short) slices make a Q8_0 kernel convert the scales itself.
+pub type DotQ4 = fn(&[u8], [&[u8]; 4], [&[f32]; 4]) -> [f32; 4];
 
 /// One weight row against eight activation rows, bit-identical to eight [`DotQ`] calls (like [`DotQ4`]).
-pub type DotQ8 = fn(&[u8], [&[u8]; 8]) -> [f32; 8];
+pub type DotQ8 = fn(&[u8], [&[u8]; 8], [&[f32]; 8]) -> [f32; 8];
+
+/// One float weight row (F16/BF16) against four f32 activation rows, bit-identical to four [`DotF32`] calls.
+pub type DotF4 = fn(&[u8], [&[f32]; 4]) -> [f32; 4];
 
 fn qerr(op: &'static str, ty: GgmlType, what: impl Into<String>) -> Error {
     Error::Quant { op, ty: ty.name().to_string(), what: what.into() }
@@ -131,6 +137,22 @@ pub fn dot_f32_kernel(ty: GgmlType) -> Result<DotF32> {
     Ok(simd::dot_f32(ty).unwrap_or(scalar))
 }
 
+/// The f32 value of every block scale of activation bytes `a` in format `act` — for Q8_0, whose f16 block scales
+/// the multi-row kernels ([`DotQ4`], [`DotQ8`]) take pre-converted — into `out` (cleared first; left empty for the
+/// other formats, whose kernels read their scales as they are). Covers the whole blocks `a` holds.
+pub fn act_block_scales(act: ActType, a: &[u8], out: &mut Vec<f32>) {
+    out.clear();
+    if act == ActType::Q8_0 {
+        out.extend(a.chunks_exact(q8_0::BLOCK_BYTES).map(|b| super::f16::f16_at(b, 0)));
+    }
+}
+
+/// A four-row form of [`dot_f32_kernel`] (see [`DotF4`]) where this CPU has one (F16 and BF16 with AVX2: each
+/// weight vector converted once for the four rows). `None` means: call the single kernel.
+pub fn dot_f4_kernel(weight_ty: GgmlType) -> Option<DotF4> {
+    simd::dot_f4(weight_ty)
+}
+
 /// The activation format paired with a weight type on this CPU: Q8_0 for Q8_0; Q8_K for Q2_K and Q4_K; Q8_K for
 /// IQ2_XXS too, in the pair layout ([`ActType::Q8KPairs`]) where the AVX-512 pair kernel runs; F32 otherwise.
 /// [`dot_q_kernel`] and [`dot_q_kernel_scalar`] read exactly this format.
@@ -224,8 +246,9 @@ pub fn dot_q4_kernel(weight_ty: GgmlType) -> Option<DotQ4> {
     simd::dot_q4(weight_ty)
 }
 
-/// An eight-row form of [`dot_q_kernel`] (see [`DotQ8`]) where one exists (the AVX2 Q2_K and IQ2_XXS kernels:
-/// their weight decoding shared by eight rows). `None` means: use [`dot_q4_kernel`] or the single kernel.
+/// An eight-row form of [`dot_q_kernel`] (see [`DotQ8`]) where one exists (the AVX2 Q2_K, Q4_K and IQ2_XXS kernels:
+/// their weight decoding shared by eight rows; Q8_0 with AVX-512 VNNI). `None` means: use [`dot_q4_kernel`] or the
+/// single kernel.
 pub fn dot_q8_kernel(weight_ty: GgmlType) -> Option<DotQ8> {
     simd::dot_q8(weight_ty)
 }

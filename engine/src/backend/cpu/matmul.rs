@@ -9,7 +9,12 @@
 //! Kernels: F32 weights use [`dot_f32`] here (the golden-checked path); F16/BF16 use `quant::dot_f32_kernel`;
 //! quantized weights (Q8_0, Q2_K, Q4_K, IQ2_XXS) quantize each activation row into `quant::act_type` (Q8_0 /
 //! Q8_K, as ggml does; for IQ2_XXS on AVX-512 + GFNI, Q8_K in the pair layout its kernel reads) and use
-//! `quant::dot_q_kernel`. Types without a kernel are rejected at load by [`supports`].
+//! `quant::dot_q_kernel`. Types without a kernel are rejected at load by [`supports`]. Batch rows go eight at a
+//! time through the kernel's eight-row form, then four at a time through its four-row form, where the CPU has
+//! them (`quant::dot_q8_kernel`, `quant::dot_q4_kernel`, `quant::dot_f4_kernel`: one weight row decoded
+//! once for the rows, bit-identical to the single-row kernel), the rest one by one. Quantized activations carry
+//! their blocks' scales as f32 where the format stores f16 ones (Q8_0, [`Acts`]), converted once per product for
+//! the multi-row kernels.
 //!
 //! Activation quantization is the CPU's one deliberate approximation: each activation is rounded to a grid of
 //! `amax/127` per block of 32 (Q8_0) or 256 (Q8_K) values, an error of up to half a step per activation. When the
@@ -27,7 +32,7 @@ use std::ops::Range;
 
 use crate::backend::cpu::pool::{split, Pool};
 use crate::model::mat::Mat;
-use crate::quant::{self, ActType, DotF32, DotQ, DotQ4, DotQ8, GgmlType};
+use crate::quant::{self, ActType, DotF32, DotF4, DotQ, DotQ4, DotQ8, GgmlType};
 use crate::{Error, Result};
 
 /// Whether matrices of type `ty` can be multiplied (and their rows dequantized).
@@ -51,8 +56,9 @@ const INLINE_WORK: usize = 32 * 1024;
 pub enum Kernel {
     /// F32 weights, [`dot_f32`].
     F32,
-    /// Float weights (F16/BF16) against f32 activations.
-    F(DotF32),
+    /// Float weights (F16/BF16, or quantized weights with [`Pool::f32_acts`]) against f32 activations; `dot4` as
+    /// for [`Kernel::Q`].
+    F { dot: DotF32, dot4: Option<DotF4> },
     /// Quantized weights against activations quantized to `act` (`act_bytes` per row); `dot8` / `dot4`, where the
     /// type has them, multiply a weight row into eight / four activation rows at once (bit-identical to that many
     /// `dot` calls).
@@ -72,14 +78,19 @@ impl Kernel {
                 return Ok(Kernel::Q { act, dot, dot4, dot8, act_bytes: b as usize });
             }
         }
-        Ok(Kernel::F(quant::dot_f32_kernel(ty)?))
+        Kernel::float(ty)
+    }
+
+    /// The f32-activation kernel for `ty`, with its four-row form where the CPU has one.
+    fn float(ty: GgmlType) -> Result<Kernel> {
+        Ok(Kernel::F { dot: quant::dot_f32_kernel(ty)?, dot4: quant::dot_f4_kernel(ty) })
     }
 
     /// The kernel the pool's settings ask for: [`Kernel::for_type`], or f32 activations for every weight type when
     /// [`Pool::f32_acts`] is on.
     pub fn for_pool(pool: &Pool, ty: GgmlType, cols: usize) -> Result<Kernel> {
         if pool.f32_acts() && ty != GgmlType::F32 {
-            return Ok(Kernel::F(quant::dot_f32_kernel(ty)?));
+            return Kernel::float(ty);
         }
         Kernel::for_type(ty, cols)
     }
@@ -174,8 +185,17 @@ impl RowAt<'_> {
 /// The input rows of a product: f32 values, or activations already quantized for the product's kernel.
 #[derive(Clone, Copy, Debug)]
 pub enum Input<'a> {
-    F32 { x: &'a [f32], rows: RowAt<'a> },
-    Q { acts: &'a [u8], rows: RowAt<'a> },
+    F32 {
+        x: &'a [f32],
+        rows: RowAt<'a>,
+    },
+    /// `scales`: the f32 value of every block scale of `acts` where the format has f16 ones (Q8_0; see
+    /// `quant::act_block_scales`), else empty — the multi-row kernels read them instead of converting per weight row.
+    Q {
+        acts: &'a [u8],
+        scales: &'a [f32],
+        rows: RowAt<'a>,
+    },
 }
 
 /// Activation rows quantized once for every product that reads them (grown, never shrunk: no allocation once
@@ -185,13 +205,14 @@ pub struct Acts {
     act: Option<ActType>,
     row_bytes: usize,
     data: Vec<u8>,
+    scales: Vec<f32>,
     one: Vec<u8>,
 }
 
 impl Acts {
     /// An empty buffer.
     pub const fn new() -> Acts {
-        Acts { act: None, row_bytes: 0, data: Vec::new(), one: Vec::new() }
+        Acts { act: None, row_bytes: 0, data: Vec::new(), scales: Vec::new(), one: Vec::new() }
     }
 
     /// For a quantized kernel `k`, quantizes rows `rows.at(b)..+cols` of `x` for `b < n` into rows `0..n` here;
@@ -213,6 +234,7 @@ impl Acts {
                 .map_err(|e| backend_err(format!("matmul activations: {e}")))?;
             self.data[b * act_bytes..(b + 1) * act_bytes].copy_from_slice(&self.one);
         }
+        quant::act_block_scales(act, &self.data[..n * act_bytes], &mut self.scales);
         Ok(())
     }
 
@@ -266,7 +288,17 @@ impl Acts {
             // Redo it on whole rows for the error message (indices relative to the row).
             return self.prepare(k, x, rows, n, cols);
         }
+        quant::act_block_scales(act, &self.data[..n * act_bytes], &mut self.scales);
         Ok(())
+    }
+
+    /// The f32 block scales of [`Acts::bytes`] where the format has f16 ones (Q8_0), else empty.
+    pub fn scales(&self) -> &[f32] {
+        if self.act.is_some() {
+            &self.scales
+        } else {
+            &[]
+        }
     }
 
     /// The quantized rows `0..n` as written by [`Acts::prepare`], as bytes (empty for float kernels).
@@ -297,7 +329,9 @@ impl Acts {
             RowAt::Gather { idx, stride: s } => RowAt::Gather { idx, stride: s * stride },
         };
         match k {
-            Kernel::Q { act_bytes, .. } if self.act.is_some() => Input::Q { acts: &self.data, rows: scale(*act_bytes) },
+            Kernel::Q { act_bytes, .. } if self.act.is_some() => {
+                Input::Q { acts: &self.data, scales: &self.scales, rows: scale(*act_bytes) }
+            }
             _ => Input::F32 { x, rows: scale(cols) },
         }
     }
@@ -363,44 +397,46 @@ impl Product<'_> {
             for b0 in (0..n).step_by(BATCH_BLOCK) {
                 let b1 = (b0 + BATCH_BLOCK).min(n);
                 match (self.k, self.input) {
-                    (Kernel::Q { dot, dot4, dot8, act_bytes, .. }, Input::Q { acts, rows }) => {
+                    (Kernel::Q { act, dot, dot4, dot8, act_bytes }, Input::Q { acts, scales, rows }) => {
+                        // Row `b`'s bytes and the f32 scales of its blocks (empty where the format has none).
+                        let bb = act.block_bytes().max(1);
                         let act = |b: usize| {
                             let a = rows.at(b);
-                            &acts[a..a + act_bytes]
+                            (&acts[a..a + act_bytes], scales.get(a / bb..(a + act_bytes) / bb).unwrap_or(&[]))
                         };
+                        let one = |wr: &[u8], (a, _): (&[u8], &[f32])| dot(wr, a);
+                        let four = dot4
+                            .map(|k| move |wr: &[u8], a: [(&[u8], &[f32]); 4]| k(wr, a.map(|r| r.0), a.map(|r| r.1)));
+                        let eight = dot8
+                            .map(|k| move |wr: &[u8], a: [(&[u8], &[f32]); 8]| k(wr, a.map(|r| r.0), a.map(|r| r.1)));
                         for r in s0..s1 {
-                            let wr = w.row(r);
-                            let mut b = b0;
-                            if let Some(dot8) = dot8 {
-                                while b + 8 <= b1 {
-                                    let v = dot8(wr, std::array::from_fn(|i| act(b + i)));
-                                    for (i, v) in v.into_iter().enumerate() {
-                                        put(b + i, r, v);
-                                    }
-                                    b += 8;
-                                }
-                            }
-                            if let Some(dot4) = dot4 {
-                                while b + 4 <= b1 {
-                                    let v = dot4(wr, [act(b), act(b + 1), act(b + 2), act(b + 3)]);
-                                    for (i, v) in v.into_iter().enumerate() {
-                                        put(b + i, r, v);
-                                    }
-                                    b += 4;
-                                }
-                            }
-                            for b in b..b1 {
-                                put(b, r, dot(wr, act(b)));
-                            }
+                            row_times_batch(
+                                w.row(r),
+                                b0..b1,
+                                &act,
+                                &one,
+                                four.as_ref().map(|f| f as _),
+                                eight.as_ref().map(|f| f as _),
+                                &|b, v| put(b, r, v),
+                            );
                         }
                     }
-                    (Kernel::F(f), Input::F32 { x, rows }) => {
+                    (Kernel::F { dot, dot4 }, Input::F32 { x, rows }) => {
+                        let act = |b: usize| {
+                            let a = rows.at(b);
+                            &x[a..a + cols]
+                        };
+                        let four = dot4.map(|k| move |wr: &[u8], a: [&[f32]; 4]| k(wr, a));
                         for r in s0..s1 {
-                            let wr = w.row(r);
-                            for b in b0..b1 {
-                                let a = rows.at(b);
-                                put(b, r, f(wr, &x[a..a + cols]));
-                            }
+                            row_times_batch(
+                                w.row(r),
+                                b0..b1,
+                                &act,
+                                &|wr, a| dot(wr, a),
+                                four.as_ref().map(|f| f as _),
+                                None,
+                                &|b, v| put(b, r, v),
+                            );
                         }
                     }
                     (Kernel::F32, Input::F32 { x, rows }) => {
@@ -422,6 +458,44 @@ impl Product<'_> {
             }
             s0 = s1;
         }
+    }
+}
+
+/// A multi-row kernel as [`row_times_batch`] calls it: one weight row against `R` activation rows.
+type RowsDot<'a, A, const R: usize> = &'a dyn Fn(&[u8], [A; R]) -> [f32; R];
+
+/// One weight row `wr` times batch rows `bs` (activation row `b` is `act(b)`): eight rows per `dot8` call, then
+/// four per `dot4` call where the kernel has them, the rest one by one; `put(b, v)` receives each result. The
+/// multi-row kernels are bit-identical to `dot`, so the grouping never shows in the results.
+#[inline]
+fn row_times_batch<A: Copy>(
+    wr: &[u8],
+    bs: Range<usize>,
+    act: &dyn Fn(usize) -> A,
+    dot: &dyn Fn(&[u8], A) -> f32,
+    dot4: Option<RowsDot<'_, A, 4>>,
+    dot8: Option<RowsDot<'_, A, 8>>,
+    put: &dyn Fn(usize, f32),
+) {
+    let mut b = bs.start;
+    if let Some(dot8) = dot8 {
+        while b + 8 <= bs.end {
+            for (i, v) in dot8(wr, std::array::from_fn(|i| act(b + i))).into_iter().enumerate() {
+                put(b + i, v);
+            }
+            b += 8;
+        }
+    }
+    if let Some(dot4) = dot4 {
+        while b + 4 <= bs.end {
+            for (i, v) in dot4(wr, std::array::from_fn(|i| act(b + i))).into_iter().enumerate() {
+                put(b + i, v);
+            }
+            b += 4;
+        }
+    }
+    for b in b..bs.end {
+        put(b, dot(wr, act(b)));
     }
 }
 
@@ -519,9 +593,11 @@ fn run(pool: &Pool, w: Mat<'_>, n: usize, at: RowAt<'_>, x: &[f32], y: &mut [f32
             acts.prepare(&k, x, at, n, cols)?;
         }
         let input = match k {
-            Kernel::Q { act_bytes, .. } => {
-                Input::Q { acts: acts.bytes(), rows: RowAt::Strided { stride: act_bytes, off: 0 } }
-            }
+            Kernel::Q { act_bytes, .. } => Input::Q {
+                acts: acts.bytes(),
+                scales: acts.scales(),
+                rows: RowAt::Strided { stride: act_bytes, off: 0 },
+            },
             _ => Input::F32 { x, rows: at },
         };
         run_one(pool, &Product { w, k, input, n, out });
@@ -608,9 +684,11 @@ pub fn matmul_many(pool: &Pool, jobs: &mut [Option<MatJob<'_>>], n: usize) -> Re
         for (i, j) in jobs.iter_mut().flatten().enumerate() {
             let (w, k) = (j.w, kernels[i]);
             let input = match k {
-                Kernel::Q { act_bytes, .. } => {
-                    Input::Q { acts: acts[src[i]].bytes(), rows: RowAt::Strided { stride: act_bytes, off: 0 } }
-                }
+                Kernel::Q { act_bytes, .. } => Input::Q {
+                    acts: acts[src[i]].bytes(),
+                    scales: acts[src[i]].scales(),
+                    rows: RowAt::Strided { stride: act_bytes, off: 0 },
+                },
                 _ => Input::F32 { x: j.x, rows: RowAt::Strided { stride: w.cols, off: 0 } },
             };
             prods[i] = Some(Product { w, k, input, n, out: Out::new(j.y, w.rows, 0) });

@@ -79,7 +79,7 @@ wrap!(iq2_xxs_q8_k, iq2_xxs_q8_k_imp, &[u8]);
 /// `p` must be valid for reading 32 bytes.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn ld_ps(p: *const u8) -> __m256 {
+pub(super) unsafe fn ld_ps(p: *const u8) -> __m256 {
     // SAFETY: guaranteed by the caller.
     unsafe { _mm256_loadu_ps(p as *const f32) }
 }
@@ -115,7 +115,8 @@ fn f32_f32_imp(w: &[u8], x: &[f32]) -> f32 {
     dot_f32_bytes(w, x, (w.len() / 4).min(x.len()))
 }
 
-/// Shared loop for the 16-bit float formats: `cvt` turns 8 packed 16-bit values into 8 f32.
+/// Shared loop for the 16-bit float formats: `cvt` turns 8 packed 16-bit values into 8 f32 (`avx2_x4` has the
+/// multi-row form, `half_rows`, in the same order).
 macro_rules! half_dot {
     ($w:ident, $x:ident, $cvt:expr, $scalar:expr) => {{
         let n = ($w.len() / 2).min($x.len());
@@ -142,19 +143,19 @@ macro_rules! half_dot {
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-fn f16_f32_imp(w: &[u8], x: &[f32]) -> f32 {
+pub(super) fn f16_f32_imp(w: &[u8], x: &[f32]) -> f32 {
     half_dot!(w, x, _mm256_cvtph_ps, |b| half::f16::from_bits(b).to_f32())
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-fn bf16_f32_imp(w: &[u8], x: &[f32]) -> f32 {
+pub(super) fn bf16_f32_imp(w: &[u8], x: &[f32]) -> f32 {
     half_dot!(w, x, bf16x8_to_ps, super::super::f16::bf16_to_f32)
 }
 
 /// 8 packed BF16 values to 8 f32 (exact: shift into the high half).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn bf16x8_to_ps(h: __m128i) -> __m256 {
+pub(super) fn bf16x8_to_ps(h: __m128i) -> __m256 {
     _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
 }
 
@@ -306,7 +307,7 @@ pub(super) fn q8_0_q8_0_imp(w: &[u8], a: &[u8]) -> f32 {
 
 /// Unpacks the 12 packed Q4_K scale bytes into (8 six-bit scales, 8 six-bit mins), one per byte.
 #[inline(always)]
-fn q4_k_scales(s: &[u8]) -> (u64, u64) {
+pub(super) fn q4_k_scales(s: &[u8]) -> (u64, u64) {
     const LOW6: u32 = 0x3f3f_3f3f;
     const LOW4: u32 = 0x0f0f_0f0f;
     const TOP2: u32 = 0x0303_0303;
@@ -322,7 +323,7 @@ fn q4_k_scales(s: &[u8]) -> (u64, u64) {
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-fn q4_k_q8_k_imp(w: &[u8], a: &[u8]) -> f32 {
+pub(super) fn q4_k_q8_k_imp(w: &[u8], a: &[u8]) -> f32 {
     let m4 = _mm256_set1_epi8(0x0f);
     let mut acc = _mm256_setzero_ps();
     let mut acc_min = _mm256_setzero_ps();

@@ -236,7 +236,7 @@ fn imp<const N: usize>(w: &[u8], a: [&[u8]; N]) -> [f32; N] {
     out
 }
 
-fn iq2_xxs_q8k_pairs4(w: &[u8], a: [&[u8]; 4]) -> [f32; 4] {
+fn iq2_xxs_q8k_pairs4(w: &[u8], a: [&[u8]; 4], _da: [&[f32]; 4]) -> [f32; 4] {
     if a.iter().any(|x| x.len() != a[0].len()) {
         // Rows of different lengths (never from the engine): each on its own, as `DotQ4` promises.
         return a.map(|x| iq2_xxs_q8k_pairs(w, x));
@@ -358,13 +358,13 @@ mod tests {
             let rows: Vec<Vec<u8>> = (0..4)
                 .map(|_| pairs(&q8k_blocks(n, rng.gen_range(1e-3f32..1.0), |_| rng.gen_range(-127i8..=127))))
                 .collect();
-            let got = k4(&w, [&rows[0], &rows[1], &rows[2], &rows[3]]);
+            let got = k4(&w, [&rows[0], &rows[1], &rows[2], &rows[3]], [&[]; 4]);
             for (r, g) in rows.iter().zip(got) {
                 assert_eq!(g.to_bits(), k(&w, r).to_bits(), "{n} blocks");
             }
             // A shorter row: every row still gets its own single dot.
             let short = &rows[1][..rows[1].len() - 1];
-            let got = k4(&w, [&rows[0], short, &rows[2], &rows[3]]);
+            let got = k4(&w, [&rows[0], short, &rows[2], &rows[3]], [&[]; 4]);
             for (x, g) in [&rows[0][..], short, &rows[2], &rows[3]].iter().zip(got) {
                 assert_eq!(g.to_bits(), k(&w, x).to_bits(), "{n} blocks, unequal rows");
             }

@@ -120,8 +120,8 @@ pub(crate) fn dot_q(ty: GgmlType) -> Option<DotQ> {
 
 /// The four-activation-row kernel for `ty` (see [`crate::quant::DotQ4`]) where this CPU has one, always the batched
 /// form of the kernel [`dot_q`] picks: the IQ2_XXS pair kernel's (exactly where [`dot_q`] picks the pair kernel)
-/// and, where the single kernel is AVX2's, `avx2_x4`'s Q8_0 / Q2_K / IQ2_XXS four-row forms, each bit-identical to
-/// the single kernel.
+/// and, where the single kernel is AVX2's, `avx2_x4`'s Q8_0 (with VNNI where present) / Q2_K / Q4_K / IQ2_XXS
+/// four-row forms, each bit-identical to the single kernel.
 pub fn dot_q4(ty: GgmlType) -> Option<super::api::DotQ4> {
     #[cfg(target_arch = "x86_64")]
     if ty == GgmlType::Iq2Xxs && iq2_pairs() {
@@ -137,7 +137,8 @@ pub fn dot_q4(ty: GgmlType) -> Option<super::api::DotQ4> {
 }
 
 /// The eight-activation-row kernel for `ty` (see [`crate::quant::DotQ8`]) where this CPU has one: `avx2_x4`'s
-/// Q2_K / IQ2_XXS eight-row forms where the single kernel is AVX2's (bit-identical to it).
+/// Q2_K / Q4_K / IQ2_XXS eight-row forms where the single kernel is AVX2's, and its Q8_0 one where AVX-512 VNNI is
+/// present (bit-identical to the single kernel).
 pub fn dot_q8(ty: GgmlType) -> Option<super::api::DotQ8> {
     #[cfg(target_arch = "x86_64")]
     if avx512_dot_q(ty).is_none() && avx2::dot_q(ty).is_some() {
@@ -145,6 +146,18 @@ pub fn dot_q8(ty: GgmlType) -> Option<super::api::DotQ8> {
     }
     let _ = ty;
     None
+}
+
+/// The four-row float kernel for `ty` (see [`crate::quant::DotF4`]) where this CPU has one: `avx2_x4`'s F16 / BF16
+/// forms, bit-identical to the AVX2 single kernel [`dot_f32`] picks for those types.
+pub(crate) fn dot_f4(ty: GgmlType) -> Option<super::api::DotF4> {
+    #[cfg(target_arch = "x86_64")]
+    return avx2_x4::dot_f4(ty);
+    #[allow(unreachable_code)]
+    {
+        let _ = ty;
+        None
+    }
 }
 
 /// Every SIMD kernel this CPU can run for weight type `ty` · its quantized activations, best first, named by
@@ -305,6 +318,8 @@ mod bench {
             if let (Some(k4), Ok(k)) = (dot_q4(ty), crate::quant::dot_q_kernel(ty)) {
                 let mut a = Vec::new();
                 quantize_acts(crate::quant::act_type(ty), &x, &mut a).unwrap();
+                let mut da = Vec::new();
+                crate::quant::act_block_scales(crate::quant::act_type(ty), &a, &mut da);
                 let hot = &w[..hot_rows * rb];
                 let passes = 16 * mib.max(1) / 16;
                 let (mut one, mut four, mut eight) = (0f64, 0f64, 0f64);
@@ -325,7 +340,7 @@ mod bench {
                     let (t, c0) = (Instant::now(), cpu_ns());
                     for _ in 0..passes {
                         for row in hot.chunks_exact(rb) {
-                            sink += k4(row, [&a, &a, &a, &a]).iter().sum::<f32>();
+                            sink += k4(row, [&a, &a, &a, &a], [&da, &da, &da, &da]).iter().sum::<f32>();
                         }
                     }
                     let s4 = match (c0, cpu_ns()) {
@@ -336,7 +351,7 @@ mod bench {
                     if let Some(k8) = dot_q8(ty) {
                         for _ in 0..passes / 2 {
                             for row in hot.chunks_exact(rb) {
-                                sink += k8(row, [&a; 8]).iter().sum::<f32>();
+                                sink += k8(row, [&a; 8], [&da; 8]).iter().sum::<f32>();
                             }
                         }
                     }
