@@ -15,8 +15,10 @@
 //!    (`restore_s`, timed); `reused` = tokens whose state came from the cache;
 //! 3. prefill of the rest (`prefill_s`, timed; `recomputed` tokens);
 //! 4. with `verify`, a cold prefill of the whole request in a fresh session: `exact` = the logits are bit-identical;
-//! 5. the session is parked (LRU beyond `max_parked`, evicted sessions are saved to disk) and saved to the store
-//!    (a checkpoint at its end and a restore point at the page boundary below, as the server's save triggers do).
+//! 5. the request's `completion` (what the model generated) is appended, then the session is parked (LRU beyond
+//!    `max_parked`, evicted sessions are saved to disk) and saved to the store (a checkpoint at its end, a restore
+//!    point at the page boundary below it and one below the prompt's end: [`persist::save_marked`]; the server gets
+//!    the latter from the copy of the prompt's state it parks and saves beside the session).
 //!    As in the server, a system + tools block (a rendered request's tokens before the first `<｜User｜>`) of at
 //!    least `system_block_min_tokens` is also saved at its last page boundary, the prefill pausing there (part of
 //!    `prefill_s`), unless the reused prefix or the store holds it already.
@@ -102,6 +104,11 @@ pub struct TraceRequest {
     /// Tokens before the first user message (rendered requests; 0 for token-id lines unless given as
     /// `"system_block"`).
     pub system_block: usize,
+    /// What the model generated after the prompt (`"completion"`: a text for rendered lines, token ids for
+    /// token-id lines; empty when absent): the replay appends it to the session before parking it, as a server's
+    /// decode would, so the next turn of the conversation meets the generated tokens — and re-renders them (a
+    /// turn's reasoning dropped, a tool call re-serialized), the divergence a cache must roll back over.
+    pub completion: Vec<u32>,
 }
 
 /// Parses a JSONL trace (see the module docs): token-id lines need no tokenizer, rendered lines need `tok`. Errors
@@ -119,16 +126,31 @@ pub fn parse_trace(text: &str, vocab: usize, tok: Option<&Tokenizer>) -> Result<
     Ok(out)
 }
 
+/// Token ids below `vocab` from a JSON array.
+fn token_ids(arr: &[Value], vocab: usize) -> Result<Vec<u32>> {
+    let mut toks = Vec::with_capacity(arr.len());
+    for t in arr {
+        match t.as_u64() {
+            Some(t) if (t as usize) < vocab => toks.push(t as u32),
+            _ => bail!("{t} is not a token id below the vocabulary size {vocab}"),
+        }
+    }
+    Ok(toks)
+}
+
+/// `text` tokenized, every id below `vocab`.
+fn encode(tok: &Tokenizer, text: &str, vocab: usize) -> Result<Vec<u32>> {
+    let toks = tok.encode(text)?;
+    if let Some(&t) = toks.iter().find(|&&t| t as usize >= vocab) {
+        bail!("the tokenizer produced id {t}, not below the model's vocabulary size {vocab}");
+    }
+    Ok(toks)
+}
+
 fn parse_line(line: &str, vocab: usize, tok: Option<&Tokenizer>) -> Result<TraceRequest> {
     let v: Value = serde_json::from_str(line)?;
     let (tokens, system_block) = if let Some(arr) = v.get("tokens").and_then(Value::as_array) {
-        let mut toks = Vec::with_capacity(arr.len());
-        for t in arr {
-            match t.as_u64() {
-                Some(t) if (t as usize) < vocab => toks.push(t as u32),
-                _ => bail!("{t} is not a token id below the vocabulary size {vocab}"),
-            }
-        }
+        let toks = token_ids(arr, vocab)?;
         let block = (v.get("system_block").and_then(Value::as_u64).unwrap_or(0) as usize).min(toks.len());
         (toks, block)
     } else if v.get("messages").is_some_and(Value::is_array) {
@@ -138,10 +160,7 @@ fn parse_line(line: &str, vocab: usize, tok: Option<&Tokenizer>) -> Result<Trace
         let input = RenderInput::from_json(&openai.to_string())?;
         let mode = if thinking { Mode::Thinking } else { Mode::Chat };
         let text = chat::render_prompt(&input.messages, &RenderOptions { mode, ..RenderOptions::default() })?;
-        let toks = tok.encode(&text)?;
-        if let Some(&t) = toks.iter().find(|&&t| t as usize >= vocab) {
-            bail!("the tokenizer produced id {t}, not below the model's vocabulary size {vocab}");
-        }
+        let toks = encode(tok, &text, vocab)?;
         let block = tok.special().user.and_then(|u| toks.iter().position(|&t| t == u)).unwrap_or(0);
         (toks, block)
     } else {
@@ -150,7 +169,16 @@ fn parse_line(line: &str, vocab: usize, tok: Option<&Tokenizer>) -> Result<Trace
     if tokens.is_empty() {
         bail!("empty request");
     }
-    Ok(TraceRequest { tokens, system_block })
+    let completion = match v.get("completion") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(arr)) => token_ids(arr, vocab).context("completion")?,
+        Some(Value::String(text)) => {
+            let Some(tok) = tok else { bail!("a completion text needs the model's tokenizer") };
+            encode(tok, text, vocab).context("completion")?
+        }
+        Some(other) => bail!("completion: expected a text or an array of token ids, not {other}"),
+    };
+    Ok(TraceRequest { tokens, system_block, completion })
 }
 
 /// An Anthropic Messages body: a top-level `system`, tools with `input_schema`, or content blocks of Anthropic
@@ -237,6 +265,8 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
 struct Parked {
     id: SessionId,
     tokens: Vec<u32>,
+    /// Where its last prompt ended (the rest was generated): saves mark it with a restore point.
+    prompt_len: usize,
     last_used: u64,
 }
 
@@ -283,20 +313,22 @@ impl Cache {
         Ok(r)
     }
 
-    fn save(&self, engine: &Engine, id: SessionId, reason: SaveReason) -> Result<()> {
+    /// Saves `id` with a restore point below `prompt_len` too ([`persist::save_marked`]).
+    fn save(&self, engine: &Engine, id: SessionId, reason: SaveReason, prompt_len: usize) -> Result<()> {
         if engine.position(id)? > 0 {
-            persist::save(&self.store, engine, id, reason)?;
+            persist::save_marked(&self.store, engine, id, reason, &[prompt_len])?;
         }
         Ok(())
     }
 
-    fn park(&mut self, engine: &mut Engine, id: SessionId, tokens: Vec<u32>, max_parked: usize) -> Result<()> {
+    fn park(&mut self, engine: &mut Engine, p: (SessionId, Vec<u32>, usize), max_parked: usize) -> Result<()> {
         self.clock += 1;
-        self.parked.push(Parked { id, tokens, last_used: self.clock });
+        let (id, tokens, prompt_len) = p;
+        self.parked.push(Parked { id, tokens, prompt_len, last_used: self.clock });
         while self.parked.len() > max_parked {
             let lru = (0..self.parked.len()).min_by_key(|&i| self.parked[i].last_used).unwrap_or(0);
             let p = self.parked.swap_remove(lru);
-            self.save(engine, p.id, SaveReason::Evict)?;
+            self.save(engine, p.id, SaveReason::Evict, p.prompt_len)?;
             engine.free_session(p.id)?;
         }
         Ok(())
@@ -305,7 +337,7 @@ impl Cache {
     /// Drops every parked session (saved first, like a shutdown).
     fn drop_all(&mut self, engine: &mut Engine) -> Result<()> {
         for p in std::mem::take(&mut self.parked) {
-            self.save(engine, p.id, SaveReason::Shutdown)?;
+            self.save(engine, p.id, SaveReason::Shutdown, p.prompt_len)?;
             engine.free_session(p.id)?;
         }
         Ok(())
@@ -322,8 +354,13 @@ pub fn replay(
     if opts.passes == 0 || opts.passes > 2 {
         bail!("passes must be 1 or 2");
     }
-    if let Some(r) = requests.iter().find(|r| r.tokens.len() + 1 > engine.ctx()) {
-        bail!("a request of {} tokens does not fit the engine context {}", r.tokens.len(), engine.ctx());
+    if let Some(r) = requests.iter().find(|r| r.tokens.len() + r.completion.len() + 1 > engine.ctx()) {
+        bail!(
+            "a request of {} tokens and {} completion tokens does not fit the engine context {}",
+            r.tokens.len(),
+            r.completion.len(),
+            engine.ctx()
+        );
     }
     let policy = SavePolicy { system_block_min_tokens: opts.system_block_min_tokens, ..SavePolicy::default() };
     let kv_opts = persist::kv_options(engine, opts.span, u64::MAX / 4);
@@ -331,7 +368,8 @@ pub fn replay(
     let mut cache =
         Cache { parked: Vec::new(), store: persist::open_store(engine, &opts.dir, kv_opts.clone())?, clock: 0 };
     writeln!(out, "{CSV_HEADER}")?;
-    let mut seen: Vec<&[u32]> = Vec::new();
+    // Every session parked so far: its prompt and what was generated after it.
+    let mut seen: Vec<Vec<u32>> = Vec::new();
     let mut rows = Vec::new();
     for pass in 1..=opts.passes {
         if pass > 1 {
@@ -354,8 +392,7 @@ pub fn replay(
                 if let Some((d, _)) = disk {
                     engine.free_session(d)?;
                 }
-                let snap = engine.snapshot(cache.parked[i].id)?;
-                let id = engine.restore(snap)?;
+                let id = engine.fork(cache.parked[i].id)?;
                 if n < engine.position(id)? {
                     engine.rollback(id, n)?;
                 }
@@ -374,7 +411,7 @@ pub fn replay(
                 if at > reused && at < req.len() && !stored {
                     engine.feed(id, &req[reused..at])?;
                     engine.run_until_idle()?;
-                    cache.save(engine, id, SaveReason::SystemBlock)?;
+                    cache.save(engine, id, SaveReason::SystemBlock, at)?;
                     fed = at;
                 }
             }
@@ -392,14 +429,22 @@ pub fn replay(
             } else {
                 None
             };
-            cache.save(engine, id, SaveReason::Continued)?;
-            cache.park(engine, id, req.clone(), opts.max_parked)?;
+            // The model's answer, as a decode would have appended it (chunked feeding is bit-identical to one
+            // token per tick).
+            let mut history = req.clone();
+            if !request.completion.is_empty() {
+                engine.feed(id, &request.completion)?;
+                engine.run_until_idle()?;
+                history.extend_from_slice(&request.completion);
+            }
+            cache.save(engine, id, SaveReason::Continued, req.len())?;
+            cache.park(engine, (id, history.clone(), req.len()), opts.max_parked)?;
             let row =
                 ReplayRow { pass, request: ri, tokens: req.len(), lcp, reused, tier, restore_s, prefill_s, exact };
             writeln!(out, "{}", row.csv())?;
             out.flush()?;
             rows.push(row);
-            seen.push(req.as_slice());
+            seen.push(history);
         }
     }
     cache.drop_all(engine)?;
@@ -417,15 +462,18 @@ mod tests {
         parts.iter().flat_map(|p| p.iter().copied()).collect()
     }
 
-    /// Agent-shaped traces over token ids: a shared system/tools prompt, a title request beside the agent
-    /// request, re-rendered tails, several conversations on one system prompt, an edited earlier message.
-    fn agent_trace(vocab: usize) -> Vec<Vec<u32>> {
+    /// Agent-shaped traces over token ids, `(prompt, completion)`: a shared system/tools prompt, a title request
+    /// beside the agent request, re-rendered tails (the model's reasoning and answer after a prompt's assistant
+    /// opening, re-rendered without the reasoning by the next turn), a turn that extends the generated answer
+    /// exactly, several conversations on one system prompt, an edited earlier message.
+    fn agent_trace(vocab: usize) -> Vec<(Vec<u32>, Vec<u32>)> {
         let sys = ids(1, 260, vocab);
         let (u1, a1, u2, a2, u3) =
             (ids(2, 40, vocab), ids(3, 30, vocab), ids(4, 25, vocab), ids(5, 20, vocab), ids(6, 15, vocab));
         let open = ids(7, 3, vocab); // the assistant-turn opening a prompt ends with
         let closed = ids(8, 2, vocab); // how the next turn re-renders the finished assistant turn
         let title = ids(9, 12, vocab);
+        let (r1, r2) = (ids(14, 12, vocab), ids(15, 10, vocab)); // generated reasoning, dropped by the next turn
         let t1 = cat(&[&sys, &u1, &open]);
         let t2 = cat(&[&sys, &u1, &closed, &a1, &u2, &open]);
         let t3 = cat(&[&sys, &u1, &closed, &a1, &u2, &closed, &a2, &u3, &open]);
@@ -433,9 +481,20 @@ mod tests {
         u2_edited[10] = (u2_edited[10] + 1) % vocab as u32;
         let t3_edit = cat(&[&sys, &u1, &closed, &a1, &u2_edited, &open]);
         let b1 = cat(&[&sys, &ids(10, 35, vocab), &open]);
-        let b2 = cat(&[&b1, &ids(11, 20, vocab), &ids(12, 18, vocab), &open]);
+        let b1_answer = ids(11, 20, vocab);
+        let b2 = cat(&[&b1, &b1_answer, &ids(12, 18, vocab), &open]);
         let c1 = cat(&[&sys, &ids(13, 22, vocab), &open]);
-        vec![t1.clone(), cat(&[&title, &u1, &open]), t2, b1, t3, t3_edit, b2, c1]
+        let none = Vec::new;
+        vec![
+            (t1, cat(&[&r1, &a1])),
+            (cat(&[&title, &u1, &open]), ids(16, 6, vocab)),
+            (t2, cat(&[&r2, &a2])),
+            (b1, b1_answer),
+            (t3, none()),
+            (t3_edit, none()),
+            (b2, none()),
+            (c1, none()),
+        ]
     }
 
     #[test]
@@ -452,9 +511,12 @@ mod tests {
         let mut engine = crate::engine_api::engine_for(file, &cfg).unwrap();
         let trace: Vec<TraceRequest> = agent_trace(engine.config().vocab)
             .into_iter()
-            .map(|tokens| TraceRequest { tokens, system_block: 0 })
+            .map(|(tokens, completion)| TraceRequest { tokens, system_block: 0, completion })
             .collect();
-        let text: String = trace.iter().map(|t| format!("{}\n", serde_json::json!({ "tokens": t.tokens }))).collect();
+        let text: String = trace
+            .iter()
+            .map(|t| format!("{}\n", serde_json::json!({ "tokens": t.tokens, "completion": t.completion })))
+            .collect();
         assert_eq!(parse_trace(&text, engine.config().vocab, None).unwrap(), trace);
         let tmp = tempfile::tempdir().unwrap();
         let span = 16;
@@ -478,6 +540,11 @@ mod tests {
         let first: Vec<_> = rows.iter().filter(|r| r.pass == 1).collect();
         assert_eq!(first[0].tier, "none");
         assert!(first[2..].iter().all(|r| r.tier == "ram" && r.reused + 1 >= r.lcp), "{first:?}");
+        // The second turn re-renders the first one's generated answer (its assistant opening closed, the
+        // reasoning dropped): it diverges inside the first prompt and is served by rolling back over the generated
+        // tokens. The third request of conversation b extends b's generated answer: all of it is reused.
+        assert!(first[2].lcp < trace[0].tokens.len() && first[2].lcp + 3 >= trace[0].tokens.len(), "{first:?}");
+        assert_eq!(first[6].reused, trace[3].tokens.len() + trace[3].completion.len(), "{first:?}");
         // ... the second (after the restart) from disk first, everything seen before.
         let second: Vec<_> = rows.iter().filter(|r| r.pass == 2).collect();
         assert_eq!(second[0].tier, "disk");
@@ -492,6 +559,9 @@ mod tests {
             .contains("line 2"));
         assert!(parse_trace("{\"tokens\": [1, 200]}", 100, None).is_err());
         assert!(parse_trace("{\"tokens\": []}", 100, None).is_err());
+        assert!(parse_trace("{\"tokens\": [1], \"completion\": [100]}", 100, None).is_err());
+        let text_completion = parse_trace("{\"tokens\": [1], \"completion\": \"hi\"}", 100, None);
+        assert!(format!("{:#}", text_completion.unwrap_err()).contains("tokenizer"));
         let no_tok = parse_trace("{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}", 100, None);
         assert!(format!("{:#}", no_tok.unwrap_err()).contains("tokenizer"));
     }
@@ -580,10 +650,16 @@ mod tests {
         for i in [2, 3, 5, 8, 9] {
             assert!(first[i].tier == "ram" && first[i].reused + 1 >= first[i].lcp, "{:?}", first[i]);
         }
-        // After the restart everything was seen before and comes from disk.
+        // After the restart everything was seen before and comes from disk (or from RAM once re-parked); a prompt
+        // the model answered restores the restore point its save marked at the page boundary below the prompt's end
+        // (the checkpoint sits past the generated tokens), one it did not answer its own checkpoint.
         let second: Vec<_> = rows.iter().filter(|r| r.pass == 2).collect();
         assert_eq!(second[0].tier, "disk");
-        assert!(second.iter().all(|r| r.lcp == r.tokens && r.reused == r.tokens), "{second:?}");
+        assert_eq!(second[0].reused, trace[0].tokens.len() / span as usize * span as usize, "{:?}", second[0]);
+        for (r, t) in second.iter().zip(&trace) {
+            assert_eq!(r.lcp, r.tokens, "{r:?}");
+            assert!(t.completion.is_empty() == (r.reused == r.tokens) || r.tier == "ram", "{r:?}");
+        }
 
         // The system-block save: one conversation, a restart, a new conversation of the same agent restores the
         // block from disk (its own checkpoints lie past the block).

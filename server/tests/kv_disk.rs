@@ -104,6 +104,14 @@ impl Server {
         serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {body}"))
     }
 
+    /// A thinking-mode chat request generating up to `max_tokens`.
+    fn chat_thinking(&self, messages: &[Value], max_tokens: u32) -> Value {
+        let req = json!({"model": "deepseek-v4-flash", "messages": messages, "temperature": 0,
+            "max_tokens": max_tokens, "reasoning_effort": "high"});
+        let body = self.request("POST", "/v1/chat/completions", Some(&req));
+        serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {body}"))
+    }
+
     fn metric(&self, name: &str) -> f64 {
         let text = self.request("GET", "/metrics", None);
         text.lines()
@@ -197,6 +205,43 @@ fn conversation_survives_a_restart_through_the_disk_tier() {
     let c = Server::start(None);
     let r3 = c.chat(&messages);
     assert_eq!(usage_u64(&r3, &["prompt_tokens_details", "cached_tokens"]), 0);
+    assert_eq!(r2["choices"][0]["message"], r3["choices"][0]["message"], "cached and uncached outputs differ");
+    c.stop();
+}
+
+/// An agent's next turn re-renders what the model generated (its reasoning dropped), so it diverges right after the
+/// previous prompt — more than a page before the end of the saved session when the answer was long. The copy of the
+/// prompt's state the scheduler parks (`checkpoint_prompt`) is saved at shutdown with its restore point, so after a
+/// restart the next turn still reuses the previous prompt minus less than a page, and generates what an uncached
+/// server generates.
+#[cfg(unix)]
+#[test]
+fn a_turn_after_a_long_generation_reuses_the_previous_prompt_after_a_restart() {
+    const SPAN: u64 = 256;
+    let dir = tempfile::tempdir().unwrap();
+    let mut messages = vec![
+        json!({"role": "system", "content": long_text(6, 150)}),
+        json!({"role": "user", "content": long_text(7, 220)}),
+    ];
+    let a = Server::start(Some(dir.path()));
+    let r1 = a.chat_thinking(&messages, 300);
+    let (p1, c1) = (usage_u64(&r1, &["prompt_tokens"]), usage_u64(&r1, &["completion_tokens"]));
+    assert!(p1 > SPAN && p1 < 512, "a prompt past a page and below the cold save threshold, got {p1}");
+    assert!(c1 > SPAN, "the answer should outrun a page, got {c1} tokens");
+    a.stop();
+
+    let answer = r1["choices"][0]["message"]["content"].as_str().unwrap_or("").to_string();
+    messages.push(json!({"role": "assistant", "content": answer}));
+    messages.push(json!({"role": "user", "content": "and then?"}));
+    let b = Server::start(Some(dir.path()));
+    let r2 = b.chat_thinking(&messages, 4);
+    let cached = usage_u64(&r2, &["prompt_tokens_details", "cached_tokens"]);
+    eprintln!("turn 1: {p1} prompt + {c1} generated tokens; turn 2: {cached} cached");
+    assert!(cached + SPAN > p1 && cached <= p1, "cached {cached}, previous prompt {p1}");
+    b.stop();
+
+    let c = Server::start(None);
+    let r3 = c.chat_thinking(&messages, 4);
     assert_eq!(r2["choices"][0]["message"], r3["choices"][0]["message"], "cached and uncached outputs differ");
     c.stop();
 }

@@ -80,7 +80,7 @@ fn round_trip(m: Model<'_>, exact: bool) {
         e.run_until_idle().unwrap();
         let info = persist::save(&store, &e, s, SaveReason::Shutdown).unwrap();
         assert_eq!((info.position, info.pages, info.pages_written), (history.len(), 3, 3));
-        assert_eq!(info.restore_point, Some(3 * span), "a restore point at the last page boundary");
+        assert_eq!(info.restore_points, vec![3 * span], "a restore point at the last page boundary");
     }
     assert_eq!(files(dir.path(), "page").0, 3);
     assert_eq!(files(dir.path(), "ckpt").0, 2);
@@ -158,7 +158,7 @@ fn shared_prefix_stored_once(m: Model<'_>) {
     assert_eq!(pages, 3);
     assert_eq!(page_bytes, a_page_bytes, "the second conversation wrote no page bytes");
     assert_eq!(files(dir.path(), "ckpt").0, 4, "two checkpoints and two restore points");
-    assert_eq!((ia.restore_point, ib.restore_point), (Some(3 * span), Some(2 * span)));
+    assert_eq!((ia.restore_points, ib.restore_points), (vec![3 * span], vec![2 * span]));
     // Each resumes from its own checkpoint.
     let (_, ma) = persist::restore_longest(&store, &mut e, &a).unwrap().unwrap();
     let (_, mb) = persist::restore_longest(&store, &mut e, &b).unwrap().unwrap();
@@ -182,4 +182,53 @@ fn demo_restore_is_bit_identical_exact_and_sim() {
 #[test]
 fn shared_prefix_pages_are_stored_once() {
     shared_prefix_stored_once(Model::Demo);
+}
+
+/// A session that generated past its prompt, saved with the prompt's end as a mark (what the server does on evict and
+/// shutdown): after a restart, the next turn — which re-renders the generated tokens, so it diverges right after
+/// the prompt — restores the page boundary below the prompt end instead of recomputing everything, and continues
+/// exactly like a cold prefill. A mark the roll-back log cannot reach is skipped.
+#[test]
+fn a_mark_at_the_prompt_end_serves_the_next_turn_after_a_restart() {
+    let m = Model::Demo;
+    let dir = tempfile::tempdir().unwrap();
+    let e0 = open(m, false);
+    let vocab = e0.config().vocab;
+    let opts = persist::kv_options(&e0, 32, 64 << 20);
+    let span = opts.span_tokens as usize;
+    drop(e0);
+    let prompt = tokens(3, 2 * span + 7, vocab);
+    let generated = tokens(4, span + 20, vocab);
+    let session: Vec<u32> = prompt.iter().chain(&generated).copied().collect();
+    {
+        let mut e = open(m, false);
+        let store = persist::open_store(&e, dir.path(), opts.clone()).unwrap();
+        let s = e.create_session();
+        e.feed(s, &session).unwrap();
+        e.run_until_idle().unwrap();
+        let unmarked = persist::save(&store, &e, s, SaveReason::Evict).unwrap();
+        assert_eq!(unmarked.restore_points, vec![3 * span]);
+        let info = persist::save_marked(&store, &e, s, SaveReason::Evict, &[prompt.len(), session.len() + 5]).unwrap();
+        assert_eq!(info.restore_points, vec![3 * span, 2 * span], "below the end, then below the mark");
+    }
+    let next: Vec<u32> = prompt.iter().chain(&tokens(5, 30, vocab)).copied().collect();
+    let mut e = open(m, false);
+    let store = persist::open_store(&e, dir.path(), opts.clone()).unwrap();
+    let (s, n) = persist::restore_longest(&store, &mut e, &next).unwrap().expect("the mark's restore point");
+    assert_eq!(n, 2 * span);
+    e.feed(s, &next[n..]).unwrap();
+    e.run_until_idle().unwrap();
+    assert!(bits(e.logits(s).unwrap()) == reference(m, false, &next, 0)[0], "logits differ from a cold prefill");
+
+    // Beyond the roll-back reach: the mark is skipped, the save still succeeds.
+    let short = EngineOptions { rollback: 8, threads: 2, max_batch_tokens: 48, ctx: 1024, ..EngineOptions::default() };
+    let bytes = ds4_engine::convert::demo_model_gguf(7).unwrap();
+    let mut e = Engine::from_gguf(GgufFile::from_bytes(bytes).unwrap(), short).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let store = persist::open_store(&e, dir.path(), opts).unwrap();
+    let s = e.create_session();
+    e.feed(s, &session).unwrap();
+    e.run_until_idle().unwrap();
+    let info = persist::save_marked(&store, &e, s, SaveReason::Evict, &[prompt.len()]).unwrap();
+    assert!(!info.restore_points.contains(&(2 * span)), "{:?}", info.restore_points);
 }

@@ -11,7 +11,9 @@
 //!   logits, on the pages already written. A later prompt that diverges inside the last page (a re-rendered tail,
 //!   an edited message) then restores that boundary and prefills less than a page. Such a checkpoint holds only
 //!   the raw windows and frontiers (≈ 3 pages' bytes on Flash, no partial-span rows, no logits); as a leaf on its
-//!   pages it is evicted before them (`ds4_kv::policy` keeps interior pages).
+//!   pages it is evicted before them (`ds4_kv::policy` keeps interior pages). [`save_marked`] adds restore points
+//!   below given positions (e.g. where the last prompt ended and the model's answer began: the next turn re-renders
+//!   the answer, so it diverges there, however long the answer was).
 //! * Pages are keyed by a chained hash of the token prefix (and the model identity, [`identity`]), so two sessions
 //!   with a common prefix produce the same page keys: [`save`] asks the store which pages exist and writes only the
 //!   missing ones. Each save writes one new checkpoint (unless the same position was saved before).
@@ -48,8 +50,9 @@ pub struct SavedInfo {
     pub pages_written: usize,
     /// The checkpoint.
     pub checkpoint: EntryRef,
-    /// The position of the restore point written at the last page boundary below `position`, if any.
-    pub restore_point: Option<usize>,
+    /// The positions of the restore points written, largest first: the last page boundary below `position` (if
+    /// the roll-back log reaches it), then those below the marks of [`save_marked`].
+    pub restore_points: Vec<usize>,
 }
 
 fn kv_err(e: KvError) -> Error {
@@ -79,21 +82,45 @@ fn check_span(engine: &Engine, store: &KvStore) -> Result<usize> {
 
 /// Saves session `id` (at its current position; queued tokens are not part of it) to `store`.
 pub fn save(store: &KvStore, engine: &Engine, id: SessionId, reason: SaveReason) -> Result<SavedInfo> {
+    save_marked(store, engine, id, reason, &[])
+}
+
+/// [`save`], plus a restore point at the last page boundary at or below each of `marks` — positions where the
+/// session's next request is likely to diverge from it, such as the end of its last prompt (the next turn of an
+/// agent re-renders what the model generated after it: reasoning dropped, tool calls re-serialized). A mark past
+/// the position, at the first page, on an existing restore point or beyond the session's roll-back reach is skipped.
+pub fn save_marked(
+    store: &KvStore,
+    engine: &Engine,
+    id: SessionId,
+    reason: SaveReason,
+    marks: &[usize],
+) -> Result<SavedInfo> {
     let span = check_span(engine, store)?;
-    let mut snap = engine.snapshot(id)?;
+    let snap = engine.snapshot(id)?;
     if snap.pos == 0 {
         return Err(Error::Session("nothing to save: the session has processed no tokens".into()));
     }
     let (checkpoint, pages, pages_written) = save_snapshot(store, engine, &snap, span, reason)?;
-    let mut info = SavedInfo { position: snap.pos, pages, pages_written, checkpoint, restore_point: None };
-    // The restore point at the last page boundary below the position, when the roll-back log reaches it.
-    let at = (snap.pos - 1) / span * span;
-    if at > 0 && engine.rollback_snapshot(&mut snap, at).is_ok() {
+    let mut info = SavedInfo { position: snap.pos, pages, pages_written, checkpoint, restore_points: Vec::new() };
+    // The restore point at the last page boundary below the position, then those below the marks, when the roll-back
+    // log reaches them (largest first: each roll back continues from the previous one).
+    let mut points: Vec<usize> = std::iter::once((snap.pos - 1) / span * span)
+        .chain(marks.iter().filter(|&&m| m < snap.pos).map(|&m| m / span * span))
+        .filter(|&at| at > 0)
+        .collect();
+    points.sort_unstable_by(|a, b| b.cmp(a));
+    points.dedup();
+    let mut snap = snap;
+    for at in points {
+        if engine.rollback_snapshot(&mut snap, at).is_err() {
+            break;
+        }
         save_snapshot(store, engine, &snap, span, reason)?;
-        info.restore_point = Some(at);
+        info.restore_points.push(at);
     }
     tracing::debug!(pos = info.position, pages = info.pages, written = info.pages_written,
-        restore_point = ?info.restore_point, ?reason, "kv session saved");
+        restore_points = ?info.restore_points, ?reason, "kv session saved");
     Ok(info)
 }
 
@@ -114,7 +141,7 @@ pub fn save_restore_point(
     }
     let (checkpoint, pages, pages_written) = save_snapshot(store, engine, &snap, span, reason)?;
     tracing::debug!(pos = at, pages, written = pages_written, ?reason, "kv restore point saved");
-    Ok(SavedInfo { position: at, pages, pages_written, checkpoint, restore_point: None })
+    Ok(SavedInfo { position: at, pages, pages_written, checkpoint, restore_points: Vec::new() })
 }
 
 /// Writes `snap`'s missing pages and its checkpoint: `(checkpoint, full pages, pages written)`.
