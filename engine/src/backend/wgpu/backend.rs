@@ -287,6 +287,10 @@ impl Backend for WgpuBackend {
         Ok(Some((tag, bytes)))
     }
 
+    fn device_kv_pages(&self) -> Option<(usize, usize)> {
+        Some(self.kv_pages())
+    }
+
     fn set_device_rollback(&self, tokens: usize) {
         self.rollback.store(tokens, Ordering::Relaxed);
     }

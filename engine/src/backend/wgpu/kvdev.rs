@@ -452,8 +452,8 @@ impl SlotKv {
 
     /// A copy of this mirror made on the device (recorded into `enc`; nothing goes through the host), with epoch 0
     /// (give it one with [`SlotKv::stamp`]), and the bytes copied: the private tail — rings, frontiers, roll-back
-    /// logs — and the page ids; the row tables share every page of `pools` (no row is copied; see
-    /// [`super::pagedev`] on copy on write).
+    /// logs; the row tables share every page of `pools` (no row is copied; see [`super::pagedev`] on copy on
+    /// write).
     pub fn duplicate(
         &self,
         ctx: &WgpuContext,
@@ -582,9 +582,7 @@ impl Copier<'_> {
     }
 
     fn share(&mut self, t: &Option<PageTable>, pool: &mut Option<PagePool>) -> Option<PageTable> {
-        let (t, b) = t.as_ref()?.share(self.ctx, self.enc, pool.as_mut()?);
-        self.bytes += b;
-        Some(t)
+        Some(t.as_ref()?.share(self.ctx, self.enc, pool.as_mut()?))
     }
 }
 

@@ -182,9 +182,9 @@ impl PageTable {
         Ok(t)
     }
 
-    /// A table sharing every page of this one (refcounts + 1, the ids copied on the device: no row is copied),
-    /// and the bytes copied (the ids).
-    pub fn share(&self, ctx: &WgpuContext, enc: &mut Enc, pool: &mut PagePool) -> (PageTable, u64) {
+    /// A table sharing every page of this one: refcounts + 1, the ids copied on the device, no row copied (the ids
+    /// are not KV bytes, as the host tier's page references are not).
+    pub fn share(&self, ctx: &WgpuContext, enc: &mut Enc, pool: &mut PagePool) -> PageTable {
         let mut t = PageTable::empty(ctx, self.width, (self.buf.size() / 4) as usize);
         for &id in &self.ids {
             pool.retain(id);
@@ -195,7 +195,7 @@ impl PageTable {
         }
         t.ids = self.ids.clone();
         t.rows = self.rows;
-        (t, bytes)
+        t
     }
 
     /// Sets id `i` (appending when `i == ids.len()`), with a 4-byte device copy; the device table grows by
@@ -292,5 +292,89 @@ impl PageTable {
             w += k;
         }
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::ctx_with;
+    use super::*;
+
+    /// Rows `0..n` of width `w`: row r holds `base + r` in every value.
+    fn rows(base: f32, n: usize, w: usize) -> Vec<f32> {
+        (0..n).flat_map(|r| std::iter::repeat_n(base + r as f32, w)).collect()
+    }
+
+    fn read(ctx: &WgpuContext, t: &PageTable, pool: &PagePool) -> Vec<f32> {
+        let mut enc = ctx.encoder();
+        let out = t.gather(ctx, &mut enc, pool, 0..t.rows).unwrap();
+        ctx.submit_read_f32(enc, &out, 0, t.rows * t.width).unwrap()
+    }
+
+    fn append(ctx: &WgpuContext, t: &mut PageTable, pool: &mut PagePool, data: &[f32]) -> u64 {
+        let mut enc = ctx.encoder();
+        let src = ctx.storage_f32("src", data);
+        let copied = t.append(ctx, &mut enc, pool, &src, 0, data.len() / t.width).unwrap();
+        ctx.submit(enc).unwrap();
+        copied
+    }
+
+    /// Growth keeps ids valid; a shared table copies its partial page on the first append (after a share and after
+    /// a truncate into a shared page) and never writes a page the other table reads; releasing returns every page.
+    #[test]
+    fn shared_pages_are_copied_on_write_and_released() {
+        let Some(ctx) = ctx_with(None) else { return };
+        let (w, rpp) = (4, 8);
+        let mut pool = PagePool::new(&ctx, w, rpp).unwrap();
+        let first = rows(0.0, 37, w);
+        let mut enc = ctx.encoder();
+        let mut a = PageTable::upload(&ctx, &mut enc, &mut pool, &first).unwrap();
+        ctx.submit(enc).unwrap();
+        // 5 pages: the pool grew from 4 to 8 on the device, the rows are intact.
+        assert_eq!((a.ids.len(), pool.live_pages(), pool.capacity()), (5, 5, 8));
+        assert_eq!(read(&ctx, &a, &pool), first);
+        let mut enc = ctx.encoder();
+        let mut b = a.share(&ctx, &mut enc, &mut pool);
+        ctx.submit(enc).unwrap();
+        assert_eq!((pool.live_pages(), pool.shared_pages()), (5, 5), "sharing allocates nothing");
+        // b fills the shared partial page (5 valid rows): copied first, a unchanged.
+        assert_eq!(append(&ctx, &mut b, &mut pool, &rows(100.0, 3, w)), (5 * w * 4) as u64);
+        assert_eq!((pool.live_pages(), pool.shared_pages()), (6, 4));
+        assert_eq!(read(&ctx, &a, &pool), first);
+        let mut want_b = first.clone();
+        want_b.extend(rows(100.0, 3, w));
+        assert_eq!(read(&ctx, &b, &pool), want_b);
+        // a's partial page is private now: no copy.
+        assert_eq!(append(&ctx, &mut a, &mut pool, &rows(200.0, 1, w)), 0);
+        // Truncate b into the shared second page (3 rows kept there): pages past it released (a still holds all but
+        // b's private copy).
+        b.truncate(&mut pool, 11);
+        assert_eq!((b.ids.len(), pool.live_pages()), (2, 5));
+        assert_eq!(append(&ctx, &mut b, &mut pool, &rows(300.0, 9, w)), (3 * w * 4) as u64);
+        let mut want_a = first.clone();
+        want_a.extend(rows(200.0, 1, w));
+        assert_eq!(read(&ctx, &a, &pool), want_a, "b wrote into a page a reads");
+        let mut want_b = first[..11 * w].to_vec();
+        want_b.extend(rows(300.0, 9, w));
+        assert_eq!(read(&ctx, &b, &pool), want_b);
+        a.release(&mut pool);
+        b.release(&mut pool);
+        assert_eq!((pool.live_pages(), pool.shared_pages()), (0, 0));
+    }
+
+    /// A pool never grows past the storage binding limit: the append that would is an error naming it.
+    #[test]
+    fn a_full_pool_is_a_clear_error() {
+        let Some(ctx) = ctx_with(Some(4 * 8 * 4 * 6)) else { return };
+        let mut pool = PagePool::new(&ctx, 4, 8).unwrap();
+        let mut enc = ctx.encoder();
+        let mut t = PageTable::upload(&ctx, &mut enc, &mut pool, &rows(0.0, 6 * 8, 4)).unwrap();
+        assert_eq!(pool.capacity(), 6);
+        let src = ctx.storage_f32("src", &rows(0.0, 1, 4));
+        let err = t.append(&ctx, &mut enc, &mut pool, &src, 0, 1).unwrap_err().to_string();
+        assert!(err.contains("storage binding limit"), "{err}");
+        t.release(&mut pool);
+        assert_eq!(pool.live_pages(), 0);
+        assert!(PagePool::new(&ctx, 4, 64).is_err(), "a page larger than a binding");
     }
 }
