@@ -311,6 +311,30 @@ mod tests {
     }
 
     #[test]
+    fn fork_on_wgpu_shares_the_device_pages() {
+        if ds4_engine::backend::wgpu::context::test_context(Default::default()).is_none() {
+            return;
+        }
+        let spec = crate::synth::Spec::parse("tiny:layers=3:recipe=f16").unwrap();
+        let file = crate::synth::build(&spec, 2, &ProgressBar::hidden()).unwrap().file;
+        let cfg = crate::engine_api::EngineConfig {
+            threads: 2,
+            ctx: 1024,
+            batch_tokens: 16,
+            backend: "wgpu".into(),
+            exact: false,
+        };
+        let mut engine = crate::engine_api::engine_for(file, &cfg).unwrap();
+        let mut out = Vec::new();
+        fork(&mut engine, 600, &mut out).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        let v: Vec<f64> = text.lines().nth(1).unwrap().split(',').map(|x| x.parse().unwrap()).collect();
+        // Two full 256-token pages and a partial one per table are shared; the fork copies only its tail.
+        assert!(v[3] > 0.0 && v[4] >= 6.0 && v[7] > 0.0, "{text}");
+        assert_eq!(engine.device_kv_pages(), Some((0, 0)), "the benchmark's sessions released their device pages");
+    }
+
+    #[test]
     fn restored_session_decodes_like_the_original() {
         let spec = crate::synth::Spec::parse("tiny:layers=3:recipe=f16").unwrap();
         let file = crate::synth::build(&spec, 2, &ProgressBar::hidden()).unwrap().file;
