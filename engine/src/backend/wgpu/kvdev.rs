@@ -496,7 +496,9 @@ impl SlotKv {
 
     /// Records into `enc` the roll back of this mirror from `pos` to `len` tokens (see module docs), when
     /// `rollback_floor(cfg, pos) <= len <= pos`; else records nothing and returns false. `apes[l]` are layer
-    /// `l`'s compressor `ape` tables on the device (main, indexer).
+    /// `l`'s compressor `ape` tables on the device (main, indexer); the row tables release their pages past the
+    /// new row counts into `pools`.
+    #[allow(clippy::too_many_arguments)]
     pub fn rollback(
         &mut self,
         ctx: &WgpuContext,
