@@ -18,6 +18,9 @@
 //! the pages it shares, the bytes the first decode step of the fork copies (copy on write of the shared partial
 //! pages and roll-back log chunks), and for comparison the time and bytes of a deep copy of the rows and rings
 //! (what fork = snapshot + restore copied before pages; the roll-back log, which it also copied, not included).
+//! On a device-resident backend (`--backend wgpu`) the session is filled with `N − 1` tokens and decodes one, so
+//! its KV is on the device when it is forked (a device fork: shared device pages, `Engine::device_kv_pages`); the
+//! deep copy is then the host copy of the rows read back through the fork's page tables.
 
 use std::io::Write;
 use std::path::Path;
@@ -41,11 +44,14 @@ pub const FORK_HEADER: &str =
 
 /// Forks a directly filled session of `tokens` tokens (see the module docs); writes one CSV line.
 pub fn fork(engine: &mut Engine, tokens: usize, out: &mut dyn Write) -> Result<()> {
-    if tokens == 0 || tokens + 1 > engine.ctx() {
+    if tokens < 2 || tokens + 1 > engine.ctx() {
         bail!("--fork {tokens} does not fit the engine context {}", engine.ctx());
     }
     let cfg = engine.config().clone();
-    let mut kv = ds4_engine::tables::SessionKv::new_in(&cfg, tokens, engine.page_pool());
+    // A device-resident backend gets the state on the device by decoding the last token.
+    let device = engine.device_kv_pages().is_some();
+    let (filled, decoded) = if device { (tokens - 1, 1) } else { (tokens, 0) };
+    let mut kv = ds4_engine::tables::SessionKv::new_in(&cfg, filled, engine.page_pool());
     let mut x = 0x9e37_79b9u32;
     let mut next = move || {
         x ^= x << 13;
@@ -55,7 +61,7 @@ pub fn fork(engine: &mut Engine, tokens: usize, out: &mut dyn Write) -> Result<(
     };
     for (l, lk) in kv.layers.iter_mut().enumerate() {
         lk.ring.iter_mut().for_each(|v| *v = next() * 0.1);
-        if let Some(rows) = tokens.checked_div(cfg.compress_ratios[l]) {
+        if let Some(rows) = filled.checked_div(cfg.compress_ratios[l]) {
             for t in [&mut lk.comp_rows, &mut lk.idx_rows] {
                 let mut row = vec![0f32; t.width()];
                 for _ in 0..if t.width() > 0 { rows } else { 0 } {
@@ -65,14 +71,18 @@ pub fn fork(engine: &mut Engine, tokens: usize, out: &mut dyn Write) -> Result<(
             }
         }
         for f in [&mut lk.comp, &mut lk.idx].into_iter().flatten() {
-            f.n_pending = tokens % f.ratio;
-            f.has_prev = f.coff == 2 && tokens >= f.ratio;
+            f.n_pending = filled % f.ratio;
+            f.has_prev = f.coff == 2 && filled >= f.ratio;
         }
     }
-    let history = throughput::prompt(tokens, cfg.vocab);
+    let prompt = throughput::prompt(tokens, cfg.vocab);
     let logits = vec![0f32; cfg.vocab];
-    let snap = ds4_engine::tables::SessionSnapshot { pos: tokens, history, kv, logits };
+    let snap = ds4_engine::tables::SessionSnapshot { pos: filled, history: prompt[..filled].to_vec(), kv, logits };
     let id = engine.restore(snap)?;
+    if decoded > 0 {
+        engine.feed(id, &prompt[filled..])?;
+        engine.run_until_idle()?;
+    }
     let kv_bytes = engine.kv_bytes(id)?;
 
     let before = engine.kv_bytes_copied();
@@ -80,8 +90,10 @@ pub fn fork(engine: &mut Engine, tokens: usize, out: &mut dyn Write) -> Result<(
     let f = engine.fork(id)?;
     let fork_s = t0.elapsed().as_secs_f64();
     let fork_bytes = engine.kv_bytes_copied() - before;
+    let device_shared = engine.device_kv_pages().map(|(_, shared)| shared);
     let snap = engine.snapshot(f)?;
-    let shared: usize = snap.kv.layers.iter().map(|l| l.comp_rows.shared_pages() + l.idx_rows.shared_pages()).sum();
+    let host_shared = || snap.kv.layers.iter().map(|l| l.comp_rows.shared_pages() + l.idx_rows.shared_pages()).sum();
+    let shared: usize = device_shared.unwrap_or_else(host_shared);
 
     let t0 = Instant::now();
     let deep: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> =
@@ -296,6 +308,30 @@ mod tests {
         assert!(run(&mut engine, &bad, &mut Vec::new(), &ProgressBar::hidden()).is_err());
         let bad = Options { span: 6, ..opts };
         assert!(run(&mut engine, &bad, &mut Vec::new(), &ProgressBar::hidden()).is_err());
+    }
+
+    #[test]
+    fn fork_on_wgpu_shares_the_device_pages() {
+        if ds4_engine::backend::wgpu::context::test_context(Default::default()).is_none() {
+            return;
+        }
+        let spec = crate::synth::Spec::parse("tiny:layers=3:recipe=f16").unwrap();
+        let file = crate::synth::build(&spec, 2, &ProgressBar::hidden()).unwrap().file;
+        let cfg = crate::engine_api::EngineConfig {
+            threads: 2,
+            ctx: 1024,
+            batch_tokens: 16,
+            backend: "wgpu".into(),
+            exact: false,
+        };
+        let mut engine = crate::engine_api::engine_for(file, &cfg).unwrap();
+        let mut out = Vec::new();
+        fork(&mut engine, 600, &mut out).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        let v: Vec<f64> = text.lines().nth(1).unwrap().split(',').map(|x| x.parse().unwrap()).collect();
+        // Two full 256-token pages and a partial one per table are shared; the fork copies only its tail.
+        assert!(v[3] > 0.0 && v[4] >= 6.0 && v[7] > 0.0, "{text}");
+        assert_eq!(engine.device_kv_pages(), Some((0, 0)), "the benchmark's sessions released their device pages");
     }
 
     #[test]

@@ -177,6 +177,9 @@ struct KvArgs {
     /// and bytes copied next to a deep copy (see `kvbench::fork`).
     #[arg(long, value_name = "TOKENS", conflicts_with = "replay")]
     fork: Option<usize>,
+    /// Fork mode: compute backend, cpu or wgpu (wgpu forks the session's device-resident KV).
+    #[arg(long, default_value = "cpu", requires = "fork")]
+    backend: String,
     /// Replay mode: a JSONL trace of requests (`{"tokens": [ids...]}`, or a conversation `{"messages": [...],
     /// "tools": [...]}` in the OpenAI chat or Anthropic messages shape, rendered and tokenized with the model's
     /// tokenizer, per line) through the RAM + disk prefix cache; prints per request the longest common prefix with
@@ -461,7 +464,7 @@ fn run_kv(a: &KvArgs) -> Result<()> {
     let threads = a.common.threads();
     let quick = a.common.quick;
     let mut out = std::io::stdout().lock();
-    write!(out, "{}", m.summary("cpu (ds4_engine::engine::Engine) + ds4_kv::KvStore", threads))?;
+    write!(out, "{}", m.summary(&format!("{} (ds4_engine::engine::Engine) + ds4_kv::KvStore", a.backend), threads))?;
     let pb = progress::bar(0, a.common.quiet);
     let spec = if quick { "tiny:layers=3:recipe=f16" } else { a.synthetic.as_str() };
     let (file, line) = open_model(&m, a.model.as_deref(), Some(spec), threads, &pb)?;
@@ -475,7 +478,7 @@ fn run_kv(a: &KvArgs) -> Result<()> {
         threads,
         ctx: max.max(a.fork.unwrap_or(0)) + 1,
         batch_tokens: a.batch_tokens,
-        backend: "cpu".into(),
+        backend: a.backend.clone(),
         exact: false,
     };
     let mut engine = engine_api::engine_for(file, &cfg)?;

@@ -562,8 +562,9 @@ impl Engine {
     /// frontiers: [`SessionKv::tail_bytes`], independent of the session's length); either session's first append
     /// into a shared partial page or log chunk copies that page or chunk (copy on write). All of it counts in
     /// [`Engine::kv_bytes_copied`]. A session whose state lives on a device backend (its host arrays stale) is
-    /// copied there instead ([`Backend::fork_kv`]: device-side copies of its rows, ring, frontiers and roll-back
-    /// log, nothing through the host, all counted as copied); the fork's host arrays start stale too.
+    /// forked there instead ([`Backend::fork_kv`]; on wgpu the device KV pages are shared the same way and the
+    /// ring, frontiers and roll-back log are device-side copies, nothing through the host; those copies
+    /// and the device's copy on write count too); the fork's host arrays start stale too.
     pub fn fork(&mut self, id: SessionId) -> Result<SessionId> {
         let s = self.slot(id)?;
         let (pos, history, logits) =
@@ -588,6 +589,12 @@ impl Engine {
     /// shared partial pages and log chunks (see [`Engine::fork`]).
     pub fn kv_bytes_copied(&self) -> u64 {
         self.pages.bytes_copied()
+    }
+
+    /// `(live, shared)` KV pages of the backend's device tier (see [`Backend::device_kv_pages`]), or `None` when
+    /// the backend keeps KV on the host.
+    pub fn device_kv_pages(&self) -> Option<(usize, usize)> {
+        self.backend.device_kv_pages()
     }
 
     /// The pool this engine's sessions' pages report to (live pages and bytes; see [`crate::tables::pages`]).

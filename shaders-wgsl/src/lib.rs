@@ -1,9 +1,10 @@
 //! WGSL compute shaders for every op of the ds4 forward pass. Sources are embedded as strings so the engine can
 //! build pipelines without touching the filesystem; tests validate each one with naga.
 //!
-//! Layout: one `.wgsl` file per op family under `src/wgsl/`. WGSL has no `#include`, so kernels that read quantized
-//! weights are composed at compile time with `concat!`: `bytes.wgsl` (byte-addressed loads from the `u32` weight
-//! buffer `w`) + one `quant_*.wgsl` (defines `BLOCK_VALUES`, `BLOCK_BYTES`, `block_value(b, i)` and
+//! Layout: one `.wgsl` file per op family under `src/wgsl/`. WGSL has no `#include`, so shared helpers are composed
+//! at compile time with `concat!`: `pages.wgsl` (`page_row`, the paged KV row address) is appended to the kernels
+//! that read device KV pages (attention, indexer), and kernels that read quantized weights are built from
+//! `bytes.wgsl` (byte-addressed loads from the `u32` weight buffer `w`) + one `quant_*.wgsl` (defines `BLOCK_VALUES`, `BLOCK_BYTES`, `block_value(b, i)` and
 //! `block_dot(b, x0)` for one ggml block format) + the kernel body (`matmul.wgsl`, `get_rows.wgsl`).
 //! Weights are read directly in their file format: no dequantized copies of the model exist on the device.
 //!
@@ -104,15 +105,16 @@ pub const RMS_NORM: &str = include_str!("wgsl/norm.wgsl");
 /// Interleaved RoPE / inverse RoPE on the trailing rope dims, CPU-computed cos/sin (`rope.wgsl`, entry `main`).
 pub const ROPE: &str = include_str!("wgsl/rope.wgsl");
 /// Softmax-with-sink attention over listed key rows, K = V (`attention.wgsl`, entries `main` and `keyed`, the
-/// latter reading keys from the batch rows, the window ring and the compressed rows of device-resident KV).
-pub const ATTENTION: &str = include_str!("wgsl/attention.wgsl");
+/// latter reading keys from the batch rows, the window ring and the paged compressed rows of device-resident KV,
+/// addressed by `pages.wgsl`).
+pub const ATTENTION: &str = concat!(include_str!("wgsl/attention.wgsl"), include_str!("wgsl/pages.wgsl"));
 /// mHC: entries `pre` (weights + Sinkhorn + collapse; also the output head), `post` (expand + mix), and the node
 /// halves of `pre`: `weights` (of already normed mixes) and `collapse`.
 pub const HC: &str = include_str!("wgsl/hc.wgsl");
 /// Compressor pooling over slot lists (`compress.wgsl`, entry `main`).
 pub const COMPRESS: &str = include_str!("wgsl/compress.wgsl");
-/// Lightning indexer: entries `scores` and `topk`.
-pub const INDEXER: &str = include_str!("wgsl/indexer.wgsl");
+/// Lightning indexer: entries `scores` (over paged key rows, addressed by `pages.wgsl`) and `topk`.
+pub const INDEXER: &str = concat!(include_str!("wgsl/indexer.wgsl"), include_str!("wgsl/pages.wgsl"));
 /// MoE: entries `route`, `swiglu`, `gather`, `scatter`.
 pub const MOE: &str = include_str!("wgsl/moe.wgsl");
 /// Activation simulation: entries `fp8`, `fp4`, `hadamard`.

@@ -106,7 +106,9 @@ pub struct AttnParams {
     pub o_tok_stride: u32,
     pub scale: f32,
     pub topk: u32,
-    pub _pad: [u32; 2],
+    /// log2 of the rows per KV page (`pages.wgsl`).
+    pub page_shift: u32,
+    pub _pad: u32,
 }
 
 /// `Params` of `kvdev.wgsl` ([`crate::KVDEV`]).
@@ -165,7 +167,9 @@ pub struct IndexerParams {
     pub heads: u32,
     pub dim: u32,
     pub k: u32,
-    pub _p: [u32; 2],
+    /// log2 of the rows per KV page (`pages.wgsl`).
+    pub page_shift: u32,
+    pub _p: u32,
     pub scale: f32,
 }
 
@@ -268,7 +272,20 @@ pub fn all() -> Vec<ParamsLayout> {
         layout!(
             AttnParams,
             ATTENTION,
-            [n_tok, heads, dim, max_keys, q_offset, q_tok_stride, o_offset, o_tok_stride, scale, topk, _pad]
+            [
+                n_tok,
+                heads,
+                dim,
+                max_keys,
+                q_offset,
+                q_tok_stride,
+                o_offset,
+                o_tok_stride,
+                scale,
+                topk,
+                page_shift,
+                _pad
+            ]
         ),
         layout!(ApeParams, KVDEV, [rows, w, pos0, ratio, off, _p]),
         layout!(
@@ -280,7 +297,7 @@ pub fn all() -> Vec<ParamsLayout> {
             ]
         ),
         layout!(CompressParams, COMPRESS, [n_windows, slots, dim, src_stride, ape_stride, out_offset, out_stride, _p0]),
-        layout!(IndexerParams, INDEXER, [n_tok, n_keys, heads, dim, k, _p, scale]),
+        layout!(IndexerParams, INDEXER, [n_tok, n_keys, heads, dim, k, page_shift, _p, scale]),
         layout!(
             MoeParams,
             MOE,

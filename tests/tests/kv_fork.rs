@@ -2,13 +2,14 @@
 //! and copies only the private tail (raw window rings, compressor frontiers), so the bytes it copies do not grow
 //! with the session's length; afterwards both sessions evolve independently — appending into the shared partial
 //! page, rolling back, crossing page boundaries — with logits bit-identical to unforked sessions that processed
-//! the same tokens. Freeing every session returns the engine's page pool to empty.
+//! the same tokens. Freeing every session returns the engine's page pool to empty. On wgpu the same holds for the
+//! device tier (device pages shared by a fork of a device-resident session, copied on write).
 
 use ds4_engine::convert::{demo_config, random_model_gguf};
-use ds4_engine::engine::{Engine, EngineOptions};
+use ds4_engine::engine::{BackendKind, Engine, EngineOptions};
 use ds4_engine::gguf::GgufFile;
 use ds4_engine::tables::{SessionId, PAGE_TOKENS};
-use ds4_tests::{bits, continue_with, golden_gguf, shared, tokens};
+use ds4_tests::{bits, continue_with, golden_gguf, shared, tokens, wgpu_available};
 
 fn open_tiny(ctx: usize) -> Option<Engine> {
     let sh = shared()?;
@@ -123,4 +124,102 @@ fn fork_of_a_long_flash_shaped_session_copies_what_a_short_one_does() {
         e.free_session(s).unwrap();
     }
     assert_eq!(e.page_pool().live_pages(), 0);
+}
+
+/// A wgpu engine (device-resident KV) on a random model; `rollback`: device roll-back log tokens.
+fn open_wgpu(bytes: &[u8], rollback: usize) -> Engine {
+    let opts = EngineOptions {
+        backend: BackendKind::Wgpu,
+        threads: 2,
+        ctx: 2048,
+        max_batch_tokens: 256,
+        rollback,
+        ..EngineOptions::default()
+    };
+    Engine::from_gguf(GgufFile::from_bytes(bytes.to_vec()).unwrap(), opts).unwrap()
+}
+
+/// The demo model's layer mix: CSA ratio 4, HCA ratio 8, window (a device page is 256 tokens in both).
+fn demo_bytes() -> Vec<u8> {
+    random_model_gguf(&demo_config(), 12, Vec::new()).expect("random model")
+}
+
+/// On wgpu a device-resident session forks on the device: every KV page is shared (no page allocated, the bytes
+/// copied are the private tail, the same for 1 and 2 full pages), the first append into the shared partial pages
+/// copies them, parent and fork then decode different continuations exactly as cold sessions do, and freeing
+/// every session returns the device pools to empty.
+#[test]
+fn wgpu_fork_shares_device_pages_and_copies_the_tail_only() {
+    if !wgpu_available() {
+        return;
+    }
+    let bytes = demo_bytes();
+    let mut e = open_wgpu(&bytes, 0);
+    let vocab = e.config().vocab;
+    let all = tokens(31, 2 * PAGE_TOKENS + 100, vocab);
+    let short = prefill(&mut e, &all[..PAGE_TOKENS + 40]);
+    let long = prefill(&mut e, &all);
+    let (live, shared) = e.device_kv_pages().expect("a paged device tier");
+    assert!(live > 0 && shared == 0, "{live} live, {shared} shared pages before the forks");
+    let (c_short, fs) = fork_cost(&mut e, short);
+    let (c_long, fl) = fork_cost(&mut e, long);
+    assert!(c_short > 0, "a fork copies its ring and frontiers");
+    assert_eq!(c_short, c_long, "the copied tail does not depend on the length");
+    assert_eq!(e.device_kv_pages(), Some((live, live)), "a device fork allocates no page and shares them all");
+    let kv = e.kv_bytes(long).unwrap();
+    assert!(c_long * 2 < kv, "fork copied {c_long} of {kv} bytes");
+    // Read back through the shared pages, the fork's state is its parent's.
+    assert!(e.snapshot(fs).unwrap() == e.snapshot(short).unwrap());
+    // The fork appends first: its shared partial pages are copied, then each decodes its own continuation.
+    let (ca, cb) = (tokens(32, 9, vocab), tokens(33, 9, vocab));
+    let copied = e.kv_bytes_copied();
+    let got_f = continue_with(&mut e, fl, &ca);
+    assert!(e.kv_bytes_copied() > copied, "appending to a shared partial page copies it");
+    assert!(e.device_kv_pages().unwrap().0 > live, "the copies are fresh pages");
+    let got_l = continue_with(&mut e, long, &cb);
+    let mut cold = open_wgpu(&bytes, 0);
+    for (cont, got) in [(&ca, &got_f), (&cb, &got_l)] {
+        let c = prefill(&mut cold, &all);
+        assert!(*got == continue_with(&mut cold, c, cont), "a forked device session diverged from a cold one");
+        cold.free_session(c).unwrap();
+    }
+    for s in [short, fl, long, fs] {
+        e.free_session(s).unwrap();
+    }
+    assert_eq!(e.device_kv_pages(), Some((0, 0)), "freed sessions return every device page");
+}
+
+/// On wgpu a roll back of a fork into a shared full page cuts only the fork's table: its next append copies that
+/// page instead of writing into it, the parent's state is untouched, and the fork continues as a cold prefill of
+/// the shorter prefix.
+#[test]
+fn wgpu_rollback_of_a_fork_into_a_shared_page_copies_on_write() {
+    if !wgpu_available() {
+        return;
+    }
+    let bytes = demo_bytes();
+    let mut e = open_wgpu(&bytes, 400);
+    let vocab = e.config().vocab;
+    let all = tokens(41, 2 * PAGE_TOKENS + 100, vocab);
+    let s = prefill(&mut e, &all);
+    let f = e.fork(s).unwrap();
+    let before = e.snapshot(s).unwrap();
+    let (live, _) = e.device_kv_pages().unwrap();
+    let len = PAGE_TOKENS + 10;
+    e.rollback(f, len).unwrap();
+    let (live_rb, shared_rb) = e.device_kv_pages().unwrap();
+    assert_eq!(live_rb, live, "the parent still holds the pages the fork dropped");
+    assert!(shared_rb > 0 && shared_rb < live, "{shared_rb} of {live} pages still shared");
+    let copied = e.kv_bytes_copied();
+    let cont = tokens(42, 9, vocab);
+    let got = continue_with(&mut e, f, &cont);
+    assert!(e.kv_bytes_copied() > copied, "the append into the shared page copied it");
+    assert!(e.snapshot(s).unwrap() == before, "the fork wrote into a page its parent reads");
+    let mut cold = open_wgpu(&bytes, 0);
+    let c = prefill(&mut cold, &all[..len]);
+    assert!(got == continue_with(&mut cold, c, &cont), "the rolled back fork diverged from a cold prefill");
+    for x in [f, s] {
+        e.free_session(x).unwrap();
+    }
+    assert_eq!(e.device_kv_pages(), Some((0, 0)));
 }

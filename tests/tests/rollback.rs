@@ -4,7 +4,8 @@
 //! model with CSA (ratio 4), HCA ratio 128 and window layers, in simulation and exact mode, and for the tiny-a
 //! golden checkpoint (ratios 4 and 8). Beyond the reach an in-place roll back is refused and changes nothing;
 //! truncate then recomputes, with the same result. On wgpu the same log lives on the device (`kvdev`), and a
-//! roll back is device-side copies: the same exactness checks run there, against cold wgpu prefills.
+//! roll back is device-side copies: the same exactness checks run there, against cold wgpu prefills; a device fork
+//! shares its KV pages with its parent and rolls back without touching them.
 
 use ds4_engine::convert::{demo_config, random_model_gguf};
 use ds4_engine::engine::{BackendKind, Engine, EngineOptions};
@@ -223,9 +224,9 @@ fn wgpu_fork_is_made_on_the_device_and_rolls_back_alone() {
     let vocab = e.config().vocab;
     let all = tokens(6, 150, vocab);
     let s = prefill(&mut e, &all);
-    let copied = e.kv_bytes_copied();
+    let (live, _) = e.device_kv_pages().unwrap();
     let f = e.fork(s).unwrap();
-    assert!(e.kv_bytes_copied() - copied >= e.kv_bytes(s).unwrap(), "every row is copied on the device");
+    assert_eq!(e.device_kv_pages(), Some((live, live)), "the fork shares every device page, copies none");
     assert_eq!(e.kv_bytes(f).unwrap(), e.kv_bytes(s).unwrap());
     assert_eq!(e.rollback_floor(f).unwrap(), 0, "the fork keeps the device roll-back log");
     let before = e.snapshot(s).unwrap();

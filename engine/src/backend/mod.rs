@@ -152,11 +152,18 @@ pub trait Backend: Send + Sync {
     /// of that session can then no longer be synced). Default: nothing.
     fn release_kv(&self, _slot: usize) {}
 
-    /// Copies the device copy of the session at batch slot `slot` (host state `kv`) on the device, for a new
+    /// Forks the device copy of the session at batch slot `slot` (host state `kv`) on the device, for a new
     /// session at slot `dst` whose host arrays then stay stale; returns the new session's sync tag and the bytes
-    /// copied, or `None` when the backend holds no device copy of that state. Default: `None`.
+    /// copied (a paged device tier shares its KV pages and copies only the private tail), or `None` when the
+    /// backend holds no device copy of that state. Default: `None`.
     fn fork_kv(&self, _slot: usize, _kv: &SessionKv, _dst: usize) -> Result<Option<(crate::tables::KvSync, u64)>> {
         Ok(None)
+    }
+
+    /// `(live, shared)` device KV pages of a paged device tier over all its sessions (shared: referenced by more
+    /// than one session), or `None` for a backend that keeps KV on the host. Default: `None`.
+    fn device_kv_pages(&self) -> Option<(usize, usize)> {
+        None
     }
 
     /// Sets R, the tokens of roll-back log a device-resident backend keeps on the device for each session it

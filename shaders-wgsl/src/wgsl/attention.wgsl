@@ -7,7 +7,8 @@
 // Entry `keyed` (device-resident KV): a key entry's top two bits name its source: 0 = row of `kv` (this batch's raw
 // rows), 1 = row of `ring` (the session's window ring), 2 = row of `comp` (its compressed rows), 3 = selection
 // `low` of token t: row sel[t * topk + low] of `comp`, skipped (weight exactly 0) when it is 0xffffffff. Results
-// equal `main` over the same keys with the skipped ones left out.
+// equal `main` over the same keys with the skipped ones left out. `comp` is the layer's page pool: compressed row w
+// is pool row page_row(w) through the session's page table `ptab` (`pages.wgsl`).
 struct Params {
     n_tok: u32,
     heads: u32,
@@ -19,7 +20,7 @@ struct Params {
     o_tok_stride: u32,
     scale: f32,
     topk: u32,
-    _p1: u32,
+    page_shift: u32,
     _p2: u32,
 }
 
@@ -34,6 +35,7 @@ struct Params {
 @group(0) @binding(8) var<storage, read> ring: array<f32>;
 @group(0) @binding(9) var<storage, read> comp: array<f32>;
 @group(0) @binding(10) var<storage, read> sel: array<u32>;
+@group(0) @binding(11) var<storage, read> ptab: array<u32>;
 
 var<workgroup> red: array<f32, 64>;
 
@@ -105,7 +107,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
 
 const SKIP: u32 = 4u;
 
-// (source, row) of key entry e of token t; source SKIP for an empty selection.
+// (source, row) of key entry e of token t (compressed rows: their pool row); source SKIP for an empty selection.
 fn key_src(t: u32, e: u32) -> vec2<u32> {
     let tag = e >> 30u;
     let low = e & 0x3fffffffu;
@@ -114,7 +116,10 @@ fn key_src(t: u32, e: u32) -> vec2<u32> {
         if (w == 0xffffffffu) {
             return vec2<u32>(SKIP, 0u);
         }
-        return vec2<u32>(2u, w);
+        return vec2<u32>(2u, page_row(w));
+    }
+    if (tag == 2u) {
+        return vec2<u32>(2u, page_row(low));
     }
     return vec2<u32>(tag, low);
 }

@@ -2,7 +2,8 @@
 //
 // Entry `scores` (dispatch (ceil(n_keys / 64), n_tok, 1)): for token t and key row s < n_keys,
 //   I(t, s) = sum_h w[t, h] * relu(q[t, h, :] . k[s, :]) * scale        if s < limit[t], else -inf,
-//   q[t, h, :] at t * heads * dim + h * dim, w[t, h] at t * heads + h, k[s, :] at s * dim,
+//   q[t, h, :] at t * heads * dim + h * dim, w[t, h] at t * heads + h, k[s, :] at page_row(s) * dim (`kr` is the
+//   layer's page pool, `ptab` the session's page table: `pages.wgsl`),
 //   out sc[t * n_keys + s].
 // Entry `topk` (one workgroup of 64 per token, dispatch (n_tok, 1, 1)): picks kk = min(k, limit[t]) rows of
 //   sc[t, 0 .. n_keys] with the largest scores among s < limit[t], ties broken towards the lowest index, and writes
@@ -15,7 +16,7 @@ struct Params {
     heads: u32,
     dim: u32,
     k: u32,
-    _p0: u32,
+    page_shift: u32,
     _p1: u32,
     scale: f32,
 }
@@ -27,6 +28,7 @@ struct Params {
 @group(0) @binding(4) var<storage, read_write> sc: array<f32>;
 @group(0) @binding(5) var<storage, read_write> sel: array<u32>;
 @group(0) @binding(6) var<uniform> p: Params;
+@group(0) @binding(7) var<storage, read> ptab: array<u32>;
 
 const NEG_INF: f32 = -3.4028235e38;
 
@@ -40,11 +42,12 @@ fn scores(@builtin(global_invocation_id) gid: vec3<u32>) {
     var acc = NEG_INF;
     if (s < limit[t]) {
         acc = 0.0;
+        let kb = page_row(s) * p.dim;
         for (var h = 0u; h < p.heads; h++) {
             let qb = (t * p.heads + h) * p.dim;
             var d = 0.0;
             for (var c = 0u; c < p.dim; c++) {
-                d += q[qb + c] * kr[s * p.dim + c];
+                d += q[qb + c] * kr[kb + c];
             }
             acc += wt[t * p.heads + h] * max(d, 0.0) * p.scale;
         }

@@ -16,12 +16,11 @@
 //! from the first KV node of a tick on. Everything the host decides (slot lists, key lists, positions for RoPE) is a
 //! function of the batch positions.
 
-use std::collections::HashMap;
-
 use super::backend::WgpuBackend;
 use super::context::{backend_err, Scratch, WgpuContext};
-use super::kvdev::{copy_rows, FrontDev, LayerDev, LogSources, Rows, SlotKv};
-use super::ops::{self, key, ActSim, KeyLists, KeySources, RopeShape, Slot};
+use super::kvdev::{copy_rows, DevKv, FrontDev, LayerDev, LayerPools, LogSources, SlotKv};
+use super::ops::{self, key, ActSim, KeyLists, KeySources, Paged, RopeShape, Slot};
+use super::pagedev::{PagePool, PageTable};
 use super::resident::{rope_table, Tick};
 use crate::backend::StepCtx;
 use crate::graph::{BufId, Run};
@@ -32,24 +31,27 @@ use crate::Result;
 type Buf = wgpu::Buffer;
 type Enc = wgpu::CommandEncoder;
 
-/// The mirror of `slot` for session state `kv`, uploading or taking over another slot's mirror as needed (see
-/// [`super::kvdev`] on identity).
+/// The mirror of `slot` for session state `kv`, uploading (copies recorded into `enc`) or taking over another
+/// slot's mirror as needed (see [`super::kvdev`] on identity).
 pub(super) fn mirror<'m>(
     be: &WgpuBackend,
     cfg: &ModelConfig,
-    kvs: &'m mut HashMap<usize, SlotKv>,
+    dk: &'m mut DevKv,
+    enc: &mut Enc,
     slot: usize,
     kv: &SessionKv,
 ) -> Result<&'m mut SlotKv> {
     let ctx = be.context();
     let e = kv.sync.epoch;
-    let here = e != 0 && kvs.get(&slot).is_some_and(|m| m.epoch == e);
+    let here = e != 0 && dk.slots.get(&slot).is_some_and(|m| m.epoch == e);
     if !here {
         let m = if !kv.sync.host_stale {
-            SlotKv::upload(ctx, cfg, kv, be.rollback_tokens())?
+            let pools = dk.pools(ctx, cfg)?;
+            SlotKv::upload(ctx, enc, cfg, kv, be.rollback_tokens(), pools)?
         } else {
-            let from = kvs.iter().find(|(_, m)| e != 0 && m.epoch == e).map(|(&s, _)| s);
-            match from.and_then(|s| kvs.remove(&s)) {
+            let from = dk.slots.iter().find(|(_, m)| e != 0 && m.epoch == e).map(|(&s, _)| s);
+            // A move, not a release: the pages go with the mirror.
+            match from.and_then(|s| dk.slots.remove(&s)) {
                 Some(m) => {
                     tracing::debug!(slot, "wgpu: session KV moved slots");
                     m
@@ -57,9 +59,9 @@ pub(super) fn mirror<'m>(
                 None => return Err(backend_err("device KV: the host copy is stale and the device copy is gone")),
             }
         };
-        kvs.insert(slot, m);
+        dk.insert(slot, m);
     }
-    kvs.get_mut(&slot).ok_or_else(|| backend_err("device KV: mirror vanished"))
+    dk.slots.get_mut(&slot).ok_or_else(|| backend_err("device KV: mirror vanished"))
 }
 
 /// What a compressor applies to its pooled rows after RMSNorm and RoPE.
@@ -91,7 +93,15 @@ struct Compress<'a> {
 }
 
 impl Compress<'_> {
-    fn run(&self, ctx: &WgpuContext, enc: &mut Enc, f: &FrontDev, out_rows: &mut Rows) -> Result<()> {
+    /// Returns the bytes a copy on write of a shared page copied.
+    fn run(
+        &self,
+        ctx: &WgpuContext,
+        enc: &mut Enc,
+        f: &FrontDev,
+        out_rows: &mut PageTable,
+        pool: &mut PagePool,
+    ) -> Result<u64> {
         let (ratio, dim, coff) = (f.ratio, f.dim, f.coff);
         let (p0, len) = (self.p0, self.len);
         let w = coff * dim;
@@ -120,6 +130,7 @@ impl Compress<'_> {
             }
         };
         let (w0, w1) = (p0 / ratio, (p0 + len) / ratio);
+        let mut copied = 0;
         if w1 > w0 {
             let nw = w1 - w0;
             let spw = coff * ratio;
@@ -158,10 +169,7 @@ impl Compress<'_> {
                     ops::act_sim(ctx, enc, &out, ActSim::Fp4, nw, dim, dim, 32)?;
                 }
             }
-            out_rows.reserve(ctx, enc, nw)?;
-            let at = (out_rows.rows * dim * 4) as u64;
-            enc.copy_buffer_to_buffer(&out, 0, &out_rows.buf, at, (nw * dim * 4) as u64);
-            out_rows.rows += nw;
+            copied = out_rows.append(ctx, enc, pool, &out, 0, nw)?;
             if coff == 2 {
                 let b = w1 - 1;
                 let pairs: Vec<(usize, usize)> = (0..ratio).map(|s| (row(b * ratio + s), s)).collect();
@@ -174,44 +182,51 @@ impl Compress<'_> {
         let pairs: Vec<(usize, usize)> = (first..p0 + len).map(|q| (2 * ratio + q - p0, ratio + q % ratio)).collect();
         copy_rows(enc, &ek, &f.kv, &pairs, w);
         copy_rows(enc, &eg, &f.gate, &pairs, w);
-        Ok(())
+        Ok(copied)
     }
 }
 
 /// The mirror of run `ri` of the batch (see [`mirror`]), its session stamped with a fresh epoch.
 fn session<'m>(
     be: &WgpuBackend,
-    kvs: &'m mut HashMap<usize, SlotKv>,
+    dk: &'m mut DevKv,
+    enc: &mut Enc,
     cx: &mut StepCtx<'_>,
     ri: usize,
 ) -> Result<&'m mut SlotKv> {
     if cx.kv.len() != cx.batch.runs.len() {
         return Err(backend_err(format!("attention: {} KV states for {} runs", cx.kv.len(), cx.batch.runs.len())));
     }
-    let m = mirror(be, &cx.model.config, kvs, cx.batch.runs[ri].slot, &cx.kv[ri])?;
+    let m = mirror(be, &cx.model.config, dk, enc, cx.batch.runs[ri].slot, &cx.kv[ri])?;
     m.stamp(&mut cx.kv[ri].sync);
     Ok(m)
 }
 
-/// Runs `f(run, its first position, the layer's state in its session's mirror)` for every non-empty run of the
-/// batch, in order (each session stamped with a fresh epoch, see [`session`]).
+/// Runs `f(run, its first position, the layer's state in its session's mirror, the layer's page pools, enc)` for
+/// every non-empty run of the batch, in order (each session stamped with a fresh epoch, see [`session`]); the
+/// bytes `f` returns (copy on write of shared pages) count in the session's [`crate::tables::PagePool`].
 fn for_each_run(
     be: &WgpuBackend,
-    kvs: &mut HashMap<usize, SlotKv>,
+    dk: &mut DevKv,
+    enc: &mut Enc,
     cx: &mut StepCtx<'_>,
     layer: usize,
-    mut f: impl FnMut(Run, usize, &mut LayerDev) -> Result<()>,
+    mut f: impl FnMut(Run, usize, &mut LayerDev, &mut LayerPools, &mut Enc) -> Result<u64>,
 ) -> Result<()> {
     let batch = cx.batch;
     for (ri, &run) in batch.runs.iter().enumerate() {
         if run.len == 0 {
             continue;
         }
-        let ld = session(be, kvs, cx, ri)?
-            .layers
-            .get_mut(layer)
-            .ok_or_else(|| backend_err(format!("device KV: no layer {layer}")))?;
-        f(run, batch.rows[run.start].pos, ld)?;
+        session(be, dk, enc, cx, ri)?;
+        let DevKv { slots, pools } = &mut *dk;
+        let no_layer = || backend_err(format!("device KV: no layer {layer}"));
+        let ld = slots.get_mut(&run.slot).and_then(|m| m.layers.get_mut(layer)).ok_or_else(no_layer)?;
+        let lp = pools.get_mut(layer).ok_or_else(no_layer)?;
+        let copied = f(run, batch.rows[run.start].pos, ld, lp, enc)?;
+        if copied > 0 {
+            cx.kv[ri].pool.add_copied(copied);
+        }
     }
     Ok(())
 }
@@ -229,7 +244,7 @@ fn run_rows(ctx: &WgpuContext, enc: &mut Enc, src: &Buf, start: usize, len: usiz
 pub fn compress_push(
     be: &WgpuBackend,
     t: &mut Tick,
-    kvs: &mut HashMap<usize, SlotKv>,
+    dk: &mut DevKv,
     cx: &mut StepCtx<'_>,
     layer: usize,
     indexer: bool,
@@ -254,9 +269,13 @@ pub fn compress_push(
         (true, true) => RowSim::Fp4,
     };
     let enc = t.enc(ctx);
-    for_each_run(be, kvs, cx, layer, |run, p0, ld| {
-        let (f, rows) = if indexer { (&ld.fidx, ld.idx.as_mut()) } else { (&ld.fcomp, ld.comp.as_mut()) };
-        let (Some(f), Some(out_rows)) = (f, rows) else {
+    for_each_run(be, dk, enc, cx, layer, |run, p0, ld, lp, enc| {
+        let (f, rows, pool) = if indexer {
+            (&ld.fidx, ld.idx.as_mut(), lp.idx.as_mut())
+        } else {
+            (&ld.fcomp, ld.comp.as_mut(), lp.comp.as_mut())
+        };
+        let (Some(f), Some(out_rows), Some(pool)) = (f, rows, pool) else {
             return Err(backend_err(format!("device KV: layer {layer} has no compressor state")));
         };
         let job = Compress {
@@ -272,19 +291,13 @@ pub fn compress_push(
             rope_dim: c.rope_dim,
             sim: row_sim,
         };
-        job.run(ctx, enc, f, out_rows)
+        job.run(ctx, enc, f, out_rows, pool)
     })
 }
 
 /// [`crate::graph::Op::IndexerTopK`]: per run, the indexer scores of its queries against the session's indexer
 /// rows (this tick's included) and their top-k into the run's rows of `Selected`.
-pub fn indexer_topk(
-    be: &WgpuBackend,
-    t: &mut Tick,
-    kvs: &mut HashMap<usize, SlotKv>,
-    cx: &mut StepCtx<'_>,
-    layer: usize,
-) -> Result<()> {
+pub fn indexer_topk(be: &WgpuBackend, t: &mut Tick, dk: &mut DevKv, cx: &mut StepCtx<'_>, layer: usize) -> Result<()> {
     let ctx = be.context();
     let model = cx.model;
     let c = &model.config;
@@ -297,20 +310,23 @@ pub fn indexer_topk(
     }
     let f4 = 4u64;
     let enc = t.enc(ctx);
-    for_each_run(be, kvs, cx, layer, |run, p0, ld| {
+    for_each_run(be, dk, enc, cx, layer, |run, p0, ld, lp, enc| {
         let (start, len) = (run.start, run.len);
-        let idx_rows =
-            ld.idx.as_ref().ok_or_else(|| backend_err(format!("device KV: layer {layer} has no indexer")))?;
+        let (idx_rows, pool) = ld
+            .idx
+            .as_ref()
+            .zip(lp.idx.as_ref())
+            .ok_or_else(|| backend_err(format!("device KV: layer {layer} has no indexer")))?;
         let n_keys = idx_rows.rows;
         let limit: Vec<u32> = (p0..p0 + len).map(|pos| ((pos + 1) / ratio).min(n_keys) as u32).collect();
         let (qrun, wrun) = (run_rows(ctx, enc, &iq, start, len, ih * ihd), run_rows(ctx, enc, &iw, start, len, ih));
         let (sc, s) = (ctx.scratch(len * n_keys.max(1)), ctx.scratch(len * topk));
         // The head weights carry 1/sqrt(heads) already (the recipe's Scale node).
         let scale = 1.0 / (ihd as f32).sqrt();
-        let keys = &idx_rows.buf;
-        ops::indexer_topk(ctx, enc, &qrun, keys, &wrun, &limit, n_keys, ih, ihd, topk, scale, &sc, &s)?;
+        let keys = Paged { rows: &pool.buf, table: &idx_rows.buf, shift: pool.shift };
+        ops::indexer_topk(ctx, enc, &qrun, &keys, &wrun, &limit, n_keys, ih, ihd, topk, scale, &sc, &s)?;
         enc.copy_buffer_to_buffer(&s, 0, &selected, (start * topk) as u64 * f4, (len * topk) as u64 * f4);
-        Ok(())
+        Ok(0)
     })
 }
 
@@ -319,7 +335,7 @@ pub fn indexer_topk(
 pub fn sparse_attention(
     be: &WgpuBackend,
     t: &mut Tick,
-    kvs: &mut HashMap<usize, SlotKv>,
+    dk: &mut DevKv,
     cx: &mut StepCtx<'_>,
     layer: usize,
 ) -> Result<()> {
@@ -335,12 +351,12 @@ pub fn sparse_attention(
         (be.buf(t, model, BufId::Q)?, be.buf(t, model, BufId::KvRows)?, be.buf(t, model, BufId::AttnOut)?);
     let selected = if kind == LayerKind::Csa { Some(be.buf(t, model, BufId::Selected)?) } else { None };
     let sinks = be.dense(model, lw.sinks);
-    let no_comp = ctx.storage_zeroed("no comp rows", 1);
+    let (no_comp, unpaged) = (ctx.storage_zeroed("no comp rows", 1), ops::unpaged_table(ctx));
     let no_sel = ctx.storage_u32("no selections", &[u32::MAX]);
     let enc = t.enc(ctx);
     let batch = cx.batch;
     let rows = &batch.rows;
-    for_each_run(be, kvs, cx, layer, |run, p0, ld| {
+    for_each_run(be, dk, enc, cx, layer, |run, p0, ld, lp, enc| {
         let (start, len) = (run.start, run.len);
         let mut keys = KeyLists { rows: Vec::new(), ranges: Vec::with_capacity(len) };
         let n_comp = ld.comp.as_ref().map_or(0, |r| r.rows);
@@ -374,22 +390,20 @@ pub fn sparse_attention(
             }
             None => &no_sel,
         };
-        let src =
-            KeySources { batch: &kv, ring: &ld.ring, comp: ld.comp.as_ref().map_or(&no_comp, |r| &r.buf), sel, topk };
+        let comp = match (ld.comp.as_ref(), lp.comp.as_ref()) {
+            (Some(t), Some(pool)) => Paged { rows: &pool.buf, table: &t.buf, shift: pool.shift },
+            _ => Paged { rows: &no_comp, table: &unpaged, shift: ops::UNPAGED_SHIFT },
+        };
+        let src = KeySources { batch: &kv, ring: &ld.ring, comp, sel, topk };
         let scale = 1.0 / (hd as f32).sqrt();
         let (qv, ov) = ((&q, start * nh * hd, nh * hd), (&attn, start * nh * hd, nh * hd));
-        ops::attention_keyed(ctx, enc, qv, &src, &keys, &sinks, ov, nh, hd, scale)
+        ops::attention_keyed(ctx, enc, qv, &src, &keys, &sinks, ov, nh, hd, scale)?;
+        Ok(0)
     })
 }
 
 /// [`crate::graph::Op::KvStore`]: the last `window` raw rows of each run into its session's ring.
-pub fn kv_store(
-    be: &WgpuBackend,
-    t: &mut Tick,
-    kvs: &mut HashMap<usize, SlotKv>,
-    cx: &mut StepCtx<'_>,
-    layer: usize,
-) -> Result<()> {
+pub fn kv_store(be: &WgpuBackend, t: &mut Tick, dk: &mut DevKv, cx: &mut StepCtx<'_>, layer: usize) -> Result<()> {
     let ctx = be.context();
     let model = cx.model;
     let (hd, window) = (model.config.head_dim, model.config.window);
@@ -404,7 +418,7 @@ pub fn kv_store(
     let src =
         LogSources { raw: &kv, hd, comp: comp.as_ref().map(|(a, b)| (a, b)), idx: idx.as_ref().map(|(a, b)| (a, b)) };
     let enc = t.enc(ctx);
-    for_each_run(be, kvs, cx, layer, |run, p0, ld| {
+    for_each_run(be, dk, enc, cx, layer, |run, p0, ld, _, enc| {
         let (start, len) = (run.start, run.len);
         let pairs: Vec<(usize, usize)> =
             (len.saturating_sub(window)..len).map(|j| (start + j, (p0 + j) % window)).collect();
@@ -413,6 +427,6 @@ pub fn kv_store(
             log.record(enc, &src, start, p0, len);
         }
         ld.pos = Some(p0 + len);
-        Ok(())
+        Ok(0)
     })
 }

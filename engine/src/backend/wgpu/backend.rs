@@ -31,7 +31,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use super::context::{backend_err, WgpuContext};
-use super::kvdev::SlotKv;
+use super::kvdev::{DevKv, SlotKv};
 use super::matmul::{matmul, View};
 use super::resident::Tick;
 use super::weights::{weight_format, GpuWeight};
@@ -50,8 +50,8 @@ pub struct WgpuBackend {
     mats: Mutex<HashMap<u32, Arc<GpuWeight>>>,
     dense: Mutex<HashMap<u32, Arc<Buf>>>,
     tick: Mutex<Tick>,
-    /// Device KV mirrors by batch slot (see [`super::kvdev`]).
-    kv: Mutex<HashMap<usize, SlotKv>>,
+    /// Device KV mirrors by batch slot and their page pools (see [`super::kvdev`]).
+    kv: Mutex<DevKv>,
     /// Tokens of roll-back log (R) each mirror keeps on the device; 0: none ([`Backend::set_device_rollback`]).
     rollback: AtomicUsize,
 }
@@ -75,7 +75,7 @@ impl WgpuBackend {
             mats: Mutex::new(HashMap::new()),
             dense: Mutex::new(HashMap::new()),
             tick: Mutex::new(Tick::default()),
-            kv: Mutex::new(HashMap::new()),
+            kv: Mutex::new(DevKv::default()),
             rollback: AtomicUsize::new(0),
         }
     }
@@ -85,18 +85,23 @@ impl WgpuBackend {
         self.rollback.load(Ordering::Relaxed)
     }
 
-    /// The mirror holding session state `kv` (by its [`crate::tables::KvSync`] epoch; preferably at `slot`).
-    fn mirror_of<'m>(kvs: &'m mut HashMap<usize, SlotKv>, slot: usize, kv: &SessionKv) -> Option<&'m mut SlotKv> {
+    /// The slot of the mirror holding session state `kv` (by its [`crate::tables::KvSync`] epoch; preferably
+    /// `slot`).
+    fn mirror_slot(kvs: &HashMap<usize, SlotKv>, slot: usize, kv: &SessionKv) -> Option<usize> {
         let e = kv.sync.epoch;
         if e == 0 {
             return None;
         }
-        let at = if kvs.get(&slot).is_some_and(|m| m.epoch == e) {
+        if kvs.get(&slot).is_some_and(|m| m.epoch == e) {
             Some(slot)
         } else {
             kvs.iter().find(|(_, m)| m.epoch == e).map(|(&s, _)| s)
-        };
-        at.and_then(move |s| kvs.get_mut(&s))
+        }
+    }
+
+    /// The mirror holding session state `kv` (see `mirror_slot`).
+    fn mirror_of<'m>(kvs: &'m HashMap<usize, SlotKv>, slot: usize, kv: &SessionKv) -> Option<&'m SlotKv> {
+        Self::mirror_slot(kvs, slot, kv).and_then(|s| kvs.get(&s))
     }
 
     /// The device context.
@@ -139,20 +144,26 @@ impl WgpuBackend {
         rows: std::ops::Range<usize>,
     ) -> Result<Vec<f32>> {
         self.flush()?;
-        let kvs = self.kv.lock();
+        let dk = self.kv.lock();
         let e = kv.sync.epoch;
-        let m = kvs
+        let m = dk
+            .slots
             .values()
             .find(|m| e != 0 && m.epoch == e)
             .ok_or_else(|| backend_err("device KV: no device copy of this session state"))?;
-        m.read_rows(&self.ctx, layer, table, rows)
+        m.read_rows(&self.ctx, &dk.pools, layer, table, rows)
     }
 
     /// Slots with a device KV mirror.
     pub fn kv_slots(&self) -> Vec<usize> {
-        let mut v: Vec<usize> = self.kv.lock().keys().copied().collect();
+        let mut v: Vec<usize> = self.kv.lock().slots.keys().copied().collect();
         v.sort_unstable();
         v
+    }
+
+    /// `(live, shared)` device KV pages over every layer's pools (see [`super::pagedev`]).
+    pub fn kv_pages(&self) -> (usize, usize) {
+        self.kv.lock().pages()
     }
 
     pub(super) fn mat(&self, model: &Model, id: WeightId) -> Result<Arc<GpuWeight>> {
@@ -240,34 +251,44 @@ impl Backend for WgpuBackend {
             return Ok(());
         }
         self.flush()?;
-        let kvs = self.kv.lock();
+        let dk = self.kv.lock();
         let e = kv.sync.epoch;
-        let m = match kvs.get(&slot).filter(|m| m.epoch == e) {
+        let m = match dk.slots.get(&slot).filter(|m| m.epoch == e) {
             Some(m) => m,
-            None => kvs
+            None => dk
+                .slots
                 .values()
                 .find(|m| m.epoch == e)
                 .ok_or_else(|| backend_err("device KV: the host copy is stale and the device copy is gone"))?,
         };
-        m.download(&self.ctx, kv)
+        m.download(&self.ctx, &dk.pools, kv)
     }
 
     fn release_kv(&self, slot: usize) {
-        self.kv.lock().remove(&slot);
+        self.kv.lock().remove(slot);
     }
 
-    /// Duplicates the mirror with device-side copies, submitted at once, under slot `dst` with a fresh epoch.
+    /// Copies the mirror's private tail with device-side copies and shares its KV pages (see
+    /// [`SlotKv::duplicate`]), submitted at once, under slot `dst` with a fresh epoch.
     fn fork_kv(&self, slot: usize, kv: &SessionKv, dst: usize) -> Result<Option<(KvSync, u64)>> {
         self.flush()?;
-        let mut kvs = self.kv.lock();
-        let Some(m) = Self::mirror_of(&mut kvs, slot, kv) else { return Ok(None) };
+        let mut dk = self.kv.lock();
+        let Some(at) = Self::mirror_slot(&dk.slots, slot, kv) else { return Ok(None) };
         let mut enc = self.ctx.device.create_command_encoder(&Default::default());
-        let (mut copy, bytes) = m.duplicate(&self.ctx, &mut enc);
+        let DevKv { slots, pools } = &mut *dk;
+        let (mut copy, bytes) = match slots.get(&at) {
+            Some(m) => m.duplicate(&self.ctx, &mut enc, pools),
+            None => return Ok(None),
+        };
         self.ctx.submit(enc)?;
         let mut tag = KvSync::default();
         copy.stamp(&mut tag);
-        kvs.insert(dst, copy);
+        dk.insert(dst, copy);
         Ok(Some((tag, bytes)))
+    }
+
+    fn device_kv_pages(&self) -> Option<(usize, usize)> {
+        Some(self.kv_pages())
     }
 
     fn set_device_rollback(&self, tokens: usize) {
@@ -275,8 +296,8 @@ impl Backend for WgpuBackend {
     }
 
     fn device_rollback_floor(&self, slot: usize, kv: &SessionKv, cfg: &ModelConfig, pos: usize) -> Option<usize> {
-        let mut kvs = self.kv.lock();
-        Self::mirror_of(&mut kvs, slot, kv).map(|m| m.rollback_floor(cfg, pos))
+        let dk = self.kv.lock();
+        Self::mirror_of(&dk.slots, slot, kv).map(|m| m.rollback_floor(cfg, pos))
     }
 
     /// Rolls the mirror back with device-side copies (see [`super::kvdev`]), submitted at once; the session's host
@@ -292,10 +313,12 @@ impl Backend for WgpuBackend {
             })
             .collect();
         let apes: Vec<(Option<&Buf>, Option<&Buf>)> = apes.iter().map(|[a, b]| (a.as_deref(), b.as_deref())).collect();
-        let mut kvs = self.kv.lock();
-        let Some(m) = Self::mirror_of(&mut kvs, slot, kv) else { return Ok(false) };
+        let mut dk = self.kv.lock();
+        let Some(at) = Self::mirror_slot(&dk.slots, slot, kv) else { return Ok(false) };
+        let DevKv { slots, pools } = &mut *dk;
+        let Some(m) = slots.get_mut(&at) else { return Ok(false) };
         let mut enc = self.ctx.device.create_command_encoder(&Default::default());
-        if !m.rollback(&self.ctx, &mut enc, &model.config, &apes, pos, len)? {
+        if !m.rollback(&self.ctx, &mut enc, &model.config, &apes, pools, pos, len)? {
             return Ok(false);
         }
         self.ctx.submit(enc)?;

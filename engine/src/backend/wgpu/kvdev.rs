@@ -3,11 +3,14 @@
 //!
 //! Layout per layer ([`LayerDev`]), all f32, same row widths and order as the host tables:
 //! - `ring`: `window` rows of `head_dim` (slot `p % window`), exactly the host ring.
-//! - `comp` / `idx` ([`Rows`]): the compressed rows (`head_dim`) and indexer rows (`idx_head_dim`) in order, in one
-//!   buffer each, grown by doubling with a device-side copy. Row `w` sits at `w·width`, so the rows of persist
-//!   page `p` (tokens `p·S..(p+1)·S`, rows `p·S/ratio..`) are one contiguous byte range — the row block
-//!   `persist::rows` writes for that layer, with no reformatting. The page table is therefore the identity (page p
-//!   at offset `p·(S/ratio)·width·4`); a buffer is limited to the storage binding limit (error beyond it).
+//! - `comp` / `idx` ([`PageTable`]): the compressed rows (`head_dim`) and indexer rows (`idx_head_dim`), paged
+//!   ([`super::pagedev`]): the session holds page ids, the rows live in the layer's [`PagePool`] of that table,
+//!   shared by every mirror of the backend ([`DevKv::pools`]), `rows_per_page(ratio)` rows a page (the host and
+//!   disk page span). The kernels read row `w` at pool row `ids[w >> shift] << shift | (w & mask)`; the host
+//!   reads rows (sync, [`SlotKv::read_rows`] for persist) through the table into one contiguous buffer. A fork
+//!   ([`SlotKv::duplicate`]) shares every page and copies only the private tail below; an append into a shared
+//!   page (the partial last page after a fork, or after a roll back into a shared page) copies it first. A pool
+//!   is one binding (at most the storage binding limit, error beyond it) for all sessions of the layer.
 //! - frontiers ([`FrontDev`]): one `kv` and one `gate` buffer of `2·ratio` rows of `coff·dim`: rows
 //!   `0..ratio` the CSA carried block (`Ca` in the first `dim` values; the host keeps only those), rows
 //!   `ratio..2·ratio` the pending block (slot `p % ratio`, gate with `ape` added, as on the host). The scalar
@@ -20,18 +23,23 @@
 //!   contents, for the last `cap = R + max(window, 2·ratio)` tokens, position `p` in slot `p % cap` of one ring
 //!   buffer per input (so a run's rows are at most two contiguous copies, recorded by the KvStore node). From it
 //!   [`SlotKv::rollback`] rebuilds the ring and the frontiers of any position `L ≥ pos − R` with device-side copies
-//!   and one `ape` add, and cuts the row tables back to `L / ratio` rows (their buffers are not touched): nothing is
-//!   recomputed or read back, and the state equals a cold run to `L`, value for value (the host rule of
-//!   [`crate::tables::kv`]: pending slots past `L % ratio` keep the previous block's rows, never-written ring
-//!   slots and frontier rows are zero). The log is live while `end == pos`; an upload starts it empty.
+//!   and one `ape` add, and cuts the row tables back to `L / ratio` rows (pages past them released, the rest not
+//!   touched; the next append copies the last page first if it is shared): nothing is recomputed or read back,
+//!   and the state equals a cold run to `L`, value for value (the host rule of [`crate::tables::kv`]: pending
+//!   slots past `L % ratio` keep the previous block's rows, never-written ring slots and frontier rows are zero). The log is live while `end == pos`; an upload starts it empty.
+//!
+//! Ownership: the mirrors live in a [`DevKv`] by batch slot, next to the pools; replacing or removing a mirror
+//! there ([`DevKv::insert`], [`DevKv::remove`]) releases its pages, so a backend without sessions holds no page.
 //!
 //! Identity: a mirror carries the epoch of the [`KvSync`] tag it last gave its session. A session whose tag does not
 //! match its slot's mirror (new, restored, cleared, or moved from a slot whose mirror is then taken over) is
 //! uploaded from the host; a stale host copy without a matching mirror is an error, never silently used.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::context::{backend_err, WgpuContext};
+use super::pagedev::{rows_per_page, PagePool, PageTable};
 use crate::model::config::{LayerKind, ModelConfig};
 use crate::tables::{Frontier, KvSync, LayerKv, SessionKv};
 use crate::Result;
@@ -52,56 +60,6 @@ pub enum RowTable {
     Comp,
     /// Indexer key rows (`idx_head_dim` wide, CSA layers).
     Idx,
-}
-
-/// A growing sequence of rows of `width` f32 values in one device buffer (see module docs).
-pub struct Rows {
-    pub buf: Buf,
-    pub rows: usize,
-    pub cap: usize,
-    pub width: usize,
-}
-
-impl Rows {
-    fn new(ctx: &WgpuContext, width: usize, data: &[f32]) -> Result<Rows> {
-        if width == 0 || !data.len().is_multiple_of(width) {
-            return Err(backend_err(format!("device KV: {} values are not rows of {width}", data.len())));
-        }
-        let rows = data.len() / width;
-        let cap = rows.max(64).next_power_of_two();
-        let bytes = (cap * width * 4) as u64;
-        if bytes > ctx.max_binding() {
-            return Err(backend_err(format!(
-                "device KV: {cap} rows of {width} values exceed the storage binding limit {}",
-                ctx.max_binding()
-            )));
-        }
-        let mut init = vec![0f32; cap * width];
-        init[..data.len()].copy_from_slice(data);
-        Ok(Rows { buf: ctx.storage_f32("kv rows", &init), rows, cap, width })
-    }
-
-    /// Makes room for `extra` more rows, copying the old rows on the device (recorded into `enc`).
-    pub fn reserve(&mut self, ctx: &WgpuContext, enc: &mut wgpu::CommandEncoder, extra: usize) -> Result<()> {
-        let need = self.rows + extra;
-        if need <= self.cap {
-            return Ok(());
-        }
-        let cap = need.next_power_of_two();
-        let bytes = (cap * self.width * 4) as u64;
-        if bytes > ctx.max_binding() {
-            return Err(backend_err(format!(
-                "device KV: {cap} rows of {} values exceed the storage binding limit {}",
-                self.width,
-                ctx.max_binding()
-            )));
-        }
-        let buf = ctx.storage_zeroed("kv rows", cap * self.width);
-        enc.copy_buffer_to_buffer(&self.buf, 0, &buf, 0, (self.rows * self.width * 4) as u64);
-        self.buf = buf;
-        self.cap = cap;
-        Ok(())
-    }
 }
 
 /// A compressor frontier on the device (see module docs).
@@ -259,11 +217,78 @@ pub struct LogSources<'a> {
     pub idx: Option<(&'a Buf, &'a Buf)>,
 }
 
+/// The page pools of one layer: compressed rows, indexer rows (where the layer has them).
+#[derive(Default)]
+pub struct LayerPools {
+    pub comp: Option<PagePool>,
+    pub idx: Option<PagePool>,
+}
+
+/// Every device mirror of a backend, by batch slot, and the page pools their row tables live in (see module docs).
+#[derive(Default)]
+pub struct DevKv {
+    pub slots: HashMap<usize, SlotKv>,
+    /// Per layer, made at the first upload (for that model: [`DevKv::clear`] before another).
+    pub pools: Vec<LayerPools>,
+}
+
+impl DevKv {
+    /// The pools for a model of config `cfg`, made empty on first use.
+    pub fn pools(&mut self, ctx: &WgpuContext, cfg: &ModelConfig) -> Result<&mut [LayerPools]> {
+        if self.pools.len() != cfg.n_layers {
+            if self.pools.iter().any(|p| live(p.comp.as_ref()) + live(p.idx.as_ref()) > 0) {
+                return Err(backend_err("device KV: the page pools hold another model's rows"));
+            }
+            let mut pools = Vec::with_capacity(cfg.n_layers);
+            for l in 0..cfg.n_layers {
+                let (kind, ratio) = (cfg.layer_kind(l), cfg.compress_ratios[l]);
+                let pool = |w: usize| PagePool::new(ctx, w, rows_per_page(ratio));
+                pools.push(LayerPools {
+                    comp: (kind != LayerKind::Window).then(|| pool(cfg.head_dim)).transpose()?,
+                    idx: (kind == LayerKind::Csa).then(|| pool(cfg.idx_head_dim)).transpose()?,
+                });
+            }
+            self.pools = pools;
+        }
+        Ok(&mut self.pools)
+    }
+
+    /// Puts mirror `m` at `slot`, releasing the pages of the mirror it replaces.
+    pub fn insert(&mut self, slot: usize, m: SlotKv) {
+        if let Some(mut old) = self.slots.insert(slot, m) {
+            old.release(&mut self.pools);
+        }
+    }
+
+    /// Drops the mirror at `slot`, releasing its pages.
+    pub fn remove(&mut self, slot: usize) {
+        if let Some(mut old) = self.slots.remove(&slot) {
+            old.release(&mut self.pools);
+        }
+    }
+
+    /// Drops every mirror and pool.
+    pub fn clear(&mut self) {
+        self.slots.clear();
+        self.pools.clear();
+    }
+
+    /// `(live, shared)` pages over every pool (shared: referenced by more than one table).
+    pub fn pages(&self) -> (usize, usize) {
+        let pools = self.pools.iter().flat_map(|p| [p.comp.as_ref(), p.idx.as_ref()]).flatten();
+        pools.fold((0, 0), |(l, s), p| (l + p.live_pages(), s + p.shared_pages()))
+    }
+}
+
+fn live(p: Option<&PagePool>) -> usize {
+    p.map_or(0, |p| p.live_pages())
+}
+
 /// One layer of a device mirror.
 pub struct LayerDev {
     pub ring: Buf,
-    pub comp: Option<Rows>,
-    pub idx: Option<Rows>,
+    pub comp: Option<PageTable>,
+    pub idx: Option<PageTable>,
     pub fcomp: Option<FrontDev>,
     pub fidx: Option<FrontDev>,
     /// Tokens this layer has processed (set by each attention op; `None` right after an upload).
@@ -279,30 +304,51 @@ pub struct SlotKv {
 }
 
 impl SlotKv {
-    /// Uploads host state `kv` for a model with config `cfg`; checks the shapes. `log_tokens` (R) > 0 gives every
-    /// layer an empty roll-back log of `R + max(window, 2·ratio)` slots.
-    pub fn upload(ctx: &WgpuContext, cfg: &ModelConfig, kv: &SessionKv, log_tokens: usize) -> Result<SlotKv> {
+    /// Uploads host state `kv` for a model with config `cfg` (rows into fresh pages of `pools`, copies recorded
+    /// into `enc`); checks the shapes. `log_tokens` (R) > 0 gives every layer an empty roll-back log of
+    /// `R + max(window, 2·ratio)` slots. On an error every page taken so far is released.
+    pub fn upload(
+        ctx: &WgpuContext,
+        enc: &mut wgpu::CommandEncoder,
+        cfg: &ModelConfig,
+        kv: &SessionKv,
+        log_tokens: usize,
+        pools: &mut [LayerPools],
+    ) -> Result<SlotKv> {
         if kv.sync.host_stale {
             return Err(backend_err("device KV: the host copy is stale and the device copy is gone"));
         }
-        if kv.layers.len() != cfg.n_layers {
+        if kv.layers.len() != cfg.n_layers || pools.len() != cfg.n_layers {
             return Err(backend_err(format!("device KV: {} layers, model has {}", kv.layers.len(), cfg.n_layers)));
         }
-        let mut layers = Vec::with_capacity(kv.layers.len());
-        for (l, lk) in kv.layers.iter().enumerate() {
+        let mut m = SlotKv { epoch: 0, layers: Vec::with_capacity(kv.layers.len()) };
+        match m.upload_layers(ctx, enc, cfg, kv, log_tokens, pools) {
+            Ok(()) => {
+                tracing::debug!(layers = m.layers.len(), "wgpu: uploaded session KV");
+                Ok(m)
+            }
+            Err(e) => {
+                m.release(pools);
+                Err(e)
+            }
+        }
+    }
+
+    fn upload_layers(
+        &mut self,
+        ctx: &WgpuContext,
+        enc: &mut wgpu::CommandEncoder,
+        cfg: &ModelConfig,
+        kv: &SessionKv,
+        log_tokens: usize,
+        pools: &mut [LayerPools],
+    ) -> Result<()> {
+        for (l, (lk, lp)) in kv.layers.iter().zip(pools.iter_mut()).enumerate() {
             let kind = cfg.layer_kind(l);
             let bad = |what: &str| backend_err(format!("device KV: layer {l}: {what}"));
             if lk.ring.len() != cfg.window * cfg.head_dim {
                 return Err(bad("ring has the wrong size"));
             }
-            let (comp, idx) = match kind {
-                LayerKind::Window => (None, None),
-                LayerKind::Hca => (Some(Rows::new(ctx, cfg.head_dim, &lk.comp_rows.to_vec())?), None),
-                LayerKind::Csa => (
-                    Some(Rows::new(ctx, cfg.head_dim, &lk.comp_rows.to_vec())?),
-                    Some(Rows::new(ctx, cfg.idx_head_dim, &lk.idx_rows.to_vec())?),
-                ),
-            };
             let coff = if kind == LayerKind::Csa { 2 } else { 1 };
             let ratio = cfg.compress_ratios[l];
             let fits = |f: &Option<Frontier>, want: Option<(usize, usize)>| match (f, want) {
@@ -321,24 +367,44 @@ impl SlotKv {
                 let iw = (kind == LayerKind::Csa).then_some(2 * cfg.idx_head_dim);
                 LogDev::new(ctx, cap, cfg.head_dim, cw, iw)
             });
-            layers.push(LayerDev {
+            self.layers.push(LayerDev {
                 ring: ctx.storage_f32("ring", &lk.ring),
-                comp,
-                idx,
+                comp: None,
+                idx: None,
                 fcomp: lk.comp.as_ref().map(|f| FrontDev::upload(ctx, f)).transpose()?,
                 fidx: lk.idx.as_ref().map(|f| FrontDev::upload(ctx, f)).transpose()?,
                 pos: None,
                 log,
             });
+            let ld = self.layers.last_mut().ok_or_else(|| bad("vanished"))?;
+            for (dst, pool, rows) in
+                [(&mut ld.comp, &mut lp.comp, &lk.comp_rows), (&mut ld.idx, &mut lp.idx, &lk.idx_rows)]
+            {
+                match pool {
+                    Some(pool) => *dst = Some(PageTable::upload(ctx, enc, pool, &rows.to_vec())?),
+                    None if rows.rows() == 0 => {}
+                    None => return Err(bad("rows for a table the layer does not have")),
+                }
+            }
         }
-        tracing::debug!(layers = layers.len(), "wgpu: uploaded session KV");
-        Ok(SlotKv { epoch: 0, layers })
+        Ok(())
+    }
+
+    /// Returns every page of this mirror to `pools` (the mirror is empty afterwards).
+    pub fn release(&mut self, pools: &mut [LayerPools]) {
+        for (ld, lp) in self.layers.iter_mut().zip(pools.iter_mut()) {
+            for (t, pool) in [(&mut ld.comp, &mut lp.comp), (&mut ld.idx, &mut lp.idx)] {
+                if let (Some(mut t), Some(pool)) = (t.take(), pool.as_mut()) {
+                    t.release(pool);
+                }
+            }
+        }
     }
 
     /// [`SessionKv::bytes`] of the state this mirror holds.
     pub fn bytes(&self) -> u64 {
         let f = |f: &Option<FrontDev>| f.as_ref().map_or(0, |f| 2 * f.ratio * f.coff * f.dim);
-        let r = |r: &Option<Rows>| r.as_ref().map_or(0, |r| r.rows * r.width);
+        let r = |r: &Option<PageTable>| r.as_ref().map_or(0, |r| r.rows * r.width);
         let values: usize = self
             .layers
             .iter()
@@ -353,87 +419,64 @@ impl SlotKv {
         *sync = KvSync { epoch: self.epoch, host_stale: true, device_bytes: self.bytes() };
     }
 
-    /// Rows `rows` of `table` in layer `layer`, read as one contiguous device range: for the row range of a
-    /// persist page this is exactly that page's row block for the layer (see module docs). Waits for the device.
+    /// Rows `rows` of `table` in layer `layer`, read through its page table (pages in `pools`): for the row range
+    /// of a persist page this is exactly that page's row block for the layer (see module docs). Waits for the
+    /// device.
     pub fn read_rows(
         &self,
         ctx: &WgpuContext,
+        pools: &[LayerPools],
         layer: usize,
         table: RowTable,
         rows: std::ops::Range<usize>,
     ) -> Result<Vec<f32>> {
-        let ld = self.layers.get(layer).ok_or_else(|| backend_err(format!("device KV: no layer {layer}")))?;
-        let r = match table {
-            RowTable::Comp => ld.comp.as_ref(),
-            RowTable::Idx => ld.idx.as_ref(),
+        let (ld, lp) = self
+            .layers
+            .get(layer)
+            .zip(pools.get(layer))
+            .ok_or_else(|| backend_err(format!("device KV: no layer {layer}")))?;
+        let (t, pool) = match table {
+            RowTable::Comp => (ld.comp.as_ref(), lp.comp.as_ref()),
+            RowTable::Idx => (ld.idx.as_ref(), lp.idx.as_ref()),
+        };
+        let (t, pool) =
+            t.zip(pool).ok_or_else(|| backend_err(format!("device KV: layer {layer} has no {table:?} rows")))?;
+        let mut enc = ctx.device.create_command_encoder(&Default::default());
+        let n = rows.len() * t.width;
+        let out = t.gather(ctx, &mut enc, pool, rows)?;
+        if n == 0 {
+            return Ok(Vec::new());
         }
-        .ok_or_else(|| backend_err(format!("device KV: layer {layer} has no {table:?} rows")))?;
-        if rows.start > rows.end || rows.end > r.rows {
-            return Err(backend_err(format!("device KV: rows {rows:?} out of 0..{}", r.rows)));
-        }
-        ctx.read_f32(&r.buf, rows.start * r.width, rows.len() * r.width)
+        ctx.submit_read_f32(enc, &out, 0, n)
     }
 
     /// A copy of this mirror made on the device (recorded into `enc`; nothing goes through the host), with epoch 0
-    /// (give it one with [`SlotKv::stamp`]), and the bytes copied: the valid rows of every table, the rings,
-    /// frontiers and roll-back logs.
-    pub fn duplicate(&self, ctx: &WgpuContext, enc: &mut wgpu::CommandEncoder) -> (SlotKv, u64) {
-        let mut bytes = 0u64;
-        let mut dup = |b: &Buf, used: u64| -> Buf {
-            let d = ctx.storage_zeroed("kv copy", (b.size() / 4) as usize);
-            if used > 0 {
-                enc.copy_buffer_to_buffer(b, 0, &d, 0, used);
-            }
-            bytes += used;
-            d
-        };
-        let layers = self
-            .layers
-            .iter()
-            .map(|ld| {
-                let rows = |r: &Option<Rows>, dup: &mut dyn FnMut(&Buf, u64) -> Buf| {
-                    r.as_ref().map(|r| Rows {
-                        buf: dup(&r.buf, (r.rows * r.width * 4) as u64),
-                        rows: r.rows,
-                        cap: r.cap,
-                        width: r.width,
-                    })
-                };
-                let front = |f: &Option<FrontDev>, dup: &mut dyn FnMut(&Buf, u64) -> Buf| {
-                    f.as_ref().map(|f| FrontDev {
-                        kv: dup(&f.kv, f.kv.size()),
-                        gate: dup(&f.gate, f.gate.size()),
-                        ratio: f.ratio,
-                        dim: f.dim,
-                        coff: f.coff,
-                    })
-                };
-                let inputs = |c: &Option<LogComp>, dup: &mut dyn FnMut(&Buf, u64) -> Buf| {
-                    c.as_ref().map(|c| LogComp {
-                        kv: dup(&c.kv, c.kv.size()),
-                        gate: dup(&c.gate, c.gate.size()),
-                        width: c.width,
-                    })
-                };
-                LayerDev {
-                    ring: dup(&ld.ring, ld.ring.size()),
-                    comp: rows(&ld.comp, &mut dup),
-                    idx: rows(&ld.idx, &mut dup),
-                    fcomp: front(&ld.fcomp, &mut dup),
-                    fidx: front(&ld.fidx, &mut dup),
-                    pos: ld.pos,
-                    log: ld.log.as_ref().map(|g| LogDev {
-                        cap: g.cap,
-                        raw: dup(&g.raw, g.raw.size()),
-                        comp: inputs(&g.comp, &mut dup),
-                        idx: inputs(&g.idx, &mut dup),
-                        start: g.start,
-                        end: g.end,
-                    }),
-                }
-            })
-            .collect();
-        (SlotKv { epoch: 0, layers }, bytes)
+    /// (give it one with [`SlotKv::stamp`]), and the bytes copied: the private tail — rings, frontiers, roll-back
+    /// logs; the row tables share every page of `pools` (no row is copied; see [`super::pagedev`] on copy on
+    /// write).
+    pub fn duplicate(
+        &self,
+        ctx: &WgpuContext,
+        enc: &mut wgpu::CommandEncoder,
+        pools: &mut [LayerPools],
+    ) -> (SlotKv, u64) {
+        let mut c = Copier { ctx, enc, bytes: 0 };
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for (ld, lp) in self.layers.iter().zip(pools.iter_mut()) {
+            let (fcomp, fidx) = (c.front(&ld.fcomp), c.front(&ld.fidx));
+            let log = ld.log.as_ref().map(|g| LogDev {
+                cap: g.cap,
+                raw: c.dup(&g.raw),
+                comp: c.inputs(&g.comp),
+                idx: c.inputs(&g.idx),
+                start: g.start,
+                end: g.end,
+            });
+            let ring = c.dup(&ld.ring);
+            let (comp, idx) = (c.share(&ld.comp, &mut lp.comp), c.share(&ld.idx, &mut lp.idx));
+            layers.push(LayerDev { ring, comp, idx, fcomp, fidx, pos: ld.pos, log });
+        }
+        (SlotKv { epoch: 0, layers }, c.bytes)
     }
 
     /// Smallest length this mirror (at `pos` tokens) can be rolled back to in place: the largest of its layers'
@@ -453,21 +496,25 @@ impl SlotKv {
 
     /// Records into `enc` the roll back of this mirror from `pos` to `len` tokens (see module docs), when
     /// `rollback_floor(cfg, pos) <= len <= pos`; else records nothing and returns false. `apes[l]` are layer
-    /// `l`'s compressor `ape` tables on the device (main, indexer).
+    /// `l`'s compressor `ape` tables on the device (main, indexer); the row tables release their pages past the
+    /// new row counts into `pools`.
+    #[allow(clippy::too_many_arguments)]
     pub fn rollback(
         &mut self,
         ctx: &WgpuContext,
         enc: &mut wgpu::CommandEncoder,
         cfg: &ModelConfig,
         apes: &[(Option<&Buf>, Option<&Buf>)],
+        pools: &mut [LayerPools],
         pos: usize,
         len: usize,
     ) -> Result<bool> {
-        if len > pos || len < self.rollback_floor(cfg, pos) || apes.len() != self.layers.len() {
+        let n = self.layers.len();
+        if len > pos || len < self.rollback_floor(cfg, pos) || apes.len() != n || pools.len() != n {
             return Ok(false);
         }
         let (hd, window) = (cfg.head_dim, cfg.window);
-        for (l, ld) in self.layers.iter_mut().enumerate() {
+        for (l, (ld, lp)) in self.layers.iter_mut().zip(pools.iter_mut()).enumerate() {
             let log = ld.log.as_mut().ok_or_else(|| backend_err("device KV: roll back without a log"))?;
             let cap = log.cap;
             // Ring slot s: the latest position below `len` in it, if any (else zero).
@@ -480,14 +527,16 @@ impl SlotKv {
             }
             copy_rows(enc, &log.raw, &ld.ring, &pairs, hd);
             let ratio = cfg.compress_ratios[l];
-            for (front, rows, inputs, ape) in
-                [(&ld.fcomp, ld.comp.as_mut(), &log.comp, apes[l].0), (&ld.fidx, ld.idx.as_mut(), &log.idx, apes[l].1)]
-            {
-                let (Some(f), Some(rows), Some(inputs), Some(ape)) = (front, rows, inputs, ape) else {
+            for (front, rows, pool, inputs, ape) in [
+                (&ld.fcomp, ld.comp.as_mut(), lp.comp.as_mut(), &log.comp, apes[l].0),
+                (&ld.fidx, ld.idx.as_mut(), lp.idx.as_mut(), &log.idx, apes[l].1),
+            ] {
+                let (Some(f), Some(rows), Some(pool), Some(inputs), Some(ape)) = (front, rows, pool, inputs, ape)
+                else {
                     continue;
                 };
                 rebuild_front(ctx, enc, f, inputs, ape, cap, len)?;
-                rows.rows = len / ratio;
+                rows.truncate(pool, len / ratio);
             }
             log.end = len;
             ld.pos = Some(len);
@@ -495,26 +544,61 @@ impl SlotKv {
         Ok(true)
     }
 
-    /// Copies the device state into `kv`'s host arrays (waits for the device) and clears `host_stale`.
-    pub fn download(&self, ctx: &WgpuContext, kv: &mut SessionKv) -> Result<()> {
-        if kv.layers.len() != self.layers.len() {
+    /// Copies the device state into `kv`'s host arrays (rows read through the page tables into `pools`; waits
+    /// for the device) and clears `host_stale`.
+    pub fn download(&self, ctx: &WgpuContext, pools: &[LayerPools], kv: &mut SessionKv) -> Result<()> {
+        if kv.layers.len() != self.layers.len() || pools.len() != self.layers.len() {
             return Err(backend_err("device KV: layer count changed"));
         }
-        for (ld, lk) in self.layers.iter().zip(kv.layers.iter_mut()) {
-            let pos = ld.pos;
-            download_layer(ctx, ld, lk, pos)?;
+        for ((ld, lk), lp) in self.layers.iter().zip(kv.layers.iter_mut()).zip(pools) {
+            download_layer(ctx, ld, lp, lk)?;
         }
         kv.sync.host_stale = false;
         Ok(())
     }
 }
 
-fn download_layer(ctx: &WgpuContext, ld: &LayerDev, lk: &mut LayerKv, pos: Option<usize>) -> Result<()> {
+/// The device-side copies of [`SlotKv::duplicate`], counting the bytes.
+struct Copier<'a> {
+    ctx: &'a WgpuContext,
+    enc: &'a mut wgpu::CommandEncoder,
+    bytes: u64,
+}
+
+impl Copier<'_> {
+    fn dup(&mut self, b: &Buf) -> Buf {
+        let d = self.ctx.storage_zeroed("kv copy", (b.size() / 4) as usize);
+        self.enc.copy_buffer_to_buffer(b, 0, &d, 0, b.size());
+        self.bytes += b.size();
+        d
+    }
+
+    fn front(&mut self, f: &Option<FrontDev>) -> Option<FrontDev> {
+        let f = f.as_ref()?;
+        Some(FrontDev { kv: self.dup(&f.kv), gate: self.dup(&f.gate), ratio: f.ratio, dim: f.dim, coff: f.coff })
+    }
+
+    fn inputs(&mut self, c: &Option<LogComp>) -> Option<LogComp> {
+        let c = c.as_ref()?;
+        Some(LogComp { kv: self.dup(&c.kv), gate: self.dup(&c.gate), width: c.width })
+    }
+
+    fn share(&mut self, t: &Option<PageTable>, pool: &mut Option<PagePool>) -> Option<PageTable> {
+        Some(t.as_ref()?.share(self.ctx, self.enc, pool.as_mut()?))
+    }
+}
+
+fn download_layer(ctx: &WgpuContext, ld: &LayerDev, lp: &LayerPools, lk: &mut LayerKv) -> Result<()> {
+    let pos = ld.pos;
     lk.ring = ctx.read_f32(&ld.ring, 0, lk.ring.len())?;
-    for (rows, host) in [(&ld.comp, &mut lk.comp_rows), (&ld.idx, &mut lk.idx_rows)] {
-        if let Some(r) = rows {
+    for (rows, pool, host) in [(&ld.comp, &lp.comp, &mut lk.comp_rows), (&ld.idx, &lp.idx, &mut lk.idx_rows)] {
+        if let (Some(r), Some(pool)) = (rows, pool) {
             host.clear();
-            host.extend_from_slice(&ctx.read_f32(&r.buf, 0, r.rows * r.width)?);
+            if r.rows > 0 {
+                let mut enc = ctx.device.create_command_encoder(&Default::default());
+                let all = r.gather(ctx, &mut enc, pool, 0..r.rows)?;
+                host.extend_from_slice(&ctx.submit_read_f32(enc, &all, 0, r.rows * r.width)?);
+            }
         }
     }
     for (fd, host) in [(&ld.fcomp, &mut lk.comp), (&ld.fidx, &mut lk.idx)] {

@@ -9,8 +9,10 @@
 //! - [`ops`]: every other kernel (norm, RoPE, attention, mHC, compressor, indexer, MoE, activation simulation,
 //!   compressor `ape`).
 //! - `resident`: the tick's command encoder and the device buffer behind each tensor ([`crate::graph::BufId`]).
-//! - [`kvdev`]: device-resident session KV (ring, compressed and indexer rows in page order, frontiers), upload and
-//!   sync to the host.
+//! - [`pagedev`]: device KV pages — per layer and row table a refcounted page pool, per session a page table —
+//!   shared by forks, copied on write.
+//! - [`kvdev`]: device-resident session KV (ring, paged compressed and indexer rows, frontiers, roll-back log),
+//!   upload, fork and sync to the host.
 //! - the node kernels, one function per [`crate::graph::Op`] kind: `rows` (row ops, mHC, logits, readback), `attn`
 //!   (compressor push, indexer top-k, sparse attention, ring store), `moe` (routing and the expert halves).
 //! - [`backend`]: [`WgpuBackend`], the [`crate::backend::Backend`] kernel provider that dispatches nodes to them.
@@ -20,13 +22,13 @@
 //! to read results.
 //!
 //! Known limits (next steps): learned-routing MoE layers in prefill-sized batches read the expert ids back (the
-//! recipe's `Readback` of `Routes`) to group rows by expert (an indirect, expert-indexed grouped matmul would remove the last mid-tick readback); the KV nodes
-//! do not write the roll-back log (roll back recomputes on wgpu); a device KV row buffer is one binding
-//! (at most the storage binding limit: ~128 MiB on lavapipe), so very long contexts need real page tables;
-//! uniform blocks, bind groups, key and row lists are small fresh objects per dispatch and the RoPE tables one
-//! fresh buffer per tick and flavour (the tensor buffers are reused, grown only when the batch grows); kernels are
-//! written for
-//! correctness (one workgroup per output row, scalar decode) and are untuned.
+//! recipe's `Readback` of `Routes`) to group rows by expert (an indirect, expert-indexed grouped matmul would remove
+//! the last mid-tick readback); a layer's device KV page pool is one binding shared by all sessions (at most the
+//! storage binding limit: ~128 MiB on lavapipe), so very long contexts or many sessions need a pool split across
+//! bindings; a device fork copies the roll-back log whole (the host tier shares log chunks); uniform blocks, bind
+//! groups, key and row lists are small fresh objects per dispatch and the RoPE tables one fresh buffer per tick and
+//! flavour (the tensor buffers are reused, grown only when the batch grows); kernels are written for correctness
+//! (one workgroup per output row, scalar decode) and are untuned.
 
 mod attn;
 pub(crate) mod backend;
@@ -36,6 +38,7 @@ pub(crate) mod matmul;
 mod moe;
 pub(crate) mod moe_ids;
 pub(crate) mod ops;
+pub(crate) mod pagedev;
 mod resident;
 mod rows;
 pub(crate) mod weights;

@@ -159,7 +159,8 @@ fn attn_params_for_keys(
         o_tok_stride: u32_of(o.1, "o stride")?,
         scale,
         topk: u32_of(topk, "topk")?,
-        _pad: [0; 2],
+        page_shift: UNPAGED_SHIFT,
+        _pad: 0,
     }))
 }
 
@@ -203,11 +204,27 @@ pub mod key {
     pub const MAX_INDEX: u32 = (1 << 30) - 1;
 }
 
-/// Sources of [`attention_keyed`]: batch rows, ring, compressed rows and the selections (`topk` per token).
+/// Rows read through a page table (`pages.wgsl`'s `page_row`): row `w` at row
+/// `table[w >> shift] << shift | (w & mask)` of `rows` (u32 page ids in `table`).
+pub struct Paged<'a> {
+    pub rows: &'a Buf,
+    pub table: &'a Buf,
+    pub shift: u32,
+}
+
+/// The `shift` that, with [`unpaged_table`], reads a plain row buffer (row `w` at `w`).
+pub const UNPAGED_SHIFT: u32 = 31;
+
+/// The one-entry page table (`[0]`) of a plain row buffer (see [`UNPAGED_SHIFT`]).
+pub fn unpaged_table(ctx: &WgpuContext) -> Buf {
+    ctx.storage_u32("unpaged table", &[0])
+}
+
+/// Sources of [`attention_keyed`]: batch rows, ring, paged compressed rows and the selections (`topk` per token).
 pub struct KeySources<'a> {
     pub batch: &'a Buf,
     pub ring: &'a Buf,
-    pub comp: &'a Buf,
+    pub comp: Paged<'a>,
     pub sel: &'a Buf,
     pub topk: usize,
 }
@@ -227,9 +244,10 @@ pub fn attention_keyed(
     dim: usize,
     scale: f32,
 ) -> Result<()> {
-    let Some(p) = attn_params_for_keys(keys, (q.1, q.2), (o.1, o.2), heads, dim, scale, src.topk)? else {
+    let Some(mut p) = attn_params_for_keys(keys, (q.1, q.2), (o.1, o.2), heads, dim, scale, src.topk)? else {
         return Ok(());
     };
+    p.page_shift = src.comp.shift;
     let (n_tok, max_keys) = (p.n_tok as usize, p.max_keys as usize);
     let pl = ctx.pipeline_entry("attention", sh::ATTENTION, "keyed")?;
     let u = ctx.uniform("attention", &p);
@@ -245,8 +263,9 @@ pub fn attention_keyed(
         (6, o.0),
         (7, &u),
         (8, src.ring),
-        (9, src.comp),
+        (9, src.comp.rows),
         (10, src.sel),
+        (11, src.comp.table),
     ];
     ctx.dispatch_at(enc, &pl, &bound, [u32_of(heads, "heads")?, p.n_tok, 1])
 }
@@ -417,7 +436,7 @@ pub fn compress_pool(
     ctx.dispatch(enc, &pl, &[kv, gate, ape, &sb, out.0, &ub], [groups(dim)?, p.n_windows, 1])
 }
 
-/// Indexer scores then top-k (see `indexer.wgsl`). `q`: `[n_tok, heads, dim]`, `keys`: `[n_keys, dim]`,
+/// Indexer scores then top-k (see `indexer.wgsl`). `q`: `[n_tok, heads, dim]`, `keys`: `[n_keys, dim]` (paged),
 /// `w`: `[n_tok, heads]` head weights, `limit[t]`: visible key rows of token t. Writes `scores`
 /// (`n_tok * n_keys`) and `sel` (u32, `n_tok * k`, ascending row ids padded with `u32::MAX`).
 #[allow(clippy::too_many_arguments)]
@@ -425,7 +444,7 @@ pub fn indexer_topk(
     ctx: &WgpuContext,
     enc: &mut Enc,
     q: &Buf,
-    keys: &Buf,
+    keys: &Paged<'_>,
     w: &Buf,
     limit: &[u32],
     n_keys: usize,
@@ -446,7 +465,8 @@ pub fn indexer_topk(
         heads: u32_of(heads, "heads")?,
         dim: u32_of(dim, "dim")?,
         k: u32_of(k, "k")?,
-        _p: [0; 2],
+        page_shift: keys.shift,
+        _p: 0,
         scale,
     };
     let lb = ctx.storage_u32("indexer limits", limit);
@@ -456,7 +476,7 @@ pub fn indexer_topk(
         ctx.dispatch_at(
             enc,
             &pl,
-            &[(0, q), (1, keys), (2, w), (3, &lb), (4, scores), (6, &ub)],
+            &[(0, q), (1, keys.rows), (2, w), (3, &lb), (4, scores), (6, &ub), (7, keys.table)],
             [groups(n_keys)?, p.n_tok, 1],
         )?;
     }

@@ -298,7 +298,8 @@ fn compress_pool_matches_cpu() {
         .is_err());
 }
 
-/// Indexer scores (tolerance 1e-5 relative + 1e-6) and top-k (exact: stable, lowest index first on ties).
+/// Indexer scores over paged keys (tolerance 1e-5 relative + 1e-6) and top-k (exact: stable, lowest index first on
+/// ties).
 #[test]
 fn indexer_scores_and_topk() {
     let Some(ctx) = ctx() else { return };
@@ -314,11 +315,22 @@ fn indexer_scores_and_topk() {
     }
     let w = rand_vec(&mut rng, n_tok * heads, 0.1, 1.0);
     let scale = 1.0 / (dim as f32).sqrt();
-    let (qb, kb, wb) = (ctx.storage_f32("q", &q), ctx.storage_f32("k", &keys), ctx.storage_f32("w", &w));
+    // The keys paged as the device KV pages them: 8-row pages stored in reverse order in the pool.
+    let (shift, rpp) = (3u32, 8usize);
+    let n_pages = n_keys.div_ceil(rpp);
+    let table: Vec<u32> = (0..n_pages as u32).rev().collect();
+    let mut pool = vec![0f32; n_pages * rpp * dim];
+    for r in 0..n_keys {
+        let at = ((table[r >> shift] as usize) << shift | (r & (rpp - 1))) * dim;
+        pool[at..at + dim].copy_from_slice(&keys[r * dim..(r + 1) * dim]);
+    }
+    let (qb, kb, wb) = (ctx.storage_f32("q", &q), ctx.storage_f32("k", &pool), ctx.storage_f32("w", &w));
+    let tb = ctx.storage_u32("page table", &table);
+    let paged = Paged { rows: &kb, table: &tb, shift };
     let sc = ctx.storage_zeroed("scores", n_tok * n_keys);
     let sel = ctx.storage_zeroed("sel", n_tok * k);
     let mut enc = ctx.encoder();
-    indexer_topk(&ctx, &mut enc, &qb, &kb, &wb, &limit, n_keys, heads, dim, k, scale, &sc, &sel).unwrap();
+    indexer_topk(&ctx, &mut enc, &qb, &paged, &wb, &limit, n_keys, heads, dim, k, scale, &sc, &sel).unwrap();
     ctx.submit(enc).unwrap();
     let got_sc = ctx.read_f32(&sc, 0, n_tok * n_keys).unwrap();
     let got_sel = ctx.read_u32(&sel, 0, n_tok * k).unwrap();
