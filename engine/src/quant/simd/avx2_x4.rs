@@ -335,12 +335,23 @@ unsafe fn q8_0_xr_zmm_imp<const R: usize>(w: &[u8], a: [&[u8]; R], da: [&[f32]; 
     let zero = _mm512_setzero_si512();
     let mut acc = [_mm512_setzero_ps(); R];
     let wp = w.as_ptr();
+    let live_at = |c0: usize| _mm256_cmpgt_epi32(_mm256_set1_epi32((n - c0).min(SCALE_CHUNK) as i32), lane);
+    // The weight scales of a chunk are gathered one chunk ahead (the gather's latency would otherwise stall the
+    // chunk's first multiply-adds).
+    let mut dw_next = _mm256_setzero_ps();
+    if n > 0 {
+        // SAFETY: the blocks live in chunk 0's mask lie inside the weight row (`n` blocks).
+        dw_next = unsafe { q8_0_scales(wp, live_at(0)) };
+    }
     let mut c0 = 0;
     while c0 < n {
         let nb = (n - c0).min(SCALE_CHUNK);
-        let live = _mm256_cmpgt_epi32(_mm256_set1_epi32(nb as i32), lane);
-        // SAFETY: blocks `c0..c0 + nb` lie inside the weight row and every activation row (`n` blocks each).
-        let dw = unsafe { q8_0_scales(wp.add(c0 * B), live) };
+        let live = live_at(c0);
+        let dw = dw_next;
+        if c0 + SCALE_CHUNK < n {
+            // SAFETY: the blocks of the next chunk that are live in its mask lie inside the weight row.
+            dw_next = unsafe { q8_0_scales(wp.add((c0 + SCALE_CHUNK) * B), live_at(c0 + SCALE_CHUNK)) };
+        }
         let dd: [__m512; R] = std::array::from_fn(|r| {
             let d = if da[r].len() >= n {
                 // SAFETY: lanes below `nb` read `da[r][c0..c0 + nb]`, inside the slice; the others nothing.
