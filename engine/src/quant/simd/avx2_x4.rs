@@ -335,23 +335,12 @@ unsafe fn q8_0_xr_zmm_imp<const R: usize>(w: &[u8], a: [&[u8]; R], da: [&[f32]; 
     let zero = _mm512_setzero_si512();
     let mut acc = [_mm512_setzero_ps(); R];
     let wp = w.as_ptr();
-    let live_at = |c0: usize| _mm256_cmpgt_epi32(_mm256_set1_epi32((n - c0).min(SCALE_CHUNK) as i32), lane);
-    // The weight scales of a chunk are gathered one chunk ahead (the gather's latency would otherwise stall the
-    // chunk's first multiply-adds).
-    let mut dw_next = _mm256_setzero_ps();
-    if n > 0 {
-        // SAFETY: the blocks live in chunk 0's mask lie inside the weight row (`n` blocks).
-        dw_next = unsafe { q8_0_scales(wp, live_at(0)) };
-    }
     let mut c0 = 0;
     while c0 < n {
         let nb = (n - c0).min(SCALE_CHUNK);
-        let live = live_at(c0);
-        let dw = dw_next;
-        if c0 + SCALE_CHUNK < n {
-            // SAFETY: the blocks of the next chunk that are live in its mask lie inside the weight row.
-            dw_next = unsafe { q8_0_scales(wp.add((c0 + SCALE_CHUNK) * B), live_at(c0 + SCALE_CHUNK)) };
-        }
+        let live = _mm256_cmpgt_epi32(_mm256_set1_epi32(nb as i32), lane);
+        // SAFETY: blocks `c0..c0 + nb` lie inside the weight row and every activation row (`n` blocks each).
+        let dw = unsafe { q8_0_scales(wp.add(c0 * B), live) };
         let dd: [__m512; R] = std::array::from_fn(|r| {
             let d = if da[r].len() >= n {
                 // SAFETY: lanes below `nb` read `da[r][c0..c0 + nb]`, inside the slice; the others nothing.
@@ -400,7 +389,10 @@ unsafe fn q8_0_xr_zmm_imp<const R: usize>(w: &[u8], a: [&[u8]; R], da: [&[f32]; 
     }
     std::array::from_fn(|r| {
         let v = acc[r];
-        hsum_ps(_mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)))))
+        hsum_ps(_mm256_add_ps(
+            _mm512_castps512_ps256(v),
+            _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v))),
+        ))
     })
 }
 
@@ -710,74 +702,6 @@ mod tests {
                 let mixed: [&[f32]; 4] = std::array::from_fn(|r| if r == 2 { short } else { &rows[r][..] });
                 let want: Vec<u32> = mixed.iter().map(|r| k(&w, r).to_bits()).collect();
                 assert_eq!(k4(&w, mixed).map(f32::to_bits)[..], want[..], "{ty} {n} values, unequal rows");
-            }
-        }
-    }
-
-    /// TEMPORARY microbench (not committed).
-    #[test]
-    #[ignore = "benchmark"]
-    fn q8_0_eight_row_rates() {
-        fn cpu_ns() -> u64 {
-            #[repr(C)]
-            struct Ts {
-                sec: i64,
-                nsec: i64,
-            }
-            extern "C" {
-                fn clock_gettime(c: i32, t: *mut Ts) -> i32;
-            }
-            let mut t = Ts { sec: 0, nsec: 0 };
-            // SAFETY: test only.
-            unsafe { clock_gettime(3, &mut t) };
-            t.sec as u64 * 1_000_000_000 + t.nsec as u64
-        }
-        let cols = 4096usize;
-        let rb = GgmlType::Q8_0.row_bytes(cols as u64).unwrap() as usize;
-        let mib: usize = std::env::var("DS4_BENCH_MIB").ok().and_then(|v| v.parse().ok()).unwrap_or(128);
-        let rows = (mib << 20) / rb;
-        let mut rng = StdRng::seed_from_u64(5);
-        let x: Vec<f32> = (0..rows.min(4096) * cols).map(|_| rng.gen_range(-1f32..1.0) * 0.02).collect();
-        let mut w = vec![0u8; rows * rb];
-        for r in 0..rows {
-            let xr = &x[(r % 4096.min(rows)) * cols..][..cols];
-            quantize_row(GgmlType::Q8_0, xr, None, &mut w[r * rb..(r + 1) * rb]).unwrap();
-        }
-        let acts: Vec<Vec<u8>> = (0..8)
-            .map(|_| {
-                let v: Vec<f32> = (0..cols).map(|_| rng.gen_range(-3f32..3.0)).collect();
-                let mut q = Vec::new();
-                quantize_acts(crate::quant::ActType::Q8_0, &v, &mut q).unwrap();
-                q
-            })
-            .collect();
-        let scales = block_scales(crate::quant::ActType::Q8_0, &acts);
-        let distinct: [&[u8]; 8] = std::array::from_fn(|r| &acts[r][..]);
-        let same: [&[u8]; 8] = [&acts[0][..]; 8];
-        let ds: [&[f32]; 8] = std::array::from_fn(|r| &scales[r][..]);
-        let ds0: [&[f32]; 8] = [&scales[0][..]; 8];
-        let hot = ((1usize << 20) / rb).max(1);
-        let mut kernels: Vec<(&str, DotQ8)> = vec![("vnni", q8_0_x8_vnni)];
-        if is_x86_feature_detected!("avx512bw") {
-            kernels.push(("zmm", q8_0_x8_zmm));
-        }
-        for round in 0..3 {
-            for (name, k) in &kernels {
-                for (what, a, d) in [("same", same, ds0), ("distinct", distinct, ds)] {
-                    for (where_, nrows, passes) in [("hot", hot, 64usize), ("stream", rows, 2)] {
-                        let mut sink = 0f32;
-                        let t = cpu_ns();
-                        for _ in 0..passes {
-                            for r in 0..nrows {
-                                sink += k(&w[r * rb..(r + 1) * rb], a, d)[3];
-                            }
-                        }
-                        let s = (cpu_ns() - t) as f64 / 1e9;
-                        assert!(sink.is_finite() || sink.is_nan());
-                        let macs = (nrows * passes * cols * 8) as f64;
-                        println!("round {round} {name:>5} {what:>8} {where_:>6}: {:6.2} G MAC/s", macs / s / 1e9);
-                    }
-                }
             }
         }
     }
