@@ -16,7 +16,9 @@
 //! sixteen accumulators do not fit the sixteen registers (measured slower than two four-row calls). Where AVX-512
 //! VNNI is present, `vpdpbusd` on 256-bit vectors does `maddubs` + `madd` in one instruction, and the 32 registers
 //! hold eight rows (measured: eight rows 3.5× eight single calls, 1.65× the previous four-row kernel;
-//! `benches/README.md`).
+//! `benches/README.md`). With AVX-512 BW as well, the eight-row form runs on 512-bit vectors, a pair of blocks per
+//! instruction (the single kernel's even- and odd-block accumulators side by side in one register): half the
+//! instructions per block, 1.1× the 256-bit form (`benches/README.md`).
 //!
 //! Why the results are the single kernels' exactly: every integer partial sum is exact (the same operand ranges as
 //! the single kernel, no saturation), and where the single kernel converts i32 lanes to f32 the lanes hold the
@@ -63,6 +65,7 @@ pub(super) fn dot_q8(ty: GgmlType) -> Option<DotQ8> {
     Some(match ty {
         // Without VNNI, eight rows' sixteen accumulators do not fit the sixteen AVX2 registers: two four-row
         // calls are faster (measured, `benches/README.md`).
+        GgmlType::Q8_0 if vnni() && is_x86_feature_detected!("avx512bw") => q8_0_x8_zmm,
         GgmlType::Q8_0 if vnni() => q8_0_x8_vnni,
         GgmlType::Q2K => q2_k_x8,
         GgmlType::Q4K => q4_k_x8,
@@ -102,8 +105,9 @@ macro_rules! wrap_r {
         fn $name(w: &[u8], a: [&[u8]; $r], da: [&[f32]; $r]) -> [f32; $r] {
             let n = w.len() / $wb;
             // SAFETY: handed out by `dot_q4` / `dot_q8` only after `avx2::available()` (AVX2, FMA, F16C), the
-            // features both functions are compiled for — and, for the `_vnni` forms, after `vnni()` confirmed the
-            // AVX-512 features they add; the multi-row one gets rows of exactly `n` whole blocks.
+            // features both functions are compiled for — and, for the `_vnni` / `_zmm` forms, after `vnni()` (and,
+            // for `_zmm`, AVX-512 BW) confirmed the AVX-512 features they add; the multi-row one gets rows of exactly
+            // `n` whole blocks.
             unsafe {
                 if same_blocks(&a, $ab, n) {
                     $imp::<$r>(w, a, da, n)
@@ -117,6 +121,7 @@ macro_rules! wrap_r {
 wrap_r!(q8_0_x4, 4, q8_0_xr_imp, q8_0_q8_0_imp, q8_0::BLOCK_BYTES, q8_0::BLOCK_BYTES);
 wrap_r!(q8_0_x4_vnni, 4, q8_0_xr_vnni_imp, q8_0_q8_0_imp, q8_0::BLOCK_BYTES, q8_0::BLOCK_BYTES);
 wrap_r!(q8_0_x8_vnni, 8, q8_0_xr_vnni_imp, q8_0_q8_0_imp, q8_0::BLOCK_BYTES, q8_0::BLOCK_BYTES);
+wrap_r!(q8_0_x8_zmm, 8, q8_0_xr_zmm_imp, q8_0_q8_0_imp, q8_0::BLOCK_BYTES, q8_0::BLOCK_BYTES);
 wrap_r!(q2_k_x4, 4, q2_k_xr_imp, q2_k_q8_k_imp, q2_k::BLOCK_BYTES, q8_k::BLOCK_BYTES);
 wrap_r!(iq2_xxs_x4, 4, iq2_xxs_xr_imp, iq2_xxs_q8_k_imp, iq2_xxs::BLOCK_BYTES, q8_k::BLOCK_BYTES);
 wrap_r!(q2_k_x8, 8, q2_k_xr_imp, q2_k_q8_k_imp, q2_k::BLOCK_BYTES, q8_k::BLOCK_BYTES);
@@ -296,6 +301,99 @@ unsafe fn q8_0_xr_vnni_imp<const R: usize>(w: &[u8], a: [&[u8]; R], da: [&[f32];
         mag,
         _mm256_sign_epi8(qa, qw)
     ))
+}
+
+/// The quants of the Q8_0 block at `p` and of the next one as one 512-bit vector (the first block's in the low half).
+///
+/// # Safety
+/// AVX-512 F present; two whole blocks at `p`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f")]
+unsafe fn q8_0_pair(p: *const u8) -> __m512i {
+    const B: usize = q8_0::BLOCK_BYTES;
+    // SAFETY: bytes 2..34 and B + 2..B + 34 lie in the two blocks (the caller's contract).
+    unsafe { _mm512_inserti64x4::<1>(_mm512_castsi256_si512(ld_si256(p.add(2))), ld_si256(p.add(B + 2))) }
+}
+
+/// Q8_0 · Q8_0, `R` rows, AVX-512 VNNI on 512-bit vectors: a pair of blocks per instruction (block `2j` in lanes
+/// 0..8, `2j + 1` in lanes 8..16 — the single kernel's two accumulators side by side in one register). `|w|` is
+/// `abs`, `sign(a, w)` a masked negation (`-a` where `w < 0`; where `w = 0` the product is 0 either way), so each
+/// block's i32 lanes are the ymm form's; each block's `d_w · d_a` is moved into its half by a permute; an odd last
+/// block updates the low half only (a masked FMA). The final sum adds the halves as `hsum(acc0 + acc1)`.
+///
+/// # Safety
+/// AVX2/FMA/F16C and AVX-512 F/BW/VL/VNNI present; `w` and every `a[r]` hold at least `n` whole blocks.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn q8_0_xr_zmm_imp<const R: usize>(w: &[u8], a: [&[u8]; R], da: [&[f32]; R], n: usize) -> [f32; R] {
+    const B: usize = q8_0::BLOCK_BYTES;
+    let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    // Lanes 0..8 take element 2p of a chunk's eight products, lanes 8..16 element 2p + 1.
+    let pick: [__m512i; SCALE_CHUNK / 2] = std::array::from_fn(|p| {
+        let (lo, hi) = (2 * p as i32, 2 * p as i32 + 1);
+        _mm512_inserti64x4::<1>(_mm512_set1_epi32(lo), _mm256_set1_epi32(hi))
+    });
+    let zero = _mm512_setzero_si512();
+    let mut acc = [_mm512_setzero_ps(); R];
+    let wp = w.as_ptr();
+    let mut c0 = 0;
+    while c0 < n {
+        let nb = (n - c0).min(SCALE_CHUNK);
+        let live = _mm256_cmpgt_epi32(_mm256_set1_epi32(nb as i32), lane);
+        // SAFETY: blocks `c0..c0 + nb` lie inside the weight row and every activation row (`n` blocks each).
+        let dw = unsafe { q8_0_scales(wp.add(c0 * B), live) };
+        let dd: [__m512; R] = std::array::from_fn(|r| {
+            let d = if da[r].len() >= n {
+                // SAFETY: lanes below `nb` read `da[r][c0..c0 + nb]`, inside the slice; the others nothing.
+                unsafe { _mm256_maskload_ps(da[r].as_ptr().add(c0), live) }
+            } else {
+                // SAFETY: as above.
+                unsafe { q8_0_scales(a[r].as_ptr().add(c0 * B), live) }
+            };
+            _mm512_castps256_ps512(_mm256_mul_ps(dw, d))
+        });
+        let mut k = 0;
+        while k + 2 <= nb {
+            let off = (c0 + k) * B;
+            prefetch_ahead::<2>(wp.wrapping_add(off));
+            // SAFETY: blocks `c0 + k`, `c0 + k + 1 < n` of the weight row.
+            let qw = unsafe { q8_0_pair(wp.add(off)) };
+            let mag = _mm512_abs_epi8(qw);
+            let neg = _mm512_movepi8_mask(qw);
+            let s = pick[k / 2];
+            for r in 0..R {
+                // SAFETY: blocks `c0 + k`, `c0 + k + 1 < n` of row `r`.
+                let qa = unsafe { q8_0_pair(a[r].as_ptr().add(off)) };
+                let sa = _mm512_mask_sub_epi8(qa, neg, zero, qa);
+                let p = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, mag, sa));
+                acc[r] = _mm512_fmadd_ps(_mm512_permutexvar_ps(s, dd[r]), p, acc[r]);
+            }
+            k += 2;
+        }
+        if k < nb {
+            // The odd last block of the row: the low half (the single kernel's first accumulator) only.
+            let off = (c0 + k) * B;
+            // SAFETY: block `c0 + k < n` of the weight row.
+            let qw = _mm512_zextsi256_si512(unsafe { ld_si256(wp.add(off + 2)) });
+            let mag = _mm512_abs_epi8(qw);
+            let neg = _mm512_movepi8_mask(qw);
+            let s = _mm512_set1_epi32(k as i32);
+            for r in 0..R {
+                // SAFETY: block `c0 + k < n` of row `r`.
+                let qa = _mm512_zextsi256_si512(unsafe { ld_si256(a[r].as_ptr().add(off + 2)) });
+                let sa = _mm512_mask_sub_epi8(qa, neg, zero, qa);
+                let p = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, mag, sa));
+                acc[r] = _mm512_mask3_fmadd_ps(_mm512_permutexvar_ps(s, dd[r]), p, acc[r], 0x00ff);
+            }
+        }
+        c0 += SCALE_CHUNK;
+    }
+    std::array::from_fn(|r| {
+        let v = acc[r];
+        hsum_ps(_mm256_add_ps(
+            _mm512_castps512_ps256(v),
+            _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v))),
+        ))
+    })
 }
 
 /// The per-row part of a Q2_K / Q4_K block `i` (shared by both multi-row kernels): `sumi = Σ_k madd(maddubs(plane k,
@@ -534,9 +632,9 @@ mod tests {
         }
     }
 
-    /// Both Q8_0 multi-row forms (AVX2, and VNNI where present) on raw bytes — every quant value including -128 on
-    /// both sides, scales normal and subnormal — give the single kernel's bits, for 1..=20 blocks (whole and
-    /// partial scale chunks, odd and even counts).
+    /// Every Q8_0 multi-row form (AVX2; VNNI on 256-bit vectors and, with AVX-512 BW, the 512-bit eight-row one,
+    /// where present) on raw bytes — every quant value including -128 on both sides, scales normal and subnormal —
+    /// gives the single kernel's bits, for 1..=20 blocks (whole and partial scale chunks, odd and even counts).
     #[test]
     fn q8_0_multi_row_forms_match_the_single_kernel_on_raw_bytes() {
         if !super::super::avx2::available() {
@@ -548,6 +646,9 @@ mod tests {
         let mut forms: Vec<(&str, DotQ4, Option<DotQ8>)> = vec![("avx2", q8_0_x4, None)];
         if vnni() {
             forms.push(("vnni", q8_0_x4_vnni, Some(q8_0_x8_vnni)));
+            if is_x86_feature_detected!("avx512bw") {
+                forms.push(("vnni-512", q8_0_x4_vnni, Some(q8_0_x8_zmm)));
+            }
         }
         let mut rng = StdRng::seed_from_u64(17);
         let mut block = |rng: &mut StdRng| -> Vec<u8> {

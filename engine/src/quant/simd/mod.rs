@@ -138,7 +138,7 @@ pub fn dot_q4(ty: GgmlType) -> Option<super::api::DotQ4> {
 
 /// The eight-activation-row kernel for `ty` (see [`crate::quant::DotQ8`]) where this CPU has one: `avx2_x4`'s
 /// Q2_K / Q4_K / IQ2_XXS eight-row forms where the single kernel is AVX2's, and its Q8_0 one where AVX-512 VNNI is
-/// present (bit-identical to the single kernel).
+/// present (on 512-bit vectors where AVX-512 BW is present too; bit-identical to the single kernel).
 pub fn dot_q8(ty: GgmlType) -> Option<super::api::DotQ8> {
     #[cfg(target_arch = "x86_64")]
     if avx512_dot_q(ty).is_none() && avx2::dot_q(ty).is_some() {
