@@ -23,6 +23,20 @@ pub type DotQ4 = fn(&[u8], [&[u8]; 4], [&[f32]; 4]) -> [f32; 4];
 /// One weight row against eight activation rows, bit-identical to eight [`DotQ`] calls (like [`DotQ4`]).
 pub type DotQ8 = fn(&[u8], [&[u8]; 8], [&[f32]; 8]) -> [f32; 8];
 
+/// The activation rows of a [`GemmQ`] call: row `b < n` is `acts[at(b)..]` (one weight row's length), its block
+/// scales as f32 `scales[at(b) / block bytes..]` where given (as for [`DotQ4`]; empty: the kernel converts them).
+pub struct GemmIn<'a> {
+    pub acts: &'a [u8],
+    pub scales: &'a [f32],
+    pub at: &'a dyn Fn(usize) -> usize,
+    pub n: usize,
+}
+
+/// A long-chunk product (prefill): `put(b, r, W[r] · a(b))` for every weight row `r` in `rows` (row `r` is
+/// `w[r · row_bytes..][..row_bytes]`) and activation row `b < n`, each bit-identical to the type's [`DotQ`] kernel.
+/// Activations as for [`DotQ`] (from [`quantize_acts`]).
+pub type GemmQ = fn(w: &[u8], row_bytes: usize, rows: std::ops::Range<usize>, a: &GemmIn<'_>, put: &mut dyn FnMut(usize, usize, f32));
+
 /// One float weight row (F16/BF16) against four f32 activation rows, bit-identical to four [`DotF32`] calls.
 pub type DotF4 = fn(&[u8], [&[f32]; 4]) -> [f32; 4];
 
@@ -251,6 +265,11 @@ pub fn dot_q4_kernel(weight_ty: GgmlType) -> Option<DotQ4> {
 /// single kernel.
 pub fn dot_q8_kernel(weight_ty: GgmlType) -> Option<DotQ8> {
     simd::dot_q8(weight_ty)
+}
+
+/// The long-chunk form of [`dot_q_kernel`] (see [`GemmQ`]) where this CPU has one (Q8_0 with AVX-512 VNNI).
+pub fn gemm_q_kernel(weight_ty: GgmlType) -> Option<GemmQ> {
+    simd::gemm_q(weight_ty)
 }
 
 /// `y[r] = row r of w · x` for a row-major `n_rows × n_cols` weight matrix of type `ty`, single-threaded, on the

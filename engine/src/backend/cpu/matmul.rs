@@ -14,7 +14,9 @@
 //! them (`quant::dot_q8_kernel`, `quant::dot_q4_kernel`, `quant::dot_f4_kernel`: one weight row decoded
 //! once for the rows, bit-identical to the single-row kernel), the rest one by one. Quantized activations carry
 //! their blocks' scales as f32 where the format stores f16 ones (Q8_0, [`Acts`]), converted once per product for
-//! the multi-row kernels.
+//! the multi-row kernels. Batches of more than `GEMM_MIN_ROWS` rows go through the type's long-chunk kernel
+//! (`quant::gemm_q_kernel`: Q8_0 with AVX-512 VNNI, tiles of weight rows × activation rows, bit-identical to the
+//! single-row kernel too) on row ranges of at least `GEMM_MIN_BYTES` of weights.
 //!
 //! Activation quantization is the CPU's one deliberate approximation: each activation is rounded to a grid of
 //! `amax/127` per block of 32 (Q8_0) or 256 (Q8_K) values, an error of up to half a step per activation. When the
@@ -32,7 +34,7 @@ use std::ops::Range;
 
 use crate::backend::cpu::pool::{split, Pool};
 use crate::model::mat::Mat;
-use crate::quant::{self, ActType, DotF32, DotF4, DotQ, DotQ4, DotQ8, GgmlType};
+use crate::quant::{self, ActType, DotF32, DotF4, DotQ, DotQ4, DotQ8, GemmIn, GemmQ, GgmlType};
 use crate::{Error, Result};
 
 /// Whether matrices of type `ty` can be multiplied (and their rows dequantized).
@@ -50,6 +52,11 @@ const GRAIN_BYTES: usize = 16 * 1024;
 const PAR_ACTS: usize = 2048;
 /// Products with fewer multiply-adds than this run on the calling thread (a dispatch would cost more).
 const INLINE_WORK: usize = 32 * 1024;
+/// Batch rows above which a product goes through the type's long-chunk kernel ([`GemmQ`]) where it has one.
+const GEMM_MIN_ROWS: usize = 16;
+/// Weight bytes a row range needs for the long-chunk kernel (it prepares every batch row once per call; shorter
+/// ranges, such as the pool's stolen tails, use the per-row kernels).
+const GEMM_MIN_BYTES: usize = 16 * 1024;
 
 /// The dot product used for a weight type.
 #[derive(Clone, Copy, Debug)]
@@ -61,8 +68,9 @@ pub enum Kernel {
     F { dot: DotF32, dot4: Option<DotF4> },
     /// Quantized weights against activations quantized to `act` (`act_bytes` per row); `dot8` / `dot4`, where the
     /// type has them, multiply a weight row into eight / four activation rows at once (bit-identical to that many
-    /// `dot` calls).
-    Q { act: ActType, dot: DotQ, dot4: Option<DotQ4>, dot8: Option<DotQ8>, act_bytes: usize },
+    /// `dot` calls); `gemm`, where it has one, many weight rows into many activation rows (batches above
+    /// `GEMM_MIN_ROWS`, bit-identical too).
+    Q { act: ActType, dot: DotQ, dot4: Option<DotQ4>, dot8: Option<DotQ8>, gemm: Option<GemmQ>, act_bytes: usize },
 }
 
 impl Kernel {
@@ -74,8 +82,8 @@ impl Kernel {
         let act = quant::act_type(ty);
         if !act.is_f32() {
             if let (Ok(dot), Some(b)) = (quant::dot_q_kernel(ty), act.row_bytes(cols as u64)) {
-                let (dot4, dot8) = (quant::dot_q4_kernel(ty), quant::dot_q8_kernel(ty));
-                return Ok(Kernel::Q { act, dot, dot4, dot8, act_bytes: b as usize });
+                let (dot4, dot8, gemm) = (quant::dot_q4_kernel(ty), quant::dot_q8_kernel(ty), quant::gemm_q_kernel(ty));
+                return Ok(Kernel::Q { act, dot, dot4, dot8, gemm, act_bytes: b as usize });
             }
         }
         Kernel::float(ty)
@@ -390,6 +398,13 @@ impl Product<'_> {
         // SAFETY: in bounds (asserted); exclusive access to these elements is the caller's contract.
         let put = |b: usize, r: usize, v: f32| unsafe { *o.ptr.get().add(b * o.stride + o.off + r) = v };
         let rb = w.row_bytes.max(1);
+        if let (Kernel::Q { gemm: Some(gemm), .. }, Input::Q { acts, scales, rows }) = (self.k, self.input) {
+            if n > GEMM_MIN_ROWS && range.len() * rb >= GEMM_MIN_BYTES {
+                let at = |b: usize| rows.at(b);
+                gemm(w.data, w.row_bytes, range, &GemmIn { acts, scales, at: &at, n }, &mut |b, r, v| put(b, r, v));
+                return;
+            }
+        }
         let sub = if n <= BATCH_BLOCK { range.len() } else { (ROW_BLOCK_BYTES / rb).max(1) };
         let mut s0 = range.start;
         while s0 < range.end {
@@ -397,7 +412,7 @@ impl Product<'_> {
             for b0 in (0..n).step_by(BATCH_BLOCK) {
                 let b1 = (b0 + BATCH_BLOCK).min(n);
                 match (self.k, self.input) {
-                    (Kernel::Q { act, dot, dot4, dot8, act_bytes }, Input::Q { acts, scales, rows }) => {
+                    (Kernel::Q { act, dot, dot4, dot8, act_bytes, .. }, Input::Q { acts, scales, rows }) => {
                         // Row `b`'s bytes and the f32 scales of its blocks (empty where the format has none).
                         let bb = act.block_bytes().max(1);
                         let act = |b: usize| {
@@ -880,6 +895,39 @@ mod tests {
                 let mut y = vec![f32::NAN; n * rows];
                 matmul(&pool, m, &x, n, &mut y).unwrap();
                 assert_eq!(y, want[..n * rows], "{ty}, {n} rows");
+            }
+        }
+    }
+
+    /// Long chunks (the long-chunk kernel where the CPU has one, with per-row kernels on short stolen ranges) give
+    /// each row exactly its single-row product: batch sizes around the threshold and with every tile tail, weight
+    /// row counts odd and even, pools of 1–3 threads, gathered rows.
+    #[test]
+    fn long_chunks_match_the_row_kernel() {
+        for (ty, rows, cols) in [(GgmlType::Q8_0, 301usize, 288usize), (GgmlType::Q8_0, 70, 1024), (GgmlType::Q2K, 9, 512)] {
+            let nmax = 261;
+            let w = vals(rows * cols, 7919, 1013, 400.0);
+            let x = vals(nmax * cols, 104729, 777, 200.0);
+            let (bytes, rb) = quantized(ty, &w, rows, cols);
+            let m = Mat { ty, rows, cols, row_bytes: rb, data: &bytes };
+            let mut want = vec![0f32; nmax * rows];
+            for b in 0..nmax {
+                let (xr, yr) = (&x[b * cols..(b + 1) * cols], &mut want[b * rows..(b + 1) * rows]);
+                quant::matvec(ty, &bytes, rows, cols, xr, yr).unwrap();
+            }
+            for n in [16usize, 17, 18, 19, 20, 21, 33, 64, 99, 256, 261] {
+                for threads in [1usize, 2, 3] {
+                    let pool = Pool::new(threads);
+                    let mut y = vec![f32::NAN; n * rows];
+                    matmul(&pool, m, &x, n, &mut y).unwrap();
+                    assert_eq!(y, want[..n * rows], "{ty}, {n} rows, {threads} threads");
+                }
+                let idx: Vec<usize> = (0..n).map(|j| (j * 37 + 5) % nmax).collect();
+                let mut g = vec![f32::NAN; n * rows];
+                matmul_gather(&Pool::new(2), m, &x, &idx, &mut g).unwrap();
+                for (j, &b) in idx.iter().enumerate() {
+                    assert_eq!(&g[j * rows..(j + 1) * rows], &want[b * rows..(b + 1) * rows], "{ty} gather, {n} rows");
+                }
             }
         }
     }
