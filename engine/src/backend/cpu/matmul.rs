@@ -16,7 +16,7 @@
 //! their blocks' scales as f32 where the format stores f16 ones (Q8_0, [`Acts`]), converted once per product for
 //! the multi-row kernels. Batches of more than `GEMM_MIN_ROWS` rows go through the type's long-chunk kernel
 //! (`quant::gemm_q_kernel`: Q8_0 with AVX-512 VNNI, tiles of weight rows × activation rows, bit-identical to the
-//! single-row kernel too) on row ranges of at least `GEMM_MIN_BYTES` of weights.
+//! single-row kernel too), whose activation format [`Acts`] also prepares once per product (`quant::gemm_acts`).
 //!
 //! Activation quantization is the CPU's one deliberate approximation: each activation is rounded to a grid of
 //! `amax/127` per block of 32 (Q8_0) or 256 (Q8_K) values, an error of up to half a step per activation. When the
@@ -54,9 +54,6 @@ const PAR_ACTS: usize = 2048;
 const INLINE_WORK: usize = 32 * 1024;
 /// Batch rows above which a product goes through the type's long-chunk kernel ([`GemmQ`]) where it has one.
 const GEMM_MIN_ROWS: usize = 16;
-/// Weight bytes a row range needs for the long-chunk kernel (it prepares every batch row once per call; shorter
-/// ranges, such as the pool's stolen tails, use the per-row kernels).
-const GEMM_MIN_BYTES: usize = 16 * 1024;
 
 /// The dot product used for a weight type.
 #[derive(Clone, Copy, Debug)]
@@ -199,9 +196,11 @@ pub enum Input<'a> {
     },
     /// `scales`: the f32 value of every block scale of `acts` where the format has f16 ones (Q8_0; see
     /// `quant::act_block_scales`), else empty — the multi-row kernels read them instead of converting per weight row.
+    /// `flipped`: the rows in the long-chunk kernel's format where they were prepared for it (`Acts`), else empty.
     Q {
         acts: &'a [u8],
         scales: &'a [f32],
+        flipped: &'a [u8],
         rows: RowAt<'a>,
     },
 }
@@ -214,13 +213,14 @@ pub struct Acts {
     row_bytes: usize,
     data: Vec<u8>,
     scales: Vec<f32>,
+    flipped: Vec<u8>,
     one: Vec<u8>,
 }
 
 impl Acts {
     /// An empty buffer.
     pub const fn new() -> Acts {
-        Acts { act: None, row_bytes: 0, data: Vec::new(), scales: Vec::new(), one: Vec::new() }
+        Acts { act: None, row_bytes: 0, data: Vec::new(), scales: Vec::new(), flipped: Vec::new(), one: Vec::new() }
     }
 
     /// For a quantized kernel `k`, quantizes rows `rows.at(b)..+cols` of `x` for `b < n` into rows `0..n` here;
@@ -242,7 +242,7 @@ impl Acts {
                 .map_err(|e| backend_err(format!("matmul activations: {e}")))?;
             self.data[b * act_bytes..(b + 1) * act_bytes].copy_from_slice(&self.one);
         }
-        quant::act_block_scales(act, &self.data[..n * act_bytes], &mut self.scales);
+        self.finish(k, n);
         Ok(())
     }
 
@@ -296,14 +296,35 @@ impl Acts {
             // Redo it on whole rows for the error message (indices relative to the row).
             return self.prepare(k, x, rows, n, cols);
         }
-        quant::act_block_scales(act, &self.data[..n * act_bytes], &mut self.scales);
+        self.finish(k, n);
         Ok(())
+    }
+
+    /// After quantizing `n` rows for `k`: their f32 block scales and, for batches the long-chunk kernel takes, its
+    /// activation format (converted once per product rather than once per row range).
+    fn finish(&mut self, k: &Kernel, n: usize) {
+        let Kernel::Q { act, act_bytes, gemm, .. } = *k else { return };
+        let rows = &self.data[..n * act_bytes];
+        quant::act_block_scales(act, rows, &mut self.scales);
+        self.flipped.clear();
+        if gemm.is_some() && n > GEMM_MIN_ROWS {
+            quant::gemm_acts(act, rows, &mut self.flipped);
+        }
     }
 
     /// The f32 block scales of [`Acts::bytes`] where the format has f16 ones (Q8_0), else empty.
     pub fn scales(&self) -> &[f32] {
         if self.act.is_some() {
             &self.scales
+        } else {
+            &[]
+        }
+    }
+
+    /// The rows in the long-chunk kernel's format where [`Acts::prepare`] wrote them (see [`Input::Q`]), else empty.
+    pub fn flipped(&self) -> &[u8] {
+        if self.act.is_some() {
+            &self.flipped
         } else {
             &[]
         }
@@ -338,7 +359,7 @@ impl Acts {
         };
         match k {
             Kernel::Q { act_bytes, .. } if self.act.is_some() => {
-                Input::Q { acts: &self.data, scales: &self.scales, rows: scale(*act_bytes) }
+                Input::Q { acts: &self.data, scales: &self.scales, flipped: &self.flipped, rows: scale(*act_bytes) }
             }
             _ => Input::F32 { x, rows: scale(cols) },
         }
@@ -398,10 +419,11 @@ impl Product<'_> {
         // SAFETY: in bounds (asserted); exclusive access to these elements is the caller's contract.
         let put = |b: usize, r: usize, v: f32| unsafe { *o.ptr.get().add(b * o.stride + o.off + r) = v };
         let rb = w.row_bytes.max(1);
-        if let (Kernel::Q { gemm: Some(gemm), .. }, Input::Q { acts, scales, rows }) = (self.k, self.input) {
-            if n > GEMM_MIN_ROWS && range.len() * rb >= GEMM_MIN_BYTES {
+        if let (Kernel::Q { gemm: Some(gemm), .. }, Input::Q { acts, scales, flipped, rows }) = (self.k, self.input) {
+            if n > GEMM_MIN_ROWS {
                 let at = |b: usize| rows.at(b);
-                gemm(w.data, w.row_bytes, range, &GemmIn { acts, scales, at: &at, n }, &mut |b, r, v| put(b, r, v));
+                let inp = GemmIn { acts, scales, flipped, at: &at, n };
+                gemm(w.data, w.row_bytes, range, &inp, &mut |b, r, v| put(b, r, v));
                 return;
             }
         }
@@ -412,7 +434,7 @@ impl Product<'_> {
             for b0 in (0..n).step_by(BATCH_BLOCK) {
                 let b1 = (b0 + BATCH_BLOCK).min(n);
                 match (self.k, self.input) {
-                    (Kernel::Q { act, dot, dot4, dot8, act_bytes, .. }, Input::Q { acts, scales, rows }) => {
+                    (Kernel::Q { act, dot, dot4, dot8, act_bytes, .. }, Input::Q { acts, scales, rows, .. }) => {
                         // Row `b`'s bytes and the f32 scales of its blocks (empty where the format has none).
                         let bb = act.block_bytes().max(1);
                         let act = |b: usize| {
@@ -611,6 +633,7 @@ fn run(pool: &Pool, w: Mat<'_>, n: usize, at: RowAt<'_>, x: &[f32], y: &mut [f32
             Kernel::Q { act_bytes, .. } => Input::Q {
                 acts: acts.bytes(),
                 scales: acts.scales(),
+                flipped: acts.flipped(),
                 rows: RowAt::Strided { stride: act_bytes, off: 0 },
             },
             _ => Input::F32 { x, rows: at },
@@ -702,6 +725,7 @@ pub fn matmul_many(pool: &Pool, jobs: &mut [Option<MatJob<'_>>], n: usize) -> Re
                 Kernel::Q { act_bytes, .. } => Input::Q {
                     acts: acts[src[i]].bytes(),
                     scales: acts[src[i]].scales(),
+                    flipped: acts[src[i]].flipped(),
                     rows: RowAt::Strided { stride: act_bytes, off: 0 },
                 },
                 _ => Input::F32 { x: j.x, rows: RowAt::Strided { stride: w.cols, off: 0 } },

@@ -53,10 +53,13 @@ const ACT_CHUNK_BYTES: usize = 256 << 10;
 
 /// Per-thread buffers (grown, never shrunk).
 struct Bufs {
-    /// Activation quants `a + 128`, 32 bytes per block, rows of `nb` blocks.
+    /// Activation quants `a + 128`, 32 bytes per block, rows of `nb` blocks (where the caller gave none).
     au: Vec<u8>,
-    /// Activation block scales as f32.
+    /// Activation block scales as f32 (where the caller gave none).
     da: Vec<f32>,
+    /// Where row `b`'s flipped quants and f32 scales start (in `au` / `da` or the caller's buffers).
+    aup: Vec<*const u8>,
+    dap: Vec<*const f32>,
     /// Weight corrections `-128 · Σ₄ w` of `TW` rows.
     cw: Vec<__m256i>,
     /// Weight block scales of `TW` rows as f32.
@@ -65,7 +68,16 @@ struct Bufs {
 
 thread_local! {
     static BUFS: RefCell<Bufs> =
-        const { RefCell::new(Bufs { au: Vec::new(), da: Vec::new(), cw: Vec::new(), dw: Vec::new() }) };
+        const {
+            RefCell::new(Bufs {
+                au: Vec::new(),
+                da: Vec::new(),
+                aup: Vec::new(),
+                dap: Vec::new(),
+                cw: Vec::new(),
+                dw: Vec::new(),
+            })
+        };
 }
 
 /// [`GemmQ`] for Q8_0 (see the module docs).
@@ -90,18 +102,38 @@ fn q8_0_gemm(w: &[u8], rb: usize, rows: Range<usize>, a: &GemmIn<'_>, put: &mut 
             }
             return;
         };
-        let Bufs { au, da, cw, dw } = &mut *bufs;
+        let Bufs { au, da, aup, dap, cw, dw } = &mut *bufs;
         au.resize(au.len().max(n * nb * QB), 0);
         da.resize(da.len().max(n * nb), 0.0);
         // SAFETY: AVX present (checked by `gemm_q`).
         cw.resize(cw.len().max(TW * nb), unsafe { _mm256_setzero_si256() });
         dw.resize(dw.len().max(TW * nb), 0.0);
+        aup.clear();
+        dap.clear();
         for b in 0..n {
             let at = (a.at)(b);
+            // The caller's flipped row (row `at / rb` of `flipped`, `nb · 32` bytes) and scales where it has them.
+            let fl = (at % rb == 0).then(|| a.flipped.get(at / rb * nb * QB..(at / rb + 1) * nb * QB)).flatten();
             let sc = a.scales.get(at / B..at / B + nb);
-            // SAFETY: `gemm_q` checked the features; the row holds `nb` blocks (asserted) and `au` / `da` hold
-            // row `b`'s `nb` blocks (grown above).
-            unsafe { flip_row(&a.acts[at..at + rb], nb, sc, au[b * nb * QB..].as_mut_ptr(), &mut da[b * nb..]) };
+            match fl {
+                Some(f) => aup.push(f.as_ptr()),
+                None => {
+                    // SAFETY: `gemm_q` checked the features; the row holds `nb` blocks (asserted) and `au` holds
+                    // row `b`'s `nb` blocks (grown above).
+                    unsafe { flip_row(&a.acts[at..at + rb], nb, au[b * nb * QB..].as_mut_ptr()) };
+                    aup.push(au[b * nb * QB..].as_ptr());
+                }
+            }
+            match sc {
+                Some(s) => dap.push(s.as_ptr()),
+                None => {
+                    let row = &a.acts[at..at + rb];
+                    for (k, d) in da[b * nb..(b + 1) * nb].iter_mut().enumerate() {
+                        *d = f16_at(row, k * B);
+                    }
+                    dap.push(da[b * nb..].as_ptr());
+                }
+            }
         }
         let row_chunk = (ROW_CHUNK_BYTES / rb).max(TW);
         let act_chunk = (ACT_CHUNK_BYTES / (nb * QB)).max(TA);
@@ -121,7 +153,7 @@ fn q8_0_gemm(w: &[u8], rb: usize, rows: Range<usize>, a: &GemmIn<'_>, put: &mut 
                     let mut b = a0;
                     while b < a1 {
                         let ar = (a1 - b).min(TA);
-                        let t = Tile { w, rb, r, cw: &cw[..], dw: &dw[..], au: &au[..], da: &da[..], nb, b };
+                        let t = Tile { w, rb, r, cw: &cw[..], dw: &dw[..], aup: &aup[..], dap: &dap[..], nb, b };
                         // SAFETY: as above: rows `r..r + wr` and `b..b + ar` are prepared, `nb` blocks each.
                         unsafe {
                             match (wr, ar) {
@@ -147,15 +179,15 @@ fn q8_0_gemm(w: &[u8], rb: usize, rows: Range<usize>, a: &GemmIn<'_>, put: &mut 
 }
 
 /// One tile's operands: weight rows from `r` (their corrections and scales in `cw` / `dw`, `nb` per row) and
-/// prepared activation rows from `b`.
+/// activation rows from `b` (their flipped quants and f32 scales at `aup[b]` / `dap[b]`, `nb` blocks each).
 struct Tile<'a> {
     w: &'a [u8],
     rb: usize,
     r: usize,
     cw: &'a [__m256i],
     dw: &'a [f32],
-    au: &'a [u8],
-    da: &'a [f32],
+    aup: &'a [*const u8],
+    dap: &'a [*const f32],
     nb: usize,
     b: usize,
 }
@@ -164,18 +196,18 @@ impl Tile<'_> {
     /// Computes the `WR × AR` outputs and hands each to `put(b, r, v)`.
     ///
     /// # Safety
-    /// The features of [`gemm_q`] present; rows `r..r + WR` of `w`, `cw`, `dw` and `b..b + AR` of `au`, `da` hold
-    /// `nb` blocks each.
+    /// The features of [`gemm_q`] present; rows `r..r + WR` of `w`, `cw`, `dw` hold `nb` blocks each, and
+    /// `aup[b..b + AR]` / `dap[b..b + AR]` point at `nb` blocks / scales that live through the call.
     #[inline]
     unsafe fn run<const WR: usize, const AR: usize>(&self, put: &mut dyn FnMut(usize, usize, f32)) {
         let (nb, r, b) = (self.nb, self.r, self.b);
         assert!((r + WR) * self.rb <= self.w.len() && WR * nb <= self.cw.len() && WR * nb <= self.dw.len());
-        assert!((b + AR) * nb * QB <= self.au.len() && (b + AR) * nb <= self.da.len());
+        assert!(b + AR <= self.aup.len() && b + AR <= self.dap.len());
         let wp = std::array::from_fn(|i| self.w[(r + i) * self.rb..].as_ptr());
         let cw = std::array::from_fn(|i| self.cw[i * nb..].as_ptr());
         let dw = std::array::from_fn(|i| self.dw[i * nb..].as_ptr());
-        let au = std::array::from_fn(|j| self.au[(b + j) * nb * QB..].as_ptr());
-        let da = std::array::from_fn(|j| self.da[(b + j) * nb..].as_ptr());
+        let au = std::array::from_fn(|j| self.aup[b + j]);
+        let da = std::array::from_fn(|j| self.dap[b + j]);
         // SAFETY: bounds asserted above; features are the caller's contract.
         let v = unsafe { tile::<WR, AR>(wp, cw, dw, au, da, nb) };
         for (i, row) in v.iter().enumerate() {
@@ -186,12 +218,12 @@ impl Tile<'_> {
     }
 }
 
-/// Stores row quants `a + 128` (32 bytes per block at `au`) and the block scales as f32 (`sc`, or converted).
+/// Stores row quants `a + 128` (32 bytes per block at `au`), as [`crate::quant::gemm_acts`] does.
 ///
 /// # Safety
-/// AVX2 present; `row` holds `nb` blocks, `au` is writable for `nb · 32` bytes, `da` holds `nb` values.
+/// AVX2 present; `row` holds `nb` blocks, `au` is writable for `nb · 32` bytes.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn flip_row(row: &[u8], nb: usize, sc: Option<&[f32]>, au: *mut u8, da: &mut [f32]) {
+unsafe fn flip_row(row: &[u8], nb: usize, au: *mut u8) {
     let flip = _mm256_set1_epi8(-128);
     for k in 0..nb {
         // SAFETY: block `k < nb` of the row; `au` has room for it (the caller's contract).
@@ -199,7 +231,6 @@ unsafe fn flip_row(row: &[u8], nb: usize, sc: Option<&[f32]>, au: *mut u8, da: &
             let q = ld_si256(row.as_ptr().add(k * B + 2));
             _mm256_storeu_si256(au.add(k * QB) as *mut __m256i, _mm256_xor_si256(q, flip));
         }
-        da[k] = sc.map_or_else(|| f16_at(row, k * B), |s| s[k]);
     }
 }
 
@@ -320,10 +351,12 @@ mod tests {
             crate::quant::act_block_scales(crate::quant::ActType::Q8_0, &acts, &mut scales);
             let order: Vec<usize> = (0..n).map(|b| (b * 7 + 3) % (n + 3)).collect();
             let at = |b: usize| order[b] * rb;
-            for sc in [&scales[..], &[]] {
+            let mut flipped = Vec::new();
+            crate::quant::gemm_acts(crate::quant::ActType::Q8_0, &acts, &mut flipped);
+            for (sc, fl) in [(&scales[..], &flipped[..]), (&[], &[]), (&scales[..], &[]), (&[], &flipped[..])] {
                 for range in [0..rows, rows / 2..rows] {
                     let mut got = vec![f32::NAN; n * rows];
-                    let inp = GemmIn { acts: &acts, scales: sc, at: &at, n };
+                    let inp = GemmIn { acts: &acts, scales: sc, flipped: fl, at: &at, n };
                     gemm(&w, rb, range.clone(), &inp, &mut |b, r, v| got[b * rows + r] = v);
                     for r in range.clone() {
                         for b in 0..n {
@@ -354,7 +387,7 @@ mod tests {
             let (w, acts) = (fill(wq, 3), fill(aq, 5));
             let at = |b: usize| b * rb;
             let mut got = vec![0f32; 15];
-            gemm(&w, rb, 0..3, &GemmIn { acts: &acts, scales: &[], at: &at, n: 5 }, &mut |b, r, v| got[b * 3 + r] = v);
+            gemm(&w, rb, 0..3, &GemmIn { acts: &acts, scales: &[], flipped: &[], at: &at, n: 5 }, &mut |b, r, v| got[b * 3 + r] = v);
             let want = dot(&w[..rb], &acts[..rb]);
             assert_eq!(want, (wq as i8 as f32) * (aq as i8 as f32) * 32.0 * nb as f32);
             assert!(got.iter().all(|&g| g == want), "{wq:#x} {aq:#x}: {got:?} vs {want}");
@@ -381,8 +414,9 @@ mod tests {
             let rb = nb * B;
             let w = blocks(&mut rng, rows, nb, false);
             let acts = blocks(&mut rng, n, nb, true);
-            let mut scales = Vec::new();
+            let (mut scales, mut flipped) = (Vec::new(), Vec::new());
             crate::quant::act_block_scales(crate::quant::ActType::Q8_0, &acts, &mut scales);
+            crate::quant::gemm_acts(crate::quant::ActType::Q8_0, &acts, &mut flipped);
             let mut y = vec![0f32; n * rows];
             let macs = (rows * cols * n) as f64;
             let (mut old, mut new) = (f64::MAX, f64::MAX);
@@ -403,7 +437,7 @@ mod tests {
                 old = old.min((cpu_ns() - t) as f64);
                 let t = cpu_ns();
                 let at = |b: usize| b * rb;
-                gemm(&w, rb, 0..rows, &GemmIn { acts: &acts, scales: &scales, at: &at, n }, &mut |b, r, v| {
+                gemm(&w, rb, 0..rows, &GemmIn { acts: &acts, scales: &scales, flipped: &flipped, at: &at, n }, &mut |b, r, v| {
                     y[b * rows + r] = v
                 });
                 new = new.min((cpu_ns() - t) as f64);
