@@ -8,7 +8,9 @@
 //! the accumulator `vpdpbusd` adds into, so `vpdpbusd(corr, a + 128, w)` is `Σ₄ w·a` per lane with no sign fix-up.
 //! A tile is two weight rows × four activation rows (sixteen f32 accumulators: the single kernel's two per output);
 //! the block scale products `d_w · d_a` are formed eight blocks at a time per output. Blocking: a run of weight
-//! rows (`ROW_CHUNK_BYTES`, kept in L2) sweeps chunks of activation rows (`ACT_CHUNK_BYTES` of flipped quants).
+//! rows (`ROW_CHUNK_BYTES`, kept in L2, their corrections and scales computed once per call) sweeps chunks of
+//! activation rows (`ACT_CHUNK_BYTES` of flipped quants). The flipped activations come from the caller
+//! ([`crate::quant::gemm_acts`], once per product) or are made here once per call.
 //!
 //! Why every output equals the single kernel's: per lane the integer is `Σ₄ w·a` exactly (no saturation:
 //! `|w| ≤ 128`, `a + 128 ≤ 255`, and the single kernel's `maddubs` pairs stay below 2¹⁵ because activation quants
@@ -60,9 +62,9 @@ struct Bufs {
     /// Where row `b`'s flipped quants and f32 scales start (in `au` / `da` or the caller's buffers).
     aup: Vec<*const u8>,
     dap: Vec<*const f32>,
-    /// Weight corrections `-128 · Σ₄ w` of `TW` rows.
+    /// Weight corrections `-128 · Σ₄ w` of a run of rows.
     cw: Vec<__m256i>,
-    /// Weight block scales of `TW` rows as f32.
+    /// Weight block scales of a run of rows as f32.
     dw: Vec<f32>,
 }
 
@@ -106,8 +108,11 @@ fn q8_0_gemm(w: &[u8], rb: usize, rows: Range<usize>, a: &GemmIn<'_>, put: &mut 
         au.resize(au.len().max(n * nb * QB), 0);
         da.resize(da.len().max(n * nb), 0.0);
         // SAFETY: AVX present (checked by `gemm_q`).
-        cw.resize(cw.len().max(TW * nb), unsafe { _mm256_setzero_si256() });
-        dw.resize(dw.len().max(TW * nb), 0.0);
+        let row_chunk = (ROW_CHUNK_BYTES / rb).max(TW);
+        let act_chunk = (ACT_CHUNK_BYTES / (nb * QB)).max(TA);
+        let chunk_rows = row_chunk.min(rows.len());
+        cw.resize(cw.len().max(chunk_rows * nb), unsafe { _mm256_setzero_si256() });
+        dw.resize(dw.len().max(chunk_rows * nb), 0.0);
         aup.clear();
         dap.clear();
         for b in 0..n {
@@ -135,25 +140,25 @@ fn q8_0_gemm(w: &[u8], rb: usize, rows: Range<usize>, a: &GemmIn<'_>, put: &mut 
                 }
             }
         }
-        let row_chunk = (ROW_CHUNK_BYTES / rb).max(TW);
-        let act_chunk = (ACT_CHUNK_BYTES / (nb * QB)).max(TA);
         let mut r0 = rows.start;
         while r0 < rows.end {
             let r1 = (r0 + row_chunk).min(rows.end);
+            for r in r0..r1 {
+                let c = (r - r0) * nb;
+                // SAFETY: as above; row `r` is inside `w` (asserted), `cw` / `dw` hold `chunk_rows · nb`.
+                unsafe { prep_weights(&w[r * rb..(r + 1) * rb], nb, &mut cw[c..], &mut dw[c..]) };
+            }
             let mut a0 = 0;
             while a0 < n {
                 let a1 = (a0 + act_chunk).min(n);
                 let mut r = r0;
                 while r < r1 {
                     let wr = (r1 - r).min(TW);
-                    for i in 0..wr {
-                        // SAFETY: as above; row `r + i` is inside `w` (asserted), `cw` / `dw` hold `TW · nb`.
-                        unsafe { prep_weights(&w[(r + i) * rb..(r + i + 1) * rb], nb, &mut cw[i * nb..], &mut dw[i * nb..]) };
-                    }
+                    let c = (r - r0) * nb;
                     let mut b = a0;
                     while b < a1 {
                         let ar = (a1 - b).min(TA);
-                        let t = Tile { w, rb, r, cw: &cw[..], dw: &dw[..], aup: &aup[..], dap: &dap[..], nb, b };
+                        let t = Tile { w, rb, r, cw: &cw[c..], dw: &dw[c..], aup: &aup[..], dap: &dap[..], nb, b };
                         // SAFETY: as above: rows `r..r + wr` and `b..b + ar` are prepared, `nb` blocks each.
                         unsafe {
                             match (wr, ar) {
@@ -334,8 +339,9 @@ mod tests {
     }
 
     /// Every output equals the single-row kernel on the same bytes: weight row counts with and without a lone row,
-    /// activation row counts with every tail, block counts odd and even (below, at and above the scale chunk), with
-    /// and without pre-converted scales, activation rows gathered out of order.
+    /// activation row counts with every tail, block counts odd and even (below, at and above the scale chunk; 1100
+    /// blocks: runs of 3 weight rows and chunks of 7 activation rows), with and without pre-converted scales and
+    /// pre-flipped activations, activation rows gathered out of order.
     #[test]
     fn every_output_is_the_single_kernel() {
         let Some(gemm) = gemm_q(GgmlType::Q8_0) else {
@@ -344,7 +350,7 @@ mod tests {
         };
         let dot = crate::quant::dot_q_kernel(GgmlType::Q8_0).unwrap();
         let mut rng = rand::rngs::StdRng::seed_from_u64(16);
-        for (rows, nb, n) in [(1usize, 1usize, 1usize), (3, 7, 17), (5, 8, 23), (2, 9, 4), (7, 17, 40), (4, 33, 67), (9, 2, 130)] {
+        for (rows, nb, n) in [(1usize, 1usize, 1usize), (3, 7, 17), (5, 8, 23), (2, 9, 4), (7, 17, 40), (4, 33, 67), (9, 2, 130), (5, 1100, 17)] {
             let (rb, w) = (nb * B, blocks(&mut rng, rows, nb, false));
             let acts = blocks(&mut rng, n + 3, nb, true);
             let mut scales = Vec::new();
