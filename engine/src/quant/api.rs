@@ -38,7 +38,13 @@ pub struct GemmIn<'a> {
 /// A long-chunk product (prefill): `put(b, r, W[r] · a(b))` for every weight row `r` in `rows` (row `r` is
 /// `w[r · row_bytes..][..row_bytes]`) and activation row `b < n`, each bit-identical to the type's [`DotQ`] kernel.
 /// Activations as for [`DotQ`] (from [`quantize_acts`]).
-pub type GemmQ = fn(w: &[u8], row_bytes: usize, rows: std::ops::Range<usize>, a: &GemmIn<'_>, put: &mut dyn FnMut(usize, usize, f32));
+pub type GemmQ = fn(
+    w: &[u8],
+    row_bytes: usize,
+    rows: std::ops::Range<usize>,
+    a: &GemmIn<'_>,
+    put: &mut dyn FnMut(usize, usize, f32),
+);
 
 /// One float weight row (F16/BF16) against four f32 activation rows, bit-identical to four [`DotF32`] calls.
 pub type DotF4 = fn(&[u8], [&[f32]; 4]) -> [f32; 4];

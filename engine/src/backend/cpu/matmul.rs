@@ -928,7 +928,9 @@ mod tests {
     /// row counts odd and even, pools of 1–3 threads, gathered rows.
     #[test]
     fn long_chunks_match_the_row_kernel() {
-        for (ty, rows, cols) in [(GgmlType::Q8_0, 301usize, 288usize), (GgmlType::Q8_0, 70, 1024), (GgmlType::Q2K, 9, 512)] {
+        for (ty, rows, cols) in
+            [(GgmlType::Q8_0, 301usize, 288usize), (GgmlType::Q8_0, 70, 1024), (GgmlType::Q2K, 9, 512)]
+        {
             let nmax = 261;
             let w = vals(rows * cols, 7919, 1013, 400.0);
             let x = vals(nmax * cols, 104729, 777, 200.0);

@@ -118,7 +118,7 @@ fn q8_0_gemm(w: &[u8], rb: usize, rows: Range<usize>, a: &GemmIn<'_>, put: &mut 
         for b in 0..n {
             let at = (a.at)(b);
             // The caller's flipped row (row `at / rb` of `flipped`, `nb · 32` bytes) and scales where it has them.
-            let fl = (at % rb == 0).then(|| a.flipped.get(at / rb * nb * QB..(at / rb + 1) * nb * QB)).flatten();
+            let fl = at.is_multiple_of(rb).then(|| a.flipped.get(at / rb * nb * QB..(at / rb + 1) * nb * QB)).flatten();
             let sc = a.scales.get(at / B..at / B + nb);
             match fl {
                 Some(f) => aup.push(f.as_ptr()),
@@ -247,7 +247,7 @@ unsafe fn flip_row(row: &[u8], nb: usize, au: *mut u8) {
 unsafe fn prep_weights(w: &[u8], nb: usize, cw: &mut [__m256i], dw: &mut [f32]) {
     let ones128 = _mm256_set1_epi8(-128);
     for k in 0..nb {
-        if k % 2 == 0 {
+        if k.is_multiple_of(2) {
             prefetch_ahead::<1>(w.as_ptr().wrapping_add(k * B));
         }
         // SAFETY: block `k < nb` of the row.
@@ -285,7 +285,9 @@ unsafe fn tile<const WR: usize, const AR: usize>(
             let wv = unsafe { _mm256_maskload_ps(dw[i].add(c0), live) };
             for j in 0..AR {
                 // SAFETY: as above; `dd[i][j]` is 8 writable f32.
-                unsafe { _mm256_storeu_ps(dd[i][j].as_mut_ptr(), _mm256_mul_ps(wv, _mm256_maskload_ps(da[j].add(c0), live))) };
+                unsafe {
+                    _mm256_storeu_ps(dd[i][j].as_mut_ptr(), _mm256_mul_ps(wv, _mm256_maskload_ps(da[j].add(c0), live)))
+                };
             }
         }
         let mut k = 0;
@@ -350,7 +352,16 @@ mod tests {
         };
         let dot = crate::quant::dot_q_kernel(GgmlType::Q8_0).unwrap();
         let mut rng = rand::rngs::StdRng::seed_from_u64(16);
-        for (rows, nb, n) in [(1usize, 1usize, 1usize), (3, 7, 17), (5, 8, 23), (2, 9, 4), (7, 17, 40), (4, 33, 67), (9, 2, 130), (5, 1100, 17)] {
+        for (rows, nb, n) in [
+            (1usize, 1usize, 1usize),
+            (3, 7, 17),
+            (5, 8, 23),
+            (2, 9, 4),
+            (7, 17, 40),
+            (4, 33, 67),
+            (9, 2, 130),
+            (5, 1100, 17),
+        ] {
             let (rb, w) = (nb * B, blocks(&mut rng, rows, nb, false));
             let acts = blocks(&mut rng, n + 3, nb, true);
             let mut scales = Vec::new();
@@ -368,7 +379,11 @@ mod tests {
                         for b in 0..n {
                             let want = dot(&w[r * rb..(r + 1) * rb], &acts[at(b)..at(b) + rb]);
                             let g = got[b * rows + r];
-                            assert_eq!(g.to_bits(), want.to_bits(), "rows {rows} nb {nb} n {n}: ({b}, {r}) {g} vs {want}");
+                            assert_eq!(
+                                g.to_bits(),
+                                want.to_bits(),
+                                "rows {rows} nb {nb} n {n}: ({b}, {r}) {g} vs {want}"
+                            );
                         }
                     }
                 }
@@ -393,7 +408,9 @@ mod tests {
             let (w, acts) = (fill(wq, 3), fill(aq, 5));
             let at = |b: usize| b * rb;
             let mut got = vec![0f32; 15];
-            gemm(&w, rb, 0..3, &GemmIn { acts: &acts, scales: &[], flipped: &[], at: &at, n: 5 }, &mut |b, r, v| got[b * 3 + r] = v);
+            gemm(&w, rb, 0..3, &GemmIn { acts: &acts, scales: &[], flipped: &[], at: &at, n: 5 }, &mut |b, r, v| {
+                got[b * 3 + r] = v
+            });
             let want = dot(&w[..rb], &acts[..rb]);
             assert_eq!(want, (wq as i8 as f32) * (aq as i8 as f32) * 32.0 * nb as f32);
             assert!(got.iter().all(|&g| g == want), "{wq:#x} {aq:#x}: {got:?} vs {want}");
@@ -443,9 +460,13 @@ mod tests {
                 old = old.min((cpu_ns() - t) as f64);
                 let t = cpu_ns();
                 let at = |b: usize| b * rb;
-                gemm(&w, rb, 0..rows, &GemmIn { acts: &acts, scales: &scales, flipped: &flipped, at: &at, n }, &mut |b, r, v| {
-                    y[b * rows + r] = v
-                });
+                gemm(
+                    &w,
+                    rb,
+                    0..rows,
+                    &GemmIn { acts: &acts, scales: &scales, flipped: &flipped, at: &at, n },
+                    &mut |b, r, v| y[b * rows + r] = v,
+                );
                 new = new.min((cpu_ns() - t) as f64);
             }
             eprintln!(
