@@ -788,6 +788,19 @@ mod tests {
         (0..n).map(|i| ((i * mul % m) as f32 - m as f32 / 2.0) / scale).collect()
     }
 
+    /// A `rows × cols` matrix of `ty` (bytes, row bytes), `n` input rows and each row's single-row product.
+    fn row_kernel_case(ty: GgmlType, rows: usize, cols: usize, n: usize) -> (Vec<u8>, usize, Vec<f32>, Vec<f32>) {
+        let w = vals(rows * cols, 7919, 1013, 400.0);
+        let x = vals(n * cols, 104729, 777, 200.0);
+        let (bytes, rb) = quantized(ty, &w, rows, cols);
+        let mut want = vec![0f32; n * rows];
+        for b in 0..n {
+            let (xr, yr) = (&x[b * cols..(b + 1) * cols], &mut want[b * rows..(b + 1) * rows]);
+            quant::matvec(ty, &bytes, rows, cols, xr, yr).unwrap();
+        }
+        (bytes, rb, x, want)
+    }
+
     #[test]
     fn f32_matmul_matches_naive_and_is_batch_invariant() {
         let (rows, cols, n) = (37usize, 70usize, 5usize);
@@ -905,15 +918,8 @@ mod tests {
             (GgmlType::Iq2Xxs, 5, 512),
             (GgmlType::F16, 3, 64),
         ] {
-            let w = vals(rows * cols, 7919, 1013, 400.0);
-            let x = vals(64 * cols, 104729, 777, 200.0);
-            let (bytes, rb) = quantized(ty, &w, rows, cols);
+            let (bytes, rb, x, want) = row_kernel_case(ty, rows, cols, 64);
             let m = Mat { ty, rows, cols, row_bytes: rb, data: &bytes };
-            let mut want = vec![0f32; 64 * rows];
-            for b in 0..64 {
-                let (xr, yr) = (&x[b * cols..(b + 1) * cols], &mut want[b * rows..(b + 1) * rows]);
-                quant::matvec(ty, &bytes, rows, cols, xr, yr).unwrap();
-            }
             let pool = Pool::new(2);
             for n in 1..=64 {
                 let mut y = vec![f32::NAN; n * rows];
@@ -923,24 +929,17 @@ mod tests {
         }
     }
 
-    /// Long chunks (the long-chunk kernel where the CPU has one, with per-row kernels on short stolen ranges) give
-    /// each row exactly its single-row product: batch sizes around the threshold and with every tile tail, weight
-    /// row counts odd and even, pools of 1–3 threads, gathered rows.
+    /// Long chunks (the long-chunk kernel where the CPU has one: Q8_0 here, Q2_K as the per-row path's control)
+    /// give each row exactly its single-row product: batch sizes around the threshold and with every tile tail,
+    /// weight row counts odd and even (the pool's ranges), pools of 1–3 threads, gathered rows.
     #[test]
     fn long_chunks_match_the_row_kernel() {
         for (ty, rows, cols) in
             [(GgmlType::Q8_0, 301usize, 288usize), (GgmlType::Q8_0, 70, 1024), (GgmlType::Q2K, 9, 512)]
         {
             let nmax = 261;
-            let w = vals(rows * cols, 7919, 1013, 400.0);
-            let x = vals(nmax * cols, 104729, 777, 200.0);
-            let (bytes, rb) = quantized(ty, &w, rows, cols);
+            let (bytes, rb, x, want) = row_kernel_case(ty, rows, cols, nmax);
             let m = Mat { ty, rows, cols, row_bytes: rb, data: &bytes };
-            let mut want = vec![0f32; nmax * rows];
-            for b in 0..nmax {
-                let (xr, yr) = (&x[b * cols..(b + 1) * cols], &mut want[b * rows..(b + 1) * rows]);
-                quant::matvec(ty, &bytes, rows, cols, xr, yr).unwrap();
-            }
             for n in [16usize, 17, 18, 19, 20, 21, 33, 64, 99, 256, 261] {
                 for threads in [1usize, 2, 3] {
                     let pool = Pool::new(threads);
