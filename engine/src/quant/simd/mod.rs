@@ -9,7 +9,8 @@
 //!   [`dot_q_variants`] lists every kernel this CPU can run, with the activation format each one reads, for
 //!   side-by-side benchmarks.
 //!   Module graph (x86-64): `x86` is a leaf of shared helpers (f16 conversion, prefetch, loads, 64-byte
-//!   constants); `avx2_x4` and `avx512_gemm` (long-chunk Q8_0 products) build on `avx2`, `avx512_iq2` on `avx512`; the choice between them is made here.
+//!   constants); `avx2_x4` and `avx512_gemm` (long-chunk Q8_0 products, [`gemm_q`]) build on `avx2`,
+//!   `avx512_iq2` on `avx512`; the choice between them is made here.
 //! - aarch64 (little-endian): NEON (baseline on aarch64; compiled when the target enables it, see `neon`).
 //!
 //! Every SIMD kernel is tested against the scalar code of its format for odd block counts. Kernels follow the
