@@ -441,12 +441,14 @@ mod tests {
             crate::quant::act_block_scales(crate::quant::ActType::Q8_0, &acts, &mut scales);
             crate::quant::gemm_acts(crate::quant::ActType::Q8_0, &acts, &mut flipped);
             let mut y = vec![0f32; n * rows];
-            let macs = (rows * cols * n) as f64;
+            // Passes of `REPS` products: long enough for the scheduler's CPU time accounting (ms granularity).
+            const REPS: usize = 20;
+            let macs = (REPS * rows * cols * n) as f64;
             let (mut old, mut new) = (f64::MAX, f64::MAX);
             for _ in 0..3 {
                 let t = cpu_ns();
                 let sub = (64 << 10) / rb;
-                for s0 in (0..rows).step_by(sub.max(1)) {
+                for s0 in (0..REPS).flat_map(|_| (0..rows).step_by(sub.max(1))) {
                     for b0 in (0..n).step_by(8) {
                         for r in s0..(s0 + sub).min(rows) {
                             let a = std::array::from_fn(|i| &acts[(b0 + i) * rb..(b0 + i + 1) * rb]);
@@ -460,13 +462,15 @@ mod tests {
                 old = old.min((cpu_ns() - t) as f64);
                 let t = cpu_ns();
                 let at = |b: usize| b * rb;
-                gemm(
-                    &w,
-                    rb,
-                    0..rows,
-                    &GemmIn { acts: &acts, scales: &scales, flipped: &flipped, at: &at, n },
-                    &mut |b, r, v| y[b * rows + r] = v,
-                );
+                for _ in 0..REPS {
+                    gemm(
+                        &w,
+                        rb,
+                        0..rows,
+                        &GemmIn { acts: &acts, scales: &scales, flipped: &flipped, at: &at, n },
+                        &mut |b, r, v| y[b * rows + r] = v,
+                    );
+                }
                 new = new.min((cpu_ns() - t) as f64);
             }
             eprintln!(
