@@ -23,6 +23,29 @@ pub type DotQ4 = fn(&[u8], [&[u8]; 4], [&[f32]; 4]) -> [f32; 4];
 /// One weight row against eight activation rows, bit-identical to eight [`DotQ`] calls (like [`DotQ4`]).
 pub type DotQ8 = fn(&[u8], [&[u8]; 8], [&[f32]; 8]) -> [f32; 8];
 
+/// The activation rows of a [`GemmQ`] call: row `b < n` is `acts[at(b)..]` (one weight row's length, `at(b)` a
+/// whole number of rows), its block scales as f32 `scales[at(b) / block bytes..]` where given (as for [`DotQ4`];
+/// empty: the kernel converts them), and `flipped`, where not empty, all of `acts` in the kernel's own format
+/// ([`gemm_acts`]; empty: the kernel converts the rows it reads, once per call).
+pub struct GemmIn<'a> {
+    pub acts: &'a [u8],
+    pub scales: &'a [f32],
+    pub flipped: &'a [u8],
+    pub at: &'a dyn Fn(usize) -> usize,
+    pub n: usize,
+}
+
+/// A long-chunk product (prefill): `put(b, r, W[r] · a(b))` for every weight row `r` in `rows` (row `r` is
+/// `w[r · row_bytes..][..row_bytes]`) and activation row `b < n`, each bit-identical to the type's [`DotQ`] kernel.
+/// Activations as for [`DotQ`] (from [`quantize_acts`]).
+pub type GemmQ = fn(
+    w: &[u8],
+    row_bytes: usize,
+    rows: std::ops::Range<usize>,
+    a: &GemmIn<'_>,
+    put: &mut dyn FnMut(usize, usize, f32),
+);
+
 /// One float weight row (F16/BF16) against four f32 activation rows, bit-identical to four [`DotF32`] calls.
 pub type DotF4 = fn(&[u8], [&[f32]; 4]) -> [f32; 4];
 
@@ -251,6 +274,20 @@ pub fn dot_q4_kernel(weight_ty: GgmlType) -> Option<DotQ4> {
 /// single kernel.
 pub fn dot_q8_kernel(weight_ty: GgmlType) -> Option<DotQ8> {
     simd::dot_q8(weight_ty)
+}
+
+/// The long-chunk form of [`dot_q_kernel`] (see [`GemmQ`]) where this CPU has one (Q8_0 with AVX-512 VNNI).
+pub fn gemm_q_kernel(weight_ty: GgmlType) -> Option<GemmQ> {
+    simd::gemm_q(weight_ty)
+}
+
+/// Activation rows `a` (whole blocks of `act`) in the format the long-chunk kernels ([`GemmQ`]) read, into `out`
+/// (cleared first; left empty where no kernel has one). Q8_0: each block's quants plus 128, 32 bytes per block.
+pub fn gemm_acts(act: ActType, a: &[u8], out: &mut Vec<u8>) {
+    out.clear();
+    if act == ActType::Q8_0 {
+        out.extend(a.chunks_exact(q8_0::BLOCK_BYTES).flat_map(|b| b[2..].iter().map(|q| q ^ 0x80)));
+    }
 }
 
 /// `y[r] = row r of w · x` for a row-major `n_rows × n_cols` weight matrix of type `ty`, single-threaded, on the

@@ -14,7 +14,9 @@
 //! them (`quant::dot_q8_kernel`, `quant::dot_q4_kernel`, `quant::dot_f4_kernel`: one weight row decoded
 //! once for the rows, bit-identical to the single-row kernel), the rest one by one. Quantized activations carry
 //! their blocks' scales as f32 where the format stores f16 ones (Q8_0, [`Acts`]), converted once per product for
-//! the multi-row kernels.
+//! the multi-row kernels. Batches of more than `GEMM_MIN_ROWS` rows go through the type's long-chunk kernel
+//! (`quant::gemm_q_kernel`: Q8_0 with AVX-512 VNNI, tiles of weight rows × activation rows, bit-identical to the
+//! single-row kernel too), whose activation format [`Acts`] also prepares once per product (`quant::gemm_acts`).
 //!
 //! Activation quantization is the CPU's one deliberate approximation: each activation is rounded to a grid of
 //! `amax/127` per block of 32 (Q8_0) or 256 (Q8_K) values, an error of up to half a step per activation. When the
@@ -32,7 +34,7 @@ use std::ops::Range;
 
 use crate::backend::cpu::pool::{split, Pool};
 use crate::model::mat::Mat;
-use crate::quant::{self, ActType, DotF32, DotF4, DotQ, DotQ4, DotQ8, GgmlType};
+use crate::quant::{self, ActType, DotF32, DotF4, DotQ, DotQ4, DotQ8, GemmIn, GemmQ, GgmlType};
 use crate::{Error, Result};
 
 /// Whether matrices of type `ty` can be multiplied (and their rows dequantized).
@@ -50,6 +52,8 @@ const GRAIN_BYTES: usize = 16 * 1024;
 const PAR_ACTS: usize = 2048;
 /// Products with fewer multiply-adds than this run on the calling thread (a dispatch would cost more).
 const INLINE_WORK: usize = 32 * 1024;
+/// Batch rows above which a product goes through the type's long-chunk kernel ([`GemmQ`]) where it has one.
+const GEMM_MIN_ROWS: usize = 16;
 
 /// The dot product used for a weight type.
 #[derive(Clone, Copy, Debug)]
@@ -61,8 +65,9 @@ pub enum Kernel {
     F { dot: DotF32, dot4: Option<DotF4> },
     /// Quantized weights against activations quantized to `act` (`act_bytes` per row); `dot8` / `dot4`, where the
     /// type has them, multiply a weight row into eight / four activation rows at once (bit-identical to that many
-    /// `dot` calls).
-    Q { act: ActType, dot: DotQ, dot4: Option<DotQ4>, dot8: Option<DotQ8>, act_bytes: usize },
+    /// `dot` calls); `gemm`, where it has one, many weight rows into many activation rows (batches above
+    /// `GEMM_MIN_ROWS`, bit-identical too).
+    Q { act: ActType, dot: DotQ, dot4: Option<DotQ4>, dot8: Option<DotQ8>, gemm: Option<GemmQ>, act_bytes: usize },
 }
 
 impl Kernel {
@@ -74,8 +79,8 @@ impl Kernel {
         let act = quant::act_type(ty);
         if !act.is_f32() {
             if let (Ok(dot), Some(b)) = (quant::dot_q_kernel(ty), act.row_bytes(cols as u64)) {
-                let (dot4, dot8) = (quant::dot_q4_kernel(ty), quant::dot_q8_kernel(ty));
-                return Ok(Kernel::Q { act, dot, dot4, dot8, act_bytes: b as usize });
+                let (dot4, dot8, gemm) = (quant::dot_q4_kernel(ty), quant::dot_q8_kernel(ty), quant::gemm_q_kernel(ty));
+                return Ok(Kernel::Q { act, dot, dot4, dot8, gemm, act_bytes: b as usize });
             }
         }
         Kernel::float(ty)
@@ -191,9 +196,11 @@ pub enum Input<'a> {
     },
     /// `scales`: the f32 value of every block scale of `acts` where the format has f16 ones (Q8_0; see
     /// `quant::act_block_scales`), else empty — the multi-row kernels read them instead of converting per weight row.
+    /// `flipped`: the rows in the long-chunk kernel's format where they were prepared for it (`Acts`), else empty.
     Q {
         acts: &'a [u8],
         scales: &'a [f32],
+        flipped: &'a [u8],
         rows: RowAt<'a>,
     },
 }
@@ -206,13 +213,14 @@ pub struct Acts {
     row_bytes: usize,
     data: Vec<u8>,
     scales: Vec<f32>,
+    flipped: Vec<u8>,
     one: Vec<u8>,
 }
 
 impl Acts {
     /// An empty buffer.
     pub const fn new() -> Acts {
-        Acts { act: None, row_bytes: 0, data: Vec::new(), scales: Vec::new(), one: Vec::new() }
+        Acts { act: None, row_bytes: 0, data: Vec::new(), scales: Vec::new(), flipped: Vec::new(), one: Vec::new() }
     }
 
     /// For a quantized kernel `k`, quantizes rows `rows.at(b)..+cols` of `x` for `b < n` into rows `0..n` here;
@@ -234,7 +242,7 @@ impl Acts {
                 .map_err(|e| backend_err(format!("matmul activations: {e}")))?;
             self.data[b * act_bytes..(b + 1) * act_bytes].copy_from_slice(&self.one);
         }
-        quant::act_block_scales(act, &self.data[..n * act_bytes], &mut self.scales);
+        self.finish(k, n);
         Ok(())
     }
 
@@ -288,14 +296,35 @@ impl Acts {
             // Redo it on whole rows for the error message (indices relative to the row).
             return self.prepare(k, x, rows, n, cols);
         }
-        quant::act_block_scales(act, &self.data[..n * act_bytes], &mut self.scales);
+        self.finish(k, n);
         Ok(())
+    }
+
+    /// After quantizing `n` rows for `k`: their f32 block scales and, for batches the long-chunk kernel takes, its
+    /// activation format (converted once per product rather than once per row range).
+    fn finish(&mut self, k: &Kernel, n: usize) {
+        let Kernel::Q { act, act_bytes, gemm, .. } = *k else { return };
+        let rows = &self.data[..n * act_bytes];
+        quant::act_block_scales(act, rows, &mut self.scales);
+        self.flipped.clear();
+        if gemm.is_some() && n > GEMM_MIN_ROWS {
+            quant::gemm_acts(act, rows, &mut self.flipped);
+        }
     }
 
     /// The f32 block scales of [`Acts::bytes`] where the format has f16 ones (Q8_0), else empty.
     pub fn scales(&self) -> &[f32] {
         if self.act.is_some() {
             &self.scales
+        } else {
+            &[]
+        }
+    }
+
+    /// The rows in the long-chunk kernel's format where [`Acts::prepare`] wrote them (see [`Input::Q`]), else empty.
+    pub fn flipped(&self) -> &[u8] {
+        if self.act.is_some() {
+            &self.flipped
         } else {
             &[]
         }
@@ -330,7 +359,7 @@ impl Acts {
         };
         match k {
             Kernel::Q { act_bytes, .. } if self.act.is_some() => {
-                Input::Q { acts: &self.data, scales: &self.scales, rows: scale(*act_bytes) }
+                Input::Q { acts: &self.data, scales: &self.scales, flipped: &self.flipped, rows: scale(*act_bytes) }
             }
             _ => Input::F32 { x, rows: scale(cols) },
         }
@@ -390,6 +419,14 @@ impl Product<'_> {
         // SAFETY: in bounds (asserted); exclusive access to these elements is the caller's contract.
         let put = |b: usize, r: usize, v: f32| unsafe { *o.ptr.get().add(b * o.stride + o.off + r) = v };
         let rb = w.row_bytes.max(1);
+        if let (Kernel::Q { gemm: Some(gemm), .. }, Input::Q { acts, scales, flipped, rows }) = (self.k, self.input) {
+            if n > GEMM_MIN_ROWS {
+                let at = |b: usize| rows.at(b);
+                let inp = GemmIn { acts, scales, flipped, at: &at, n };
+                gemm(w.data, w.row_bytes, range, &inp, &mut |b, r, v| put(b, r, v));
+                return;
+            }
+        }
         let sub = if n <= BATCH_BLOCK { range.len() } else { (ROW_BLOCK_BYTES / rb).max(1) };
         let mut s0 = range.start;
         while s0 < range.end {
@@ -397,7 +434,7 @@ impl Product<'_> {
             for b0 in (0..n).step_by(BATCH_BLOCK) {
                 let b1 = (b0 + BATCH_BLOCK).min(n);
                 match (self.k, self.input) {
-                    (Kernel::Q { act, dot, dot4, dot8, act_bytes }, Input::Q { acts, scales, rows }) => {
+                    (Kernel::Q { act, dot, dot4, dot8, act_bytes, .. }, Input::Q { acts, scales, rows, .. }) => {
                         // Row `b`'s bytes and the f32 scales of its blocks (empty where the format has none).
                         let bb = act.block_bytes().max(1);
                         let act = |b: usize| {
@@ -596,6 +633,7 @@ fn run(pool: &Pool, w: Mat<'_>, n: usize, at: RowAt<'_>, x: &[f32], y: &mut [f32
             Kernel::Q { act_bytes, .. } => Input::Q {
                 acts: acts.bytes(),
                 scales: acts.scales(),
+                flipped: acts.flipped(),
                 rows: RowAt::Strided { stride: act_bytes, off: 0 },
             },
             _ => Input::F32 { x, rows: at },
@@ -687,6 +725,7 @@ pub fn matmul_many(pool: &Pool, jobs: &mut [Option<MatJob<'_>>], n: usize) -> Re
                 Kernel::Q { act_bytes, .. } => Input::Q {
                     acts: acts[src[i]].bytes(),
                     scales: acts[src[i]].scales(),
+                    flipped: acts[src[i]].flipped(),
                     rows: RowAt::Strided { stride: act_bytes, off: 0 },
                 },
                 _ => Input::F32 { x: j.x, rows: RowAt::Strided { stride: w.cols, off: 0 } },
@@ -747,6 +786,19 @@ mod tests {
 
     fn vals(n: usize, mul: usize, m: usize, scale: f32) -> Vec<f32> {
         (0..n).map(|i| ((i * mul % m) as f32 - m as f32 / 2.0) / scale).collect()
+    }
+
+    /// A `rows × cols` matrix of `ty` (bytes, row bytes), `n` input rows and each row's single-row product.
+    fn row_kernel_case(ty: GgmlType, rows: usize, cols: usize, n: usize) -> (Vec<u8>, usize, Vec<f32>, Vec<f32>) {
+        let w = vals(rows * cols, 7919, 1013, 400.0);
+        let x = vals(n * cols, 104729, 777, 200.0);
+        let (bytes, rb) = quantized(ty, &w, rows, cols);
+        let mut want = vec![0f32; n * rows];
+        for b in 0..n {
+            let (xr, yr) = (&x[b * cols..(b + 1) * cols], &mut want[b * rows..(b + 1) * rows]);
+            quant::matvec(ty, &bytes, rows, cols, xr, yr).unwrap();
+        }
+        (bytes, rb, x, want)
     }
 
     #[test]
@@ -866,20 +918,41 @@ mod tests {
             (GgmlType::Iq2Xxs, 5, 512),
             (GgmlType::F16, 3, 64),
         ] {
-            let w = vals(rows * cols, 7919, 1013, 400.0);
-            let x = vals(64 * cols, 104729, 777, 200.0);
-            let (bytes, rb) = quantized(ty, &w, rows, cols);
+            let (bytes, rb, x, want) = row_kernel_case(ty, rows, cols, 64);
             let m = Mat { ty, rows, cols, row_bytes: rb, data: &bytes };
-            let mut want = vec![0f32; 64 * rows];
-            for b in 0..64 {
-                let (xr, yr) = (&x[b * cols..(b + 1) * cols], &mut want[b * rows..(b + 1) * rows]);
-                quant::matvec(ty, &bytes, rows, cols, xr, yr).unwrap();
-            }
             let pool = Pool::new(2);
             for n in 1..=64 {
                 let mut y = vec![f32::NAN; n * rows];
                 matmul(&pool, m, &x, n, &mut y).unwrap();
                 assert_eq!(y, want[..n * rows], "{ty}, {n} rows");
+            }
+        }
+    }
+
+    /// Long chunks (the long-chunk kernel where the CPU has one: Q8_0 here, Q2_K as the per-row path's control)
+    /// give each row exactly its single-row product: batch sizes around the threshold and with every tile tail,
+    /// weight row counts odd and even (the pool's ranges), pools of 1–3 threads, gathered rows.
+    #[test]
+    fn long_chunks_match_the_row_kernel() {
+        for (ty, rows, cols) in
+            [(GgmlType::Q8_0, 301usize, 288usize), (GgmlType::Q8_0, 70, 1024), (GgmlType::Q2K, 9, 512)]
+        {
+            let nmax = 261;
+            let (bytes, rb, x, want) = row_kernel_case(ty, rows, cols, nmax);
+            let m = Mat { ty, rows, cols, row_bytes: rb, data: &bytes };
+            for n in [16usize, 17, 18, 19, 20, 21, 33, 64, 99, 256, 261] {
+                for threads in [1usize, 2, 3] {
+                    let pool = Pool::new(threads);
+                    let mut y = vec![f32::NAN; n * rows];
+                    matmul(&pool, m, &x, n, &mut y).unwrap();
+                    assert_eq!(y, want[..n * rows], "{ty}, {n} rows, {threads} threads");
+                }
+                let idx: Vec<usize> = (0..n).map(|j| (j * 37 + 5) % nmax).collect();
+                let mut g = vec![f32::NAN; n * rows];
+                matmul_gather(&Pool::new(2), m, &x, &idx, &mut g).unwrap();
+                for (j, &b) in idx.iter().enumerate() {
+                    assert_eq!(&g[j * rows..(j + 1) * rows], &want[b * rows..(b + 1) * rows], "{ty} gather, {n} rows");
+                }
             }
         }
     }

@@ -9,7 +9,8 @@
 //!   [`dot_q_variants`] lists every kernel this CPU can run, with the activation format each one reads, for
 //!   side-by-side benchmarks.
 //!   Module graph (x86-64): `x86` is a leaf of shared helpers (f16 conversion, prefetch, loads, 64-byte
-//!   constants); `avx2_x4` builds on `avx2`, `avx512_iq2` on `avx512`; the choice between them is made here.
+//!   constants); `avx2_x4` and `avx512_gemm` (long-chunk Q8_0 products, [`gemm_q`]) build on `avx2`,
+//!   `avx512_iq2` on `avx512`; the choice between them is made here.
 //! - aarch64 (little-endian): NEON (baseline on aarch64; compiled when the target enables it, see `neon`).
 //!
 //! Every SIMD kernel is tested against the scalar code of its format for odd block counts. Kernels follow the
@@ -47,6 +48,8 @@ mod avx2;
 mod avx2_x4;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod avx512_gemm;
 #[cfg(target_arch = "x86_64")]
 mod avx512_iq2;
 #[cfg(target_arch = "x86_64")]
@@ -143,6 +146,17 @@ pub fn dot_q8(ty: GgmlType) -> Option<super::api::DotQ8> {
     #[cfg(target_arch = "x86_64")]
     if avx512_dot_q(ty).is_none() && avx2::dot_q(ty).is_some() {
         return avx2_x4::dot_q8(ty);
+    }
+    let _ = ty;
+    None
+}
+
+/// The long-chunk kernel for `ty` (see [`crate::quant::GemmQ`]) where this CPU has one: `avx512_gemm`'s Q8_0 form
+/// (AVX-512 VNNI), bit-identical to the AVX2 single kernel [`dot_q`] picks for Q8_0.
+pub fn gemm_q(ty: GgmlType) -> Option<super::api::GemmQ> {
+    #[cfg(target_arch = "x86_64")]
+    if avx512_dot_q(ty).is_none() && avx2::dot_q(ty).is_some() {
+        return avx512_gemm::gemm_q(ty);
     }
     let _ = ty;
     None

@@ -1,0 +1,484 @@
+//! Long-chunk Q8_0 products (prefill): many weight rows times many activation rows per call
+//! ([`crate::quant::GemmQ`]), each output bit-identical to the AVX2 single-row kernel (`avx2::q8_0_q8_0_imp`).
+//!
+//! Where the per-row kernels (`avx2_x4`) spend four vector operations per weight block and activation row
+//! (`sign`, `vpdpbusd`, convert, FMA), a tile here spends three: the activation quants are stored once per call
+//! with their sign bit flipped (`a + 128`, an unsigned byte, `vpdpbusd`'s left operand) and each weight block's
+//! correction `-128 · Σ₄ w` (one i32 per lane) is computed once per weight row and activation chunk and loaded as
+//! the accumulator `vpdpbusd` adds into, so `vpdpbusd(corr, a + 128, w)` is `Σ₄ w·a` per lane with no sign fix-up.
+//! A tile is two weight rows × four activation rows (sixteen f32 accumulators: the single kernel's two per output);
+//! the block scale products `d_w · d_a` are formed eight blocks at a time per output. Blocking: a run of weight
+//! rows (`ROW_CHUNK_BYTES`, kept in L2, their corrections and scales computed once per call) sweeps chunks of
+//! activation rows (`ACT_CHUNK_BYTES` of flipped quants). The flipped activations come from the caller
+//! ([`crate::quant::gemm_acts`], once per product) or are made here once per call.
+//!
+//! Why every output equals the single kernel's: per lane the integer is `Σ₄ w·a` exactly (no saturation:
+//! `|w| ≤ 128`, `a + 128 ≤ 255`, and the single kernel's `maddubs` pairs stay below 2¹⁵ because activation quants
+//! are in -127..=127, the contract of [`crate::quant::DotQ`]); its conversion to f32 is exact; `d_w · d_a` is the
+//! same f32 product; even blocks go into the first accumulator and odd ones into the second with one FMA each, in
+//! block order, and the result is `hsum(acc₀ + acc₁)` — the single kernel's operations per output, only interleaved
+//! with other outputs'. Scales are the exact f32 values of the f16 ones (given, or converted here).
+//!
+//! Soundness: [`gemm_q`] hands the kernel out only after the AVX2/FMA/F16C and AVX-512 F/VL/VNNI features are
+//! detected; shapes are asserted before any vector access, and the tile loads stay inside whole blocks.
+
+use std::arch::x86_64::*;
+use std::cell::RefCell;
+use std::ops::Range;
+
+use super::super::api::{GemmIn, GemmQ};
+use super::super::{q8_0, GgmlType};
+use super::x86::{f16_at, hsum_ps, ld_si256, prefetch_ahead};
+
+/// The long-chunk kernel for `ty` where this CPU has one (Q8_0 with AVX-512 VNNI; the single kernel is then AVX2's).
+pub(super) fn gemm_q(ty: GgmlType) -> Option<GemmQ> {
+    (ty == GgmlType::Q8_0 && available()).then_some(q8_0_gemm as GemmQ)
+}
+
+fn available() -> bool {
+    super::avx2::available()
+        && is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512vl")
+        && is_x86_feature_detected!("avx512vnni")
+}
+
+const B: usize = q8_0::BLOCK_BYTES;
+/// Quant bytes of a block.
+const QB: usize = 32;
+/// Weight rows and activation rows of a tile.
+const TW: usize = 2;
+const TA: usize = 4;
+/// Weight bytes of the run of rows that sweeps every activation chunk (stays in L2).
+const ROW_CHUNK_BYTES: usize = 128 << 10;
+/// Flipped activation bytes of a chunk (stays in L2 while a weight row pair sweeps it).
+const ACT_CHUNK_BYTES: usize = 256 << 10;
+
+/// Per-thread buffers (grown, never shrunk).
+struct Bufs {
+    /// Activation quants `a + 128`, 32 bytes per block, rows of `nb` blocks (where the caller gave none).
+    au: Vec<u8>,
+    /// Activation block scales as f32 (where the caller gave none).
+    da: Vec<f32>,
+    /// Where row `b`'s flipped quants and f32 scales start (in `au` / `da` or the caller's buffers).
+    aup: Vec<*const u8>,
+    dap: Vec<*const f32>,
+    /// Weight corrections `-128 · Σ₄ w` of a run of rows.
+    cw: Vec<__m256i>,
+    /// Weight block scales of a run of rows as f32.
+    dw: Vec<f32>,
+}
+
+thread_local! {
+    static BUFS: RefCell<Bufs> =
+        const {
+            RefCell::new(Bufs {
+                au: Vec::new(),
+                da: Vec::new(),
+                aup: Vec::new(),
+                dap: Vec::new(),
+                cw: Vec::new(),
+                dw: Vec::new(),
+            })
+        };
+}
+
+/// [`GemmQ`] for Q8_0 (see the module docs).
+fn q8_0_gemm(w: &[u8], rb: usize, rows: Range<usize>, a: &GemmIn<'_>, put: &mut dyn FnMut(usize, usize, f32)) {
+    let (n, nb) = (a.n, rb / B);
+    if rows.is_empty() || n == 0 {
+        return;
+    }
+    assert!(nb > 0 && nb * B == rb && rows.end * rb <= w.len(), "gemm weight shape");
+    for b in 0..n {
+        assert!((a.at)(b) + rb <= a.acts.len(), "gemm activation shape");
+    }
+    BUFS.with(|cell| {
+        let Ok(mut bufs) = cell.try_borrow_mut() else {
+            // Re-entered on this thread (never in the engine): the single kernel, which this equals.
+            let dot = super::avx2::dot_q(GgmlType::Q8_0).expect("checked by gemm_q");
+            for r in rows {
+                for b in 0..n {
+                    let at = (a.at)(b);
+                    put(b, r, dot(&w[r * rb..(r + 1) * rb], &a.acts[at..at + rb]));
+                }
+            }
+            return;
+        };
+        let Bufs { au, da, aup, dap, cw, dw } = &mut *bufs;
+        au.resize(au.len().max(n * nb * QB), 0);
+        da.resize(da.len().max(n * nb), 0.0);
+        // SAFETY: AVX present (checked by `gemm_q`).
+        let row_chunk = (ROW_CHUNK_BYTES / rb).max(TW);
+        let act_chunk = (ACT_CHUNK_BYTES / (nb * QB)).max(TA);
+        let chunk_rows = row_chunk.min(rows.len());
+        cw.resize(cw.len().max(chunk_rows * nb), unsafe { _mm256_setzero_si256() });
+        dw.resize(dw.len().max(chunk_rows * nb), 0.0);
+        aup.clear();
+        dap.clear();
+        for b in 0..n {
+            let at = (a.at)(b);
+            // The caller's flipped row (row `at / rb` of `flipped`, `nb · 32` bytes) and scales where it has them.
+            let fl = at.is_multiple_of(rb).then(|| a.flipped.get(at / rb * nb * QB..(at / rb + 1) * nb * QB)).flatten();
+            let sc = a.scales.get(at / B..at / B + nb);
+            match fl {
+                Some(f) => aup.push(f.as_ptr()),
+                None => {
+                    // SAFETY: `gemm_q` checked the features; the row holds `nb` blocks (asserted) and `au` holds
+                    // row `b`'s `nb` blocks (grown above).
+                    unsafe { flip_row(&a.acts[at..at + rb], nb, au[b * nb * QB..].as_mut_ptr()) };
+                    aup.push(au[b * nb * QB..].as_ptr());
+                }
+            }
+            match sc {
+                Some(s) => dap.push(s.as_ptr()),
+                None => {
+                    let row = &a.acts[at..at + rb];
+                    for (k, d) in da[b * nb..(b + 1) * nb].iter_mut().enumerate() {
+                        *d = f16_at(row, k * B);
+                    }
+                    dap.push(da[b * nb..].as_ptr());
+                }
+            }
+        }
+        let mut r0 = rows.start;
+        while r0 < rows.end {
+            let r1 = (r0 + row_chunk).min(rows.end);
+            for r in r0..r1 {
+                let c = (r - r0) * nb;
+                // SAFETY: as above; row `r` is inside `w` (asserted), `cw` / `dw` hold `chunk_rows · nb`.
+                unsafe { prep_weights(&w[r * rb..(r + 1) * rb], nb, &mut cw[c..], &mut dw[c..]) };
+            }
+            let mut a0 = 0;
+            while a0 < n {
+                let a1 = (a0 + act_chunk).min(n);
+                let mut r = r0;
+                while r < r1 {
+                    let wr = (r1 - r).min(TW);
+                    let c = (r - r0) * nb;
+                    let mut b = a0;
+                    while b < a1 {
+                        let ar = (a1 - b).min(TA);
+                        let t = Tile { w, rb, r, cw: &cw[c..], dw: &dw[c..], aup: &aup[..], dap: &dap[..], nb, b };
+                        // SAFETY: as above: rows `r..r + wr` and `b..b + ar` are prepared, `nb` blocks each.
+                        unsafe {
+                            match (wr, ar) {
+                                (2, 4) => t.run::<2, 4>(put),
+                                (2, 3) => t.run::<2, 3>(put),
+                                (2, 2) => t.run::<2, 2>(put),
+                                (2, 1) => t.run::<2, 1>(put),
+                                (_, 4) => t.run::<1, 4>(put),
+                                (_, 3) => t.run::<1, 3>(put),
+                                (_, 2) => t.run::<1, 2>(put),
+                                _ => t.run::<1, 1>(put),
+                            }
+                        }
+                        b += ar;
+                    }
+                    r += wr;
+                }
+                a0 = a1;
+            }
+            r0 = r1;
+        }
+    });
+}
+
+/// One tile's operands: weight rows from `r` (their corrections and scales in `cw` / `dw`, `nb` per row) and
+/// activation rows from `b` (their flipped quants and f32 scales at `aup[b]` / `dap[b]`, `nb` blocks each).
+struct Tile<'a> {
+    w: &'a [u8],
+    rb: usize,
+    r: usize,
+    cw: &'a [__m256i],
+    dw: &'a [f32],
+    aup: &'a [*const u8],
+    dap: &'a [*const f32],
+    nb: usize,
+    b: usize,
+}
+
+impl Tile<'_> {
+    /// Computes the `WR × AR` outputs and hands each to `put(b, r, v)`.
+    ///
+    /// # Safety
+    /// The features of [`gemm_q`] present; rows `r..r + WR` of `w`, `cw`, `dw` hold `nb` blocks each, and
+    /// `aup[b..b + AR]` / `dap[b..b + AR]` point at `nb` blocks / scales that live through the call.
+    #[inline]
+    unsafe fn run<const WR: usize, const AR: usize>(&self, put: &mut dyn FnMut(usize, usize, f32)) {
+        let (nb, r, b) = (self.nb, self.r, self.b);
+        assert!((r + WR) * self.rb <= self.w.len() && WR * nb <= self.cw.len() && WR * nb <= self.dw.len());
+        assert!(b + AR <= self.aup.len() && b + AR <= self.dap.len());
+        let wp = std::array::from_fn(|i| self.w[(r + i) * self.rb..].as_ptr());
+        let cw = std::array::from_fn(|i| self.cw[i * nb..].as_ptr());
+        let dw = std::array::from_fn(|i| self.dw[i * nb..].as_ptr());
+        let au = std::array::from_fn(|j| self.aup[b + j]);
+        let da = std::array::from_fn(|j| self.dap[b + j]);
+        // SAFETY: bounds asserted above; features are the caller's contract.
+        let v = unsafe { tile::<WR, AR>(wp, cw, dw, au, da, nb) };
+        for (i, row) in v.iter().enumerate() {
+            for (j, &x) in row.iter().enumerate() {
+                put(b + j, r + i, x);
+            }
+        }
+    }
+}
+
+/// Stores row quants `a + 128` (32 bytes per block at `au`), as [`crate::quant::gemm_acts`] does.
+///
+/// # Safety
+/// AVX2 present; `row` holds `nb` blocks, `au` is writable for `nb · 32` bytes.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn flip_row(row: &[u8], nb: usize, au: *mut u8) {
+    let flip = _mm256_set1_epi8(-128);
+    for k in 0..nb {
+        // SAFETY: block `k < nb` of the row; `au` has room for it (the caller's contract).
+        unsafe {
+            let q = ld_si256(row.as_ptr().add(k * B + 2));
+            _mm256_storeu_si256(au.add(k * QB) as *mut __m256i, _mm256_xor_si256(q, flip));
+        }
+    }
+}
+
+/// One weight row's per-block corrections `-128 · Σ₄ w` (lane `i` from quants `4i..4i + 4`) and scales as f32.
+///
+/// # Safety
+/// The features of [`gemm_q`] present; `w` holds `nb` blocks, `cw` and `dw` at least `nb` values.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+unsafe fn prep_weights(w: &[u8], nb: usize, cw: &mut [__m256i], dw: &mut [f32]) {
+    let ones128 = _mm256_set1_epi8(-128);
+    for k in 0..nb {
+        if k.is_multiple_of(2) {
+            prefetch_ahead::<1>(w.as_ptr().wrapping_add(k * B));
+        }
+        // SAFETY: block `k < nb` of the row.
+        let q = unsafe { ld_si256(w.as_ptr().add(k * B + 2)) };
+        let s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones128, q);
+        cw[k] = _mm256_sub_epi32(_mm256_setzero_si256(), s);
+        dw[k] = f16_at(w, k * B);
+    }
+}
+
+/// `WR` weight rows × `AR` activation rows over `nb` blocks (see the module docs).
+///
+/// # Safety
+/// The features of [`gemm_q`] present; every pointer is valid for `nb` blocks of its kind (weights: 34-byte blocks,
+/// `au`: 32-byte blocks, `cw` / `dw` / `da`: one value per block).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+unsafe fn tile<const WR: usize, const AR: usize>(
+    w: [*const u8; WR],
+    cw: [*const __m256i; WR],
+    dw: [*const f32; WR],
+    au: [*const u8; AR],
+    da: [*const f32; AR],
+    nb: usize,
+) -> [[f32; AR]; WR] {
+    let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    let mut acc = [[[_mm256_setzero_ps(); 2]; AR]; WR];
+    let mut dd = [[[0f32; 8]; AR]; WR];
+    let mut c0 = 0;
+    while c0 < nb {
+        let m = (nb - c0).min(8);
+        let live = _mm256_cmpgt_epi32(_mm256_set1_epi32(m as i32), lane);
+        for i in 0..WR {
+            // SAFETY: lanes below `m` read blocks `c0..c0 + m < nb`; the others nothing.
+            let wv = unsafe { _mm256_maskload_ps(dw[i].add(c0), live) };
+            for j in 0..AR {
+                // SAFETY: as above; `dd[i][j]` is 8 writable f32.
+                unsafe {
+                    _mm256_storeu_ps(dd[i][j].as_mut_ptr(), _mm256_mul_ps(wv, _mm256_maskload_ps(da[j].add(c0), live)))
+                };
+            }
+        }
+        let mut k = 0;
+        while k < m {
+            for h in 0..2 {
+                if k + h == m {
+                    break;
+                }
+                // `c0` and `k` are even, so block `blk`'s parity is `h`: even blocks into the first accumulator.
+                let blk = c0 + k + h;
+                // SAFETY: block `blk < nb` of every operand.
+                let av: [__m256i; AR] = std::array::from_fn(|j| unsafe { ld_si256(au[j].add(blk * QB)) });
+                for i in 0..WR {
+                    // SAFETY: as above.
+                    let (wq, c) = unsafe { (ld_si256(w[i].add(blk * B + 2)), _mm256_load_si256(cw[i].add(blk))) };
+                    for j in 0..AR {
+                        let p = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(c, av[j], wq));
+                        acc[i][j][h] = _mm256_fmadd_ps(_mm256_set1_ps(dd[i][j][k + h]), p, acc[i][j][h]);
+                    }
+                }
+            }
+            k += 2;
+        }
+        c0 += 8;
+    }
+    std::array::from_fn(|i| std::array::from_fn(|j| hsum_ps(_mm256_add_ps(acc[i][j][0], acc[i][j][1]))))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    /// `rows` Q8_0 rows of `nb` blocks: random quants (every byte value for weights, -127..=127 for activations),
+    /// scales normal and subnormal f16.
+    fn blocks(rng: &mut impl Rng, rows: usize, nb: usize, acts: bool) -> Vec<u8> {
+        let mut v = vec![0u8; rows * nb * B];
+        rng.fill(&mut v[..]);
+        for (i, b) in v.chunks_exact_mut(B).enumerate() {
+            let d = if i % 5 == 3 { 3.0e-6f32 } else { rng.gen_range(0.001f32..0.1) };
+            b[..2].copy_from_slice(&half::f16::from_f32(d).to_le_bytes());
+            if acts {
+                for q in &mut b[2..] {
+                    if *q == 0x80 {
+                        *q = 0x81;
+                    }
+                }
+            }
+        }
+        v
+    }
+
+    /// Every output equals the single-row kernel on the same bytes: weight row counts with and without a lone row,
+    /// activation row counts with every tail, block counts odd and even (below, at and above the scale chunk; 1100
+    /// blocks: runs of 3 weight rows and chunks of 7 activation rows), with and without pre-converted scales and
+    /// pre-flipped activations, activation rows gathered out of order.
+    #[test]
+    fn every_output_is_the_single_kernel() {
+        let Some(gemm) = gemm_q(GgmlType::Q8_0) else {
+            eprintln!("no AVX-512 VNNI here; nothing to test");
+            return;
+        };
+        let dot = crate::quant::dot_q_kernel(GgmlType::Q8_0).unwrap();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(16);
+        for (rows, nb, n) in [
+            (1usize, 1usize, 1usize),
+            (3, 7, 17),
+            (5, 8, 23),
+            (2, 9, 4),
+            (7, 17, 40),
+            (4, 33, 67),
+            (9, 2, 130),
+            (5, 1100, 17),
+        ] {
+            let (rb, w) = (nb * B, blocks(&mut rng, rows, nb, false));
+            let acts = blocks(&mut rng, n + 3, nb, true);
+            let mut scales = Vec::new();
+            crate::quant::act_block_scales(crate::quant::ActType::Q8_0, &acts, &mut scales);
+            let order: Vec<usize> = (0..n).map(|b| (b * 7 + 3) % (n + 3)).collect();
+            let at = |b: usize| order[b] * rb;
+            let mut flipped = Vec::new();
+            crate::quant::gemm_acts(crate::quant::ActType::Q8_0, &acts, &mut flipped);
+            for (sc, fl) in [(&scales[..], &flipped[..]), (&[], &[]), (&scales[..], &[]), (&[], &flipped[..])] {
+                for range in [0..rows, rows / 2..rows] {
+                    let mut got = vec![f32::NAN; n * rows];
+                    let inp = GemmIn { acts: &acts, scales: sc, flipped: fl, at: &at, n };
+                    gemm(&w, rb, range.clone(), &inp, &mut |b, r, v| got[b * rows + r] = v);
+                    for r in range.clone() {
+                        for b in 0..n {
+                            let want = dot(&w[r * rb..(r + 1) * rb], &acts[at(b)..at(b) + rb]);
+                            let g = got[b * rows + r];
+                            assert_eq!(
+                                g.to_bits(),
+                                want.to_bits(),
+                                "rows {rows} nb {nb} n {n}: ({b}, {r}) {g} vs {want}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Extreme quants: weights all -128 or 127 against activations all ±127 (the largest lane sums).
+    #[test]
+    fn extreme_quants_match() {
+        let Some(gemm) = gemm_q(GgmlType::Q8_0) else { return };
+        let dot = crate::quant::dot_q_kernel(GgmlType::Q8_0).unwrap();
+        let nb = 5;
+        let rb = nb * B;
+        let one = half::f16::from_f32(1.0).to_le_bytes();
+        let fill = |q: u8, rows: usize| {
+            let mut v = vec![q; rows * rb];
+            v.chunks_exact_mut(B).for_each(|b| b[..2].copy_from_slice(&one));
+            v
+        };
+        for (wq, aq) in [(0x80u8, 0x81u8), (0x80, 0x7f), (0x7f, 0x81), (0x7f, 0x7f)] {
+            let (w, acts) = (fill(wq, 3), fill(aq, 5));
+            let at = |b: usize| b * rb;
+            let mut got = vec![0f32; 15];
+            gemm(&w, rb, 0..3, &GemmIn { acts: &acts, scales: &[], flipped: &[], at: &at, n: 5 }, &mut |b, r, v| {
+                got[b * 3 + r] = v
+            });
+            let want = dot(&w[..rb], &acts[..rb]);
+            assert_eq!(want, (wq as i8 as f32) * (aq as i8 as f32) * 32.0 * nb as f32);
+            assert!(got.iter().all(|&g| g == want), "{wq:#x} {aq:#x}: {got:?} vs {want}");
+        }
+    }
+
+    /// On-CPU time of this thread (ns), from `/proc/thread-self/schedstat`.
+    fn cpu_ns() -> u64 {
+        let s = std::fs::read_to_string("/proc/thread-self/schedstat").unwrap_or_default();
+        s.split_whitespace().next().and_then(|v| v.parse().ok()).unwrap_or(0)
+    }
+
+    /// Not a test: one thread's multiply-add rate of the per-row eight-row kernel (as `matmul` calls it) and of this
+    /// kernel on the Flash Q8_0 shapes, interleaved, in on-CPU time. `cargo test --release -p ds4-engine --lib
+    /// avx512_gemm::tests::rate -- --ignored --nocapture`.
+    #[test]
+    #[ignore]
+    fn rate() {
+        let Some(gemm) = gemm_q(GgmlType::Q8_0) else { return };
+        let dot8 = crate::quant::dot_q8_kernel(GgmlType::Q8_0).unwrap();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+        for (rows, cols, n) in [(2048usize, 1024usize, 256usize), (512, 4096, 256), (256, 8192, 256)] {
+            let nb = cols / 32;
+            let rb = nb * B;
+            let w = blocks(&mut rng, rows, nb, false);
+            let acts = blocks(&mut rng, n, nb, true);
+            let (mut scales, mut flipped) = (Vec::new(), Vec::new());
+            crate::quant::act_block_scales(crate::quant::ActType::Q8_0, &acts, &mut scales);
+            crate::quant::gemm_acts(crate::quant::ActType::Q8_0, &acts, &mut flipped);
+            let mut y = vec![0f32; n * rows];
+            // Passes of `REPS` products: long enough for the scheduler's CPU time accounting (ms granularity).
+            const REPS: usize = 20;
+            let macs = (REPS * rows * cols * n) as f64;
+            let (mut old, mut new) = (f64::MAX, f64::MAX);
+            for _ in 0..3 {
+                let t = cpu_ns();
+                let sub = (64 << 10) / rb;
+                for s0 in (0..REPS).flat_map(|_| (0..rows).step_by(sub.max(1))) {
+                    for b0 in (0..n).step_by(8) {
+                        for r in s0..(s0 + sub).min(rows) {
+                            let a = std::array::from_fn(|i| &acts[(b0 + i) * rb..(b0 + i + 1) * rb]);
+                            let d = std::array::from_fn(|i| &scales[(b0 + i) * nb..(b0 + i + 1) * nb]);
+                            for (i, v) in dot8(&w[r * rb..(r + 1) * rb], a, d).into_iter().enumerate() {
+                                y[(b0 + i) * rows + r] = v;
+                            }
+                        }
+                    }
+                }
+                old = old.min((cpu_ns() - t) as f64);
+                let t = cpu_ns();
+                let at = |b: usize| b * rb;
+                for _ in 0..REPS {
+                    gemm(
+                        &w,
+                        rb,
+                        0..rows,
+                        &GemmIn { acts: &acts, scales: &scales, flipped: &flipped, at: &at, n },
+                        &mut |b, r, v| y[b * rows + r] = v,
+                    );
+                }
+                new = new.min((cpu_ns() - t) as f64);
+            }
+            eprintln!(
+                "{rows}x{cols}, {n} rows: eight-row kernel {:.1} G MAC/s, gemm {:.1} G MAC/s ({:.2}x)",
+                macs / old,
+                macs / new,
+                old / new
+            );
+        }
+    }
+}
