@@ -57,4 +57,5 @@ mod tests;
 pub use backend::WgpuBackend;
 pub use context::{ContextOptions, WgpuContext};
 pub use matmul::{get_rows, matmul, View};
+pub use pagedev::LOG_CHUNK_TOKENS;
 pub use weights::{plan_chunks, GpuWeight};
