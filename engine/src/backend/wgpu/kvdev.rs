@@ -8,9 +8,10 @@
 //!   shared by every mirror of the backend ([`DevKv::pools`]), `rows_per_page(ratio)` rows a page (the host and
 //!   disk page span). The kernels read row `w` at pool row `ids[w >> shift] << shift | (w & mask)`; the host
 //!   reads rows (sync, [`SlotKv::read_rows`] for persist) through the table into one contiguous buffer. A fork
-//!   ([`SlotKv::duplicate`]) shares every page and copies only the private tail below; an append into a shared
-//!   page (the partial last page after a fork, or after a roll back into a shared page) copies it first. A pool
-//!   is one binding (at most the storage binding limit, error beyond it) for all sessions of the layer.
+//!   ([`SlotKv::duplicate`]) shares every page and log chunk and copies only the ring and frontiers; an append
+//!   into a shared page (the partial last page after a fork, or after a roll back into a shared page) copies it
+//!   first. A pool is one binding (at most the storage binding limit, error beyond it) for all sessions of the
+//!   layer.
 //! - frontiers ([`FrontDev`]): one `kv` and one `gate` buffer of `2·ratio` rows of `coff·dim`: rows
 //!   `0..ratio` the CSA carried block (`Ca` in the first `dim` values; the host keeps only those), rows
 //!   `ratio..2·ratio` the pending block (slot `p % ratio`, gate with `ape` added, as on the host). The scalar
@@ -21,7 +22,10 @@
 //!   processed token the inputs the ring and the compressors consumed — the raw KV row, the main and indexer
 //!   compressors' projected features and gate logits (before `ape`) — exactly the host [`crate::tables::kv`] log's
 //!   contents, for the last `cap = R + max(window, 2·ratio)` tokens, position `p` in slot `p % cap` of one ring
-//!   buffer per input (so a run's rows are at most two contiguous copies, recorded by the KvStore node). From it
+//!   per input, held as [`ChunkRing`] chunks of [`LOG_CHUNK_TOKENS`] slots in the layer's [`LogPools`] (shared by
+//!   every mirror, like the page pools; a chunk is allocated at its first write, recorded by the KvStore node). A
+//!   fork shares every chunk; the first write into a shared chunk copies the whole chunk first (counted as bytes
+//!   copied: one chunk per input per layer for a decode step, at most two for a run shorter than a chunk). From it
 //!   [`SlotKv::rollback`] rebuilds the ring and the frontiers of any position `L ≥ pos − R` with device-side copies
 //!   and one `ape` add, and cuts the row tables back to `L / ratio` rows (pages past them released, the rest not
 //!   touched; the next append copies the last page first if it is shared): nothing is recomputed or read back,
@@ -29,7 +33,8 @@
 //!   slots past `L % ratio` keep the previous block's rows, never-written ring slots and frontier rows are zero). The log is live while `end == pos`; an upload starts it empty.
 //!
 //! Ownership: the mirrors live in a [`DevKv`] by batch slot, next to the pools; replacing or removing a mirror
-//! there ([`DevKv::insert`], [`DevKv::remove`]) releases its pages, so a backend without sessions holds no page.
+//! there ([`DevKv::insert`], [`DevKv::remove`]) releases its pages and log chunks, so a backend without sessions
+//! holds none ([`DevKv::pages`] counts both).
 //!
 //! Identity: a mirror carries the epoch of the [`KvSync`] tag it last gave its session. A session whose tag does not
 //! match its slot's mirror (new, restored, cleared, or moved from a slot whose mirror is then taken over) is

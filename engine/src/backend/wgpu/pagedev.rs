@@ -16,6 +16,10 @@
 //! - Every table is released into its pool exactly once ([`PageTable::release`]); a pool whose tables are all
 //!   released holds no live page.
 //!
+//! The roll-back logs ([`super::kvdev`]) use the same pools with host-only tables: a [`ChunkRing`] is a ring of
+//! slots in pages ("chunks") of [`LOG_CHUNK_TOKENS`] rows, shared by a fork and copied whole on the first write into
+//! a shared chunk; the kernels never read it (every access is a copy the host records through its ids).
+//!
 //! Ordering: every write (rows, ids, growth) is a copy recorded into the caller's command encoder, after the
 //! commands that may still read the old contents, never a queue write that would land before them.
 
@@ -453,6 +457,67 @@ mod tests {
         let mut want_b = first[..11 * w].to_vec();
         want_b.extend(rows(300.0, 9, w));
         assert_eq!(read(&ctx, &b, &pool), want_b);
+        a.release(&mut pool);
+        b.release(&mut pool);
+        assert_eq!((pool.live_pages(), pool.shared_pages()), (0, 0));
+    }
+
+    /// Reads slots `slots` of `ring` (through its chunk ids) into host rows.
+    fn read_slots(ctx: &WgpuContext, ring: &ChunkRing, pool: &PagePool, slots: &[usize]) -> Vec<f32> {
+        let pairs: Vec<(usize, usize)> = slots.iter().enumerate().map(|(d, &s)| (s, d)).collect();
+        let rows = ring.reads(pool, &pairs).unwrap();
+        let mut enc = ctx.encoder();
+        let out = ctx.scratch(slots.len() * pool.width);
+        crate::backend::wgpu::kvdev::copy_rows(&mut enc, &pool.buf, &out, &rows, pool.width);
+        ctx.submit_read_f32(enc, &out, 0, slots.len() * pool.width).unwrap()
+    }
+
+    fn write(ctx: &WgpuContext, ring: &mut ChunkRing, pool: &mut PagePool, base: f32, slots: &[usize]) -> u64 {
+        let mut enc = ctx.encoder();
+        let src = ctx.storage_f32("src", &rows(base, slots.len(), pool.width));
+        let pairs: Vec<(usize, usize)> = slots.iter().enumerate().map(|(r, &s)| (r, s)).collect();
+        let copied = ring.write(ctx, &mut enc, pool, &src, &pairs).unwrap();
+        ctx.submit(enc).unwrap();
+        copied
+    }
+
+    /// A log ring allocates chunks at their first write, a shared ring copies a whole chunk on its first write into
+    /// it (and only that one), the other ring still reads its own rows, a slot never written is an error, and
+    /// releasing both returns every chunk.
+    #[test]
+    fn log_chunks_are_shared_and_copied_on_write() {
+        let Some(ctx) = ctx_with(None) else { return };
+        let w = 2;
+        let mut pool = PagePool::new(&ctx, w, LOG_CHUNK_TOKENS).unwrap();
+        let cap = 2 * LOG_CHUNK_TOKENS + 10;
+        let mut a = ChunkRing::new(cap);
+        let all: Vec<usize> = (0..cap).collect();
+        assert_eq!(write(&ctx, &mut a, &mut pool, 0.0, &all), 0);
+        assert_eq!(pool.live_pages(), 3);
+        let mut b = a.share(&mut pool);
+        assert_eq!((pool.live_pages(), pool.shared_pages()), (3, 3), "sharing allocates nothing");
+        // b overwrites slots 70 and 71 (chunk 1): that chunk is copied whole first, once.
+        let chunk = (LOG_CHUNK_TOKENS * w * 4) as u64;
+        assert_eq!(write(&ctx, &mut b, &mut pool, 500.0, &[70, 71]), chunk);
+        assert_eq!(write(&ctx, &mut b, &mut pool, 600.0, &[72]), 0, "the copy is private");
+        assert_eq!((pool.live_pages(), pool.shared_pages()), (4, 2));
+        let probe = [0, 69, 70, 71, 72, 73, cap - 1];
+        let mut want_a = Vec::new();
+        let mut want_b = Vec::new();
+        for &s in &probe {
+            want_a.extend(rows(s as f32, 1, w));
+            let v = match s {
+                70 | 71 => 500.0 + (s - 70) as f32,
+                72 => 600.0,
+                _ => s as f32,
+            };
+            want_b.extend(rows(v, 1, w));
+        }
+        assert_eq!(read_slots(&ctx, &a, &pool, &probe), want_a, "b wrote into a chunk a reads");
+        assert_eq!(read_slots(&ctx, &b, &pool, &probe), want_b);
+        let fresh = ChunkRing::new(cap);
+        assert!(fresh.reads(&pool, &[(5, 0)]).is_err(), "a slot never written");
+        assert!(a.reads(&pool, &[(3 * LOG_CHUNK_TOKENS, 0)]).is_err(), "a slot past the ring");
         a.release(&mut pool);
         b.release(&mut pool);
         assert_eq!((pool.live_pages(), pool.shared_pages()), (0, 0));
