@@ -380,7 +380,7 @@ impl ChunkRing {
     fn row(&self, pool: &PagePool, slot: usize) -> Result<usize> {
         match self.ids[self.chunk(slot)?] {
             NO_CHUNK => Err(backend_err(format!("device KV log: slot {slot} was never written"))),
-            id => Ok((id as usize) << pool.shift | slot % LOG_CHUNK_TOKENS),
+            id => Ok(((id as usize) << pool.shift) | (slot % LOG_CHUNK_TOKENS)),
         }
     }
 
