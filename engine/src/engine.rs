@@ -591,8 +591,8 @@ impl Engine {
         self.pages.bytes_copied()
     }
 
-    /// `(live, shared)` KV pages of the backend's device tier (see [`Backend::device_kv_pages`]), or `None` when
-    /// the backend keeps KV on the host.
+    /// `(live, shared)` KV pages and log chunks of the backend's device tier (see [`Backend::device_kv_pages`]),
+    /// or `None` when the backend keeps KV on the host.
     pub fn device_kv_pages(&self) -> Option<(usize, usize)> {
         self.backend.device_kv_pages()
     }

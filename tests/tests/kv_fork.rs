@@ -8,6 +8,7 @@
 use ds4_engine::convert::{demo_config, random_model_gguf};
 use ds4_engine::engine::{BackendKind, Engine, EngineOptions};
 use ds4_engine::gguf::GgufFile;
+use ds4_engine::model::config::LayerKind;
 use ds4_engine::tables::{SessionId, PAGE_TOKENS};
 use ds4_tests::{bits, continue_with, golden_gguf, shared, tokens, wgpu_available};
 
@@ -144,17 +145,27 @@ fn demo_bytes() -> Vec<u8> {
     random_model_gguf(&demo_config(), 12, Vec::new()).expect("random model")
 }
 
-/// On wgpu a device-resident session forks on the device: every KV page is shared (no page allocated, the bytes
-/// copied are the private tail, the same for 1 and 2 full pages), the first append into the shared partial pages
-/// copies them, parent and fork then decode different continuations exactly as cold sessions do, and freeing
-/// every session returns the device pools to empty.
-#[test]
-fn wgpu_fork_shares_device_pages_and_copies_the_tail_only() {
-    if !wgpu_available() {
-        return;
-    }
-    let bytes = demo_bytes();
-    let mut e = open_wgpu(&bytes, 0);
+/// Bytes of one [`ds4_engine::backend::wgpu::LOG_CHUNK_TOKENS`]-token chunk of every roll-back log input of every
+/// layer: raw KV rows, and per compressor its features and gate logits (main: `coff·head_dim`, indexer:
+/// `2·idx_head_dim` wide).
+fn log_chunk_bytes(e: &Engine) -> u64 {
+    let c = e.config();
+    let per_token: usize = (0..c.n_layers)
+        .map(|l| match c.layer_kind(l) {
+            LayerKind::Window => c.head_dim,
+            LayerKind::Hca => c.head_dim + 2 * c.head_dim,
+            LayerKind::Csa => c.head_dim + 2 * 2 * c.head_dim + 2 * 2 * c.idx_head_dim,
+        })
+        .sum();
+    (per_token * ds4_engine::backend::wgpu::LOG_CHUNK_TOKENS * 4) as u64
+}
+
+/// One wgpu fork scenario with a device roll-back log of `rollback` tokens (0: none): checks what
+/// [`wgpu_fork_shares_device_pages_and_copies_the_tail_only`] states and returns the bytes the fork copied and
+/// the bytes the fork's first decoded token (which completes no compressed row) and its next 8 (which do)
+/// copied.
+fn wgpu_fork_case(bytes: &[u8], rollback: usize) -> (u64, u64, u64) {
+    let mut e = open_wgpu(bytes, rollback);
     let vocab = e.config().vocab;
     let all = tokens(31, 2 * PAGE_TOKENS + 100, vocab);
     let short = prefill(&mut e, &all[..PAGE_TOKENS + 40]);
@@ -165,19 +176,23 @@ fn wgpu_fork_shares_device_pages_and_copies_the_tail_only() {
     let (c_long, fl) = fork_cost(&mut e, long);
     assert!(c_short > 0, "a fork copies its ring and frontiers");
     assert_eq!(c_short, c_long, "the copied tail does not depend on the length");
-    assert_eq!(e.device_kv_pages(), Some((live, live)), "a device fork allocates no page and shares them all");
+    assert_eq!(e.device_kv_pages(), Some((live, live)), "a device fork allocates no page or chunk, shares them all");
     let kv = e.kv_bytes(long).unwrap();
     assert!(c_long * 2 < kv, "fork copied {c_long} of {kv} bytes");
     // Read back through the shared pages, the fork's state is its parent's.
     assert!(e.snapshot(fs).unwrap() == e.snapshot(short).unwrap());
-    // The fork appends first: its shared partial pages are copied, then each decodes its own continuation.
+    // The fork appends first: its shared partial pages (and log chunks) are copied, then each decodes its own
+    // continuation.
     let (ca, cb) = (tokens(32, 9, vocab), tokens(33, 9, vocab));
     let copied = e.kv_bytes_copied();
-    let got_f = continue_with(&mut e, fl, &ca);
-    assert!(e.kv_bytes_copied() > copied, "appending to a shared partial page copies it");
+    let mut got_f = continue_with(&mut e, fl, &ca[..1]);
+    let first = e.kv_bytes_copied() - copied;
+    got_f.extend(continue_with(&mut e, fl, &ca[1..]));
+    let rest = e.kv_bytes_copied() - copied - first;
+    assert!(rest > 0, "appending to a shared partial page copies it");
     assert!(e.device_kv_pages().unwrap().0 > live, "the copies are fresh pages");
     let got_l = continue_with(&mut e, long, &cb);
-    let mut cold = open_wgpu(&bytes, 0);
+    let mut cold = open_wgpu(bytes, 0);
     for (cont, got) in [(&ca, &got_f), (&cb, &got_l)] {
         let c = prefill(&mut cold, &all);
         assert!(*got == continue_with(&mut cold, c, cont), "a forked device session diverged from a cold one");
@@ -186,7 +201,31 @@ fn wgpu_fork_shares_device_pages_and_copies_the_tail_only() {
     for s in [short, fl, long, fs] {
         e.free_session(s).unwrap();
     }
-    assert_eq!(e.device_kv_pages(), Some((0, 0)), "freed sessions return every device page");
+    assert_eq!(e.device_kv_pages(), Some((0, 0)), "freed sessions return every device page and log chunk");
+    (c_long, first, rest)
+}
+
+/// On wgpu a device-resident session forks on the device: every KV page and roll-back log chunk is shared (no
+/// page allocated, the bytes copied are the private tail — rings and frontiers, the same with a log as without and
+/// for 1 and 2 full pages); the first token logged copies exactly one log chunk per input per layer (the log has
+/// wrapped: the chunk it writes is shared) and nothing else, the first appended rows copy the shared partial pages
+/// (the same bytes with a log as without: the fork's log chunk is private by then); parent and fork then
+/// decode different continuations exactly as cold sessions do, and freeing every session returns the device pools
+/// to empty.
+#[test]
+fn wgpu_fork_shares_device_pages_and_copies_the_tail_only() {
+    if !wgpu_available() {
+        return;
+    }
+    let bytes = demo_bytes();
+    let (fork_plain, first_plain, rest_plain) = wgpu_fork_case(&bytes, 0);
+    assert_eq!(first_plain, 0, "a token that completes no compressed row appends no row");
+    // 100 + window (16) log slots: both prefills wrap the log, so each of its chunks is written.
+    let (fork_log, first_log, rest_log) = wgpu_fork_case(&bytes, 100);
+    assert_eq!(fork_log, fork_plain, "a fork copies no roll-back log byte");
+    let chunk = log_chunk_bytes(&open_wgpu(&bytes, 0));
+    assert_eq!(first_log, chunk, "the first token copies one log chunk per input per layer");
+    assert_eq!(rest_log, rest_plain, "the log chunk written next is private");
 }
 
 /// On wgpu a roll back of a fork into a shared full page cuts only the fork's table: its next append copies that

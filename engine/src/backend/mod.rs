@@ -160,8 +160,9 @@ pub trait Backend: Send + Sync {
         Ok(None)
     }
 
-    /// `(live, shared)` device KV pages of a paged device tier over all its sessions (shared: referenced by more
-    /// than one session), or `None` for a backend that keeps KV on the host. Default: `None`.
+    /// `(live, shared)` device KV pages of a paged device tier over all its sessions — row pages and roll-back log
+    /// chunks (shared: referenced by more than one session) — or `None` for a backend that keeps KV on the host.
+    /// Default: `None`.
     fn device_kv_pages(&self) -> Option<(usize, usize)> {
         None
     }

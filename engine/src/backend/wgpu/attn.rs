@@ -415,18 +415,19 @@ pub fn kv_store(be: &WgpuBackend, t: &mut Tick, dk: &mut DevKv, cx: &mut StepCtx
         |t: &mut Tick, a: BufId, b: BufId| -> Result<(Buf, Buf)> { Ok((be.buf(t, model, a)?, be.buf(t, model, b)?)) };
     let comp = if logged && lw.compressor.is_some() { Some(pair(t, BufId::CompKv, BufId::CompGate)?) } else { None };
     let idx = if logged && lw.indexer.is_some() { Some(pair(t, BufId::IdxKv, BufId::IdxGate)?) } else { None };
-    let src =
-        LogSources { raw: &kv, hd, comp: comp.as_ref().map(|(a, b)| (a, b)), idx: idx.as_ref().map(|(a, b)| (a, b)) };
+    let src = LogSources { raw: &kv, comp: comp.as_ref().map(|(a, b)| (a, b)), idx: idx.as_ref().map(|(a, b)| (a, b)) };
     let enc = t.enc(ctx);
-    for_each_run(be, dk, enc, cx, layer, |run, p0, ld, _, enc| {
+    for_each_run(be, dk, enc, cx, layer, |run, p0, ld, lp, enc| {
         let (start, len) = (run.start, run.len);
         let pairs: Vec<(usize, usize)> =
             (len.saturating_sub(window)..len).map(|j| (start + j, (p0 + j) % window)).collect();
         copy_rows(enc, &kv, &ld.ring, &pairs, hd);
+        let mut copied = 0;
         if let Some(log) = ld.log.as_mut() {
-            log.record(enc, &src, start, p0, len);
+            let pools = lp.log.as_mut().ok_or_else(|| backend_err("device KV: a roll-back log without its pools"))?;
+            copied = log.record(ctx, enc, pools, &src, start, p0, len)?;
         }
         ld.pos = Some(p0 + len);
-        Ok(0)
+        Ok(copied)
     })
 }

@@ -277,7 +277,7 @@ impl Backend for WgpuBackend {
         let mut enc = self.ctx.device.create_command_encoder(&Default::default());
         let DevKv { slots, pools } = &mut *dk;
         let (mut copy, bytes) = match slots.get(&at) {
-            Some(m) => m.duplicate(&self.ctx, &mut enc, pools),
+            Some(m) => m.duplicate(&self.ctx, &mut enc, pools)?,
             None => return Ok(None),
         };
         self.ctx.submit(enc)?;

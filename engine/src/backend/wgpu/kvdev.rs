@@ -8,9 +8,10 @@
 //!   shared by every mirror of the backend ([`DevKv::pools`]), `rows_per_page(ratio)` rows a page (the host and
 //!   disk page span). The kernels read row `w` at pool row `ids[w >> shift] << shift | (w & mask)`; the host
 //!   reads rows (sync, [`SlotKv::read_rows`] for persist) through the table into one contiguous buffer. A fork
-//!   ([`SlotKv::duplicate`]) shares every page and copies only the private tail below; an append into a shared
-//!   page (the partial last page after a fork, or after a roll back into a shared page) copies it first. A pool
-//!   is one binding (at most the storage binding limit, error beyond it) for all sessions of the layer.
+//!   ([`SlotKv::duplicate`]) shares every page and log chunk and copies only the ring and frontiers; an append
+//!   into a shared page (the partial last page after a fork, or after a roll back into a shared page) copies it
+//!   first. A pool is one binding (at most the storage binding limit, error beyond it) for all sessions of the
+//!   layer.
 //! - frontiers ([`FrontDev`]): one `kv` and one `gate` buffer of `2·ratio` rows of `coff·dim`: rows
 //!   `0..ratio` the CSA carried block (`Ca` in the first `dim` values; the host keeps only those), rows
 //!   `ratio..2·ratio` the pending block (slot `p % ratio`, gate with `ape` added, as on the host). The scalar
@@ -21,7 +22,10 @@
 //!   processed token the inputs the ring and the compressors consumed — the raw KV row, the main and indexer
 //!   compressors' projected features and gate logits (before `ape`) — exactly the host [`crate::tables::kv`] log's
 //!   contents, for the last `cap = R + max(window, 2·ratio)` tokens, position `p` in slot `p % cap` of one ring
-//!   buffer per input (so a run's rows are at most two contiguous copies, recorded by the KvStore node). From it
+//!   per input, held as [`ChunkRing`] chunks of [`LOG_CHUNK_TOKENS`] slots in the layer's [`LogPools`] (shared by
+//!   every mirror, like the page pools; a chunk is allocated at its first write, recorded by the KvStore node). A
+//!   fork shares every chunk; the first write into a shared chunk copies the whole chunk first (counted as bytes
+//!   copied: one chunk per input per layer for a decode step, at most two for a run shorter than a chunk). From it
 //!   [`SlotKv::rollback`] rebuilds the ring and the frontiers of any position `L ≥ pos − R` with device-side copies
 //!   and one `ape` add, and cuts the row tables back to `L / ratio` rows (pages past them released, the rest not
 //!   touched; the next append copies the last page first if it is shared): nothing is recomputed or read back,
@@ -29,7 +33,8 @@
 //!   slots past `L % ratio` keep the previous block's rows, never-written ring slots and frontier rows are zero). The log is live while `end == pos`; an upload starts it empty.
 //!
 //! Ownership: the mirrors live in a [`DevKv`] by batch slot, next to the pools; replacing or removing a mirror
-//! there ([`DevKv::insert`], [`DevKv::remove`]) releases its pages, so a backend without sessions holds no page.
+//! there ([`DevKv::insert`], [`DevKv::remove`]) releases its pages and log chunks, so a backend without sessions
+//! holds none ([`DevKv::pages`] counts both).
 //!
 //! Identity: a mirror carries the epoch of the [`KvSync`] tag it last gave its session. A session whose tag does not
 //! match its slot's mirror (new, restored, cleared, or moved from a slot whose mirror is then taken over) is
@@ -39,7 +44,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::context::{backend_err, WgpuContext};
-use super::pagedev::{rows_per_page, PagePool, PageTable};
+use super::pagedev::{rows_per_page, ChunkRing, PagePool, PageTable, LOG_CHUNK_TOKENS};
 use crate::model::config::{LayerKind, ModelConfig};
 use crate::tables::{Frontier, KvSync, LayerKv, SessionKv};
 use crate::Result;
@@ -123,10 +128,11 @@ impl FrontDev {
     }
 }
 
-/// One compressor's inputs in a [`LogDev`]: features and gate logits (before `ape`), `cap` rows of `width` each.
+/// One compressor's inputs in a [`LogDev`]: features and gate logits (before `ape`), `cap` slots of `width` each,
+/// both in that compressor's [`LogPools`] pool.
 pub struct LogComp {
-    pub kv: Buf,
-    pub gate: Buf,
+    pub kv: ChunkRing,
+    pub gate: ChunkRing,
     pub width: usize,
 }
 
@@ -134,8 +140,8 @@ pub struct LogComp {
 pub struct LogDev {
     /// Slots (tokens held).
     pub cap: usize,
-    /// Raw KV rows, `cap × head_dim`.
-    pub raw: Buf,
+    /// Raw KV rows, `cap` slots of `head_dim`.
+    pub raw: ChunkRing,
     /// The main compressor's inputs (compressed layers).
     pub comp: Option<LogComp>,
     /// The indexer compressor's inputs (CSA layers).
@@ -146,19 +152,32 @@ pub struct LogDev {
 }
 
 impl LogDev {
-    fn new(ctx: &WgpuContext, cap: usize, hd: usize, comp: Option<usize>, idx: Option<usize>) -> LogDev {
-        let inputs = |width: usize| LogComp {
-            kv: ctx.storage_zeroed("kv log", cap * width),
-            gate: ctx.storage_zeroed("kv log", cap * width),
-            width,
+    /// An empty log of `cap` slots (no chunk allocated) with compressor inputs of widths `comp` / `idx`.
+    fn new(cap: usize, comp: Option<usize>, idx: Option<usize>) -> LogDev {
+        let inputs = |width: usize| LogComp { kv: ChunkRing::new(cap), gate: ChunkRing::new(cap), width };
+        LogDev { cap, raw: ChunkRing::new(cap), comp: comp.map(inputs), idx: idx.map(inputs), start: 0, end: 0 }
+    }
+
+    /// A log sharing every chunk of this one (a fork: nothing copied). `pools` are the ones the log was made
+    /// for (an input has chunks only where its pool exists).
+    fn share(&self, pools: &mut LogPools) -> LogDev {
+        let inputs = |c: &Option<LogComp>, pool: &mut Option<PagePool>| {
+            let (c, pool) = c.as_ref().zip(pool.as_mut())?;
+            Some(LogComp { kv: c.kv.share(pool), gate: c.gate.share(pool), width: c.width })
         };
-        LogDev {
-            cap,
-            raw: ctx.storage_zeroed("kv log", cap * hd),
-            comp: comp.map(inputs),
-            idx: idx.map(inputs),
-            start: 0,
-            end: 0,
+        let (comp, idx) = (inputs(&self.comp, &mut pools.comp), inputs(&self.idx, &mut pools.idx));
+        let raw = self.raw.share(&mut pools.raw);
+        LogDev { cap: self.cap, raw, comp, idx, start: self.start, end: self.end }
+    }
+
+    /// Returns every chunk to `pools`.
+    fn release(&mut self, pools: &mut LogPools) {
+        self.raw.release(&mut pools.raw);
+        for (c, pool) in [(&mut self.comp, &mut pools.comp), (&mut self.idx, &mut pools.idx)] {
+            if let (Some(c), Some(pool)) = (c, pool) {
+                c.kv.release(pool);
+                c.gate.release(pool);
+            }
         }
     }
 
@@ -169,22 +188,27 @@ impl LogDev {
     }
 
     /// Records the logging of a run — batch rows `first..first + len` at positions `p0..` of the tick's raw KV
-    /// rows and compressor inputs — into `enc`, and advances the held range. A run that does not continue the
-    /// log (after an upload or a gap) restarts it at `p0`.
+    /// rows and compressor inputs — into `enc` (chunks of `pools`), and advances the held range. A run that does
+    /// not continue the log (after an upload or a gap) restarts it at `p0`. Returns the bytes copied on write
+    /// (whole chunks shared with a fork, at most two per input for a run shorter than a chunk).
+    #[allow(clippy::too_many_arguments)]
     pub fn record(
         &mut self,
+        ctx: &WgpuContext,
         enc: &mut wgpu::CommandEncoder,
+        pools: &mut LogPools,
         src: &LogSources<'_>,
         first: usize,
         p0: usize,
         len: usize,
-    ) {
+    ) -> Result<u64> {
         let pairs: Vec<(usize, usize)> = self.slots(first, p0, len).collect();
-        copy_rows(enc, src.raw, &self.raw, &pairs, src.hd);
-        for (dst, from) in [(&self.comp, src.comp), (&self.idx, src.idx)] {
-            if let (Some(d), Some((kv, gate))) = (dst, from) {
-                copy_rows(enc, kv, &d.kv, &pairs, d.width);
-                copy_rows(enc, gate, &d.gate, &pairs, d.width);
+        let mut copied = self.raw.write(ctx, enc, &mut pools.raw, src.raw, &pairs)?;
+        for (dst, from, pool) in [(&mut self.comp, src.comp, &mut pools.comp), (&mut self.idx, src.idx, &mut pools.idx)]
+        {
+            if let (Some(d), Some((kv, gate)), Some(pool)) = (dst, from, pool.as_mut()) {
+                copied += d.kv.write(ctx, enc, pool, kv, &pairs)?;
+                copied += d.gate.write(ctx, enc, pool, gate, &pairs)?;
             }
         }
         if self.end != p0 || self.start == self.end {
@@ -192,6 +216,7 @@ impl LogDev {
         }
         self.end = p0 + len;
         self.start = self.start.max(self.end.saturating_sub(self.cap));
+        Ok(copied)
     }
 
     /// Smallest position this layer can be rolled back to at `pos` (the host rule: `L` needs `L − need..` held),
@@ -208,18 +233,38 @@ impl LogDev {
     }
 }
 
-/// The tick tensors a [`LogDev::record`] copies from: raw KV rows (`hd` wide) and, where the layer has them, the
-/// main and indexer compressors' `(features, gates)`.
+/// The tick tensors a [`LogDev::record`] copies from: raw KV rows and, where the layer has them, the main and
+/// indexer compressors' `(features, gates)`.
 pub struct LogSources<'a> {
     pub raw: &'a Buf,
-    pub hd: usize,
     pub comp: Option<(&'a Buf, &'a Buf)>,
     pub idx: Option<(&'a Buf, &'a Buf)>,
 }
 
-/// The page pools of one layer: compressed rows, indexer rows (where the layer has them).
+/// The page pools of one layer: compressed rows, indexer rows (where the layer has them), and the roll-back
+/// logs' chunks (made at the first upload with a log).
 #[derive(Default)]
 pub struct LayerPools {
+    pub comp: Option<PagePool>,
+    pub idx: Option<PagePool>,
+    pub log: Option<LogPools>,
+}
+
+impl LayerPools {
+    /// Every pool of the layer.
+    fn all(&self) -> impl Iterator<Item = &PagePool> {
+        let log = self.log.as_ref();
+        [self.comp.as_ref(), self.idx.as_ref(), log.map(|l| &l.raw), log.and_then(|l| l.comp.as_ref())]
+            .into_iter()
+            .chain([log.and_then(|l| l.idx.as_ref())])
+            .flatten()
+    }
+}
+
+/// The chunk pools of one layer's roll-back logs ([`LOG_CHUNK_TOKENS`]-row pages): raw KV rows, and per
+/// compressor one pool holding both its feature and its gate chunks (same width).
+pub struct LogPools {
+    pub raw: PagePool,
     pub comp: Option<PagePool>,
     pub idx: Option<PagePool>,
 }
@@ -236,7 +281,7 @@ impl DevKv {
     /// The pools for a model of config `cfg`, made empty on first use.
     pub fn pools(&mut self, ctx: &WgpuContext, cfg: &ModelConfig) -> Result<&mut [LayerPools]> {
         if self.pools.len() != cfg.n_layers {
-            if self.pools.iter().any(|p| live(p.comp.as_ref()) + live(p.idx.as_ref()) > 0) {
+            if self.pools.iter().flat_map(LayerPools::all).any(|p| p.live_pages() > 0) {
                 return Err(backend_err("device KV: the page pools hold another model's rows"));
             }
             let mut pools = Vec::with_capacity(cfg.n_layers);
@@ -246,6 +291,7 @@ impl DevKv {
                 pools.push(LayerPools {
                     comp: (kind != LayerKind::Window).then(|| pool(cfg.head_dim)).transpose()?,
                     idx: (kind == LayerKind::Csa).then(|| pool(cfg.idx_head_dim)).transpose()?,
+                    log: None,
                 });
             }
             self.pools = pools;
@@ -273,15 +319,12 @@ impl DevKv {
         self.pools.clear();
     }
 
-    /// `(live, shared)` pages over every pool (shared: referenced by more than one table).
+    /// `(live, shared)` pages over every pool, row pages and log chunks (shared: referenced by more than one
+    /// table).
     pub fn pages(&self) -> (usize, usize) {
-        let pools = self.pools.iter().flat_map(|p| [p.comp.as_ref(), p.idx.as_ref()]).flatten();
+        let pools = self.pools.iter().flat_map(LayerPools::all);
         pools.fold((0, 0), |(l, s), p| (l + p.live_pages(), s + p.shared_pages()))
     }
-}
-
-fn live(p: Option<&PagePool>) -> usize {
-    p.map_or(0, |p| p.live_pages())
 }
 
 /// One layer of a device mirror.
@@ -361,12 +404,17 @@ impl SlotKv {
             if !fits(&lk.comp, comp_want) || !fits(&lk.idx, idx_want) {
                 return Err(bad("frontiers do not match the layer kind"));
             }
-            let log = (log_tokens > 0).then(|| {
-                let cap = log_tokens + cfg.window.max(2 * ratio);
-                let cw = (kind != LayerKind::Window).then_some(coff * cfg.head_dim);
-                let iw = (kind == LayerKind::Csa).then_some(2 * cfg.idx_head_dim);
-                LogDev::new(ctx, cap, cfg.head_dim, cw, iw)
-            });
+            let cw = (kind != LayerKind::Window).then_some(coff * cfg.head_dim);
+            let iw = (kind == LayerKind::Csa).then_some(2 * cfg.idx_head_dim);
+            if log_tokens > 0 && lp.log.is_none() {
+                let pool = |w: usize| PagePool::new(ctx, w, LOG_CHUNK_TOKENS);
+                lp.log = Some(LogPools {
+                    raw: pool(cfg.head_dim)?,
+                    comp: cw.map(pool).transpose()?,
+                    idx: iw.map(pool).transpose()?,
+                });
+            }
+            let log = (log_tokens > 0).then(|| LogDev::new(log_tokens + cfg.window.max(2 * ratio), cw, iw));
             self.layers.push(LayerDev {
                 ring: ctx.storage_f32("ring", &lk.ring),
                 comp: None,
@@ -390,9 +438,12 @@ impl SlotKv {
         Ok(())
     }
 
-    /// Returns every page of this mirror to `pools` (the mirror is empty afterwards).
+    /// Returns every page and log chunk of this mirror to `pools` (the mirror is empty afterwards).
     pub fn release(&mut self, pools: &mut [LayerPools]) {
         for (ld, lp) in self.layers.iter_mut().zip(pools.iter_mut()) {
+            if let (Some(mut log), Some(lpl)) = (ld.log.take(), lp.log.as_mut()) {
+                log.release(lpl);
+            }
             for (t, pool) in [(&mut ld.comp, &mut lp.comp), (&mut ld.idx, &mut lp.idx)] {
                 if let (Some(mut t), Some(pool)) = (t.take(), pool.as_mut()) {
                     t.release(pool);
@@ -451,32 +502,28 @@ impl SlotKv {
     }
 
     /// A copy of this mirror made on the device (recorded into `enc`; nothing goes through the host), with epoch 0
-    /// (give it one with [`SlotKv::stamp`]), and the bytes copied: the private tail — rings, frontiers, roll-back
-    /// logs; the row tables share every page of `pools` (no row is copied; see [`super::pagedev`] on copy on
-    /// write).
+    /// (give it one with [`SlotKv::stamp`]), and the bytes copied: the private tail — rings, frontiers; the row
+    /// tables share every page of `pools` and the roll-back logs every chunk (nothing of them is copied; see
+    /// [`super::pagedev`] on copy on write).
     pub fn duplicate(
         &self,
         ctx: &WgpuContext,
         enc: &mut wgpu::CommandEncoder,
         pools: &mut [LayerPools],
-    ) -> (SlotKv, u64) {
+    ) -> Result<(SlotKv, u64)> {
+        if self.layers.iter().zip(pools.iter()).any(|(ld, lp)| ld.log.is_some() && lp.log.is_none()) {
+            return Err(backend_err("device KV: a roll-back log without its chunk pools"));
+        }
         let mut c = Copier { ctx, enc, bytes: 0 };
         let mut layers = Vec::with_capacity(self.layers.len());
         for (ld, lp) in self.layers.iter().zip(pools.iter_mut()) {
             let (fcomp, fidx) = (c.front(&ld.fcomp), c.front(&ld.fidx));
-            let log = ld.log.as_ref().map(|g| LogDev {
-                cap: g.cap,
-                raw: c.dup(&g.raw),
-                comp: c.inputs(&g.comp),
-                idx: c.inputs(&g.idx),
-                start: g.start,
-                end: g.end,
-            });
             let ring = c.dup(&ld.ring);
             let (comp, idx) = (c.share(&ld.comp, &mut lp.comp), c.share(&ld.idx, &mut lp.idx));
+            let log = ld.log.as_ref().zip(lp.log.as_mut()).map(|(g, pools)| g.share(pools));
             layers.push(LayerDev { ring, comp, idx, fcomp, fidx, pos: ld.pos, log });
         }
-        (SlotKv { epoch: 0, layers }, c.bytes)
+        Ok((SlotKv { epoch: 0, layers }, c.bytes))
     }
 
     /// Smallest length this mirror (at `pos` tokens) can be rolled back to in place: the largest of its layers'
@@ -516,6 +563,7 @@ impl SlotKv {
         let (hd, window) = (cfg.head_dim, cfg.window);
         for (l, (ld, lp)) in self.layers.iter_mut().zip(pools.iter_mut()).enumerate() {
             let log = ld.log.as_mut().ok_or_else(|| backend_err("device KV: roll back without a log"))?;
+            let lpl = lp.log.as_ref().ok_or_else(|| backend_err("device KV: roll back without log chunk pools"))?;
             let cap = log.cap;
             // Ring slot s: the latest position below `len` in it, if any (else zero).
             let mut pairs = Vec::with_capacity(window);
@@ -525,17 +573,18 @@ impl SlotKv {
                     None => enc.clear_buffer(&ld.ring, (s * hd * 4) as u64, Some((hd * 4) as u64)),
                 }
             }
-            copy_rows(enc, &log.raw, &ld.ring, &pairs, hd);
+            copy_rows(enc, &lpl.raw.buf, &ld.ring, &log.raw.reads(&lpl.raw, &pairs)?, hd);
             let ratio = cfg.compress_ratios[l];
             for (front, rows, pool, inputs, ape) in [
-                (&ld.fcomp, ld.comp.as_mut(), lp.comp.as_mut(), &log.comp, apes[l].0),
-                (&ld.fidx, ld.idx.as_mut(), lp.idx.as_mut(), &log.idx, apes[l].1),
+                (&ld.fcomp, ld.comp.as_mut(), lp.comp.as_mut(), (&log.comp, &lpl.comp), apes[l].0),
+                (&ld.fidx, ld.idx.as_mut(), lp.idx.as_mut(), (&log.idx, &lpl.idx), apes[l].1),
             ] {
-                let (Some(f), Some(rows), Some(pool), Some(inputs), Some(ape)) = (front, rows, pool, inputs, ape)
+                let (Some(f), Some(rows), Some(pool), (Some(inputs), Some(chunks)), Some(ape)) =
+                    (front, rows, pool, inputs, ape)
                 else {
                     continue;
                 };
-                rebuild_front(ctx, enc, f, inputs, ape, cap, len)?;
+                rebuild_front(ctx, enc, f, (inputs, chunks), ape, cap, len)?;
                 rows.truncate(pool, len / ratio);
             }
             log.end = len;
@@ -578,11 +627,6 @@ impl Copier<'_> {
         Some(FrontDev { kv: self.dup(&f.kv), gate: self.dup(&f.gate), ratio: f.ratio, dim: f.dim, coff: f.coff })
     }
 
-    fn inputs(&mut self, c: &Option<LogComp>) -> Option<LogComp> {
-        let c = c.as_ref()?;
-        Some(LogComp { kv: self.dup(&c.kv), gate: self.dup(&c.gate), width: c.width })
-    }
-
     fn share(&mut self, t: &Option<PageTable>, pool: &mut Option<PagePool>) -> Option<PageTable> {
         Some(t.as_ref()?.share(self.ctx, self.enc, pool.as_mut()?))
     }
@@ -611,14 +655,14 @@ fn download_layer(ctx: &WgpuContext, ld: &LayerDev, lp: &LayerPools, lk: &mut La
 }
 
 /// Records the rebuild of frontier `f` as it is after the first `len` tokens from the logged `inputs` (slots of a
-/// `cap`-token log) and the compressor's `ape` (the host `Frontier::rebuild`, on the device): pending slot `j` takes
+/// `cap`-token log, chunks in the given pool) and the compressor's `ape` (the host `Frontier::rebuild`, on the device): pending slot `j` takes
 /// the block of `len` when `j < len % ratio`, else the previous block's row (zero before the first block); CSA's
 /// carried rows take the previous complete block (zero before it). Gates get `ape` added back with the push's add.
 fn rebuild_front(
     ctx: &WgpuContext,
     enc: &mut wgpu::CommandEncoder,
     f: &FrontDev,
-    inputs: &LogComp,
+    (inputs, chunks): (&LogComp, &PagePool),
     ape: &Buf,
     cap: usize,
     len: usize,
@@ -650,8 +694,8 @@ fn rebuild_front(
             }
         }
     }
-    copy_rows(enc, &inputs.kv, &f.kv, &pairs, w);
-    copy_rows(enc, &inputs.gate, &f.gate, &pairs, w);
+    copy_rows(enc, &chunks.buf, &f.kv, &inputs.kv.reads(chunks, &pairs)?, w);
+    copy_rows(enc, &chunks.buf, &f.gate, &inputs.gate.reads(chunks, &pairs)?, w);
     if pending > 0 {
         super::ops::add_ape(ctx, enc, &f.gate, m * w, pending, w, ape, 0, m)?;
     }

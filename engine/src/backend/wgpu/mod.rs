@@ -25,7 +25,7 @@
 //! recipe's `Readback` of `Routes`) to group rows by expert (an indirect, expert-indexed grouped matmul would remove
 //! the last mid-tick readback); a layer's device KV page pool is one binding shared by all sessions (at most the
 //! storage binding limit: ~128 MiB on lavapipe), so very long contexts or many sessions need a pool split across
-//! bindings; a device fork copies the roll-back log whole (the host tier shares log chunks); uniform blocks, bind
+//! bindings (the roll-back log's chunk pools too: one buffer per layer and input); uniform blocks, bind
 //! groups, key and row lists are small fresh objects per dispatch and the RoPE tables one fresh buffer per tick and
 //! flavour (the tensor buffers are reused, grown only when the batch grows); kernels are written for correctness
 //! (one workgroup per output row, scalar decode) and are untuned.
@@ -57,4 +57,5 @@ mod tests;
 pub use backend::WgpuBackend;
 pub use context::{ContextOptions, WgpuContext};
 pub use matmul::{get_rows, matmul, View};
+pub use pagedev::LOG_CHUNK_TOKENS;
 pub use weights::{plan_chunks, GpuWeight};

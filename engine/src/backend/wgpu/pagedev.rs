@@ -16,6 +16,10 @@
 //! - Every table is released into its pool exactly once ([`PageTable::release`]); a pool whose tables are all
 //!   released holds no live page.
 //!
+//! The roll-back logs ([`super::kvdev`]) use the same pools with host-only tables: a [`ChunkRing`] is a ring of
+//! slots in pages ("chunks") of [`LOG_CHUNK_TOKENS`] rows, shared by a fork and copied whole on the first write into
+//! a shared chunk; the kernels never read it (every access is a copy the host records through its ids).
+//!
 //! Ordering: every write (rows, ids, growth) is a copy recorded into the caller's command encoder, after the
 //! commands that may still read the old contents, never a queue write that would land before them.
 
@@ -138,6 +142,21 @@ impl PagePool {
         }
     }
 
+    /// A private copy of the first `rows` rows of page `id` in a fresh page, which replaces this reference to
+    /// `id` (copy on write).
+    fn copy_page(&mut self, ctx: &WgpuContext, enc: &mut Enc, id: u32, rows: usize) -> Result<u32> {
+        let new = self.alloc(ctx, enc)?;
+        // A buffer cannot be copied into itself: through a scratch buffer.
+        let bytes = (rows * self.width * 4) as u64;
+        if bytes > 0 {
+            let hop = ctx.scratch(rows * self.width);
+            enc.copy_buffer_to_buffer(&self.buf, self.at(id, 0), &hop, 0, bytes);
+            enc.copy_buffer_to_buffer(&hop, 0, &self.buf, self.at(new, 0), bytes);
+        }
+        self.release(id);
+        Ok(new)
+    }
+
     /// Byte offset of row `off` of page `id`.
     fn at(&self, id: u32, off: usize) -> u64 {
         (((id as usize) << self.shift | off) * self.width * 4) as u64
@@ -237,15 +256,9 @@ impl PageTable {
                 let id = pool.alloc(ctx, enc)?;
                 self.set_id(ctx, enc, page, id);
             } else if pool.shared(self.ids[page]) {
-                let (old, id) = (self.ids[page], pool.alloc(ctx, enc)?);
-                // A buffer cannot be copied into itself: through a scratch buffer.
-                let bytes = off as u64 * rb;
-                let hop = ctx.scratch(off * self.width);
-                enc.copy_buffer_to_buffer(&pool.buf, pool.at(old, 0), &hop, 0, bytes);
-                enc.copy_buffer_to_buffer(&hop, 0, &pool.buf, pool.at(id, 0), bytes);
-                pool.release(old);
+                let id = pool.copy_page(ctx, enc, self.ids[page], off)?;
                 self.set_id(ctx, enc, page, id);
-                copied += bytes;
+                copied += off as u64 * rb;
             }
             let k = (rpp - off).min(n - done);
             let at = pool.at(self.ids[page], off);
@@ -292,6 +305,93 @@ impl PageTable {
             w += k;
         }
         Ok(out)
+    }
+}
+
+/// Token slots of a roll-back log chunk ([`ChunkRing`]): the page size of a log's pool.
+pub const LOG_CHUNK_TOKENS: usize = 64;
+
+/// An id not allocated yet.
+const NO_CHUNK: u32 = u32::MAX;
+
+/// One session's ring of `slots` rows (a roll-back log input, see [`super::kvdev`]) held as chunks — pages of a
+/// [`PagePool`] of [`LOG_CHUNK_TOKENS`] rows: slot `s` is row `s % LOG_CHUNK_TOKENS` of chunk `s / LOG_CHUNK_TOKENS`.
+/// Host data only (the kernels never read a log; every access is a copy the host records through the ids). A
+/// chunk is allocated at its first write; [`ChunkRing::share`] shares every chunk (a fork, no bytes), and a write
+/// into a shared chunk copies the whole chunk into a fresh one first (copy on write).
+pub struct ChunkRing {
+    ids: Vec<u32>,
+}
+
+impl ChunkRing {
+    /// A ring of `slots` slots, no chunk allocated.
+    pub fn new(slots: usize) -> ChunkRing {
+        ChunkRing { ids: vec![NO_CHUNK; slots.div_ceil(LOG_CHUNK_TOKENS)] }
+    }
+
+    /// A ring sharing every chunk of this one (refcounts + 1, nothing copied).
+    pub fn share(&self, pool: &mut PagePool) -> ChunkRing {
+        for &id in self.ids.iter().filter(|&&id| id != NO_CHUNK) {
+            pool.retain(id);
+        }
+        ChunkRing { ids: self.ids.clone() }
+    }
+
+    /// Records copies of rows `(src_row, slot)` of `src` into their slots, allocating the chunks not yet held and
+    /// copying the shared ones first (whole chunks). Returns the bytes the copies on write copied.
+    pub fn write(
+        &mut self,
+        ctx: &WgpuContext,
+        enc: &mut Enc,
+        pool: &mut PagePool,
+        src: &Buf,
+        pairs: &[(usize, usize)],
+    ) -> Result<u64> {
+        let mut copied = 0;
+        for &(_, slot) in pairs {
+            let c = self.chunk(slot)?;
+            let id = self.ids[c];
+            if id == NO_CHUNK {
+                self.ids[c] = pool.alloc(ctx, enc)?;
+            } else if pool.shared(id) {
+                self.ids[c] = pool.copy_page(ctx, enc, id, pool.rows_per_page())?;
+                copied += pool.page_bytes();
+            }
+        }
+        let rows = pairs.iter().map(|&(r, slot)| Ok((r, self.row(pool, slot)?))).collect::<Result<Vec<_>>>()?;
+        super::kvdev::copy_rows(enc, src, &pool.buf, &rows, pool.width);
+        Ok(copied)
+    }
+
+    /// Pairs `(slot, dst)` as `(pool row, dst)`, for copies out of `pool.buf`; an error for a slot never written.
+    pub fn reads(&self, pool: &PagePool, pairs: &[(usize, usize)]) -> Result<Vec<(usize, usize)>> {
+        pairs.iter().map(|&(slot, d)| Ok((self.row(pool, slot)?, d))).collect()
+    }
+
+    fn chunk(&self, slot: usize) -> Result<usize> {
+        let c = slot / LOG_CHUNK_TOKENS;
+        if c < self.ids.len() {
+            Ok(c)
+        } else {
+            Err(backend_err(format!("device KV log: slot {slot} out of {} chunks", self.ids.len())))
+        }
+    }
+
+    fn row(&self, pool: &PagePool, slot: usize) -> Result<usize> {
+        match self.ids[self.chunk(slot)?] {
+            NO_CHUNK => Err(backend_err(format!("device KV log: slot {slot} was never written"))),
+            id => Ok(((id as usize) << pool.shift) | (slot % LOG_CHUNK_TOKENS)),
+        }
+    }
+
+    /// Releases every chunk into `pool` (the ring is empty afterwards).
+    pub fn release(&mut self, pool: &mut PagePool) {
+        for id in self.ids.iter_mut() {
+            if *id != NO_CHUNK {
+                pool.release(*id);
+                *id = NO_CHUNK;
+            }
+        }
     }
 }
 
@@ -357,6 +457,67 @@ mod tests {
         let mut want_b = first[..11 * w].to_vec();
         want_b.extend(rows(300.0, 9, w));
         assert_eq!(read(&ctx, &b, &pool), want_b);
+        a.release(&mut pool);
+        b.release(&mut pool);
+        assert_eq!((pool.live_pages(), pool.shared_pages()), (0, 0));
+    }
+
+    /// Reads slots `slots` of `ring` (through its chunk ids) into host rows.
+    fn read_slots(ctx: &WgpuContext, ring: &ChunkRing, pool: &PagePool, slots: &[usize]) -> Vec<f32> {
+        let pairs: Vec<(usize, usize)> = slots.iter().enumerate().map(|(d, &s)| (s, d)).collect();
+        let rows = ring.reads(pool, &pairs).unwrap();
+        let mut enc = ctx.encoder();
+        let out = ctx.scratch(slots.len() * pool.width);
+        crate::backend::wgpu::kvdev::copy_rows(&mut enc, &pool.buf, &out, &rows, pool.width);
+        ctx.submit_read_f32(enc, &out, 0, slots.len() * pool.width).unwrap()
+    }
+
+    fn write(ctx: &WgpuContext, ring: &mut ChunkRing, pool: &mut PagePool, base: f32, slots: &[usize]) -> u64 {
+        let mut enc = ctx.encoder();
+        let src = ctx.storage_f32("src", &rows(base, slots.len(), pool.width));
+        let pairs: Vec<(usize, usize)> = slots.iter().enumerate().map(|(r, &s)| (r, s)).collect();
+        let copied = ring.write(ctx, &mut enc, pool, &src, &pairs).unwrap();
+        ctx.submit(enc).unwrap();
+        copied
+    }
+
+    /// A log ring allocates chunks at their first write, a shared ring copies a whole chunk on its first write into
+    /// it (and only that one), the other ring still reads its own rows, a slot never written is an error, and
+    /// releasing both returns every chunk.
+    #[test]
+    fn log_chunks_are_shared_and_copied_on_write() {
+        let Some(ctx) = ctx_with(None) else { return };
+        let w = 2;
+        let mut pool = PagePool::new(&ctx, w, LOG_CHUNK_TOKENS).unwrap();
+        let cap = 2 * LOG_CHUNK_TOKENS + 10;
+        let mut a = ChunkRing::new(cap);
+        let all: Vec<usize> = (0..cap).collect();
+        assert_eq!(write(&ctx, &mut a, &mut pool, 0.0, &all), 0);
+        assert_eq!(pool.live_pages(), 3);
+        let mut b = a.share(&mut pool);
+        assert_eq!((pool.live_pages(), pool.shared_pages()), (3, 3), "sharing allocates nothing");
+        // b overwrites slots 70 and 71 (chunk 1): that chunk is copied whole first, once.
+        let chunk = (LOG_CHUNK_TOKENS * w * 4) as u64;
+        assert_eq!(write(&ctx, &mut b, &mut pool, 500.0, &[70, 71]), chunk);
+        assert_eq!(write(&ctx, &mut b, &mut pool, 600.0, &[72]), 0, "the copy is private");
+        assert_eq!((pool.live_pages(), pool.shared_pages()), (4, 2));
+        let probe = [0, 69, 70, 71, 72, 73, cap - 1];
+        let mut want_a = Vec::new();
+        let mut want_b = Vec::new();
+        for &s in &probe {
+            want_a.extend(rows(s as f32, 1, w));
+            let v = match s {
+                70 | 71 => 500.0 + (s - 70) as f32,
+                72 => 600.0,
+                _ => s as f32,
+            };
+            want_b.extend(rows(v, 1, w));
+        }
+        assert_eq!(read_slots(&ctx, &a, &pool, &probe), want_a, "b wrote into a chunk a reads");
+        assert_eq!(read_slots(&ctx, &b, &pool, &probe), want_b);
+        let fresh = ChunkRing::new(cap);
+        assert!(fresh.reads(&pool, &[(5, 0)]).is_err(), "a slot never written");
+        assert!(a.reads(&pool, &[(3 * LOG_CHUNK_TOKENS, 0)]).is_err(), "a slot past the ring");
         a.release(&mut pool);
         b.release(&mut pool);
         assert_eq!((pool.live_pages(), pool.shared_pages()), (0, 0));
