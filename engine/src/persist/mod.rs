@@ -97,7 +97,7 @@ pub fn save_marked(
     marks: &[usize],
 ) -> Result<SavedInfo> {
     let span = check_span(engine, store)?;
-    let snap = engine.snapshot(id)?;
+    let mut snap = engine.snapshot(id)?;
     if snap.pos == 0 {
         return Err(Error::Session("nothing to save: the session has processed no tokens".into()));
     }
@@ -111,7 +111,6 @@ pub fn save_marked(
         .collect();
     points.sort_unstable_by(|a, b| b.cmp(a));
     points.dedup();
-    let mut snap = snap;
     for at in points {
         if engine.rollback_snapshot(&mut snap, at).is_err() {
             break;
