@@ -11,6 +11,11 @@
 //! Prefill and decode ticks run with the engine's op timing on ([`Engine::time_ops`]), so each row also says
 //! where a tick's time went ([`Row::prefill_ops_line`], [`Row::decode_ops_line`]). Rows are flushed as they are
 //! produced, so an interrupted sweep keeps its rows.
+//!
+//! Warm-up, as `llama-bench` does (and the peer script's llama.cpp side, `benches/peer/llama-timing.c`): before
+//! the first frontier a throwaway session prefills the prompt's first [`WARMUP_TOKENS`] tokens and decodes one
+//! token, then is freed, so the timed runs do not pay the first touch of the weights' pages (memory-mapped) and
+//! of the engine's scratch buffers. Nothing of it stays in the engine (no KV, no cached prefix).
 
 use std::io::Write;
 use std::time::Instant;
@@ -109,6 +114,24 @@ fn ops_line(t: Option<&ds4_engine::exec::OpTimes>) -> String {
         .join(", ")
 }
 
+/// Prompt tokens of the untimed warm-up (see the module docs).
+pub const WARMUP_TOKENS: usize = 16;
+
+/// The untimed warm-up: a throwaway session prefills `tokens`, decodes one token and is freed.
+fn warm_up(engine: &mut Engine, tokens: &[u32]) -> Result<()> {
+    if tokens.is_empty() {
+        return Ok(());
+    }
+    let s = engine.create_session();
+    engine.feed(s, tokens)?;
+    engine.run_until_idle()?;
+    let next = argmax(engine.logits(s)?);
+    engine.feed(s, &[next])?;
+    engine.run_until_idle()?;
+    engine.free_session(s)?;
+    Ok(())
+}
+
 /// Deterministic pseudo-random prompt of `n` token ids below `vocab`.
 pub fn prompt(n: usize, vocab: usize) -> Vec<u32> {
     let mut rng = Rng::new(0x70_6b);
@@ -131,6 +154,7 @@ pub fn run(engine: &mut Engine, opts: &Options, out: &mut dyn Write, pb: &Progre
     pb.set_length((last + frontiers.len() * opts.gen_tokens * opts.sessions) as u64);
     writeln!(out, "{CSV_HEADER}")?;
     out.flush()?;
+    warm_up(engine, &tokens[..tokens.len().min(WARMUP_TOKENS)])?;
     let main = engine.create_session();
     let mut rows = Vec::with_capacity(frontiers.len());
     let mut prev = 0usize;
@@ -268,6 +292,30 @@ mod tests {
         // Context overflow is refused up front.
         let big = Options { ctx_max: 10_000, ..o };
         assert!(run(&mut engine, &big, &mut Vec::new(), &ProgressBar::hidden()).is_err());
+    }
+
+    #[test]
+    fn warm_up_leaves_nothing_behind() {
+        let spec = crate::synth::Spec::parse("tiny:layers=2:recipe=f16").unwrap();
+        let cfg = crate::engine_api::EngineConfig {
+            threads: 1,
+            ctx: 64,
+            batch_tokens: 16,
+            backend: "cpu".into(),
+            exact: false,
+        };
+        let file = crate::synth::build(&spec, 1, &ProgressBar::hidden()).unwrap().file;
+        let mut engine = crate::engine_api::engine_for(file, &cfg).unwrap();
+        let tokens = prompt(WARMUP_TOKENS, engine.config().vocab);
+        let fresh = engine.create_session();
+        engine.free_session(fresh).unwrap();
+        warm_up(&mut engine, &tokens).unwrap();
+        assert_eq!(engine.page_pool().live_pages(), 0, "the warm-up's KV pages are released");
+        assert!(!engine.has_pending());
+        // Its session slot is free again: the next session reuses it, at position 0.
+        let next = engine.create_session();
+        assert_eq!(next.slot, fresh.slot);
+        assert_eq!(engine.position(next).unwrap(), 0);
     }
 
     #[test]
