@@ -139,6 +139,20 @@ pub fn dot_q4(ty: GgmlType) -> Option<super::api::DotQ4> {
     None
 }
 
+/// The any-row-count kernel for `ty` (see [`crate::quant::DotQRows`]) where this CPU has one, always the batched
+/// form of the kernel [`dot_q`] picks: the IQ2_XXS pair kernel's (exactly where [`dot_q`] picks it) and the
+/// AVX-512 Q2_K kernel's (`avx512_q2k`), one weight decode for up to [`crate::quant::MAX_ROWS`] rows.
+pub fn dot_q_rows(ty: GgmlType) -> Option<super::api::DotQRows> {
+    #[cfg(target_arch = "x86_64")]
+    match ty {
+        GgmlType::Iq2Xxs if iq2_pairs() => return avx512_iq2::dot_q_rows(),
+        GgmlType::Q2K => return avx512_q2k::dot_q_rows(),
+        _ => {}
+    }
+    let _ = ty;
+    None
+}
+
 /// The eight-activation-row kernel for `ty` (see [`crate::quant::DotQ8`]) where this CPU has one: `avx2_x4`'s
 /// Q2_K / Q4_K / IQ2_XXS eight-row forms where the single kernel is AVX2's, and its Q8_0 one where AVX-512 VNNI is
 /// present (on 512-bit vectors where AVX-512 BW is present too; bit-identical to the single kernel).
