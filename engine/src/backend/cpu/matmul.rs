@@ -457,7 +457,7 @@ impl Product<'_> {
                             .map(|k| move |wr: &[u8], a: [(&[u8], &[f32]); 4]| k(wr, a.map(|r| r.0), a.map(|r| r.1)));
                         let eight = dot8
                             .map(|k| move |wr: &[u8], a: [(&[u8], &[f32]); 8]| k(wr, a.map(|r| r.0), a.map(|r| r.1)));
-                        if let Some(k) = dotn {
+                        if let Some(k) = dotn.filter(|_| b1 - b0 > 1) {
                             // One call per weight row for the whole batch block (`BATCH_BLOCK` ≤ `MAX_ROWS` rows).
                             let rs: [(&[u8], &[f32]); MAX_ROWS] = std::array::from_fn(|i| act((b0 + i).min(b1 - 1)));
                             let (a, d) = (rs.map(|r| r.0), rs.map(|r| r.1));

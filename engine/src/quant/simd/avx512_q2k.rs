@@ -90,8 +90,8 @@ fn imp<const N: usize>(w: &[u8], a: [&[u8]; N]) -> [f32; N] {
     for (bi, b) in w.chunks_exact(q2_k::BLOCK_BYTES).take(blocks).enumerate() {
         let bp = b.as_ptr();
         prefetch_ahead::<2>(bp);
-        // The rows' blocks `bi` (every row holds them: `bi < blocks` and the rows are as long as `a[0]`).
-        let qas = a.map(|x| &x[bi * q8_k::BLOCK_BYTES..(bi + 1) * q8_k::BLOCK_BYTES]);
+        // SAFETY: every row holds block `bi` (`bi < blocks` and the rows are as long as `a[0]`).
+        let aps = a.map(|x| unsafe { x.as_ptr().add(bi * q8_k::BLOCK_BYTES) });
         let (d, dmin) = (f16_at(b, 80), f16_at(b, 82));
         // SAFETY: scales are bytes 0..16 and quants bytes 16..80 of the 84-byte block.
         let (sc, qs) = unsafe { (_mm_loadu_si128(bp as *const __m128i), ld(bp.add(16))) };
@@ -109,11 +109,15 @@ fn imp<const N: usize>(w: &[u8], a: [&[u8]; N]) -> [f32; N] {
             // (q & 3) | offset, the table index of each quant.
             _mm512_permutexvar_epi8(_mm512_ternarylogic_epi64::<0xea>(q, three, offsets[j]), table)
         });
-        for ((acc, acc_min), qa) in acc.iter_mut().zip(&mut acc_min).zip(qas) {
-            let (ap, da) = (qa.as_ptr(), q8_k::d(qa));
+        for ((acc, acc_min), ap) in acc.iter_mut().zip(&mut acc_min).zip(aps) {
+            // SAFETY: the f32 scale is bytes 0..4, the block sums bytes 260..292 of the 292-byte Q8_K block.
+            let (da, bsums) = unsafe {
+                (
+                    f32::from_bits(std::ptr::read_unaligned(ap as *const u32).to_le()),
+                    _mm256_loadu_si256(ap.add(q8_k::BSUMS) as *const __m256i),
+                )
+            };
             // Minimums: Σ_s min_s · bsum_s.
-            // SAFETY: the block sums are bytes 260..292 of the 292-byte Q8_K block.
-            let bsums = unsafe { _mm256_loadu_si256(ap.add(q8_k::BSUMS) as *const __m256i) };
             let pm = _mm256_cvtepi32_ps(_mm256_madd_epi16(mins, bsums));
             *acc_min = _mm256_fmadd_ps(_mm256_set1_ps(da * dmin), pm, *acc_min);
             let mut sumi = _mm512_setzero_si512();

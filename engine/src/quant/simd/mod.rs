@@ -341,6 +341,50 @@ mod bench {
                     wps(hot)
                 );
             }
+            // `n` activation rows per weight row: the engine's kernel `n` times vs its any-row-count form, in cache,
+            // as multiply-adds per second (weights × rows).
+            if let (Some(kn), Ok(k)) = (dot_q_rows(ty), crate::quant::dot_q_kernel(ty)) {
+                let mut a = Vec::new();
+                quantize_acts(crate::quant::act_type(ty), &x, &mut a).unwrap();
+                let hot = &w[..hot_rows * rb];
+                let passes = 8 * mib.max(1) / 16;
+                for n in [1usize, 2, 4, 6, 8, 12, 16] {
+                    let (mut one, mut many) = (0f64, 0f64);
+                    let (rows, das) = (vec![&a[..]; n], vec![&[][..]; n]);
+                    let mut out = vec![0f32; n];
+                    for _ in 0..3 {
+                        let (t, c0) = (Instant::now(), cpu_ns());
+                        let mut sink = 0f32;
+                        for _ in 0..passes {
+                            for row in hot.chunks_exact(rb) {
+                                for _ in 0..n {
+                                    sink += k(row, &a);
+                                }
+                            }
+                        }
+                        let s1 = match (c0, cpu_ns()) {
+                            (Some(p), Some(q)) => (q - p) as f64 / 1e9,
+                            _ => t.elapsed().as_secs_f64(),
+                        };
+                        let (t, c0) = (Instant::now(), cpu_ns());
+                        for _ in 0..passes {
+                            for row in hot.chunks_exact(rb) {
+                                kn(row, &rows, &das, &mut out);
+                                sink += out[n - 1];
+                            }
+                        }
+                        let sn = match (c0, cpu_ns()) {
+                            (Some(p), Some(q)) => (q - p) as f64 / 1e9,
+                            _ => t.elapsed().as_secs_f64(),
+                        };
+                        assert!(sink.is_finite());
+                        let macs = (hot_rows * cols * n * passes) as f64 / 1e9;
+                        one = one.max(macs / s1);
+                        many = many.max(macs / sn);
+                    }
+                    println!("{ty:>8} {n:2} rows: single x{n} {one:6.2} G MAC/s, any-row kernel {many:6.2} G MAC/s");
+                }
+            }
             // Four activation rows per weight row: the engine's kernel four times vs its four-row form, in cache,
             // as multiply-adds per second (weights × rows).
             if let (Some(k4), Ok(k)) = (dot_q4(ty), crate::quant::dot_q_kernel(ty)) {
