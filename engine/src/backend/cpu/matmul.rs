@@ -9,12 +9,14 @@
 //! Kernels: F32 weights use [`dot_f32`] here (the golden-checked path); F16/BF16 use `quant::dot_f32_kernel`;
 //! quantized weights (Q8_0, Q2_K, Q4_K, IQ2_XXS) quantize each activation row into `quant::act_type` (Q8_0 /
 //! Q8_K, as ggml does; for IQ2_XXS on AVX-512 + GFNI, Q8_K in the pair layout its kernel reads) and use
-//! `quant::dot_q_kernel`. Types without a kernel are rejected at load by [`supports`]. Batch rows go eight at a
-//! time through the kernel's eight-row form, then four at a time through its four-row form, where the CPU has
-//! them (`quant::dot_q8_kernel`, `quant::dot_q4_kernel`, `quant::dot_f4_kernel`: one weight row decoded
-//! once for the rows, bit-identical to the single-row kernel), the rest one by one. Quantized activations carry
-//! their blocks' scales as f32 where the format stores f16 ones (Q8_0, [`Acts`]), converted once per product for
-//! the multi-row kernels. Batches of more than `GEMM_MIN_ROWS` rows go through the type's long-chunk kernel
+//! `quant::dot_q_kernel`. Types without a kernel are rejected at load by [`supports`]. Batch rows go, per batch block
+//! of up to eight, through the kernel's any-row-count form where the CPU has one (`quant::dot_q_rows_kernel`:
+//! AVX-512 IQ2_XXS and Q2_K, the routed experts' types — an expert gets ~6 rows of a 256-token chunk), else eight
+//! at a time through its eight-row form, then four at a time through its four-row form, where the CPU has them
+//! (`quant::dot_q8_kernel`, `quant::dot_q4_kernel`, `quant::dot_f4_kernel`), the rest one by one; each multi-row
+//! form decodes a weight row once for its rows and is bit-identical to the single-row kernel. Quantized
+//! activations carry their blocks' scales as f32 where the format stores f16 ones (Q8_0, [`Acts`]), converted once
+//! per product for the multi-row kernels. Batches of more than `GEMM_MIN_ROWS` rows go through the type's long-chunk kernel
 //! (`quant::gemm_q_kernel`: Q8_0 with AVX-512 VNNI, tiles of weight rows × activation rows, bit-identical to the
 //! single-row kernel too), whose activation format [`Acts`] also prepares once per product (`quant::gemm_acts`).
 //!
@@ -445,7 +447,10 @@ impl Product<'_> {
             for b0 in (0..n).step_by(BATCH_BLOCK) {
                 let b1 = (b0 + BATCH_BLOCK).min(n);
                 match (self.k, self.input) {
-                    (Kernel::Q { act, dot, rows: dotn, dot4, dot8, act_bytes, .. }, Input::Q { acts, scales, rows, .. }) => {
+                    (
+                        Kernel::Q { act, dot, rows: dotn, dot4, dot8, act_bytes, .. },
+                        Input::Q { acts, scales, rows, .. },
+                    ) => {
                         // Row `b`'s bytes and the f32 scales of its blocks (empty where the format has none).
                         let bb = act.block_bytes().max(1);
                         let act = |b: usize| {
@@ -460,26 +465,26 @@ impl Product<'_> {
                         if let Some(k) = dotn.filter(|_| b1 - b0 > 1) {
                             // One call per weight row for the whole batch block (`BATCH_BLOCK` ≤ `MAX_ROWS` rows).
                             let rs: [(&[u8], &[f32]); MAX_ROWS] = std::array::from_fn(|i| act((b0 + i).min(b1 - 1)));
-                            let (a, d) = (rs.map(|r| r.0), rs.map(|r| r.1));
+                            let (a, d, m) = (rs.map(|r| r.0), rs.map(|r| r.1), b1 - b0);
                             let mut v = [0f32; MAX_ROWS];
                             for r in s0..s1 {
-                                k(w.row(r), &a[..b1 - b0], &d[..b1 - b0], &mut v[..b1 - b0]);
-                                for (i, v) in v[..b1 - b0].iter().enumerate() {
+                                k(w.row(r), &a[..m], &d[..m], &mut v[..m]);
+                                for (i, v) in v[..m].iter().enumerate() {
                                     put(b0 + i, r, *v);
                                 }
                             }
-                            continue;
-                        }
-                        for r in s0..s1 {
-                            row_times_batch(
-                                w.row(r),
-                                b0..b1,
-                                &act,
-                                &one,
-                                four.as_ref().map(|f| f as _),
-                                eight.as_ref().map(|f| f as _),
-                                &|b, v| put(b, r, v),
-                            );
+                        } else {
+                            for r in s0..s1 {
+                                row_times_batch(
+                                    w.row(r),
+                                    b0..b1,
+                                    &act,
+                                    &one,
+                                    four.as_ref().map(|f| f as _),
+                                    eight.as_ref().map(|f| f as _),
+                                    &|b, v| put(b, r, v),
+                                );
+                            }
                         }
                     }
                     (Kernel::F { dot, dot4 }, Input::F32 { x, rows }) => {

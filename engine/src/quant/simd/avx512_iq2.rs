@@ -33,10 +33,13 @@
 //!
 //! Measured (one core of this project's Sapphire-Rapids-class VM, ~3.8 GHz under AVX-512 load): 57.4 G weights/s
 //! with cache-resident weights (~34 cycles per pair) vs 29.2 G/s for the gather kernel (`quant::simd::bench`;
-//! `benches/README.md` has the history). The one-row and four-row kernels share one `N`-generic body; as such the
-//! one-row case measured 2–4 % slower in cache than a separate body, equal streamed and in `ds4-bench kernels`. What bounds it: ports 0 and 5 (every 512-bit op issues there; `vpermt2b`
-//! takes port 5 for two cycles; `vpermb`, `vpmultishiftqb`, `vshufps`, `vpermd` only port 5; `gf2p8affineqb`,
-//! `vpdpbusd`, `vpmovb2m`, shifts and f32 math only port 0): ~52 such uops per pair, and the `vpdpbusd` chains
+//! `benches/README.md` has the history). The one-row, four-row and any-row-count ([`dot_q_rows`], 1..=8 rows per
+//! decode) kernels share one `N`-generic body; as such the one-row case measured 2–4 % slower in cache than a
+//! separate body, equal streamed and in `ds4-bench kernels`. Rows at once on a Zen 4 EPYC (cache-resident,
+//! multiply-adds per second, 2026-12-03): single ×N 52 G/s; any-row kernel 71 (2 rows), 88 (4), 94 (6), 98 (8).
+//! What bounds it (Sapphire Rapids): ports 0 and 5 (every 512-bit op issues there; `vpermt2b` takes port 5 for
+//! two cycles; `vpermb`, `vpmultishiftqb`, `vshufps`, `vpermd` only port 5; `gf2p8affineqb`, `vpdpbusd`,
+//! `vpmovb2m`, shifts and f32 math only port 0): ~52 such uops per pair, and the `vpdpbusd` chains
 //! (two accumulators: one chain of eight was 4 % slower, four 5 %). Tried and slower here: the previous kernels —
 //! one `vpermb` + `vpmultishiftqb` + `gf2p8affineqb` per value with signs by `vptestmb` + masked `vpsubb` (46.6
 //! G/s), the 128-entry lookups with `gf2p8affineqb` magnitudes and the same sign path (51.9); octet-major layouts
@@ -276,7 +279,8 @@ pub(super) fn dot_q_rows() -> Option<super::super::api::DotQRows> {
 #[cfg(test)]
 mod tests {
     use super::super::test_blocks::{
-        assert_rows_match_single, iq2_biggest_point, iq2_every_point_blocks, iq2_uniform_blocks, mass, q8k_blocks};
+        assert_rows_match_single, iq2_biggest_point, iq2_every_point_blocks, iq2_uniform_blocks, mass, q8k_blocks,
+    };
     use super::*;
     use crate::quant::iq2_tables::KSIGNS_IQ2XS;
     use rand::{rngs::StdRng, Rng, SeedableRng};

@@ -1,8 +1,9 @@
 //! AVX-512 (BW/VBMI/VNNI) Q2_K · Q8_K kernel, resolved at runtime through [`dot_q`] (which `simd` asks).
 //!
-//! Soundness: the `#[target_feature]` function is only reachable through the plain `fn` wrapper that
-//! [`dot_q`] hands out after `avx512::available()` confirmed its features; every load reads inside a block
-//! slice produced by `chunks_exact`.
+//! Soundness: the `#[target_feature]` function is only reachable through the plain `fn` wrappers that [`dot_q`]
+//! and [`dot_q_rows`] hand out after `avx512::available()` confirmed its features; every weight load reads inside
+//! a block slice produced by `chunks_exact`, every activation load inside block `bi < blocks` of a row at least as
+//! long as the first.
 //!
 //! Per 256-value block, the 64 bytes of 2-bit quants are one register; shift `j` (0..4) of it holds values
 //! `32j..32j+32` (bytes 0..32) and `128+32j..` (bytes 32..64), so their activations are two 32-byte loads. The
@@ -13,8 +14,16 @@
 //! the per-block conversion to f32 is exact). The minimums use the Q8_K block sums, as in `avx2`. Only the f32
 //! accumulation order differs from the scalar reference.
 //!
-//! Measured against `avx2` on one core, cache-resident weights: 39-42 vs 35-38 G weights/s (~8%); streamed from
-//! memory the two are within noise of each other (Q2_K is already near the bandwidth there).
+//! Several activation rows (prefill: the routed experts' `w2`, ~6 rows each in a 256-token chunk): one `N`-generic
+//! body, as in `avx512_iq2`, builds each block's table and the four `vpermb`-scaled quant vectors once and runs
+//! every row's `vpdpbusd`s and minimums against them ([`dot_q_rows`], up to 8 rows per decode); each row's f32
+//! operations are those of the single dot, in the same order, so it is bit-identical to it.
+//!
+//! Measured against `avx2` on one core, cache-resident weights: 39-42 vs 35-38 G weights/s (~8%) on the
+//! Sapphire-Rapids-class VM, equal (44-45) on a Zen 4 EPYC; streamed from memory the two are within noise of each
+//! other (Q2_K is already near the bandwidth there). Rows at once on the Zen 4 (`quant::simd::bench`, cache-resident,
+//! multiply-adds per second, 2026-12-03): single ×N 44-45 G/s; any-row kernel 59 (2 rows), 74 (4), 79 (6), 73 (8:
+//! some spilling). Reading the rows through bounds-checked slices instead of raw pointers cost ~45 %.
 
 use std::arch::x86_64::*;
 

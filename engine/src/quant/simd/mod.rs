@@ -6,6 +6,8 @@
 //!   kernels for the formats that have one (IQ2_XXS, Q2_K) and falls back to AVX2 for the rest; [`level`] then reports
 //!   `"avx512-vbmi"`. With GFNI too ([`level`]: `"avx512-gfni"`), IQ2_XXS uses the pair kernel (`avx512_iq2`), whose
 //!   activations come in the pair layout ([`crate::quant::ActType::Q8KPairs`]; [`iq2_pairs`] says whether it is in use).
+//!   Both AVX-512 kernels also come in an any-row-count form ([`dot_q_rows`]: one weight decode for up to 8
+//!   activation rows, through `x86::dot_rows` over their `N`-generic bodies).
 //!   [`dot_q_variants`] lists every kernel this CPU can run, with the activation format each one reads, for
 //!   side-by-side benchmarks.
 //!   Module graph (x86-64): `x86` is a leaf of shared helpers (f16 conversion, prefetch, loads, 64-byte

@@ -1,5 +1,6 @@
 //! Helpers shared by the x86-64 kernel modules (`avx2`, `avx2_x4`, `avx512`, `avx512_iq2`, `avx512_q2k`): the exact
-//! scalar f16 conversion, the weight-row prefetch, small load/sum wrappers and 64-byte vector constants. A leaf:
+//! scalar f16 conversion, the weight-row prefetch, small load/sum wrappers, 64-byte vector constants and the
+//! row-count dispatch of the `N`-generic multi-row kernels ([`dot_rows`]). A leaf:
 //! it imports no other kernel module, so the kernel modules depend on it and on each other in one direction only
 //! (`avx2` ← `avx2_x4`; `avx2` ← `avx512` ← `avx512_iq2`; `avx512_q2k`), and the choice between them lives in
 //! `simd` itself.
