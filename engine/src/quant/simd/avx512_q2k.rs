@@ -165,6 +165,19 @@ mod tests {
         k
     }
 
+    /// `n` random Q2_K blocks with finite f16 scales `d`, `dmin` of either sign.
+    fn weights(rng: &mut StdRng, n: usize) -> Vec<u8> {
+        let mut w = vec![0u8; n * q2_k::BLOCK_BYTES];
+        rng.fill(&mut w[..]);
+        for b in w.chunks_exact_mut(q2_k::BLOCK_BYTES) {
+            for o in [80, 82] {
+                let v = half::f16::from_f32(rng.gen_range(-2.0f32..2.0));
+                b[o..o + 2].copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        w
+    }
+
     /// Integer sums are exact in both kernels; the f32 accumulation differs in order (scalar: one `d·sumi −
     /// dmin·summ` per block; here 16 + 8 lanes per block, two trees, one subtraction), so the results agree to a
     /// few ulps of the summed magnitudes (1e-6 relative ≈ 8 ulps).
@@ -174,14 +187,7 @@ mod tests {
         let mut rng = StdRng::seed_from_u64(5);
         for n in [1usize, 2, 3, 7, 8, 16, 17] {
             for _ in 0..8 {
-                let mut w = vec![0u8; n * q2_k::BLOCK_BYTES];
-                rng.fill(&mut w[..]);
-                for b in w.chunks_exact_mut(q2_k::BLOCK_BYTES) {
-                    for o in [80, 82] {
-                        let v = half::f16::from_f32(rng.gen_range(-2.0f32..2.0));
-                        b[o..o + 2].copy_from_slice(&v.to_le_bytes());
-                    }
-                }
+                let w = weights(&mut rng, n);
                 let a = q8k_blocks(n, rng.gen_range(1e-3f32..1.0), |_| rng.gen_range(-127i8..=127));
                 let (got, want) = (k(&w, &a), q2_k::dot_q8k(&w, &a));
                 let tol = 1e-6 * mass(&w, &a, q2_k::BLOCK_BYTES, q2_k::dequantize_block);
@@ -232,14 +238,7 @@ mod tests {
         let (Some(k), Some(kn)) = (kernel(), super::dot_q_rows()) else { return };
         let mut rng = StdRng::seed_from_u64(23);
         for n in [1usize, 2, 3, 7, 16] {
-            let mut w = vec![0u8; n * q2_k::BLOCK_BYTES];
-            rng.fill(&mut w[..]);
-            for b in w.chunks_exact_mut(q2_k::BLOCK_BYTES) {
-                for o in [80, 82] {
-                    let v = half::f16::from_f32(rng.gen_range(-2.0f32..2.0));
-                    b[o..o + 2].copy_from_slice(&v.to_le_bytes());
-                }
-            }
+            let w = weights(&mut rng, n);
             let rows: Vec<Vec<u8>> = (0..19)
                 .map(|r| match r {
                     0 => q8k_blocks(n, 1.0, |_| 127),

@@ -280,19 +280,26 @@ mod bench {
         None
     }
 
+    /// Seconds `f` takes, on-CPU time where available.
+    fn seconds(f: impl FnOnce()) -> f64 {
+        let (t, c0) = (Instant::now(), cpu_ns());
+        f();
+        match (c0, cpu_ns()) {
+            (Some(a), Some(b)) => (b - a) as f64 / 1e9,
+            _ => t.elapsed().as_secs_f64(),
+        }
+    }
+
     /// GB/s of weights over `passes` passes, by on-CPU time where available.
     fn run(k: DotQ, w: &[u8], acts: &[u8], rb: usize, passes: usize) -> f64 {
         let mut sink = 0f32;
-        let (t, c0) = (Instant::now(), cpu_ns());
-        for _ in 0..passes {
-            for row in w.chunks_exact(rb) {
-                sink += k(row, acts);
+        let s = seconds(|| {
+            for _ in 0..passes {
+                for row in w.chunks_exact(rb) {
+                    sink += k(row, acts);
+                }
             }
-        }
-        let s = match (c0, cpu_ns()) {
-            (Some(a), Some(b)) => (b - a) as f64 / 1e9,
-            _ => t.elapsed().as_secs_f64(),
-        };
+        });
         assert!(sink.is_finite());
         (w.len() * passes) as f64 / s / 1e9
     }
@@ -355,30 +362,24 @@ mod bench {
                     let (rows, das) = (vec![&a[..]; n], vec![&[][..]; n]);
                     let mut out = vec![0f32; n];
                     for _ in 0..3 {
-                        let (t, c0) = (Instant::now(), cpu_ns());
                         let mut sink = 0f32;
-                        for _ in 0..passes {
-                            for row in hot.chunks_exact(rb) {
-                                for _ in 0..n {
-                                    sink += k(row, &a);
+                        let s1 = seconds(|| {
+                            for _ in 0..passes {
+                                for row in hot.chunks_exact(rb) {
+                                    for _ in 0..n {
+                                        sink += k(row, &a);
+                                    }
                                 }
                             }
-                        }
-                        let s1 = match (c0, cpu_ns()) {
-                            (Some(p), Some(q)) => (q - p) as f64 / 1e9,
-                            _ => t.elapsed().as_secs_f64(),
-                        };
-                        let (t, c0) = (Instant::now(), cpu_ns());
-                        for _ in 0..passes {
-                            for row in hot.chunks_exact(rb) {
-                                kn(row, &rows, &das, &mut out);
-                                sink += out[n - 1];
+                        });
+                        let sn = seconds(|| {
+                            for _ in 0..passes {
+                                for row in hot.chunks_exact(rb) {
+                                    kn(row, &rows, &das, &mut out);
+                                    sink += out[n - 1];
+                                }
                             }
-                        }
-                        let sn = match (c0, cpu_ns()) {
-                            (Some(p), Some(q)) => (q - p) as f64 / 1e9,
-                            _ => t.elapsed().as_secs_f64(),
-                        };
+                        });
                         assert!(sink.is_finite());
                         let macs = (hot_rows * cols * n * passes) as f64 / 1e9;
                         one = one.max(macs / s1);
@@ -398,41 +399,32 @@ mod bench {
                 let passes = 16 * mib.max(1) / 16;
                 let (mut one, mut four, mut eight) = (0f64, 0f64, 0f64);
                 for _ in 0..3 {
-                    let (t, c0) = (Instant::now(), cpu_ns());
                     let mut sink = 0f32;
-                    for _ in 0..passes {
-                        for row in hot.chunks_exact(rb) {
-                            for _ in 0..4 {
-                                sink += k(row, &a);
-                            }
-                        }
-                    }
-                    let s1 = match (c0, cpu_ns()) {
-                        (Some(p), Some(q)) => (q - p) as f64 / 1e9,
-                        _ => t.elapsed().as_secs_f64(),
-                    };
-                    let (t, c0) = (Instant::now(), cpu_ns());
-                    for _ in 0..passes {
-                        for row in hot.chunks_exact(rb) {
-                            sink += k4(row, [&a, &a, &a, &a], [&da, &da, &da, &da]).iter().sum::<f32>();
-                        }
-                    }
-                    let s4 = match (c0, cpu_ns()) {
-                        (Some(p), Some(q)) => (q - p) as f64 / 1e9,
-                        _ => t.elapsed().as_secs_f64(),
-                    };
-                    let (t, c0) = (Instant::now(), cpu_ns());
-                    if let Some(k8) = dot_q8(ty) {
-                        for _ in 0..passes / 2 {
+                    let s1 = seconds(|| {
+                        for _ in 0..passes {
                             for row in hot.chunks_exact(rb) {
-                                sink += k8(row, [&a; 8], [&da; 8]).iter().sum::<f32>();
+                                for _ in 0..4 {
+                                    sink += k(row, &a);
+                                }
                             }
                         }
-                    }
-                    let s8 = match (c0, cpu_ns()) {
-                        (Some(p), Some(q)) => (q - p) as f64 / 1e9,
-                        _ => t.elapsed().as_secs_f64(),
-                    };
+                    });
+                    let s4 = seconds(|| {
+                        for _ in 0..passes {
+                            for row in hot.chunks_exact(rb) {
+                                sink += k4(row, [&a, &a, &a, &a], [&da, &da, &da, &da]).iter().sum::<f32>();
+                            }
+                        }
+                    });
+                    let s8 = seconds(|| {
+                        if let Some(k8) = dot_q8(ty) {
+                            for _ in 0..passes / 2 {
+                                for row in hot.chunks_exact(rb) {
+                                    sink += k8(row, [&a; 8], [&da; 8]).iter().sum::<f32>();
+                                }
+                            }
+                        }
+                    });
                     assert!(sink.is_finite());
                     let macs = (hot_rows * cols * 4 * passes) as f64 / 1e9;
                     one = one.max(macs / s1);
