@@ -220,8 +220,8 @@ impl Kernels for EngineKernels {
                 quant::quantize_acts(act, x, &mut one)?;
                 all.extend_from_slice(&one);
             }
-            // Eight, then four activation rows per call where the type has those kernels, with the rows' block
-            // scales converted once, as the engine's matmul does.
+            // All rows per call where the type has an any-row-count kernel, else eight, then four activation rows
+            // per call where it has those, with the rows' block scales converted once, as the engine's matmul does.
             let (k4, k8) = (quant::dot_q4_kernel(ty), quant::dot_q8_kernel(ty));
             let mut scales = Vec::new();
             quant::act_block_scales(act, &all, &mut scales);
@@ -229,8 +229,15 @@ impl Kernels for EngineKernels {
             let d = |b: usize| scales.get(b * per_row..(b + 1) * per_row).unwrap_or(&[]);
             // Row `b`: its quantized bytes and its block scales.
             let a = |b: usize| (&all[b * ab..(b + 1) * ab], d(b));
+            // The any-row-count kernel, where the type has one, takes every row (two or more) in one call.
+            let kn = quant::dot_q_rows_kernel(ty).filter(|_| batch > 1);
+            let (arows, drows): (Vec<&[u8]>, Vec<&[f32]>) = (0..batch).map(a).unzip();
             for (wr, yr) in w.chunks_exact(rb).zip(ys.chunks_exact_mut(batch)) {
                 let mut b = 0;
+                if let Some(kn) = kn {
+                    kn(wr, &arows, &drows, yr);
+                    b = batch;
+                }
                 if let Some(k8) = k8 {
                     b = rows_at_once::<(&[u8], &[f32]), 8, _>(
                         |wr, r| k8(wr, r.map(|r| r.0), r.map(|r| r.1)),
@@ -284,7 +291,8 @@ mod tests {
     fn matmul_matches_matvec() {
         let mut rng = Rng::new(3);
         for ty in [GgmlType::Q8_0, GgmlType::Q2K, GgmlType::Q4K, GgmlType::Iq2Xxs, GgmlType::F16] {
-            // Six batch rows: the four-row IQ2_XXS kernel (where it exists) and two single dots.
+            // Six batch rows: one call of the any-row-count kernel where the type has one, else the eight-/four-row
+            // kernels and single dots.
             let (rows, cols, nb) = (5usize, 512usize, 6usize);
             let rb = ty.row_bytes(cols as u64).unwrap() as usize;
             let mut w = vec![0u8; rows * rb];

@@ -23,6 +23,15 @@ pub type DotQ4 = fn(&[u8], [&[u8]; 4], [&[f32]; 4]) -> [f32; 4];
 /// One weight row against eight activation rows, bit-identical to eight [`DotQ`] calls (like [`DotQ4`]).
 pub type DotQ8 = fn(&[u8], [&[u8]; 8], [&[f32]; 8]) -> [f32; 8];
 
+/// One weight row against any number of activation rows: `out[i] = dot(w, a[i])` for `i < out.len()` (`a` and
+/// `da` at least that long; `da` as for [`DotQ4`], possibly empty slices), bit-identical to the [`DotQ`] calls of
+/// the same kernel. The kernel decodes each weight block once for up to [`MAX_ROWS`] rows (more go in groups of at
+/// most that many; rows of unequal length each on their own).
+pub type DotQRows = fn(w: &[u8], a: &[&[u8]], da: &[&[f32]], out: &mut [f32]);
+
+/// Most activation rows a [`DotQRows`] kernel takes per weight decode.
+pub const MAX_ROWS: usize = 8;
+
 /// The activation rows of a [`GemmQ`] call: row `b < n` is `acts[at(b)..]` (one weight row's length, `at(b)` a
 /// whole number of rows), its block scales as f32 `scales[at(b) / block bytes..]` where given (as for [`DotQ4`];
 /// empty: the kernel converts them), and `flipped`, where not empty, all of `acts` in the kernel's own format
@@ -267,6 +276,14 @@ pub fn dot_q_kernel(weight_ty: GgmlType) -> Result<DotQ> {
 /// (the AVX-512 IQ2_XXS pair kernel) do it once for four activation rows. `None` means: call the single kernel.
 pub fn dot_q4_kernel(weight_ty: GgmlType) -> Option<DotQ4> {
     simd::dot_q4(weight_ty)
+}
+
+/// The any-row-count form of [`dot_q_kernel`] (see [`DotQRows`]) where one exists: the AVX-512 IQ2_XXS pair and
+/// Q2_K kernels, which decode each weight block once for up to [`MAX_ROWS`] rows. Where it exists the batched
+/// products use it for every row count (`DotQ4` / `DotQ8` are then not needed). `None`: use [`dot_q8_kernel`] /
+/// [`dot_q4_kernel`] / the single kernel.
+pub fn dot_q_rows_kernel(weight_ty: GgmlType) -> Option<DotQRows> {
+    simd::dot_q_rows(weight_ty)
 }
 
 /// An eight-row form of [`dot_q_kernel`] (see [`DotQ8`]) where one exists (the AVX2 Q2_K, Q4_K and IQ2_XXS kernels:

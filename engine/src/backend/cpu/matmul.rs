@@ -9,12 +9,14 @@
 //! Kernels: F32 weights use [`dot_f32`] here (the golden-checked path); F16/BF16 use `quant::dot_f32_kernel`;
 //! quantized weights (Q8_0, Q2_K, Q4_K, IQ2_XXS) quantize each activation row into `quant::act_type` (Q8_0 /
 //! Q8_K, as ggml does; for IQ2_XXS on AVX-512 + GFNI, Q8_K in the pair layout its kernel reads) and use
-//! `quant::dot_q_kernel`. Types without a kernel are rejected at load by [`supports`]. Batch rows go eight at a
-//! time through the kernel's eight-row form, then four at a time through its four-row form, where the CPU has
-//! them (`quant::dot_q8_kernel`, `quant::dot_q4_kernel`, `quant::dot_f4_kernel`: one weight row decoded
-//! once for the rows, bit-identical to the single-row kernel), the rest one by one. Quantized activations carry
-//! their blocks' scales as f32 where the format stores f16 ones (Q8_0, [`Acts`]), converted once per product for
-//! the multi-row kernels. Batches of more than `GEMM_MIN_ROWS` rows go through the type's long-chunk kernel
+//! `quant::dot_q_kernel`. Types without a kernel are rejected at load by [`supports`]. Batch rows go, per batch block
+//! of up to eight, through the kernel's any-row-count form where the CPU has one (`quant::dot_q_rows_kernel`:
+//! AVX-512 IQ2_XXS and Q2_K, the routed experts' types — an expert gets ~6 rows of a 256-token chunk), else eight
+//! at a time through its eight-row form, then four at a time through its four-row form, where the CPU has them
+//! (`quant::dot_q8_kernel`, `quant::dot_q4_kernel`, `quant::dot_f4_kernel`), the rest one by one; each multi-row
+//! form decodes a weight row once for its rows and is bit-identical to the single-row kernel. Quantized
+//! activations carry their blocks' scales as f32 where the format stores f16 ones (Q8_0, [`Acts`]), converted once
+//! per product for the multi-row kernels. Batches of more than `GEMM_MIN_ROWS` rows go through the type's long-chunk kernel
 //! (`quant::gemm_q_kernel`: Q8_0 with AVX-512 VNNI, tiles of weight rows × activation rows, bit-identical to the
 //! single-row kernel too), whose activation format [`Acts`] also prepares once per product (`quant::gemm_acts`).
 //!
@@ -34,7 +36,7 @@ use std::ops::Range;
 
 use crate::backend::cpu::pool::{split, Pool};
 use crate::model::mat::Mat;
-use crate::quant::{self, ActType, DotF32, DotF4, DotQ, DotQ4, DotQ8, GemmIn, GemmQ, GgmlType};
+use crate::quant::{self, ActType, DotF32, DotF4, DotQ, DotQ4, DotQ8, DotQRows, GemmIn, GemmQ, GgmlType, MAX_ROWS};
 use crate::{Error, Result};
 
 /// Whether matrices of type `ty` can be multiplied (and their rows dequantized).
@@ -44,6 +46,7 @@ pub fn supports(ty: GgmlType) -> bool {
 
 /// Batch rows processed together against each weight row (cache blocking; results do not depend on it).
 const BATCH_BLOCK: usize = 8;
+const _: () = assert!(BATCH_BLOCK <= MAX_ROWS, "a batch block is one call of a `DotQRows` kernel");
 /// Weight bytes of the row sub-block that one batch block streams over (kept in L2 across batch blocks).
 const ROW_BLOCK_BYTES: usize = 64 * 1024;
 /// Smallest row range handed to one thread, in weight bytes (keeps a range long enough to stream).
@@ -63,11 +66,20 @@ pub enum Kernel {
     /// Float weights (F16/BF16, or quantized weights with [`Pool::f32_acts`]) against f32 activations; `dot4` as
     /// for [`Kernel::Q`].
     F { dot: DotF32, dot4: Option<DotF4> },
-    /// Quantized weights against activations quantized to `act` (`act_bytes` per row); `dot8` / `dot4`, where the
-    /// type has them, multiply a weight row into eight / four activation rows at once (bit-identical to that many
+    /// Quantized weights against activations quantized to `act` (`act_bytes` per row); `rows`, where the type has
+    /// it, multiplies a weight row into any number of activation rows (up to `quant::MAX_ROWS` per weight decode),
+    /// else `dot8` / `dot4`, where the type has them, into eight / four at once (all bit-identical to that many
     /// `dot` calls); `gemm`, where it has one, many weight rows into many activation rows (batches above
     /// `GEMM_MIN_ROWS`, bit-identical too).
-    Q { act: ActType, dot: DotQ, dot4: Option<DotQ4>, dot8: Option<DotQ8>, gemm: Option<GemmQ>, act_bytes: usize },
+    Q {
+        act: ActType,
+        dot: DotQ,
+        rows: Option<DotQRows>,
+        dot4: Option<DotQ4>,
+        dot8: Option<DotQ8>,
+        gemm: Option<GemmQ>,
+        act_bytes: usize,
+    },
 }
 
 impl Kernel {
@@ -80,7 +92,8 @@ impl Kernel {
         if !act.is_f32() {
             if let (Ok(dot), Some(b)) = (quant::dot_q_kernel(ty), act.row_bytes(cols as u64)) {
                 let (dot4, dot8, gemm) = (quant::dot_q4_kernel(ty), quant::dot_q8_kernel(ty), quant::gemm_q_kernel(ty));
-                return Ok(Kernel::Q { act, dot, dot4, dot8, gemm, act_bytes: b as usize });
+                let rows = quant::dot_q_rows_kernel(ty);
+                return Ok(Kernel::Q { act, dot, rows, dot4, dot8, gemm, act_bytes: b as usize });
             }
         }
         Kernel::float(ty)
@@ -434,7 +447,10 @@ impl Product<'_> {
             for b0 in (0..n).step_by(BATCH_BLOCK) {
                 let b1 = (b0 + BATCH_BLOCK).min(n);
                 match (self.k, self.input) {
-                    (Kernel::Q { act, dot, dot4, dot8, act_bytes, .. }, Input::Q { acts, scales, rows, .. }) => {
+                    (
+                        Kernel::Q { act, dot, rows: dotn, dot4, dot8, act_bytes, .. },
+                        Input::Q { acts, scales, rows, .. },
+                    ) => {
                         // Row `b`'s bytes and the f32 scales of its blocks (empty where the format has none).
                         let bb = act.block_bytes().max(1);
                         let act = |b: usize| {
@@ -446,16 +462,29 @@ impl Product<'_> {
                             .map(|k| move |wr: &[u8], a: [(&[u8], &[f32]); 4]| k(wr, a.map(|r| r.0), a.map(|r| r.1)));
                         let eight = dot8
                             .map(|k| move |wr: &[u8], a: [(&[u8], &[f32]); 8]| k(wr, a.map(|r| r.0), a.map(|r| r.1)));
-                        for r in s0..s1 {
-                            row_times_batch(
-                                w.row(r),
-                                b0..b1,
-                                &act,
-                                &one,
-                                four.as_ref().map(|f| f as _),
-                                eight.as_ref().map(|f| f as _),
-                                &|b, v| put(b, r, v),
-                            );
+                        if let Some(k) = dotn.filter(|_| b1 - b0 > 1) {
+                            // One call per weight row for the whole batch block (`BATCH_BLOCK` ≤ `MAX_ROWS` rows).
+                            let rs: [(&[u8], &[f32]); MAX_ROWS] = std::array::from_fn(|i| act((b0 + i).min(b1 - 1)));
+                            let (a, d, m) = (rs.map(|r| r.0), rs.map(|r| r.1), b1 - b0);
+                            let mut v = [0f32; MAX_ROWS];
+                            for r in s0..s1 {
+                                k(w.row(r), &a[..m], &d[..m], &mut v[..m]);
+                                for (i, v) in v[..m].iter().enumerate() {
+                                    put(b0 + i, r, *v);
+                                }
+                            }
+                        } else {
+                            for r in s0..s1 {
+                                row_times_batch(
+                                    w.row(r),
+                                    b0..b1,
+                                    &act,
+                                    &one,
+                                    four.as_ref().map(|f| f as _),
+                                    eight.as_ref().map(|f| f as _),
+                                    &|b, v| put(b, r, v),
+                                );
+                            }
                         }
                     }
                     (Kernel::F { dot, dot4 }, Input::F32 { x, rows }) => {

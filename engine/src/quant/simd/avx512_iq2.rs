@@ -33,10 +33,13 @@
 //!
 //! Measured (one core of this project's Sapphire-Rapids-class VM, ~3.8 GHz under AVX-512 load): 57.4 G weights/s
 //! with cache-resident weights (~34 cycles per pair) vs 29.2 G/s for the gather kernel (`quant::simd::bench`;
-//! `benches/README.md` has the history). The one-row and four-row kernels share one `N`-generic body; as such the
-//! one-row case measured 2–4 % slower in cache than a separate body, equal streamed and in `ds4-bench kernels`. What bounds it: ports 0 and 5 (every 512-bit op issues there; `vpermt2b`
-//! takes port 5 for two cycles; `vpermb`, `vpmultishiftqb`, `vshufps`, `vpermd` only port 5; `gf2p8affineqb`,
-//! `vpdpbusd`, `vpmovb2m`, shifts and f32 math only port 0): ~52 such uops per pair, and the `vpdpbusd` chains
+//! `benches/README.md` has the history). The one-row, four-row and any-row-count ([`dot_q_rows`], 1..=8 rows per
+//! decode) kernels share one `N`-generic body; as such the one-row case measured 2–4 % slower in cache than a
+//! separate body, equal streamed and in `ds4-bench kernels`. Rows at once on a Zen 4 EPYC (cache-resident,
+//! multiply-adds per second, 2026-12-03): single ×N 52 G/s; any-row kernel 71 (2 rows), 88 (4), 94 (6), 98 (8).
+//! What bounds it (Sapphire Rapids): ports 0 and 5 (every 512-bit op issues there; `vpermt2b` takes port 5 for
+//! two cycles; `vpermb`, `vpmultishiftqb`, `vshufps`, `vpermd` only port 5; `gf2p8affineqb`, `vpdpbusd`,
+//! `vpmovb2m`, shifts and f32 math only port 0): ~52 such uops per pair, and the `vpdpbusd` chains
 //! (two accumulators: one chain of eight was 4 % slower, four 5 %). Tried and slower here: the previous kernels —
 //! one `vpermb` + `vpmultishiftqb` + `gf2p8affineqb` per value with signs by `vptestmb` + masked `vpsubb` (46.6
 //! G/s), the 128-entry lookups with `gf2p8affineqb` magnitudes and the same sign path (51.9); octet-major layouts
@@ -48,7 +51,7 @@ use std::arch::x86_64::*;
 use super::super::api::DotQ;
 use super::super::iq2_tables::IQ2XXS_GRID;
 use super::super::{iq2_xxs, q8_k};
-use super::x86::{ld, ld64, prefetch_ahead, A64};
+use super::x86::{dot_rows, ld, ld64, prefetch_ahead, RowsKernel, A64};
 
 /// What the pair kernel needs beyond `avx512::available()`.
 pub(crate) fn available() -> bool {
@@ -152,10 +155,12 @@ const WEIGHT: [A64; 4] = [weight_table(0), weight_table(1), weight_table(2), wei
 /// `2·s + 1` for each 4-bit group scale `s` (bits 28..32 of the aux word).
 const GROUP_SCALES: [f32; 16] = [1., 3., 5., 7., 9., 11., 13., 15., 17., 19., 21., 23., 25., 27., 29., 31.];
 
-/// The kernel against `N` activation rows of equal length (1 for the plain dot, 4 for [`super::super::api::DotQ4`]):
-/// each pair's weights are decoded once (lookups, signs, the `vpermb` weight vectors) and multiplied into every
-/// row, and the rows share the per-group scale and `d_w` factors. Each row goes through the same operations in the
-/// same order whatever `N`, so four rows at once are bit-identical to four single calls.
+/// The kernel against `N` activation rows of equal length (1 for the plain dot, 4 for [`super::super::api::DotQ4`],
+/// 1..=8 for [`super::super::api::DotQRows`]): each pair's weights are decoded once (lookups, signs, the `vpermb`
+/// weight vectors) and multiplied into every row, and the rows share the per-group scale and `d_w` factors. One row
+/// keeps two `vpdpbusd` chains (the latency bound); several rows keep one each (their chains interleave, and fewer
+/// registers stay live) — the integer sums are exact either way. Each row goes through the same f32 operations in
+/// the same order whatever `N`, so `N` rows at once are bit-identical to `N` single calls.
 #[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx512vnni,gfni,avx2,fma,f16c")]
 fn imp<const N: usize>(w: &[u8], a: [&[u8]; N]) -> [f32; N] {
     const WB: usize = iq2_xxs::BLOCK_BYTES;
@@ -193,10 +198,11 @@ fn imp<const N: usize>(w: &[u8], a: [&[u8]; N]) -> [f32; N] {
             for (e, t) in weight.iter().enumerate() {
                 let j = 4 * h + e;
                 let y = _mm512_permutexvar_epi8(if e < 2 { ia } else { ib }, *t);
+                let chain = if N == 1 { e % 2 } else { 0 };
                 for (s, ap) in sums.iter_mut().zip(aps) {
                     // SAFETY: vector `j` is 64 bytes at `q8_k::pair_vector(j)` ≤ 456, inside the 584-byte pair.
                     let q = unsafe { ld(ap.add(q8_k::pair_vector(j))) };
-                    s[e % 2] = _mm512_dpbusd_epi32(s[e % 2], y, q);
+                    s[chain] = _mm512_dpbusd_epi32(s[chain], y, q);
                 }
             }
         }
@@ -250,9 +256,31 @@ pub(super) fn dot_q4() -> Option<super::super::api::DotQ4> {
     available().then_some(iq2_xxs_q8k_pairs4 as super::super::api::DotQ4)
 }
 
+/// [`imp`] for every `N`, for [`dot_rows`].
+struct Pairs;
+
+impl RowsKernel for Pairs {
+    unsafe fn rows<const N: usize>(w: &[u8], a: [&[u8]; N]) -> [f32; N] {
+        // SAFETY: the caller confirmed the features (`RowsKernel`'s contract).
+        unsafe { imp(w, a) }
+    }
+}
+
+fn iq2_xxs_q8k_pairs_rows(w: &[u8], a: &[&[u8]], _da: &[&[f32]], out: &mut [f32]) {
+    // SAFETY: only handed out by `dot_q_rows` after `available()` confirmed the features `imp` needs.
+    unsafe { dot_rows::<Pairs>(w, a, out) }
+}
+
+/// The any-row-count pair kernel (see [`imp`]), where this CPU has the features.
+pub(super) fn dot_q_rows() -> Option<super::super::api::DotQRows> {
+    available().then_some(iq2_xxs_q8k_pairs_rows as super::super::api::DotQRows)
+}
+
 #[cfg(test)]
 mod tests {
-    use super::super::test_blocks::{iq2_biggest_point, iq2_every_point_blocks, iq2_uniform_blocks, mass, q8k_blocks};
+    use super::super::test_blocks::{
+        assert_rows_match_single, iq2_biggest_point, iq2_every_point_blocks, iq2_uniform_blocks, mass, q8k_blocks,
+    };
     use super::*;
     use crate::quant::iq2_tables::KSIGNS_IQ2XS;
     use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -368,6 +396,21 @@ mod tests {
             for (x, g) in [&rows[0][..], short, &rows[2], &rows[3]].iter().zip(got) {
                 assert_eq!(g.to_bits(), k(&w, x).to_bits(), "{n} blocks, unequal rows");
             }
+        }
+    }
+
+    /// Any number of rows (1..=8 per weight decode, more in groups) gives exactly the single dots, odd block
+    /// counts and rows of unequal length included.
+    #[test]
+    fn any_rows_match_single_dots_bit_for_bit() {
+        let (Some(k), Some(kn)) = (kernel(), dot_q_rows()) else { return };
+        let mut rng = StdRng::seed_from_u64(22);
+        for n in [1usize, 2, 3, 4, 7, 16] {
+            let w = weights(&mut rng, n);
+            let rows: Vec<Vec<u8>> = (0..19)
+                .map(|_| pairs(&q8k_blocks(n, rng.gen_range(1e-3f32..1.0), |_| rng.gen_range(-127i8..=127))))
+                .collect();
+            assert_rows_match_single(k, kn, &w, &rows);
         }
     }
 

@@ -1,8 +1,9 @@
 //! AVX-512 (BW/VBMI/VNNI) Q2_K · Q8_K kernel, resolved at runtime through [`dot_q`] (which `simd` asks).
 //!
-//! Soundness: the `#[target_feature]` function is only reachable through the plain `fn` wrapper that
-//! [`dot_q`] hands out after `avx512::available()` confirmed its features; every load reads inside a block
-//! slice produced by `chunks_exact`.
+//! Soundness: the `#[target_feature]` function is only reachable through the plain `fn` wrappers that [`dot_q`]
+//! and [`dot_q_rows`] hand out after `avx512::available()` confirmed its features; every weight load reads inside
+//! a block slice produced by `chunks_exact`, every activation load inside block `bi < blocks` of a row at least as
+//! long as the first.
 //!
 //! Per 256-value block, the 64 bytes of 2-bit quants are one register; shift `j` (0..4) of it holds values
 //! `32j..32j+32` (bytes 0..32) and `128+32j..` (bytes 32..64), so their activations are two 32-byte loads. The
@@ -13,14 +14,22 @@
 //! the per-block conversion to f32 is exact). The minimums use the Q8_K block sums, as in `avx2`. Only the f32
 //! accumulation order differs from the scalar reference.
 //!
-//! Measured against `avx2` on one core, cache-resident weights: 39-42 vs 35-38 G weights/s (~8%); streamed from
-//! memory the two are within noise of each other (Q2_K is already near the bandwidth there).
+//! Several activation rows (prefill: the routed experts' `w2`, ~6 rows each in a 256-token chunk): one `N`-generic
+//! body, as in `avx512_iq2`, builds each block's table and the four `vpermb`-scaled quant vectors once and runs
+//! every row's `vpdpbusd`s and minimums against them ([`dot_q_rows`], up to 8 rows per decode); each row's f32
+//! operations are those of the single dot, in the same order, so it is bit-identical to it.
+//!
+//! Measured against `avx2` on one core, cache-resident weights: 39-42 vs 35-38 G weights/s (~8%) on the
+//! Sapphire-Rapids-class VM, equal (44-45) on a Zen 4 EPYC; streamed from memory the two are within noise of each
+//! other (Q2_K is already near the bandwidth there). Rows at once on the Zen 4 (`quant::simd::bench`, cache-resident,
+//! multiply-adds per second, 2026-12-03): single ×N 44-45 G/s; any-row kernel 59 (2 rows), 74 (4), 79 (6), 73 (8:
+//! some spilling). Reading the rows through bounds-checked slices instead of raw pointers cost ~45 %.
 
 use std::arch::x86_64::*;
 
-use super::super::api::DotQ;
+use super::super::api::{DotQ, DotQRows};
 use super::super::{q2_k, q8_k};
-use super::x86::{f16_at, ld, ld64, prefetch_ahead, A64};
+use super::x86::{dot_rows, f16_at, ld, ld64, prefetch_ahead, RowsKernel, A64};
 
 /// For shift `j`, byte `p` of the quants belongs to sub-block `8·(p/32) + 2j + (p%32)/16`; its table offset is 4×.
 const SUB_OFFSET: [A64; 4] = [
@@ -48,42 +57,58 @@ pub(super) fn dot_q() -> Option<DotQ> {
 }
 
 fn q2_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
-    // SAFETY: only handed out by `dot_q` after `available()` confirmed the features `q2_k_q8_k_imp` needs.
-    unsafe { q2_k_q8_k_imp(w, a) }
+    // SAFETY: only handed out by `dot_q` after `available()` confirmed the features `imp` needs.
+    let [v] = unsafe { imp(w, [a]) };
+    v
 }
 
-/// Q2_K weights · Q8_K activations over the whole blocks both hold.
+/// [`imp`] for every `N`, for [`dot_rows`].
+struct Rows;
+
+impl RowsKernel for Rows {
+    unsafe fn rows<const N: usize>(w: &[u8], a: [&[u8]; N]) -> [f32; N] {
+        // SAFETY: the caller confirmed the features (`RowsKernel`'s contract).
+        unsafe { imp(w, a) }
+    }
+}
+
+fn q2_k_q8_k_rows(w: &[u8], a: &[&[u8]], _da: &[&[f32]], out: &mut [f32]) {
+    // SAFETY: only handed out by `dot_q_rows` after `available()` confirmed the features `imp` needs.
+    unsafe { dot_rows::<Rows>(w, a, out) }
+}
+
+/// The any-row-count form of this kernel (see [`imp`]) where the CPU can run it.
+pub(super) fn dot_q_rows() -> Option<DotQRows> {
+    super::avx512::available().then_some(q2_k_q8_k_rows as DotQRows)
+}
+
+/// Q2_K weights · `N` rows of Q8_K activations of equal length (1 for the plain dot), over the whole blocks the
+/// weights and the first row hold. Each block's scale table and `vpermb`-scaled quants are built once and
+/// multiplied into every row; each row goes through the same operations in the same order whatever `N`, so `N`
+/// rows at once are bit-identical to `N` single calls.
 #[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx512vnni,avx2,fma,f16c")]
-fn q2_k_q8_k_imp(w: &[u8], a: &[u8]) -> f32 {
+fn imp<const N: usize>(w: &[u8], a: [&[u8]; N]) -> [f32; N] {
     let offsets = SUB_OFFSET.each_ref().map(|t| ld64(t));
     let spread = ld64(&SCALE_SPREAD);
     let level_mul = ld64(&LEVEL_MUL);
     let low4 = _mm_set1_epi8(0x0f);
     let three = _mm512_set1_epi8(3);
-    let mut acc = _mm512_setzero_ps();
-    let mut acc_min = _mm256_setzero_ps();
-    for (b, qa) in w.chunks_exact(q2_k::BLOCK_BYTES).zip(a.chunks_exact(q8_k::BLOCK_BYTES)) {
-        let (bp, ap) = (b.as_ptr(), qa.as_ptr());
+    let mut acc = [_mm512_setzero_ps(); N];
+    let mut acc_min = [_mm256_setzero_ps(); N];
+    let blocks = (w.len() / q2_k::BLOCK_BYTES).min(a.first().map_or(0, |x| x.len()) / q8_k::BLOCK_BYTES);
+    for (bi, b) in w.chunks_exact(q2_k::BLOCK_BYTES).take(blocks).enumerate() {
+        let bp = b.as_ptr();
         prefetch_ahead::<2>(bp);
-        let da = q8_k::d(qa);
-        // SAFETY: scales are bytes 0..16 and quants bytes 16..80 of the 84-byte block; the block sums are bytes
-        // 260..292 of the 292-byte Q8_K block.
-        let (sc, qs, bsums) = unsafe {
-            (
-                _mm_loadu_si128(bp as *const __m128i),
-                ld(bp.add(16)),
-                _mm256_loadu_si256(ap.add(q8_k::BSUMS) as *const __m256i),
-            )
-        };
-        // Minimums: Σ_s min_s · bsum_s.
+        // SAFETY: every row holds block `bi` (`bi < blocks` and the rows are as long as `a[0]`).
+        let aps = a.map(|x| unsafe { x.as_ptr().add(bi * q8_k::BLOCK_BYTES) });
+        let (d, dmin) = (f16_at(b, 80), f16_at(b, 82));
+        // SAFETY: scales are bytes 0..16 and quants bytes 16..80 of the 84-byte block.
+        let (sc, qs) = unsafe { (_mm_loadu_si128(bp as *const __m128i), ld(bp.add(16))) };
         let mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(sc), low4));
-        let pm = _mm256_cvtepi32_ps(_mm256_madd_epi16(mins, bsums));
-        acc_min = _mm256_fmadd_ps(_mm256_set1_ps(da * f16_at(b, 82)), pm, acc_min);
         // The q·scale table: byte 4s + v = v·scale_s.
         let sc_lo = _mm512_castsi128_si512(_mm_and_si128(sc, low4));
         let table = _mm512_mullo_epi16(_mm512_maskz_permutexvar_epi8(0x5555_5555_5555_5555, spread, sc_lo), level_mul);
-        let mut sumi = _mm512_setzero_si512();
-        for (j, off) in offsets.iter().enumerate() {
+        let scaled: [__m512i; 4] = std::array::from_fn(|j| {
             let q = match j {
                 0 => qs,
                 1 => _mm512_srli_epi16::<2>(qs),
@@ -91,26 +116,43 @@ fn q2_k_q8_k_imp(w: &[u8], a: &[u8]) -> f32 {
                 _ => _mm512_srli_epi16::<6>(qs),
             };
             // (q & 3) | offset, the table index of each quant.
-            let scaled = _mm512_permutexvar_epi8(_mm512_ternarylogic_epi64::<0xea>(q, three, *off), table);
-            // SAFETY: 32 Q8_K quants at 4 + 32j ≤ 100 and at 132 + 32j ≤ 228, inside the 292-byte block.
-            let act = unsafe {
-                let lo = _mm256_loadu_si256(ap.add(4 + 32 * j) as *const __m256i);
-                let hi = _mm256_loadu_si256(ap.add(132 + 32 * j) as *const __m256i);
-                _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+            _mm512_permutexvar_epi8(_mm512_ternarylogic_epi64::<0xea>(q, three, offsets[j]), table)
+        });
+        for ((acc, acc_min), ap) in acc.iter_mut().zip(&mut acc_min).zip(aps) {
+            // SAFETY: the f32 scale is bytes 0..4, the block sums bytes 260..292 of the 292-byte Q8_K block.
+            let (da, bsums) = unsafe {
+                (
+                    f32::from_bits(std::ptr::read_unaligned(ap as *const u32).to_le()),
+                    _mm256_loadu_si256(ap.add(q8_k::BSUMS) as *const __m256i),
+                )
             };
-            sumi = _mm512_dpbusd_epi32(sumi, scaled, act);
+            // Minimums: Σ_s min_s · bsum_s.
+            let pm = _mm256_cvtepi32_ps(_mm256_madd_epi16(mins, bsums));
+            *acc_min = _mm256_fmadd_ps(_mm256_set1_ps(da * dmin), pm, *acc_min);
+            let mut sumi = _mm512_setzero_si512();
+            for (j, s) in scaled.iter().enumerate() {
+                // SAFETY: 32 Q8_K quants at 4 + 32j ≤ 100 and at 132 + 32j ≤ 228, inside the 292-byte block.
+                let act = unsafe {
+                    let lo = _mm256_loadu_si256(ap.add(4 + 32 * j) as *const __m256i);
+                    let hi = _mm256_loadu_si256(ap.add(132 + 32 * j) as *const __m256i);
+                    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+                };
+                sumi = _mm512_dpbusd_epi32(sumi, *s, act);
+            }
+            *acc = _mm512_fmadd_ps(_mm512_set1_ps(da * d), _mm512_cvtepi32_ps(sumi), *acc);
         }
-        acc = _mm512_fmadd_ps(_mm512_set1_ps(da * f16_at(b, 80)), _mm512_cvtepi32_ps(sumi), acc);
     }
-    let m = _mm_add_ps(_mm256_castps256_ps128(acc_min), _mm256_extractf128_ps::<1>(acc_min));
-    let m = _mm_add_ps(m, _mm_movehl_ps(m, m));
-    let m = _mm_add_ss(m, _mm_movehdup_ps(m));
-    _mm512_reduce_add_ps(acc) - _mm_cvtss_f32(m)
+    std::array::from_fn(|i| {
+        let m = _mm_add_ps(_mm256_castps256_ps128(acc_min[i]), _mm256_extractf128_ps::<1>(acc_min[i]));
+        let m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+        let m = _mm_add_ss(m, _mm_movehdup_ps(m));
+        _mm512_reduce_add_ps(acc[i]) - _mm_cvtss_f32(m)
+    })
 }
 
 #[cfg(test)]
 mod tests {
-    use super::super::test_blocks::{mass, q8k_blocks};
+    use super::super::test_blocks::{assert_rows_match_single, mass, q8k_blocks};
     use super::dot_q;
     use crate::quant::{q2_k, q8_k};
     use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -123,6 +165,19 @@ mod tests {
         k
     }
 
+    /// `n` random Q2_K blocks with finite f16 scales `d`, `dmin` of either sign.
+    fn weights(rng: &mut StdRng, n: usize) -> Vec<u8> {
+        let mut w = vec![0u8; n * q2_k::BLOCK_BYTES];
+        rng.fill(&mut w[..]);
+        for b in w.chunks_exact_mut(q2_k::BLOCK_BYTES) {
+            for o in [80, 82] {
+                let v = half::f16::from_f32(rng.gen_range(-2.0f32..2.0));
+                b[o..o + 2].copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        w
+    }
+
     /// Integer sums are exact in both kernels; the f32 accumulation differs in order (scalar: one `d·sumi −
     /// dmin·summ` per block; here 16 + 8 lanes per block, two trees, one subtraction), so the results agree to a
     /// few ulps of the summed magnitudes (1e-6 relative ≈ 8 ulps).
@@ -132,14 +187,7 @@ mod tests {
         let mut rng = StdRng::seed_from_u64(5);
         for n in [1usize, 2, 3, 7, 8, 16, 17] {
             for _ in 0..8 {
-                let mut w = vec![0u8; n * q2_k::BLOCK_BYTES];
-                rng.fill(&mut w[..]);
-                for b in w.chunks_exact_mut(q2_k::BLOCK_BYTES) {
-                    for o in [80, 82] {
-                        let v = half::f16::from_f32(rng.gen_range(-2.0f32..2.0));
-                        b[o..o + 2].copy_from_slice(&v.to_le_bytes());
-                    }
-                }
+                let w = weights(&mut rng, n);
                 let a = q8k_blocks(n, rng.gen_range(1e-3f32..1.0), |_| rng.gen_range(-127i8..=127));
                 let (got, want) = (k(&w, &a), q2_k::dot_q8k(&w, &a));
                 let tol = 1e-6 * mass(&w, &a, q2_k::BLOCK_BYTES, q2_k::dequantize_block);
@@ -181,6 +229,25 @@ mod tests {
         }
         let a = q8k_blocks(16, 1.0, |i| if i % 5 == 0 { -127 } else { 127 - (i % 7) as i8 });
         assert_eq!(k(&w, &a), q2_k::dot_q8k(&w, &a));
+    }
+
+    /// Any number of rows (1..=8 per weight decode, more in groups) gives exactly the single dots, odd block
+    /// counts, extreme quants and rows of unequal length included.
+    #[test]
+    fn q2_k_any_rows_match_single_dots_bit_for_bit() {
+        let (Some(k), Some(kn)) = (kernel(), super::dot_q_rows()) else { return };
+        let mut rng = StdRng::seed_from_u64(23);
+        for n in [1usize, 2, 3, 7, 16] {
+            let w = weights(&mut rng, n);
+            let rows: Vec<Vec<u8>> = (0..19)
+                .map(|r| match r {
+                    0 => q8k_blocks(n, 1.0, |_| 127),
+                    1 => q8k_blocks(n, 1.0, |_| -127),
+                    _ => q8k_blocks(n, rng.gen_range(1e-3f32..1.0), |_| rng.gen_range(-127i8..=127)),
+                })
+                .collect();
+            assert_rows_match_single(k, kn, &w, &rows);
+        }
     }
 
     #[test]

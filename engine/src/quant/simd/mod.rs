@@ -6,6 +6,8 @@
 //!   kernels for the formats that have one (IQ2_XXS, Q2_K) and falls back to AVX2 for the rest; [`level`] then reports
 //!   `"avx512-vbmi"`. With GFNI too ([`level`]: `"avx512-gfni"`), IQ2_XXS uses the pair kernel (`avx512_iq2`), whose
 //!   activations come in the pair layout ([`crate::quant::ActType::Q8KPairs`]; [`iq2_pairs`] says whether it is in use).
+//!   Both AVX-512 kernels also come in an any-row-count form ([`dot_q_rows`]: one weight decode for up to 8
+//!   activation rows, through `x86::dot_rows` over their `N`-generic bodies).
 //!   [`dot_q_variants`] lists every kernel this CPU can run, with the activation format each one reads, for
 //!   side-by-side benchmarks.
 //!   Module graph (x86-64): `x86` is a leaf of shared helpers (f16 conversion, prefetch, loads, 64-byte
@@ -139,6 +141,20 @@ pub fn dot_q4(ty: GgmlType) -> Option<super::api::DotQ4> {
     None
 }
 
+/// The any-row-count kernel for `ty` (see [`crate::quant::DotQRows`]) where this CPU has one, always the batched
+/// form of the kernel [`dot_q`] picks: the IQ2_XXS pair kernel's (exactly where [`dot_q`] picks it) and the
+/// AVX-512 Q2_K kernel's (`avx512_q2k`), one weight decode for up to [`crate::quant::MAX_ROWS`] rows.
+pub fn dot_q_rows(ty: GgmlType) -> Option<super::api::DotQRows> {
+    #[cfg(target_arch = "x86_64")]
+    match ty {
+        GgmlType::Iq2Xxs if iq2_pairs() => return avx512_iq2::dot_q_rows(),
+        GgmlType::Q2K => return avx512_q2k::dot_q_rows(),
+        _ => {}
+    }
+    let _ = ty;
+    None
+}
+
 /// The eight-activation-row kernel for `ty` (see [`crate::quant::DotQ8`]) where this CPU has one: `avx2_x4`'s
 /// Q2_K / Q4_K / IQ2_XXS eight-row forms where the single kernel is AVX2's, and its Q8_0 one where AVX-512 VNNI is
 /// present (on 512-bit vectors where AVX-512 BW is present too; bit-identical to the single kernel).
@@ -264,19 +280,26 @@ mod bench {
         None
     }
 
+    /// Seconds `f` takes, on-CPU time where available.
+    fn seconds(f: impl FnOnce()) -> f64 {
+        let (t, c0) = (Instant::now(), cpu_ns());
+        f();
+        match (c0, cpu_ns()) {
+            (Some(a), Some(b)) => (b - a) as f64 / 1e9,
+            _ => t.elapsed().as_secs_f64(),
+        }
+    }
+
     /// GB/s of weights over `passes` passes, by on-CPU time where available.
     fn run(k: DotQ, w: &[u8], acts: &[u8], rb: usize, passes: usize) -> f64 {
         let mut sink = 0f32;
-        let (t, c0) = (Instant::now(), cpu_ns());
-        for _ in 0..passes {
-            for row in w.chunks_exact(rb) {
-                sink += k(row, acts);
+        let s = seconds(|| {
+            for _ in 0..passes {
+                for row in w.chunks_exact(rb) {
+                    sink += k(row, acts);
+                }
             }
-        }
-        let s = match (c0, cpu_ns()) {
-            (Some(a), Some(b)) => (b - a) as f64 / 1e9,
-            _ => t.elapsed().as_secs_f64(),
-        };
+        });
         assert!(sink.is_finite());
         (w.len() * passes) as f64 / s / 1e9
     }
@@ -327,6 +350,44 @@ mod bench {
                     wps(hot)
                 );
             }
+            // `n` activation rows per weight row: the engine's kernel `n` times vs its any-row-count form, in cache,
+            // as multiply-adds per second (weights × rows).
+            if let (Some(kn), Ok(k)) = (dot_q_rows(ty), crate::quant::dot_q_kernel(ty)) {
+                let mut a = Vec::new();
+                quantize_acts(crate::quant::act_type(ty), &x, &mut a).unwrap();
+                let hot = &w[..hot_rows * rb];
+                let passes = 8 * mib.max(1) / 16;
+                for n in [1usize, 2, 4, 6, 8, 12, 16] {
+                    let (mut one, mut many) = (0f64, 0f64);
+                    let (rows, das) = (vec![&a[..]; n], vec![&[][..]; n]);
+                    let mut out = vec![0f32; n];
+                    for _ in 0..3 {
+                        let mut sink = 0f32;
+                        let s1 = seconds(|| {
+                            for _ in 0..passes {
+                                for row in hot.chunks_exact(rb) {
+                                    for _ in 0..n {
+                                        sink += k(row, &a);
+                                    }
+                                }
+                            }
+                        });
+                        let sn = seconds(|| {
+                            for _ in 0..passes {
+                                for row in hot.chunks_exact(rb) {
+                                    kn(row, &rows, &das, &mut out);
+                                    sink += out[n - 1];
+                                }
+                            }
+                        });
+                        assert!(sink.is_finite());
+                        let macs = (hot_rows * cols * n * passes) as f64 / 1e9;
+                        one = one.max(macs / s1);
+                        many = many.max(macs / sn);
+                    }
+                    println!("{ty:>8} {n:2} rows: single x{n} {one:6.2} G MAC/s, any-row kernel {many:6.2} G MAC/s");
+                }
+            }
             // Four activation rows per weight row: the engine's kernel four times vs its four-row form, in cache,
             // as multiply-adds per second (weights × rows).
             if let (Some(k4), Ok(k)) = (dot_q4(ty), crate::quant::dot_q_kernel(ty)) {
@@ -338,41 +399,32 @@ mod bench {
                 let passes = 16 * mib.max(1) / 16;
                 let (mut one, mut four, mut eight) = (0f64, 0f64, 0f64);
                 for _ in 0..3 {
-                    let (t, c0) = (Instant::now(), cpu_ns());
                     let mut sink = 0f32;
-                    for _ in 0..passes {
-                        for row in hot.chunks_exact(rb) {
-                            for _ in 0..4 {
-                                sink += k(row, &a);
-                            }
-                        }
-                    }
-                    let s1 = match (c0, cpu_ns()) {
-                        (Some(p), Some(q)) => (q - p) as f64 / 1e9,
-                        _ => t.elapsed().as_secs_f64(),
-                    };
-                    let (t, c0) = (Instant::now(), cpu_ns());
-                    for _ in 0..passes {
-                        for row in hot.chunks_exact(rb) {
-                            sink += k4(row, [&a, &a, &a, &a], [&da, &da, &da, &da]).iter().sum::<f32>();
-                        }
-                    }
-                    let s4 = match (c0, cpu_ns()) {
-                        (Some(p), Some(q)) => (q - p) as f64 / 1e9,
-                        _ => t.elapsed().as_secs_f64(),
-                    };
-                    let (t, c0) = (Instant::now(), cpu_ns());
-                    if let Some(k8) = dot_q8(ty) {
-                        for _ in 0..passes / 2 {
+                    let s1 = seconds(|| {
+                        for _ in 0..passes {
                             for row in hot.chunks_exact(rb) {
-                                sink += k8(row, [&a; 8], [&da; 8]).iter().sum::<f32>();
+                                for _ in 0..4 {
+                                    sink += k(row, &a);
+                                }
                             }
                         }
-                    }
-                    let s8 = match (c0, cpu_ns()) {
-                        (Some(p), Some(q)) => (q - p) as f64 / 1e9,
-                        _ => t.elapsed().as_secs_f64(),
-                    };
+                    });
+                    let s4 = seconds(|| {
+                        for _ in 0..passes {
+                            for row in hot.chunks_exact(rb) {
+                                sink += k4(row, [&a, &a, &a, &a], [&da, &da, &da, &da]).iter().sum::<f32>();
+                            }
+                        }
+                    });
+                    let s8 = seconds(|| {
+                        if let Some(k8) = dot_q8(ty) {
+                            for _ in 0..passes / 2 {
+                                for row in hot.chunks_exact(rb) {
+                                    sink += k8(row, [&a; 8], [&da; 8]).iter().sum::<f32>();
+                                }
+                            }
+                        }
+                    });
                     assert!(sink.is_finite());
                     let macs = (hot_rows * cols * 4 * passes) as f64 / 1e9;
                     one = one.max(macs / s1);

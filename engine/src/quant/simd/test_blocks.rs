@@ -67,3 +67,25 @@ pub(super) fn iq2_every_point_blocks(rng: &mut impl rand::Rng) -> Vec<u8> {
     }
     w
 }
+
+/// Asserts that the any-row-count kernel `kn` gives, for every row count `0..=rows.len()` (groups of
+/// `MAX_ROWS` and their remainders included), exactly the single kernel `k`'s dot of each row, bit for bit; and
+/// the same with one row shortened by a byte (rows of unequal length each go on their own).
+pub(super) fn assert_rows_match_single(k: crate::quant::DotQ, kn: crate::quant::DotQRows, w: &[u8], rows: &[Vec<u8>]) {
+    let want: Vec<u32> = rows.iter().map(|r| k(w, r).to_bits()).collect();
+    for n in 0..=rows.len() {
+        let a: Vec<&[u8]> = rows[..n].iter().map(|r| &r[..]).collect();
+        let mut out = vec![f32::NAN; n];
+        kn(w, &a, &vec![&[][..]; n], &mut out);
+        assert_eq!(out.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want[..n], "{n} rows");
+        if n >= 2 {
+            let mut a = a.clone();
+            let short = &rows[n / 2][..rows[n / 2].len() - 1];
+            a[n / 2] = short;
+            kn(w, &a, &vec![&[][..]; n], &mut out);
+            for (i, (x, g)) in a.iter().zip(&out).enumerate() {
+                assert_eq!(g.to_bits(), k(w, x).to_bits(), "{n} rows, row {} shorter, row {i}", n / 2);
+            }
+        }
+    }
+}

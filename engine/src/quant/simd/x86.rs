@@ -1,5 +1,6 @@
 //! Helpers shared by the x86-64 kernel modules (`avx2`, `avx2_x4`, `avx512`, `avx512_iq2`, `avx512_q2k`): the exact
-//! scalar f16 conversion, the weight-row prefetch, small load/sum wrappers and 64-byte vector constants. A leaf:
+//! scalar f16 conversion, the weight-row prefetch, small load/sum wrappers, 64-byte vector constants and the
+//! row-count dispatch of the `N`-generic multi-row kernels ([`dot_rows`]). A leaf:
 //! it imports no other kernel module, so the kernel modules depend on it and on each other in one direction only
 //! (`avx2` ← `avx2_x4`; `avx2` ← `avx512` ← `avx512_iq2`; `avx512_q2k`), and the choice between them lives in
 //! `simd` itself.
@@ -99,4 +100,55 @@ pub(super) unsafe fn ld(p: *const u8) -> __m512i {
 pub(super) fn ld64(t: &A64) -> __m512i {
     // SAFETY: `t` is 64 readable bytes.
     unsafe { ld(t.0.as_ptr()) }
+}
+
+/// An `N`-row kernel generic in `N` (one weight decode per block for all rows), for [`dot_rows`].
+pub(super) trait RowsKernel {
+    /// `[dot(w, a[0]), ..]` for rows of equal length, each bit-identical to the kernel's single-row dot.
+    ///
+    /// # Safety
+    /// The CPU has the features the kernel needs (the caller checked them before handing the kernel out).
+    unsafe fn rows<const N: usize>(w: &[u8], a: [&[u8]; N]) -> [f32; N];
+}
+
+/// [`super::super::api::DotQRows`] over an `N`-generic kernel: `out[i] = dot(w, a[i])`, up to
+/// [`super::super::api::MAX_ROWS`] rows per weight decode (more in groups of that many, the last group the rest);
+/// rows of another length than the first each on their own.
+///
+/// # Safety
+/// As for [`RowsKernel::rows`].
+pub(super) unsafe fn dot_rows<K: RowsKernel>(w: &[u8], a: &[&[u8]], out: &mut [f32]) {
+    /// `K::rows::<N>` on the first `N` rows of `a`, into the first `N` of `out`.
+    ///
+    /// # Safety
+    /// As for [`RowsKernel::rows`].
+    unsafe fn group<K: RowsKernel, const N: usize>(w: &[u8], a: &[&[u8]], out: &mut [f32]) {
+        // SAFETY: the caller's contract.
+        let v = unsafe { K::rows::<N>(w, std::array::from_fn(|i| a[i])) };
+        out[..N].copy_from_slice(&v);
+    }
+    let n = out.len().min(a.len());
+    if a[..n].iter().any(|x| x.len() != a[0].len()) {
+        for (o, x) in out.iter_mut().zip(a) {
+            // SAFETY: the caller's contract.
+            *o = unsafe { K::rows::<1>(w, [x]) }[0];
+        }
+        return;
+    }
+    const _: () = assert!(super::super::api::MAX_ROWS == 8, "one match arm per group size");
+    for (a, out) in a[..n].chunks(super::super::api::MAX_ROWS).zip(out.chunks_mut(super::super::api::MAX_ROWS)) {
+        // SAFETY (every arm): the caller's contract; `a` and `out` hold `a.len()` rows.
+        unsafe {
+            match a.len() {
+                1 => group::<K, 1>(w, a, out),
+                2 => group::<K, 2>(w, a, out),
+                3 => group::<K, 3>(w, a, out),
+                4 => group::<K, 4>(w, a, out),
+                5 => group::<K, 5>(w, a, out),
+                6 => group::<K, 6>(w, a, out),
+                7 => group::<K, 7>(w, a, out),
+                _ => group::<K, 8>(w, a, out),
+            }
+        }
+    }
 }
