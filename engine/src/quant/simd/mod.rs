@@ -111,7 +111,7 @@ fn avx512_dot_q(ty: GgmlType) -> Option<DotQ> {
 /// The best SIMD kernel for weight type `ty` · its quantized activations, if any.
 pub(crate) fn dot_q(ty: GgmlType) -> Option<DotQ> {
     #[cfg(target_arch = "x86_64")]
-    return avx512_dot_q(ty).or_else(|| avx2::dot_q(ty));
+    return avx512_dot_q(ty).or_else(|| avx2_x4::dot_q1(ty)).or_else(|| avx2::dot_q(ty));
     #[cfg(all(target_arch = "aarch64", target_feature = "neon", target_endian = "little"))]
     return neon::dot_q(ty);
     #[allow(unreachable_code)]
@@ -189,6 +189,7 @@ pub fn dot_q_variants(ty: GgmlType) -> Vec<(&'static str, ActType, DotQ)> {
             v.extend(avx512::iq2_xxs_gather().map(|k| ("avx512-vbmi", plain, k)));
         } else {
             v.extend(avx512_dot_q(ty).map(|k| ("avx512-vbmi", plain, k)));
+            v.extend(avx2_x4::dot_q1(ty).map(|k| ("avx512-vnni", plain, k)));
         }
         v.extend(avx2::dot_q(ty).map(|k| ("avx2", plain, k)));
     }
