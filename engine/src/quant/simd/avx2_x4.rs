@@ -40,7 +40,7 @@ use super::super::api::{DotF4, DotQ, DotQ4, DotQ8};
 use super::super::iq2_tables::IQ2XXS_GRID;
 use super::super::{iq2_xxs, q2_k, q4_k, q8_0, q8_k, GgmlType};
 use super::avx2::{bf16x8_to_ps, ld_ps, q4_k_scales, Q2_SCALE_SHUF, SIGNS_PM1};
-use super::x86::{f16_at, hsum_ps, ld_si256, prefetch_ahead};
+use super::x86::{f16_at, hsum_ps, ld, ld_si256, prefetch_ahead};
 
 /// The four-row kernel for `ty` where its single kernel is the AVX2 one (the caller checks that).
 pub(super) fn dot_q4(ty: GgmlType) -> Option<DotQ4> {
@@ -232,6 +232,24 @@ unsafe fn q8_0_scales(p: *const u8, live: __m256i) -> __m256 {
     _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64::<0b1000>(h)))
 }
 
+/// The f16 scales of the eight whole blocks of a Q8_0 row at `p` as f32, exactly, without a gather (slow on some
+/// cores: measured as most of the 512-bit single-row kernel's time on Zen 4): block `k`'s scale is 16-bit word `17k`
+/// of the chunk, so one word permute over its first 128 bytes picks blocks 0..4 and one over bytes 128..256 blocks
+/// 4..8 (words 4, 21, 38, 55 there).
+///
+/// # Safety
+/// AVX-512 F/BW present; eight whole blocks (272 bytes) at `p`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw")]
+unsafe fn q8_0_scales8(p: *const u8) -> __m256 {
+    let idx = _mm512_setr_epi32(17 << 16, 51 << 16 | 34, 21 << 16 | 4, 55 << 16 | 38, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    // SAFETY: bytes 0..256 lie in the eight blocks (the caller's contract).
+    let (l0, l1, l2, l3) = unsafe { (ld(p), ld(p.add(64)), ld(p.add(128)), ld(p.add(192))) };
+    let lo = _mm512_permutex2var_epi16(l0, idx, l1);
+    let hi = _mm512_permutex2var_epi16(l2, idx, l3);
+    _mm256_cvtph_ps(_mm512_castsi512_si128(_mm512_mask_blend_epi16(0xf0, lo, hi)))
+}
+
 /// The body of the Q8_0 multi-row kernels, `$R` rows of `$n` blocks; `$prod(mag, qw, qa)` is one block's eight
 /// i32 lanes `Σ₄ w·a` from the weight quants `qw`, their magnitudes `mag` and the activation quants `qa`.
 ///
@@ -355,22 +373,24 @@ unsafe fn q8_0_xr_zmm_imp<const R: usize>(w: &[u8], a: [&[u8]; R], da: [&[f32]; 
     while c0 < n {
         let nb = (n - c0).min(SCALE_CHUNK);
         let live = _mm256_cmpgt_epi32(_mm256_set1_epi32(nb as i32), lane);
+        let whole = nb == SCALE_CHUNK;
         // SAFETY: blocks `c0..c0 + nb` lie inside the weight row and every activation row (`n` blocks each).
-        let dw = unsafe { q8_0_scales(wp.add(c0 * B), live) };
+        let scales = |p: *const u8| unsafe { if whole { q8_0_scales8(p) } else { q8_0_scales(p, live) } };
+        let dw = scales(wp.wrapping_add(c0 * B));
         let dd: [__m512; R] = std::array::from_fn(|r| {
             let d = if da[r].len() >= n {
                 // SAFETY: lanes below `nb` read `da[r][c0..c0 + nb]`, inside the slice; the others nothing.
                 unsafe { _mm256_maskload_ps(da[r].as_ptr().add(c0), live) }
             } else {
-                // SAFETY: as above.
-                unsafe { q8_0_scales(a[r].as_ptr().add(c0 * B), live) }
+                scales(a[r].as_ptr().wrapping_add(c0 * B))
             };
             _mm512_castps256_ps512(_mm256_mul_ps(dw, d))
         });
+        // The chunk's 272 bytes span at most five cache lines.
+        prefetch_ahead::<5>(wp.wrapping_add(c0 * B));
         let mut k = 0;
         while k + 2 <= nb {
             let off = (c0 + k) * B;
-            prefetch_ahead::<2>(wp.wrapping_add(off));
             // SAFETY: blocks `c0 + k`, `c0 + k + 1 < n` of the weight row.
             let qw = unsafe { q8_0_pair(wp.add(off)) };
             let mag = _mm512_abs_epi8(qw);
