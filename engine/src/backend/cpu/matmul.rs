@@ -441,6 +441,14 @@ impl Product<'_> {
                             let a = rows.at(b);
                             (&acts[a..a + act_bytes], scales.get(a / bb..(a + act_bytes) / bb).unwrap_or(&[]))
                         };
+                        if b1 - b0 == 1 {
+                            // One activation row (decode): located once, a plain loop of single-row calls.
+                            let a = act(b0).0;
+                            for r in s0..s1 {
+                                put(b0, r, dot(w.row(r), a));
+                            }
+                            continue;
+                        }
                         let one = |wr: &[u8], (a, _): (&[u8], &[f32])| dot(wr, a);
                         let four = dot4
                             .map(|k| move |wr: &[u8], a: [(&[u8], &[f32]); 4]| k(wr, a.map(|r| r.0), a.map(|r| r.1)));
