@@ -18,7 +18,12 @@
 //! hold eight rows (measured: eight rows 3.5× eight single calls, 1.65× the previous four-row kernel;
 //! `benches/README.md`). With AVX-512 BW as well, the eight-row form runs on 512-bit vectors, a pair of blocks per
 //! instruction (the single kernel's even- and odd-block accumulators side by side in one register): half the
-//! instructions per block, 1.1× the 256-bit form (`benches/README.md`).
+//! instructions per block, 1.1× the 256-bit form (`benches/README.md`). Its one-row instance is the engine's
+//! single-row Q8_0 kernel where AVX-512 BW/VL/VNNI are present ([`dot_q1`]; decode's projections and logits): a
+//! whole chunk's eight weight and activation block scales come from two word permutes each (no gather), the weight
+//! row is prefetched once per chunk, and a block pair costs about eight vector instructions where the AVX2 kernel
+//! spends about twenty per block (`maddubs` + `madd` and two scalar f16 conversions); measured 2.1× its rate in
+//! cache (`benches/README.md`).
 //!
 //! Why the results are the single kernels' exactly: every integer partial sum is exact (the same operand ranges as
 //! the single kernel, no saturation), and where the single kernel converts i32 lanes to f32 the lanes hold the
@@ -74,9 +79,9 @@ pub(super) fn dot_q8(ty: GgmlType) -> Option<DotQ8> {
     })
 }
 
-/// The single-row Q8_0 kernel where AVX-512 F/BW/VL/VNNI are present: the 512-bit eight-row form's loop for one
-/// row (a pair of blocks per instruction, both rows' block scales gathered eight at a time), bit-identical to the
-/// AVX2 single kernel like every form here, in fewer instructions per block than its `maddubs` + scalar f16 path.
+/// The single-row Q8_0 kernel where AVX-512 F/BW/VL/VNNI are present: the 512-bit eight-row form for one row (a
+/// pair of blocks per instruction, both rows' block scales converted eight at a time), bit-identical to the AVX2
+/// single kernel like every form here, in fewer instructions per block than its `maddubs` + scalar f16 path.
 pub(super) fn dot_q1(ty: GgmlType) -> Option<DotQ> {
     let ok = ty == GgmlType::Q8_0 && super::avx2::available() && vnni() && is_x86_feature_detected!("avx512bw");
     ok.then_some(q8_0_x1_zmm as DotQ)
@@ -242,7 +247,8 @@ unsafe fn q8_0_scales(p: *const u8, live: __m256i) -> __m256 {
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw")]
 unsafe fn q8_0_scales8(p: *const u8) -> __m256 {
-    let idx = _mm512_setr_epi32(17 << 16, 51 << 16 | 34, 21 << 16 | 4, 55 << 16 | 38, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    let idx =
+        _mm512_setr_epi32(17 << 16, 51 << 16 | 34, 21 << 16 | 4, 55 << 16 | 38, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
     // SAFETY: bytes 0..256 lie in the eight blocks (the caller's contract).
     let (l0, l1, l2, l3) = unsafe { (ld(p), ld(p.add(64)), ld(p.add(128)), ld(p.add(192))) };
     let lo = _mm512_permutex2var_epi16(l0, idx, l1);
@@ -353,7 +359,8 @@ unsafe fn q8_0_pair(p: *const u8) -> __m512i {
 /// 0..8, `2j + 1` in lanes 8..16 — the single kernel's two accumulators side by side in one register). `|w|` is
 /// `abs`, `sign(a, w)` a masked negation (`-a` where `w < 0`; where `w = 0` the product is 0 either way), so each
 /// block's i32 lanes are the ymm form's; each block's `d_w · d_a` is moved into its half by a permute; an odd last
-/// block updates the low half only (a masked FMA). The final sum adds the halves as `hsum(acc0 + acc1)`.
+/// block updates the low half only (a masked FMA). The final sum adds the halves as `hsum(acc0 + acc1)`. Block
+/// scales of whole chunks come from `q8_0_scales8`, of a partial last chunk from the masked gather.
 ///
 /// # Safety
 /// AVX2/FMA/F16C and AVX-512 F/BW/VL/VNNI present; `w` and every `a[r]` hold at least `n` whole blocks.
@@ -375,7 +382,13 @@ unsafe fn q8_0_xr_zmm_imp<const R: usize>(w: &[u8], a: [&[u8]; R], da: [&[f32]; 
         let live = _mm256_cmpgt_epi32(_mm256_set1_epi32(nb as i32), lane);
         let whole = nb == SCALE_CHUNK;
         // SAFETY: blocks `c0..c0 + nb` lie inside the weight row and every activation row (`n` blocks each).
-        let scales = |p: *const u8| unsafe { if whole { q8_0_scales8(p) } else { q8_0_scales(p, live) } };
+        let scales = |p: *const u8| unsafe {
+            if whole {
+                q8_0_scales8(p)
+            } else {
+                q8_0_scales(p, live)
+            }
+        };
         let dw = scales(wp.wrapping_add(c0 * B));
         let dd: [__m512; R] = std::array::from_fn(|r| {
             let d = if da[r].len() >= n {
