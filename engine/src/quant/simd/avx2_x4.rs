@@ -256,6 +256,24 @@ unsafe fn q8_0_scales8(p: *const u8) -> __m256 {
     _mm256_cvtph_ps(_mm512_castsi512_si128(_mm512_mask_blend_epi16(0xf0, lo, hi)))
 }
 
+/// The f32 scales of the `nb ≤ 8` blocks at `p` (lanes from `nb` on: 0): `q8_0_scales8` for a whole chunk, else
+/// the masked gather (`live`: lanes below `nb` set).
+///
+/// # Safety
+/// AVX-512 F/BW and AVX2/F16C present; `nb` whole blocks at `p`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw")]
+unsafe fn q8_0_chunk_scales(p: *const u8, nb: usize, live: __m256i) -> __m256 {
+    // SAFETY: the caller's contract.
+    unsafe {
+        if nb == SCALE_CHUNK {
+            q8_0_scales8(p)
+        } else {
+            q8_0_scales(p, live)
+        }
+    }
+}
+
 /// The body of the Q8_0 multi-row kernels, `$R` rows of `$n` blocks; `$prod(mag, qw, qa)` is one block's eight
 /// i32 lanes `Σ₄ w·a` from the weight quants `qw`, their magnitudes `mag` and the activation quants `qa`.
 ///
@@ -380,22 +398,15 @@ unsafe fn q8_0_xr_zmm_imp<const R: usize>(w: &[u8], a: [&[u8]; R], da: [&[f32]; 
     while c0 < n {
         let nb = (n - c0).min(SCALE_CHUNK);
         let live = _mm256_cmpgt_epi32(_mm256_set1_epi32(nb as i32), lane);
-        let whole = nb == SCALE_CHUNK;
         // SAFETY: blocks `c0..c0 + nb` lie inside the weight row and every activation row (`n` blocks each).
-        let scales = |p: *const u8| unsafe {
-            if whole {
-                q8_0_scales8(p)
-            } else {
-                q8_0_scales(p, live)
-            }
-        };
-        let dw = scales(wp.wrapping_add(c0 * B));
+        let dw = unsafe { q8_0_chunk_scales(wp.add(c0 * B), nb, live) };
         let dd: [__m512; R] = std::array::from_fn(|r| {
             let d = if da[r].len() >= n {
                 // SAFETY: lanes below `nb` read `da[r][c0..c0 + nb]`, inside the slice; the others nothing.
                 unsafe { _mm256_maskload_ps(da[r].as_ptr().add(c0), live) }
             } else {
-                scales(a[r].as_ptr().wrapping_add(c0 * B))
+                // SAFETY: as above.
+                unsafe { q8_0_chunk_scales(a[r].as_ptr().add(c0 * B), nb, live) }
             };
             _mm512_castps256_ps512(_mm256_mul_ps(dw, d))
         });
