@@ -256,17 +256,18 @@ unsafe fn q8_0_scales8(p: *const u8) -> __m256 {
     _mm256_cvtph_ps(_mm512_castsi512_si128(_mm512_mask_blend_epi16(0xf0, lo, hi)))
 }
 
-/// The f32 scales of the `nb ≤ 8` blocks at `p` (lanes from `nb` on: 0): `q8_0_scales8` for a whole chunk, else
-/// the masked gather (`live`: lanes below `nb` set).
+/// The f32 scales of the blocks at `p` whose lanes `live` sets (the others 0): by `q8_0_scales8` where `permute`
+/// (all eight lanes live), else by the masked gather. One row takes the permutes (measured: the gather was most of
+/// its time); eight rows, whose chunk is eight times longer, keep the gather (measured faster there, streaming).
 ///
 /// # Safety
-/// AVX-512 F/BW and AVX2/F16C present; `nb` whole blocks at `p`.
+/// AVX-512 F/BW and AVX2/F16C present; a whole block at `p` for every live lane.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw")]
-unsafe fn q8_0_chunk_scales(p: *const u8, nb: usize, live: __m256i) -> __m256 {
+unsafe fn q8_0_chunk_scales(p: *const u8, permute: bool, live: __m256i) -> __m256 {
     // SAFETY: the caller's contract.
     unsafe {
-        if nb == SCALE_CHUNK {
+        if permute {
             q8_0_scales8(p)
         } else {
             q8_0_scales(p, live)
@@ -399,22 +400,28 @@ unsafe fn q8_0_xr_zmm_imp<const R: usize>(w: &[u8], a: [&[u8]; R], da: [&[f32]; 
         let nb = (n - c0).min(SCALE_CHUNK);
         let live = _mm256_cmpgt_epi32(_mm256_set1_epi32(nb as i32), lane);
         // SAFETY: blocks `c0..c0 + nb` lie inside the weight row and every activation row (`n` blocks each).
-        let dw = unsafe { q8_0_chunk_scales(wp.add(c0 * B), nb, live) };
+        let dw = unsafe { q8_0_chunk_scales(wp.add(c0 * B), R == 1 && nb == SCALE_CHUNK, live) };
         let dd: [__m512; R] = std::array::from_fn(|r| {
             let d = if da[r].len() >= n {
                 // SAFETY: lanes below `nb` read `da[r][c0..c0 + nb]`, inside the slice; the others nothing.
                 unsafe { _mm256_maskload_ps(da[r].as_ptr().add(c0), live) }
             } else {
                 // SAFETY: as above.
-                unsafe { q8_0_chunk_scales(a[r].as_ptr().add(c0 * B), nb, live) }
+                unsafe { q8_0_chunk_scales(a[r].as_ptr().add(c0 * B), R == 1 && nb == SCALE_CHUNK, live) }
             };
             _mm512_castps256_ps512(_mm256_mul_ps(dw, d))
         });
-        // The chunk's 272 bytes span at most five cache lines.
-        prefetch_ahead::<5>(wp.wrapping_add(c0 * B));
+        if R == 1 {
+            // One row: the chunk's 272 bytes (at most five cache lines) at once, fewer prefetches per byte.
+            prefetch_ahead::<5>(wp.wrapping_add(c0 * B));
+        }
         let mut k = 0;
         while k + 2 <= nb {
             let off = (c0 + k) * B;
+            if R > 1 {
+                // Several rows: spread over the chunk's longer run (measured: the burst above made eight rows slower).
+                prefetch_ahead::<2>(wp.wrapping_add(off));
+            }
             // SAFETY: blocks `c0 + k`, `c0 + k + 1 < n` of the weight row.
             let qw = unsafe { q8_0_pair(wp.add(off)) };
             let mag = _mm512_abs_epi8(qw);
