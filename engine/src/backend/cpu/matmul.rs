@@ -12,7 +12,8 @@
 //! `quant::dot_q_kernel`. Types without a kernel are rejected at load by [`supports`]. Batch rows go eight at a
 //! time through the kernel's eight-row form, then four at a time through its four-row form, where the CPU has
 //! them (`quant::dot_q8_kernel`, `quant::dot_q4_kernel`, `quant::dot_f4_kernel`: one weight row decoded
-//! once for the rows, bit-identical to the single-row kernel), the rest one by one. Quantized activations carry
+//! once for the rows, bit-identical to the single-row kernel), the rest one by one (a block of one quantized row,
+//! decode's case, as a plain loop of single-row calls over the weight rows). Quantized activations carry
 //! their blocks' scales as f32 where the format stores f16 ones (Q8_0, [`Acts`]), converted once per product for
 //! the multi-row kernels. Batches of more than `GEMM_MIN_ROWS` rows go through the type's long-chunk kernel
 //! (`quant::gemm_q_kernel`: Q8_0 with AVX-512 VNNI, tiles of weight rows × activation rows, bit-identical to the
