@@ -238,7 +238,7 @@ unsafe fn q8_0_scales(p: *const u8, live: __m256i) -> __m256 {
 }
 
 /// The f16 scales of the eight whole blocks of a Q8_0 row at `p` as f32, exactly, without a gather (slow on some
-/// cores: measured as most of the 512-bit single-row kernel's time on Zen 4): block `k`'s scale is 16-bit word `17k`
+/// cores: about a third of the 512-bit single-row kernel's samples on Zen 4): block `k`'s scale is 16-bit word `17k`
 /// of the chunk, so one word permute over its first 128 bytes picks blocks 0..4 and one over bytes 128..256 blocks
 /// 4..8 (words 4, 21, 38, 55 there).
 ///
@@ -378,8 +378,9 @@ unsafe fn q8_0_pair(p: *const u8) -> __m512i {
 /// 0..8, `2j + 1` in lanes 8..16 — the single kernel's two accumulators side by side in one register). `|w|` is
 /// `abs`, `sign(a, w)` a masked negation (`-a` where `w < 0`; where `w = 0` the product is 0 either way), so each
 /// block's i32 lanes are the ymm form's; each block's `d_w · d_a` is moved into its half by a permute; an odd last
-/// block updates the low half only (a masked FMA). The final sum adds the halves as `hsum(acc0 + acc1)`. Block
-/// scales of whole chunks come from `q8_0_scales8`, of a partial last chunk from the masked gather.
+/// block updates the low half only (a masked FMA). The final sum adds the halves as `hsum(acc0 + acc1)`. One row
+/// (`R = 1`) takes a whole chunk's block scales from `q8_0_scales8` and prefetches once per chunk; more rows, and
+/// a partial last chunk, gather the scales and prefetch per block pair (see `q8_0_chunk_scales`).
 ///
 /// # Safety
 /// AVX2/FMA/F16C and AVX-512 F/BW/VL/VNNI present; `w` and every `a[r]` hold at least `n` whole blocks.
