@@ -13,7 +13,8 @@
 //! of up to eight, through the kernel's any-row-count form where the CPU has one (`quant::dot_q_rows_kernel`:
 //! AVX-512 IQ2_XXS and Q2_K, the routed experts' types — an expert gets ~6 rows of a 256-token chunk), else eight
 //! at a time through its eight-row form, then four at a time through its four-row form, where the CPU has them
-//! (`quant::dot_q8_kernel`, `quant::dot_q4_kernel`, `quant::dot_f4_kernel`), the rest one by one; each multi-row
+//! (`quant::dot_q8_kernel`, `quant::dot_q4_kernel`, `quant::dot_f4_kernel`), the rest one by one (a block of one
+//! quantized row, decode's case, as a plain loop of single-row calls over the weight rows); each multi-row
 //! form decodes a weight row once for its rows and is bit-identical to the single-row kernel. Quantized
 //! activations carry their blocks' scales as f32 where the format stores f16 ones (Q8_0, [`Acts`]), converted once
 //! per product for the multi-row kernels. Batches of more than `GEMM_MIN_ROWS` rows go through the type's long-chunk kernel
@@ -457,12 +458,20 @@ impl Product<'_> {
                             let a = rows.at(b);
                             (&acts[a..a + act_bytes], scales.get(a / bb..(a + act_bytes) / bb).unwrap_or(&[]))
                         };
+                        if b1 - b0 == 1 {
+                            // One activation row (decode): located once, a plain loop of single-row calls.
+                            let a = act(b0).0;
+                            for r in s0..s1 {
+                                put(b0, r, dot(w.row(r), a));
+                            }
+                            continue;
+                        }
                         let one = |wr: &[u8], (a, _): (&[u8], &[f32])| dot(wr, a);
                         let four = dot4
                             .map(|k| move |wr: &[u8], a: [(&[u8], &[f32]); 4]| k(wr, a.map(|r| r.0), a.map(|r| r.1)));
                         let eight = dot8
                             .map(|k| move |wr: &[u8], a: [(&[u8], &[f32]); 8]| k(wr, a.map(|r| r.0), a.map(|r| r.1)));
-                        if let Some(k) = dotn.filter(|_| b1 - b0 > 1) {
+                        if let Some(k) = dotn {
                             // One call per weight row for the whole batch block (`BATCH_BLOCK` ≤ `MAX_ROWS` rows).
                             let rs: [(&[u8], &[f32]); MAX_ROWS] = std::array::from_fn(|i| act((b0 + i).min(b1 - 1)));
                             let (a, d, m) = (rs.map(|r| r.0), rs.map(|r| r.1), b1 - b0);

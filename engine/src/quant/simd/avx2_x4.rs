@@ -18,7 +18,12 @@
 //! hold eight rows (measured: eight rows 3.5× eight single calls, 1.65× the previous four-row kernel;
 //! `benches/README.md`). With AVX-512 BW as well, the eight-row form runs on 512-bit vectors, a pair of blocks per
 //! instruction (the single kernel's even- and odd-block accumulators side by side in one register): half the
-//! instructions per block, 1.1× the 256-bit form (`benches/README.md`).
+//! instructions per block, 1.1× the 256-bit form (`benches/README.md`). Its one-row instance is the engine's
+//! single-row Q8_0 kernel where AVX-512 BW/VL/VNNI are present ([`dot_q1`]; decode's projections and logits): a
+//! whole chunk's eight weight and activation block scales come from two word permutes each (no gather), the weight
+//! row is prefetched once per chunk, and a block pair costs about eight vector instructions where the AVX2 kernel
+//! spends about twenty per block (`maddubs` + `madd` and two scalar f16 conversions); measured 2.1× its rate in
+//! cache (`benches/README.md`).
 //!
 //! Why the results are the single kernels' exactly: every integer partial sum is exact (the same operand ranges as
 //! the single kernel, no saturation), and where the single kernel converts i32 lanes to f32 the lanes hold the
@@ -36,11 +41,11 @@
 
 use std::arch::x86_64::*;
 
-use super::super::api::{DotF4, DotQ4, DotQ8};
+use super::super::api::{DotF4, DotQ, DotQ4, DotQ8};
 use super::super::iq2_tables::IQ2XXS_GRID;
 use super::super::{iq2_xxs, q2_k, q4_k, q8_0, q8_k, GgmlType};
 use super::avx2::{bf16x8_to_ps, ld_ps, q4_k_scales, Q2_SCALE_SHUF, SIGNS_PM1};
-use super::x86::{f16_at, hsum_ps, ld_si256, prefetch_ahead};
+use super::x86::{f16_at, hsum_ps, ld, ld_si256, prefetch_ahead};
 
 /// The four-row kernel for `ty` where its single kernel is the AVX2 one (the caller checks that).
 pub(super) fn dot_q4(ty: GgmlType) -> Option<DotQ4> {
@@ -72,6 +77,22 @@ pub(super) fn dot_q8(ty: GgmlType) -> Option<DotQ8> {
         GgmlType::Iq2Xxs => iq2_xxs_x8,
         _ => return None,
     })
+}
+
+/// The single-row Q8_0 kernel where AVX-512 F/BW/VL/VNNI are present: the 512-bit eight-row form for one row (a
+/// pair of blocks per instruction, both rows' block scales converted eight at a time), bit-identical to the AVX2
+/// single kernel like every form here, in fewer instructions per block than its `maddubs` + scalar f16 path.
+pub(super) fn dot_q1(ty: GgmlType) -> Option<DotQ> {
+    let ok = ty == GgmlType::Q8_0 && super::avx2::available() && vnni() && is_x86_feature_detected!("avx512bw");
+    ok.then_some(q8_0_x1_zmm as DotQ)
+}
+
+fn q8_0_x1_zmm(w: &[u8], a: &[u8]) -> f32 {
+    const B: usize = q8_0::BLOCK_BYTES;
+    let n = (w.len() / B).min(a.len() / B);
+    // SAFETY: handed out by `dot_q1` only after AVX2/FMA/F16C and AVX-512 F/BW/VL/VNNI were detected; both rows
+    // hold at least `n` whole blocks.
+    unsafe { q8_0_xr_zmm_imp::<1>(w, [a], [&[]], n)[0] }
 }
 
 /// The four-row F16 / BF16 kernels (the AVX2 single kernels' multi-row forms). No eight-row ones: their sixteen
@@ -216,6 +237,44 @@ unsafe fn q8_0_scales(p: *const u8, live: __m256i) -> __m256 {
     _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64::<0b1000>(h)))
 }
 
+/// The f16 scales of the eight whole blocks of a Q8_0 row at `p` as f32, exactly, without a gather (slow on some
+/// cores: about a third of the 512-bit single-row kernel's samples on Zen 4): block `k`'s scale is 16-bit word `17k`
+/// of the chunk, so one word permute over its first 128 bytes picks blocks 0..4 and one over bytes 128..256 blocks
+/// 4..8 (words 4, 21, 38, 55 there).
+///
+/// # Safety
+/// AVX-512 F/BW present; eight whole blocks (272 bytes) at `p`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw")]
+unsafe fn q8_0_scales8(p: *const u8) -> __m256 {
+    let idx =
+        _mm512_setr_epi32(17 << 16, 51 << 16 | 34, 21 << 16 | 4, 55 << 16 | 38, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    // SAFETY: bytes 0..256 lie in the eight blocks (the caller's contract).
+    let (l0, l1, l2, l3) = unsafe { (ld(p), ld(p.add(64)), ld(p.add(128)), ld(p.add(192))) };
+    let lo = _mm512_permutex2var_epi16(l0, idx, l1);
+    let hi = _mm512_permutex2var_epi16(l2, idx, l3);
+    _mm256_cvtph_ps(_mm512_castsi512_si128(_mm512_mask_blend_epi16(0xf0, lo, hi)))
+}
+
+/// The f32 scales of the blocks at `p` whose lanes `live` sets (the others 0): by `q8_0_scales8` where `permute`
+/// (all eight lanes live), else by the masked gather. One row takes the permutes (measured: the gather was most of
+/// its time); eight rows, whose chunk is eight times longer, keep the gather (measured faster there, streaming).
+///
+/// # Safety
+/// AVX-512 F/BW and AVX2/F16C present; a whole block at `p` for every live lane.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw")]
+unsafe fn q8_0_chunk_scales(p: *const u8, permute: bool, live: __m256i) -> __m256 {
+    // SAFETY: the caller's contract.
+    unsafe {
+        if permute {
+            q8_0_scales8(p)
+        } else {
+            q8_0_scales(p, live)
+        }
+    }
+}
+
 /// The body of the Q8_0 multi-row kernels, `$R` rows of `$n` blocks; `$prod(mag, qw, qa)` is one block's eight
 /// i32 lanes `Σ₄ w·a` from the weight quants `qw`, their magnitudes `mag` and the activation quants `qa`.
 ///
@@ -319,7 +378,9 @@ unsafe fn q8_0_pair(p: *const u8) -> __m512i {
 /// 0..8, `2j + 1` in lanes 8..16 — the single kernel's two accumulators side by side in one register). `|w|` is
 /// `abs`, `sign(a, w)` a masked negation (`-a` where `w < 0`; where `w = 0` the product is 0 either way), so each
 /// block's i32 lanes are the ymm form's; each block's `d_w · d_a` is moved into its half by a permute; an odd last
-/// block updates the low half only (a masked FMA). The final sum adds the halves as `hsum(acc0 + acc1)`.
+/// block updates the low half only (a masked FMA). The final sum adds the halves as `hsum(acc0 + acc1)`. One row
+/// (`R = 1`) takes a whole chunk's block scales from `q8_0_scales8` and prefetches once per chunk; more rows, and
+/// a partial last chunk, gather the scales and prefetch per block pair (see `q8_0_chunk_scales`).
 ///
 /// # Safety
 /// AVX2/FMA/F16C and AVX-512 F/BW/VL/VNNI present; `w` and every `a[r]` hold at least `n` whole blocks.
@@ -340,21 +401,28 @@ unsafe fn q8_0_xr_zmm_imp<const R: usize>(w: &[u8], a: [&[u8]; R], da: [&[f32]; 
         let nb = (n - c0).min(SCALE_CHUNK);
         let live = _mm256_cmpgt_epi32(_mm256_set1_epi32(nb as i32), lane);
         // SAFETY: blocks `c0..c0 + nb` lie inside the weight row and every activation row (`n` blocks each).
-        let dw = unsafe { q8_0_scales(wp.add(c0 * B), live) };
+        let dw = unsafe { q8_0_chunk_scales(wp.add(c0 * B), R == 1 && nb == SCALE_CHUNK, live) };
         let dd: [__m512; R] = std::array::from_fn(|r| {
             let d = if da[r].len() >= n {
                 // SAFETY: lanes below `nb` read `da[r][c0..c0 + nb]`, inside the slice; the others nothing.
                 unsafe { _mm256_maskload_ps(da[r].as_ptr().add(c0), live) }
             } else {
                 // SAFETY: as above.
-                unsafe { q8_0_scales(a[r].as_ptr().add(c0 * B), live) }
+                unsafe { q8_0_chunk_scales(a[r].as_ptr().add(c0 * B), R == 1 && nb == SCALE_CHUNK, live) }
             };
             _mm512_castps256_ps512(_mm256_mul_ps(dw, d))
         });
+        if R == 1 {
+            // One row: the chunk's 272 bytes (at most five cache lines) at once, fewer prefetches per byte.
+            prefetch_ahead::<5>(wp.wrapping_add(c0 * B));
+        }
         let mut k = 0;
         while k + 2 <= nb {
             let off = (c0 + k) * B;
-            prefetch_ahead::<2>(wp.wrapping_add(off));
+            if R > 1 {
+                // Several rows: spread over the chunk's longer run (measured: the burst above made eight rows slower).
+                prefetch_ahead::<2>(wp.wrapping_add(off));
+            }
             // SAFETY: blocks `c0 + k`, `c0 + k + 1 < n` of the weight row.
             let qw = unsafe { q8_0_pair(wp.add(off)) };
             let mag = _mm512_abs_epi8(qw);
@@ -633,8 +701,9 @@ mod tests {
     }
 
     /// Every Q8_0 multi-row form (AVX2; VNNI on 256-bit vectors and, with AVX-512 BW, the 512-bit eight-row one,
-    /// where present) on raw bytes — every quant value including -128 on both sides, scales normal and subnormal —
-    /// gives the single kernel's bits, for 1..=20 blocks (whole and partial scale chunks, odd and even counts).
+    /// where present) and the 512-bit single-row form on raw bytes — every quant value including -128 on both
+    /// sides, scales normal and subnormal — gives the single kernel's bits, for 1..=20 blocks (whole and partial
+    /// scale chunks, odd and even counts) and, for the single-row form, rows of unequal length.
     #[test]
     fn q8_0_multi_row_forms_match_the_single_kernel_on_raw_bytes() {
         if !super::super::avx2::available() {
@@ -666,6 +735,15 @@ mod tests {
             let w = row(&mut rng, &mut block);
             let rows: Vec<Vec<u8>> = (0..8).map(|_| row(&mut rng, &mut block)).collect();
             let want: Vec<u32> = rows.iter().map(|r| single(&w, r).to_bits()).collect();
+            if let Some(k1) = dot_q1(GgmlType::Q8_0) {
+                let got: Vec<u32> = rows.iter().map(|r| k1(&w, r).to_bits()).collect();
+                assert_eq!(got, want, "512-bit single-row form, {n} blocks");
+                // Rows of unequal length: the whole blocks both hold.
+                assert_eq!(
+                    k1(&w, &rows[0][..rows[0].len() / 2]).to_bits(),
+                    single(&w, &rows[0][..rows[0].len() / 2]).to_bits()
+                );
+            }
             let scales = block_scales(crate::quant::ActType::Q8_0, &rows);
             for (name, k4, k8) in &forms {
                 for da in [[&[][..]; 8], std::array::from_fn(|r| &scales[r][..])] {

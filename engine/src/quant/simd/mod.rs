@@ -3,7 +3,9 @@
 //!
 //! - x86-64: AVX2 + FMA + F16C (all three required), detected with `is_x86_feature_detected!` (see `avx2`).
 //!   Where AVX-512 F/BW/VBMI/VNNI are also present (Ice Lake and later), [`dot_q`] prefers the `avx512`
-//!   kernels for the formats that have one (IQ2_XXS, Q2_K) and falls back to AVX2 for the rest; [`level`] then reports
+//!   kernels for the formats that have one (IQ2_XXS, Q2_K) and falls back to AVX2 for the rest — for Q8_0 to the 512-bit
+//!   form of the AVX2 kernel (`avx2_x4`, AVX-512 BW/VL/VNNI; the same bits, so "the single kernel is AVX2's" below
+//!   holds for it too); [`level`] then reports
 //!   `"avx512-vbmi"`. With GFNI too ([`level`]: `"avx512-gfni"`), IQ2_XXS uses the pair kernel (`avx512_iq2`), whose
 //!   activations come in the pair layout ([`crate::quant::ActType::Q8KPairs`]; [`iq2_pairs`] says whether it is in use).
 //!   Both AVX-512 kernels also come in an any-row-count form ([`dot_q_rows`]: one weight decode for up to 8
@@ -110,10 +112,11 @@ fn avx512_dot_q(ty: GgmlType) -> Option<DotQ> {
     }
 }
 
-/// The best SIMD kernel for weight type `ty` · its quantized activations, if any.
+/// The best SIMD kernel for weight type `ty` · its quantized activations, if any: an AVX-512 kernel of its own
+/// (IQ2_XXS, Q2_K), else the AVX2 one — for Q8_0 in its 512-bit form where the CPU has it (bit-identical).
 pub(crate) fn dot_q(ty: GgmlType) -> Option<DotQ> {
     #[cfg(target_arch = "x86_64")]
-    return avx512_dot_q(ty).or_else(|| avx2::dot_q(ty));
+    return avx512_dot_q(ty).or_else(|| avx2_x4::dot_q1(ty)).or_else(|| avx2::dot_q(ty));
     #[cfg(all(target_arch = "aarch64", target_feature = "neon", target_endian = "little"))]
     return neon::dot_q(ty);
     #[allow(unreachable_code)]
@@ -205,6 +208,7 @@ pub fn dot_q_variants(ty: GgmlType) -> Vec<(&'static str, ActType, DotQ)> {
             v.extend(avx512::iq2_xxs_gather().map(|k| ("avx512-vbmi", plain, k)));
         } else {
             v.extend(avx512_dot_q(ty).map(|k| ("avx512-vbmi", plain, k)));
+            v.extend(avx2_x4::dot_q1(ty).map(|k| ("avx512-vnni", plain, k)));
         }
         v.extend(avx2::dot_q(ty).map(|k| ("avx2", plain, k)));
     }
