@@ -121,8 +121,15 @@ mod avx {
     /// Outputs per head of a register block of [`weighted_sums`] (two registers).
     const BLOCK: usize = 16;
 
-    /// [`super::weighted_sums`]: blocks of 16 outputs of every head in `2·H` registers (a skipped term is blended
-    /// away, leaving the accumulator as it was), then the portable loop for the tail.
+    /// Rows per segment of [`weighted_sums`]: one bit each in the segment's masks.
+    const SEG: usize = 64;
+
+    /// [`super::weighted_sums`]: the rows are taken in segments of [`SEG`]; per segment each row is resolved once
+    /// and classed once (kept by every head, by none, or by some), then blocks of 16 outputs of every head are
+    /// accumulated in `2·H` registers over the segment's rows (from `+0.0` in the first segment, from the stored
+    /// partial sums after), then the portable loop does the tail. A row no head keeps is not read; a row every head
+    /// keeps is a plain multiply and add per head; in a mixed row a skipped term is blended away, leaving the
+    /// accumulator as it was. Per output the additions are those of the one-head loop, in the same order.
     ///
     /// # Safety
     /// AVX must be available.
@@ -136,26 +143,62 @@ mod avx {
     ) {
         let full = n / BLOCK * BLOCK;
         let min = _mm256_set1_ps(f32::MIN_POSITIVE);
-        for b0 in (0..full).step_by(BLOCK) {
-            let mut acc = [[_mm256_setzero_ps(); 2]; H];
-            for j in 0..nk {
-                let r = &row(j)[b0..b0 + BLOCK];
-                // SAFETY: `r` holds BLOCK = 16 values (sliced above).
-                let (v0, v1) = unsafe { (_mm256_loadu_ps(r.as_ptr()), _mm256_loadu_ps(r.as_ptr().add(8))) };
-                for (h, a) in acc.iter_mut().enumerate() {
-                    let pv = _mm256_set1_ps(p[h * nk + j]);
-                    let skip = _mm256_cmp_ps::<_CMP_LT_OQ>(pv, min);
-                    a[0] = _mm256_blendv_ps(_mm256_add_ps(a[0], _mm256_mul_ps(pv, v0)), a[0], skip);
-                    a[1] = _mm256_blendv_ps(_mm256_add_ps(a[1], _mm256_mul_ps(pv, v1)), a[1], skip);
+        let mut rows: [&[f32]; SEG] = [&[]; SEG];
+        for s0 in (0..nk).step_by(SEG) {
+            let len = SEG.min(nk - s0);
+            // Bit i: row s0 + i is kept by every head (`all`), by at least one (`any`).
+            let (mut all, mut any) = (0u64, 0u64);
+            for (i, r) in rows[..len].iter_mut().enumerate() {
+                let kept = (0..H).filter(|&h| !(p[h * nk + s0 + i] < f32::MIN_POSITIVE)).count();
+                all |= u64::from(kept == H) << i;
+                any |= u64::from(kept > 0) << i;
+                *r = if kept > 0 { &row(s0 + i)[..n] } else { &[] };
+            }
+            for b0 in (0..full).step_by(BLOCK) {
+                let mut acc = [[_mm256_setzero_ps(); 2]; H];
+                if s0 > 0 {
+                    for (h, a) in acc.iter_mut().enumerate() {
+                        let o = &out[h * n + b0..h * n + b0 + BLOCK];
+                        // SAFETY: `o` holds BLOCK = 16 values (sliced above).
+                        unsafe { *a = [_mm256_loadu_ps(o.as_ptr()), _mm256_loadu_ps(o.as_ptr().add(8))] };
+                    }
+                }
+                for (i, r) in rows[..len].iter().enumerate() {
+                    if any >> i & 1 == 0 {
+                        continue;
+                    }
+                    // SAFETY: a kept row was sliced to `n ≥ b0 + BLOCK` values above.
+                    let (v0, v1) =
+                        unsafe { (_mm256_loadu_ps(r.as_ptr().add(b0)), _mm256_loadu_ps(r.as_ptr().add(b0 + 8))) };
+                    let j = s0 + i;
+                    if all >> i & 1 == 1 {
+                        for (h, a) in acc.iter_mut().enumerate() {
+                            let pv = _mm256_set1_ps(p[h * nk + j]);
+                            a[0] = _mm256_add_ps(a[0], _mm256_mul_ps(pv, v0));
+                            a[1] = _mm256_add_ps(a[1], _mm256_mul_ps(pv, v1));
+                        }
+                    } else {
+                        for (h, a) in acc.iter_mut().enumerate() {
+                            let pv = _mm256_set1_ps(p[h * nk + j]);
+                            let skip = _mm256_cmp_ps::<_CMP_LT_OQ>(pv, min);
+                            a[0] = _mm256_blendv_ps(_mm256_add_ps(a[0], _mm256_mul_ps(pv, v0)), a[0], skip);
+                            a[1] = _mm256_blendv_ps(_mm256_add_ps(a[1], _mm256_mul_ps(pv, v1)), a[1], skip);
+                        }
+                    }
+                }
+                for (h, a) in acc.iter().enumerate() {
+                    let o = &mut out[h * n + b0..h * n + b0 + BLOCK];
+                    // SAFETY: `o` holds BLOCK = 16 values (sliced above).
+                    unsafe {
+                        _mm256_storeu_ps(o.as_mut_ptr(), a[0]);
+                        _mm256_storeu_ps(o.as_mut_ptr().add(8), a[1]);
+                    }
                 }
             }
-            for (h, a) in acc.iter().enumerate() {
-                let o = &mut out[h * n + b0..h * n + b0 + BLOCK];
-                // SAFETY: `o` holds BLOCK = 16 values (sliced above).
-                unsafe {
-                    _mm256_storeu_ps(o.as_mut_ptr(), a[0]);
-                    _mm256_storeu_ps(o.as_mut_ptr().add(8), a[1]);
-                }
+        }
+        if nk == 0 {
+            for h in 0..H {
+                out[h * n..h * n + full].fill(0.0);
             }
         }
         if full < n {
@@ -206,16 +249,19 @@ pub(crate) mod tests {
 
     #[test]
     fn weighted_sums_accumulate_rows_in_order_bit_for_bit() {
-        for n in [1usize, 8, 15, 16, 17, 130, 512] {
-            let rows: Vec<Vec<f32>> = (0..40).map(|s| values(n, 1000 + s)).collect();
-            let nk = rows.len();
-            // Weights with denormal, zero, negative and tiny-normal entries: the skipped terms and the kept ones.
+        // Row counts below, at and across the AVX path's 64-row segments; outputs with and without a block tail.
+        for (n, nk) in [(1usize, 40usize), (8, 3), (15, 64), (16, 65), (17, 40), (130, 129), (512, 200)] {
+            let rows: Vec<Vec<f32>> = (0..nk).map(|s| values(n, 1000 + s as u32)).collect();
+            // Weights with denormal, zero, negative and tiny-normal entries (the skipped terms and the kept ones),
+            // and rows that no head keeps or every head keeps.
             let mut p = values(3 * nk, 5 + n as u32);
             for (i, v) in p.iter_mut().enumerate() {
-                match i % 7 {
-                    0 => *v = f32::MIN_POSITIVE / 3.0,
-                    1 => *v = 0.0,
-                    2 => *v = f32::MIN_POSITIVE,
+                match (i % 7, i % nk % 5) {
+                    (_, 3) => *v = f32::MIN_POSITIVE / 2.0,
+                    (_, 4) => *v = v.abs() + f32::MIN_POSITIVE,
+                    (0, _) => *v = f32::MIN_POSITIVE / 3.0,
+                    (1, _) => *v = 0.0,
+                    (2, _) => *v = f32::MIN_POSITIVE,
                     _ => {}
                 }
             }
@@ -232,7 +278,7 @@ pub(crate) mod tests {
                     }
                 }
                 let g: Vec<u32> = got[h * n..(h + 1) * n].iter().map(|v| v.to_bits()).collect();
-                assert_eq!(g, want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "n {n} head {h}");
+                assert_eq!(g, want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "n {n} nk {nk} head {h}");
             }
             weighted_sums::<3>(&mut got, &[], 0, |j| &rows[j]);
             assert!(got.iter().all(|v| v.to_bits() == 0), "an empty sum is +0.0");
