@@ -45,12 +45,50 @@ pub fn weighted_sums<'k, const H: usize>(out: &mut [f32], p: &[f32], nk: usize, 
     let n = out.len() / H.max(1);
     assert!(p.len() >= H * nk, "weights");
     #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: AVX-512F is present (checked above); `avx512::weighted_sums` slices every row it reads.
+        unsafe { avx512::weighted_sums::<H>(out, p, nk, n, &row) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx") {
         // SAFETY: AVX is present (checked above); `avx::weighted_sums` slices every row it reads.
         unsafe { avx::weighted_sums::<H>(out, p, nk, n, &row) };
         return;
     }
     tail_sums::<H>(out, p, nk, n, 0, &row);
+}
+
+#[cfg(test)]
+pub fn tmp_avx<'k, const H: usize>(out: &mut [f32], p: &[f32], nk: usize, n: usize, row: &impl Fn(usize) -> &'k [f32]) {
+    unsafe { avx::weighted_sums::<H>(out, p, nk, n, row) }
+}
+
+/// Rows per segment of the SIMD [`weighted_sums`]: one bit each in the segment's masks.
+#[cfg(target_arch = "x86_64")]
+const SEG: usize = 64;
+
+/// Resolves and classes rows `s0 .. s0 + rows.len()` of a SIMD [`weighted_sums`] segment: bit `i` of the first
+/// mask says every head keeps row `s0 + i`, of the second that at least one does (`!(p < f32::MIN_POSITIVE)`, as the
+/// one-head loop); `rows[i]` is that row's first `n` values, or empty where no head keeps it (not read then).
+#[cfg(target_arch = "x86_64")]
+fn class_rows<'k, const H: usize>(
+    p: &[f32],
+    nk: usize,
+    n: usize,
+    s0: usize,
+    rows: &mut [&'k [f32]],
+    row: &impl Fn(usize) -> &'k [f32],
+) -> (u64, u64) {
+    debug_assert!(rows.len() <= SEG);
+    let (mut all, mut any) = (0u64, 0u64);
+    for (i, r) in rows.iter_mut().enumerate() {
+        let kept = (0..H).filter(|&h| !(p[h * nk + s0 + i] < f32::MIN_POSITIVE)).count();
+        all |= u64::from(kept == H) << i;
+        any |= u64::from(kept > 0) << i;
+        *r = if kept > 0 { &row(s0 + i)[..n] } else { &[] };
+    }
+    (all, any)
 }
 
 /// The portable loop of [`weighted_sums`] for outputs `from..n` of each head.
@@ -121,15 +159,12 @@ mod avx {
     /// Outputs per head of a register block of [`weighted_sums`] (two registers).
     const BLOCK: usize = 16;
 
-    /// Rows per segment of [`weighted_sums`]: one bit each in the segment's masks.
-    const SEG: usize = 64;
-
-    /// [`super::weighted_sums`]: the rows are taken in segments of [`SEG`]; per segment each row is resolved once
-    /// and classed once (kept by every head, by none, or by some), then blocks of 16 outputs of every head are
-    /// accumulated in `2·H` registers over the segment's rows (from `+0.0` in the first segment, from the stored
-    /// partial sums after), then the portable loop does the tail. A row no head keeps is not read; a row every head
-    /// keeps is a plain multiply and add per head; in a mixed row a skipped term is blended away, leaving the
-    /// accumulator as it was. Per output the additions are those of the one-head loop, in the same order.
+    /// [`super::weighted_sums`]: the rows are taken in segments of [`super::SEG`], each resolved and classed once
+    /// ([`super::class_rows`]); blocks of 16 outputs of every head are accumulated in `2·H` registers over a
+    /// segment's rows (from `+0.0` in the first segment, from the stored partial sums after), then the portable loop
+    /// does the tail. A row no head keeps is not read; a row every head keeps is a plain multiply and add per head;
+    /// in a mixed row a skipped term is blended away, leaving the accumulator as it was. Per output the additions
+    /// are those of the one-head loop, in the same order.
     ///
     /// # Safety
     /// AVX must be available.
@@ -143,17 +178,10 @@ mod avx {
     ) {
         let full = n / BLOCK * BLOCK;
         let min = _mm256_set1_ps(f32::MIN_POSITIVE);
-        let mut rows: [&[f32]; SEG] = [&[]; SEG];
-        for s0 in (0..nk).step_by(SEG) {
-            let len = SEG.min(nk - s0);
-            // Bit i: row s0 + i is kept by every head (`all`), by at least one (`any`).
-            let (mut all, mut any) = (0u64, 0u64);
-            for (i, r) in rows[..len].iter_mut().enumerate() {
-                let kept = (0..H).filter(|&h| !(p[h * nk + s0 + i] < f32::MIN_POSITIVE)).count();
-                all |= u64::from(kept == H) << i;
-                any |= u64::from(kept > 0) << i;
-                *r = if kept > 0 { &row(s0 + i)[..n] } else { &[] };
-            }
+        let mut rows: [&[f32]; super::SEG] = [&[]; super::SEG];
+        for s0 in (0..nk).step_by(super::SEG) {
+            let rows = &mut rows[..super::SEG.min(nk - s0)];
+            let (all, any) = super::class_rows::<H>(p, nk, n, s0, rows, row);
             for b0 in (0..full).step_by(BLOCK) {
                 let mut acc = [[_mm256_setzero_ps(); 2]; H];
                 if s0 > 0 {
@@ -163,11 +191,11 @@ mod avx {
                         unsafe { *a = [_mm256_loadu_ps(o.as_ptr()), _mm256_loadu_ps(o.as_ptr().add(8))] };
                     }
                 }
-                for (i, r) in rows[..len].iter().enumerate() {
+                for (i, r) in rows.iter().enumerate() {
                     if any >> i & 1 == 0 {
                         continue;
                     }
-                    // SAFETY: a kept row was sliced to `n ≥ b0 + BLOCK` values above.
+                    // SAFETY: a kept row was sliced to `n ≥ b0 + BLOCK` values.
                     let (v0, v1) =
                         unsafe { (_mm256_loadu_ps(r.as_ptr().add(b0)), _mm256_loadu_ps(r.as_ptr().add(b0 + 8))) };
                     let j = s0 + i;
@@ -196,14 +224,100 @@ mod avx {
                 }
             }
         }
-        if nk == 0 {
-            for h in 0..H {
-                out[h * n..h * n + full].fill(0.0);
+        super::zero_or_tail::<H>(out, p, nk, n, full, row);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    /// Outputs per head of a register block of [`weighted_sums`] (two 512-bit registers).
+    const BLOCK: usize = 32;
+
+    /// [`super::weighted_sums`] as [`super::avx::weighted_sums`], with blocks of 32 outputs per head in two 512-bit
+    /// registers and a mixed row's skipped terms masked out of the addition (the accumulator lane kept as it was).
+    ///
+    /// # Safety
+    /// AVX-512F must be available.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn weighted_sums<'k, const H: usize>(
+        out: &mut [f32],
+        p: &[f32],
+        nk: usize,
+        n: usize,
+        row: &impl Fn(usize) -> &'k [f32],
+    ) {
+        let full = n / BLOCK * BLOCK;
+        let min = _mm512_set1_ps(f32::MIN_POSITIVE);
+        let mut rows: [&[f32]; super::SEG] = [&[]; super::SEG];
+        for s0 in (0..nk).step_by(super::SEG) {
+            let rows = &mut rows[..super::SEG.min(nk - s0)];
+            let (all, any) = super::class_rows::<H>(p, nk, n, s0, rows, row);
+            for b0 in (0..full).step_by(BLOCK) {
+                let mut acc = [[_mm512_setzero_ps(); 2]; H];
+                if s0 > 0 {
+                    for (h, a) in acc.iter_mut().enumerate() {
+                        let o = &out[h * n + b0..h * n + b0 + BLOCK];
+                        // SAFETY: `o` holds BLOCK = 32 values (sliced above).
+                        unsafe { *a = [_mm512_loadu_ps(o.as_ptr()), _mm512_loadu_ps(o.as_ptr().add(16))] };
+                    }
+                }
+                for (i, r) in rows.iter().enumerate() {
+                    if any >> i & 1 == 0 {
+                        continue;
+                    }
+                    // SAFETY: a kept row was sliced to `n ≥ b0 + BLOCK` values.
+                    let (v0, v1) =
+                        unsafe { (_mm512_loadu_ps(r.as_ptr().add(b0)), _mm512_loadu_ps(r.as_ptr().add(b0 + 16))) };
+                    let j = s0 + i;
+                    if all >> i & 1 == 1 {
+                        for (h, a) in acc.iter_mut().enumerate() {
+                            let pv = _mm512_set1_ps(p[h * nk + j]);
+                            a[0] = _mm512_add_ps(a[0], _mm512_mul_ps(pv, v0));
+                            a[1] = _mm512_add_ps(a[1], _mm512_mul_ps(pv, v1));
+                        }
+                    } else {
+                        for (h, a) in acc.iter_mut().enumerate() {
+                            let pv = _mm512_set1_ps(p[h * nk + j]);
+                            let keep = _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(pv, min);
+                            a[0] = _mm512_mask_add_ps(a[0], keep, a[0], _mm512_mul_ps(pv, v0));
+                            a[1] = _mm512_mask_add_ps(a[1], keep, a[1], _mm512_mul_ps(pv, v1));
+                        }
+                    }
+                }
+                for (h, a) in acc.iter().enumerate() {
+                    let o = &mut out[h * n + b0..h * n + b0 + BLOCK];
+                    // SAFETY: `o` holds BLOCK = 32 values (sliced above).
+                    unsafe {
+                        _mm512_storeu_ps(o.as_mut_ptr(), a[0]);
+                        _mm512_storeu_ps(o.as_mut_ptr().add(16), a[1]);
+                    }
+                }
             }
         }
-        if full < n {
-            super::tail_sums::<H>(out, p, nk, n, full, row);
+        super::zero_or_tail::<H>(out, p, nk, n, full, row);
+    }
+}
+
+/// The end of a SIMD [`weighted_sums`] whose blocks covered outputs `..full` of each head: `+0.0` there when there
+/// were no rows (no block was written), then the portable loop for outputs `full..n`.
+#[cfg(target_arch = "x86_64")]
+fn zero_or_tail<'k, const H: usize>(
+    out: &mut [f32],
+    p: &[f32],
+    nk: usize,
+    n: usize,
+    full: usize,
+    row: &impl Fn(usize) -> &'k [f32],
+) {
+    if nk == 0 {
+        for h in 0..H {
+            out[h * n..h * n + full].fill(0.0);
         }
+    }
+    if full < n {
+        tail_sums::<H>(out, p, nk, n, full, row);
     }
 }
 
