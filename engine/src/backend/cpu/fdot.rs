@@ -16,6 +16,8 @@
 //! Both pick the AVX path when the CPU has it (checked once per call with `is_x86_feature_detected!`, which caches)
 //! and otherwise run the portable loops; both paths give the same bits (`tests`).
 
+use std::ops::Range;
+
 use super::matmul::dot_f32;
 
 /// `out[i][j] = dot_f32(a[i], b[j])` for rows of one length `n` (every slice at least `n` long; only the first `n`
@@ -37,31 +39,33 @@ pub fn dots<const A: usize, const B: usize>(a: [&[f32]; A], b: [&[f32]; B], n: u
     out
 }
 
-/// `out[h·n ..][d] = Σ_j p[h·nk + j] · row(j)[d]` for `h < H`, `n = out.len() / H`, accumulated in `j` order from
-/// `+0.0`, leaving out terms with `p < f32::MIN_POSITIVE` (see the module docs); `row(j)` must hold at least `n`
-/// values and `p` at least `H · nk`.
+/// `out[h·n ..][d] += Σ_{j ∈ rows} p[h·nk + j] · row(j)[d]` for `h < H`, `n = out.len() / H`, accumulated in `j`
+/// order, from `+0.0` when `rows` starts at 0 (so `0..nk` is the whole sum and a later range continues it, with the
+/// same bits as one call), leaving out terms with `p < f32::MIN_POSITIVE` (see the module docs); `row(j)` must hold
+/// at least `n` values and `p` at least `H · nk`.
 #[inline]
-pub fn weighted_sums<'k, const H: usize>(out: &mut [f32], p: &[f32], nk: usize, row: impl Fn(usize) -> &'k [f32]) {
+pub fn weighted_sums<'k, const H: usize>(
+    out: &mut [f32],
+    p: &[f32],
+    nk: usize,
+    rows: Range<usize>,
+    row: impl Fn(usize) -> &'k [f32],
+) {
     let n = out.len() / H.max(1);
-    assert!(p.len() >= H * nk, "weights");
+    assert!(p.len() >= H * nk && rows.end <= nk.max(rows.start), "weights");
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx512f") {
         // SAFETY: AVX-512F is present (checked above); `avx512::weighted_sums` slices every row it reads.
-        unsafe { avx512::weighted_sums::<H>(out, p, nk, n, &row) };
+        unsafe { avx512::weighted_sums::<H>(out, p, nk, rows, n, &row) };
         return;
     }
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx") {
         // SAFETY: AVX is present (checked above); `avx::weighted_sums` slices every row it reads.
-        unsafe { avx::weighted_sums::<H>(out, p, nk, n, &row) };
+        unsafe { avx::weighted_sums::<H>(out, p, nk, rows, n, &row) };
         return;
     }
-    tail_sums::<H>(out, p, nk, n, 0, &row);
-}
-
-#[cfg(test)]
-pub fn tmp_avx<'k, const H: usize>(out: &mut [f32], p: &[f32], nk: usize, n: usize, row: &impl Fn(usize) -> &'k [f32]) {
-    unsafe { avx::weighted_sums::<H>(out, p, nk, n, row) }
+    tail_sums::<H>(out, p, nk, rows, n, 0, &row);
 }
 
 /// Rows per segment of the SIMD [`weighted_sums`]: one bit each in the segment's masks.
@@ -96,14 +100,18 @@ fn tail_sums<'k, const H: usize>(
     out: &mut [f32],
     p: &[f32],
     nk: usize,
+    rows: Range<usize>,
     n: usize,
     from: usize,
     row: &impl Fn(usize) -> &'k [f32],
 ) {
     for h in 0..H {
         let o = &mut out[h * n + from..(h + 1) * n];
-        o.fill(0.0);
-        for (j, &pj) in p[h * nk..(h + 1) * nk].iter().enumerate() {
+        if rows.start == 0 {
+            o.fill(0.0);
+        }
+        for j in rows.clone() {
+            let pj = p[h * nk + j];
             if pj < f32::MIN_POSITIVE {
                 continue;
             }
@@ -117,6 +125,7 @@ fn tail_sums<'k, const H: usize>(
 #[cfg(target_arch = "x86_64")]
 mod avx {
     use std::arch::x86_64::*;
+    use std::ops::Range;
 
     /// [`super::dots`] with one 256-bit accumulator per pair.
     ///
@@ -173,14 +182,15 @@ mod avx {
         out: &mut [f32],
         p: &[f32],
         nk: usize,
+        rows_in: Range<usize>,
         n: usize,
         row: &impl Fn(usize) -> &'k [f32],
     ) {
         let full = n / BLOCK * BLOCK;
         let min = _mm256_set1_ps(f32::MIN_POSITIVE);
         let mut rows: [&[f32]; super::SEG] = [&[]; super::SEG];
-        for s0 in (0..nk).step_by(super::SEG) {
-            let rows = &mut rows[..super::SEG.min(nk - s0)];
+        for s0 in rows_in.clone().step_by(super::SEG) {
+            let rows = &mut rows[..super::SEG.min(rows_in.end - s0)];
             let (all, any) = super::class_rows::<H>(p, nk, n, s0, rows, row);
             for b0 in (0..full).step_by(BLOCK) {
                 let mut acc = [[_mm256_setzero_ps(); 2]; H];
@@ -224,13 +234,14 @@ mod avx {
                 }
             }
         }
-        super::zero_or_tail::<H>(out, p, nk, n, full, row);
+        super::zero_or_tail::<H>(out, p, nk, rows_in, n, full, row);
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use std::arch::x86_64::*;
+    use std::ops::Range;
 
     /// Outputs per head of a register block of [`weighted_sums`] (two 512-bit registers).
     const BLOCK: usize = 32;
@@ -245,14 +256,15 @@ mod avx512 {
         out: &mut [f32],
         p: &[f32],
         nk: usize,
+        rows_in: Range<usize>,
         n: usize,
         row: &impl Fn(usize) -> &'k [f32],
     ) {
         let full = n / BLOCK * BLOCK;
         let min = _mm512_set1_ps(f32::MIN_POSITIVE);
         let mut rows: [&[f32]; super::SEG] = [&[]; super::SEG];
-        for s0 in (0..nk).step_by(super::SEG) {
-            let rows = &mut rows[..super::SEG.min(nk - s0)];
+        for s0 in rows_in.clone().step_by(super::SEG) {
+            let rows = &mut rows[..super::SEG.min(rows_in.end - s0)];
             let (all, any) = super::class_rows::<H>(p, nk, n, s0, rows, row);
             for b0 in (0..full).step_by(BLOCK) {
                 let mut acc = [[_mm512_setzero_ps(); 2]; H];
@@ -296,28 +308,29 @@ mod avx512 {
                 }
             }
         }
-        super::zero_or_tail::<H>(out, p, nk, n, full, row);
+        super::zero_or_tail::<H>(out, p, nk, rows_in, n, full, row);
     }
 }
 
-/// The end of a SIMD [`weighted_sums`] whose blocks covered outputs `..full` of each head: `+0.0` there when there
-/// were no rows (no block was written), then the portable loop for outputs `full..n`.
+/// The end of a SIMD [`weighted_sums`] whose blocks covered outputs `..full` of each head: `+0.0` there for an
+/// empty sum from row 0 (no block was written), then the portable loop for outputs `full..n`.
 #[cfg(target_arch = "x86_64")]
 fn zero_or_tail<'k, const H: usize>(
     out: &mut [f32],
     p: &[f32],
     nk: usize,
+    rows: Range<usize>,
     n: usize,
     full: usize,
     row: &impl Fn(usize) -> &'k [f32],
 ) {
-    if nk == 0 {
+    if rows == (0..0) {
         for h in 0..H {
             out[h * n..h * n + full].fill(0.0);
         }
     }
     if full < n {
-        tail_sums::<H>(out, p, nk, n, full, row);
+        tail_sums::<H>(out, p, nk, rows, n, full, row);
     }
 }
 
@@ -361,6 +374,32 @@ pub(crate) mod tests {
         }
     }
 
+    /// A weighted sum of `H` heads: `(out, p, nk, rows, row)`.
+    type Sums = for<'a> fn(&mut [f32], &[f32], usize, Range<usize>, &'a dyn Fn(usize) -> &'a [f32]);
+
+    /// Every [`weighted_sums`] path this CPU runs: the dispatching entry point, then each SIMD path by itself
+    /// (a CPU with AVX-512 would otherwise never run the AVX one) and the portable loop.
+    fn paths<const H: usize>() -> Vec<(&'static str, Sums)> {
+        let mut v: Vec<(&'static str, Sums)> = vec![
+            ("dispatch", |o, p, nk, r, row| weighted_sums::<H>(o, p, nk, r, row)),
+            ("portable", |o, p, nk, r, row| tail_sums::<H>(o, p, nk, r, o.len() / H, 0, &row)),
+        ];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx") {
+                // SAFETY: AVX is present (checked above).
+                v.push(("avx", |o, p, nk, r, row| unsafe { avx::weighted_sums::<H>(o, p, nk, r, o.len() / H, &row) }));
+            }
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                // SAFETY: AVX-512F is present (checked above).
+                v.push(("avx512", |o, p, nk, r, row| unsafe {
+                    avx512::weighted_sums::<H>(o, p, nk, r, o.len() / H, &row)
+                }));
+            }
+        }
+        v
+    }
+
     #[test]
     fn weighted_sums_accumulate_rows_in_order_bit_for_bit() {
         // Row counts below, at and across the AVX path's 64-row segments; outputs with and without a block tail.
@@ -379,10 +418,8 @@ pub(crate) mod tests {
                     _ => {}
                 }
             }
-            let mut got = vec![f32::NAN; 3 * n];
-            weighted_sums::<3>(&mut got, &p, nk, |j| &rows[j]);
-            for h in 0..3 {
-                let mut want = vec![0f32; n];
+            let mut want = vec![0f32; 3 * n];
+            for (h, want) in want.chunks_exact_mut(n).enumerate() {
                 for (j, &pj) in p[h * nk..(h + 1) * nk].iter().enumerate() {
                     if pj < f32::MIN_POSITIVE {
                         continue;
@@ -391,11 +428,23 @@ pub(crate) mod tests {
                         *o += pj * v;
                     }
                 }
-                let g: Vec<u32> = got[h * n..(h + 1) * n].iter().map(|v| v.to_bits()).collect();
-                assert_eq!(g, want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "n {n} nk {nk} head {h}");
             }
-            weighted_sums::<3>(&mut got, &[], 0, |j| &rows[j]);
-            assert!(got.iter().all(|v| v.to_bits() == 0), "an empty sum is +0.0");
+            let want: Vec<u32> = want.iter().map(|v| v.to_bits()).collect();
+            // The whole sum in one call, and continued over ranges that cut segments.
+            let cuts = [vec![0, nk], vec![0, nk / 3, nk / 3 + 1, nk - nk / 5, nk]];
+            for (path, sums) in paths::<3>() {
+                for cut in &cuts {
+                    let mut got = vec![f32::NAN; 3 * n];
+                    for w in cut.windows(2) {
+                        sums(&mut got, &p, nk, w[0]..w[1], &|j| &rows[j][..]);
+                    }
+                    let got: Vec<u32> = got.iter().map(|v| v.to_bits()).collect();
+                    assert_eq!(got, want, "{path}: n {n} nk {nk} ranges {cut:?}");
+                }
+                let mut got = vec![f32::NAN; 3 * n];
+                sums(&mut got, &[], 0, 0..0, &|j| &rows[j][..]);
+                assert!(got.iter().all(|v| v.to_bits() == 0), "{path}: an empty sum is +0.0");
+            }
         }
     }
 }
