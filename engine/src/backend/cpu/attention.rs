@@ -4,7 +4,10 @@
 //! emitted at token `(w+1)·m − 1` is visible to that token — and appends it (normed, roped, simulated) to the
 //! pages. [`indexer_topk`] picks each CSA query's top-k compressed rows. [`sparse_attention`]: each (row, head)
 //! attends to the raw window (its own row included) plus its compressed rows, with a per-head sink logit in the
-//! softmax denominator; V = K. [`kv_store`] writes the last `window` raw rows of each run into the ring.
+//! softmax denominator; V = K. All heads of a row read the same key rows, so a task takes a row's heads together
+//! (all of them in prefill) and runs every head group over a tile of keys before the next tile; per output the
+//! float operations stay those of the one-head loop. [`kv_store`] writes the last `window` raw rows of each run into
+//! the ring.
 //!
 //! Raw rows of the current run are read from the tick's `KvRows`; earlier positions from the session's ring
 //! (written after attention), so runs longer than the window are exact. KV access goes through [`ring_row`] and
@@ -477,64 +480,5 @@ mod tests {
         }
         assert_eq!(softmax_term(0.0), 1.0);
         assert_eq!(softmax_term(f32::NEG_INFINITY), 0.0);
-    }
-}
-
-#[cfg(test)]
-mod tmp_timing {
-    use super::super::fdot;
-    use super::super::fdot::tests::random_values as values;
-    use super::{attend, head_scores};
-    use std::time::Instant;
-
-    #[test]
-    #[ignore]
-    fn tmp_time_attend() {
-        let (hd, nk) = (512usize, 256usize);
-        let big = values(nk * 600 * 4, 3, 1.0);
-        // Rows scattered like ring/kv/comp rows.
-        let keys: Vec<&[f32]> = (0..nk).map(|j| &big[(j * 7919 % (nk * 4)) * 600 + 4..][..hd]).collect();
-        let qs = values(4 * hd, 9, 0.3);
-        let sinks = values(4, 99, 2.0);
-        let mut sc = Vec::new();
-        let mut sc2 = vec![0f32; 4 * nk];
-        let mut out = vec![0f32; 4 * hd];
-        let key = |j: usize| keys[j];
-        let reps = 200;
-        let mut best = [f64::MAX; 4];
-        for _ in 0..15 {
-            let t = Instant::now();
-            for _ in 0..reps {
-                attend(&qs, &sinks, nk, &key, 0.04, &mut sc, &mut out);
-            }
-            best[0] = best[0].min(t.elapsed().as_secs_f64() / reps as f64);
-            let t = Instant::now();
-            for _ in 0..reps {
-                fdot::weighted_sums::<4>(&mut out, &sc, nk, 0..nk, key);
-            }
-            best[1] = best[1].min(t.elapsed().as_secs_f64() / reps as f64);
-            let t = Instant::now();
-            for _ in 0..reps {
-                head_scores::<4>(
-                    std::array::from_fn(|k| &qs[k * hd..(k + 1) * hd]),
-                    nk,
-                    0..nk,
-                    &key,
-                    hd,
-                    0.04,
-                    &mut sc2,
-                );
-            }
-            best[2] = best[2].min(t.elapsed().as_secs_f64() / reps as f64);
-        }
-        let kept = sc.iter().filter(|&&p| p >= f32::MIN_POSITIVE).count();
-        eprintln!("kept {kept} of {}", sc.len());
-        eprintln!(
-            "attend {:.1} us  wsums {:.1} us  scores {:.1} us avx2 {:.1}",
-            best[0] * 1e6,
-            best[1] * 1e6,
-            best[2] * 1e6,
-            best[3] * 1e6
-        );
     }
 }

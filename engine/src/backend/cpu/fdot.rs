@@ -9,12 +9,16 @@
 //! - [`weighted_sums`]: for `H` heads at once, `out_h = Σ_j p_hj · row_j` with every output element accumulated
 //!   from `+0.0` over `j` in order (`o += p_hj · r_j[d]`), terms whose weight is below the smallest normal f32 left
 //!   out (`p < f32::MIN_POSITIVE`: not added at all) — each head's loop
-//!   `for j { if keep { for d { out[d] += p * row_j[d] } } }`, computed 16 outputs of each of the `H` heads at a
-//!   time in registers, so each row's values are loaded once for all `H` heads and `out` is not loaded and stored
-//!   once per row. The attention's `H` is its head group; the indexer uses [`dots`] only.
+//!   `for j { if keep { for d { out[d] += p * row_j[d] } } }`, computed 16 (AVX) or 32 (AVX-512) outputs of each
+//!   of the `H` heads at a time in registers, so each row's values are loaded once for all `H` heads and `out` is not
+//!   loaded and stored once per row. Rows go in segments of 64, each row resolved and classed once per segment: a
+//!   row every head keeps is a plain multiply and add, one no head keeps is not read, only a mixed one pays for the
+//!   per-head skip. A call may cover a range of rows; a range not starting at 0 continues the stored sums, so
+//!   consecutive ranges give the bits of one call (the attention runs every head group over one tile of keys before
+//!   the next). The attention's `H` is its head group; the indexer uses [`dots`] only.
 //!
-//! Both pick the AVX path when the CPU has it (checked once per call with `is_x86_feature_detected!`, which caches)
-//! and otherwise run the portable loops; both paths give the same bits (`tests`).
+//! Each picks its widest SIMD path the CPU has (checked once per call with `is_x86_feature_detected!`, which caches)
+//! and otherwise runs the portable loop; every path gives the same bits (`tests` run each one the CPU has).
 
 use std::ops::Range;
 
