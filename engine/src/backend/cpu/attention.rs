@@ -260,12 +260,12 @@ pub fn sparse_attention(pool: &Pool, sc: &mut Scratch, cx: &StepCtx<'_>, layer: 
 /// alone make [`TASKS_PER_THREAD`] tasks per thread, else the largest multiple of [`HEAD_GROUP`] dividing `nh` that
 /// makes them (at the least one group; `nh` when it is no multiple of the group).
 fn head_span(nh: usize, n: usize, threads: usize) -> usize {
-    if nh % HEAD_GROUP != 0 {
+    if !nh.is_multiple_of(HEAD_GROUP) {
         return nh.max(1);
     }
     let groups = nh / HEAD_GROUP;
     let want = (threads * TASKS_PER_THREAD).div_ceil(n.max(1));
-    let splits = (want.min(groups)..=groups).find(|s| groups % s == 0).unwrap_or(groups);
+    let splits = (want.min(groups)..=groups).find(|&s| groups.is_multiple_of(s)).unwrap_or(groups);
     nh / splits
 }
 
@@ -284,7 +284,7 @@ fn attend<'k>(
 ) {
     let nh = sinks.len();
     let hd = out.len() / nh.max(1);
-    let hg = if nh % HEAD_GROUP == 0 { HEAD_GROUP } else { 1 };
+    let hg = if nh.is_multiple_of(HEAD_GROUP) { HEAD_GROUP } else { 1 };
     scores.clear();
     scores.resize(nh * nk, 0.0);
     for j0 in (0..nk).step_by(KEY_TILE) {
@@ -454,8 +454,8 @@ mod tests {
         {
             let span = head_span(nh, n, threads);
             assert_eq!(nh % span, 0, "{nh} heads, {n} rows: span {span}");
-            if nh % HEAD_GROUP == 0 {
-                assert_eq!(span % HEAD_GROUP, 0, "{nh} heads, {n} rows: span {span}");
+            if nh.is_multiple_of(HEAD_GROUP) {
+                assert!(span.is_multiple_of(HEAD_GROUP), "{nh} heads, {n} rows: span {span}");
                 // Enough tasks, unless the spans are down to one group.
                 assert!(n * nh / span >= threads * 4 || span == HEAD_GROUP, "{nh} heads, {n} rows: span {span}");
             } else {

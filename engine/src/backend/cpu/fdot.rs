@@ -91,7 +91,8 @@ fn class_rows<'k, const H: usize>(
     debug_assert!(rows.len() <= SEG);
     let (mut all, mut any) = (0u64, 0u64);
     for (i, r) in rows.iter_mut().enumerate() {
-        let kept = (0..H).filter(|&h| !(p[h * nk + s0 + i] < f32::MIN_POSITIVE)).count();
+        // Not `p < f32::MIN_POSITIVE` (a NaN weight is kept, as in the one-head loop).
+        let kept = (0..H).map(|h| p[h * nk + s0 + i]).filter(|&v| v >= f32::MIN_POSITIVE || v.is_nan()).count();
         all |= u64::from(kept == H) << i;
         any |= u64::from(kept > 0) << i;
         *r = if kept > 0 { &row(s0 + i)[..n] } else { &[] };
