@@ -170,15 +170,8 @@ mod avx {
         out
     }
 
-    /// Outputs per head of a register block of [`weighted_sums`] (two registers).
-    const BLOCK: usize = 16;
-
-    /// [`super::weighted_sums`]: the rows are taken in segments of [`super::SEG`], each resolved and classed once
-    /// ([`super::class_rows`]); blocks of 16 outputs of every head are accumulated in `2·H` registers over a
-    /// segment's rows (from `+0.0` in the first segment, from the stored partial sums after), then the portable loop
-    /// does the tail. A row no head keeps is not read; a row every head keeps is a plain multiply and add per head;
-    /// in a mixed row a skipped term is blended away, leaving the accumulator as it was. Per output the additions
-    /// are those of the one-head loop, in the same order.
+    /// [`super::weighted_sums`] with blocks of 16 outputs per head in two 256-bit registers ([`super::simd_sums`]);
+    /// in a mixed row a skipped term is blended away, leaving the accumulator as it was.
     ///
     /// # Safety
     /// AVX must be available.
@@ -187,59 +180,45 @@ mod avx {
         out: &mut [f32],
         p: &[f32],
         nk: usize,
-        rows_in: Range<usize>,
+        rows: Range<usize>,
         n: usize,
         row: &impl Fn(usize) -> &'k [f32],
     ) {
-        let full = n / BLOCK * BLOCK;
-        let min = _mm256_set1_ps(f32::MIN_POSITIVE);
-        let mut rows: [&[f32]; super::SEG] = [&[]; super::SEG];
-        for s0 in rows_in.clone().step_by(super::SEG) {
-            let rows = &mut rows[..super::SEG.min(rows_in.end - s0)];
-            let (all, any) = super::class_rows::<H>(p, nk, n, s0, rows, row);
-            for b0 in (0..full).step_by(BLOCK) {
-                let mut acc = [[_mm256_setzero_ps(); 2]; H];
-                if s0 > 0 {
-                    for (h, a) in acc.iter_mut().enumerate() {
-                        let o = &out[h * n + b0..h * n + b0 + BLOCK];
-                        // SAFETY: `o` holds BLOCK = 16 values (sliced above).
-                        unsafe { *a = [_mm256_loadu_ps(o.as_ptr()), _mm256_loadu_ps(o.as_ptr().add(8))] };
-                    }
-                }
-                for (i, r) in rows.iter().enumerate() {
-                    if any >> i & 1 == 0 {
-                        continue;
-                    }
-                    // SAFETY: a kept row was sliced to `n ≥ b0 + BLOCK` values.
-                    let (v0, v1) =
-                        unsafe { (_mm256_loadu_ps(r.as_ptr().add(b0)), _mm256_loadu_ps(r.as_ptr().add(b0 + 8))) };
-                    let j = s0 + i;
-                    if all >> i & 1 == 1 {
-                        for (h, a) in acc.iter_mut().enumerate() {
-                            let pv = _mm256_set1_ps(p[h * nk + j]);
-                            a[0] = _mm256_add_ps(a[0], _mm256_mul_ps(pv, v0));
-                            a[1] = _mm256_add_ps(a[1], _mm256_mul_ps(pv, v1));
-                        }
-                    } else {
-                        for (h, a) in acc.iter_mut().enumerate() {
-                            let pv = _mm256_set1_ps(p[h * nk + j]);
-                            let skip = _mm256_cmp_ps::<_CMP_LT_OQ>(pv, min);
-                            a[0] = _mm256_blendv_ps(_mm256_add_ps(a[0], _mm256_mul_ps(pv, v0)), a[0], skip);
-                            a[1] = _mm256_blendv_ps(_mm256_add_ps(a[1], _mm256_mul_ps(pv, v1)), a[1], skip);
-                        }
-                    }
-                }
-                for (h, a) in acc.iter().enumerate() {
-                    let o = &mut out[h * n + b0..h * n + b0 + BLOCK];
-                    // SAFETY: `o` holds BLOCK = 16 values (sliced above).
-                    unsafe {
-                        _mm256_storeu_ps(o.as_mut_ptr(), a[0]);
-                        _mm256_storeu_ps(o.as_mut_ptr().add(8), a[1]);
-                    }
-                }
+        // SAFETY: AVX is available (the caller's contract), so are `__m256`'s operations.
+        unsafe { super::simd_sums::<__m256, H>(out, p, nk, rows, n, row) }
+    }
+
+    // SAFETY (every method): AVX is available wherever `SumReg` is used for `__m256` (only from `weighted_sums`
+    // above), and pointers hold 8 values (the trait's contract).
+    impl super::SumReg for __m256 {
+        const LANES: usize = 8;
+        #[inline(always)]
+        unsafe fn zero() -> Self {
+            unsafe { _mm256_setzero_ps() }
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> Self {
+            unsafe { _mm256_loadu_ps(p) }
+        }
+        #[inline(always)]
+        unsafe fn store(self, p: *mut f32) {
+            unsafe { _mm256_storeu_ps(p, self) }
+        }
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> Self {
+            unsafe { _mm256_set1_ps(x) }
+        }
+        #[inline(always)]
+        unsafe fn add_product(self, p: Self, v: Self) -> Self {
+            unsafe { _mm256_add_ps(self, _mm256_mul_ps(p, v)) }
+        }
+        #[inline(always)]
+        unsafe fn add_product_kept(self, p: Self, v: Self) -> Self {
+            unsafe {
+                let skip = _mm256_cmp_ps::<_CMP_LT_OQ>(p, _mm256_set1_ps(f32::MIN_POSITIVE));
+                _mm256_blendv_ps(self.add_product(p, v), self, skip)
             }
         }
-        super::zero_or_tail::<H>(out, p, nk, rows_in, n, full, row);
     }
 }
 
@@ -248,11 +227,8 @@ mod avx512 {
     use std::arch::x86_64::*;
     use std::ops::Range;
 
-    /// Outputs per head of a register block of [`weighted_sums`] (two 512-bit registers).
-    const BLOCK: usize = 32;
-
-    /// [`super::weighted_sums`] as [`super::avx::weighted_sums`], with blocks of 32 outputs per head in two 512-bit
-    /// registers and a mixed row's skipped terms masked out of the addition (the accumulator lane kept as it was).
+    /// [`super::weighted_sums`] with blocks of 32 outputs per head in two 512-bit registers ([`super::simd_sums`]);
+    /// in a mixed row a skipped term is masked out of the addition (the accumulator lane kept as it was).
     ///
     /// # Safety
     /// AVX-512F must be available.
@@ -261,60 +237,136 @@ mod avx512 {
         out: &mut [f32],
         p: &[f32],
         nk: usize,
-        rows_in: Range<usize>,
+        rows: Range<usize>,
         n: usize,
         row: &impl Fn(usize) -> &'k [f32],
     ) {
-        let full = n / BLOCK * BLOCK;
-        let min = _mm512_set1_ps(f32::MIN_POSITIVE);
-        let mut rows: [&[f32]; super::SEG] = [&[]; super::SEG];
-        for s0 in rows_in.clone().step_by(super::SEG) {
-            let rows = &mut rows[..super::SEG.min(rows_in.end - s0)];
-            let (all, any) = super::class_rows::<H>(p, nk, n, s0, rows, row);
-            for b0 in (0..full).step_by(BLOCK) {
-                let mut acc = [[_mm512_setzero_ps(); 2]; H];
-                if s0 > 0 {
+        // SAFETY: AVX-512F is available (the caller's contract), so are `__m512`'s operations.
+        unsafe { super::simd_sums::<__m512, H>(out, p, nk, rows, n, row) }
+    }
+
+    // SAFETY (every method): AVX-512F is available wherever `SumReg` is used for `__m512` (only from
+    // `weighted_sums` above), and pointers hold 16 values (the trait's contract).
+    impl super::SumReg for __m512 {
+        const LANES: usize = 16;
+        #[inline(always)]
+        unsafe fn zero() -> Self {
+            unsafe { _mm512_setzero_ps() }
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> Self {
+            unsafe { _mm512_loadu_ps(p) }
+        }
+        #[inline(always)]
+        unsafe fn store(self, p: *mut f32) {
+            unsafe { _mm512_storeu_ps(p, self) }
+        }
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> Self {
+            unsafe { _mm512_set1_ps(x) }
+        }
+        #[inline(always)]
+        unsafe fn add_product(self, p: Self, v: Self) -> Self {
+            unsafe { _mm512_add_ps(self, _mm512_mul_ps(p, v)) }
+        }
+        #[inline(always)]
+        unsafe fn add_product_kept(self, p: Self, v: Self) -> Self {
+            unsafe {
+                let keep = _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(p, _mm512_set1_ps(f32::MIN_POSITIVE));
+                _mm512_mask_add_ps(self, keep, self, _mm512_mul_ps(p, v))
+            }
+        }
+    }
+}
+
+/// The register of a SIMD [`weighted_sums`] path: `LANES` f32 lanes and the operations the blocks need.
+///
+/// # Safety
+/// Its methods need the CPU feature of the register type (the implementing module's path checks it); `load` and
+/// `store` need `LANES` values at the pointer.
+#[cfg(target_arch = "x86_64")]
+trait SumReg: Copy {
+    const LANES: usize;
+    unsafe fn zero() -> Self;
+    unsafe fn load(p: *const f32) -> Self;
+    unsafe fn store(self, p: *mut f32);
+    unsafe fn splat(x: f32) -> Self;
+    /// `self + p · v` per lane (a separate multiply and add).
+    unsafe fn add_product(self, p: Self, v: Self) -> Self;
+    /// [`SumReg::add_product`] in the lanes whose `p` is kept (`!(p < f32::MIN_POSITIVE)`), `self` in the others.
+    unsafe fn add_product_kept(self, p: Self, v: Self) -> Self;
+}
+
+/// The SIMD [`weighted_sums`] over registers `R`: the rows are taken in segments of [`SEG`], each resolved and
+/// classed once ([`class_rows`]); blocks of `2·R::LANES` outputs of every head are accumulated in `2·H` registers
+/// over a segment's rows (from `+0.0` in the first segment, from the stored partial sums after), then the portable
+/// loop does the tail. A row no head keeps is not read; a row every head keeps is a plain multiply and add per head;
+/// a mixed row goes through [`SumReg::add_product_kept`]. Per output the additions are those of the one-head loop,
+/// in the same order.
+///
+/// # Safety
+/// `R`'s CPU feature must be available; inlined into the path that checked it.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn simd_sums<'k, R: SumReg, const H: usize>(
+    out: &mut [f32],
+    p: &[f32],
+    nk: usize,
+    rows_in: Range<usize>,
+    n: usize,
+    row: &impl Fn(usize) -> &'k [f32],
+) {
+    let block = 2 * R::LANES;
+    let full = n / block * block;
+    let mut rows: [&[f32]; SEG] = [&[]; SEG];
+    for s0 in rows_in.clone().step_by(SEG) {
+        let rows = &mut rows[..SEG.min(rows_in.end - s0)];
+        let (all, any) = class_rows::<H>(p, nk, n, s0, rows, row);
+        for b0 in (0..full).step_by(block) {
+            // SAFETY (the whole block): `R`'s feature is available (the caller's contract); every pointer below
+            // starts `2·LANES = block` values before the end of its slice (`b0 + block ≤ full ≤ n`).
+            let mut acc = [[unsafe { R::zero() }; 2]; H];
+            if s0 > 0 {
+                for (h, a) in acc.iter_mut().enumerate() {
+                    let o = &out[h * n + b0..h * n + b0 + block];
+                    // SAFETY: as above.
+                    unsafe { *a = [R::load(o.as_ptr()), R::load(o.as_ptr().add(R::LANES))] };
+                }
+            }
+            for (i, r) in rows.iter().enumerate() {
+                if any >> i & 1 == 0 {
+                    continue;
+                }
+                // SAFETY: as above (a kept row was sliced to `n` values).
+                let (v0, v1) = unsafe { (R::load(r.as_ptr().add(b0)), R::load(r.as_ptr().add(b0 + R::LANES))) };
+                let j = s0 + i;
+                if all >> i & 1 == 1 {
                     for (h, a) in acc.iter_mut().enumerate() {
-                        let o = &out[h * n + b0..h * n + b0 + BLOCK];
-                        // SAFETY: `o` holds BLOCK = 32 values (sliced above).
-                        unsafe { *a = [_mm512_loadu_ps(o.as_ptr()), _mm512_loadu_ps(o.as_ptr().add(16))] };
+                        // SAFETY: as above.
+                        let pv = unsafe { R::splat(p[h * nk + j]) };
+                        // SAFETY: as above.
+                        unsafe { *a = [a[0].add_product(pv, v0), a[1].add_product(pv, v1)] };
                     }
-                }
-                for (i, r) in rows.iter().enumerate() {
-                    if any >> i & 1 == 0 {
-                        continue;
-                    }
-                    // SAFETY: a kept row was sliced to `n ≥ b0 + BLOCK` values.
-                    let (v0, v1) =
-                        unsafe { (_mm512_loadu_ps(r.as_ptr().add(b0)), _mm512_loadu_ps(r.as_ptr().add(b0 + 16))) };
-                    let j = s0 + i;
-                    if all >> i & 1 == 1 {
-                        for (h, a) in acc.iter_mut().enumerate() {
-                            let pv = _mm512_set1_ps(p[h * nk + j]);
-                            a[0] = _mm512_add_ps(a[0], _mm512_mul_ps(pv, v0));
-                            a[1] = _mm512_add_ps(a[1], _mm512_mul_ps(pv, v1));
-                        }
-                    } else {
-                        for (h, a) in acc.iter_mut().enumerate() {
-                            let pv = _mm512_set1_ps(p[h * nk + j]);
-                            let keep = _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(pv, min);
-                            a[0] = _mm512_mask_add_ps(a[0], keep, a[0], _mm512_mul_ps(pv, v0));
-                            a[1] = _mm512_mask_add_ps(a[1], keep, a[1], _mm512_mul_ps(pv, v1));
-                        }
-                    }
-                }
-                for (h, a) in acc.iter().enumerate() {
-                    let o = &mut out[h * n + b0..h * n + b0 + BLOCK];
-                    // SAFETY: `o` holds BLOCK = 32 values (sliced above).
-                    unsafe {
-                        _mm512_storeu_ps(o.as_mut_ptr(), a[0]);
-                        _mm512_storeu_ps(o.as_mut_ptr().add(16), a[1]);
+                } else {
+                    for (h, a) in acc.iter_mut().enumerate() {
+                        // SAFETY: as above.
+                        let pv = unsafe { R::splat(p[h * nk + j]) };
+                        // SAFETY: as above.
+                        unsafe { *a = [a[0].add_product_kept(pv, v0), a[1].add_product_kept(pv, v1)] };
                     }
                 }
             }
+            for (h, a) in acc.iter().enumerate() {
+                let o = &mut out[h * n + b0..h * n + b0 + block];
+                // SAFETY: as above.
+                unsafe {
+                    a[0].store(o.as_mut_ptr());
+                    a[1].store(o.as_mut_ptr().add(R::LANES));
+                }
+            }
         }
-        super::zero_or_tail::<H>(out, p, nk, rows_in, n, full, row);
     }
+    zero_or_tail::<H>(out, p, nk, rows_in, n, full, row);
 }
 
 /// The end of a SIMD [`weighted_sums`] whose blocks covered outputs `..full` of each head: `+0.0` there for an
