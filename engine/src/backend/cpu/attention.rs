@@ -4,7 +4,10 @@
 //! emitted at token `(w+1)·m − 1` is visible to that token — and appends it (normed, roped, simulated) to the
 //! pages. [`indexer_topk`] picks each CSA query's top-k compressed rows. [`sparse_attention`]: each (row, head)
 //! attends to the raw window (its own row included) plus its compressed rows, with a per-head sink logit in the
-//! softmax denominator; V = K. [`kv_store`] writes the last `window` raw rows of each run into the ring.
+//! softmax denominator; V = K. All heads of a row read the same key rows, so a task takes a row's heads together
+//! (all of them in prefill) and runs every head group over a tile of keys before the next tile; per output the
+//! float operations stay those of the one-head loop. [`kv_store`] writes the last `window` raw rows of each run into
+//! the ring.
 //!
 //! Raw rows of the current run are read from the tick's `KvRows`; earlier positions from the session's ring
 //! (written after attention), so runs longer than the window are exact. KV access goes through [`ring_row`] and
@@ -170,16 +173,24 @@ pub fn indexer_topk(pool: &Pool, sc: &mut Scratch, cx: &StepCtx<'_>, layer: usiz
     Ok(())
 }
 
-/// Heads per sparse-attention task: they share each key row's loads (see [`fdot`]).
+/// Heads per register tile of the sparse attention: they share each key row's loads (see [`fdot`]).
 const HEAD_GROUP: usize = 4;
+
+/// Keys per tile of [`attend`]: every head group of a task runs over a tile of keys before the next tile, so the
+/// tile's rows are read from memory once per task and then from cache.
+const KEY_TILE: usize = 64;
+
+/// Sparse-attention tasks wanted per pool thread: rows are split into head spans until there are this many.
+const TASKS_PER_THREAD: usize = 4;
 
 /// [`crate::graph::Op::SparseAttention`]: attention with sinks per (row, head) into `AttnOut`.
 ///
-/// A task is one row and a group of [`HEAD_GROUP`] heads (one head where `n_heads` is not a multiple). Keys `j` of a
-/// row are its raw window in position order, then its compressed rows (all visible ones for HCA, the selection for
-/// CSA). Per head the float operations are those of the one-head loop: `score_j = dot_f32(q, key_j) · scale`, the
-/// softmax with the sink as below, and `out = Σ_j p_j · key_j` over the keys in order from `+0.0`, skipping weights
-/// below the smallest normal f32 — so results do not depend on the grouping (`tests`).
+/// A task is one row and a span of heads: all of them when the tick has rows enough to keep the pool busy (prefill),
+/// fewer, in multiples of [`HEAD_GROUP`], when it has not (decode). Keys `j` of a row are its raw window in position
+/// order, then its compressed rows (all visible ones for HCA, the selection for CSA). Per head the float operations
+/// are those of the one-head loop: `score_j = dot_f32(q, key_j) · scale`, the softmax with the sink as below, and
+/// `out = Σ_j p_j · key_j` over the keys in order from `+0.0`, skipping weights below the smallest normal f32 — so
+/// results depend neither on the span nor on the tiling (`tests`).
 pub fn sparse_attention(pool: &Pool, sc: &mut Scratch, cx: &StepCtx<'_>, layer: usize) -> Result<()> {
     let model = cx.model;
     let c = &model.config;
@@ -195,13 +206,18 @@ pub fn sparse_attention(pool: &Pool, sc: &mut Scratch, cx: &StepCtx<'_>, layer: 
     let scale = 1.0 / (hd as f32).sqrt();
     let sinks = model.dense(lw.sinks);
     let kvs = &*cx.kv;
-    let hg = if nh % HEAD_GROUP == 0 { HEAD_GROUP } else { 1 };
-    let groups = nh / hg;
-    let need = kvs.iter().map(|k| window + k.layers[layer].comp_rows.capacity_rows()).max().unwrap_or(0);
-    grow_slots(&mut sc.scores, pool.threads(), hg * need, 0);
+    let span = head_span(nh, n, pool.threads());
+    let spans = nh / span;
+    // Keys a row can have: the window and its compressed rows (at most top-k of them for CSA).
+    let keys_max = |lk: &LayerKv| {
+        let comp = lk.comp_rows.capacity_rows();
+        window + if kind == LayerKind::Csa { comp.min(topk) } else { comp }
+    };
+    let need = kvs.iter().map(|k| keys_max(&k.layers[layer])).max().unwrap_or(0);
+    grow_slots(&mut sc.scores, pool.threads(), span * need, 0);
     let (q, kvb, sel, slots) = (&sc.q, &sc.kv, &sc.sel, &sc.scores);
-    par_rows(pool, &mut sc.attn[..n * nh * hd], hg * hd, &|i, out| {
-        let (r, h0) = (i / groups, (i % groups) * hg);
+    par_rows(pool, &mut sc.attn[..n * nh * hd], span * hd, &|i, out| {
+        let (r, h0) = (i / spans, (i % spans) * span);
         let row = rows[r];
         let run = &batch.runs[row.run];
         let p0 = rows[run.start].pos;
@@ -233,16 +249,30 @@ pub fn sparse_attention(pool: &Pool, sc: &mut Scratch, cx: &StepCtx<'_>, layer: 
         };
         let mut g = slot(slots);
         let (scores, _) = &mut *g;
-        reserve_to(scores, hg * (window + lk.comp_rows.capacity_rows()));
-        let qs = &q[(r * nh + h0) * hd..(r * nh + h0 + hg) * hd];
-        attend(qs, &sinks[h0..h0 + hg], nk, &key, scale, scores, out);
+        reserve_to(scores, span * keys_max(lk));
+        let qs = &q[(r * nh + h0) * hd..(r * nh + h0 + span) * hd];
+        attend(qs, &sinks[h0..h0 + span], nk, &key, scale, scores, out);
     });
     Ok(())
 }
 
+/// Heads per sparse-attention task for `nh` heads, `n` rows and `threads` pool threads: all heads where the rows
+/// alone make [`TASKS_PER_THREAD`] tasks per thread, else the largest multiple of [`HEAD_GROUP`] dividing `nh` that
+/// makes them (at the least one group; `nh` when it is no multiple of the group).
+fn head_span(nh: usize, n: usize, threads: usize) -> usize {
+    if !nh.is_multiple_of(HEAD_GROUP) {
+        return nh.max(1);
+    }
+    let groups = nh / HEAD_GROUP;
+    let want = (threads * TASKS_PER_THREAD).div_ceil(n.max(1));
+    let splits = (want.min(groups)..=groups).find(|&s| groups.is_multiple_of(s)).unwrap_or(groups);
+    nh / splits
+}
+
 /// Attention of `sinks.len()` heads (`qs`: their query rows, `out`: their outputs, `hd` values each) over keys
-/// `key(0..nk)`, as documented on [`sparse_attention`]. `scores` is scratch (grown to `sinks.len() · nk`; no
-/// allocation when its capacity suffices).
+/// `key(0..nk)`, as documented on [`sparse_attention`]: scores and weighted sums by tiles of [`KEY_TILE`] keys, each
+/// tile through every group of [`HEAD_GROUP`] heads (single heads where the count is no multiple). `scores` is
+/// scratch (grown to `sinks.len() · nk`; no allocation when its capacity suffices).
 fn attend<'k>(
     qs: &[f32],
     sinks: &[f32],
@@ -252,18 +282,23 @@ fn attend<'k>(
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
-    let hg = sinks.len();
-    let hd = out.len() / hg.max(1);
+    let nh = sinks.len();
+    let hd = out.len() / nh.max(1);
+    let hg = if nh.is_multiple_of(HEAD_GROUP) { HEAD_GROUP } else { 1 };
     scores.clear();
-    scores.resize(hg * nk, 0.0);
-    if hg == HEAD_GROUP {
-        head_scores::<HEAD_GROUP>(std::array::from_fn(|k| &qs[k * hd..(k + 1) * hd]), nk, key, hd, scale, scores);
-    } else {
-        for k in 0..hg {
-            head_scores::<1>([&qs[k * hd..(k + 1) * hd]], nk, key, hd, scale, &mut scores[k * nk..(k + 1) * nk]);
+    scores.resize(nh * nk, 0.0);
+    for j0 in (0..nk).step_by(KEY_TILE) {
+        let keys = j0..nk.min(j0 + KEY_TILE);
+        for (h0, s) in (0..nh).step_by(hg).zip(scores.chunks_exact_mut(hg * nk.max(1))) {
+            let q = |k: usize| &qs[(h0 + k) * hd..(h0 + k + 1) * hd];
+            if hg == HEAD_GROUP {
+                head_scores::<HEAD_GROUP>(std::array::from_fn(q), nk, keys.clone(), key, hd, scale, s);
+            } else {
+                head_scores::<1>([q(0)], nk, keys.clone(), key, hd, scale, s);
+            }
         }
     }
-    for (k, s) in scores.chunks_exact_mut(nk.max(1)).take(hg).enumerate() {
+    for (k, s) in scores.chunks_exact_mut(nk.max(1)).take(nh).enumerate() {
         let s = &mut s[..nk];
         let sink = sinks[k];
         let mx = s.iter().fold(sink, |a, &b| a.max(b));
@@ -283,26 +318,33 @@ fn attend<'k>(
     }
     // Weights below the smallest normal f32 add nothing an f32 sum with the top weight's term can hold, and as
     // denormal operands they would cost a microcode assist per element on x86: `weighted_sums` leaves them out.
-    if hg == HEAD_GROUP {
-        fdot::weighted_sums::<HEAD_GROUP>(out, scores, nk, key);
-    } else {
-        for (k, o) in out.chunks_exact_mut(hd).enumerate() {
-            fdot::weighted_sums::<1>(o, &scores[k * nk..(k + 1) * nk], nk, key);
+    // An empty key set still runs once, from key 0, to write the zero sums.
+    for j0 in (0..nk.max(1)).step_by(KEY_TILE) {
+        let keys = j0..nk.min(j0 + KEY_TILE);
+        for (o, p) in
+            out.chunks_exact_mut(hg * hd).zip(scores.chunks_exact(hg * nk.max(1)).chain(std::iter::repeat(&[][..])))
+        {
+            if hg == HEAD_GROUP {
+                fdot::weighted_sums::<HEAD_GROUP>(o, p, nk, keys.clone(), key);
+            } else {
+                fdot::weighted_sums::<1>(o, p, nk, keys.clone(), key);
+            }
         }
     }
 }
 
-/// `scores[k·nk + j] = dot_f32(qs[k], key(j)) · scale` for `j < nk`, two keys per tile.
+/// `scores[k·nk + j] = dot_f32(qs[k], key(j)) · scale` for `j ∈ keys`, two keys per tile.
 fn head_scores<'k, const H: usize>(
     qs: [&[f32]; H],
     nk: usize,
+    keys: std::ops::Range<usize>,
     key: &impl Fn(usize) -> &'k [f32],
     hd: usize,
     scale: f32,
     scores: &mut [f32],
 ) {
-    let mut j = 0;
-    while j + 2 <= nk {
+    let mut j = keys.start;
+    while j + 2 <= keys.end {
         let d = fdot::dots(qs, [key(j), key(j + 1)], hd);
         for (k, dk) in d.iter().enumerate() {
             scores[k * nk + j] = dk[0] * scale;
@@ -310,7 +352,7 @@ fn head_scores<'k, const H: usize>(
         }
         j += 2;
     }
-    if j < nk {
+    if j < keys.end {
         let d = fdot::dots(qs, [key(j)], hd);
         for (k, dk) in d.iter().enumerate() {
             scores[k * nk + j] = dk[0] * scale;
@@ -346,7 +388,7 @@ pub fn kv_store(sc: &mut Scratch, cx: &mut StepCtx<'_>, layer: usize) -> Result<
 mod tests {
     use super::super::fdot::tests::random_values as values;
     use super::super::matmul::dot_f32;
-    use super::{attend, softmax_term, HEAD_GROUP};
+    use super::{attend, head_span, softmax_term, HEAD_GROUP};
 
     /// The one-head loop `attend` replaced (kept verbatim as the reference): scores, softmax with the sink, then
     /// `out += p · key` per key in order, skipping weights below the smallest normal f32.
@@ -375,13 +417,19 @@ mod tests {
     fn grouped_heads_match_the_one_head_loop_bit_for_bit() {
         // Head dims with and without a register-block tail; key counts odd and even; query amplitudes from flat
         // softmaxes to ones whose small weights fall below the normal range (the skipped terms).
-        for (hd, nk, amp) in
-            [(512usize, 640usize, 0.05f32), (512, 257, 3.0), (128, 1, 1.0), (72, 37, 12.0), (8, 2, 40.0)]
-        {
+        for (hd, nk, amp) in [
+            (512usize, 640usize, 0.05f32),
+            (512, 257, 3.0),
+            (128, 1, 1.0),
+            (72, 37, 12.0),
+            (8, 2, 40.0),
+            (16, 0, 1.0),
+            (32, 130, 30.0),
+        ] {
             let key_vals = values(nk * hd, hd as u32 + nk as u32, 1.0);
             let keys: Vec<&[f32]> = key_vals.chunks_exact(hd).collect();
             let scale = 1.0 / (hd as f32).sqrt();
-            for hg in [HEAD_GROUP, 1, 3] {
+            for hg in [HEAD_GROUP, 1, 3, 2 * HEAD_GROUP, 16 * HEAD_GROUP] {
                 let qs = values(hg * hd, 7 + hg as u32, amp);
                 let sinks = values(hg, 99, 2.0);
                 let mut sc = Vec::new();
@@ -397,6 +445,25 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn head_spans_divide_the_heads_and_keep_the_pool_busy() {
+        for (nh, n, threads) in
+            [(64usize, 256usize, 2usize), (64, 1, 2), (64, 3, 2), (64, 1, 64), (8, 1, 16), (6, 1, 4)]
+        {
+            let span = head_span(nh, n, threads);
+            assert_eq!(nh % span, 0, "{nh} heads, {n} rows: span {span}");
+            if nh.is_multiple_of(HEAD_GROUP) {
+                assert!(span.is_multiple_of(HEAD_GROUP), "{nh} heads, {n} rows: span {span}");
+                // Enough tasks, unless the spans are down to one group.
+                assert!(n * nh / span >= threads * 4 || span == HEAD_GROUP, "{nh} heads, {n} rows: span {span}");
+            } else {
+                assert_eq!(span, nh);
+            }
+        }
+        assert_eq!(head_span(64, 256, 2), 64, "prefill: all heads per task");
+        assert_eq!(head_span(64, 1, 2), 8, "decode on 2 threads: 8 tasks of 8 heads");
     }
 
     #[test]
