@@ -430,6 +430,7 @@ fn open_model(
 ) -> Result<(ds4_engine::gguf::GgufFile, String)> {
     if let Some(p) = path {
         let f = ds4_engine::gguf::GgufFile::open(p)?;
+        f.prefault();
         let line = format!("# model: {} ({:.2} GiB)", p.display(), f.file_size() as f64 / (1u64 << 30) as f64);
         return Ok((f, line));
     }

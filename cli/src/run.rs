@@ -112,7 +112,11 @@ fn load(g: &GenArgs) -> anyhow::Result<Loaded> {
     };
     sampler.validate()?;
     let file = match &g.model {
-        Some(path) => GgufFile::open(path)?,
+        Some(path) => {
+            let f = GgufFile::open(path)?;
+            f.prefault();
+            f
+        }
         None => {
             tracing::info!("no -m given: using the built-in tiny demo model (random weights, real tokenizer)");
             GgufFile::from_bytes(ds4_engine::convert::demo::demo_model_gguf(DEMO_SEED)?)?

@@ -147,6 +147,7 @@ impl Engine {
     pub fn open(path: impl AsRef<Path>, opts: EngineOptions) -> Result<Engine> {
         let t0 = std::time::Instant::now();
         let file = GgufFile::open(path.as_ref())?;
+        file.prefault();
         let e = Engine::from_gguf(file, opts)?;
         tracing::info!(path = %path.as_ref().display(), ms = t0.elapsed().as_millis() as u64, "engine ready");
         Ok(e)

@@ -363,7 +363,11 @@ pub struct LoadOptions {
 /// Open `path` (or build the demo model when `None`): runner, codec and model facts.
 pub fn load(path: Option<&Path>, o: &LoadOptions) -> Result<(EngineRunner, EngineCodec, ModelInfo), BackendError> {
     let (file, demo) = match path {
-        Some(p) => (GgufFile::open(p).map_err(be)?, false),
+        Some(p) => {
+            let f = GgufFile::open(p).map_err(be)?;
+            f.prefault();
+            (f, false)
+        }
         None => {
             (GgufFile::from_bytes(ds4_engine::convert::demo_model_gguf(o.demo_seed).map_err(be)?).map_err(be)?, true)
         }

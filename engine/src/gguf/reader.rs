@@ -1,7 +1,7 @@
 //! The validating GGUF reader.
 //!
-//! Files are memory-mapped read-only. A file that fits comfortably in memory (at most half of what the OS reports
-//! available) is pre-faulted at open ([`prefault`]: `MADV_POPULATE_READ` on Linux, 1 GiB at a time, a `tracing`
+//! Files are memory-mapped read-only. Loaders that run the model call [`GgufFile::prefault`]: a file that fits
+//! comfortably in memory (at most half of what the OS reports available) is then pre-faulted ([`prefault`]: `MADV_POPULATE_READ` on Linux, 1 GiB at a time, a `tracing`
 //! line per GiB), so the first requests do not pay the page faults of first touching the weights (a 512-token prefill
 //! touches nearly every routed expert); larger files are faulted in on use as before. `DS4_MMAP_POPULATE=0` turns
 //! pre-faulting off. It changes no byte the engine reads.
@@ -236,8 +236,15 @@ impl GgufFile {
         // truncating the file while it is mapped would be undefined behaviour, as with every mmap-based model
         // loader; model files are treated as immutable while in use.
         let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
-        prefault(&mmap, path);
         Self::parse(Backing::Mmap(mmap), Some(path.to_path_buf()))
+    }
+
+    /// Pre-faults the mapping where the file fits in memory (see the module docs; a no-op for a file held in memory).
+    /// For loaders that are about to run the model, not for tools that read the metadata.
+    pub fn prefault(&self) {
+        if let (Backing::Mmap(m), Some(path)) = (&self.backing, &self.path) {
+            prefault(m, path);
+        }
     }
 
     /// Parses and validates a file held in memory.
