@@ -1,10 +1,10 @@
 //! The validating GGUF reader.
 //!
 //! Files are memory-mapped read-only. Loaders that run the model call [`GgufFile::prefault`]: a file that fits
-//! comfortably in memory (at most half of what the OS reports available) is then pre-faulted ([`prefault`]: `MADV_POPULATE_READ` on Linux, 1 GiB at a time, a `tracing`
-//! line per GiB), so the first requests do not pay the page faults of first touching the weights (a 512-token prefill
-//! touches nearly every routed expert); larger files are faulted in on use as before. `DS4_MMAP_POPULATE=0` turns
-//! pre-faulting off. It changes no byte the engine reads.
+//! comfortably in memory (at most half of what the OS reports available) is then pre-faulted ([`prefault`]:
+//! `MADV_POPULATE_READ` on Linux, 1 GiB at a time, a `tracing` line per GiB), so the first requests do not pay the
+//! page faults of first touching the weights (a 512-token prefill touches nearly every routed expert); larger files
+//! are faulted in on use as before. `DS4_MMAP_POPULATE=0` turns pre-faulting off. It changes no byte the engine reads.
 
 use std::collections::HashMap;
 use std::fs::File;
