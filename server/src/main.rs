@@ -118,9 +118,12 @@ fn main() -> anyhow::Result<()> {
         let addr = format!("{}:{}", args.host, args.port);
         let listener = tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("binding {addr}"))?;
         let local = listener.local_addr()?;
+        // The signal handlers are installed before the address is announced: a SIGTERM sent by whoever saw
+        // "listening" must find them (a lazily polled handler can miss one sent in the first iterations).
+        let shutdown = shutdown_signal()?;
         tracing::info!(%local, model = %state.info.id, ctx = state.info.context_size, "ds4-server listening");
         eprintln!("ds4-server: listening on http://{local}");
-        http::serve(listener, state.clone(), shutdown_signal(), Duration::from_secs(args.drain_timeout_s)).await;
+        http::serve(listener, state.clone(), shutdown, Duration::from_secs(args.drain_timeout_s)).await;
         anyhow::Ok(())
     })?;
     state.scheduler.shutdown();
@@ -128,24 +131,24 @@ fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Resolves on SIGINT or SIGTERM.
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
+/// Installs the SIGINT and SIGTERM handlers now and returns a future that resolves on either.
+fn shutdown_signal() -> anyhow::Result<impl std::future::Future<Output = ()>> {
     #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+        let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+        Ok(async move {
+            tokio::select! {
+                _ = int.recv() => {}
+                _ = term.recv() => {}
             }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
+        })
+    }
     #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        _ = ctrl_c => {}
-        _ = term => {}
+    {
+        Ok(async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
     }
 }

@@ -120,8 +120,8 @@ fn no_output_limit_means_the_context_left_and_the_flag_caps_it() {
     let (p, c) = (r["usage"]["prompt_tokens"].as_u64().unwrap(), r["usage"]["completion_tokens"].as_u64().unwrap());
     assert_eq!(p + c, 6000, "{}", r["usage"]);
     let r = server.post("/v1/responses", &json!({"input": "go"})).json();
-    assert_eq!(r["error"]["code"], "context_length_exceeded");
-    assert_eq!(r["usage"]["total_tokens"], 6000);
+    assert_eq!(r["error"]["code"], "context_length_exceeded", "{r}");
+    assert_eq!(r["usage"]["total_tokens"], 6000, "{r}");
     drop(server);
 
     // --max-output-tokens 100: requests without a limit and with a larger one get 100, smaller ones what they ask.

@@ -494,19 +494,36 @@ impl GgufFile {
 
 #[cfg(test)]
 mod tests {
-    /// Pre-faulting reads the pages in and changes nothing: the mapping holds the file's bytes.
+    /// The resident bytes of this process's mapping that starts at `addr` (`Rss` in `/proc/self/smaps`).
+    #[cfg(target_os = "linux")]
+    fn mapped_rss(addr: *const u8) -> u64 {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let head = format!("{:x}-", addr as usize);
+        let mut lines = smaps.lines().skip_while(|l| !l.starts_with(&head));
+        assert!(lines.next().is_some(), "mapping {head} not in /proc/self/smaps");
+        let rss = lines.find_map(|l| l.strip_prefix("Rss:")).expect("Rss line");
+        rss.trim().trim_end_matches("kB").trim().parse::<u64>().unwrap() * 1024
+    }
+
+    /// Pre-faulting maps the file's pages into this process (resident before the first touch) and changes nothing:
+    /// the mapping holds the file's bytes.
     #[cfg(target_os = "linux")]
     #[test]
-    fn prefault_leaves_the_mapped_bytes_unchanged() {
+    fn prefault_maps_the_pages_in_and_leaves_the_bytes_unchanged() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("m.bin");
-        let bytes: Vec<u8> = (0..3 * 4096 + 17).map(|i| (i * 31 % 251) as u8).collect();
+        let bytes: Vec<u8> = (0..64 * 4096 + 17).map(|i| (i * 31 % 251) as u8).collect();
         std::fs::write(&path, &bytes).unwrap();
         assert!(super::mem_available().is_some_and(|m| m > 0), "/proc/meminfo has MemAvailable");
         let file = std::fs::File::open(&path).unwrap();
         // SAFETY: a private temporary file nobody else writes while it is mapped.
         let map = unsafe { memmap2::Mmap::map(&file) }.unwrap();
+        // Nothing touched yet: the file is in the page cache but not in this process's page tables.
+        let before = mapped_rss(map.as_ptr());
+        assert!(before < bytes.len() as u64 / 2, "{before} bytes resident before pre-faulting");
         super::prefault(&map, &path);
+        let after = mapped_rss(map.as_ptr());
+        assert!(after >= 64 * 4096, "{after} bytes resident after pre-faulting {} bytes", bytes.len());
         assert_eq!(&map[..], &bytes[..]);
     }
 }
