@@ -298,12 +298,34 @@ pub fn gemm_q_kernel(weight_ty: GgmlType) -> Option<GemmQ> {
     simd::gemm_q(weight_ty)
 }
 
-/// Activation rows `a` (whole blocks of `act`) in the format the long-chunk kernels ([`GemmQ`]) read, into `out`
-/// (cleared first; left empty where no kernel has one). Q8_0: each block's quants plus 128, 32 bytes per block.
-pub fn gemm_acts(act: ActType, a: &[u8], out: &mut Vec<u8>) {
+/// Bytes of an activation row of `row_bytes` (Q8_0 blocks) in the long-chunk kernels' format ([`gemm_acts`]).
+pub(crate) fn gemm_row_bytes(row_bytes: usize) -> usize {
+    (row_bytes / q8_0::BLOCK_BYTES).div_ceil(2) * 64
+}
+
+/// Activation rows `a` (rows of `row_bytes`, whole blocks of `act`) in the format the long-chunk kernels
+/// ([`GemmQ`]) read, into `out` (cleared first; left empty where no kernel has one). Q8_0: each block's quants plus
+/// 128, a row's blocks in pairs of 64 bytes whose 4-byte groups alternate (group `m` of the even block at byte
+/// `8m`, of the odd block at `8m + 4`); a row of an odd number of blocks ends with zero bytes for the missing block.
+pub fn gemm_acts(act: ActType, a: &[u8], row_bytes: usize, out: &mut Vec<u8>) {
     out.clear();
-    if act == ActType::Q8_0 {
-        out.extend(a.chunks_exact(q8_0::BLOCK_BYTES).flat_map(|b| b[2..].iter().map(|q| q ^ 0x80)));
+    let nb = row_bytes / q8_0::BLOCK_BYTES;
+    if act != ActType::Q8_0 || nb == 0 {
+        return;
+    }
+    out.reserve(a.len() / row_bytes * gemm_row_bytes(row_bytes));
+    for row in a.chunks_exact(row_bytes) {
+        for p in 0..nb.div_ceil(2) {
+            let quads = |blk: usize, m: usize| row.get(blk * q8_0::BLOCK_BYTES + 2..).map(|q| &q[4 * m..4 * m + 4]);
+            for m in 0..8 {
+                for blk in [2 * p, 2 * p + 1] {
+                    match quads(blk, m).filter(|_| blk < nb) {
+                        Some(q) => out.extend(q.iter().map(|q| q ^ 0x80)),
+                        None => out.extend([0u8; 4]),
+                    }
+                }
+            }
+        }
     }
 }
 

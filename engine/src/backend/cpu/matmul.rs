@@ -322,7 +322,7 @@ impl Acts {
         quant::act_block_scales(act, rows, &mut self.scales);
         self.flipped.clear();
         if gemm.is_some() && n > GEMM_MIN_ROWS {
-            quant::gemm_acts(act, rows, &mut self.flipped);
+            quant::gemm_acts(act, rows, act_bytes, &mut self.flipped);
         }
     }
 

@@ -2,25 +2,35 @@
 //! ([`crate::quant::GemmQ`]), each output bit-identical to the AVX2 single-row kernel (`avx2::q8_0_q8_0_imp`).
 //!
 //! Where the per-row kernels (`avx2_x4`) spend four vector operations per weight block and activation row
-//! (`sign`, `vpdpbusd`, convert, FMA), a tile here spends three: the activation quants are stored once per call
-//! with their sign bit flipped (`a + 128`, an unsigned byte, `vpdpbusd`'s left operand) and each weight block's
-//! correction `-128 · Σ₄ w` (one i32 per lane) is computed once per weight row and activation chunk and loaded as
-//! the accumulator `vpdpbusd` adds into, so `vpdpbusd(corr, a + 128, w)` is `Σ₄ w·a` per lane with no sign fix-up.
-//! A tile is two weight rows × four activation rows (sixteen f32 accumulators: the single kernel's two per output);
-//! the block scale products `d_w · d_a` are formed eight blocks at a time per output. Blocking: a run of weight
-//! rows (`ROW_CHUNK_BYTES`, kept in L2, their corrections and scales computed once per call) sweeps chunks of
-//! activation rows (`ACT_CHUNK_BYTES` of flipped quants). The flipped activations come from the caller
-//! ([`crate::quant::gemm_acts`], once per product) or are made here once per call.
+//! (`sign`, `vpdpbusd`, convert, FMA), a tile here spends three, on 512-bit vectors that hold two blocks:
+//! - The activation quants are stored once per product with their sign bit flipped (`a + 128`, an unsigned byte,
+//!   `vpdpbusd`'s left operand), a row's blocks in pairs: 64 bytes per pair, the even block's 4-byte groups at the
+//!   even 32-bit lanes and the odd block's at the odd lanes (a row of odd length ends with a half-zero pair).
+//! - A weight row's block pairs are interleaved the same way (two 32-byte loads and one two-source permute per pair
+//!   and tile row) and each pair's correction `-128 · Σ₄ w` (one i32 per lane) is computed once per weight row and
+//!   call and loaded as the accumulator `vpdpbusd` adds into, so `vpdpbusd(corr, a + 128, w)` is `Σ₄ w·a` per lane
+//!   with no sign fix-up.
+//! - The block scale products `d_w · d_a` are formed sixteen blocks at a time per output and a pair's two of them
+//!   are broadcast as one 64-bit value, so lane `2m` is scaled by the even block's product and `2m + 1` by the odd.
+//!
+//! A tile is four weight rows × four activation rows (sixteen 512-bit accumulators, one per output: the single
+//! kernel's two 256-bit ones interleaved). Blocking: a run of weight rows (`ROW_CHUNK_BYTES`, kept in L2, their
+//! corrections and scales computed once per call) sweeps chunks of activation rows (`ACT_CHUNK_BYTES` of flipped
+//! quants). The flipped activations come from the caller ([`crate::quant::gemm_acts`], once per product) or are
+//! made here once per call.
 //!
 //! Why every output equals the single kernel's: per lane the integer is `Σ₄ w·a` exactly (no saturation:
 //! `|w| ≤ 128`, `a + 128 ≤ 255`, and the single kernel's `maddubs` pairs stay below 2¹⁵ because activation quants
 //! are in -127..=127, the contract of [`crate::quant::DotQ`]); its conversion to f32 is exact; `d_w · d_a` is the
-//! same f32 product; even blocks go into the first accumulator and odd ones into the second with one FMA each, in
-//! block order, and the result is `hsum(acc₀ + acc₁)` — the single kernel's operations per output, only interleaved
-//! with other outputs'. Scales are the exact f32 values of the f16 ones (given, or converted here).
+//! same f32 product; the even lanes take the even blocks and the odd lanes the odd ones with one FMA each, in block
+//! order — the single kernel's two accumulators — and the result is `hsum(even + odd)`, lane by lane as the single
+//! kernel adds them. The missing odd block of a row of odd length adds `0 · 0` to the odd lanes, which leaves them
+//! as they are (an accumulator that starts at +0 is never -0). Scales are the exact f32 values of the f16 ones
+//! (given, or converted here).
 //!
 //! Soundness: [`gemm_q`] hands the kernel out only after the AVX2/FMA/F16C and AVX-512 F/VL/VNNI features are
-//! detected; shapes are asserted before any vector access, and the tile loads stay inside whole blocks.
+//! detected; shapes are asserted before any vector access, and the tile loads stay inside whole blocks (the odd
+//! block of a row's last pair is not read where the row has none).
 
 use std::arch::x86_64::*;
 use std::cell::RefCell;
@@ -43,11 +53,14 @@ fn available() -> bool {
 }
 
 const B: usize = q8_0::BLOCK_BYTES;
-/// Quant bytes of a block.
+/// Quant bytes of a block, and of a flipped block pair.
 const QB: usize = 32;
+const PB: usize = 2 * QB;
 /// Weight rows and activation rows of a tile.
-const TW: usize = 2;
+const TW: usize = 4;
 const TA: usize = 4;
+/// Blocks whose scale products a tile forms at once (one 512-bit vector per output).
+const SB: usize = 16;
 /// Weight bytes of the run of rows that sweeps every activation chunk (stays in L2).
 const ROW_CHUNK_BYTES: usize = 128 << 10;
 /// Flipped activation bytes of a chunk (stays in L2 while a weight row pair sweeps it).
@@ -55,15 +68,15 @@ const ACT_CHUNK_BYTES: usize = 256 << 10;
 
 /// Per-thread buffers (grown, never shrunk).
 struct Bufs {
-    /// Activation quants `a + 128`, 32 bytes per block, rows of `nb` blocks (where the caller gave none).
-    au: Vec<u8>,
+    /// Flipped activation pairs, rows of `nb.div_ceil(2)` pairs (where the caller gave none).
+    au: Vec<__m512i>,
     /// Activation block scales as f32 (where the caller gave none).
     da: Vec<f32>,
     /// Where row `b`'s flipped quants and f32 scales start (in `au` / `da` or the caller's buffers).
     aup: Vec<*const u8>,
     dap: Vec<*const f32>,
-    /// Weight corrections `-128 · Σ₄ w` of a run of rows.
-    cw: Vec<__m256i>,
+    /// Weight corrections `-128 · Σ₄ w` of a run of rows, one per block pair (interleaved as the quants).
+    cw: Vec<__m512i>,
     /// Weight block scales of a run of rows as f32.
     dw: Vec<f32>,
 }
@@ -105,28 +118,29 @@ fn q8_0_gemm(w: &[u8], rb: usize, rows: Range<usize>, a: &GemmIn<'_>, put: &mut 
             return;
         };
         let Bufs { au, da, aup, dap, cw, dw } = &mut *bufs;
-        au.resize(au.len().max(n * nb * QB), 0);
+        let (np, fr) = (nb.div_ceil(2), super::super::api::gemm_row_bytes(rb));
+        // SAFETY (the `_mm512_setzero_si512` fills): AVX-512 F present (checked by `gemm_q`).
+        au.resize(au.len().max(n * np), unsafe { _mm512_setzero_si512() });
         da.resize(da.len().max(n * nb), 0.0);
-        // SAFETY: AVX present (checked by `gemm_q`).
         let row_chunk = (ROW_CHUNK_BYTES / rb).max(TW);
-        let act_chunk = (ACT_CHUNK_BYTES / (nb * QB)).max(TA);
+        let act_chunk = (ACT_CHUNK_BYTES / fr).max(TA);
         let chunk_rows = row_chunk.min(rows.len());
-        cw.resize(cw.len().max(chunk_rows * nb), unsafe { _mm256_setzero_si256() });
+        cw.resize(cw.len().max(chunk_rows * np), unsafe { _mm512_setzero_si512() });
         dw.resize(dw.len().max(chunk_rows * nb), 0.0);
         aup.clear();
         dap.clear();
         for b in 0..n {
             let at = (a.at)(b);
-            // The caller's flipped row (row `at / rb` of `flipped`, `nb · 32` bytes) and scales where it has them.
-            let fl = at.is_multiple_of(rb).then(|| a.flipped.get(at / rb * nb * QB..(at / rb + 1) * nb * QB)).flatten();
+            // The caller's flipped row (row `at / rb` of `flipped`, `fr` bytes) and scales where it has them.
+            let fl = at.is_multiple_of(rb).then(|| a.flipped.get(at / rb * fr..(at / rb + 1) * fr)).flatten();
             let sc = a.scales.get(at / B..at / B + nb);
             match fl {
                 Some(f) => aup.push(f.as_ptr()),
                 None => {
-                    // SAFETY: `gemm_q` checked the features; the row holds `nb` blocks (asserted) and `au` holds
-                    // row `b`'s `nb` blocks (grown above).
-                    unsafe { flip_row(&a.acts[at..at + rb], nb, au[b * nb * QB..].as_mut_ptr()) };
-                    aup.push(au[b * nb * QB..].as_ptr());
+                    let dst = &mut au[b * np..(b + 1) * np];
+                    // SAFETY: `gemm_q` checked the features; the row holds `nb` blocks (asserted), `dst` `np` pairs.
+                    unsafe { flip_row(&a.acts[at..at + rb], nb, dst) };
+                    aup.push(dst.as_ptr() as *const u8);
                 }
             }
             match sc {
@@ -144,9 +158,9 @@ fn q8_0_gemm(w: &[u8], rb: usize, rows: Range<usize>, a: &GemmIn<'_>, put: &mut 
         while r0 < rows.end {
             let r1 = (r0 + row_chunk).min(rows.end);
             for r in r0..r1 {
-                let c = (r - r0) * nb;
-                // SAFETY: as above; row `r` is inside `w` (asserted), `cw` / `dw` hold `chunk_rows · nb`.
-                unsafe { prep_weights(&w[r * rb..(r + 1) * rb], nb, &mut cw[c..], &mut dw[c..]) };
+                let (c, d) = ((r - r0) * np, (r - r0) * nb);
+                // SAFETY: as above; row `r` is inside `w` (asserted), `cw` / `dw` hold `chunk_rows` rows.
+                unsafe { prep_weights(&w[r * rb..(r + 1) * rb], nb, &mut cw[c..c + np], &mut dw[d..d + nb]) };
             }
             let mut a0 = 0;
             while a0 < n {
@@ -154,18 +168,26 @@ fn q8_0_gemm(w: &[u8], rb: usize, rows: Range<usize>, a: &GemmIn<'_>, put: &mut 
                 let mut r = r0;
                 while r < r1 {
                     let wr = (r1 - r).min(TW);
-                    let c = (r - r0) * nb;
+                    let (c, d) = ((r - r0) * np, (r - r0) * nb);
                     let mut b = a0;
                     while b < a1 {
                         let ar = (a1 - b).min(TA);
-                        let t = Tile { w, rb, r, cw: &cw[c..], dw: &dw[c..], aup: &aup[..], dap: &dap[..], nb, b };
+                        let t = Tile { w, rb, r, cw: &cw[c..], dw: &dw[d..], aup: &aup[..], dap: &dap[..], nb, b };
                         // SAFETY: as above: rows `r..r + wr` and `b..b + ar` are prepared, `nb` blocks each.
                         unsafe {
                             match (wr, ar) {
+                                (4, 4) => t.run::<4, 4>(put),
+                                (4, 3) => t.run::<4, 3>(put),
+                                (4, 2) => t.run::<4, 2>(put),
+                                (4, _) => t.run::<4, 1>(put),
+                                (3, 4) => t.run::<3, 4>(put),
+                                (3, 3) => t.run::<3, 3>(put),
+                                (3, 2) => t.run::<3, 2>(put),
+                                (3, _) => t.run::<3, 1>(put),
                                 (2, 4) => t.run::<2, 4>(put),
                                 (2, 3) => t.run::<2, 3>(put),
                                 (2, 2) => t.run::<2, 2>(put),
-                                (2, 1) => t.run::<2, 1>(put),
+                                (2, _) => t.run::<2, 1>(put),
                                 (_, 4) => t.run::<1, 4>(put),
                                 (_, 3) => t.run::<1, 3>(put),
                                 (_, 2) => t.run::<1, 2>(put),
@@ -183,13 +205,13 @@ fn q8_0_gemm(w: &[u8], rb: usize, rows: Range<usize>, a: &GemmIn<'_>, put: &mut 
     });
 }
 
-/// One tile's operands: weight rows from `r` (their corrections and scales in `cw` / `dw`, `nb` per row) and
-/// activation rows from `b` (their flipped quants and f32 scales at `aup[b]` / `dap[b]`, `nb` blocks each).
+/// One tile's operands: weight rows from `r` (their corrections and scales in `cw` / `dw`, `nb.div_ceil(2)` and
+/// `nb` per row) and activation rows from `b` (their flipped pairs and f32 scales at `aup[b]` / `dap[b]`).
 struct Tile<'a> {
     w: &'a [u8],
     rb: usize,
     r: usize,
-    cw: &'a [__m256i],
+    cw: &'a [__m512i],
     dw: &'a [f32],
     aup: &'a [*const u8],
     dap: &'a [*const f32],
@@ -201,15 +223,15 @@ impl Tile<'_> {
     /// Computes the `WR × AR` outputs and hands each to `put(b, r, v)`.
     ///
     /// # Safety
-    /// The features of [`gemm_q`] present; rows `r..r + WR` of `w`, `cw`, `dw` hold `nb` blocks each, and
-    /// `aup[b..b + AR]` / `dap[b..b + AR]` point at `nb` blocks / scales that live through the call.
+    /// The features of [`gemm_q`] present; rows `r..r + WR` of `w`, `cw`, `dw` hold their blocks / pairs, and
+    /// `aup[b..b + AR]` / `dap[b..b + AR]` point at `nb.div_ceil(2)` pairs / `nb` scales that live through the call.
     #[inline]
     unsafe fn run<const WR: usize, const AR: usize>(&self, put: &mut dyn FnMut(usize, usize, f32)) {
-        let (nb, r, b) = (self.nb, self.r, self.b);
-        assert!((r + WR) * self.rb <= self.w.len() && WR * nb <= self.cw.len() && WR * nb <= self.dw.len());
+        let (nb, r, b, np) = (self.nb, self.r, self.b, self.nb.div_ceil(2));
+        assert!((r + WR) * self.rb <= self.w.len() && WR * np <= self.cw.len() && WR * nb <= self.dw.len());
         assert!(b + AR <= self.aup.len() && b + AR <= self.dap.len());
         let wp = std::array::from_fn(|i| self.w[(r + i) * self.rb..].as_ptr());
-        let cw = std::array::from_fn(|i| self.cw[i * nb..].as_ptr());
+        let cw = std::array::from_fn(|i| self.cw[i * np..].as_ptr());
         let dw = std::array::from_fn(|i| self.dw[i * nb..].as_ptr());
         let au = std::array::from_fn(|j| self.aup[b + j]);
         let da = std::array::from_fn(|j| self.dap[b + j]);
@@ -223,97 +245,130 @@ impl Tile<'_> {
     }
 }
 
-/// Stores row quants `a + 128` (32 bytes per block at `au`), as [`crate::quant::gemm_acts`] does.
+/// The 32-bit lane order of a block pair: the even block's lane `m` at `2m`, the odd block's (index 16 + m of a
+/// two-source permute) at `2m + 1`.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn pair_order() -> __m512i {
+    _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23)
+}
+
+/// Blocks `blk` and `blk + 1` of a Q8_0 row of `nb` blocks at `row`, quants xor `x`, in the pair order (the odd
+/// half zero where `blk + 1 == nb`).
 ///
 /// # Safety
-/// AVX2 present; `row` holds `nb` blocks, `au` is writable for `nb · 32` bytes.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn flip_row(row: &[u8], nb: usize, au: *mut u8) {
-    let flip = _mm256_set1_epi8(-128);
-    for k in 0..nb {
-        // SAFETY: block `k < nb` of the row; `au` has room for it (the caller's contract).
-        unsafe {
-            let q = ld_si256(row.as_ptr().add(k * B + 2));
-            _mm256_storeu_si256(au.add(k * QB) as *mut __m256i, _mm256_xor_si256(q, flip));
-        }
+/// AVX-512 F present; `blk < nb` and `row` valid for `nb` blocks.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f")]
+unsafe fn pair(row: *const u8, blk: usize, nb: usize, x: __m256i, order: __m512i) -> __m512i {
+    // SAFETY: block `blk < nb`, and `blk + 1` only where it is `< nb` (the caller's contract).
+    let (e, o) = unsafe {
+        let e = ld_si256(row.add(blk * B + 2));
+        let o = if blk + 1 < nb { _mm256_xor_si256(ld_si256(row.add((blk + 1) * B + 2)), x) } else { _mm256_setzero_si256() };
+        (_mm256_xor_si256(e, x), o)
+    };
+    _mm512_permutex2var_epi32(_mm512_castsi256_si512(e), order, _mm512_castsi256_si512(o))
+}
+
+/// Stores a row's quants `a + 128` in the flipped format (as [`crate::quant::gemm_acts`] does).
+///
+/// # Safety
+/// The features of [`gemm_q`] present; `row` holds `nb` blocks, `au` `nb.div_ceil(2)` pairs.
+#[target_feature(enable = "avx2,fma,f16c,avx512f")]
+unsafe fn flip_row(row: &[u8], nb: usize, au: &mut [__m512i]) {
+    let (flip, order) = (_mm256_set1_epi8(-128), pair_order());
+    for (p, d) in au.iter_mut().enumerate().take(nb.div_ceil(2)) {
+        // SAFETY: block `2p < nb` of the row (the caller's contract).
+        // (The odd half of a lone last block: zero bytes, as `gemm_acts` writes.)
+        *d = unsafe { pair(row.as_ptr(), 2 * p, nb, flip, order) };
     }
 }
 
-/// One weight row's per-block corrections `-128 · Σ₄ w` (lane `i` from quants `4i..4i + 4`) and scales as f32.
+/// One weight row's per-pair corrections `-128 · Σ₄ w` (in the pair order) and per-block scales as f32.
 ///
 /// # Safety
-/// The features of [`gemm_q`] present; `w` holds `nb` blocks, `cw` and `dw` at least `nb` values.
+/// The features of [`gemm_q`] present; `w` holds `nb` blocks, `cw` `nb.div_ceil(2)` values and `dw` `nb`.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-unsafe fn prep_weights(w: &[u8], nb: usize, cw: &mut [__m256i], dw: &mut [f32]) {
-    let ones128 = _mm256_set1_epi8(-128);
-    for k in 0..nb {
-        if k.is_multiple_of(2) {
-            prefetch_ahead::<1>(w.as_ptr().wrapping_add(k * B));
-        }
-        // SAFETY: block `k < nb` of the row.
-        let q = unsafe { ld_si256(w.as_ptr().add(k * B + 2)) };
-        let s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones128, q);
-        cw[k] = _mm256_sub_epi32(_mm256_setzero_si256(), s);
-        dw[k] = f16_at(w, k * B);
+unsafe fn prep_weights(w: &[u8], nb: usize, cw: &mut [__m512i], dw: &mut [f32]) {
+    let (ones128, order) = (_mm512_set1_epi8(-128), pair_order());
+    for (p, c) in cw.iter_mut().enumerate().take(nb.div_ceil(2)) {
+        prefetch_ahead::<1>(w.as_ptr().wrapping_add(2 * p * B));
+        // SAFETY: block `2p < nb` of the row.
+        let q = unsafe { pair(w.as_ptr(), 2 * p, nb, _mm256_setzero_si256(), order) };
+        *c = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones128, q));
+    }
+    for (k, d) in dw.iter_mut().enumerate().take(nb) {
+        *d = f16_at(w, k * B);
     }
 }
+
+/// Scale products of one output for `SB` blocks (64-byte aligned, read as 64-bit pairs).
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+struct Scales([f32; SB]);
 
 /// `WR` weight rows × `AR` activation rows over `nb` blocks (see the module docs).
 ///
 /// # Safety
 /// The features of [`gemm_q`] present; every pointer is valid for `nb` blocks of its kind (weights: 34-byte blocks,
-/// `au`: 32-byte blocks, `cw` / `dw` / `da`: one value per block).
+/// `au`: 64-byte pairs, `cw`: one value per pair, `dw` / `da`: one value per block).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
 unsafe fn tile<const WR: usize, const AR: usize>(
     w: [*const u8; WR],
-    cw: [*const __m256i; WR],
+    cw: [*const __m512i; WR],
     dw: [*const f32; WR],
     au: [*const u8; AR],
     da: [*const f32; AR],
     nb: usize,
 ) -> [[f32; AR]; WR] {
-    let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    let mut acc = [[[_mm256_setzero_ps(); 2]; AR]; WR];
-    let mut dd = [[[0f32; 8]; AR]; WR];
+    let (order, zero) = (pair_order(), _mm256_setzero_si256());
+    let mut acc = [[_mm512_setzero_ps(); AR]; WR];
+    let mut dd = [[Scales([0.0; SB]); AR]; WR];
     let mut c0 = 0;
     while c0 < nb {
-        let m = (nb - c0).min(8);
-        let live = _mm256_cmpgt_epi32(_mm256_set1_epi32(m as i32), lane);
+        let m = (nb - c0).min(SB);
+        let live: __mmask16 = if m == SB { !0 } else { (1 << m) - 1 };
         for i in 0..WR {
-            // SAFETY: lanes below `m` read blocks `c0..c0 + m < nb`; the others nothing.
-            let wv = unsafe { _mm256_maskload_ps(dw[i].add(c0), live) };
+            // SAFETY: lanes below `m` read blocks `c0..c0 + m ≤ nb`; the others nothing (zero).
+            let wv = unsafe { _mm512_maskz_loadu_ps(live, dw[i].add(c0)) };
             for j in 0..AR {
-                // SAFETY: as above; `dd[i][j]` is 8 writable f32.
+                // SAFETY: as above; `dd[i][j]` is 16 aligned writable f32.
                 unsafe {
-                    _mm256_storeu_ps(dd[i][j].as_mut_ptr(), _mm256_mul_ps(wv, _mm256_maskload_ps(da[j].add(c0), live)))
-                };
+                    let av = _mm512_maskz_loadu_ps(live, da[j].add(c0));
+                    _mm512_store_ps(dd[i][j].0.as_mut_ptr(), _mm512_mul_ps(wv, av));
+                }
             }
         }
         let mut k = 0;
         while k < m {
-            for h in 0..2 {
-                if k + h == m {
-                    break;
-                }
-                // `c0` and `k` are even, so block `blk`'s parity is `h`: even blocks into the first accumulator.
-                let blk = c0 + k + h;
-                // SAFETY: block `blk < nb` of every operand.
-                let av: [__m256i; AR] = std::array::from_fn(|j| unsafe { ld_si256(au[j].add(blk * QB)) });
-                for i in 0..WR {
-                    // SAFETY: as above.
-                    let (wq, c) = unsafe { (ld_si256(w[i].add(blk * B + 2)), _mm256_load_si256(cw[i].add(blk))) };
-                    for j in 0..AR {
-                        let p = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(c, av[j], wq));
-                        acc[i][j][h] = _mm256_fmadd_ps(_mm256_set1_ps(dd[i][j][k + h]), p, acc[i][j][h]);
-                    }
+            // `c0` and `k` are even: pair `p` holds blocks `blk` and `blk + 1` (where `blk + 1 < nb`).
+            let (blk, p) = (c0 + k, (c0 + k) / 2);
+            // SAFETY: pair `p` of every flipped row (`nb.div_ceil(2)` pairs).
+            let av: [__m512i; AR] = std::array::from_fn(|j| unsafe { _mm512_loadu_si512(au[j].add(p * PB) as *const _) });
+            for i in 0..WR {
+                // SAFETY: blocks `blk < nb` (and `blk + 1` where `< nb`) of weight row `i`, its pair `p`.
+                let (wq, c) = unsafe { (pair(w[i], blk, nb, zero, order), _mm512_load_si512(cw[i].add(p) as *const _)) };
+                for j in 0..AR {
+                    let s = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(c, av[j], wq));
+                    // SAFETY: `k + 1 < SB`: the two scale products of the pair, 8-byte aligned.
+                    let d = unsafe { (dd[i][j].0.as_ptr().add(k) as *const f64).read() };
+                    acc[i][j] = _mm512_fmadd_ps(_mm512_castpd_ps(_mm512_set1_pd(d)), s, acc[i][j]);
                 }
             }
             k += 2;
         }
-        c0 += 8;
+        c0 += SB;
     }
-    std::array::from_fn(|i| std::array::from_fn(|j| hsum_ps(_mm256_add_ps(acc[i][j][0], acc[i][j][1]))))
+    // Lane `2m` + lane `2m + 1` (even block sums + odd ones, in that order), gathered into lanes 0..8.
+    let evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+    std::array::from_fn(|i| {
+        std::array::from_fn(|j| {
+            let a = acc[i][j];
+            let s = _mm512_add_ps(a, _mm512_permute_ps::<0xb1>(a));
+            hsum_ps(_mm512_castps512_ps256(_mm512_permutexvar_ps(evens, s)))
+        })
+    })
 }
 
 #[cfg(test)]
@@ -369,7 +424,7 @@ mod tests {
             let order: Vec<usize> = (0..n).map(|b| (b * 7 + 3) % (n + 3)).collect();
             let at = |b: usize| order[b] * rb;
             let mut flipped = Vec::new();
-            crate::quant::gemm_acts(crate::quant::ActType::Q8_0, &acts, &mut flipped);
+            crate::quant::gemm_acts(crate::quant::ActType::Q8_0, &acts, rb, &mut flipped);
             for (sc, fl) in [(&scales[..], &flipped[..]), (&[], &[]), (&scales[..], &[]), (&[], &flipped[..])] {
                 for range in [0..rows, rows / 2..rows] {
                     let mut got = vec![f32::NAN; n * rows];
