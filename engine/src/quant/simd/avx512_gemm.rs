@@ -75,7 +75,8 @@ struct Bufs {
     /// Where row `b`'s flipped quants and f32 scales start (in `au` / `da` or the caller's buffers).
     aup: Vec<*const u8>,
     dap: Vec<*const f32>,
-    /// Weight corrections `-128 · Σ₄ w` of a run of rows, one per block pair (interleaved as the quants).
+    /// A run of weight rows repacked: per block pair its quants in the pair order, then its corrections
+    /// `-128 · Σ₄ w` (one i32 per lane), so `2 · nb.div_ceil(2)` vectors per row.
     cw: Vec<__m512i>,
     /// Weight block scales of a run of rows as f32.
     dw: Vec<f32>,
@@ -125,7 +126,7 @@ fn q8_0_gemm(w: &[u8], rb: usize, rows: Range<usize>, a: &GemmIn<'_>, put: &mut 
         let row_chunk = (ROW_CHUNK_BYTES / rb).max(TW);
         let act_chunk = (ACT_CHUNK_BYTES / fr).max(TA);
         let chunk_rows = row_chunk.min(rows.len());
-        cw.resize(cw.len().max(chunk_rows * np), unsafe { _mm512_setzero_si512() });
+        cw.resize(cw.len().max(chunk_rows * 2 * np), unsafe { _mm512_setzero_si512() });
         dw.resize(dw.len().max(chunk_rows * nb), 0.0);
         aup.clear();
         dap.clear();
@@ -158,9 +159,9 @@ fn q8_0_gemm(w: &[u8], rb: usize, rows: Range<usize>, a: &GemmIn<'_>, put: &mut 
         while r0 < rows.end {
             let r1 = (r0 + row_chunk).min(rows.end);
             for r in r0..r1 {
-                let (c, d) = ((r - r0) * np, (r - r0) * nb);
+                let (c, d) = ((r - r0) * 2 * np, (r - r0) * nb);
                 // SAFETY: as above; row `r` is inside `w` (asserted), `cw` / `dw` hold `chunk_rows` rows.
-                unsafe { prep_weights(&w[r * rb..(r + 1) * rb], nb, &mut cw[c..c + np], &mut dw[d..d + nb]) };
+                unsafe { prep_weights(&w[r * rb..(r + 1) * rb], nb, &mut cw[c..c + 2 * np], &mut dw[d..d + nb]) };
             }
             let mut a0 = 0;
             while a0 < n {
@@ -168,11 +169,11 @@ fn q8_0_gemm(w: &[u8], rb: usize, rows: Range<usize>, a: &GemmIn<'_>, put: &mut 
                 let mut r = r0;
                 while r < r1 {
                     let wr = (r1 - r).min(TW);
-                    let (c, d) = ((r - r0) * np, (r - r0) * nb);
+                    let (c, d) = ((r - r0) * 2 * np, (r - r0) * nb);
                     let mut b = a0;
                     while b < a1 {
                         let ar = (a1 - b).min(TA);
-                        let t = Tile { w, rb, r, cw: &cw[c..], dw: &dw[d..], aup: &aup[..], dap: &dap[..], nb, b };
+                        let t = Tile { cw: &cw[c..], dw: &dw[d..], aup: &aup[..], dap: &dap[..], nb, r, b };
                         // SAFETY: as above: rows `r..r + wr` and `b..b + ar` are prepared, `nb` blocks each.
                         unsafe {
                             match (wr, ar) {
@@ -205,17 +206,16 @@ fn q8_0_gemm(w: &[u8], rb: usize, rows: Range<usize>, a: &GemmIn<'_>, put: &mut 
     });
 }
 
-/// One tile's operands: weight rows from `r` (their corrections and scales in `cw` / `dw`, `nb.div_ceil(2)` and
-/// `nb` per row) and activation rows from `b` (their flipped pairs and f32 scales at `aup[b]` / `dap[b]`).
+/// One tile's operands: weight rows from `r` (repacked with their corrections in `cw`, `2 · nb.div_ceil(2)`
+/// vectors per row, and their scales in `dw`, `nb` per row) and activation rows from `b` (their flipped pairs and
+/// f32 scales at `aup[b]` / `dap[b]`).
 struct Tile<'a> {
-    w: &'a [u8],
-    rb: usize,
-    r: usize,
     cw: &'a [__m512i],
     dw: &'a [f32],
     aup: &'a [*const u8],
     dap: &'a [*const f32],
     nb: usize,
+    r: usize,
     b: usize,
 }
 
@@ -223,20 +223,19 @@ impl Tile<'_> {
     /// Computes the `WR × AR` outputs and hands each to `put(b, r, v)`.
     ///
     /// # Safety
-    /// The features of [`gemm_q`] present; rows `r..r + WR` of `w`, `cw`, `dw` hold their blocks / pairs, and
-    /// `aup[b..b + AR]` / `dap[b..b + AR]` point at `nb.div_ceil(2)` pairs / `nb` scales that live through the call.
+    /// The features of [`gemm_q`] present; `aup[b..b + AR]` / `dap[b..b + AR]` point at `nb.div_ceil(2)` pairs /
+    /// `nb` scales that live through the call.
     #[inline]
     unsafe fn run<const WR: usize, const AR: usize>(&self, put: &mut dyn FnMut(usize, usize, f32)) {
         let (nb, r, b, np) = (self.nb, self.r, self.b, self.nb.div_ceil(2));
-        assert!((r + WR) * self.rb <= self.w.len() && WR * np <= self.cw.len() && WR * nb <= self.dw.len());
+        assert!(WR * 2 * np <= self.cw.len() && WR * nb <= self.dw.len());
         assert!(b + AR <= self.aup.len() && b + AR <= self.dap.len());
-        let wp = std::array::from_fn(|i| self.w[(r + i) * self.rb..].as_ptr());
-        let cw = std::array::from_fn(|i| self.cw[i * np..].as_ptr());
+        let cw = std::array::from_fn(|i| self.cw[i * 2 * np..].as_ptr());
         let dw = std::array::from_fn(|i| self.dw[i * nb..].as_ptr());
         let au = std::array::from_fn(|j| self.aup[b + j]);
         let da = std::array::from_fn(|j| self.dap[b + j]);
         // SAFETY: bounds asserted above; features are the caller's contract.
-        let v = unsafe { tile::<WR, AR>(wp, cw, dw, au, da, nb) };
+        let v = unsafe { tile::<WR, AR>(cw, dw, au, da, nb) };
         for (i, row) in v.iter().enumerate() {
             for (j, &x) in row.iter().enumerate() {
                 put(b + j, r + i, x);
@@ -264,7 +263,11 @@ unsafe fn pair(row: *const u8, blk: usize, nb: usize, x: __m256i, order: __m512i
     // SAFETY: block `blk < nb`, and `blk + 1` only where it is `< nb` (the caller's contract).
     let (e, o) = unsafe {
         let e = ld_si256(row.add(blk * B + 2));
-        let o = if blk + 1 < nb { _mm256_xor_si256(ld_si256(row.add((blk + 1) * B + 2)), x) } else { _mm256_setzero_si256() };
+        let o = if blk + 1 < nb {
+            _mm256_xor_si256(ld_si256(row.add((blk + 1) * B + 2)), x)
+        } else {
+            _mm256_setzero_si256()
+        };
         (_mm256_xor_si256(e, x), o)
     };
     _mm512_permutex2var_epi32(_mm512_castsi256_si512(e), order, _mm512_castsi256_si512(o))
@@ -284,18 +287,20 @@ unsafe fn flip_row(row: &[u8], nb: usize, au: &mut [__m512i]) {
     }
 }
 
-/// One weight row's per-pair corrections `-128 · Σ₄ w` (in the pair order) and per-block scales as f32.
+/// One weight row repacked (per block pair: its quants in the pair order, then its corrections `-128 · Σ₄ w`)
+/// and its per-block scales as f32.
 ///
 /// # Safety
-/// The features of [`gemm_q`] present; `w` holds `nb` blocks, `cw` `nb.div_ceil(2)` values and `dw` `nb`.
+/// The features of [`gemm_q`] present; `w` holds `nb` blocks, `cw` `2 · nb.div_ceil(2)` values and `dw` `nb`.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
 unsafe fn prep_weights(w: &[u8], nb: usize, cw: &mut [__m512i], dw: &mut [f32]) {
     let (ones128, order) = (_mm512_set1_epi8(-128), pair_order());
-    for (p, c) in cw.iter_mut().enumerate().take(nb.div_ceil(2)) {
+    for (p, qc) in cw.chunks_exact_mut(2).enumerate().take(nb.div_ceil(2)) {
         prefetch_ahead::<1>(w.as_ptr().wrapping_add(2 * p * B));
         // SAFETY: block `2p < nb` of the row.
         let q = unsafe { pair(w.as_ptr(), 2 * p, nb, _mm256_setzero_si256(), order) };
-        *c = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones128, q));
+        qc[0] = q;
+        qc[1] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones128, q));
     }
     for (k, d) in dw.iter_mut().enumerate().take(nb) {
         *d = f16_at(w, k * B);
@@ -310,19 +315,17 @@ struct Scales([f32; SB]);
 /// `WR` weight rows × `AR` activation rows over `nb` blocks (see the module docs).
 ///
 /// # Safety
-/// The features of [`gemm_q`] present; every pointer is valid for `nb` blocks of its kind (weights: 34-byte blocks,
-/// `au`: 64-byte pairs, `cw`: one value per pair, `dw` / `da`: one value per block).
+/// The features of [`gemm_q`] present; every pointer is valid for `nb` blocks of its kind (`cw`: two vectors per
+/// pair, `au`: 64-byte pairs, `dw` / `da`: one value per block).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
 unsafe fn tile<const WR: usize, const AR: usize>(
-    w: [*const u8; WR],
     cw: [*const __m512i; WR],
     dw: [*const f32; WR],
     au: [*const u8; AR],
     da: [*const f32; AR],
     nb: usize,
 ) -> [[f32; AR]; WR] {
-    let (order, zero) = (pair_order(), _mm256_setzero_si256());
     let mut acc = [[_mm512_setzero_ps(); AR]; WR];
     let mut dd = [[Scales([0.0; SB]); AR]; WR];
     let mut c0 = 0;
@@ -342,13 +345,19 @@ unsafe fn tile<const WR: usize, const AR: usize>(
         }
         let mut k = 0;
         while k < m {
-            // `c0` and `k` are even: pair `p` holds blocks `blk` and `blk + 1` (where `blk + 1 < nb`).
-            let (blk, p) = (c0 + k, (c0 + k) / 2);
+            // `c0` and `k` are even: pair `p` holds blocks `c0 + k` and the next one (where there is one).
+            let p = (c0 + k) / 2;
             // SAFETY: pair `p` of every flipped row (`nb.div_ceil(2)` pairs).
-            let av: [__m512i; AR] = std::array::from_fn(|j| unsafe { _mm512_loadu_si512(au[j].add(p * PB) as *const _) });
+            let av: [__m512i; AR] =
+                std::array::from_fn(|j| unsafe { _mm512_loadu_si512(au[j].add(p * PB) as *const _) });
             for i in 0..WR {
-                // SAFETY: blocks `blk < nb` (and `blk + 1` where `< nb`) of weight row `i`, its pair `p`.
-                let (wq, c) = unsafe { (pair(w[i], blk, nb, zero, order), _mm512_load_si512(cw[i].add(p) as *const _)) };
+                // SAFETY: pair `p` of weight row `i`.
+                let (wq, c) = unsafe {
+                    (
+                        _mm512_load_si512(cw[i].add(2 * p) as *const _),
+                        _mm512_load_si512(cw[i].add(2 * p + 1) as *const _),
+                    )
+                };
                 for j in 0..AR {
                     let s = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(c, av[j], wq));
                     // SAFETY: `k + 1 < SB`: the two scale products of the pair, 8-byte aligned.
@@ -397,7 +406,7 @@ mod tests {
 
     /// Every output equals the single-row kernel on the same bytes: weight row counts with and without a lone row,
     /// activation row counts with every tail, block counts odd and even (below, at and above the scale chunk; 1100
-    /// blocks: runs of 3 weight rows and chunks of 7 activation rows), with and without pre-converted scales and
+    /// blocks: runs of 4 weight rows and chunks of 7 activation rows), with and without pre-converted scales and
     /// pre-flipped activations, activation rows gathered out of order.
     #[test]
     fn every_output_is_the_single_kernel() {
@@ -442,6 +451,44 @@ mod tests {
                         }
                     }
                 }
+            }
+        }
+    }
+
+    /// The flipped format: `gemm_acts` writes the documented byte order (4-byte groups of a block pair alternating,
+    /// quants plus 128, zero bytes for the missing block of a row of odd length), and the kernel's own conversion
+    /// writes the same bytes.
+    #[test]
+    fn flipped_format_is_the_documented_one() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        for nb in [1usize, 2, 3, 6] {
+            let rb = nb * B;
+            let acts = blocks(&mut rng, 2, nb, true);
+            let mut out = Vec::new();
+            crate::quant::gemm_acts(crate::quant::ActType::Q8_0, &acts, rb, &mut out);
+            let fr = nb.div_ceil(2) * PB;
+            assert_eq!(out.len(), 2 * fr);
+            for (row, got) in acts.chunks_exact(rb).zip(out.chunks_exact(fr)) {
+                for (i, &g) in got.iter().enumerate() {
+                    let (p, m, odd, byte) = (i / PB, i % PB / 8, i % 8 / 4, i % 4);
+                    let blk = 2 * p + odd;
+                    let want = if blk < nb { row[blk * B + 2 + 4 * m + byte] ^ 0x80 } else { 0 };
+                    assert_eq!(g, want, "nb {nb} byte {i}");
+                }
+                if !available() {
+                    continue;
+                }
+                let mut own = vec![[0u8; PB]; nb.div_ceil(2)];
+                // SAFETY: the features are present (checked above); `tmp` holds `nb.div_ceil(2)` pairs, the row `nb`
+                // blocks, and each `own[p]` is 64 writable bytes.
+                unsafe {
+                    let mut tmp = vec![_mm512_setzero_si512(); own.len()];
+                    flip_row(row, nb, &mut tmp);
+                    for (d, v) in own.iter_mut().zip(&tmp) {
+                        _mm512_storeu_si512(d.as_mut_ptr() as *mut _, *v);
+                    }
+                }
+                assert_eq!(own.concat(), got, "nb {nb}: the kernel's own flip");
             }
         }
     }
