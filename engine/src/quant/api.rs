@@ -39,7 +39,7 @@ pub const MAX_ROWS: usize = 8;
 pub struct GemmIn<'a> {
     pub acts: &'a [u8],
     pub scales: &'a [f32],
-    pub flipped: &'a [u8],
+    pub flipped: &'a [GemmLine],
     pub at: &'a dyn Fn(usize) -> usize,
     pub n: usize,
 }
@@ -298,33 +298,39 @@ pub fn gemm_q_kernel(weight_ty: GgmlType) -> Option<GemmQ> {
     simd::gemm_q(weight_ty)
 }
 
-/// Bytes of an activation row of `row_bytes` (Q8_0 blocks) in the long-chunk kernels' format ([`gemm_acts`]).
-pub(crate) fn gemm_row_bytes(row_bytes: usize) -> usize {
-    (row_bytes / q8_0::BLOCK_BYTES).div_ceil(2) * 64
+/// 64 bytes of [`gemm_acts`]' format, 64-byte aligned (so a kernel's 512-bit loads never straddle cache lines).
+#[repr(C, align(64))]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GemmLine(pub [u8; 64]);
+
+/// Lines of an activation row of `row_bytes` (Q8_0 blocks) in the long-chunk kernels' format ([`gemm_acts`]).
+pub(crate) fn gemm_row_lines(row_bytes: usize) -> usize {
+    (row_bytes / q8_0::BLOCK_BYTES).div_ceil(2)
 }
 
 /// Activation rows `a` (rows of `row_bytes`, whole blocks of `act`) in the format the long-chunk kernels
 /// ([`GemmQ`]) read, into `out` (cleared first; left empty where no kernel has one). Q8_0: each block's quants plus
-/// 128, a row's blocks in pairs of 64 bytes whose 4-byte groups alternate (group `m` of the even block at byte
-/// `8m`, of the odd block at `8m + 4`); a row of an odd number of blocks ends with zero bytes for the missing block.
-pub fn gemm_acts(act: ActType, a: &[u8], row_bytes: usize, out: &mut Vec<u8>) {
+/// 128, a row's blocks in pairs, one [`GemmLine`] per pair, whose 4-byte groups alternate (group `m` of the even
+/// block at byte `8m`, of the odd block at `8m + 4`); a row of an odd number of blocks ends with zero bytes for the
+/// missing block.
+pub fn gemm_acts(act: ActType, a: &[u8], row_bytes: usize, out: &mut Vec<GemmLine>) {
     out.clear();
     let nb = row_bytes / q8_0::BLOCK_BYTES;
     if act != ActType::Q8_0 || nb == 0 {
         return;
     }
-    out.reserve(a.len() / row_bytes * gemm_row_bytes(row_bytes));
+    out.reserve(a.len() / row_bytes * gemm_row_lines(row_bytes));
     for row in a.chunks_exact(row_bytes) {
+        let quads = |blk: usize, m: usize| row.get(blk * q8_0::BLOCK_BYTES + 2..).map(|q| &q[4 * m..4 * m + 4]);
         for p in 0..nb.div_ceil(2) {
-            let quads = |blk: usize, m: usize| row.get(blk * q8_0::BLOCK_BYTES + 2..).map(|q| &q[4 * m..4 * m + 4]);
-            for m in 0..8 {
-                for blk in [2 * p, 2 * p + 1] {
-                    match quads(blk, m).filter(|_| blk < nb) {
-                        Some(q) => out.extend(q.iter().map(|q| q ^ 0x80)),
-                        None => out.extend([0u8; 4]),
-                    }
+            let mut line = GemmLine([0; 64]);
+            for (g, dst) in line.0.chunks_exact_mut(4).enumerate() {
+                let (m, blk) = (g / 2, 2 * p + g % 2);
+                if let Some(q) = quads(blk, m).filter(|_| blk < nb) {
+                    dst.iter_mut().zip(q).for_each(|(d, q)| *d = q ^ 0x80);
                 }
             }
+            out.push(line);
         }
     }
 }

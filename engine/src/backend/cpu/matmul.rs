@@ -214,7 +214,7 @@ pub enum Input<'a> {
     Q {
         acts: &'a [u8],
         scales: &'a [f32],
-        flipped: &'a [u8],
+        flipped: &'a [quant::GemmLine],
         rows: RowAt<'a>,
     },
 }
@@ -227,7 +227,7 @@ pub struct Acts {
     row_bytes: usize,
     data: Vec<u8>,
     scales: Vec<f32>,
-    flipped: Vec<u8>,
+    flipped: Vec<quant::GemmLine>,
     one: Vec<u8>,
 }
 
@@ -336,7 +336,7 @@ impl Acts {
     }
 
     /// The rows in the long-chunk kernel's format where [`Acts::prepare`] wrote them (see [`Input::Q`]), else empty.
-    pub fn flipped(&self) -> &[u8] {
+    pub fn flipped(&self) -> &[quant::GemmLine] {
         if self.act.is_some() {
             &self.flipped
         } else {

@@ -119,12 +119,13 @@ fn q8_0_gemm(w: &[u8], rb: usize, rows: Range<usize>, a: &GemmIn<'_>, put: &mut 
             return;
         };
         let Bufs { au, da, aup, dap, cw, dw } = &mut *bufs;
-        let (np, fr) = (nb.div_ceil(2), super::super::api::gemm_row_bytes(rb));
+        let np = nb.div_ceil(2);
+        debug_assert_eq!(np, super::super::api::gemm_row_lines(rb));
         // SAFETY (the `_mm512_setzero_si512` fills): AVX-512 F present (checked by `gemm_q`).
         au.resize(au.len().max(n * np), unsafe { _mm512_setzero_si512() });
         da.resize(da.len().max(n * nb), 0.0);
         let row_chunk = (ROW_CHUNK_BYTES / rb).max(TW);
-        let act_chunk = (ACT_CHUNK_BYTES / fr).max(TA);
+        let act_chunk = (ACT_CHUNK_BYTES / (np * PB)).max(TA);
         let chunk_rows = row_chunk.min(rows.len());
         cw.resize(cw.len().max(chunk_rows * 2 * np), unsafe { _mm512_setzero_si512() });
         dw.resize(dw.len().max(chunk_rows * nb), 0.0);
@@ -132,11 +133,11 @@ fn q8_0_gemm(w: &[u8], rb: usize, rows: Range<usize>, a: &GemmIn<'_>, put: &mut 
         dap.clear();
         for b in 0..n {
             let at = (a.at)(b);
-            // The caller's flipped row (row `at / rb` of `flipped`, `fr` bytes) and scales where it has them.
-            let fl = at.is_multiple_of(rb).then(|| a.flipped.get(at / rb * fr..(at / rb + 1) * fr)).flatten();
+            // The caller's flipped row (row `at / rb` of `flipped`, `np` lines) and scales where it has them.
+            let fl = at.is_multiple_of(rb).then(|| a.flipped.get(at / rb * np..(at / rb + 1) * np)).flatten();
             let sc = a.scales.get(at / B..at / B + nb);
             match fl {
-                Some(f) => aup.push(f.as_ptr()),
+                Some(f) => aup.push(f.as_ptr() as *const u8),
                 None => {
                     let dst = &mut au[b * np..(b + 1) * np];
                     // SAFETY: `gemm_q` checked the features; the row holds `nb` blocks (asserted), `dst` `np` pairs.
@@ -467,6 +468,7 @@ mod tests {
             let mut out = Vec::new();
             crate::quant::gemm_acts(crate::quant::ActType::Q8_0, &acts, rb, &mut out);
             let fr = nb.div_ceil(2) * PB;
+            let out: Vec<u8> = out.iter().flat_map(|l| l.0).collect();
             assert_eq!(out.len(), 2 * fr);
             for (row, got) in acts.chunks_exact(rb).zip(out.chunks_exact(fr)) {
                 for (i, &g) in got.iter().enumerate() {
