@@ -6,18 +6,19 @@
 //! - The activation quants are stored once per product with their sign bit flipped (`a + 128`, an unsigned byte,
 //!   `vpdpbusd`'s left operand), a row's blocks in pairs: 64 bytes per pair, the even block's 4-byte groups at the
 //!   even 32-bit lanes and the odd block's at the odd lanes (a row of odd length ends with a half-zero pair).
-//! - A weight row's block pairs are interleaved the same way (two 32-byte loads and one two-source permute per pair
-//!   and tile row) and each pair's correction `-128 · Σ₄ w` (one i32 per lane) is computed once per weight row and
-//!   call and loaded as the accumulator `vpdpbusd` adds into, so `vpdpbusd(corr, a + 128, w)` is `Σ₄ w·a` per lane
-//!   with no sign fix-up.
+//! - A weight row's block pairs are repacked the same way once per call (two 32-byte loads and one two-source
+//!   permute per pair, into a per-thread buffer: 128 bytes per pair, the quants then the pair's correction
+//!   `-128 · Σ₄ w`, one i32 per lane); the correction is loaded as the accumulator `vpdpbusd` adds into, so
+//!   `vpdpbusd(corr, a + 128, w)` is `Σ₄ w·a` per lane with no sign fix-up.
 //! - The block scale products `d_w · d_a` are formed sixteen blocks at a time per output and a pair's two of them
 //!   are broadcast as one 64-bit value, so lane `2m` is scaled by the even block's product and `2m + 1` by the odd.
 //!
 //! A tile is four weight rows × four activation rows (sixteen 512-bit accumulators, one per output: the single
-//! kernel's two 256-bit ones interleaved). Blocking: a run of weight rows (`ROW_CHUNK_BYTES`, kept in L2, their
-//! corrections and scales computed once per call) sweeps chunks of activation rows (`ACT_CHUNK_BYTES` of flipped
-//! quants). The flipped activations come from the caller ([`crate::quant::gemm_acts`], once per product) or are
-//! made here once per call.
+//! kernel's two 256-bit ones interleaved; its inner loop: per pair four activation loads, eight weight / correction
+//! loads, and per output a `vpdpbusd`, a convert, a broadcast and an FMA). Blocking: a run of weight rows
+//! (`ROW_CHUNK_BYTES` of the file's rows, ~1.9× that repacked, kept in L2 with their scales) sweeps chunks of
+//! activation rows (`ACT_CHUNK_BYTES` of flipped quants). The flipped activations come from the caller
+//! ([`crate::quant::gemm_acts`], once per product, 64-byte aligned) or are made here once per call.
 //!
 //! Why every output equals the single kernel's: per lane the integer is `Σ₄ w·a` exactly (no saturation:
 //! `|w| ≤ 128`, `a + 128 ≤ 255`, and the single kernel's `maddubs` pairs stay below 2¹⁵ because activation quants
@@ -63,7 +64,7 @@ const TA: usize = 4;
 const SB: usize = 16;
 /// Weight bytes of the run of rows that sweeps every activation chunk (stays in L2).
 const ROW_CHUNK_BYTES: usize = 128 << 10;
-/// Flipped activation bytes of a chunk (stays in L2 while a weight row pair sweeps it).
+/// Flipped activation bytes of a chunk (stays in L2 while a tile's weight rows sweep it).
 const ACT_CHUNK_BYTES: usize = 256 << 10;
 
 /// Per-thread buffers (grown, never shrunk).
