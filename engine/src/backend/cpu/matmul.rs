@@ -11,7 +11,8 @@
 //! Q8_K, as ggml does; for IQ2_XXS on AVX-512 + GFNI, Q8_K in the pair layout its kernel reads) and use
 //! `quant::dot_q_kernel`. Types without a kernel are rejected at load by [`supports`]. Batch rows go, per batch block
 //! of up to eight, through the kernel's any-row-count form where the CPU has one (`quant::dot_q_rows_kernel`:
-//! AVX-512 IQ2_XXS and Q2_K, the routed experts' types — an expert gets ~6 rows of a 256-token chunk), else eight
+//! AVX-512 IQ2_XXS and Q2_K, the routed experts' types — an expert gets ~6 rows of a 256-token chunk; 32 weight
+//! rows per call, which the IQ2_XXS kernel tiles for small batch blocks), else eight
 //! at a time through its eight-row form, then four at a time through its four-row form, where the CPU has them
 //! (`quant::dot_q8_kernel`, `quant::dot_q4_kernel`, `quant::dot_f4_kernel`), the rest one by one (a block of one
 //! quantized row, decode's case, as a plain loop of single-row calls over the weight rows); each multi-row

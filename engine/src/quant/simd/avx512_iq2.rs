@@ -29,6 +29,16 @@
 //!   scales converted at once) times `d_a`; `1/8` once at the end.
 //!
 //! A row's last block, when the block count is odd, is plain Q8_K and goes through the gather kernel.
+//!
+//! Several weight rows against 2..=5 activation rows ([`dot_q_rows`] with more than one weight row: the routed
+//! experts in prefill, ~6 rows each in a 256-token chunk, groups of ≤ 5 often) go *tiled*: two pairs of 16 weight
+//! rows at a time, each row's accumulators parked in between, so the activations' span (≤ 5 · 2 · 584 bytes)
+//! stays in L1 across the weight rows instead of whole rows (5 · 4672 bytes for 4096 values, with the weights
+//! streaming through), and the same span of the next 16 rows is prefetched into L2 (the order no longer reads a
+//! row straight on). Bit-identical: each row's f32 operations are the untiled ones, in the same order. Measured
+//! (Zen 4, `quant::simd::bench`, distinct activation rows, 32 weight rows per call vs one, on-CPU time, load 4–5,
+//! 2026-12-03): in cache 3 rows 82 vs 70, 4 rows 86 vs 77, 5 rows 81 vs 79 G multiply-adds/s; streamed from
+//! memory 66 vs 58, 72 vs 67, 73 vs 70; at 6 rows equal, at 7 and 8 rows 3–8 % slower (those stay untiled).
 //! Only the f32 accumulation order differs from the scalar reference.
 //!
 //! Measured (one core of this project's Sapphire-Rapids-class VM, ~3.8 GHz under AVX-512 load): 57.4 G weights/s
