@@ -235,7 +235,7 @@ impl Kernels for EngineKernels {
             for (wr, yr) in w.chunks_exact(rb).zip(ys.chunks_exact_mut(batch)) {
                 let mut b = 0;
                 if let Some(kn) = kn {
-                    kn(wr, &arows, &drows, yr);
+                    kn(wr, rb, &arows, &drows, yr);
                     b = batch;
                 }
                 if let Some(k8) = k8 {

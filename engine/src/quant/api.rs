@@ -23,11 +23,13 @@ pub type DotQ4 = fn(&[u8], [&[u8]; 4], [&[f32]; 4]) -> [f32; 4];
 /// One weight row against eight activation rows, bit-identical to eight [`DotQ`] calls (like [`DotQ4`]).
 pub type DotQ8 = fn(&[u8], [&[u8]; 8], [&[f32]; 8]) -> [f32; 8];
 
-/// One weight row against any number of activation rows: `out[i] = dot(w, a[i])` for `i < out.len()` (`a` and
-/// `da` at least that long; `da` as for [`DotQ4`], possibly empty slices), bit-identical to the [`DotQ`] calls of
-/// the same kernel. The kernel decodes each weight block once for up to [`MAX_ROWS`] rows (more go in groups of at
-/// most that many; rows of unequal length each on their own).
-pub type DotQRows = fn(w: &[u8], a: &[&[u8]], da: &[&[f32]], out: &mut [f32]);
+/// Weight rows against any number of activation rows: `w` holds weight rows of `row_bytes` bytes back to back, and
+/// `out[r * a.len() + i] = dot(row r, a[i])` for every whole row `r` whose results fit in `out` (`da` as long as
+/// `a`, as for [`DotQ4`], possibly empty slices), bit-identical to the [`DotQ`] calls of the same kernel. The
+/// kernel decodes each weight block once for up to [`MAX_ROWS`] rows (more go in groups of at most that many, as
+/// even as possible; rows of unequal length each on their own), and may take several weight rows a span of blocks
+/// at a time (the IQ2_XXS pair kernel: the activations' span stays in L1 across them).
+pub type DotQRows = fn(w: &[u8], row_bytes: usize, a: &[&[u8]], da: &[&[f32]], out: &mut [f32]);
 
 /// Most activation rows a [`DotQRows`] kernel takes per weight decode.
 pub const MAX_ROWS: usize = 8;

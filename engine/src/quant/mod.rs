@@ -14,7 +14,8 @@
 //!   [`dot_q4_kernel`] → [`DotQ4`], where a type has one: the same dot against four activation rows at once,
 //!   bit-identical, for batched rows (the IQ2_XXS pair kernel decodes each weight pair once for the four);
 //!   [`dot_q8_kernel`] → [`DotQ8`] likewise for eight rows; [`dot_q_rows_kernel`] → [`DotQRows`] for any number
-//!   of rows, one weight decode per up to [`MAX_ROWS`] of them (the AVX-512 IQ2_XXS pair and Q2_K kernels);
+//!   of rows against several weight rows, one weight decode per up to [`MAX_ROWS`] of them (the AVX-512 IQ2_XXS
+//!   pair and Q2_K kernels);
 //!   [`dot_f4_kernel`] → [`DotF4`] the same for float weights (F16/BF16) against four f32 rows.
 //! - [`matvec`] / [`matvec_with_scratch`]: `y = W·x`, single-threaded, best path; [`matvec_q`] takes activations
 //!   already quantized (quantize once, share across matrices and threads).

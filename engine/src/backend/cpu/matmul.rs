@@ -11,7 +11,8 @@
 //! Q8_K, as ggml does; for IQ2_XXS on AVX-512 + GFNI, Q8_K in the pair layout its kernel reads) and use
 //! `quant::dot_q_kernel`. Types without a kernel are rejected at load by [`supports`]. Batch rows go, per batch block
 //! of up to eight, through the kernel's any-row-count form where the CPU has one (`quant::dot_q_rows_kernel`:
-//! AVX-512 IQ2_XXS and Q2_K, the routed experts' types — an expert gets ~6 rows of a 256-token chunk), else eight
+//! AVX-512 IQ2_XXS and Q2_K, the routed experts' types — an expert gets ~6 rows of a 256-token chunk; 32 weight
+//! rows per call, which the IQ2_XXS kernel tiles for small batch blocks), else eight
 //! at a time through its eight-row form, then four at a time through its four-row form, where the CPU has them
 //! (`quant::dot_q8_kernel`, `quant::dot_q4_kernel`, `quant::dot_f4_kernel`), the rest one by one (a block of one
 //! quantized row, decode's case, as a plain loop of single-row calls over the weight rows); each multi-row
@@ -48,6 +49,8 @@ pub fn supports(ty: GgmlType) -> bool {
 /// Batch rows processed together against each weight row (cache blocking; results do not depend on it).
 const BATCH_BLOCK: usize = 8;
 const _: () = assert!(BATCH_BLOCK <= MAX_ROWS, "a batch block is one call of a `DotQRows` kernel");
+/// Weight rows per call of a `DotQRows` kernel.
+const ROWS_PER_CALL: usize = 32;
 /// Weight bytes of the row sub-block that one batch block streams over (kept in L2 across batch blocks).
 const ROW_BLOCK_BYTES: usize = 64 * 1024;
 /// Smallest row range handed to one thread, in weight bytes (keeps a range long enough to stream).
@@ -475,11 +478,16 @@ impl Product<'_> {
                             // One call per weight row for the whole batch block (`BATCH_BLOCK` ≤ `MAX_ROWS` rows).
                             let rs: [(&[u8], &[f32]); MAX_ROWS] = std::array::from_fn(|i| act((b0 + i).min(b1 - 1)));
                             let (a, d, m) = (rs.map(|r| r.0), rs.map(|r| r.1), b1 - b0);
-                            let mut v = [0f32; MAX_ROWS];
-                            for r in s0..s1 {
-                                k(w.row(r), &a[..m], &d[..m], &mut v[..m]);
-                                for (i, v) in v[..m].iter().enumerate() {
-                                    put(b0 + i, r, *v);
+                            // `ROWS_PER_CALL` weight rows per call (the kernel may tile them; see `DotQRows`).
+                            let mut v = [0f32; ROWS_PER_CALL * MAX_ROWS];
+                            for r0 in (s0..s1).step_by(ROWS_PER_CALL) {
+                                let (r1, rb) = ((r0 + ROWS_PER_CALL).min(s1), w.row_bytes);
+                                let v = &mut v[..(r1 - r0) * m];
+                                k(&w.data[r0 * rb..r1 * rb], rb, &a[..m], &d[..m], v);
+                                for (r, vr) in (r0..r1).zip(v.chunks_exact(m)) {
+                                    for (i, v) in vr.iter().enumerate() {
+                                        put(b0 + i, r, *v);
+                                    }
                                 }
                             }
                         } else {

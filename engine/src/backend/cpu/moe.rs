@@ -163,13 +163,14 @@ pub fn expert_up(pool: &Pool, sc: &mut Scratch, cx: &StepCtx<'_>, layer: usize) 
     let kr = Kinds::new(pool, gate_m, up_m, down_m)?;
     let ms = &mut sc.moe;
 
-    // Activations of the normalized input, quantized once per activation type for all gate/up products.
+    // Activations of the normalized input, quantized once per activation type for all gate/up products (spread
+    // over the pool: the same bytes as on one thread).
     let all_rows = RowAt::Strided { stride: d, off: 0 };
     let mut prepared = [false; 3];
     for k in [kr.gate, kr.up].into_iter().chain(shared.iter().flat_map(|s| [s.3.gate, s.3.up])) {
         let slot = act_slot(&k);
         if matches!(k, Kernel::Q { .. }) && !prepared[slot] {
-            ms.xacts[slot].prepare(&k, &sc.xn, all_rows, n, d)?;
+            ms.xacts[slot].prepare_par(pool, &k, &sc.xn, all_rows, n, d)?;
             prepared[slot] = true;
         }
     }

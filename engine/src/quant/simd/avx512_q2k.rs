@@ -72,9 +72,9 @@ impl RowsKernel for Rows {
     }
 }
 
-fn q2_k_q8_k_rows(w: &[u8], a: &[&[u8]], _da: &[&[f32]], out: &mut [f32]) {
+fn q2_k_q8_k_rows(w: &[u8], row_bytes: usize, a: &[&[u8]], _da: &[&[f32]], out: &mut [f32]) {
     // SAFETY: only handed out by `dot_q_rows` after `available()` confirmed the features `imp` needs.
-    unsafe { dot_rows::<Rows>(w, a, out) }
+    unsafe { dot_rows::<Rows>(w, row_bytes, a, out) }
 }
 
 /// The any-row-count form of this kernel (see [`imp`]) where the CPU can run it.
@@ -231,14 +231,14 @@ mod tests {
         assert_eq!(k(&w, &a), q2_k::dot_q8k(&w, &a));
     }
 
-    /// Any number of rows (1..=8 per weight decode, more in groups) gives exactly the single dots, odd block
-    /// counts, extreme quants and rows of unequal length included.
+    /// Any number of rows (1..=8 per weight decode, more in groups) against 1, 2 and 19 weight rows gives exactly
+    /// the single dots, odd block counts, extreme quants and rows of unequal length included.
     #[test]
     fn q2_k_any_rows_match_single_dots_bit_for_bit() {
         let (Some(k), Some(kn)) = (kernel(), super::dot_q_rows()) else { return };
         let mut rng = StdRng::seed_from_u64(23);
         for n in [1usize, 2, 3, 7, 16] {
-            let w = weights(&mut rng, n);
+            let w = weights(&mut rng, 19 * n);
             let rows: Vec<Vec<u8>> = (0..19)
                 .map(|r| match r {
                     0 => q8k_blocks(n, 1.0, |_| 127),
@@ -246,7 +246,7 @@ mod tests {
                     _ => q8k_blocks(n, rng.gen_range(1e-3f32..1.0), |_| rng.gen_range(-127i8..=127)),
                 })
                 .collect();
-            assert_rows_match_single(k, kn, &w, &rows);
+            assert_rows_match_single(k, kn, &w, n * q2_k::BLOCK_BYTES, &rows);
         }
     }
 

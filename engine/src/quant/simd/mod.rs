@@ -354,17 +354,42 @@ mod bench {
                     wps(hot)
                 );
             }
-            // `n` activation rows per weight row: the engine's kernel `n` times vs its any-row-count form, in cache,
-            // as multiply-adds per second (weights × rows).
+            // `n` activation rows per weight row: the engine's kernel `n` times vs its any-row-count form, as
+            // multiply-adds per second (weights × rows). The any-row kernel reads `n` distinct rows (as the engine's
+            // batch rows are: their working set, not one row's), one weight row per call or 32 per call (as the
+            // engine's matmul hands them; the kernel may tile them), in cache and streamed.
             if let (Some(kn), Ok(k)) = (dot_q_rows(ty), crate::quant::dot_q_kernel(ty)) {
                 let mut a = Vec::new();
                 quantize_acts(crate::quant::act_type(ty), &x, &mut a).unwrap();
-                let hot = &w[..hot_rows * rb];
+                let hot = &w[..hot_rows / 32 * 32 * rb];
                 let passes = 8 * mib.max(1) / 16;
-                for n in [1usize, 2, 4, 6, 8, 12, 16] {
-                    let (mut one, mut many) = (0f64, 0f64);
-                    let (rows, das) = (vec![&a[..]; n], vec![&[][..]; n]);
-                    let mut out = vec![0f32; n];
+                let distinct: Vec<Vec<u8>> = (0..16)
+                    .map(|r| {
+                        let xr: Vec<f32> =
+                            x.iter().enumerate().map(|(i, v)| v * (1.0 + ((i + r) % 5) as f32 / 8.0)).collect();
+                        let mut a = Vec::new();
+                        quantize_acts(crate::quant::act_type(ty), &xr, &mut a).unwrap();
+                        a
+                    })
+                    .collect();
+                for n in [1usize, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16] {
+                    let (rows, das) = (distinct[..n].iter().map(|v| &v[..]).collect::<Vec<_>>(), vec![&[][..]; n]);
+                    let mut out = vec![0f32; 32 * n];
+                    // G MAC/s of `kn` over `buf` (`passes` times), `per` weight rows per call.
+                    let mut rate = |buf: &[u8], per: usize, passes: usize| {
+                        let mut sink = 0f32;
+                        let s = seconds(|| {
+                            for _ in 0..passes {
+                                for c in buf.chunks_exact(per * rb) {
+                                    kn(c, rb, &rows, &das, &mut out);
+                                    sink += out[n - 1];
+                                }
+                            }
+                        });
+                        assert!(sink.is_finite());
+                        (buf.len() / rb * cols * n * passes) as f64 / 1e9 / s
+                    };
+                    let mut best = [0f64; 5];
                     for _ in 0..3 {
                         let mut sink = 0f32;
                         let s1 = seconds(|| {
@@ -376,20 +401,23 @@ mod bench {
                                 }
                             }
                         });
-                        let sn = seconds(|| {
-                            for _ in 0..passes {
-                                for row in hot.chunks_exact(rb) {
-                                    kn(row, &rows, &das, &mut out);
-                                    sink += out[n - 1];
-                                }
-                            }
-                        });
                         assert!(sink.is_finite());
-                        let macs = (hot_rows * cols * n * passes) as f64 / 1e9;
-                        one = one.max(macs / s1);
-                        many = many.max(macs / sn);
+                        let got = [
+                            (hot.len() / rb * cols * n * passes) as f64 / 1e9 / s1,
+                            rate(hot, 1, passes),
+                            rate(hot, 32, passes),
+                            rate(&w, 1, 1),
+                            rate(&w, 32, 1),
+                        ];
+                        for (b, g) in best.iter_mut().zip(got) {
+                            *b = b.max(g);
+                        }
                     }
-                    println!("{ty:>8} {n:2} rows: single x{n} {one:6.2} G MAC/s, any-row kernel {many:6.2} G MAC/s");
+                    let [one, hot1, hot32, cold1, cold32] = best;
+                    println!(
+                        "{ty:>8} {n:2} rows: single x{n} {one:6.2} G MAC/s; any-row kernel, 1 / 32 weight rows per \
+                         call: hot {hot1:6.2} / {hot32:6.2}, streamed {cold1:6.2} / {cold32:6.2}"
+                    );
                 }
             }
             // Four activation rows per weight row: the engine's kernel four times vs its four-row form, in cache,

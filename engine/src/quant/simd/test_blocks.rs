@@ -68,23 +68,37 @@ pub(super) fn iq2_every_point_blocks(rng: &mut impl rand::Rng) -> Vec<u8> {
     w
 }
 
-/// Asserts that the any-row-count kernel `kn` gives, for every row count `0..=rows.len()` (groups of
-/// `MAX_ROWS` and their remainders included), exactly the single kernel `k`'s dot of each row, bit for bit; and
-/// the same with one row shortened by a byte (rows of unequal length each go on their own).
-pub(super) fn assert_rows_match_single(k: crate::quant::DotQ, kn: crate::quant::DotQRows, w: &[u8], rows: &[Vec<u8>]) {
-    let want: Vec<u32> = rows.iter().map(|r| k(w, r).to_bits()).collect();
+/// Asserts that the any-row-count kernel `kn` gives, for every activation row count `0..=rows.len()` (groups of
+/// up to `MAX_ROWS` and their remainders included) against the first 1, 2 and all weight rows of `w` (rows of
+/// `row_bytes`; more than one block of weight rows where `w` holds them, and a partial last one), exactly the
+/// single kernel `k`'s dot of each pair of rows, bit for bit; and the same with one activation row shortened by a
+/// byte (rows of unequal length each go on their own).
+pub(super) fn assert_rows_match_single(
+    k: crate::quant::DotQ,
+    kn: crate::quant::DotQRows,
+    w: &[u8],
+    row_bytes: usize,
+    rows: &[Vec<u8>],
+) {
+    let wrows: Vec<&[u8]> = w.chunks_exact(row_bytes).collect();
+    let single = |a: &[&[u8]], nw: usize| -> Vec<u32> {
+        wrows[..nw].iter().flat_map(|wr| a.iter().map(|x| k(wr, x).to_bits())).collect()
+    };
+    let mut counts = vec![1, 2, wrows.len()];
+    counts.dedup();
     for n in 0..=rows.len() {
         let a: Vec<&[u8]> = rows[..n].iter().map(|r| &r[..]).collect();
-        let mut out = vec![f32::NAN; n];
-        kn(w, &a, &vec![&[][..]; n], &mut out);
-        assert_eq!(out.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want[..n], "{n} rows");
-        if n >= 2 {
-            let mut a = a.clone();
-            let short = &rows[n / 2][..rows[n / 2].len() - 1];
-            a[n / 2] = short;
-            kn(w, &a, &vec![&[][..]; n], &mut out);
-            for (i, (x, g)) in a.iter().zip(&out).enumerate() {
-                assert_eq!(g.to_bits(), k(w, x).to_bits(), "{n} rows, row {} shorter, row {i}", n / 2);
+        for &nw in counts.iter().filter(|&&c| c <= wrows.len()) {
+            let mut out = vec![f32::NAN; nw * n];
+            kn(&w[..nw * row_bytes], row_bytes, &a, &vec![&[][..]; n], &mut out);
+            let got: Vec<u32> = out.iter().map(|v| v.to_bits()).collect();
+            assert_eq!(got, single(&a, nw), "{n} activation rows, {nw} weight rows");
+            if n >= 2 {
+                let mut a = a.clone();
+                a[n / 2] = &rows[n / 2][..rows[n / 2].len() - 1];
+                kn(&w[..nw * row_bytes], row_bytes, &a, &vec![&[][..]; n], &mut out);
+                let got: Vec<u32> = out.iter().map(|v| v.to_bits()).collect();
+                assert_eq!(got, single(&a, nw), "{n} rows, row {} shorter, {nw} weight rows", n / 2);
             }
         }
     }

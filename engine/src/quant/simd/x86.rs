@@ -109,46 +109,86 @@ pub(super) trait RowsKernel {
     /// # Safety
     /// The CPU has the features the kernel needs (the caller checked them before handing the kernel out).
     unsafe fn rows<const N: usize>(w: &[u8], a: [&[u8]; N]) -> [f32; N];
-}
 
-/// [`super::super::api::DotQRows`] over an `N`-generic kernel: `out[i] = dot(w, a[i])`, up to
-/// [`super::super::api::MAX_ROWS`] rows per weight decode (more in groups of that many, the last group the rest);
-/// rows of another length than the first each on their own.
-///
-/// # Safety
-/// As for [`RowsKernel::rows`].
-pub(super) unsafe fn dot_rows<K: RowsKernel>(w: &[u8], a: &[&[u8]], out: &mut [f32]) {
-    /// `K::rows::<N>` on the first `N` rows of `a`, into the first `N` of `out`.
+    /// `put(r, rows(row r, a))` for the `w.len() / row_bytes` weight rows of `row_bytes` bytes in `w` (rows of
+    /// equal length, as for [`RowsKernel::rows`]), in any order: a kernel may go through several weight rows a
+    /// span of blocks at a time (so the activation rows' span stays in L1 across them) as long as each result is
+    /// bit-identical to [`RowsKernel::rows`]'. This default is one call per weight row.
     ///
     /// # Safety
     /// As for [`RowsKernel::rows`].
-    unsafe fn group<K: RowsKernel, const N: usize>(w: &[u8], a: &[&[u8]], out: &mut [f32]) {
-        // SAFETY: the caller's contract.
-        let v = unsafe { K::rows::<N>(w, std::array::from_fn(|i| a[i])) };
-        out[..N].copy_from_slice(&v);
-    }
-    let n = out.len().min(a.len());
-    if a[..n].iter().any(|x| x.len() != a[0].len()) {
-        for (o, x) in out.iter_mut().zip(a) {
+    unsafe fn block<const N: usize>(w: &[u8], row_bytes: usize, a: [&[u8]; N], put: &mut dyn FnMut(usize, [f32; N])) {
+        for (r, wr) in w.chunks_exact(row_bytes.max(1)).enumerate() {
             // SAFETY: the caller's contract.
-            *o = unsafe { K::rows::<1>(w, [x]) }[0];
+            put(r, unsafe { Self::rows::<N>(wr, a) });
+        }
+    }
+}
+
+/// Weight rows [`dot_rows`] hands to [`RowsKernel::block`] at once: each group of activation rows goes through
+/// them in turn, so groups after the first read them from L2 rather than memory (16 IQ2_XXS rows of 4096 values:
+/// 16.5 KiB).
+const BLOCK_ROWS: usize = 16;
+
+/// [`super::super::api::DotQRows`] over an `N`-generic kernel: `out[r * a.len() + i] = dot(row r of w, a[i])`,
+/// weight rows [`BLOCK_ROWS`] at a time; the activation rows in groups of at most
+/// [`super::super::api::MAX_ROWS`] per weight decode, as even as possible (9 rows: 5 + 4, not 8 + 1); rows of
+/// another length than the first each on their own.
+///
+/// # Safety
+/// As for [`RowsKernel::rows`].
+pub(super) unsafe fn dot_rows<K: RowsKernel>(w: &[u8], row_bytes: usize, a: &[&[u8]], out: &mut [f32]) {
+    /// `K::block::<N>` on the `N` rows of `a` from `i0`, into columns `i0..i0 + N` of `out` (rows of `m`).
+    ///
+    /// # Safety
+    /// As for [`RowsKernel::rows`].
+    unsafe fn group<K: RowsKernel, const N: usize>(w: &[u8], rb: usize, a: &[&[u8]], i0: usize, out: &mut [f32]) {
+        let (m, g) = (a.len(), std::array::from_fn(|i| a[i0 + i]));
+        let mut put = |r: usize, v: [f32; N]| out[r * m + i0..r * m + i0 + N].copy_from_slice(&v);
+        // SAFETY (both): the caller's contract.
+        if w.len() == rb {
+            // One weight row (nothing to tile): the plain form, without the block's set-up.
+            put(0, unsafe { K::rows::<N>(w, g) });
+        } else {
+            unsafe { K::block::<N>(w, rb, g, &mut put) };
+        }
+    }
+    let m = a.len();
+    if m == 0 || row_bytes == 0 {
+        return;
+    }
+    let rows = (w.len() / row_bytes).min(out.len() / m);
+    let (w, out) = (&w[..rows * row_bytes], &mut out[..rows * m]);
+    if a.iter().any(|x| x.len() != a[0].len()) {
+        for (wr, out) in w.chunks_exact(row_bytes).zip(out.chunks_exact_mut(m)) {
+            for (o, x) in out.iter_mut().zip(a) {
+                // SAFETY: the caller's contract.
+                *o = unsafe { K::rows::<1>(wr, [x]) }[0];
+            }
         }
         return;
     }
-    const _: () = assert!(super::super::api::MAX_ROWS == 8, "one match arm per group size");
-    for (a, out) in a[..n].chunks(super::super::api::MAX_ROWS).zip(out.chunks_mut(super::super::api::MAX_ROWS)) {
-        // SAFETY (every arm): the caller's contract; `a` and `out` hold `a.len()` rows.
-        unsafe {
-            match a.len() {
-                1 => group::<K, 1>(w, a, out),
-                2 => group::<K, 2>(w, a, out),
-                3 => group::<K, 3>(w, a, out),
-                4 => group::<K, 4>(w, a, out),
-                5 => group::<K, 5>(w, a, out),
-                6 => group::<K, 6>(w, a, out),
-                7 => group::<K, 7>(w, a, out),
-                _ => group::<K, 8>(w, a, out),
+    const MAX: usize = super::super::api::MAX_ROWS;
+    const _: () = assert!(MAX == 8, "one match arm per group size");
+    let groups = m.div_ceil(MAX);
+    for (wb, ob) in w.chunks(BLOCK_ROWS * row_bytes).zip(out.chunks_mut(BLOCK_ROWS * m)) {
+        let mut i0 = 0;
+        for g in 0..groups {
+            let len = m / groups + usize::from(g < m % groups);
+            // SAFETY (every arm): the caller's contract; rows `i0..i0 + len` of `a` exist (the lengths sum to `m`).
+            unsafe {
+                match len {
+                    1 => group::<K, 1>(wb, row_bytes, a, i0, ob),
+                    2 => group::<K, 2>(wb, row_bytes, a, i0, ob),
+                    3 => group::<K, 3>(wb, row_bytes, a, i0, ob),
+                    4 => group::<K, 4>(wb, row_bytes, a, i0, ob),
+                    5 => group::<K, 5>(wb, row_bytes, a, i0, ob),
+                    6 => group::<K, 6>(wb, row_bytes, a, i0, ob),
+                    7 => group::<K, 7>(wb, row_bytes, a, i0, ob),
+                    _ => group::<K, 8>(wb, row_bytes, a, i0, ob),
+                }
             }
+            i0 += len;
         }
     }
 }
