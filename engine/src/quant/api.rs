@@ -29,6 +29,13 @@ pub type DotQ8 = fn(&[u8], [&[u8]; 8], [&[f32]; 8]) -> [f32; 8];
 /// most that many; rows of unequal length each on their own).
 pub type DotQRows = fn(w: &[u8], a: &[&[u8]], da: &[&[f32]], out: &mut [f32]);
 
+/// One weight row against any number of activation rows given in the long-chunk kernels' flipped format
+/// ([`gemm_acts`] of rows from [`quantize_acts`]; `au[i]`: one row's flipped quants) with their f32 block scales
+/// (`da[i]`, [`act_block_scales`]): `out[i] = dot(w, a_i)` for `i < out.len()`, bit-identical to the [`DotQ`]
+/// calls of the same kernel on the rows they were made from, one weight decode per up to [`MAX_ROWS`] rows. A row
+/// with fewer blocks (quants or scales) than `w` gets NaN.
+pub type DotQFlipped = fn(w: &[u8], au: &[&[u8]], da: &[&[f32]], out: &mut [f32]);
+
 /// Most activation rows a [`DotQRows`] kernel takes per weight decode.
 pub const MAX_ROWS: usize = 8;
 
@@ -293,12 +300,19 @@ pub fn dot_q8_kernel(weight_ty: GgmlType) -> Option<DotQ8> {
     simd::dot_q8(weight_ty)
 }
 
+/// The flipped-activation form of [`dot_q_kernel`] (see [`DotQFlipped`]) where this CPU has one (Q8_0 with
+/// AVX-512 F/BW/VL/VNNI): per activation row a load, `vpdpbusd`, conversion, scale pick and FMA per block pair.
+pub fn dot_q_flipped_kernel(weight_ty: GgmlType) -> Option<DotQFlipped> {
+    simd::dot_q_flipped(weight_ty)
+}
+
 /// The long-chunk form of [`dot_q_kernel`] (see [`GemmQ`]) where this CPU has one (Q8_0 with AVX-512 VNNI).
 pub fn gemm_q_kernel(weight_ty: GgmlType) -> Option<GemmQ> {
     simd::gemm_q(weight_ty)
 }
 
-/// Activation rows `a` (whole blocks of `act`) in the format the long-chunk kernels ([`GemmQ`]) read, into `out`
+/// Activation rows `a` (whole blocks of `act`) in the format the long-chunk kernels ([`GemmQ`]) and the
+/// flipped-activation kernels ([`DotQFlipped`]) read, into `out`
 /// (cleared first; left empty where no kernel has one). Q8_0: each block's quants plus 128, 32 bytes per block.
 pub fn gemm_acts(act: ActType, a: &[u8], out: &mut Vec<u8>) {
     out.clear();
