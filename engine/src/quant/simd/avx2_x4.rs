@@ -224,7 +224,7 @@ unsafe fn bf16_xr_imp<const R: usize>(w: &[u8], x: [&[f32]; R]) -> [f32; R] {
 }
 
 /// Blocks whose scales one gather fetches per row (the Q8_0 multi-row kernels convert them eight at a time).
-const SCALE_CHUNK: usize = 8;
+pub(super) const SCALE_CHUNK: usize = 8;
 
 /// The f16 scales of blocks `0..8` of a Q8_0 row starting at `p` (the first two bytes of each 34-byte block),
 /// as f32, exactly (F16C's conversion is exact, like `f16_at`); lanes where `live` is zero read nothing and are 0.
@@ -393,11 +393,7 @@ pub(super) unsafe fn q8_0_pair(p: *const u8) -> __m512i {
 unsafe fn q8_0_xr_zmm_imp<const R: usize>(w: &[u8], a: [&[u8]; R], da: [&[f32]; R], n: usize) -> [f32; R] {
     const B: usize = q8_0::BLOCK_BYTES;
     let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    // Lanes 0..8 take element 2p of a chunk's eight products, lanes 8..16 element 2p + 1.
-    let pick: [__m512i; SCALE_CHUNK / 2] = std::array::from_fn(|p| {
-        let (lo, hi) = (2 * p as i32, 2 * p as i32 + 1);
-        _mm512_inserti64x4::<1>(_mm512_set1_epi32(lo), _mm256_set1_epi32(hi))
-    });
+    let pick = pair_picks();
     let zero = _mm512_setzero_si512();
     let mut acc = [_mm512_setzero_ps(); R];
     let wp = w.as_ptr();
@@ -460,13 +456,28 @@ unsafe fn q8_0_xr_zmm_imp<const R: usize>(w: &[u8], a: [&[u8]; R], da: [&[f32]; 
         }
         c0 += SCALE_CHUNK;
     }
-    std::array::from_fn(|r| {
-        let v = acc[r];
-        hsum_ps(_mm256_add_ps(
-            _mm512_castps512_ps256(v),
-            _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v))),
-        ))
+    std::array::from_fn(|r| hsum_halves(acc[r]))
+}
+
+/// The permute indices that move a chunk's eight block scale products into block pair `p`'s halves: lanes 0..8
+/// take element `2p`, lanes 8..16 element `2p + 1`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f")]
+pub(super) fn pair_picks() -> [__m512i; SCALE_CHUNK / 2] {
+    std::array::from_fn(|p| {
+        let (lo, hi) = (2 * p as i32, 2 * p as i32 + 1);
+        _mm512_inserti64x4::<1>(_mm512_set1_epi32(lo), _mm256_set1_epi32(hi))
     })
+}
+
+/// `hsum(low half + high half)` of a 512-bit accumulator pair (the single kernel's final `hsum(acc₀ + acc₁)`).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f")]
+pub(super) fn hsum_halves(v: __m512) -> f32 {
+    hsum_ps(_mm256_add_ps(
+        _mm512_castps512_ps256(v),
+        _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v))),
+    ))
 }
 
 /// The per-row part of a Q2_K / Q4_K block `i` (shared by both multi-row kernels): `sumi = Σ_k madd(maddubs(plane k,

@@ -30,14 +30,14 @@ use std::arch::x86_64::*;
 
 use super::super::api::{DotQFlipped, MAX_ROWS};
 use super::super::{q8_0, GgmlType};
-use super::avx2_x4::{q8_0_pair, q8_0_scales, q8_0_scales8, vnni_512};
-use super::x86::{hsum_ps, ld, ld_si256, prefetch_ahead};
+use super::avx2_x4::{hsum_halves, pair_picks, q8_0_pair, q8_0_scales, q8_0_scales8, vnni_512, SCALE_CHUNK};
+use super::x86::{ld, ld_si256, prefetch_ahead};
 
 const B: usize = q8_0::BLOCK_BYTES;
 /// Flipped quant bytes of a block.
 const QB: usize = 32;
 /// Blocks whose scale products are formed at once (one 256-bit vector per row).
-const CHUNK: usize = 8;
+const CHUNK: usize = SCALE_CHUNK;
 
 /// The flipped-activation form of the Q8_0 kernel where AVX-512 F/BW/VL/VNNI are present.
 pub(super) fn dot_q_flipped(ty: GgmlType) -> Option<DotQFlipped> {
@@ -93,11 +93,7 @@ unsafe fn rows_imp<const R: usize>(w: &[u8], au: [&[u8]; R], da: [&[f32]; R], n:
     let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     let flip = _mm512_set1_epi8(0x80u8 as i8);
     let zero = _mm512_setzero_si512();
-    // Lanes 0..8 take element 2p of a chunk's eight scale products, lanes 8..16 element 2p + 1.
-    let pick: [__m512i; CHUNK / 2] = std::array::from_fn(|p| {
-        let (lo, hi) = (2 * p as i32, 2 * p as i32 + 1);
-        _mm512_inserti64x4::<1>(_mm512_set1_epi32(lo), _mm256_set1_epi32(hi))
-    });
+    let pick = pair_picks();
     let mut acc = [_mm512_setzero_ps(); R];
     let wp = w.as_ptr();
     let mut c0 = 0;
@@ -149,11 +145,5 @@ unsafe fn rows_imp<const R: usize>(w: &[u8], au: [&[u8]; R], da: [&[f32]; R], n:
         }
         c0 += CHUNK;
     }
-    std::array::from_fn(|r| {
-        let v = acc[r];
-        hsum_ps(_mm256_add_ps(
-            _mm512_castps512_ps256(v),
-            _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v))),
-        ))
-    })
+    std::array::from_fn(|r| hsum_halves(acc[r]))
 }
