@@ -19,9 +19,10 @@
 //! `2j + 1` the high half (its second) with one FMA each, in block order, an odd last block the low half only; the
 //! result is `hsum(low + high)`.
 //!
-//! Measured (`benches/README.md`, 2026-12-03, fourth round): eight rows 1.4–1.5× the `avx2_x4` 512-bit eight-row
-//! form in cache, 1.2–1.3× with the weights streamed; an interleaved layout (blocks alternating per 32-bit lane,
-//! the scales one 64-bit broadcast) was slower: its weight interleave (`vpermt2d`) cost more than the permute it saved.
+//! Measured (`benches/README.md`, 2026-12-03, fourth round; one thread, CPU time, eight distinct rows): 1.37–1.45×
+//! the `avx2_x4` 512-bit eight-row form in cache, 1.35–1.39× with the weights streamed. Tried and slower: blocks
+//! alternating per 32-bit lane (so a pair's two scale products are one 64-bit broadcast load) — the weight
+//! interleave (`vpermt2d`) cost more than the permute it saved.
 //!
 //! Soundness: [`dot_q_flipped`] hands the kernel out only after AVX2/FMA/F16C and AVX-512 F/BW/VL/VNNI are
 //! detected; the wrapper checks every row's length before the vector code, which reads whole blocks only.
