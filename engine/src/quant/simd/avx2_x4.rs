@@ -24,6 +24,9 @@
 //! row is prefetched once per chunk, and a block pair costs about eight vector instructions where the AVX2 kernel
 //! spends about twenty per block (`maddubs` + `madd` and two scalar f16 conversions); measured 2.1× its rate in
 //! cache (`benches/README.md`).
+//! Where the caller flips the activations once per product, `avx512_q8_rows` (built on this module's pair load,
+//! scale and sum helpers) replaces the eight- and four-row forms for batches of several rows (1.4× the eight-row
+//! form); these forms remain the ones for raw activation rows.
 //!
 //! Why the results are the single kernels' exactly: every integer partial sum is exact (the same operand ranges as
 //! the single kernel, no saturation), and where the single kernel converts i32 lanes to f32 the lanes hold the
