@@ -31,6 +31,13 @@ pub type DotQ8 = fn(&[u8], [&[u8]; 8], [&[f32]; 8]) -> [f32; 8];
 /// at a time (the IQ2_XXS pair kernel: the activations' span stays in L1 across them).
 pub type DotQRows = fn(w: &[u8], row_bytes: usize, a: &[&[u8]], da: &[&[f32]], out: &mut [f32]);
 
+/// One weight row against any number of activation rows given in the flipped format
+/// ([`flip_acts`] of rows from [`quantize_acts`]; `au[i]`: one row's flipped quants) with their f32 block scales
+/// (`da[i]`, [`act_block_scales`]): `out[i] = dot(w, a_i)` for `i < out.len()`, bit-identical to the [`DotQ`]
+/// calls of the same kernel on the rows they were made from, one weight decode per up to [`MAX_ROWS`] rows. A row
+/// with fewer blocks (quants or scales) than `w` gets NaN.
+pub type DotQFlipped = fn(w: &[u8], au: &[&[u8]], da: &[&[f32]], out: &mut [f32]);
+
 /// Most activation rows a [`DotQRows`] kernel takes per weight decode.
 pub const MAX_ROWS: usize = 8;
 
@@ -295,6 +302,12 @@ pub fn dot_q8_kernel(weight_ty: GgmlType) -> Option<DotQ8> {
     simd::dot_q8(weight_ty)
 }
 
+/// The flipped-activation form of [`dot_q_kernel`] (see [`DotQFlipped`]) where this CPU has one (Q8_0 with
+/// AVX-512 F/BW/VL/VNNI): per activation row a load, `vpdpbusd`, conversion, scale pick and FMA per block pair.
+pub fn dot_q_flipped_kernel(weight_ty: GgmlType) -> Option<DotQFlipped> {
+    simd::dot_q_flipped(weight_ty)
+}
+
 /// The long-chunk form of [`dot_q_kernel`] (see [`GemmQ`]) where this CPU has one (Q8_0 with AVX-512 VNNI).
 pub fn gemm_q_kernel(weight_ty: GgmlType) -> Option<GemmQ> {
     simd::gemm_q(weight_ty)
@@ -334,6 +347,16 @@ pub fn gemm_acts(act: ActType, a: &[u8], row_bytes: usize, out: &mut Vec<GemmLin
             }
             out.push(line);
         }
+    }
+}
+
+/// Activation rows `a` (whole blocks of `act`) in the format the flipped-activation kernels ([`DotQFlipped`]) read,
+/// into `out` (cleared first; left empty where no kernel has one). Q8_0: each block's quants plus 128, 32 bytes per
+/// block, in order (unlike [`gemm_acts`], no pairing: those kernels take the weights as stored).
+pub fn flip_acts(act: ActType, a: &[u8], out: &mut Vec<u8>) {
+    out.clear();
+    if act == ActType::Q8_0 {
+        out.extend(a.chunks_exact(q8_0::BLOCK_BYTES).flat_map(|b| b[2..].iter().map(|q| q ^ 0x80)));
     }
 }
 

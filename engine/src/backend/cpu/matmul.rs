@@ -10,7 +10,8 @@
 //! quantized weights (Q8_0, Q2_K, Q4_K, IQ2_XXS) quantize each activation row into `quant::act_type` (Q8_0 /
 //! Q8_K, as ggml does; for IQ2_XXS on AVX-512 + GFNI, Q8_K in the pair layout its kernel reads) and use
 //! `quant::dot_q_kernel`. Types without a kernel are rejected at load by [`supports`]. Batch rows go, per batch block
-//! of up to eight, through the kernel's any-row-count form where the CPU has one (`quant::dot_q_rows_kernel`:
+//! of up to eight, through the kernel's any-row-count form where the CPU has one (`quant::dot_q_flipped_kernel`:
+//! AVX-512 Q8_0 on activations flipped once per product, decode with several sessions; `quant::dot_q_rows_kernel`:
 //! AVX-512 IQ2_XXS and Q2_K, the routed experts' types — an expert gets ~6 rows of a 256-token chunk; 32 weight
 //! rows per call, which the IQ2_XXS kernel tiles for small batch blocks), else eight
 //! at a time through its eight-row form, then four at a time through its four-row form, where the CPU has them
@@ -20,7 +21,8 @@
 //! activations carry their blocks' scales as f32 where the format stores f16 ones (Q8_0, [`Acts`]), converted once
 //! per product for the multi-row kernels. Batches of more than `GEMM_MIN_ROWS` rows go through the type's long-chunk kernel
 //! (`quant::gemm_q_kernel`: Q8_0 with AVX-512 VNNI, tiles of weight rows × activation rows, bit-identical to the
-//! single-row kernel too), whose activation format [`Acts`] also prepares once per product (`quant::gemm_acts`).
+//! single-row kernel too), whose activation format [`Acts`] also prepares once per product (`quant::gemm_acts`; for
+//! the flipped any-row form too, for batches of 2..=`GEMM_MIN_ROWS` rows).
 //!
 //! Activation quantization is the CPU's one deliberate approximation: each activation is rounded to a grid of
 //! `amax/127` per block of 32 (Q8_0) or 256 (Q8_K) values, an error of up to half a step per activation. When the
@@ -38,7 +40,9 @@ use std::ops::Range;
 
 use crate::backend::cpu::pool::{split, Pool};
 use crate::model::mat::Mat;
-use crate::quant::{self, ActType, DotF32, DotF4, DotQ, DotQ4, DotQ8, DotQRows, GemmIn, GemmQ, GgmlType, MAX_ROWS};
+use crate::quant::{
+    self, ActType, DotF32, DotF4, DotQ, DotQ4, DotQ8, DotQFlipped, DotQRows, GemmIn, GemmQ, GgmlType, MAX_ROWS,
+};
 use crate::{Error, Result};
 
 /// Whether matrices of type `ty` can be multiplied (and their rows dequantized).
@@ -74,11 +78,14 @@ pub enum Kernel {
     /// it, multiplies a weight row into any number of activation rows (up to `quant::MAX_ROWS` per weight decode),
     /// else `dot8` / `dot4`, where the type has them, into eight / four at once (all bit-identical to that many
     /// `dot` calls); `gemm`, where it has one, many weight rows into many activation rows (batches above
-    /// `GEMM_MIN_ROWS`, bit-identical too).
+    /// `GEMM_MIN_ROWS`, bit-identical too); `flip`, where it has one, any number of activation rows in the
+    /// long-chunk kernel's flipped format (batch blocks of several rows up to `GEMM_MIN_ROWS`; preferred to
+    /// `rows` / `dot8` / `dot4`).
     Q {
         act: ActType,
         dot: DotQ,
         rows: Option<DotQRows>,
+        flip: Option<DotQFlipped>,
         dot4: Option<DotQ4>,
         dot8: Option<DotQ8>,
         gemm: Option<GemmQ>,
@@ -96,8 +103,8 @@ impl Kernel {
         if !act.is_f32() {
             if let (Ok(dot), Some(b)) = (quant::dot_q_kernel(ty), act.row_bytes(cols as u64)) {
                 let (dot4, dot8, gemm) = (quant::dot_q4_kernel(ty), quant::dot_q8_kernel(ty), quant::gemm_q_kernel(ty));
-                let rows = quant::dot_q_rows_kernel(ty);
-                return Ok(Kernel::Q { act, dot, rows, dot4, dot8, gemm, act_bytes: b as usize });
+                let (rows, flip) = (quant::dot_q_rows_kernel(ty), quant::dot_q_flipped_kernel(ty));
+                return Ok(Kernel::Q { act, dot, rows, flip, dot4, dot8, gemm, act_bytes: b as usize });
             }
         }
         Kernel::float(ty)
@@ -213,11 +220,13 @@ pub enum Input<'a> {
     },
     /// `scales`: the f32 value of every block scale of `acts` where the format has f16 ones (Q8_0; see
     /// `quant::act_block_scales`), else empty — the multi-row kernels read them instead of converting per weight row.
-    /// `flipped`: the rows in the long-chunk kernel's format where they were prepared for it (`Acts`), else empty.
+    /// `flipped`: the rows in the long-chunk kernel's format where they were prepared for it (`Acts`), else empty;
+    /// `flip_rows`: the rows in the flipped any-row kernel's format where they were prepared for it, else empty.
     Q {
         acts: &'a [u8],
         scales: &'a [f32],
         flipped: &'a [quant::GemmLine],
+        flip_rows: &'a [u8],
         rows: RowAt<'a>,
     },
 }
@@ -231,13 +240,22 @@ pub struct Acts {
     data: Vec<u8>,
     scales: Vec<f32>,
     flipped: Vec<quant::GemmLine>,
+    flip_rows: Vec<u8>,
     one: Vec<u8>,
 }
 
 impl Acts {
     /// An empty buffer.
     pub const fn new() -> Acts {
-        Acts { act: None, row_bytes: 0, data: Vec::new(), scales: Vec::new(), flipped: Vec::new(), one: Vec::new() }
+        Acts {
+            act: None,
+            row_bytes: 0,
+            data: Vec::new(),
+            scales: Vec::new(),
+            flipped: Vec::new(),
+            flip_rows: Vec::new(),
+            one: Vec::new(),
+        }
     }
 
     /// For a quantized kernel `k`, quantizes rows `rows.at(b)..+cols` of `x` for `b < n` into rows `0..n` here;
@@ -317,15 +335,19 @@ impl Acts {
         Ok(())
     }
 
-    /// After quantizing `n` rows for `k`: their f32 block scales and, for batches the long-chunk kernel takes, its
-    /// activation format (converted once per product rather than once per row range).
+    /// After quantizing `n` rows for `k`: their f32 block scales and, for batches the long-chunk kernel or the
+    /// flipped multi-row kernel takes, their flipped format (converted once per product rather than once per row
+    /// range).
     fn finish(&mut self, k: &Kernel, n: usize) {
-        let Kernel::Q { act, act_bytes, gemm, .. } = *k else { return };
+        let Kernel::Q { act, act_bytes, gemm, flip, .. } = *k else { return };
         let rows = &self.data[..n * act_bytes];
         quant::act_block_scales(act, rows, &mut self.scales);
         self.flipped.clear();
+        self.flip_rows.clear();
         if gemm.is_some() && n > GEMM_MIN_ROWS {
             quant::gemm_acts(act, rows, act_bytes, &mut self.flipped);
+        } else if flip.is_some() && n > 1 {
+            quant::flip_acts(act, rows, &mut self.flip_rows);
         }
     }
 
@@ -342,6 +364,16 @@ impl Acts {
     pub fn flipped(&self) -> &[quant::GemmLine] {
         if self.act.is_some() {
             &self.flipped
+        } else {
+            &[]
+        }
+    }
+
+    /// The rows in the flipped any-row kernel's format where [`Acts::prepare`] wrote them (see [`Input::Q`]), else
+    /// empty.
+    pub fn flip_rows(&self) -> &[u8] {
+        if self.act.is_some() {
+            &self.flip_rows
         } else {
             &[]
         }
@@ -375,9 +407,13 @@ impl Acts {
             RowAt::Gather { idx, stride: s } => RowAt::Gather { idx, stride: s * stride },
         };
         match k {
-            Kernel::Q { act_bytes, .. } if self.act.is_some() => {
-                Input::Q { acts: &self.data, scales: &self.scales, flipped: &self.flipped, rows: scale(*act_bytes) }
-            }
+            Kernel::Q { act_bytes, .. } if self.act.is_some() => Input::Q {
+                acts: &self.data,
+                scales: &self.scales,
+                flipped: &self.flipped,
+                flip_rows: &self.flip_rows,
+                rows: scale(*act_bytes),
+            },
             _ => Input::F32 { x, rows: scale(cols) },
         }
     }
@@ -436,7 +472,8 @@ impl Product<'_> {
         // SAFETY: in bounds (asserted); exclusive access to these elements is the caller's contract.
         let put = |b: usize, r: usize, v: f32| unsafe { *o.ptr.get().add(b * o.stride + o.off + r) = v };
         let rb = w.row_bytes.max(1);
-        if let (Kernel::Q { gemm: Some(gemm), .. }, Input::Q { acts, scales, flipped, rows }) = (self.k, self.input) {
+        if let (Kernel::Q { gemm: Some(gemm), .. }, Input::Q { acts, scales, flipped, rows, .. }) = (self.k, self.input)
+        {
             if n > GEMM_MIN_ROWS {
                 let at = |b: usize| rows.at(b);
                 let inp = GemmIn { acts, scales, flipped, at: &at, n };
@@ -452,8 +489,8 @@ impl Product<'_> {
                 let b1 = (b0 + BATCH_BLOCK).min(n);
                 match (self.k, self.input) {
                     (
-                        Kernel::Q { act, dot, rows: dotn, dot4, dot8, act_bytes, .. },
-                        Input::Q { acts, scales, rows, .. },
+                        Kernel::Q { act, dot, rows: dotn, flip, dot4, dot8, act_bytes, .. },
+                        Input::Q { acts, scales, flip_rows, rows, .. },
                     ) => {
                         // Row `b`'s bytes and the f32 scales of its blocks (empty where the format has none).
                         let bb = act.block_bytes().max(1);
@@ -469,16 +506,35 @@ impl Product<'_> {
                             }
                             continue;
                         }
+                        // Flipped rows and their scales, where prepared (`Acts::finish`): row `at / act_bytes`.
+                        let fb = act_bytes / bb * 32;
+                        let flipped_at = |b: usize| {
+                            let at = rows.at(b) / act_bytes.max(1) * fb;
+                            flip_rows.get(at..at + fb).zip(Some(act(b).1).filter(|d| !d.is_empty()))
+                        };
                         let one = |wr: &[u8], (a, _): (&[u8], &[f32])| dot(wr, a);
                         let four = dot4
                             .map(|k| move |wr: &[u8], a: [(&[u8], &[f32]); 4]| k(wr, a.map(|r| r.0), a.map(|r| r.1)));
                         let eight = dot8
                             .map(|k| move |wr: &[u8], a: [(&[u8], &[f32]); 8]| k(wr, a.map(|r| r.0), a.map(|r| r.1)));
-                        if let Some(k) = dotn {
-                            // One call per weight row for the whole batch block (`BATCH_BLOCK` ≤ `MAX_ROWS` rows).
+                        // The flipped any-row kernel where every row of the block was prepared for it: one call
+                        // per weight row for the whole batch block (`BATCH_BLOCK` ≤ `MAX_ROWS` rows).
+                        if let Some(k) = flip.filter(|_| (b0..b1).all(|b| flipped_at(b).is_some())) {
+                            let rs: [(&[u8], &[f32]); MAX_ROWS] =
+                                std::array::from_fn(|i| flipped_at((b0 + i).min(b1 - 1)).unwrap_or_default());
+                            let (a, d, m) = (rs.map(|r| r.0), rs.map(|r| r.1), b1 - b0);
+                            let mut v = [0f32; MAX_ROWS];
+                            for r in s0..s1 {
+                                k(w.row(r), &a[..m], &d[..m], &mut v[..m]);
+                                for (i, v) in v[..m].iter().enumerate() {
+                                    put(b0 + i, r, *v);
+                                }
+                            }
+                        } else if let Some(k) = dotn {
+                            // The any-row kernel: one call per `ROWS_PER_CALL` weight rows for the whole batch
+                            // block (the kernel may tile them; see `DotQRows`).
                             let rs: [(&[u8], &[f32]); MAX_ROWS] = std::array::from_fn(|i| act((b0 + i).min(b1 - 1)));
                             let (a, d, m) = (rs.map(|r| r.0), rs.map(|r| r.1), b1 - b0);
-                            // `ROWS_PER_CALL` weight rows per call (the kernel may tile them; see `DotQRows`).
                             let mut v = [0f32; ROWS_PER_CALL * MAX_ROWS];
                             for r0 in (s0..s1).step_by(ROWS_PER_CALL) {
                                 let (r1, rb) = ((r0 + ROWS_PER_CALL).min(s1), w.row_bytes);
@@ -680,6 +736,7 @@ fn run(pool: &Pool, w: Mat<'_>, n: usize, at: RowAt<'_>, x: &[f32], y: &mut [f32
                 acts: acts.bytes(),
                 scales: acts.scales(),
                 flipped: acts.flipped(),
+                flip_rows: acts.flip_rows(),
                 rows: RowAt::Strided { stride: act_bytes, off: 0 },
             },
             _ => Input::F32 { x, rows: at },
@@ -772,6 +829,7 @@ pub fn matmul_many(pool: &Pool, jobs: &mut [Option<MatJob<'_>>], n: usize) -> Re
                     acts: acts[src[i]].bytes(),
                     scales: acts[src[i]].scales(),
                     flipped: acts[src[i]].flipped(),
+                    flip_rows: acts[src[i]].flip_rows(),
                     rows: RowAt::Strided { stride: act_bytes, off: 0 },
                 },
                 _ => Input::F32 { x: j.x, rows: RowAt::Strided { stride: w.cols, off: 0 } },
@@ -914,7 +972,8 @@ mod tests {
             (GgmlType::Iq2Xxs, 70, 1536, 11),
             (GgmlType::Iq2Xxs, 33, 1280, 6),
             (GgmlType::Q8_0, 513, 128, 19),
-            // Batches of 8 (two four-row calls per weight row) and an odd block count.
+            // Batches of 8 (one flipped-form call per weight row where AVX-512 VNNI is present, else eight- or
+            // four-row calls) and an odd block count.
             (GgmlType::Q8_0, 65, 96, 8),
             (GgmlType::Q2K, 64, 512, 9),
             (GgmlType::F16, 70, 64, 9),

@@ -24,6 +24,9 @@
 //! row is prefetched once per chunk, and a block pair costs about eight vector instructions where the AVX2 kernel
 //! spends about twenty per block (`maddubs` + `madd` and two scalar f16 conversions); measured 2.1× its rate in
 //! cache (`benches/README.md`).
+//! Where the caller flips the activations once per product, `avx512_q8_rows` (built on this module's pair load,
+//! scale and sum helpers) replaces the eight- and four-row forms for batches of several rows (1.4× the eight-row
+//! form); these forms remain the ones for raw activation rows.
 //!
 //! Why the results are the single kernels' exactly: every integer partial sum is exact (the same operand ranges as
 //! the single kernel, no saturation), and where the single kernel converts i32 lanes to f32 the lanes hold the
@@ -114,6 +117,11 @@ fn vnni() -> bool {
     is_x86_feature_detected!("avx512f")
         && is_x86_feature_detected!("avx512vl")
         && is_x86_feature_detected!("avx512vnni")
+}
+
+/// Whether the 512-bit forms can run here (AVX2/FMA/F16C and AVX-512 F/BW/VL/VNNI).
+pub(super) fn vnni_512() -> bool {
+    super::avx2::available() && vnni() && is_x86_feature_detected!("avx512bw")
 }
 
 /// Whether all rows hold exactly `n` whole blocks of `ab` bytes.
@@ -219,7 +227,7 @@ unsafe fn bf16_xr_imp<const R: usize>(w: &[u8], x: [&[f32]; R]) -> [f32; R] {
 }
 
 /// Blocks whose scales one gather fetches per row (the Q8_0 multi-row kernels convert them eight at a time).
-const SCALE_CHUNK: usize = 8;
+pub(super) const SCALE_CHUNK: usize = 8;
 
 /// The f16 scales of blocks `0..8` of a Q8_0 row starting at `p` (the first two bytes of each 34-byte block),
 /// as f32, exactly (F16C's conversion is exact, like `f16_at`); lanes where `live` is zero read nothing and are 0.
@@ -228,7 +236,7 @@ const SCALE_CHUNK: usize = 8;
 /// AVX2/FMA/F16C present; every block whose lane is live in `live` lies inside the row.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q8_0_scales(p: *const u8, live: __m256i) -> __m256 {
+pub(super) unsafe fn q8_0_scales(p: *const u8, live: __m256i) -> __m256 {
     let at = _mm256_setr_epi32(0, 34, 68, 102, 136, 170, 204, 238);
     // SAFETY: live lanes read 4 bytes at the start of a block inside the row (the caller's contract); masked lanes
     // are not accessed.
@@ -246,7 +254,7 @@ unsafe fn q8_0_scales(p: *const u8, live: __m256i) -> __m256 {
 /// AVX-512 F/BW present; eight whole blocks (272 bytes) at `p`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw")]
-unsafe fn q8_0_scales8(p: *const u8) -> __m256 {
+pub(super) unsafe fn q8_0_scales8(p: *const u8) -> __m256 {
     let idx =
         _mm512_setr_epi32(17 << 16, 51 << 16 | 34, 21 << 16 | 4, 55 << 16 | 38, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
     // SAFETY: bytes 0..256 lie in the eight blocks (the caller's contract).
@@ -368,7 +376,7 @@ unsafe fn q8_0_xr_vnni_imp<const R: usize>(w: &[u8], a: [&[u8]; R], da: [&[f32];
 /// AVX-512 F present; two whole blocks at `p`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f")]
-unsafe fn q8_0_pair(p: *const u8) -> __m512i {
+pub(super) unsafe fn q8_0_pair(p: *const u8) -> __m512i {
     const B: usize = q8_0::BLOCK_BYTES;
     // SAFETY: bytes 2..34 and B + 2..B + 34 lie in the two blocks (the caller's contract).
     unsafe { _mm512_inserti64x4::<1>(_mm512_castsi256_si512(ld_si256(p.add(2))), ld_si256(p.add(B + 2))) }
@@ -388,11 +396,7 @@ unsafe fn q8_0_pair(p: *const u8) -> __m512i {
 unsafe fn q8_0_xr_zmm_imp<const R: usize>(w: &[u8], a: [&[u8]; R], da: [&[f32]; R], n: usize) -> [f32; R] {
     const B: usize = q8_0::BLOCK_BYTES;
     let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    // Lanes 0..8 take element 2p of a chunk's eight products, lanes 8..16 element 2p + 1.
-    let pick: [__m512i; SCALE_CHUNK / 2] = std::array::from_fn(|p| {
-        let (lo, hi) = (2 * p as i32, 2 * p as i32 + 1);
-        _mm512_inserti64x4::<1>(_mm512_set1_epi32(lo), _mm256_set1_epi32(hi))
-    });
+    let pick = pair_picks();
     let zero = _mm512_setzero_si512();
     let mut acc = [_mm512_setzero_ps(); R];
     let wp = w.as_ptr();
@@ -455,13 +459,28 @@ unsafe fn q8_0_xr_zmm_imp<const R: usize>(w: &[u8], a: [&[u8]; R], da: [&[f32]; 
         }
         c0 += SCALE_CHUNK;
     }
-    std::array::from_fn(|r| {
-        let v = acc[r];
-        hsum_ps(_mm256_add_ps(
-            _mm512_castps512_ps256(v),
-            _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v))),
-        ))
+    std::array::from_fn(|r| hsum_halves(acc[r]))
+}
+
+/// The permute indices that move a chunk's eight block scale products into block pair `p`'s halves: lanes 0..8
+/// take element `2p`, lanes 8..16 element `2p + 1`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f")]
+pub(super) fn pair_picks() -> [__m512i; SCALE_CHUNK / 2] {
+    std::array::from_fn(|p| {
+        let (lo, hi) = (2 * p as i32, 2 * p as i32 + 1);
+        _mm512_inserti64x4::<1>(_mm512_set1_epi32(lo), _mm256_set1_epi32(hi))
     })
+}
+
+/// `hsum(low half + high half)` of a 512-bit accumulator pair (the single kernel's final `hsum(acc₀ + acc₁)`).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f")]
+pub(super) fn hsum_halves(v: __m512) -> f32 {
+    hsum_ps(_mm256_add_ps(
+        _mm512_castps512_ps256(v),
+        _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v))),
+    ))
 }
 
 /// The per-row part of a Q2_K / Q4_K block `i` (shared by both multi-row kernels): `sumi = Σ_k madd(maddubs(plane k,
@@ -745,6 +764,7 @@ mod tests {
                 );
             }
             let scales = block_scales(crate::quant::ActType::Q8_0, &rows);
+            flipped_form_matches(&w, &rows, n);
             for (name, k4, k8) in &forms {
                 for da in [[&[][..]; 8], std::array::from_fn(|r| &scales[r][..])] {
                     let got = k4(&w, std::array::from_fn(|r| &rows[r][..]), std::array::from_fn(|r| da[r]));
@@ -756,6 +776,47 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The flipped-activation form (`avx512_q8_rows`, where present) on the rows of the raw-bytes test with their
+    /// -128 activation quants moved to -127 (its activations come from `quantize_acts`, which never makes -128):
+    /// the single kernel's bits for every row count 1..=8 and 11 (a group of eight and one of three); a row with a
+    /// block too few gets NaN and the others still their values.
+    fn flipped_form_matches(w: &[u8], raw: &[Vec<u8>], n: usize) {
+        let Some(kf) = super::super::dot_q_flipped(GgmlType::Q8_0) else { return };
+        let rows: Vec<Vec<u8>> = (0..11)
+            .map(|r| {
+                let mut v = raw[r % raw.len()].clone();
+                for b in v.chunks_exact_mut(q8_0::BLOCK_BYTES) {
+                    b[2..].iter_mut().filter(|q| **q == 0x80).for_each(|q| *q = 0x81);
+                }
+                v
+            })
+            .collect();
+        // SAFETY: the caller checked AVX2, FMA and F16C.
+        let single = |r: &[u8]| unsafe { super::super::avx2::q8_0_q8_0_imp(w, r) };
+        let want: Vec<u32> = rows.iter().map(|r| single(r).to_bits()).collect();
+        let flipped: Vec<Vec<u8>> = rows
+            .iter()
+            .map(|r| {
+                let mut f = Vec::new();
+                crate::quant::flip_acts(crate::quant::ActType::Q8_0, r, &mut f);
+                f
+            })
+            .collect();
+        let scales = block_scales(crate::quant::ActType::Q8_0, &rows);
+        let (fl, sc): (Vec<&[u8]>, Vec<&[f32]>) = flipped.iter().zip(&scales).map(|(f, s)| (&f[..], &s[..])).unzip();
+        for m in (1..=8).chain([11]) {
+            let mut out = vec![f32::NAN; m];
+            kf(w, &fl[..m], &sc[..m], &mut out);
+            assert_eq!(out.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want[..m], "flipped, {m} rows, {n} blocks");
+        }
+        let mut short = fl.clone();
+        short[2] = &fl[2][..fl[2].len() - 32];
+        let mut out = vec![0f32; 4];
+        kf(w, &short[..4], &sc[..4], &mut out);
+        assert!(out[2].is_nan(), "a short row gets NaN");
+        assert_eq!([out[0], out[1], out[3]].map(f32::to_bits), [want[0], want[1], want[3]]);
     }
 
     /// The F16 and BF16 four-row forms give the single kernel's bits for lengths with and without a scalar tail,

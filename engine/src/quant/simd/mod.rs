@@ -14,6 +14,7 @@
 //!   side-by-side benchmarks.
 //!   Module graph (x86-64): `x86` is a leaf of shared helpers (f16 conversion, prefetch, loads, 64-byte
 //!   constants); `avx2_x4` and `avx512_gemm` (long-chunk Q8_0 products, [`gemm_q`]) build on `avx2`,
+//!   `avx512_q8_rows` (Q8_0 multi-row products on flipped activations, [`dot_q_flipped`]) on `avx2_x4`,
 //!   `avx512_iq2` on `avx512`; the choice between them is made here.
 //! - aarch64 (little-endian): NEON (baseline on aarch64; compiled when the target enables it, see `neon`).
 //!
@@ -58,6 +59,8 @@ mod avx512_gemm;
 mod avx512_iq2;
 #[cfg(target_arch = "x86_64")]
 mod avx512_q2k;
+#[cfg(target_arch = "x86_64")]
+mod avx512_q8_rows;
 #[cfg(all(target_arch = "aarch64", target_feature = "neon", target_endian = "little"))]
 mod neon;
 #[cfg(all(test, target_arch = "x86_64"))]
@@ -165,6 +168,18 @@ pub fn dot_q8(ty: GgmlType) -> Option<super::api::DotQ8> {
     #[cfg(target_arch = "x86_64")]
     if avx512_dot_q(ty).is_none() && avx2::dot_q(ty).is_some() {
         return avx2_x4::dot_q8(ty);
+    }
+    let _ = ty;
+    None
+}
+
+/// The flipped-activation kernel for `ty` (see [`crate::quant::DotQFlipped`]) where this CPU has one:
+/// `avx512_q8_rows`' Q8_0 form (AVX-512 F/BW/VL/VNNI), bit-identical to the AVX2 single kernel (and so to the
+/// 512-bit form of it that [`dot_q`] picks there).
+pub fn dot_q_flipped(ty: GgmlType) -> Option<super::api::DotQFlipped> {
+    #[cfg(target_arch = "x86_64")]
+    if avx512_dot_q(ty).is_none() && avx2::dot_q(ty).is_some() {
+        return avx512_q8_rows::dot_q_flipped(ty);
     }
     let _ = ty;
     None
@@ -468,6 +483,57 @@ mod bench {
                     print!(", eight-row kernel {eight:6.2} G MAC/s");
                 }
                 println!();
+            }
+            // Eight distinct activation rows per weight row (decode with eight sessions), in cache and streamed: the
+            // eight-row form vs the flipped-activation form (activations flipped once, outside the timing).
+            if let (Some(k8), Some(kf)) = (dot_q8(ty), dot_q_flipped(ty)) {
+                let act = crate::quant::act_type(ty);
+                let rows: Vec<Vec<u8>> = (0..8)
+                    .map(|r| {
+                        let xr: Vec<f32> = x.iter().enumerate().map(|(i, v)| v * ((i * (r + 3)) % 7) as f32).collect();
+                        let mut a = Vec::new();
+                        quantize_acts(act, &xr, &mut a).unwrap();
+                        a
+                    })
+                    .collect();
+                let (mut das, mut fls) = (vec![Vec::new(); 8], vec![Vec::new(); 8]);
+                for r in 0..8 {
+                    crate::quant::act_block_scales(act, &rows[r], &mut das[r]);
+                    crate::quant::flip_acts(act, &rows[r], &mut fls[r]);
+                }
+                let a8: [&[u8]; 8] = std::array::from_fn(|r| &rows[r][..]);
+                let d8: [&[f32]; 8] = std::array::from_fn(|r| &das[r][..]);
+                let f8: [&[u8]; 8] = std::array::from_fn(|r| &fls[r][..]);
+                for (what, ws, passes) in [("hot", &w[..hot_rows * rb], 8 * mib.max(1) / 16), ("stream", &w[..], 1)] {
+                    let (mut eight, mut flipped) = (0f64, 0f64);
+                    let mut out = [0f32; 8];
+                    for _ in 0..3 {
+                        let mut sink = 0f32;
+                        let s8 = seconds(|| {
+                            for _ in 0..passes {
+                                for row in ws.chunks_exact(rb) {
+                                    sink += k8(row, a8, d8)[7];
+                                }
+                            }
+                        });
+                        let sf = seconds(|| {
+                            for _ in 0..passes {
+                                for row in ws.chunks_exact(rb) {
+                                    kf(row, &f8, &d8, &mut out);
+                                    sink += out[7];
+                                }
+                            }
+                        });
+                        assert!(sink.is_finite());
+                        let macs = (ws.len() / rb * cols * 8 * passes) as f64 / 1e9;
+                        eight = eight.max(macs / s8);
+                        flipped = flipped.max(macs / sf);
+                    }
+                    println!(
+                        "{ty:>8} 8 distinct rows, {what}: eight-row kernel {eight:6.2} G MAC/s, flipped form \
+                         {flipped:6.2} G MAC/s"
+                    );
+                }
             }
         }
     }
