@@ -21,8 +21,9 @@
 //! activations carry their blocks' scales as f32 where the format stores f16 ones (Q8_0, [`Acts`]), converted once
 //! per product for the multi-row kernels. Batches of more than `GEMM_MIN_ROWS` rows go through the type's long-chunk kernel
 //! (`quant::gemm_q_kernel`: Q8_0 with AVX-512 VNNI, tiles of weight rows × activation rows, bit-identical to the
-//! single-row kernel too), whose activation format [`Acts`] also prepares once per product (`quant::gemm_acts`; for
-//! the flipped any-row form too, for batches of 2..=`GEMM_MIN_ROWS` rows).
+//! single-row kernel too), whose activation format [`Acts`] also prepares once per product (`quant::gemm_acts`, block
+//! pairs interleaved); batches of 2..=`GEMM_MIN_ROWS` rows get the flipped any-row form's format instead
+//! (`quant::flip_acts`, blocks in order). Each product prepares at most one of the two.
 //!
 //! Activation quantization is the CPU's one deliberate approximation: each activation is rounded to a grid of
 //! `amax/127` per block of 32 (Q8_0) or 256 (Q8_K) values, an error of up to half a step per activation. When the
@@ -78,9 +79,9 @@ pub enum Kernel {
     /// it, multiplies a weight row into any number of activation rows (up to `quant::MAX_ROWS` per weight decode),
     /// else `dot8` / `dot4`, where the type has them, into eight / four at once (all bit-identical to that many
     /// `dot` calls); `gemm`, where it has one, many weight rows into many activation rows (batches above
-    /// `GEMM_MIN_ROWS`, bit-identical too); `flip`, where it has one, any number of activation rows in the
-    /// long-chunk kernel's flipped format (batch blocks of several rows up to `GEMM_MIN_ROWS`; preferred to
-    /// `rows` / `dot8` / `dot4`).
+    /// `GEMM_MIN_ROWS`, bit-identical too); `flip`, where it has one, any number of activation rows flipped to
+    /// unsigned (`quant::flip_acts`; batch blocks of several rows up to `GEMM_MIN_ROWS`; preferred to `rows` /
+    /// `dot8` / `dot4`).
     Q {
         act: ActType,
         dot: DotQ,
@@ -335,9 +336,9 @@ impl Acts {
         Ok(())
     }
 
-    /// After quantizing `n` rows for `k`: their f32 block scales and, for batches the long-chunk kernel or the
-    /// flipped multi-row kernel takes, their flipped format (converted once per product rather than once per row
-    /// range).
+    /// After quantizing `n` rows for `k`: their f32 block scales and, for batches the long-chunk kernel takes, its
+    /// activation format, else for batches the flipped any-row kernel takes, that one's (converted once per product
+    /// rather than once per row range).
     fn finish(&mut self, k: &Kernel, n: usize) {
         let Kernel::Q { act, act_bytes, gemm, flip, .. } = *k else { return };
         let rows = &self.data[..n * act_bytes];
