@@ -42,17 +42,41 @@ impl RopeFreqs {
 
     /// Rotates the last `2 * inv_freq.len()` values of `x` by `pos` (or by `-pos` when `inverse`).
     pub fn apply(&self, x: &mut [f32], pos: usize, inverse: bool) {
-        let rd = self.inv_freq.len() * 2;
-        let n = x.len();
-        let r = &mut x[n - rd..];
         for (i, &f) in self.inv_freq.iter().enumerate() {
-            let ang = pos as f32 * f;
-            let (s, c) = ang.sin_cos();
-            let s = if inverse { -s } else { s };
-            let (a, b) = (r[2 * i], r[2 * i + 1]);
-            r[2 * i] = a * c - b * s;
-            r[2 * i + 1] = b * c + a * s;
+            let cs = Self::cos_sin(pos, f, inverse);
+            Self::rotate_pair(x, self.inv_freq.len(), i, cs);
         }
+    }
+
+    /// `(cos, sin)` of every pair's angle at `pos` (the sine negated when `inverse`) into `out`
+    /// (`inv_freq.len()` entries): what [`RopeFreqs::apply`] rotates by, so [`RopeFreqs::rotate`] with this table
+    /// gives the same bits. Many vectors at one position (a row's heads) share one table: the sines and cosines
+    /// are most of the cost of rotating.
+    pub fn table(&self, pos: usize, inverse: bool, out: &mut [(f32, f32)]) {
+        for (o, &f) in out.iter_mut().zip(&self.inv_freq) {
+            *o = Self::cos_sin(pos, f, inverse);
+        }
+    }
+
+    /// Rotates the last `2 * cs.len()` values of `x` by a [`RopeFreqs::table`].
+    pub fn rotate(x: &mut [f32], cs: &[(f32, f32)]) {
+        for (i, &c) in cs.iter().enumerate() {
+            Self::rotate_pair(x, cs.len(), i, c);
+        }
+    }
+
+    fn cos_sin(pos: usize, f: f32, inverse: bool) -> (f32, f32) {
+        let (s, c) = (pos as f32 * f).sin_cos();
+        (c, if inverse { -s } else { s })
+    }
+
+    /// Pair `i` of the last `2 · half` values of `x`.
+    fn rotate_pair(x: &mut [f32], half: usize, i: usize, (c, s): (f32, f32)) {
+        let n = x.len();
+        let r = &mut x[n - 2 * half..];
+        let (a, b) = (r[2 * i], r[2 * i + 1]);
+        r[2 * i] = a * c - b * s;
+        r[2 * i + 1] = b * c + a * s;
     }
 }
 
@@ -96,6 +120,29 @@ mod tests {
         f.apply(&mut x, 7, true);
         for (a, b) in x.iter().zip(&orig) {
             assert!((a - b).abs() < 1e-5);
+        }
+    }
+
+    #[test]
+    fn a_table_rotates_exactly_as_apply() {
+        let f = RopeFreqs::new(&RopeParams { base: 160000.0, yarn: Some((16.0, 65536.0, 32.0, 1.0)) }, 64);
+        let x: Vec<f32> = (0..80).map(|i| ((i * 37 % 23) as f32 - 11.0) * 0.37).collect();
+        let mut cs = vec![(0f32, 0f32); 32];
+        for pos in [0usize, 1, 7, 4095, 1 << 20] {
+            for inverse in [false, true] {
+                let (mut a, mut b) = (x.clone(), x.clone());
+                f.apply(&mut a, pos, inverse);
+                f.table(pos, inverse, &mut cs);
+                RopeFreqs::rotate(&mut b, &cs);
+                assert_eq!(
+                    a.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    b.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+                );
+                assert_eq!(a[..16], x[..16], "only the last 64 values rotate");
+                if pos > 0 {
+                    assert_ne!(a[16..], x[16..], "pos {pos} rotates");
+                }
+            }
         }
     }
 }

@@ -76,13 +76,18 @@ pub fn collapse(x: &[f32], pre: &[f32], d: usize, u: &mut [f32]) {
 pub fn post_mix(x: &mut [f32], f: &[f32], post: &[f32], comb: &[f32], hc: usize, d: usize, tmp: &mut [f32]) {
     tmp[..hc * d].copy_from_slice(&x[..hc * d]);
     for k in 0..hc {
+        // `s_i = Σ_j comb[j][k] · tmp_j[i]` (from 0, in `j` order) accumulated in `out` across `i` (vectorizable),
+        // then `out_i = post_k · f_i + s_i`: the same operations in the same order per element as one loop per `i`.
         let out = &mut x[k * d..(k + 1) * d];
-        for (i, o) in out.iter_mut().enumerate() {
-            let mut s = 0f32;
-            for j in 0..hc {
-                s += comb[j * hc + k] * tmp[j * d + i];
+        out.fill(0.0);
+        for j in 0..hc {
+            let c = comb[j * hc + k];
+            for (o, &t) in out.iter_mut().zip(&tmp[j * d..(j + 1) * d]) {
+                *o += c * t;
             }
-            *o = post[k] * f[i] + s;
+        }
+        for (o, &fi) in out.iter_mut().zip(&f[..d]) {
+            *o = post[k] * fi + *o;
         }
     }
 }
@@ -122,5 +127,31 @@ mod tests {
         let mut tmp = vec![0f32; 2];
         post_mix(&mut x, &[0.5], &[2.0, 4.0], &comb, hc, d, &mut tmp);
         assert_eq!(x, vec![1.0, 2.0 + 1.0]);
+    }
+
+    #[test]
+    fn post_mix_matches_the_per_element_sum_bit_for_bit() {
+        let (hc, d) = (4, 37);
+        let val = |i: usize, m: usize| ((i * m % 29) as f32 - 14.0) * 0.173;
+        let x0: Vec<f32> = (0..hc * d).map(|i| val(i, 7)).collect();
+        let f: Vec<f32> = (0..d).map(|i| val(i, 11)).collect();
+        let post: Vec<f32> = (0..hc).map(|i| val(i, 5) * 0.1).collect();
+        let comb: Vec<f32> = (0..hc * hc).map(|i| val(i, 13) * 0.05).collect();
+        let mut want = x0.clone();
+        for k in 0..hc {
+            for i in 0..d {
+                let mut s = 0f32;
+                for j in 0..hc {
+                    s += comb[j * hc + k] * x0[j * d + i];
+                }
+                want[k * d + i] = post[k] * f[i] + s;
+            }
+        }
+        let (mut x, mut tmp) = (x0.clone(), vec![0f32; hc * d]);
+        post_mix(&mut x, &f, &post, &comb, hc, d, &mut tmp);
+        assert_eq!(
+            x.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            want.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        );
     }
 }

@@ -8,11 +8,14 @@ use super::pool::{par_rows, Pool};
 use super::{hc, norm, Scratch};
 use crate::backend::StepCtx;
 use crate::graph::{BufId, SimKind, Sub};
+use crate::model::rope::RopeFreqs;
 use crate::model::{sim, WeightId};
 use crate::Result;
 
 thread_local! {
     static TMP: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// [`rope`]'s per-row (cos, sin) tables (the calling thread's).
+    static ROPE_TAB: RefCell<Vec<(f32, f32)>> = const { RefCell::new(Vec::new()) };
 }
 
 /// [`crate::graph::Op::Embed`]: the token's embedding row into every stream.
@@ -115,8 +118,22 @@ pub fn rope(
 ) -> Result<()> {
     let n = cx.batch.rows.len();
     let rope = cx.rope.for_layer(cx.model, layer);
-    let rows = &cx.batch.rows;
-    par_rows(pool, &mut x[..n * heads * width], width, &|i, r| rope.apply(r, rows[i / heads].pos, inverse));
+    let half = rope.inv_freq.len();
+    // One (cos, sin) table per row, shared by its heads (bit-identical to `apply` per head; the sines and cosines
+    // were most of the op's time: heads × rope_dim / 2 of them per row).
+    ROPE_TAB.with(|t| {
+        let mut tab = t.borrow_mut();
+        tab.clear();
+        tab.resize(n * half, (0.0, 0.0));
+        for (row, cs) in cx.batch.rows.iter().zip(tab.chunks_exact_mut(half.max(1))) {
+            rope.table(row.pos, inverse, cs);
+        }
+        let tab = &tab[..];
+        par_rows(pool, &mut x[..n * heads * width], width, &|i, r| {
+            let at = i / heads * half;
+            RopeFreqs::rotate(r, &tab[at..at + half])
+        });
+    });
     Ok(())
 }
 
