@@ -227,7 +227,7 @@ pub enum Input<'a> {
         acts: &'a [u8],
         scales: &'a [f32],
         flipped: &'a [quant::GemmLine],
-        flip_rows: &'a [u8],
+        flip_rows: &'a [quant::GemmLine],
         rows: RowAt<'a>,
     },
 }
@@ -241,7 +241,7 @@ pub struct Acts {
     data: Vec<u8>,
     scales: Vec<f32>,
     flipped: Vec<quant::GemmLine>,
-    flip_rows: Vec<u8>,
+    flip_rows: Vec<quant::GemmLine>,
     one: Vec<u8>,
 }
 
@@ -348,7 +348,7 @@ impl Acts {
         if gemm.is_some() && n > GEMM_MIN_ROWS {
             quant::gemm_acts(act, rows, act_bytes, &mut self.flipped);
         } else if flip.is_some() && n > 1 {
-            quant::flip_acts(act, rows, &mut self.flip_rows);
+            quant::flip_acts(act, rows, act_bytes, &mut self.flip_rows);
         }
     }
 
@@ -372,7 +372,7 @@ impl Acts {
 
     /// The rows in the flipped any-row kernel's format where [`Acts::prepare`] wrote them (see [`Input::Q`]), else
     /// empty.
-    pub fn flip_rows(&self) -> &[u8] {
+    pub fn flip_rows(&self) -> &[quant::GemmLine] {
         if self.act.is_some() {
             &self.flip_rows
         } else {
@@ -507,11 +507,13 @@ impl Product<'_> {
                             }
                             continue;
                         }
-                        // Flipped rows and their scales, where prepared (`Acts::finish`): row `at / act_bytes`.
-                        let fb = act_bytes / bb * 32;
+                        // Flipped rows and their scales, where prepared (`Acts::finish`): row `at / act_bytes`,
+                        // `fl` lines each (64-byte aligned).
+                        let fl = quant::gemm_row_lines(act_bytes);
                         let flipped_at = |b: usize| {
-                            let at = rows.at(b) / act_bytes.max(1) * fb;
-                            flip_rows.get(at..at + fb).zip(Some(act(b).1).filter(|d| !d.is_empty()))
+                            let at = rows.at(b) / act_bytes.max(1) * fl;
+                            let lines = flip_rows.get(at..at + fl).map(bytemuck::cast_slice::<quant::GemmLine, u8>);
+                            lines.zip(Some(act(b).1).filter(|d| !d.is_empty()))
                         };
                         let one = |wr: &[u8], (a, _): (&[u8], &[f32])| dot(wr, a);
                         let four = dot4

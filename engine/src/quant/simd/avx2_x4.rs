@@ -796,16 +796,17 @@ mod tests {
         // SAFETY: the caller checked AVX2, FMA and F16C.
         let single = |r: &[u8]| unsafe { super::super::avx2::q8_0_q8_0_imp(w, r) };
         let want: Vec<u32> = rows.iter().map(|r| single(r).to_bits()).collect();
-        let flipped: Vec<Vec<u8>> = rows
+        let flipped: Vec<Vec<crate::quant::GemmLine>> = rows
             .iter()
             .map(|r| {
                 let mut f = Vec::new();
-                crate::quant::flip_acts(crate::quant::ActType::Q8_0, r, &mut f);
+                crate::quant::flip_acts(crate::quant::ActType::Q8_0, r, r.len(), &mut f);
                 f
             })
             .collect();
         let scales = block_scales(crate::quant::ActType::Q8_0, &rows);
-        let (fl, sc): (Vec<&[u8]>, Vec<&[f32]>) = flipped.iter().zip(&scales).map(|(f, s)| (&f[..], &s[..])).unzip();
+        let (fl, sc): (Vec<&[u8]>, Vec<&[f32]>) =
+            flipped.iter().zip(&scales).map(|(f, s)| (bytemuck::cast_slice(&f[..]), &s[..])).unzip();
         for m in (1..=8).chain([11]) {
             let mut out = vec![f32::NAN; m];
             kf(w, &fl[..m], &sc[..m], &mut out);

@@ -496,14 +496,14 @@ mod bench {
                         a
                     })
                     .collect();
-                let (mut das, mut fls) = (vec![Vec::new(); 8], vec![Vec::new(); 8]);
+                let (mut das, mut fls) = (vec![Vec::new(); 8], vec![Vec::<crate::quant::GemmLine>::new(); 8]);
                 for r in 0..8 {
                     crate::quant::act_block_scales(act, &rows[r], &mut das[r]);
-                    crate::quant::flip_acts(act, &rows[r], &mut fls[r]);
+                    crate::quant::flip_acts(act, &rows[r], rows[r].len(), &mut fls[r]);
                 }
                 let a8: [&[u8]; 8] = std::array::from_fn(|r| &rows[r][..]);
                 let d8: [&[f32]; 8] = std::array::from_fn(|r| &das[r][..]);
-                let f8: [&[u8]; 8] = std::array::from_fn(|r| &fls[r][..]);
+                let f8: [&[u8]; 8] = std::array::from_fn(|r| bytemuck::cast_slice(&fls[r][..]));
                 for (what, ws, passes) in [("hot", &w[..hot_rows * rb], 8 * mib.max(1) / 16), ("stream", &w[..], 1)] {
                     let (mut eight, mut flipped) = (0f64, 0f64);
                     let mut out = [0f32; 8];
