@@ -467,6 +467,30 @@ mod tests {
     use super::*;
 
     #[test]
+    fn flipped_rows_start_on_whole_lines() {
+        // Three rows of three Q8_0 blocks (odd: each row's last line is half padding).
+        let x: Vec<f32> = (0..3 * 96).map(|i| ((i * 37 % 251) as f32 - 125.0) * 0.01).collect();
+        let mut a = Vec::new();
+        quantize_acts(ActType::Q8_0, &x, &mut a).unwrap();
+        let rb = 3 * q8_0::BLOCK_BYTES;
+        let mut out = Vec::new();
+        flip_acts(ActType::Q8_0, &a, rb, &mut out);
+        assert_eq!(out.len(), 3 * gemm_row_lines(rb));
+        assert_eq!(out.as_ptr() as usize % 64, 0);
+        let bytes: &[u8] = bytemuck::cast_slice(&out);
+        for (r, row) in a.chunks_exact(rb).enumerate() {
+            let line = &bytes[r * 128..(r + 1) * 128];
+            for (b, blk) in row.chunks_exact(q8_0::BLOCK_BYTES).enumerate() {
+                let want: Vec<u8> = blk[2..].iter().map(|q| (*q as i8 as i16 + 128) as u8).collect();
+                assert_eq!(&line[32 * b..32 * b + 32], &want[..], "row {r} block {b}");
+            }
+            assert!(line[96..].iter().all(|&v| v == 0), "row {r} padding");
+        }
+        flip_acts(ActType::Q8K, &a, rb, &mut out);
+        assert!(out.is_empty(), "no flipped form for other activation types");
+    }
+
+    #[test]
     fn lengths_and_types_are_checked() {
         let mut out = [0f32; 32];
         assert!(dequantize_row(GgmlType::Q8_0, &[0u8; 33], &mut out).is_err());
