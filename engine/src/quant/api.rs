@@ -67,6 +67,9 @@ pub type GemmQ = fn(
 /// One float weight row (F16/BF16) against four f32 activation rows, bit-identical to four [`DotF32`] calls.
 pub type DotF4 = fn(&[u8], [&[f32]; 4]) -> [f32; 4];
 
+/// One float weight row (F16/BF16) against eight f32 activation rows, bit-identical to eight [`DotF32`] calls.
+pub type DotF8 = fn(&[u8], [&[f32]; 8]) -> [f32; 8];
+
 fn qerr(op: &'static str, ty: GgmlType, what: impl Into<String>) -> Error {
     Error::Quant { op, ty: ty.name().to_string(), what: what.into() }
 }
@@ -192,6 +195,12 @@ pub fn act_block_scales(act: ActType, a: &[u8], out: &mut Vec<f32>) {
 /// weight vector converted once for the four rows). `None` means: call the single kernel.
 pub fn dot_f4_kernel(weight_ty: GgmlType) -> Option<DotF4> {
     simd::dot_f4(weight_ty)
+}
+
+/// An eight-row form of [`dot_f32_kernel`] (see [`DotF8`]) where this CPU has one (F16 and BF16 with AVX-512 F:
+/// each weight vector converted once for the eight rows). `None` means: four-row or single calls.
+pub fn dot_f8_kernel(weight_ty: GgmlType) -> Option<DotF8> {
+    simd::dot_f8(weight_ty)
 }
 
 /// The activation format paired with a weight type on this CPU: Q8_0 for Q8_0; Q8_K for Q2_K and Q4_K; Q8_K for

@@ -15,7 +15,7 @@
 //! AVX-512 IQ2_XXS and Q2_K, the routed experts' types — an expert gets ~6 rows of a 256-token chunk; 32 weight
 //! rows per call, which the IQ2_XXS kernel tiles for small batch blocks), else eight
 //! at a time through its eight-row form, then four at a time through its four-row form, where the CPU has them
-//! (`quant::dot_q8_kernel`, `quant::dot_q4_kernel`, `quant::dot_f4_kernel`), the rest one by one (a block of one
+//! (`quant::dot_q8_kernel`, `quant::dot_f8_kernel`, `quant::dot_q4_kernel`, `quant::dot_f4_kernel`), the rest one by one (a block of one
 //! quantized row, decode's case, as a plain loop of single-row calls over the weight rows); each multi-row
 //! form decodes a weight row once for its rows and is bit-identical to the single-row kernel. Quantized
 //! activations carry their blocks' scales as f32 where the format stores f16 ones (Q8_0, [`Acts`]), converted once
@@ -42,7 +42,7 @@ use std::ops::Range;
 use crate::backend::cpu::pool::{split, Pool};
 use crate::model::mat::Mat;
 use crate::quant::{
-    self, ActType, DotF32, DotF4, DotQ, DotQ4, DotQ8, DotQFlipped, DotQRows, GemmIn, GemmQ, GgmlType, MAX_ROWS,
+    self, ActType, DotF32, DotF4, DotF8, DotQ, DotQ4, DotQ8, DotQFlipped, DotQRows, GemmIn, GemmQ, GgmlType, MAX_ROWS,
 };
 use crate::{Error, Result};
 
@@ -72,9 +72,9 @@ const GEMM_MIN_ROWS: usize = 16;
 pub enum Kernel {
     /// F32 weights, [`dot_f32`].
     F32,
-    /// Float weights (F16/BF16, or quantized weights with [`Pool::f32_acts`]) against f32 activations; `dot4` as
-    /// for [`Kernel::Q`].
-    F { dot: DotF32, dot4: Option<DotF4> },
+    /// Float weights (F16/BF16, or quantized weights with [`Pool::f32_acts`]) against f32 activations; `dot8` /
+    /// `dot4` as for [`Kernel::Q`].
+    F { dot: DotF32, dot4: Option<DotF4>, dot8: Option<DotF8> },
     /// Quantized weights against activations quantized to `act` (`act_bytes` per row); `rows`, where the type has
     /// it, multiplies a weight row into any number of activation rows (up to `quant::MAX_ROWS` per weight decode),
     /// else `dot8` / `dot4`, where the type has them, into eight / four at once (all bit-identical to that many
@@ -113,7 +113,11 @@ impl Kernel {
 
     /// The f32-activation kernel for `ty`, with its four-row form where the CPU has one.
     fn float(ty: GgmlType) -> Result<Kernel> {
-        Ok(Kernel::F { dot: quant::dot_f32_kernel(ty)?, dot4: quant::dot_f4_kernel(ty) })
+        Ok(Kernel::F {
+            dot: quant::dot_f32_kernel(ty)?,
+            dot4: quant::dot_f4_kernel(ty),
+            dot8: quant::dot_f8_kernel(ty),
+        })
     }
 
     /// The kernel the pool's settings ask for: [`Kernel::for_type`], or f32 activations for every weight type when
@@ -563,12 +567,13 @@ impl Product<'_> {
                             }
                         }
                     }
-                    (Kernel::F { dot, dot4 }, Input::F32 { x, rows }) => {
+                    (Kernel::F { dot, dot4, dot8 }, Input::F32 { x, rows }) => {
                         let act = |b: usize| {
                             let a = rows.at(b);
                             &x[a..a + cols]
                         };
                         let four = dot4.map(|k| move |wr: &[u8], a: [&[f32]; 4]| k(wr, a));
+                        let eight = dot8.map(|k| move |wr: &[u8], a: [&[f32]; 8]| k(wr, a));
                         for r in s0..s1 {
                             row_times_batch(
                                 w.row(r),
@@ -576,7 +581,7 @@ impl Product<'_> {
                                 &act,
                                 &|wr, a| dot(wr, a),
                                 four.as_ref().map(|f| f as _),
-                                None,
+                                eight.as_ref().map(|f| f as _),
                                 &|b, v| put(b, r, v),
                             );
                         }

@@ -44,7 +44,7 @@
 
 use std::arch::x86_64::*;
 
-use super::super::api::{DotF4, DotQ, DotQ4, DotQ8};
+use super::super::api::{DotF4, DotF8, DotQ, DotQ4, DotQ8};
 use super::super::iq2_tables::IQ2XXS_GRID;
 use super::super::{iq2_xxs, q2_k, q4_k, q8_0, q8_k, GgmlType};
 use super::avx2::{bf16x8_to_ps, ld_ps, q4_k_scales, Q2_SCALE_SHUF, SIGNS_PM1};
@@ -98,9 +98,10 @@ fn q8_0_x1_zmm(w: &[u8], a: &[u8]) -> f32 {
     unsafe { q8_0_xr_zmm_imp::<1>(w, [a], [&[]], n)[0] }
 }
 
-/// The four-row F16 / BF16 kernels (the AVX2 single kernels' multi-row forms). No eight-row ones: their sixteen
-/// accumulators would spill, and a spilled accumulator, updated every 16 values, puts a store-to-load round trip
-/// on the loop's critical path (measured: 0.6–0.7× the single kernel's rate; `benches/README.md`).
+/// The four-row F16 / BF16 kernels (the AVX2 single kernels' multi-row forms). No eight-row AVX2 ones: their
+/// sixteen accumulators would spill, and a spilled accumulator, updated every 16 values, puts a store-to-load round
+/// trip on the loop's critical path (measured: 0.6–0.7× the single kernel's rate; `benches/README.md`); with
+/// AVX-512 there are eight-row ones on 512-bit vectors ([`dot_f8`]: eight accumulators, 32 registers).
 pub(super) fn dot_f4(ty: GgmlType) -> Option<DotF4> {
     if !super::avx2::available() {
         return None;
@@ -108,6 +109,23 @@ pub(super) fn dot_f4(ty: GgmlType) -> Option<DotF4> {
     match ty {
         GgmlType::F16 => Some(f16_x4),
         GgmlType::Bf16 => Some(bf16_x4),
+        _ => None,
+    }
+}
+
+/// The eight-row F16 / BF16 kernels on 512-bit vectors (AVX-512 F; decode with several sessions: the indexer,
+/// compressor, router and hyper-connection weights): sixteen values per step in one vector, which holds the single
+/// kernel's two 8-value steps side by side (low half: its first accumulator, high half: its second), so each
+/// row's sums are the single kernel's bit for bit (`hsum(low + high)`, then the same scalar tail) — with eight
+/// accumulators in eight of 32 registers, and one conversion per 16 weights for all eight rows (the four-row form
+/// converts them twice for eight rows and runs twice the instructions).
+pub(super) fn dot_f8(ty: GgmlType) -> Option<DotF8> {
+    if !(super::avx2::available() && is_x86_feature_detected!("avx512f")) {
+        return None;
+    }
+    match ty {
+        GgmlType::F16 => Some(f16_x8),
+        GgmlType::Bf16 => Some(bf16_x8),
         _ => None,
     }
 }
@@ -175,6 +193,71 @@ macro_rules! wrap_half {
 }
 wrap_half!(f16_x4, 4, f16_xr_imp, f16_f32_imp);
 wrap_half!(bf16_x4, 4, bf16_xr_imp, bf16_f32_imp);
+
+macro_rules! wrap_half_zmm {
+    ($name:ident, $imp:ident, $single:ident) => {
+        fn $name(w: &[u8], x: [&[f32]; 8]) -> [f32; 8] {
+            // SAFETY: handed out by `dot_f8` only after `avx2::available()` (AVX2, FMA, F16C) and AVX-512 F were
+            // detected, the features both functions are compiled for; the multi-row one gets rows of one length.
+            unsafe {
+                if x.iter().all(|r| r.len() == x[0].len()) {
+                    $imp::<8>(w, x)
+                } else {
+                    x.map(|r| super::avx2::$single(w, r))
+                }
+            }
+        }
+    };
+}
+wrap_half_zmm!(f16_x8, f16_xr_zmm_imp, f16_f32_imp);
+wrap_half_zmm!(bf16_x8, bf16_xr_zmm_imp, bf16_f32_imp);
+
+/// `half_rows` on 512-bit vectors: `$cvt` turns 16 packed 16-bit values into 16 f32, the first 8 in the low half.
+macro_rules! half_rows_zmm {
+    ($w:ident, $x:ident, $R:ident, $cvt:expr, $scalar:expr) => {{
+        let n = ($w.len() / 2).min($x[0].len());
+        let wp = $w.as_ptr();
+        let mut acc = [_mm512_setzero_ps(); $R];
+        let mut i = 0;
+        while i + 16 <= n {
+            // SAFETY: i + 16 ≤ n, so 32 bytes of w at 2i and 64 bytes of every row (all `n` or longer) at 4i are in
+            // bounds.
+            unsafe {
+                let wv = $cvt(ld_si256(wp.add(2 * i)));
+                for r in 0..$R {
+                    acc[r] = _mm512_fmadd_ps(wv, _mm512_loadu_ps($x[r].as_ptr().add(i)), acc[r]);
+                }
+            }
+            i += 16;
+        }
+        std::array::from_fn(|r| {
+            let mut s = hsum_halves(acc[r]);
+            for j in i..n {
+                s += $scalar(u16::from_le_bytes([$w[2 * j], $w[2 * j + 1]])) * $x[r][j];
+            }
+            s
+        })
+    }};
+}
+
+/// F16 · f32, `R` rows of one length, 512-bit.
+///
+/// # Safety
+/// AVX2/FMA/F16C and AVX-512 F present.
+#[target_feature(enable = "avx2,fma,f16c,avx512f")]
+unsafe fn f16_xr_zmm_imp<const R: usize>(w: &[u8], x: [&[f32]; R]) -> [f32; R] {
+    half_rows_zmm!(w, x, R, _mm512_cvtph_ps, |b| half::f16::from_bits(b).to_f32())
+}
+
+/// BF16 · f32, `R` rows of one length, 512-bit.
+///
+/// # Safety
+/// AVX2/FMA/F16C and AVX-512 F present.
+#[target_feature(enable = "avx2,fma,f16c,avx512f")]
+unsafe fn bf16_xr_zmm_imp<const R: usize>(w: &[u8], x: [&[f32]; R]) -> [f32; R] {
+    let cvt = |h: __m256i| _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)));
+    half_rows_zmm!(w, x, R, cvt, super::super::f16::bf16_to_f32)
+}
 
 /// The body of the 16-bit float multi-row kernels: the single kernel's loop (`avx2`'s `half_dot`: two
 /// accumulators, 16 values per step, a scalar tail) with each 16 weights converted once for the `$R` rows.
@@ -830,6 +913,7 @@ mod tests {
                 eprintln!("no AVX2 here: nothing to test");
                 return;
             };
+            let k8 = dot_f8(ty);
             for n in [1usize, 15, 16, 33, 64, 100] {
                 let x: Vec<f32> = (0..n).map(|_| rng.gen_range(-2f32..2.0)).collect();
                 let mut w = vec![0u8; 2 * n];
@@ -842,6 +926,16 @@ mod tests {
                 let mixed: [&[f32]; 4] = std::array::from_fn(|r| if r == 2 { short } else { &rows[r][..] });
                 let want: Vec<u32> = mixed.iter().map(|r| k(&w, r).to_bits()).collect();
                 assert_eq!(k4(&w, mixed).map(f32::to_bits)[..], want[..], "{ty} {n} values, unequal rows");
+                if let Some(k8) = k8 {
+                    let rows8: Vec<Vec<f32>> =
+                        (0..8).map(|_| (0..n).map(|_| rng.gen_range(-3f32..3.0)).collect()).collect();
+                    let want: Vec<u32> = rows8.iter().map(|r| k(&w, r).to_bits()).collect();
+                    let got = k8(&w, std::array::from_fn(|r| &rows8[r][..]));
+                    assert_eq!(got.map(f32::to_bits)[..], want[..], "{ty} {n} values, 8 rows");
+                    let mixed: [&[f32]; 8] = std::array::from_fn(|r| if r == 5 { short } else { &rows8[r][..] });
+                    let want: Vec<u32> = mixed.iter().map(|r| k(&w, r).to_bits()).collect();
+                    assert_eq!(k8(&w, mixed).map(f32::to_bits)[..], want[..], "{ty} {n} values, unequal rows, 8");
+                }
             }
         }
     }

@@ -196,6 +196,18 @@ pub fn gemm_q(ty: GgmlType) -> Option<super::api::GemmQ> {
     None
 }
 
+/// The eight-row float kernel for `ty` (see [`crate::quant::DotF8`]) where this CPU has one: `avx2_x4`'s 512-bit
+/// F16 / BF16 forms, bit-identical to the AVX2 single kernel.
+pub(crate) fn dot_f8(ty: GgmlType) -> Option<super::api::DotF8> {
+    #[cfg(target_arch = "x86_64")]
+    return avx2_x4::dot_f8(ty);
+    #[allow(unreachable_code)]
+    {
+        let _ = ty;
+        None
+    }
+}
+
 /// The four-row float kernel for `ty` (see [`crate::quant::DotF4`]) where this CPU has one: `avx2_x4`'s F16 / BF16
 /// forms, bit-identical to the AVX2 single kernel [`dot_f32`] picks for those types.
 pub(crate) fn dot_f4(ty: GgmlType) -> Option<super::api::DotF4> {
