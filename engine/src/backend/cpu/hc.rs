@@ -87,7 +87,7 @@ pub fn post_mix(x: &mut [f32], f: &[f32], post: &[f32], comb: &[f32], hc: usize,
             }
         }
         for (o, &fi) in out.iter_mut().zip(&f[..d]) {
-            *o = post[k] * fi + *o;
+            *o += post[k] * fi; // `post_k · f_i + s_i` (addition commutes exactly)
         }
     }
 }
