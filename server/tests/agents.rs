@@ -52,8 +52,8 @@ fn a_full_context_is_reported_with_each_apis_signal() {
 
     let r = server.post("/v1/responses", &json!({"input": "a long answer"}));
     let r = r.json();
-    assert_eq!(r["status"], "failed");
-    assert_eq!(r["error"]["code"], "context_length_exceeded");
+    assert_eq!(r["status"], "failed", "{r}");
+    assert_eq!(r["error"]["code"], "context_length_exceeded", "{r}");
     let r = server.post("/v1/responses", &json!({"input": "a long answer", "stream": true}));
     let last = r.event_json().pop().unwrap().1;
     assert_eq!(last["type"], "response.failed");
