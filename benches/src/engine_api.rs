@@ -229,12 +229,22 @@ impl Kernels for EngineKernels {
             let d = |b: usize| scales.get(b * per_row..(b + 1) * per_row).unwrap_or(&[]);
             // Row `b`: its quantized bytes and its block scales.
             let a = |b: usize| (&all[b * ab..(b + 1) * ab], d(b));
-            // The any-row-count kernel, where the type has one, takes every row (two or more) in one call.
+            // The any-row-count kernel, where the type has one, takes every row (two or more) in one call; the
+            // flipped one (Q8_0 on AVX-512 VNNI) every row, one included, on activations flipped once.
             let kn = quant::dot_q_rows_kernel(ty).filter(|_| batch > 1);
             let (arows, drows): (Vec<&[u8]>, Vec<&[f32]>) = (0..batch).map(a).unzip();
+            let kf = quant::dot_q_flipped_kernel(ty);
+            let mut lines = Vec::new();
+            quant::flip_acts(act, &all, ab, &mut lines);
+            let fl = quant::flip_row_lines(ab);
+            let frows: Vec<&[u8]> = lines.chunks_exact(fl.max(1)).map(bytemuck::cast_slice).collect();
             for (wr, yr) in w.chunks_exact(rb).zip(ys.chunks_exact_mut(batch)) {
                 let mut b = 0;
-                if let Some(kn) = kn {
+                if let (Some(kf), true) = (kf, frows.len() == batch) {
+                    kf(wr, &frows, &drows, yr);
+                    b = batch;
+                }
+                if let (Some(kn), 0) = (kn, b) {
                     kn(wr, rb, &arows, &drows, yr);
                     b = batch;
                 }

@@ -35,34 +35,12 @@ pub type DotQRows = fn(w: &[u8], row_bytes: usize, a: &[&[u8]], da: &[&[f32]], o
 /// ([`flip_acts`] of rows from [`quantize_acts`]; `au[i]`: one row's flipped quants) with their f32 block scales
 /// (`da[i]`, [`act_block_scales`]): `out[i] = dot(w, a_i)` for `i < out.len()`, bit-identical to the [`DotQ`]
 /// calls of the same kernel on the rows they were made from, one weight decode per up to [`MAX_ROWS`] rows. A row
-/// with fewer blocks (quants or scales) than `w` gets NaN.
+/// with fewer blocks (quants or scales) than `w` gets NaN. For every batch size from one row up (decode with one
+/// or many sessions, prefill chunks).
 pub type DotQFlipped = fn(w: &[u8], au: &[&[u8]], da: &[&[f32]], out: &mut [f32]);
 
 /// Most activation rows a [`DotQRows`] kernel takes per weight decode.
 pub const MAX_ROWS: usize = 8;
-
-/// The activation rows of a [`GemmQ`] call: row `b < n` is `acts[at(b)..]` (one weight row's length, `at(b)` a
-/// whole number of rows), its block scales as f32 `scales[at(b) / block bytes..]` where given (as for [`DotQ4`];
-/// empty: the kernel converts them), and `flipped`, where not empty, all of `acts` in the kernel's own format
-/// ([`gemm_acts`]; empty: the kernel converts the rows it reads, once per call).
-pub struct GemmIn<'a> {
-    pub acts: &'a [u8],
-    pub scales: &'a [f32],
-    pub flipped: &'a [GemmLine],
-    pub at: &'a dyn Fn(usize) -> usize,
-    pub n: usize,
-}
-
-/// A long-chunk product (prefill): `put(b, r, W[r] · a(b))` for every weight row `r` in `rows` (row `r` is
-/// `w[r · row_bytes..][..row_bytes]`) and activation row `b < n`, each bit-identical to the type's [`DotQ`] kernel.
-/// Activations as for [`DotQ`] (from [`quantize_acts`]).
-pub type GemmQ = fn(
-    w: &[u8],
-    row_bytes: usize,
-    rows: std::ops::Range<usize>,
-    a: &GemmIn<'_>,
-    put: &mut dyn FnMut(usize, usize, f32),
-);
 
 /// One float weight row (F16/BF16) against four f32 activation rows, bit-identical to four [`DotF32`] calls.
 pub type DotF4 = fn(&[u8], [&[f32]; 4]) -> [f32; 4];
@@ -312,80 +290,54 @@ pub fn dot_q8_kernel(weight_ty: GgmlType) -> Option<DotQ8> {
 }
 
 /// The flipped-activation form of [`dot_q_kernel`] (see [`DotQFlipped`]) where this CPU has one (Q8_0 with
-/// AVX-512 F/BW/VL/VNNI): per activation row a load, `vpdpbusd`, conversion, scale pick and FMA per block pair.
+/// AVX-512 F/BW/VL/VNNI): per activation row one `vpdpbusd` per block pair, a conversion and an FMA per sixteen
+/// blocks (the sixteen-lane contract, `q8_0::dot_q8_0_lanes16`).
 pub fn dot_q_flipped_kernel(weight_ty: GgmlType) -> Option<DotQFlipped> {
     simd::dot_q_flipped(weight_ty)
 }
 
-/// The long-chunk form of [`dot_q_kernel`] (see [`GemmQ`]) where this CPU has one (Q8_0 with AVX-512 VNNI).
-pub fn gemm_q_kernel(weight_ty: GgmlType) -> Option<GemmQ> {
-    simd::gemm_q(weight_ty)
-}
-
-/// 64 bytes of [`gemm_acts`]' format, 64-byte aligned (so a kernel's 512-bit loads never straddle cache lines).
+/// 64 bytes of [`flip_acts`]' format, 64-byte aligned (so a kernel's 512-bit loads never straddle cache lines).
 #[repr(C, align(64))]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct GemmLine(pub [u8; 64]);
+pub struct FlipLine(pub [u8; 64]);
 
-// SAFETY: `GemmLine` is `repr(C)` over `[u8; 64]`: 64 bytes, alignment 64, no padding, every bit pattern valid,
+// SAFETY: `FlipLine` is `repr(C)` over `[u8; 64]`: 64 bytes, alignment 64, no padding, every bit pattern valid,
 // all zeros valid.
-unsafe impl bytemuck::Zeroable for GemmLine {}
+unsafe impl bytemuck::Zeroable for FlipLine {}
 // SAFETY: as above (plain bytes, no padding, `Copy`, `'static`).
-unsafe impl bytemuck::Pod for GemmLine {}
+unsafe impl bytemuck::Pod for FlipLine {}
 
-/// Lines of an activation row of `row_bytes` (Q8_0 blocks) in the long-chunk kernels' format ([`gemm_acts`]).
-pub fn gemm_row_lines(row_bytes: usize) -> usize {
-    (row_bytes / q8_0::BLOCK_BYTES).div_ceil(2)
-}
-
-/// Activation rows `a` (rows of `row_bytes`, whole blocks of `act`) in the format the long-chunk kernels
-/// ([`GemmQ`]) read, into `out` (cleared first; left empty where no kernel has one). Q8_0: each block's quants plus
-/// 128, a row's blocks in pairs, one [`GemmLine`] per pair, whose 4-byte groups alternate (group `m` of the even
-/// block at byte `8m`, of the odd block at `8m + 4`); a row of an odd number of blocks ends with zero bytes for the
-/// missing block.
-pub fn gemm_acts(act: ActType, a: &[u8], row_bytes: usize, out: &mut Vec<GemmLine>) {
-    out.clear();
-    let nb = row_bytes / q8_0::BLOCK_BYTES;
-    if act != ActType::Q8_0 || nb == 0 {
-        return;
-    }
-    out.reserve(a.len() / row_bytes * gemm_row_lines(row_bytes));
-    for row in a.chunks_exact(row_bytes) {
-        let quads = |blk: usize, m: usize| row.get(blk * q8_0::BLOCK_BYTES + 2..).map(|q| &q[4 * m..4 * m + 4]);
-        for p in 0..nb.div_ceil(2) {
-            let mut line = GemmLine([0; 64]);
-            for (g, dst) in line.0.chunks_exact_mut(4).enumerate() {
-                let (m, blk) = (g / 2, 2 * p + g % 2);
-                if let Some(q) = quads(blk, m).filter(|_| blk < nb) {
-                    dst.iter_mut().zip(q).for_each(|(d, q)| *d = q ^ 0x80);
-                }
-            }
-            out.push(line);
-        }
-    }
+/// Lines of an activation row of `row_bytes` (Q8_0 blocks) in the flipped format ([`flip_acts`]): eight per
+/// chunk of sixteen blocks, the last chunk counted whole.
+pub fn flip_row_lines(row_bytes: usize) -> usize {
+    (row_bytes / q8_0::BLOCK_BYTES).div_ceil(16) * 8
 }
 
 /// Activation rows `a` (rows of `row_bytes`, whole blocks of `act`) in the format the flipped-activation kernels
-/// ([`DotQFlipped`]) read, into `out` (cleared first; left empty where no kernel has one). Q8_0: each block's quants
-/// plus 128, 32 bytes per block, in order (unlike [`gemm_acts`], no pairing: those kernels take the weights as
-/// stored); each row starts a new [`GemmLine`] (its last line zero-padded where it has an odd number of blocks), so
-/// every row is 64-byte aligned and row `i` is lines `i · L..(i + 1) · L`, `L = row_bytes / 34` halved, rounded up
-/// (as [`gemm_acts`]). Aligned rows matter: a 512-bit load that straddles two cache lines costs two, and the
-/// eight-row kernel spends one load per row and block pair (measured 1.3–1.4× on the streamed output head, 2026-12-03).
-pub fn flip_acts(act: ActType, a: &[u8], row_bytes: usize, out: &mut Vec<GemmLine>) {
+/// ([`DotQFlipped`]) read, into `out` (cleared first; left empty where no kernel has one). Q8_0: each quant plus
+/// 128 (an unsigned byte), a row's blocks in chunks of sixteen, eight [`FlipLine`]s per chunk: byte `4b + j` of
+/// line `g` of chunk `c` is quant `4g + j` of block `16c + b` — so lane `b` of a 512-bit load holds one block's
+/// four quants and a kernel's eight `vpdpbusd` per chunk leave each block's sum in its own lane (see
+/// `simd::avx512_q8_rows`). Blocks past the row's end (its last chunk's) are zeros. Each row starts a new line:
+/// row `i` is lines `i · L..(i + 1) · L`, `L` = [`flip_row_lines`] (a 512-bit load that straddles two cache lines
+/// costs two; measured 1.3–1.4× on the streamed output head, 2026-12-03).
+pub fn flip_acts(act: ActType, a: &[u8], row_bytes: usize, out: &mut Vec<FlipLine>) {
     out.clear();
     let nb = row_bytes / q8_0::BLOCK_BYTES;
     if act != ActType::Q8_0 || nb == 0 {
         return;
     }
-    let lines = gemm_row_lines(row_bytes);
+    let lines = flip_row_lines(row_bytes);
     out.reserve(a.len() / row_bytes * lines);
     for row in a.chunks_exact(row_bytes) {
         let start = out.len();
-        out.resize(start + lines, GemmLine([0; 64]));
-        let dst: &mut [u8] = bytemuck::cast_slice_mut(&mut out[start..]);
-        for (d, b) in dst.chunks_exact_mut(32).zip(row.chunks_exact(q8_0::BLOCK_BYTES)) {
-            d.iter_mut().zip(&b[2..]).for_each(|(d, q)| *d = q ^ 0x80);
+        out.resize(start + lines, FlipLine([0; 64]));
+        for (i, b) in row.chunks_exact(q8_0::BLOCK_BYTES).take(nb).enumerate() {
+            let (c, lane) = (i / 16, i % 16);
+            for (g, q) in b[2..].chunks_exact(4).enumerate() {
+                let line = &mut out[start + 8 * c + g].0[4 * lane..4 * lane + 4];
+                line.iter_mut().zip(q).for_each(|(d, q)| *d = q ^ 0x80);
+            }
         }
     }
 }
@@ -475,25 +427,38 @@ pub fn matvec_q(ty: GgmlType, w: &[u8], n_rows: usize, n_cols: usize, acts: &[u8
 mod tests {
     use super::*;
 
+    /// The flipped format as documented: rows of 17 blocks (one whole chunk and one of a single block) start on
+    /// whole lines, lane `b` of line `g` of chunk `c` holds quants `4g..4g + 4` of block `16c + b` plus 128, the
+    /// rest of a partial chunk is zeros.
     #[test]
-    fn flipped_rows_start_on_whole_lines() {
-        // Three rows of three Q8_0 blocks (odd: each row's last line is half padding).
-        let x: Vec<f32> = (0..3 * 96).map(|i| ((i * 37 % 251) as f32 - 125.0) * 0.01).collect();
+    fn flipped_rows_are_transposed_chunks_on_whole_lines() {
+        let nb = 17;
+        let x: Vec<f32> = (0..3 * 32 * nb).map(|i| ((i * 37 % 251) as f32 - 125.0) * 0.01).collect();
         let mut a = Vec::new();
         quantize_acts(ActType::Q8_0, &x, &mut a).unwrap();
-        let rb = 3 * q8_0::BLOCK_BYTES;
+        let rb = nb * q8_0::BLOCK_BYTES;
         let mut out = Vec::new();
         flip_acts(ActType::Q8_0, &a, rb, &mut out);
-        assert_eq!(out.len(), 3 * gemm_row_lines(rb));
+        assert_eq!(flip_row_lines(rb), 16);
+        assert_eq!(out.len(), 3 * flip_row_lines(rb));
         assert_eq!(out.as_ptr() as usize % 64, 0);
-        let bytes: &[u8] = bytemuck::cast_slice(&out);
         for (r, row) in a.chunks_exact(rb).enumerate() {
-            let line = &bytes[r * 128..(r + 1) * 128];
-            for (b, blk) in row.chunks_exact(q8_0::BLOCK_BYTES).enumerate() {
-                let want: Vec<u8> = blk[2..].iter().map(|q| (*q as i8 as i16 + 128) as u8).collect();
-                assert_eq!(&line[32 * b..32 * b + 32], &want[..], "row {r} block {b}");
+            let lines = &out[r * 16..(r + 1) * 16];
+            for c in 0..2 {
+                for g in 0..8 {
+                    for lane in 0..16 {
+                        let got = &lines[8 * c + g].0[4 * lane..4 * lane + 4];
+                        let b = 16 * c + lane;
+                        let want: Vec<u8> = match row.chunks_exact(q8_0::BLOCK_BYTES).nth(b) {
+                            Some(blk) => {
+                                blk[2 + 4 * g..6 + 4 * g].iter().map(|q| (*q as i8 as i16 + 128) as u8).collect()
+                            }
+                            None => vec![0; 4],
+                        };
+                        assert_eq!(got, &want[..], "row {r} block {b} group {g}");
+                    }
+                }
             }
-            assert!(line[96..].iter().all(|&v| v == 0), "row {r} padding");
         }
         flip_acts(ActType::Q8K, &a, rb, &mut out);
         assert!(out.is_empty(), "no flipped form for other activation types");

@@ -16,7 +16,7 @@
 //!   [`dot_q8_kernel`] → [`DotQ8`] likewise for eight rows; [`dot_q_rows_kernel`] → [`DotQRows`] for any number
 //!   of rows against several weight rows, one weight decode per up to [`MAX_ROWS`] of them (the AVX-512 IQ2_XXS
 //!   pair and Q2_K kernels); [`dot_q_flipped_kernel`] → [`DotQFlipped`] the same for Q8_0 against one weight row on
-//!   activations flipped once per product ([`flip_acts`], AVX-512 VNNI);
+//!   activations flipped once per product ([`flip_acts`], AVX-512 VNNI; any batch from one row up);
 //!   [`dot_f4_kernel`] → [`DotF4`] the same for float weights (F16/BF16) against four f32 rows.
 //! - [`matvec`] / [`matvec_with_scratch`]: `y = W·x`, single-threaded, best path; [`matvec_q`] takes activations
 //!   already quantized (quantize once, share across matrices and threads).
@@ -26,6 +26,12 @@
 //! over `n = x.len()` values (resp. the whole blocks of the activation row) and expects `w` to hold exactly the
 //! bytes of `n` values; given shorter buffers it only covers the whole blocks both hold — it never panics and never
 //! reads out of bounds, but the result is then meaningless, so check lengths once outside the hot loop.
+//!
+//! Q8_0 results depend on the CPU class, never on the batch: where AVX-512 F/BW/VL/VNNI are present every Q8_0 ·
+//! Q8_0 kernel (single, flipped, any row count) computes the sixteen-lane contract (`q8_0::dot_q8_0_lanes16`:
+//! exact block sums, one FMA per block into lane `b mod 16`, a fixed final tree); elsewhere every x86 kernel
+//! computes the AVX2 kernel's order (eight lanes per block, even and odd blocks in two accumulators) and NEON its
+//! own. Within one machine, one pass, chunked prefill, decode and any number of sessions agree bit for bit.
 //!
 //! Per-format scalar reference code lives in `f16`, `q8_0`, `q2_k`, `q4_k`, `iq2_xxs`, `q8_k` (each documents its
 //! block layout); SIMD variants under `simd` are tested against it. Scalar kernels are also public through
@@ -55,9 +61,9 @@ pub use act::ActType;
 pub use api::{
     act_block_scales, act_type, dequantize_acts, dequantize_row, dot_f32_kernel, dot_f32_kernel_scalar, dot_f4_kernel,
     dot_f8_kernel, dot_q4_kernel, dot_q8_kernel, dot_q_flipped_kernel, dot_q_kernel, dot_q_kernel_scalar,
-    dot_q_rows_kernel, flip_acts, gemm_acts, gemm_q_kernel, gemm_row_lines, matvec, matvec_q, matvec_with_scratch,
-    quantize_acts, quantize_acts_into, quantize_row, DotF32, DotF4, DotF8, DotQ, DotQ4, DotQ8, DotQFlipped, DotQRows,
-    GemmIn, GemmLine, GemmQ, MAX_ROWS,
+    dot_q_rows_kernel, flip_acts, flip_row_lines, matvec, matvec_q, matvec_with_scratch, quantize_acts,
+    quantize_acts_into, quantize_row, DotF32, DotF4, DotF8, DotQ, DotQ4, DotQ8, DotQFlipped, DotQRows, FlipLine,
+    MAX_ROWS,
 };
 
 use std::fmt;

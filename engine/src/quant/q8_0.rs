@@ -80,6 +80,26 @@ pub(crate) fn dot_q8_0(w: &[u8], a: &[u8]) -> f32 {
     acc
 }
 
+/// Q8_0 weights · Q8_0 activations under the sixteen-lane contract that the AVX-512 VNNI kernels implement
+/// (`simd::avx512_q8_rows`; where they run, [`crate::quant::dot_q_kernel`] and every multi-row Q8_0 form return
+/// exactly this): block `b`'s exact integer sum `s_b = Σ₃₂ w·a`, then with `d_b = d_w · d_a` (the f16 scales as
+/// exact f32, their product rounded to f32) `lane[b mod 16] = fma(d_b, s_b, lane[b mod 16])` in block order from
+/// +0, and the sum `h8[i] = lane[i] + lane[i + 8]`, `h4[i] = h8[i] + h8[i + 4]`, `(h4[0] + h4[2]) + (h4[1] +
+/// h4[3])`. `s_b` is at most 32·128·127 in magnitude, so its f32 value is exact. (The kernels' tests check them
+/// against it.)
+#[cfg_attr(not(test), allow(dead_code))]
+pub(crate) fn dot_q8_0_lanes16(w: &[u8], a: &[u8]) -> f32 {
+    let mut lane = [0f32; 16];
+    for (b, (bw, ba)) in w.chunks_exact(BLOCK_BYTES).zip(a.chunks_exact(BLOCK_BYTES)).enumerate() {
+        let s: i32 = bw[2..].iter().zip(&ba[2..]).map(|(&p, &q)| p as i8 as i32 * q as i8 as i32).sum();
+        let d = f16_at(bw, 0) * f16_at(ba, 0);
+        lane[b % 16] = d.mul_add(s as f32, lane[b % 16]);
+    }
+    let h8: [f32; 8] = std::array::from_fn(|i| lane[i] + lane[i + 8]);
+    let h4: [f32; 4] = std::array::from_fn(|i| h8[i] + h8[i + 4]);
+    (h4[0] + h4[2]) + (h4[1] + h4[3])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -105,6 +125,46 @@ mod tests {
         let mut b = [0xffu8; BLOCK_BYTES];
         quantize(&[0f32; QK], None, &mut b);
         assert!(b.iter().all(|&v| v == 0));
+    }
+
+    /// The sixteen-lane reference: exact on integer-valued cases, and within f32 rounding of the sequential
+    /// reference on random rows of 1..=40 blocks (it only orders the same block products differently).
+    #[test]
+    fn sixteen_lane_reference_is_the_block_sum_reordered() {
+        let one = f16_bytes(1.0);
+        let mut w = vec![0u8; 20 * BLOCK_BYTES];
+        let mut a = w.clone();
+        for (i, (bw, ba)) in w.chunks_exact_mut(BLOCK_BYTES).zip(a.chunks_exact_mut(BLOCK_BYTES)).enumerate() {
+            bw[..2].copy_from_slice(&one);
+            ba[..2].copy_from_slice(&one);
+            bw[2..].fill((i as i8 - 10) as u8);
+            ba[2..].fill(3);
+        }
+        let want: i32 = (0..20).map(|i| (i - 10) * 3 * 32).sum();
+        assert_eq!(dot_q8_0_lanes16(&w, &a), want as f32);
+        let mut seed = 1u64;
+        let mut rnd = move || {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (seed >> 33) as u32
+        };
+        for nb in 1..=40usize {
+            let mut row = |q_max: u32| -> Vec<u8> {
+                let mut v = vec![0u8; nb * BLOCK_BYTES];
+                for b in v.chunks_exact_mut(BLOCK_BYTES) {
+                    b[..2].copy_from_slice(&f16_bytes(0.01 + (rnd() % 100) as f32 * 1e-3));
+                    b[2..].iter_mut().for_each(|q| *q = ((rnd() % (2 * q_max + 1)) as i32 - q_max as i32) as u8);
+                }
+                v
+            };
+            let (w, a) = (row(127), row(127));
+            let (got, seq) = (dot_q8_0_lanes16(&w, &a), dot_q8_0(&w, &a));
+            let mass: f32 = w
+                .chunks_exact(BLOCK_BYTES)
+                .zip(a.chunks_exact(BLOCK_BYTES))
+                .map(|(bw, ba)| (f16_at(bw, 0) * f16_at(ba, 0)).abs() * 32.0 * 127.0 * 127.0)
+                .sum();
+            assert!((got - seq).abs() <= mass * 1e-6, "{nb} blocks: {got} vs {seq}");
+        }
     }
 
     #[test]

@@ -11,7 +11,7 @@
 //! Q8_K, as ggml does; for IQ2_XXS on AVX-512 + GFNI, Q8_K in the pair layout its kernel reads) and use
 //! `quant::dot_q_kernel`. Types without a kernel are rejected at load by [`supports`]. Batch rows go, per batch block
 //! of up to eight, through the kernel's any-row-count form where the CPU has one (`quant::dot_q_flipped_kernel`:
-//! AVX-512 Q8_0 on activations flipped once per product, decode with several sessions; `quant::dot_q_rows_kernel`:
+//! AVX-512 Q8_0 on activations flipped once per product — every batch, one row included; `quant::dot_q_rows_kernel`:
 //! AVX-512 IQ2_XXS and Q2_K, the routed experts' types — an expert gets ~6 rows of a 256-token chunk; 32 weight
 //! rows per call, which the IQ2_XXS kernel tiles for small batch blocks), else eight
 //! at a time through its eight-row form, then four at a time through its four-row form, where the CPU has them
@@ -19,11 +19,9 @@
 //! quantized row, decode's case, as a plain loop of single-row calls over the weight rows); each multi-row
 //! form decodes a weight row once for its rows and is bit-identical to the single-row kernel. Quantized
 //! activations carry their blocks' scales as f32 where the format stores f16 ones (Q8_0, [`Acts`]), converted once
-//! per product for the multi-row kernels. Batches of more than `GEMM_MIN_ROWS` rows go through the type's long-chunk kernel
-//! (`quant::gemm_q_kernel`: Q8_0 with AVX-512 VNNI, tiles of weight rows × activation rows, bit-identical to the
-//! single-row kernel too), whose activation format [`Acts`] also prepares once per product (`quant::gemm_acts`, block
-//! pairs interleaved); batches of 2..=`GEMM_MIN_ROWS` rows get the flipped any-row form's format instead
-//! (`quant::flip_acts`, blocks in order). Each product prepares at most one of the two.
+//! per product for the multi-row kernels, and, where the type has a flipped kernel, in its format
+//! (`quant::flip_acts`: sixteen-block chunks transposed, once per product). Long batches (prefill) go the same
+//! way: weight rows in L2-sized sub-blocks, each swept by every batch block of eight rows.
 //!
 //! Activation quantization is the CPU's one deliberate approximation: each activation is rounded to a grid of
 //! `amax/127` per block of 32 (Q8_0) or 256 (Q8_K) values, an error of up to half a step per activation. When the
@@ -42,7 +40,7 @@ use std::ops::Range;
 use crate::backend::cpu::pool::{split, Pool};
 use crate::model::mat::Mat;
 use crate::quant::{
-    self, ActType, DotF32, DotF4, DotF8, DotQ, DotQ4, DotQ8, DotQFlipped, DotQRows, GemmIn, GemmQ, GgmlType, MAX_ROWS,
+    self, ActType, DotF32, DotF4, DotF8, DotQ, DotQ4, DotQ8, DotQFlipped, DotQRows, GgmlType, MAX_ROWS,
 };
 use crate::{Error, Result};
 
@@ -64,8 +62,6 @@ const GRAIN_BYTES: usize = 16 * 1024;
 const PAR_ACTS: usize = 2048;
 /// Products with fewer multiply-adds than this run on the calling thread (a dispatch would cost more).
 const INLINE_WORK: usize = 32 * 1024;
-/// Batch rows above which a product goes through the type's long-chunk kernel ([`GemmQ`]) where it has one.
-const GEMM_MIN_ROWS: usize = 16;
 
 /// The dot product used for a weight type.
 #[derive(Clone, Copy, Debug)]
@@ -78,10 +74,8 @@ pub enum Kernel {
     /// Quantized weights against activations quantized to `act` (`act_bytes` per row); `rows`, where the type has
     /// it, multiplies a weight row into any number of activation rows (up to `quant::MAX_ROWS` per weight decode),
     /// else `dot8` / `dot4`, where the type has them, into eight / four at once (all bit-identical to that many
-    /// `dot` calls); `gemm`, where it has one, many weight rows into many activation rows (batches above
-    /// `GEMM_MIN_ROWS`, bit-identical too); `flip`, where it has one, any number of activation rows flipped to
-    /// unsigned (`quant::flip_acts`; batch blocks of several rows up to `GEMM_MIN_ROWS`; preferred to `rows` /
-    /// `dot8` / `dot4`).
+    /// `dot` calls); `flip`, where it has one, any number of activation rows flipped to unsigned
+    /// (`quant::flip_acts`; every batch block, one row included; preferred to `rows` / `dot8` / `dot4` / `dot`).
     Q {
         act: ActType,
         dot: DotQ,
@@ -89,7 +83,6 @@ pub enum Kernel {
         flip: Option<DotQFlipped>,
         dot4: Option<DotQ4>,
         dot8: Option<DotQ8>,
-        gemm: Option<GemmQ>,
         act_bytes: usize,
     },
 }
@@ -103,9 +96,9 @@ impl Kernel {
         let act = quant::act_type(ty);
         if !act.is_f32() {
             if let (Ok(dot), Some(b)) = (quant::dot_q_kernel(ty), act.row_bytes(cols as u64)) {
-                let (dot4, dot8, gemm) = (quant::dot_q4_kernel(ty), quant::dot_q8_kernel(ty), quant::gemm_q_kernel(ty));
+                let (dot4, dot8) = (quant::dot_q4_kernel(ty), quant::dot_q8_kernel(ty));
                 let (rows, flip) = (quant::dot_q_rows_kernel(ty), quant::dot_q_flipped_kernel(ty));
-                return Ok(Kernel::Q { act, dot, rows, flip, dot4, dot8, gemm, act_bytes: b as usize });
+                return Ok(Kernel::Q { act, dot, rows, flip, dot4, dot8, act_bytes: b as usize });
             }
         }
         Kernel::float(ty)
@@ -225,13 +218,11 @@ pub enum Input<'a> {
     },
     /// `scales`: the f32 value of every block scale of `acts` where the format has f16 ones (Q8_0; see
     /// `quant::act_block_scales`), else empty — the multi-row kernels read them instead of converting per weight row.
-    /// `flipped`: the rows in the long-chunk kernel's format where they were prepared for it (`Acts`), else empty;
     /// `flip_rows`: the rows in the flipped any-row kernel's format where they were prepared for it, else empty.
     Q {
         acts: &'a [u8],
         scales: &'a [f32],
-        flipped: &'a [quant::GemmLine],
-        flip_rows: &'a [quant::GemmLine],
+        flip_rows: &'a [quant::FlipLine],
         rows: RowAt<'a>,
     },
 }
@@ -244,23 +235,14 @@ pub struct Acts {
     row_bytes: usize,
     data: Vec<u8>,
     scales: Vec<f32>,
-    flipped: Vec<quant::GemmLine>,
-    flip_rows: Vec<quant::GemmLine>,
+    flip_rows: Vec<quant::FlipLine>,
     one: Vec<u8>,
 }
 
 impl Acts {
     /// An empty buffer.
     pub const fn new() -> Acts {
-        Acts {
-            act: None,
-            row_bytes: 0,
-            data: Vec::new(),
-            scales: Vec::new(),
-            flipped: Vec::new(),
-            flip_rows: Vec::new(),
-            one: Vec::new(),
-        }
+        Acts { act: None, row_bytes: 0, data: Vec::new(), scales: Vec::new(), flip_rows: Vec::new(), one: Vec::new() }
     }
 
     /// For a quantized kernel `k`, quantizes rows `rows.at(b)..+cols` of `x` for `b < n` into rows `0..n` here;
@@ -340,18 +322,14 @@ impl Acts {
         Ok(())
     }
 
-    /// After quantizing `n` rows for `k`: their f32 block scales and, for batches the long-chunk kernel takes, its
-    /// activation format, else for batches the flipped any-row kernel takes, that one's (converted once per product
-    /// rather than once per row range).
+    /// After quantizing `n` rows for `k`: their f32 block scales and, where the kernel has a flipped form, the
+    /// rows in its format (converted once per product rather than once per row range).
     fn finish(&mut self, k: &Kernel, n: usize) {
-        let Kernel::Q { act, act_bytes, gemm, flip, .. } = *k else { return };
+        let Kernel::Q { act, act_bytes, flip, .. } = *k else { return };
         let rows = &self.data[..n * act_bytes];
         quant::act_block_scales(act, rows, &mut self.scales);
-        self.flipped.clear();
         self.flip_rows.clear();
-        if gemm.is_some() && n > GEMM_MIN_ROWS {
-            quant::gemm_acts(act, rows, act_bytes, &mut self.flipped);
-        } else if flip.is_some() && n > 1 {
+        if flip.is_some() {
             quant::flip_acts(act, rows, act_bytes, &mut self.flip_rows);
         }
     }
@@ -365,18 +343,9 @@ impl Acts {
         }
     }
 
-    /// The rows in the long-chunk kernel's format where [`Acts::prepare`] wrote them (see [`Input::Q`]), else empty.
-    pub fn flipped(&self) -> &[quant::GemmLine] {
-        if self.act.is_some() {
-            &self.flipped
-        } else {
-            &[]
-        }
-    }
-
     /// The rows in the flipped any-row kernel's format where [`Acts::prepare`] wrote them (see [`Input::Q`]), else
     /// empty.
-    pub fn flip_rows(&self) -> &[quant::GemmLine] {
+    pub fn flip_rows(&self) -> &[quant::FlipLine] {
         if self.act.is_some() {
             &self.flip_rows
         } else {
@@ -412,13 +381,9 @@ impl Acts {
             RowAt::Gather { idx, stride: s } => RowAt::Gather { idx, stride: s * stride },
         };
         match k {
-            Kernel::Q { act_bytes, .. } if self.act.is_some() => Input::Q {
-                acts: &self.data,
-                scales: &self.scales,
-                flipped: &self.flipped,
-                flip_rows: &self.flip_rows,
-                rows: scale(*act_bytes),
-            },
+            Kernel::Q { act_bytes, .. } if self.act.is_some() => {
+                Input::Q { acts: &self.data, scales: &self.scales, flip_rows: &self.flip_rows, rows: scale(*act_bytes) }
+            }
             _ => Input::F32 { x, rows: scale(cols) },
         }
     }
@@ -477,15 +442,6 @@ impl Product<'_> {
         // SAFETY: in bounds (asserted); exclusive access to these elements is the caller's contract.
         let put = |b: usize, r: usize, v: f32| unsafe { *o.ptr.get().add(b * o.stride + o.off + r) = v };
         let rb = w.row_bytes.max(1);
-        if let (Kernel::Q { gemm: Some(gemm), .. }, Input::Q { acts, scales, flipped, rows, .. }) = (self.k, self.input)
-        {
-            if n > GEMM_MIN_ROWS {
-                let at = |b: usize| rows.at(b);
-                let inp = GemmIn { acts, scales, flipped, at: &at, n };
-                gemm(w.data, w.row_bytes, range, &inp, &mut |b, r, v| put(b, r, v));
-                return;
-            }
-        }
         let sub = if n <= BATCH_BLOCK { range.len() } else { (ROW_BLOCK_BYTES / rb).max(1) };
         let mut s0 = range.start;
         while s0 < range.end {
@@ -503,22 +459,23 @@ impl Product<'_> {
                             let a = rows.at(b);
                             (&acts[a..a + act_bytes], scales.get(a / bb..(a + act_bytes) / bb).unwrap_or(&[]))
                         };
-                        if b1 - b0 == 1 {
-                            // One activation row (decode): located once, a plain loop of single-row calls.
+                        // Flipped rows and their scales, where prepared (`Acts::finish`): row `at / act_bytes`,
+                        // `fl` lines each (64-byte aligned).
+                        let fl = quant::flip_row_lines(act_bytes);
+                        let flipped_at = |b: usize| {
+                            let at = rows.at(b) / act_bytes.max(1) * fl;
+                            let lines = flip_rows.get(at..at + fl).map(bytemuck::cast_slice::<quant::FlipLine, u8>);
+                            lines.zip(Some(act(b).1).filter(|d| !d.is_empty()))
+                        };
+                        let flip = flip.filter(|_| (b0..b1).all(|b| flipped_at(b).is_some()));
+                        if b1 - b0 == 1 && flip.is_none() {
+                            // One activation row (decode) without a flipped kernel: a plain loop of single-row calls.
                             let a = act(b0).0;
                             for r in s0..s1 {
                                 put(b0, r, dot(w.row(r), a));
                             }
                             continue;
                         }
-                        // Flipped rows and their scales, where prepared (`Acts::finish`): row `at / act_bytes`,
-                        // `fl` lines each (64-byte aligned).
-                        let fl = quant::gemm_row_lines(act_bytes);
-                        let flipped_at = |b: usize| {
-                            let at = rows.at(b) / act_bytes.max(1) * fl;
-                            let lines = flip_rows.get(at..at + fl).map(bytemuck::cast_slice::<quant::GemmLine, u8>);
-                            lines.zip(Some(act(b).1).filter(|d| !d.is_empty()))
-                        };
                         let one = |wr: &[u8], (a, _): (&[u8], &[f32])| dot(wr, a);
                         let four = dot4
                             .map(|k| move |wr: &[u8], a: [(&[u8], &[f32]); 4]| k(wr, a.map(|r| r.0), a.map(|r| r.1)));
@@ -526,7 +483,7 @@ impl Product<'_> {
                             .map(|k| move |wr: &[u8], a: [(&[u8], &[f32]); 8]| k(wr, a.map(|r| r.0), a.map(|r| r.1)));
                         // The flipped any-row kernel where every row of the block was prepared for it: one call
                         // per weight row for the whole batch block (`BATCH_BLOCK` ≤ `MAX_ROWS` rows).
-                        if let Some(k) = flip.filter(|_| (b0..b1).all(|b| flipped_at(b).is_some())) {
+                        if let Some(k) = flip {
                             let rs: [(&[u8], &[f32]); MAX_ROWS] =
                                 std::array::from_fn(|i| flipped_at((b0 + i).min(b1 - 1)).unwrap_or_default());
                             let (a, d, m) = (rs.map(|r| r.0), rs.map(|r| r.1), b1 - b0);
@@ -743,7 +700,6 @@ fn run(pool: &Pool, w: Mat<'_>, n: usize, at: RowAt<'_>, x: &[f32], y: &mut [f32
             Kernel::Q { act_bytes, .. } => Input::Q {
                 acts: acts.bytes(),
                 scales: acts.scales(),
-                flipped: acts.flipped(),
                 flip_rows: acts.flip_rows(),
                 rows: RowAt::Strided { stride: act_bytes, off: 0 },
             },
@@ -836,7 +792,6 @@ pub fn matmul_many(pool: &Pool, jobs: &mut [Option<MatJob<'_>>], n: usize) -> Re
                 Kernel::Q { act_bytes, .. } => Input::Q {
                     acts: acts[src[i]].bytes(),
                     scales: acts[src[i]].scales(),
-                    flipped: acts[src[i]].flipped(),
                     flip_rows: acts[src[i]].flip_rows(),
                     rows: RowAt::Strided { stride: act_bytes, off: 0 },
                 },
@@ -1042,9 +997,10 @@ mod tests {
         }
     }
 
-    /// Long chunks (the long-chunk kernel where the CPU has one: Q8_0 here, Q2_K as the per-row path's control)
-    /// give each row exactly its single-row product: batch sizes around the threshold and with every tile tail,
-    /// weight row counts odd and even (the pool's ranges), pools of 1–3 threads, gathered rows.
+    /// Long chunks (prefill: weight rows in L2-sized sub-blocks swept by batch blocks of eight; Q8_0 on the
+    /// flipped kernel where the CPU has one, Q2_K on its row kernel) give each row exactly its single-row product:
+    /// batch sizes with every batch-block tail, weight row counts odd and even (the pool's ranges), rows of a
+    /// whole and a partial last chunk of sixteen blocks, pools of 1–3 threads, gathered rows.
     #[test]
     fn long_chunks_match_the_row_kernel() {
         for (ty, rows, cols) in

@@ -16,17 +16,10 @@
 //! sixteen accumulators do not fit the sixteen registers (measured slower than two four-row calls). Where AVX-512
 //! VNNI is present, `vpdpbusd` on 256-bit vectors does `maddubs` + `madd` in one instruction, and the 32 registers
 //! hold eight rows (measured: eight rows 3.5× eight single calls, 1.65× the previous four-row kernel;
-//! `benches/README.md`). With AVX-512 BW as well, the eight-row form runs on 512-bit vectors, a pair of blocks per
-//! instruction (the single kernel's even- and odd-block accumulators side by side in one register): half the
-//! instructions per block, 1.1× the 256-bit form (`benches/README.md`). Its one-row instance is the engine's
-//! single-row Q8_0 kernel where AVX-512 BW/VL/VNNI are present ([`dot_q1`]; decode's projections and logits): a
-//! whole chunk's eight weight and activation block scales come from two word permutes each (no gather), the weight
-//! row is prefetched once per chunk, and a block pair costs about eight vector instructions where the AVX2 kernel
-//! spends about twenty per block (`maddubs` + `madd` and two scalar f16 conversions); measured 2.1× its rate in
-//! cache (`benches/README.md`).
-//! Where the caller flips the activations once per product, `avx512_q8_rows` (built on this module's pair load,
-//! scale and sum helpers) replaces the eight- and four-row forms for batches of several rows (1.4× the eight-row
-//! form); these forms remain the ones for raw activation rows.
+//! `benches/README.md`). These are the Q8_0 forms of CPUs whose single kernel is AVX2's; where AVX-512 BW/VL/VNNI
+//! are all present every Q8_0 form is `avx512_q8_rows`' instead (another contract, the sixteen-lane one; the
+//! 512-bit block-pair forms that lived here until 2026-12-04 spent four vector operations per block pair and row
+//! where those spend about one and a half).
 //!
 //! Why the results are the single kernels' exactly: every integer partial sum is exact (the same operand ranges as
 //! the single kernel, no saturation), and where the single kernel converts i32 lanes to f32 the lanes hold the
@@ -44,7 +37,7 @@
 
 use std::arch::x86_64::*;
 
-use super::super::api::{DotF4, DotF8, DotQ, DotQ4, DotQ8};
+use super::super::api::{DotF4, DotF8, DotQ4, DotQ8};
 use super::super::iq2_tables::IQ2XXS_GRID;
 use super::super::{iq2_xxs, q2_k, q4_k, q8_0, q8_k, GgmlType};
 use super::avx2::{bf16x8_to_ps, ld_ps, q4_k_scales, Q2_SCALE_SHUF, SIGNS_PM1};
@@ -73,29 +66,12 @@ pub(super) fn dot_q8(ty: GgmlType) -> Option<DotQ8> {
     Some(match ty {
         // Without VNNI, eight rows' sixteen accumulators do not fit the sixteen AVX2 registers: two four-row
         // calls are faster (measured, `benches/README.md`).
-        GgmlType::Q8_0 if vnni() && is_x86_feature_detected!("avx512bw") => q8_0_x8_zmm,
         GgmlType::Q8_0 if vnni() => q8_0_x8_vnni,
         GgmlType::Q2K => q2_k_x8,
         GgmlType::Q4K => q4_k_x8,
         GgmlType::Iq2Xxs => iq2_xxs_x8,
         _ => return None,
     })
-}
-
-/// The single-row Q8_0 kernel where AVX-512 F/BW/VL/VNNI are present: the 512-bit eight-row form for one row (a
-/// pair of blocks per instruction, both rows' block scales converted eight at a time), bit-identical to the AVX2
-/// single kernel like every form here, in fewer instructions per block than its `maddubs` + scalar f16 path.
-pub(super) fn dot_q1(ty: GgmlType) -> Option<DotQ> {
-    let ok = ty == GgmlType::Q8_0 && super::avx2::available() && vnni() && is_x86_feature_detected!("avx512bw");
-    ok.then_some(q8_0_x1_zmm as DotQ)
-}
-
-fn q8_0_x1_zmm(w: &[u8], a: &[u8]) -> f32 {
-    const B: usize = q8_0::BLOCK_BYTES;
-    let n = (w.len() / B).min(a.len() / B);
-    // SAFETY: handed out by `dot_q1` only after AVX2/FMA/F16C and AVX-512 F/BW/VL/VNNI were detected; both rows
-    // hold at least `n` whole blocks.
-    unsafe { q8_0_xr_zmm_imp::<1>(w, [a], [&[]], n)[0] }
 }
 
 /// The four-row F16 / BF16 kernels (the AVX2 single kernels' multi-row forms). No eight-row AVX2 ones: their
@@ -168,7 +144,6 @@ macro_rules! wrap_r {
 wrap_r!(q8_0_x4, 4, q8_0_xr_imp, q8_0_q8_0_imp, q8_0::BLOCK_BYTES, q8_0::BLOCK_BYTES);
 wrap_r!(q8_0_x4_vnni, 4, q8_0_xr_vnni_imp, q8_0_q8_0_imp, q8_0::BLOCK_BYTES, q8_0::BLOCK_BYTES);
 wrap_r!(q8_0_x8_vnni, 8, q8_0_xr_vnni_imp, q8_0_q8_0_imp, q8_0::BLOCK_BYTES, q8_0::BLOCK_BYTES);
-wrap_r!(q8_0_x8_zmm, 8, q8_0_xr_zmm_imp, q8_0_q8_0_imp, q8_0::BLOCK_BYTES, q8_0::BLOCK_BYTES);
 wrap_r!(q2_k_x4, 4, q2_k_xr_imp, q2_k_q8_k_imp, q2_k::BLOCK_BYTES, q8_k::BLOCK_BYTES);
 wrap_r!(iq2_xxs_x4, 4, iq2_xxs_xr_imp, iq2_xxs_q8_k_imp, iq2_xxs::BLOCK_BYTES, q8_k::BLOCK_BYTES);
 wrap_r!(q2_k_x8, 8, q2_k_xr_imp, q2_k_q8_k_imp, q2_k::BLOCK_BYTES, q8_k::BLOCK_BYTES);
@@ -347,25 +322,6 @@ pub(super) unsafe fn q8_0_scales8(p: *const u8) -> __m256 {
     _mm256_cvtph_ps(_mm512_castsi512_si128(_mm512_mask_blend_epi16(0xf0, lo, hi)))
 }
 
-/// The f32 scales of the blocks at `p` whose lanes `live` sets (the others 0): by `q8_0_scales8` where `permute`
-/// (all eight lanes live), else by the masked gather. One row takes the permutes (measured: the gather was most of
-/// its time); eight rows, whose chunk is eight times longer, keep the gather (measured faster there, streaming).
-///
-/// # Safety
-/// AVX-512 F/BW and AVX2/F16C present; a whole block at `p` for every live lane.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw")]
-unsafe fn q8_0_chunk_scales(p: *const u8, permute: bool, live: __m256i) -> __m256 {
-    // SAFETY: the caller's contract.
-    unsafe {
-        if permute {
-            q8_0_scales8(p)
-        } else {
-            q8_0_scales(p, live)
-        }
-    }
-}
-
 /// The body of the Q8_0 multi-row kernels, `$R` rows of `$n` blocks; `$prod(mag, qw, qa)` is one block's eight
 /// i32 lanes `Σ₄ w·a` from the weight quants `qw`, their magnitudes `mag` and the activation quants `qa`.
 ///
@@ -451,109 +407,6 @@ unsafe fn q8_0_xr_vnni_imp<const R: usize>(w: &[u8], a: [&[u8]; R], da: [&[f32];
         mag,
         _mm256_sign_epi8(qa, qw)
     ))
-}
-
-/// The quants of the Q8_0 block at `p` and of the next one as one 512-bit vector (the first block's in the low half).
-///
-/// # Safety
-/// AVX-512 F present; two whole blocks at `p`.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c,avx512f")]
-pub(super) unsafe fn q8_0_pair(p: *const u8) -> __m512i {
-    const B: usize = q8_0::BLOCK_BYTES;
-    // SAFETY: bytes 2..34 and B + 2..B + 34 lie in the two blocks (the caller's contract).
-    unsafe { _mm512_inserti64x4::<1>(_mm512_castsi256_si512(ld_si256(p.add(2))), ld_si256(p.add(B + 2))) }
-}
-
-/// Q8_0 · Q8_0, `R` rows, AVX-512 VNNI on 512-bit vectors: a pair of blocks per instruction (block `2j` in lanes
-/// 0..8, `2j + 1` in lanes 8..16 — the single kernel's two accumulators side by side in one register). `|w|` is
-/// `abs`, `sign(a, w)` a masked negation (`-a` where `w < 0`; where `w = 0` the product is 0 either way), so each
-/// block's i32 lanes are the ymm form's; each block's `d_w · d_a` is moved into its half by a permute; an odd last
-/// block updates the low half only (a masked FMA). The final sum adds the halves as `hsum(acc0 + acc1)`. One row
-/// (`R = 1`) takes a whole chunk's block scales from `q8_0_scales8` and prefetches once per chunk; more rows, and
-/// a partial last chunk, gather the scales and prefetch per block pair (see `q8_0_chunk_scales`).
-///
-/// # Safety
-/// AVX2/FMA/F16C and AVX-512 F/BW/VL/VNNI present; `w` and every `a[r]` hold at least `n` whole blocks.
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn q8_0_xr_zmm_imp<const R: usize>(w: &[u8], a: [&[u8]; R], da: [&[f32]; R], n: usize) -> [f32; R] {
-    const B: usize = q8_0::BLOCK_BYTES;
-    let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    let pick = pair_picks();
-    let zero = _mm512_setzero_si512();
-    let mut acc = [_mm512_setzero_ps(); R];
-    let wp = w.as_ptr();
-    let mut c0 = 0;
-    while c0 < n {
-        let nb = (n - c0).min(SCALE_CHUNK);
-        let live = _mm256_cmpgt_epi32(_mm256_set1_epi32(nb as i32), lane);
-        // SAFETY: blocks `c0..c0 + nb` lie inside the weight row and every activation row (`n` blocks each).
-        let dw = unsafe { q8_0_chunk_scales(wp.add(c0 * B), R == 1 && nb == SCALE_CHUNK, live) };
-        let dd: [__m512; R] = std::array::from_fn(|r| {
-            let d = if da[r].len() >= n {
-                // SAFETY: lanes below `nb` read `da[r][c0..c0 + nb]`, inside the slice; the others nothing.
-                unsafe { _mm256_maskload_ps(da[r].as_ptr().add(c0), live) }
-            } else {
-                // SAFETY: as above.
-                unsafe { q8_0_chunk_scales(a[r].as_ptr().add(c0 * B), R == 1 && nb == SCALE_CHUNK, live) }
-            };
-            _mm512_castps256_ps512(_mm256_mul_ps(dw, d))
-        });
-        if R == 1 {
-            // One row: the chunk's 272 bytes (at most five cache lines) at once, fewer prefetches per byte.
-            prefetch_ahead::<5>(wp.wrapping_add(c0 * B));
-        }
-        let mut k = 0;
-        while k + 2 <= nb {
-            let off = (c0 + k) * B;
-            if R > 1 {
-                // Several rows: spread over the chunk's longer run (measured: the burst above made eight rows slower).
-                prefetch_ahead::<2>(wp.wrapping_add(off));
-            }
-            // SAFETY: blocks `c0 + k`, `c0 + k + 1 < n` of the weight row.
-            let qw = unsafe { q8_0_pair(wp.add(off)) };
-            let mag = _mm512_abs_epi8(qw);
-            let neg = _mm512_movepi8_mask(qw);
-            let s = pick[k / 2];
-            for r in 0..R {
-                // SAFETY: blocks `c0 + k`, `c0 + k + 1 < n` of row `r`.
-                let qa = unsafe { q8_0_pair(a[r].as_ptr().add(off)) };
-                let sa = _mm512_mask_sub_epi8(qa, neg, zero, qa);
-                let p = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, mag, sa));
-                acc[r] = _mm512_fmadd_ps(_mm512_permutexvar_ps(s, dd[r]), p, acc[r]);
-            }
-            k += 2;
-        }
-        if k < nb {
-            // The odd last block of the row: the low half (the single kernel's first accumulator) only.
-            let off = (c0 + k) * B;
-            // SAFETY: block `c0 + k < n` of the weight row.
-            let qw = _mm512_zextsi256_si512(unsafe { ld_si256(wp.add(off + 2)) });
-            let mag = _mm512_abs_epi8(qw);
-            let neg = _mm512_movepi8_mask(qw);
-            let s = _mm512_set1_epi32(k as i32);
-            for r in 0..R {
-                // SAFETY: block `c0 + k < n` of row `r`.
-                let qa = _mm512_zextsi256_si512(unsafe { ld_si256(a[r].as_ptr().add(off + 2)) });
-                let sa = _mm512_mask_sub_epi8(qa, neg, zero, qa);
-                let p = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, mag, sa));
-                acc[r] = _mm512_mask3_fmadd_ps(_mm512_permutexvar_ps(s, dd[r]), p, acc[r], 0x00ff);
-            }
-        }
-        c0 += SCALE_CHUNK;
-    }
-    std::array::from_fn(|r| hsum_halves(acc[r]))
-}
-
-/// The permute indices that move a chunk's eight block scale products into block pair `p`'s halves: lanes 0..8
-/// take element `2p`, lanes 8..16 element `2p + 1`.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c,avx512f")]
-pub(super) fn pair_picks() -> [__m512i; SCALE_CHUNK / 2] {
-    std::array::from_fn(|p| {
-        let (lo, hi) = (2 * p as i32, 2 * p as i32 + 1);
-        _mm512_inserti64x4::<1>(_mm512_set1_epi32(lo), _mm256_set1_epi32(hi))
-    })
 }
 
 /// `hsum(low half + high half)` of a 512-bit accumulator pair (the single kernel's final `hsum(acc₀ + acc₁)`).
@@ -802,10 +655,9 @@ mod tests {
         }
     }
 
-    /// Every Q8_0 multi-row form (AVX2; VNNI on 256-bit vectors and, with AVX-512 BW, the 512-bit eight-row one,
-    /// where present) and the 512-bit single-row form on raw bytes — every quant value including -128 on both
-    /// sides, scales normal and subnormal — gives the single kernel's bits, for 1..=20 blocks (whole and partial
-    /// scale chunks, odd and even counts) and, for the single-row form, rows of unequal length.
+    /// Every Q8_0 multi-row form here (AVX2; VNNI on 256-bit vectors where present) on raw bytes — every quant
+    /// value including -128 on both sides, scales normal and subnormal — gives the AVX2 single kernel's bits, for
+    /// 1..=20 blocks (whole and partial scale chunks, odd and even counts).
     #[test]
     fn q8_0_multi_row_forms_match_the_single_kernel_on_raw_bytes() {
         if !super::super::avx2::available() {
@@ -817,9 +669,6 @@ mod tests {
         let mut forms: Vec<(&str, DotQ4, Option<DotQ8>)> = vec![("avx2", q8_0_x4, None)];
         if vnni() {
             forms.push(("vnni", q8_0_x4_vnni, Some(q8_0_x8_vnni)));
-            if is_x86_feature_detected!("avx512bw") {
-                forms.push(("vnni-512", q8_0_x4_vnni, Some(q8_0_x8_zmm)));
-            }
         }
         let mut rng = StdRng::seed_from_u64(17);
         let mut block = |rng: &mut StdRng| -> Vec<u8> {
@@ -837,17 +686,7 @@ mod tests {
             let w = row(&mut rng, &mut block);
             let rows: Vec<Vec<u8>> = (0..8).map(|_| row(&mut rng, &mut block)).collect();
             let want: Vec<u32> = rows.iter().map(|r| single(&w, r).to_bits()).collect();
-            if let Some(k1) = dot_q1(GgmlType::Q8_0) {
-                let got: Vec<u32> = rows.iter().map(|r| k1(&w, r).to_bits()).collect();
-                assert_eq!(got, want, "512-bit single-row form, {n} blocks");
-                // Rows of unequal length: the whole blocks both hold.
-                assert_eq!(
-                    k1(&w, &rows[0][..rows[0].len() / 2]).to_bits(),
-                    single(&w, &rows[0][..rows[0].len() / 2]).to_bits()
-                );
-            }
             let scales = block_scales(crate::quant::ActType::Q8_0, &rows);
-            flipped_form_matches(&w, &rows, n);
             for (name, k4, k8) in &forms {
                 for da in [[&[][..]; 8], std::array::from_fn(|r| &scales[r][..])] {
                     let got = k4(&w, std::array::from_fn(|r| &rows[r][..]), std::array::from_fn(|r| da[r]));
@@ -859,48 +698,6 @@ mod tests {
                 }
             }
         }
-    }
-
-    /// The flipped-activation form (`avx512_q8_rows`, where present) on the rows of the raw-bytes test with their
-    /// -128 activation quants moved to -127 (its activations come from `quantize_acts`, which never makes -128):
-    /// the single kernel's bits for every row count 1..=8 and 11 (a group of eight and one of three); a row with a
-    /// block too few gets NaN and the others still their values.
-    fn flipped_form_matches(w: &[u8], raw: &[Vec<u8>], n: usize) {
-        let Some(kf) = super::super::dot_q_flipped(GgmlType::Q8_0) else { return };
-        let rows: Vec<Vec<u8>> = (0..11)
-            .map(|r| {
-                let mut v = raw[r % raw.len()].clone();
-                for b in v.chunks_exact_mut(q8_0::BLOCK_BYTES) {
-                    b[2..].iter_mut().filter(|q| **q == 0x80).for_each(|q| *q = 0x81);
-                }
-                v
-            })
-            .collect();
-        // SAFETY: the caller checked AVX2, FMA and F16C.
-        let single = |r: &[u8]| unsafe { super::super::avx2::q8_0_q8_0_imp(w, r) };
-        let want: Vec<u32> = rows.iter().map(|r| single(r).to_bits()).collect();
-        let flipped: Vec<Vec<crate::quant::GemmLine>> = rows
-            .iter()
-            .map(|r| {
-                let mut f = Vec::new();
-                crate::quant::flip_acts(crate::quant::ActType::Q8_0, r, r.len(), &mut f);
-                f
-            })
-            .collect();
-        let scales = block_scales(crate::quant::ActType::Q8_0, &rows);
-        let (fl, sc): (Vec<&[u8]>, Vec<&[f32]>) =
-            flipped.iter().zip(&scales).map(|(f, s)| (bytemuck::cast_slice(&f[..]), &s[..])).unzip();
-        for m in (1..=8).chain([11]) {
-            let mut out = vec![f32::NAN; m];
-            kf(w, &fl[..m], &sc[..m], &mut out);
-            assert_eq!(out.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want[..m], "flipped, {m} rows, {n} blocks");
-        }
-        let mut short = fl.clone();
-        short[2] = &fl[2][..n * 32 - 32]; // one block short (the lines' padding is not a block)
-        let mut out = vec![0f32; 4];
-        kf(w, &short[..4], &sc[..4], &mut out);
-        assert!(out[2].is_nan(), "a short row gets NaN");
-        assert_eq!([out[0], out[1], out[3]].map(f32::to_bits), [want[0], want[1], want[3]]);
     }
 
     /// The F16 and BF16 four-row forms give the single kernel's bits for lengths with and without a scalar tail,

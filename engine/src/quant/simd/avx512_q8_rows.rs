@@ -1,57 +1,81 @@
-//! Q8_0 products of one weight row against up to eight activation rows given flipped
-//! ([`crate::quant::DotQFlipped`]; decode with several sessions: the output head, the attention projections, the
-//! shared expert), each output bit-identical to the AVX2 single-row kernel (`avx2::q8_0_q8_0_imp`).
+//! Q8_0 · Q8_0 where AVX-512 F/BW/VL/VNNI are present: the single-row kernel ([`dot_q`]) and the any-row kernel
+//! on activations flipped once per product ([`dot_q_flipped`]; decode with one or several sessions, prefill), all
+//! under the sixteen-lane contract of [`crate::quant::q8_0::dot_q8_0_lanes16`]:
+//! block `b`'s exact integer sum `Σ₃₂ w·a`, scaled by `d_w · d_a` with one FMA into lane `b mod 16`, the sixteen
+//! lanes summed by a fixed tree at the end. Every kernel here returns exactly that value (tested against the
+//! scalar reference, bit for bit), so the two forms and every row count agree with each other.
 //!
-//! The activations come flipped ([`crate::quant::flip_acts`], made once per product by
-//! the caller: each quant plus 128, an unsigned byte, 32 bytes per block, no scale bytes) with their block scales
-//! as f32 ([`crate::quant::act_block_scales`]). Per block pair (the two blocks side by side in one 512-bit vector,
-//! as in `avx2_x4`'s 512-bit form) the weight quants are loaded once and the correction `-128 · Σ₄ w` (one i32 per
-//! lane) is computed once for all rows; per row what remains is one 64-byte load, `vpdpbusd(corr, a + 128, w)` (the
-//! lane sums `Σ₄ w·a` with no sign fix-up), the conversion, the scale pick and the FMA — where `avx2_x4`'s form
-//! spends two loads, an insert and a masked negation more per row. The scale products `d_w · d_a` are formed eight
-//! blocks at a time per row (the weight scales from two word permutes, `avx2_x4::q8_0_scales8`, or gathered for a
-//! partial chunk) and kept in registers.
+//! Why sixteen lanes: a 512-bit `vpdpbusd` holds sixteen i32 lanes. Sixteen blocks are transposed so that lane
+//! `b` of vector `g` holds bytes `4g..4g + 4` of block `b` (eight vectors per chunk of sixteen blocks); eight
+//! `vpdpbusd` then leave each block's whole sum in its own lane, and one conversion and one FMA scale sixteen
+//! blocks at once. The kernel this replaced (the AVX2 kernel's lane order: eight lanes per block) spent a
+//! `vpdpbusd`, a conversion, a scale permute and an FMA per block pair and row; here it is one `vpdpbusd` per
+//! block pair and row, plus a conversion, a multiply and an FMA per sixteen blocks and row, plus the weight
+//! transpose (24 two-source permutes per chunk), done once for all rows of a call.
 //!
-//! Why each output equals the single kernel's: per lane the integer is `Σ₄ w·a` exactly (`a + 128 ≤ 255` unsigned
-//! times `w` signed, four products per lane, no saturation; activation quants are in -127..=127, the contract of
-//! [`crate::quant::DotQ`], so the single kernel's `sign` never meets a -128); the conversion to f32 is exact;
-//! `d_w · d_a` is the same f32 product; block `2j` updates the low half (the single kernel's first accumulator) and
-//! `2j + 1` the high half (its second) with one FMA each, in block order, an odd last block the low half only; the
-//! result is `hsum(low + high)`.
+//! - Activations, flipped ([`crate::quant::flip_acts`]): each quant plus 128 (an unsigned byte, `vpdpbusd`'s
+//!   left operand) in the transposed chunk layout, made once per product by the caller, 64-byte aligned; their
+//!   block scales as f32 ([`crate::quant::act_block_scales`]). `vpdpbusd(corr, a + 128, w)` with `corr =
+//!   -128 · Σ w` per lane (once per chunk for all rows) is `Σ w·a` exactly (`a + 128 ≤ 255` unsigned times `w`
+//!   signed, 32 products per lane: `|Σ| ≤ 32 · 255 · 128`, far from overflow; activation quants are in
+//!   -127..=127, the contract of [`crate::quant::DotQ`]).
+//! - The single-row form reads activation blocks as stored (34 bytes each) and transposes them like the weights,
+//!   flipping with an XOR.
+//! - A row's last chunk may be partial: its missing blocks are loaded as zeros and masked out of the FMA, so
+//!   their lanes keep their values (as in the reference, where they get no update).
 //!
-//! Measured (`benches/README.md`, 2026-12-03, fourth round; one thread, CPU time, eight distinct rows): 1.37–1.45×
-//! the `avx2_x4` 512-bit eight-row form in cache, 1.35–1.39× with the weights streamed. Tried and slower: blocks
-//! alternating per 32-bit lane (so a pair's two scale products are one 64-bit broadcast load) — the weight
-//! interleave (`vpermt2d`) cost more than the permute it saved.
+//! Measured (`benches/README.md`, 2026-12-04, one thread, eight distinct rows of 4096 values, cache-resident):
+//! 0.64–0.72 ns per row and block pair against 0.94–0.97 for the kernel this replaced.
 //!
-//! Soundness: [`dot_q_flipped`] hands the kernel out only after AVX2/FMA/F16C and AVX-512 F/BW/VL/VNNI are
-//! detected; the wrapper checks every row's length before the vector code, which reads whole blocks only.
+//! Soundness: [`dot_q`] / [`dot_q_flipped`] hand the kernels out only after AVX2/FMA/F16C and AVX-512
+//! F/BW/VL/VNNI are detected (`avx2_x4::vnni_512`); the wrappers check every row's length before the vector code,
+//! whose loads stay inside the whole blocks (weights, stored activations) or whole chunks (flipped activations)
+//! the rows hold; partial chunks use masked loads.
 
 use std::arch::x86_64::*;
 
-use super::super::api::{DotQFlipped, MAX_ROWS};
+use super::super::api::{DotQ, DotQFlipped, MAX_ROWS};
 use super::super::{q8_0, GgmlType};
-use super::avx2_x4::{hsum_halves, pair_picks, q8_0_pair, q8_0_scales, q8_0_scales8, vnni_512, SCALE_CHUNK};
-use super::x86::{ld, ld_si256, prefetch_ahead};
+use super::avx2_x4::{q8_0_scales, q8_0_scales8, vnni_512};
+use super::x86::{hsum_ps, ld, ld_si256, prefetch_ahead};
 
 const B: usize = q8_0::BLOCK_BYTES;
-/// Flipped quant bytes of a block.
-const QB: usize = 32;
-/// Blocks whose scale products are formed at once (one 256-bit vector per row).
-const CHUNK: usize = SCALE_CHUNK;
+/// Blocks per chunk: one per 32-bit lane of a 512-bit vector.
+pub(crate) const CHUNK: usize = 16;
+/// Vectors (64-byte lines) per chunk: one per 4-byte group of a block.
+pub(crate) const GROUPS: usize = 8;
+/// Flipped activation bytes per chunk.
+const CHUNK_BYTES: usize = 64 * GROUPS;
 
-/// The flipped-activation form of the Q8_0 kernel where AVX-512 F/BW/VL/VNNI are present.
+/// The single-row kernel for `ty` where this CPU has the features (Q8_0 only).
+pub(super) fn dot_q(ty: GgmlType) -> Option<DotQ> {
+    (ty == GgmlType::Q8_0 && vnni_512()).then_some(q8_0_one as DotQ)
+}
+
+/// The flipped-activation kernel for `ty` where this CPU has the features (Q8_0 only).
 pub(super) fn dot_q_flipped(ty: GgmlType) -> Option<DotQFlipped> {
     (ty == GgmlType::Q8_0 && vnni_512()).then_some(q8_0_flipped as DotQFlipped)
 }
 
-/// `out[i] = dot(w, a_i)` for `i < out.len()`, up to eight rows per weight decode; a row whose flipped quants or
-/// scales hold fewer blocks than `w` gets NaN.
+/// Whether these kernels run here (and so define the Q8_0 results on this CPU).
+#[cfg(test)]
+fn available() -> bool {
+    vnni_512()
+}
+
+fn q8_0_one(w: &[u8], a: &[u8]) -> f32 {
+    let n = (w.len() / B).min(a.len() / B);
+    // SAFETY: handed out by `dot_q` only after `vnni_512()`; both rows hold at least `n` whole blocks.
+    unsafe { one_imp(w, a, n) }
+}
+
+/// `out[i] = dot(w, a_i)` for `i < out.len()`, up to eight rows per weight decode; a row whose flipped quants
+/// or scales hold fewer blocks than `w` gets NaN.
 fn q8_0_flipped(w: &[u8], au: &[&[u8]], da: &[&[f32]], out: &mut [f32]) {
     let n = w.len() / B;
     let m = out.len().min(au.len()).min(da.len());
     out[m..].fill(f32::NAN);
-    let ok = |i: usize| au[i].len() >= n * QB && da[i].len() >= n;
+    let ok = |i: usize| au[i].len() >= n.div_ceil(CHUNK) * CHUNK_BYTES && da[i].len() >= n;
     if !(0..m).all(ok) {
         for (i, o) in out[..m].iter_mut().enumerate() {
             *o = if ok(i) { run::<1>(w, &au[i..], &da[i..], n)[0] } else { f32::NAN };
@@ -79,72 +103,329 @@ fn q8_0_flipped(w: &[u8], au: &[&[u8]], da: &[&[f32]], out: &mut [f32]) {
 
 /// The first `R` rows of `au` / `da` (each checked to hold `n` blocks) against `w`.
 fn run<const R: usize>(w: &[u8], au: &[&[u8]], da: &[&[f32]], n: usize) -> [f32; R] {
-    // SAFETY: handed out by `dot_q_flipped` only after `vnni_512()` (AVX2/FMA/F16C, AVX-512 F/BW/VL/VNNI); `w`
-    // holds `n` whole blocks and every row `n` blocks of flipped quants and scales (checked by the caller).
+    // SAFETY: handed out by `dot_q_flipped` only after `vnni_512()`; `w` holds `n` whole blocks and every row
+    // `n.div_ceil(16)` whole chunks of flipped quants and `n` scales (checked by the caller).
     unsafe { rows_imp::<R>(w, std::array::from_fn(|r| au[r]), std::array::from_fn(|r| da[r]), n) }
 }
 
-/// Q8_0 · flipped activations, `R` rows.
+/// The two-source permute indices of the chunk transpose (see [`transpose`]).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f")]
+fn transpose_indices() -> [__m512i; 6] {
+    let mut t = [[0i32; 16]; 6];
+    for g in 0..4 {
+        for b in 0..4 {
+            let src = if b < 2 { 0 } else { 16 } + (b % 2) * 8;
+            t[0][g * 4 + b] = (src + g) as i32;
+            t[1][g * 4 + b] = (src + g + 4) as i32;
+        }
+    }
+    for g in 0..2 {
+        for b in 0..8 {
+            let src = if b < 4 { 0 } else { 16 } + b % 4;
+            t[2][g * 8 + b] = (src + g * 4) as i32;
+            t[3][g * 8 + b] = (src + (g + 2) * 4) as i32;
+        }
+    }
+    for b in 0..16 {
+        let src = if b < 8 { 0 } else { 16 } + b % 8;
+        t[4][b] = src as i32;
+        t[5][b] = (src + 8) as i32;
+    }
+    // SAFETY: each `t[i]` is 16 readable i32 (64 bytes).
+    t.map(|v| unsafe { _mm512_loadu_si512(v.as_ptr() as *const __m512i) })
+}
+
+/// A chunk's sixteen blocks given as eight block pairs (`v[p]`: block `2p`'s 32 bytes in lanes 0..8, block
+/// `2p + 1`'s in lanes 8..16) transposed: lane `b` of result `g` is bytes `4g..4g + 4` of block `b`. Three levels
+/// of eight two-source permutes: pairs of pairs (four blocks, groups 0..4 / 4..8, element `(b, g)` at `4g + b`),
+/// then eight blocks (two groups each, at `8g + b`), then all sixteen (one group each, at `b`).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f")]
+fn transpose(v: [__m512i; 8], ix: &[__m512i; 6]) -> [__m512i; 8] {
+    let p2 = |a: __m512i, i: usize, b: __m512i| _mm512_permutex2var_epi32(a, ix[i], b);
+    let lo: [__m512i; 4] = std::array::from_fn(|q| p2(v[2 * q], 0, v[2 * q + 1]));
+    let hi: [__m512i; 4] = std::array::from_fn(|q| p2(v[2 * q], 1, v[2 * q + 1]));
+    let g01: [__m512i; 2] = std::array::from_fn(|h| p2(lo[2 * h], 2, lo[2 * h + 1]));
+    let g23: [__m512i; 2] = std::array::from_fn(|h| p2(lo[2 * h], 3, lo[2 * h + 1]));
+    let g45: [__m512i; 2] = std::array::from_fn(|h| p2(hi[2 * h], 2, hi[2 * h + 1]));
+    let g67: [__m512i; 2] = std::array::from_fn(|h| p2(hi[2 * h], 3, hi[2 * h + 1]));
+    [
+        p2(g01[0], 4, g01[1]),
+        p2(g01[0], 5, g01[1]),
+        p2(g23[0], 4, g23[1]),
+        p2(g23[0], 5, g23[1]),
+        p2(g45[0], 4, g45[1]),
+        p2(g45[0], 5, g45[1]),
+        p2(g67[0], 4, g67[1]),
+        p2(g67[0], 5, g67[1]),
+    ]
+}
+
+/// The quants of the `nb ≤ 16` Q8_0 blocks at `p` (weights or stored activations) as eight block pairs (see
+/// [`transpose`]); blocks at `nb` and beyond are zeros and not read.
 ///
 /// # Safety
-/// AVX2/FMA/F16C and AVX-512 F/BW/VL/VNNI present; `w` holds `n` whole blocks, every `au[r]` at least `32 n`
-/// bytes and every `da[r]` at least `n` scales.
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn rows_imp<const R: usize>(w: &[u8], au: [&[u8]; R], da: [&[f32]; R], n: usize) -> [f32; R] {
+/// AVX-512 F present; `nb` whole blocks at `p`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f")]
+unsafe fn chunk_pairs(p: *const u8, nb: usize) -> [__m512i; 8] {
+    let half = |b: usize| {
+        if b < nb {
+            // SAFETY: block `b < nb` lies at `p + 34 b` (the caller's contract); its quants are bytes 2..34.
+            unsafe { ld_si256(p.add(b * B + 2)) }
+        } else {
+            _mm256_setzero_si256()
+        }
+    };
+    std::array::from_fn(|q| _mm512_inserti64x4::<1>(_mm512_castsi256_si512(half(2 * q)), half(2 * q + 1)))
+}
+
+/// The f16 scales of the `nb ≤ 16` blocks at `p` as f32 (exact), lanes at `nb` and beyond 0 and not read.
+///
+/// # Safety
+/// AVX-512 F/BW and AVX2/F16C present; `nb` whole blocks at `p`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw")]
+unsafe fn chunk_scales(p: *const u8, nb: usize) -> __m512 {
     let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    let live = |k: usize| _mm256_cmpgt_epi32(_mm256_set1_epi32(nb.saturating_sub(k) as i32), lane);
+    // SAFETY: sixteen whole blocks (544 bytes) at `p` when `nb == 16`, so both permute loads stay inside; else
+    // the gathers read only blocks below `nb` (the caller's contract).
+    let (lo, hi) = unsafe {
+        if nb == CHUNK {
+            (q8_0_scales8(p), q8_0_scales8(p.add(8 * B)))
+        } else {
+            (q8_0_scales(p, live(0)), q8_0_scales(p.add(8 * B), live(8)))
+        }
+    };
+    _mm512_castpd_ps(_mm512_insertf64x4::<1>(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi)))
+}
+
+/// Lanes of a chunk of `nb` blocks.
+fn lanes(nb: usize) -> __mmask16 {
+    if nb >= CHUNK {
+        0xffff
+    } else {
+        (1u16 << nb) - 1
+    }
+}
+
+/// `-128 · Σ w` per lane of a transposed chunk (the flipped activations' correction).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn correction(t: &[__m512i; 8]) -> __m512i {
     let flip = _mm512_set1_epi8(0x80u8 as i8);
     let zero = _mm512_setzero_si512();
-    let pick = pair_picks();
+    let (mut c0, mut c1) = (zero, zero);
+    for g in 0..4 {
+        c0 = _mm512_dpbusd_epi32(c0, flip, t[g]);
+        c1 = _mm512_dpbusd_epi32(c1, flip, t[g + 4]);
+    }
+    _mm512_sub_epi32(zero, _mm512_add_epi32(c0, c1))
+}
+
+/// The contract's final sum of the sixteen lanes: `h8[i] = l[i] + l[i + 8]`, `h4[i] = h8[i] + h8[i + 4]`, then
+/// `(h4[0] + h4[2]) + (h4[1] + h4[3])`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f")]
+fn hsum16(v: __m512) -> f32 {
+    hsum_ps(_mm256_add_ps(
+        _mm512_castps512_ps256(v),
+        _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v))),
+    ))
+}
+
+/// Q8_0 · flipped activations, `R` rows of `n` blocks.
+///
+/// # Safety
+/// AVX2/FMA/F16C and AVX-512 F/BW/VL/VNNI present; `w` holds `n` whole blocks, every `au[r]` at least
+/// `n.div_ceil(16)` whole chunks (512 bytes each) and every `da[r]` at least `n` scales.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn rows_imp<const R: usize>(w: &[u8], au: [&[u8]; R], da: [&[f32]; R], n: usize) -> [f32; R] {
+    let ix = transpose_indices();
     let mut acc = [_mm512_setzero_ps(); R];
     let wp = w.as_ptr();
-    let mut c0 = 0;
-    while c0 < n {
-        let nb = (n - c0).min(CHUNK);
-        let live = _mm256_cmpgt_epi32(_mm256_set1_epi32(nb as i32), lane);
-        // SAFETY: blocks `c0..c0 + nb` lie inside the weight row (`n` blocks); a whole chunk for the permutes.
-        let dw = unsafe {
-            if nb == CHUNK {
-                q8_0_scales8(wp.add(c0 * B))
-            } else {
-                q8_0_scales(wp.add(c0 * B), live)
-            }
-        };
-        let dd: [__m512; R] = std::array::from_fn(|r| {
-            // SAFETY: lanes below `nb` read `da[r][c0..c0 + nb]`, inside the slice (`n` scales); the others nothing.
-            let d = unsafe { _mm256_maskload_ps(da[r].as_ptr().add(c0), live) };
-            _mm512_castps256_ps512(_mm256_mul_ps(dw, d))
-        });
-        let mut k = 0;
-        while k + 2 <= nb {
-            let off = (c0 + k) * B;
-            prefetch_ahead::<2>(wp.wrapping_add(off));
-            // SAFETY: blocks `c0 + k`, `c0 + k + 1 < n` of the weight row.
-            let qw = unsafe { q8_0_pair(wp.add(off)) };
-            let corr = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, flip, qw));
-            let (pa, s) = ((c0 + k) * QB, pick[k / 2]);
-            for r in 0..R {
-                // SAFETY: blocks `c0 + k`, `c0 + k + 1 < n` of row `r` (64 bytes at `32 (c0 + k)`).
-                let ua = unsafe { ld(au[r].as_ptr().add(pa)) };
-                let p = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(corr, ua, qw));
-                acc[r] = _mm512_fmadd_ps(_mm512_permutexvar_ps(s, dd[r]), p, acc[r]);
-            }
-            k += 2;
+    for c in 0..n.div_ceil(CHUNK) {
+        let nb = (n - c * CHUNK).min(CHUNK);
+        let base = wp.wrapping_add(c * CHUNK * B);
+        for l in 0..9 {
+            prefetch_ahead::<1>(base.wrapping_add(64 * l));
         }
-        if k < nb {
-            // The odd last block of the row: the low half (the single kernel's first accumulator) only.
-            let off = (c0 + k) * B;
-            // SAFETY: block `c0 + k < n` of the weight row.
-            let qw = _mm512_zextsi256_si512(unsafe { ld_si256(wp.add(off + 2)) });
-            let corr = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, flip, qw));
-            let (pa, s) = ((c0 + k) * QB, _mm512_set1_epi32(k as i32));
-            for r in 0..R {
-                // SAFETY: block `c0 + k < n` of row `r`.
-                let ua = _mm512_zextsi256_si512(unsafe { ld_si256(au[r].as_ptr().add(pa)) });
-                let p = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(corr, ua, qw));
-                acc[r] = _mm512_mask3_fmadd_ps(_mm512_permutexvar_ps(s, dd[r]), p, acc[r], 0x00ff);
+        // SAFETY: blocks `16c..16c + nb` lie inside the weight row (`n` blocks).
+        let (t, dw) = unsafe { (transpose(chunk_pairs(base, nb), &ix), chunk_scales(base, nb)) };
+        let corr = correction(&t);
+        let live = lanes(nb);
+        for r in 0..R {
+            let ap = au[r].as_ptr().wrapping_add(c * CHUNK_BYTES);
+            let (mut s0, mut s1) = (corr, _mm512_setzero_si512());
+            for g in 0..GROUPS / 2 {
+                // SAFETY: chunk `c` (512 bytes at `ap`) lies inside row `r`'s flipped quants.
+                let (u0, u1) = unsafe { (ld(ap.add(64 * g)), ld(ap.add(64 * (g + GROUPS / 2)))) };
+                s0 = _mm512_dpbusd_epi32(s0, u0, t[g]);
+                s1 = _mm512_dpbusd_epi32(s1, u1, t[g + GROUPS / 2]);
             }
+            // SAFETY: scales `16c..16c + nb` of row `r` (`n` of them); masked lanes are not read.
+            let d = unsafe { _mm512_maskz_loadu_ps(live, da[r].as_ptr().wrapping_add(c * CHUNK)) };
+            let p = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+            acc[r] = _mm512_mask3_fmadd_ps(_mm512_mul_ps(dw, d), p, acc[r], live);
         }
-        c0 += CHUNK;
     }
-    std::array::from_fn(|r| hsum_halves(acc[r]))
+    std::array::from_fn(|r| hsum16(acc[r]))
+}
+
+/// Q8_0 · Q8_0 activation blocks as stored, one row of `n` blocks: both sides transposed per chunk, the
+/// activations flipped with an XOR.
+///
+/// # Safety
+/// AVX2/FMA/F16C and AVX-512 F/BW/VL/VNNI present; `w` and `a` hold at least `n` whole blocks.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn one_imp(w: &[u8], a: &[u8], n: usize) -> f32 {
+    let ix = transpose_indices();
+    let flip = _mm512_set1_epi8(0x80u8 as i8);
+    let mut acc = _mm512_setzero_ps();
+    for c in 0..n.div_ceil(CHUNK) {
+        let nb = (n - c * CHUNK).min(CHUNK);
+        let (wb, ab) = (w.as_ptr().wrapping_add(c * CHUNK * B), a.as_ptr().wrapping_add(c * CHUNK * B));
+        for l in 0..9 {
+            prefetch_ahead::<1>(wb.wrapping_add(64 * l));
+        }
+        // SAFETY: blocks `16c..16c + nb` lie inside both rows (`n` blocks each).
+        let (t, u, dw, da) = unsafe {
+            (
+                transpose(chunk_pairs(wb, nb), &ix),
+                transpose(chunk_pairs(ab, nb), &ix),
+                chunk_scales(wb, nb),
+                chunk_scales(ab, nb),
+            )
+        };
+        let (mut s0, mut s1) = (correction(&t), _mm512_setzero_si512());
+        for g in 0..GROUPS / 2 {
+            s0 = _mm512_dpbusd_epi32(s0, _mm512_xor_si512(u[g], flip), t[g]);
+            s1 = _mm512_dpbusd_epi32(s1, _mm512_xor_si512(u[g + GROUPS / 2], flip), t[g + GROUPS / 2]);
+        }
+        let p = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+        acc = _mm512_mask3_fmadd_ps(_mm512_mul_ps(dw, da), p, acc, lanes(nb));
+    }
+    hsum16(acc)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::{act_block_scales, flip_acts, q8_0::dot_q8_0_lanes16, ActType, FlipLine};
+    use rand::{Rng, SeedableRng};
+
+    /// `rows` rows of `nb` random Q8_0 blocks (finite f16 scales of either sign, a quarter of them subnormal;
+    /// quants in -127..=127 for activations, the whole i8 range for weights).
+    fn blocks(rng: &mut impl Rng, rows: usize, nb: usize, acts: bool) -> Vec<u8> {
+        let mut v = vec![0u8; rows * nb * B];
+        for b in v.chunks_exact_mut(B) {
+            let exp: u16 = if rng.gen_bool(0.25) { 0 } else { rng.gen_range(1..31) };
+            let h = (rng.gen::<u16>() & 0x83ff) | (exp << 10);
+            b[..2].copy_from_slice(&h.to_le_bytes());
+            for q in &mut b[2..] {
+                *q = if acts { rng.gen_range(-127i8..=127) as u8 } else { rng.gen::<u8>() };
+            }
+        }
+        v
+    }
+
+    fn flipped(a: &[u8], rb: usize) -> (Vec<FlipLine>, Vec<f32>) {
+        let (mut f, mut d) = (Vec::new(), Vec::new());
+        flip_acts(ActType::Q8_0, a, rb, &mut f);
+        act_block_scales(ActType::Q8_0, a, &mut d);
+        (f, d)
+    }
+
+    /// Every row count 1..=9 (two calls' worth at 9) and block counts around the chunk size: each output equals
+    /// the scalar reference of the contract bit for bit, for the flipped and the single-row form alike.
+    #[test]
+    fn every_form_is_the_sixteen_lane_reference() {
+        if !available() {
+            eprintln!("no AVX-512 VNNI: the sixteen-lane Q8_0 kernels do not run here");
+            return;
+        }
+        let (one, flip) = (dot_q(GgmlType::Q8_0).unwrap(), dot_q_flipped(GgmlType::Q8_0).unwrap());
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        for nb in [1, 2, 15, 16, 17, 31, 33, 64, 128, 131] {
+            let rb = nb * B;
+            let w = blocks(&mut rng, 3, nb, false);
+            let a = blocks(&mut rng, 9, nb, true);
+            let (f, d) = flipped(&a, rb);
+            let lines = f.len() / 9;
+            assert_eq!(lines, GROUPS * nb.div_ceil(CHUNK), "{nb} blocks: lines per flipped row");
+            let au: Vec<&[u8]> = (0..9).map(|i| bytemuck::cast_slice(&f[i * lines..(i + 1) * lines])).collect();
+            let da: Vec<&[f32]> = (0..9).map(|i| &d[i * nb..(i + 1) * nb]).collect();
+            for wr in w.chunks_exact(rb) {
+                for m in 1..=9 {
+                    let mut out = vec![0f32; m];
+                    flip(wr, &au[..m], &da[..m], &mut out);
+                    for (i, o) in out.iter().enumerate() {
+                        let want = dot_q8_0_lanes16(wr, &a[i * rb..(i + 1) * rb]);
+                        assert_eq!(o.to_bits(), want.to_bits(), "{nb} blocks, {m} rows, row {i}: {o} vs {want}");
+                    }
+                }
+                for ar in a.chunks_exact(rb) {
+                    let (got, want) = (one(wr, ar), dot_q8_0_lanes16(wr, ar));
+                    assert_eq!(got.to_bits(), want.to_bits(), "{nb} blocks, single row: {got} vs {want}");
+                }
+            }
+        }
+    }
+
+    /// The integer extremes: weights -128 and 127 against activations ±127 (the largest lane sums and the
+    /// correction at its largest) — exact, so equal to the reference.
+    #[test]
+    fn extreme_quants_match() {
+        if !available() {
+            eprintln!("no AVX-512 VNNI: the sixteen-lane Q8_0 kernels do not run here");
+            return;
+        }
+        let (one, flip) = (dot_q(GgmlType::Q8_0).unwrap(), dot_q_flipped(GgmlType::Q8_0).unwrap());
+        let nb = 35;
+        let rb = nb * B;
+        for (wq, aq) in [(-128i8, 127i8), (-128, -127), (127, 127), (127, -127)] {
+            let mk = |q: i8| {
+                let mut v = vec![0u8; rb];
+                for b in v.chunks_exact_mut(B) {
+                    b[..2].copy_from_slice(&half::f16::from_f32(0.5).to_le_bytes());
+                    b[2..].fill(q as u8);
+                }
+                v
+            };
+            let (w, a) = (mk(wq), mk(aq));
+            let (f, d) = flipped(&a, rb);
+            let mut out = [0f32];
+            flip(&w, &[bytemuck::cast_slice(&f)], &[&d], &mut out);
+            let want = dot_q8_0_lanes16(&w, &a);
+            assert_eq!(want, nb as f32 * 32.0 * wq as f32 * aq as f32 * 0.25, "the reference is exact here");
+            assert_eq!(out[0].to_bits(), want.to_bits(), "flipped, w {wq} a {aq}");
+            assert_eq!(one(&w, &a).to_bits(), want.to_bits(), "single, w {wq} a {aq}");
+        }
+    }
+
+    /// A flipped row or scale slice shorter than the weight row gives NaN for that row only.
+    #[test]
+    fn short_rows_get_nan() {
+        if !available() {
+            eprintln!("no AVX-512 VNNI: the sixteen-lane Q8_0 kernels do not run here");
+            return;
+        }
+        let flip = dot_q_flipped(GgmlType::Q8_0).unwrap();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let (nb, rb) = (20, 20 * B);
+        let w = blocks(&mut rng, 1, nb, false);
+        let a = blocks(&mut rng, 2, nb, true);
+        let (f, d) = flipped(&a, rb);
+        let lines = f.len() / 2;
+        let full: &[u8] = bytemuck::cast_slice(&f[..lines]);
+        let short: &[u8] = bytemuck::cast_slice(&f[lines..2 * lines - GROUPS]);
+        let mut out = [0f32; 3];
+        flip(&w, &[full, short], &[&d[..nb], &d[nb..]], &mut out);
+        assert_eq!(out[0].to_bits(), dot_q8_0_lanes16(&w, &a[..rb]).to_bits());
+        assert!(out[1].is_nan() && out[2].is_nan(), "short row and missing row: {out:?}");
+        flip(&w, &[full], &[&d[..nb - 1]], &mut out[..1]);
+        assert!(out[0].is_nan(), "short scales: {}", out[0]);
+    }
 }

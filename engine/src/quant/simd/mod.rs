@@ -3,9 +3,9 @@
 //!
 //! - x86-64: AVX2 + FMA + F16C (all three required), detected with `is_x86_feature_detected!` (see `avx2`).
 //!   Where AVX-512 F/BW/VBMI/VNNI are also present (Ice Lake and later), [`dot_q`] prefers the `avx512`
-//!   kernels for the formats that have one (IQ2_XXS, Q2_K) and falls back to AVX2 for the rest — for Q8_0 to the 512-bit
-//!   form of the AVX2 kernel (`avx2_x4`, AVX-512 BW/VL/VNNI; the same bits, so "the single kernel is AVX2's" below
-//!   holds for it too); [`level`] then reports
+//!   kernels for the formats that have one (IQ2_XXS, Q2_K, and Q8_0 where BW/VL/VNNI are present:
+//!   `avx512_q8_rows`, the sixteen-lane contract of `q8_0::dot_q8_0_lanes16` for every Q8_0 form, single and
+//!   multi-row) and falls back to AVX2 for the rest; [`level`] then reports
 //!   `"avx512-vbmi"`. With GFNI too ([`level`]: `"avx512-gfni"`), IQ2_XXS uses the pair kernel (`avx512_iq2`), whose
 //!   activations come in the pair layout ([`crate::quant::ActType::Q8KPairs`]; [`iq2_pairs`] says whether it is in use).
 //!   Both AVX-512 kernels also come in an any-row-count form ([`dot_q_rows`]: one weight decode for up to 8
@@ -13,8 +13,8 @@
 //!   [`dot_q_variants`] lists every kernel this CPU can run, with the activation format each one reads, for
 //!   side-by-side benchmarks.
 //!   Module graph (x86-64): `x86` is a leaf of shared helpers (f16 conversion, prefetch, loads, 64-byte
-//!   constants); `avx2_x4` and `avx512_gemm` (long-chunk Q8_0 products, [`gemm_q`]) build on `avx2`,
-//!   `avx512_q8_rows` (Q8_0 multi-row products on flipped activations, [`dot_q_flipped`]) on `avx2_x4`,
+//!   constants); `avx2_x4` builds on `avx2`, `avx512_q8_rows` (every Q8_0 form on AVX-512 VNNI machines: the
+//!   single-row kernel and [`dot_q_flipped`]) on `avx2_x4`'s scale helpers,
 //!   `avx512_iq2` on `avx512`; the choice between them is made here.
 //! - aarch64 (little-endian): NEON (baseline on aarch64; compiled when the target enables it, see `neon`).
 //!
@@ -53,8 +53,6 @@ mod avx2;
 mod avx2_x4;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
-#[cfg(target_arch = "x86_64")]
-mod avx512_gemm;
 #[cfg(target_arch = "x86_64")]
 mod avx512_iq2;
 #[cfg(target_arch = "x86_64")]
@@ -119,7 +117,7 @@ fn avx512_dot_q(ty: GgmlType) -> Option<DotQ> {
 /// (IQ2_XXS, Q2_K), else the AVX2 one — for Q8_0 in its 512-bit form where the CPU has it (bit-identical).
 pub(crate) fn dot_q(ty: GgmlType) -> Option<DotQ> {
     #[cfg(target_arch = "x86_64")]
-    return avx512_dot_q(ty).or_else(|| avx2_x4::dot_q1(ty)).or_else(|| avx2::dot_q(ty));
+    return avx512_dot_q(ty).or_else(|| avx512_q8_rows::dot_q(ty)).or_else(|| avx2::dot_q(ty));
     #[cfg(all(target_arch = "aarch64", target_feature = "neon", target_endian = "little"))]
     return neon::dot_q(ty);
     #[allow(unreachable_code)]
@@ -140,7 +138,7 @@ pub fn dot_q4(ty: GgmlType) -> Option<super::api::DotQ4> {
     }
     // Elsewhere on x86-64 the single kernel is AVX2's wherever AVX-512 has none for the type.
     #[cfg(target_arch = "x86_64")]
-    if avx512_dot_q(ty).is_none() && avx2::dot_q(ty).is_some() {
+    if single_is_avx2(ty) {
         return avx2_x4::dot_q4(ty);
     }
     let _ = ty;
@@ -162,38 +160,34 @@ pub fn dot_q_rows(ty: GgmlType) -> Option<super::api::DotQRows> {
 }
 
 /// The eight-activation-row kernel for `ty` (see [`crate::quant::DotQ8`]) where this CPU has one: `avx2_x4`'s
-/// Q2_K / Q4_K / IQ2_XXS eight-row forms where the single kernel is AVX2's, and its Q8_0 one where AVX-512 VNNI is
-/// present (on 512-bit vectors where AVX-512 BW is present too; bit-identical to the single kernel).
+/// Q2_K / Q4_K / IQ2_XXS eight-row forms where the single kernel is AVX2's, and its Q8_0 one where AVX-512 VL/VNNI
+/// (without BW) are present (bit-identical to the AVX2 single kernel).
 pub fn dot_q8(ty: GgmlType) -> Option<super::api::DotQ8> {
     #[cfg(target_arch = "x86_64")]
-    if avx512_dot_q(ty).is_none() && avx2::dot_q(ty).is_some() {
+    if single_is_avx2(ty) {
         return avx2_x4::dot_q8(ty);
     }
     let _ = ty;
     None
 }
 
-/// The flipped-activation kernel for `ty` (see [`crate::quant::DotQFlipped`]) where this CPU has one:
-/// `avx512_q8_rows`' Q8_0 form (AVX-512 F/BW/VL/VNNI), bit-identical to the AVX2 single kernel (and so to the
-/// 512-bit form of it that [`dot_q`] picks there).
-pub fn dot_q_flipped(ty: GgmlType) -> Option<super::api::DotQFlipped> {
-    #[cfg(target_arch = "x86_64")]
-    if avx512_dot_q(ty).is_none() && avx2::dot_q(ty).is_some() {
-        return avx512_q8_rows::dot_q_flipped(ty);
-    }
-    let _ = ty;
-    None
+/// Whether [`dot_q`] picks the AVX2 kernel for `ty` here (so `avx2_x4`'s multi-row forms are its batched forms).
+#[cfg(target_arch = "x86_64")]
+fn single_is_avx2(ty: GgmlType) -> bool {
+    avx512_dot_q(ty).is_none() && avx512_q8_rows::dot_q(ty).is_none() && avx2::dot_q(ty).is_some()
 }
 
-/// The long-chunk kernel for `ty` (see [`crate::quant::GemmQ`]) where this CPU has one: `avx512_gemm`'s Q8_0 form
-/// (AVX-512 VNNI), bit-identical to the AVX2 single kernel [`dot_q`] picks for Q8_0.
-pub fn gemm_q(ty: GgmlType) -> Option<super::api::GemmQ> {
+/// The flipped-activation kernel for `ty` (see [`crate::quant::DotQFlipped`]) where this CPU has one:
+/// `avx512_q8_rows`' Q8_0 form (AVX-512 F/BW/VL/VNNI), the batched form of the single kernel [`dot_q`] picks
+/// there (the sixteen-lane contract, bit for bit).
+pub fn dot_q_flipped(ty: GgmlType) -> Option<super::api::DotQFlipped> {
     #[cfg(target_arch = "x86_64")]
-    if avx512_dot_q(ty).is_none() && avx2::dot_q(ty).is_some() {
-        return avx512_gemm::gemm_q(ty);
+    return avx512_q8_rows::dot_q_flipped(ty);
+    #[allow(unreachable_code)]
+    {
+        let _ = ty;
+        None
     }
-    let _ = ty;
-    None
 }
 
 /// The eight-row float kernel for `ty` (see [`crate::quant::DotF8`]) where this CPU has one: `avx2_x4`'s 512-bit
@@ -235,7 +229,7 @@ pub fn dot_q_variants(ty: GgmlType) -> Vec<(&'static str, ActType, DotQ)> {
             v.extend(avx512::iq2_xxs_gather().map(|k| ("avx512-vbmi", plain, k)));
         } else {
             v.extend(avx512_dot_q(ty).map(|k| ("avx512-vbmi", plain, k)));
-            v.extend(avx2_x4::dot_q1(ty).map(|k| ("avx512-vnni", plain, k)));
+            v.extend(avx512_q8_rows::dot_q(ty).map(|k| ("avx512-vnni", plain, k)));
         }
         v.extend(avx2::dot_q(ty).map(|k| ("avx2", plain, k)));
     }
@@ -508,7 +502,7 @@ mod bench {
                         a
                     })
                     .collect();
-                let (mut das, mut fls) = (vec![Vec::new(); 8], vec![Vec::<crate::quant::GemmLine>::new(); 8]);
+                let (mut das, mut fls) = (vec![Vec::new(); 8], vec![Vec::<crate::quant::FlipLine>::new(); 8]);
                 for r in 0..8 {
                     crate::quant::act_block_scales(act, &rows[r], &mut das[r]);
                     crate::quant::flip_acts(act, &rows[r], rows[r].len(), &mut fls[r]);
