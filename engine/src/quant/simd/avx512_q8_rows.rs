@@ -19,8 +19,9 @@
 //!   -128 · Σ w` per lane (once per chunk for all rows) is `Σ w·a` exactly (`a + 128 ≤ 255` unsigned times `w`
 //!   signed, 32 products per lane: `|Σ| ≤ 32 · 255 · 128`, far from overflow; activation quants are in
 //!   -127..=127, the contract of [`crate::quant::DotQ`]).
-//! - The single-row form reads activation blocks as stored (34 bytes each) and transposes them like the weights,
-//!   flipping with an XOR.
+//! - The single-row form reads activation blocks as stored (34 bytes each): one `vpdpbusd` per block pair as
+//!   stored (`|w|` times `a` with `w`'s sign), then a tree of permutes and adds gathers a chunk's sixteen block sums
+//!   into lane order (no transpose of either side; `ds4-bench kernels`' own matvec and `quant::matvec` use it).
 //! - A row's last chunk may be partial: its missing blocks are loaded as zeros and masked out of the FMA, so
 //!   their lanes keep their values (as in the reference, where they get no update).
 //!
@@ -274,15 +275,56 @@ unsafe fn rows_imp<const R: usize>(w: &[u8], au: [&[u8]; R], da: [&[f32]; R], n:
     std::array::from_fn(|r| hsum16(acc[r]))
 }
 
-/// Q8_0 · Q8_0 activation blocks as stored, one row of `n` blocks: both sides transposed per chunk, the
-/// activations flipped with an XOR.
+/// The permute indices of [`block_sums`]: per level, the first and the second operand of each lane's add.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f")]
+fn reduce_indices() -> [__m512i; 6] {
+    let mut t = [[0i32; 16]; 6];
+    for b in 0..4 {
+        for k in 0..4 {
+            let src = if b < 2 { 0 } else { 16 } + (b % 2) * 8 + 2 * k;
+            (t[0][b * 4 + k], t[1][b * 4 + k]) = (src as i32, src as i32 + 1);
+        }
+    }
+    for b in 0..8 {
+        for k in 0..2 {
+            let src = if b < 4 { 0 } else { 16 } + (b % 4) * 4 + 2 * k;
+            (t[2][b * 2 + k], t[3][b * 2 + k]) = (src as i32, src as i32 + 1);
+        }
+    }
+    for b in 0..16 {
+        let src = if b < 8 { 0 } else { 16 } + (b % 8) * 2;
+        (t[4][b], t[5][b]) = (src as i32, src as i32 + 1);
+    }
+    // SAFETY: each `t[i]` is 16 readable i32 (64 bytes).
+    t.map(|v| unsafe { _mm512_loadu_si512(v.as_ptr() as *const __m512i) })
+}
+
+/// Sixteen blocks' integer sums in lane order from eight block pairs' lane sums (`r[p]`: block `2p`'s eight
+/// partial sums in lanes 0..8, block `2p + 1`'s in lanes 8..16): three levels of pairwise adds, each lane's two
+/// operands picked by two-source permutes (14 permutes and 7 adds; integer adds, so exact in any order).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f")]
+fn block_sums(r: [__m512i; 8], ix: &[__m512i; 6]) -> __m512i {
+    let add = |a: __m512i, i: usize, b: __m512i| {
+        _mm512_add_epi32(_mm512_permutex2var_epi32(a, ix[i], b), _mm512_permutex2var_epi32(a, ix[i + 1], b))
+    };
+    let y: [__m512i; 4] = std::array::from_fn(|q| add(r[2 * q], 0, r[2 * q + 1]));
+    let z: [__m512i; 2] = std::array::from_fn(|h| add(y[2 * h], 2, y[2 * h + 1]));
+    add(z[0], 4, z[1])
+}
+
+/// Q8_0 · Q8_0 activation blocks as stored, one row of `n` blocks. Each block pair's lane sums come from one
+/// `vpdpbusd` on the blocks as stored (`|w|` times `a` negated where `w < 0`: unsigned times signed, exact), and
+/// [`block_sums`] turns a chunk's eight pairs into the sixteen block sums in lane order — cheaper here than
+/// transposing both sides, and no correction term.
 ///
 /// # Safety
 /// AVX2/FMA/F16C and AVX-512 F/BW/VL/VNNI present; `w` and `a` hold at least `n` whole blocks.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn one_imp(w: &[u8], a: &[u8], n: usize) -> f32 {
-    let ix = transpose_indices();
-    let flip = _mm512_set1_epi8(0x80u8 as i8);
+    let ix = reduce_indices();
+    let zero = _mm512_setzero_si512();
     let mut acc = _mm512_setzero_ps();
     for c in 0..n.div_ceil(CHUNK) {
         let nb = (n - c * CHUNK).min(CHUNK);
@@ -291,20 +333,13 @@ unsafe fn one_imp(w: &[u8], a: &[u8], n: usize) -> f32 {
             prefetch_ahead::<1>(wb.wrapping_add(64 * l));
         }
         // SAFETY: blocks `16c..16c + nb` lie inside both rows (`n` blocks each).
-        let (t, u, dw, da) = unsafe {
-            (
-                transpose(chunk_pairs(wb, nb), &ix),
-                transpose(chunk_pairs(ab, nb), &ix),
-                chunk_scales(wb, nb),
-                chunk_scales(ab, nb),
-            )
-        };
-        let (mut s0, mut s1) = (correction(&t), _mm512_setzero_si512());
-        for g in 0..GROUPS / 2 {
-            s0 = _mm512_dpbusd_epi32(s0, _mm512_xor_si512(u[g], flip), t[g]);
-            s1 = _mm512_dpbusd_epi32(s1, _mm512_xor_si512(u[g + GROUPS / 2], flip), t[g + GROUPS / 2]);
-        }
-        let p = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+        let (qw, qa, dw, da) =
+            unsafe { (chunk_pairs(wb, nb), chunk_pairs(ab, nb), chunk_scales(wb, nb), chunk_scales(ab, nb)) };
+        let r: [__m512i; 8] = std::array::from_fn(|p| {
+            let sa = _mm512_mask_sub_epi8(qa[p], _mm512_movepi8_mask(qw[p]), zero, qa[p]);
+            _mm512_dpbusd_epi32(zero, _mm512_abs_epi8(qw[p]), sa)
+        });
+        let p = _mm512_cvtepi32_ps(block_sums(r, &ix));
         acc = _mm512_mask3_fmadd_ps(_mm512_mul_ps(dw, da), p, acc, lanes(nb));
     }
     hsum16(acc)
