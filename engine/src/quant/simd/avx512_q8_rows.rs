@@ -171,6 +171,15 @@ fn transpose(v: [__m512i; 8], ix: &[__m512i; 6]) -> [__m512i; 8] {
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f")]
 unsafe fn chunk_pairs(p: *const u8, nb: usize) -> [__m512i; 8] {
+    if nb >= CHUNK {
+        // SAFETY: sixteen whole blocks at `p` (the caller's contract): block `b`'s quants are bytes `34 b + 2..+32`.
+        return std::array::from_fn(|q| unsafe {
+            _mm512_inserti64x4::<1>(
+                _mm512_castsi256_si512(ld_si256(p.add(2 * q * B + 2))),
+                ld_si256(p.add((2 * q + 1) * B + 2)),
+            )
+        });
+    }
     let half = |b: usize| {
         if b < nb {
             // SAFETY: block `b < nb` lies at `p + 34 b` (the caller's contract); its quants are bytes 2..34.
