@@ -25,8 +25,12 @@
 //! - A row's last chunk may be partial: its missing blocks are loaded as zeros and masked out of the FMA, so
 //!   their lanes keep their values (as in the reference, where they get no update).
 //!
-//! Measured (`benches/README.md`, 2026-12-04, one thread, eight distinct rows of 4096 values, cache-resident):
-//! 0.64–0.72 ns per row and block pair against 0.94–0.97 for the kernel this replaced.
+//! Measured (`benches/README.md`, 2026-12-04, standalone copies of the loops, one thread, rows of 4096 values):
+//! eight rows 0.64–0.72 ns per row and block pair with the weights in L2 against 0.94–0.98 for the kernel this
+//! replaced, 0.82–0.98 against 1.03–1.24 streamed (there the loop waits on memory: each weight byte carries less
+//! work, so the L2 + L1 prefetch of `x86::prefetch_ahead` matters — 1.57 without); the single-row form 2.24 vs
+//! 2.66 ns per block pair in cache, 3.02 vs 3.43 streamed. In the engine: the 8-session decode tick's output head
+//! ~34 ms against ~40 ms (median of 15 alternating runs).
 //!
 //! Soundness: [`dot_q`] / [`dot_q_flipped`] hand the kernels out only after AVX2/FMA/F16C and AVX-512
 //! F/BW/VL/VNNI are detected (`avx2_x4::vnni_512`); the wrappers check every row's length before the vector code,
