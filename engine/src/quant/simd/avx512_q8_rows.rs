@@ -113,32 +113,36 @@ fn run<const R: usize>(w: &[u8], au: &[&[u8]], da: &[&[f32]], n: usize) -> [f32;
     unsafe { rows_imp::<R>(w, std::array::from_fn(|r| au[r]), std::array::from_fn(|r| da[r]), n) }
 }
 
-/// The two-source permute indices of the chunk transpose (see [`transpose`]).
+/// The two-source permute indices of the chunk transpose (see [`transpose`]), one row per permute kind.
+const TRANSPOSE_IX: [[i32; 16]; 6] = {
+    let mut t = [[0i32; 16]; 6];
+    let mut i = 0;
+    while i < 16 {
+        // Level 1: element `(b, g)` of four blocks at `4g + b`, from pair `b / 2`'s half `b % 2`, group `g`.
+        let (g, b) = (i / 4, i % 4);
+        let src = (b / 2) * 16 + (b % 2) * 8;
+        t[0][i] = (src + g) as i32;
+        t[1][i] = (src + g + 4) as i32;
+        // Level 2: element `(b, g)` of eight blocks at `8g + b`.
+        let (g, b) = (i / 8, i % 8);
+        let src = (b / 4) * 16 + b % 4;
+        t[2][i] = (src + g * 4) as i32;
+        t[3][i] = (src + (g + 2) * 4) as i32;
+        // Level 3: block `b` of sixteen at `b`.
+        let src = (i / 8) * 16 + i % 8;
+        t[4][i] = src as i32;
+        t[5][i] = (src + 8) as i32;
+        i += 1;
+    }
+    t
+};
+
+/// [`TRANSPOSE_IX`] as vectors.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f")]
 fn transpose_indices() -> [__m512i; 6] {
-    let mut t = [[0i32; 16]; 6];
-    for g in 0..4 {
-        for b in 0..4 {
-            let src = if b < 2 { 0 } else { 16 } + (b % 2) * 8;
-            t[0][g * 4 + b] = (src + g) as i32;
-            t[1][g * 4 + b] = (src + g + 4) as i32;
-        }
-    }
-    for g in 0..2 {
-        for b in 0..8 {
-            let src = if b < 4 { 0 } else { 16 } + b % 4;
-            t[2][g * 8 + b] = (src + g * 4) as i32;
-            t[3][g * 8 + b] = (src + (g + 2) * 4) as i32;
-        }
-    }
-    for b in 0..16 {
-        let src = if b < 8 { 0 } else { 16 } + b % 8;
-        t[4][b] = src as i32;
-        t[5][b] = (src + 8) as i32;
-    }
-    // SAFETY: each `t[i]` is 16 readable i32 (64 bytes).
-    t.map(|v| unsafe { _mm512_loadu_si512(v.as_ptr() as *const __m512i) })
+    // SAFETY: each row is 16 readable i32 (64 bytes).
+    TRANSPOSE_IX.map(|v| unsafe { _mm512_loadu_si512(v.as_ptr() as *const __m512i) })
 }
 
 /// A chunk's sixteen blocks given as eight block pairs (`v[p]`: block `2p`'s 32 bytes in lanes 0..8, block
@@ -289,28 +293,32 @@ unsafe fn rows_imp<const R: usize>(w: &[u8], au: [&[u8]; R], da: [&[f32]; R], n:
 }
 
 /// The permute indices of [`block_sums`]: per level, the first and the second operand of each lane's add.
+const REDUCE_IX: [[i32; 16]; 6] = {
+    let mut t = [[0i32; 16]; 6];
+    let mut i = 0;
+    while i < 16 {
+        // Level 1: four blocks, four partial sums each, at `4b + k`: lanes `2k`, `2k + 1` of block `b`.
+        let (b, k) = (i / 4, i % 4);
+        let src = (b / 2) * 16 + (b % 2) * 8 + 2 * k;
+        (t[0][i], t[1][i]) = (src as i32, src as i32 + 1);
+        // Level 2: eight blocks, two partial sums each, at `2b + k`.
+        let (b, k) = (i / 2, i % 2);
+        let src = (b / 4) * 16 + (b % 4) * 4 + 2 * k;
+        (t[2][i], t[3][i]) = (src as i32, src as i32 + 1);
+        // Level 3: sixteen blocks at `b`.
+        let src = (i / 8) * 16 + (i % 8) * 2;
+        (t[4][i], t[5][i]) = (src as i32, src as i32 + 1);
+        i += 1;
+    }
+    t
+};
+
+/// [`REDUCE_IX`] as vectors.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f")]
 fn reduce_indices() -> [__m512i; 6] {
-    let mut t = [[0i32; 16]; 6];
-    for b in 0..4 {
-        for k in 0..4 {
-            let src = if b < 2 { 0 } else { 16 } + (b % 2) * 8 + 2 * k;
-            (t[0][b * 4 + k], t[1][b * 4 + k]) = (src as i32, src as i32 + 1);
-        }
-    }
-    for b in 0..8 {
-        for k in 0..2 {
-            let src = if b < 4 { 0 } else { 16 } + (b % 4) * 4 + 2 * k;
-            (t[2][b * 2 + k], t[3][b * 2 + k]) = (src as i32, src as i32 + 1);
-        }
-    }
-    for b in 0..16 {
-        let src = if b < 8 { 0 } else { 16 } + (b % 8) * 2;
-        (t[4][b], t[5][b]) = (src as i32, src as i32 + 1);
-    }
-    // SAFETY: each `t[i]` is 16 readable i32 (64 bytes).
-    t.map(|v| unsafe { _mm512_loadu_si512(v.as_ptr() as *const __m512i) })
+    // SAFETY: each row is 16 readable i32 (64 bytes).
+    REDUCE_IX.map(|v| unsafe { _mm512_loadu_si512(v.as_ptr() as *const __m512i) })
 }
 
 /// Sixteen blocks' integer sums in lane order from eight block pairs' lane sums (`r[p]`: block `2p`'s eight
