@@ -121,6 +121,9 @@ impl Scheduler {
         let queued = Arc::new(AtomicUsize::new(0));
         let max_queue = config.max_queue;
         let mut worker = Worker::new(runner, config, metrics, queued.clone());
+        // What the runner found at start (e.g. corrupt cache files removed) is visible before this returns, so
+        // before the server listens (publishing it from the thread raced the first `/metrics` request).
+        worker.publish();
         let thread = std::thread::Builder::new()
             .name("ds4-scheduler".into())
             .spawn(move || worker.run(rx))
@@ -233,8 +236,6 @@ impl Worker {
     }
 
     fn run(&mut self, rx: Receiver<Msg>) {
-        // Before the first request: what the runner found at start (e.g. corrupt cache files removed) is visible.
-        self.publish();
         loop {
             let idle = self.active.is_empty() && self.waiting.is_empty();
             let msg = if idle {
