@@ -39,6 +39,10 @@ pub type DotQRows = fn(w: &[u8], row_bytes: usize, a: &[&[u8]], da: &[&[f32]], o
 /// or many sessions, prefill chunks).
 pub type DotQFlipped = fn(w: &[u8], au: &[&[u8]], da: &[&[f32]], out: &mut [f32]);
 
+/// [`DotQFlipped`] on a weight row repacked once ([`super::packed`]): the same results, bit for bit, without the
+/// per-call transpose of the weight blocks.
+pub type DotQPacked = fn(w: super::packed::PackedRow<'_>, au: &[&[u8]], da: &[&[f32]], out: &mut [f32]);
+
 /// Most activation rows a [`DotQRows`] kernel takes per weight decode.
 pub const MAX_ROWS: usize = 8;
 
@@ -296,6 +300,12 @@ pub fn dot_q_flipped_kernel(weight_ty: GgmlType) -> Option<DotQFlipped> {
     simd::dot_q_flipped(weight_ty)
 }
 
+/// The packed-weight form of [`dot_q_flipped_kernel`] (see [`DotQPacked`]) where this CPU has one (the same
+/// CPUs and types); where it is `Some`, matrices of `weight_ty` are worth packing ([`super::PackedMat`]).
+pub fn dot_q_packed_kernel(weight_ty: GgmlType) -> Option<DotQPacked> {
+    simd::dot_q_packed(weight_ty)
+}
+
 /// 64 bytes of [`flip_acts`]' format, 64-byte aligned (so a kernel's 512-bit loads never straddle cache lines).
 #[repr(C, align(64))]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -307,20 +317,25 @@ unsafe impl bytemuck::Zeroable for FlipLine {}
 // SAFETY: as above (plain bytes, no padding, `Copy`, `'static`).
 unsafe impl bytemuck::Pod for FlipLine {}
 
-/// Lines of an activation row of `row_bytes` (Q8_0 blocks) in the flipped format ([`flip_acts`]): eight per
+/// Lines of an activation row of `row_bytes` (Q8_0 blocks) in the flipped format ([`flip_acts`]): nine per
 /// chunk of sixteen blocks, the last chunk counted whole.
 pub fn flip_row_lines(row_bytes: usize) -> usize {
-    (row_bytes / q8_0::BLOCK_BYTES).div_ceil(16) * 8
+    (row_bytes / q8_0::BLOCK_BYTES).div_ceil(16) * FLIP_CHUNK_LINES
 }
 
+/// [`FlipLine`]s per chunk of sixteen blocks in [`flip_acts`]' format: eight of quants, one of corrections.
+pub(crate) const FLIP_CHUNK_LINES: usize = 9;
+
 /// Activation rows `a` (rows of `row_bytes`, whole blocks of `act`) in the format the flipped-activation kernels
-/// ([`DotQFlipped`]) read, into `out` (cleared first; left empty where no kernel has one). Q8_0: each quant plus
-/// 128 (an unsigned byte), a row's blocks in chunks of sixteen, eight [`FlipLine`]s per chunk: byte `4b + j` of
-/// line `g` of chunk `c` is quant `4g + j` of block `16c + b` — so lane `b` of a 512-bit load holds one block's
-/// four quants and a kernel's eight `vpdpbusd` per chunk leave each block's sum in its own lane (see
-/// `simd::avx512_q8_rows`). Blocks past the row's end (its last chunk's) are zeros. Each row starts a new line:
-/// row `i` is lines `i · L..(i + 1) · L`, `L` = [`flip_row_lines`] (a 512-bit load that straddles two cache lines
-/// costs two; measured 1.3–1.4× on the streamed output head, 2026-12-03).
+/// ([`DotQFlipped`], [`DotQPacked`]) read, into `out` (cleared first; left empty where no kernel has one). Q8_0: a
+/// row's blocks in chunks of sixteen, nine [`FlipLine`]s per chunk. Lines `0..8`: byte `4b + j` of line `g` is
+/// quant `4g + j` of block `16c + b` (signed, as stored) — so lane `b` of a 512-bit load holds one block's four
+/// quants and a kernel's eight `vpdpbusd` per chunk leave each block's sum in its own lane (see
+/// `simd::avx512_q8_rows`). Line 8: sixteen little-endian i32, `-128 · Σ` of block `16c + b`'s quants at lane
+/// `b` — the kernels multiply the weights plus 128 (unsigned) by these signed quants, and start each block's sum
+/// at this correction so that it ends exact. Blocks past the row's end (its last chunk's) are zeros. Each row
+/// starts a new line: row `i` is lines `i · L..(i + 1) · L`, `L` = [`flip_row_lines`] (a 512-bit load that
+/// straddles two cache lines costs two; measured 1.3–1.4× on the streamed output head, 2026-12-03).
 pub fn flip_acts(act: ActType, a: &[u8], row_bytes: usize, out: &mut Vec<FlipLine>) {
     out.clear();
     let nb = row_bytes / q8_0::BLOCK_BYTES;
@@ -334,10 +349,12 @@ pub fn flip_acts(act: ActType, a: &[u8], row_bytes: usize, out: &mut Vec<FlipLin
         out.resize(start + lines, FlipLine([0; 64]));
         for (i, b) in row.chunks_exact(q8_0::BLOCK_BYTES).take(nb).enumerate() {
             let (c, lane) = (i / 16, i % 16);
+            let chunk = start + FLIP_CHUNK_LINES * c;
             for (g, q) in b[2..].chunks_exact(4).enumerate() {
-                let line = &mut out[start + 8 * c + g].0[4 * lane..4 * lane + 4];
-                line.iter_mut().zip(q).for_each(|(d, q)| *d = q ^ 0x80);
+                out[chunk + g].0[4 * lane..4 * lane + 4].copy_from_slice(q);
             }
+            let sum: i32 = b[2..].iter().map(|&q| q as i8 as i32).sum();
+            out[chunk + 8].0[4 * lane..4 * lane + 4].copy_from_slice(&(-128 * sum).to_le_bytes());
         }
     }
 }
@@ -428,8 +445,8 @@ mod tests {
     use super::*;
 
     /// The flipped format as documented: rows of 17 blocks (one whole chunk and one of a single block) start on
-    /// whole lines, lane `b` of line `g` of chunk `c` holds quants `4g..4g + 4` of block `16c + b` plus 128, the
-    /// rest of a partial chunk is zeros.
+    /// whole lines, lane `b` of line `g` of chunk `c` holds quants `4g..4g + 4` of block `16c + b` as stored,
+    /// line 8 of the chunk `-128 · Σ` of that block's quants at lane `b`; the rest of a partial chunk is zeros.
     #[test]
     fn flipped_rows_are_transposed_chunks_on_whole_lines() {
         let nb = 17;
@@ -439,24 +456,23 @@ mod tests {
         let rb = nb * q8_0::BLOCK_BYTES;
         let mut out = Vec::new();
         flip_acts(ActType::Q8_0, &a, rb, &mut out);
-        assert_eq!(flip_row_lines(rb), 16);
+        assert_eq!(flip_row_lines(rb), 18);
         assert_eq!(out.len(), 3 * flip_row_lines(rb));
         assert_eq!(out.as_ptr() as usize % 64, 0);
         for (r, row) in a.chunks_exact(rb).enumerate() {
-            let lines = &out[r * 16..(r + 1) * 16];
+            let lines = &out[r * 18..(r + 1) * 18];
             for c in 0..2 {
-                for g in 0..8 {
-                    for lane in 0..16 {
-                        let got = &lines[8 * c + g].0[4 * lane..4 * lane + 4];
-                        let b = 16 * c + lane;
-                        let want: Vec<u8> = match row.chunks_exact(q8_0::BLOCK_BYTES).nth(b) {
-                            Some(blk) => {
-                                blk[2 + 4 * g..6 + 4 * g].iter().map(|q| (*q as i8 as i16 + 128) as u8).collect()
-                            }
-                            None => vec![0; 4],
-                        };
-                        assert_eq!(got, &want[..], "row {r} block {b} group {g}");
+                for lane in 0..16 {
+                    let b = 16 * c + lane;
+                    let blk = row.chunks_exact(q8_0::BLOCK_BYTES).nth(b);
+                    for g in 0..8 {
+                        let got = &lines[9 * c + g].0[4 * lane..4 * lane + 4];
+                        let want = blk.map_or(&[0u8; 4][..], |blk| &blk[2 + 4 * g..6 + 4 * g]);
+                        assert_eq!(got, want, "row {r} block {b} group {g}");
                     }
+                    let corr = i32::from_le_bytes(lines[9 * c + 8].0[4 * lane..4 * lane + 4].try_into().unwrap());
+                    let sum: i32 = blk.map_or(0, |blk| blk[2..].iter().map(|q| *q as i8 as i32).sum());
+                    assert_eq!(corr, -128 * sum, "row {r} block {b} correction");
                 }
             }
         }

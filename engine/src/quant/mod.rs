@@ -54,17 +54,19 @@ mod kquant_search;
 mod q2_k;
 mod q4_k;
 mod q8_0;
+mod packed;
 mod q8_k;
 pub mod simd;
 
 pub use act::ActType;
 pub use api::{
     act_block_scales, act_type, dequantize_acts, dequantize_row, dot_f32_kernel, dot_f32_kernel_scalar, dot_f4_kernel,
-    dot_f8_kernel, dot_q4_kernel, dot_q8_kernel, dot_q_flipped_kernel, dot_q_kernel, dot_q_kernel_scalar,
+    dot_f8_kernel, dot_q4_kernel, dot_q8_kernel, dot_q_flipped_kernel, dot_q_kernel, dot_q_kernel_scalar, dot_q_packed_kernel,
     dot_q_rows_kernel, flip_acts, flip_row_lines, matvec, matvec_q, matvec_with_scratch, quantize_acts,
-    quantize_acts_into, quantize_row, DotF32, DotF4, DotF8, DotQ, DotQ4, DotQ8, DotQFlipped, DotQRows, FlipLine,
-    MAX_ROWS,
+    quantize_acts_into, quantize_row, DotF32, DotF4, DotF8, DotQ, DotQ4, DotQ8, DotQFlipped, DotQPacked, DotQRows,
+    FlipLine, MAX_ROWS,
 };
+pub use packed::{PackedMat, PackedRow, PackedRows};
 
 use std::fmt;
 

@@ -8,17 +8,18 @@
 //! Why sixteen lanes: a 512-bit `vpdpbusd` holds sixteen i32 lanes. Sixteen blocks are transposed so that lane
 //! `b` of vector `g` holds bytes `4g..4g + 4` of block `b` (eight vectors per chunk of sixteen blocks); eight
 //! `vpdpbusd` then leave each block's whole sum in its own lane, and one conversion and one FMA scale sixteen
-//! blocks at once. The kernel this replaced (the AVX2 kernel's lane order: eight lanes per block) spent a
-//! `vpdpbusd`, a conversion, a scale permute and an FMA per block pair and row; here it is one `vpdpbusd` per
-//! block pair and row, plus a conversion, a multiply and an FMA per sixteen blocks and row, plus the weight
-//! transpose (24 two-source permutes per chunk), done once for all rows of a call.
+//! blocks at once: per activation row one `vpdpbusd` per block pair, plus a conversion, a multiply and an FMA
+//! per sixteen blocks.
 //!
-//! - Activations, flipped ([`crate::quant::flip_acts`]): each quant plus 128 (an unsigned byte, `vpdpbusd`'s
-//!   left operand) in the transposed chunk layout, made once per product by the caller, 64-byte aligned; their
-//!   block scales as f32 ([`crate::quant::act_block_scales`]). `vpdpbusd(corr, a + 128, w)` with `corr =
-//!   -128 · Σ w` per lane (once per chunk for all rows) is `Σ w·a` exactly (`a + 128 ≤ 255` unsigned times `w`
-//!   signed, 32 products per lane: `|Σ| ≤ 32 · 255 · 128`, far from overflow; activation quants are in
-//!   -127..=127, the contract of [`crate::quant::DotQ`]).
+//! - Weights: `vpdpbusd`'s unsigned operand, `w + 128` (`w XOR 0x80`). Either packed once per matrix
+//!   ([`crate::quant::PackedMat`]: chunks already transposed, eight aligned loads — [`dot_q_packed`]) or
+//!   transposed per call from the blocks as stored (24 two-source permutes and 8 XORs per chunk, once per weight
+//!   row for all activation rows of the call — [`dot_q_flipped`]).
+//! - Activations, flipped ([`crate::quant::flip_acts`]): the signed quants in the same transposed chunks plus a
+//!   line of corrections `-128 · Σ a` per block, made once per product by the caller, 64-byte aligned; their
+//!   block scales as f32 ([`crate::quant::act_block_scales`]). Starting each block's sum at its correction,
+//!   `Σ (w + 128)·a − 128·Σ a = Σ w·a` exactly (`w + 128 ≤ 255` times `|a| ≤ 127`, 32 products per lane: far from
+//!   overflow; activation quants are in -127..=127, the contract of [`crate::quant::DotQ`]).
 //! - The single-row form reads activation blocks as stored (34 bytes each): one `vpdpbusd` per block pair as
 //!   stored (`|w|` times `a` with `w`'s sign), then a tree of permutes and adds gathers a chunk's sixteen block sums
 //!   into lane order (no transpose of either side; `ds4-bench kernels`' own matvec and `quant::matvec` use it).
@@ -29,9 +30,11 @@
 //! eight rows 0.64–0.72 ns per row and block pair with the weights in L2 against 0.94–0.98 for the kernel this
 //! replaced, 0.82–0.98 against 1.03–1.24 streamed (there the loop waits on memory: each weight byte carries less
 //! work, so the L2 + L1 prefetch of `x86::prefetch_ahead` matters — 1.57 without); the single-row form 2.24 vs
-//! 2.66 ns per block pair in cache, 3.02 vs 3.43 streamed. In the engine: the 8-session decode tick's output head
-//! ~34 ms against ~40 ms (median of 15 alternating runs).
-//!
+//! 2.66 ns per block pair in cache, 3.02 vs 3.43 streamed. Packed weights in passes of four activation rows
+//! over weight blocks held in L2 (the engine's matmul): 0.68–0.76 streamed on one thread, 0.67–0.90 on two,
+//! against 0.88–1.19 for eight rows per call on the blocks as stored (the eight rows' 32 KiB of activations no
+//! longer fit L1 beside the weights).
+
 //! Soundness: [`dot_q`] / [`dot_q_flipped`] hand the kernels out only after AVX2/FMA/F16C and AVX-512
 //! F/BW/VL/VNNI are detected (`avx2_x4::vnni_512`); the wrappers check every row's length before the vector code,
 //! whose loads stay inside the whole blocks (weights, stored activations) or whole chunks (flipped activations)
@@ -39,7 +42,8 @@
 
 use std::arch::x86_64::*;
 
-use super::super::api::{DotQ, DotQFlipped, MAX_ROWS};
+use super::super::api::{DotQ, DotQFlipped, DotQPacked, FLIP_CHUNK_LINES, MAX_ROWS};
+use super::super::packed::PackedRow;
 use super::super::{q8_0, GgmlType};
 use super::avx2_x4::{q8_0_scales, q8_0_scales8, vnni_512};
 use super::x86::{hsum_ps, ld, ld_si256, prefetch_ahead};
@@ -49,8 +53,8 @@ const B: usize = q8_0::BLOCK_BYTES;
 pub(crate) const CHUNK: usize = 16;
 /// Vectors (64-byte lines) per chunk: one per 4-byte group of a block.
 pub(crate) const GROUPS: usize = 8;
-/// Flipped activation bytes per chunk.
-const CHUNK_BYTES: usize = 64 * GROUPS;
+/// Flipped activation bytes per chunk (eight lines of quants, one of corrections).
+const CHUNK_BYTES: usize = 64 * FLIP_CHUNK_LINES;
 
 /// The single-row kernel for `ty` where this CPU has the features (Q8_0 only).
 pub(super) fn dot_q(ty: GgmlType) -> Option<DotQ> {
@@ -60,6 +64,11 @@ pub(super) fn dot_q(ty: GgmlType) -> Option<DotQ> {
 /// The flipped-activation kernel for `ty` where this CPU has the features (Q8_0 only).
 pub(super) fn dot_q_flipped(ty: GgmlType) -> Option<DotQFlipped> {
     (ty == GgmlType::Q8_0 && vnni_512()).then_some(q8_0_flipped as DotQFlipped)
+}
+
+/// The packed-weight kernel for `ty` where this CPU has the features (Q8_0 only).
+pub(super) fn dot_q_packed(ty: GgmlType) -> Option<DotQPacked> {
+    (ty == GgmlType::Q8_0 && vnni_512()).then_some(q8_0_packed as DotQPacked)
 }
 
 /// Whether these kernels run here (and so define the Q8_0 results on this CPU).
@@ -74,10 +83,34 @@ fn q8_0_one(w: &[u8], a: &[u8]) -> f32 {
     unsafe { one_imp(w, a, n) }
 }
 
+/// Where a kernel call takes its weight row from.
+#[derive(Clone, Copy)]
+enum Weights {
+    /// Q8_0 blocks as stored (transposed per call).
+    Blocks(*const u8),
+    /// A packed row: quant lines and f16 scales (see [`crate::quant::PackedMat`]).
+    Packed(*const u8, *const u16),
+}
+
 /// `out[i] = dot(w, a_i)` for `i < out.len()`, up to eight rows per weight decode; a row whose flipped quants
 /// or scales hold fewer blocks than `w` gets NaN.
 fn q8_0_flipped(w: &[u8], au: &[&[u8]], da: &[&[f32]], out: &mut [f32]) {
-    let n = w.len() / B;
+    rows(Weights::Blocks(w.as_ptr()), w.len() / B, au, da, out);
+}
+
+/// [`q8_0_flipped`] on a packed weight row (whose quants and scales must cover its blocks' chunks, else NaN).
+fn q8_0_packed(w: PackedRow<'_>, au: &[&[u8]], da: &[&[f32]], out: &mut [f32]) {
+    let n = w.blocks;
+    let chunks = n.div_ceil(CHUNK);
+    if w.quants.len() < chunks * GROUPS || w.scales.len() < chunks * CHUNK {
+        out.fill(f32::NAN);
+        return;
+    }
+    rows(Weights::Packed(w.quants.as_ptr() as *const u8, w.scales.as_ptr()), n, au, da, out);
+}
+
+/// Both kernels' row loop: `w` holds `n` blocks (as stored or packed, checked by the caller).
+fn rows(w: Weights, n: usize, au: &[&[u8]], da: &[&[f32]], out: &mut [f32]) {
     let m = out.len().min(au.len()).min(da.len());
     out[m..].fill(f32::NAN);
     let ok = |i: usize| au[i].len() >= n.div_ceil(CHUNK) * CHUNK_BYTES && da[i].len() >= n;
@@ -107,10 +140,17 @@ fn q8_0_flipped(w: &[u8], au: &[&[u8]], da: &[&[f32]], out: &mut [f32]) {
 }
 
 /// The first `R` rows of `au` / `da` (each checked to hold `n` blocks) against `w`.
-fn run<const R: usize>(w: &[u8], au: &[&[u8]], da: &[&[f32]], n: usize) -> [f32; R] {
-    // SAFETY: handed out by `dot_q_flipped` only after `vnni_512()`; `w` holds `n` whole blocks and every row
-    // `n.div_ceil(16)` whole chunks of flipped quants and `n` scales (checked by the caller).
-    unsafe { rows_imp::<R>(w, std::array::from_fn(|r| au[r]), std::array::from_fn(|r| da[r]), n) }
+fn run<const R: usize>(w: Weights, au: &[&[u8]], da: &[&[f32]], n: usize) -> [f32; R] {
+    let (a, d) = (std::array::from_fn(|r| au[r]), std::array::from_fn(|r| da[r]));
+    // SAFETY: handed out by `dot_q_flipped` / `dot_q_packed` only after `vnni_512()`; `w` holds `n` whole blocks
+    // (as stored, or packed with whole chunks of quants and scales) and every row `n.div_ceil(16)` whole chunks
+    // of flipped quants and `n` scales (checked by the callers).
+    unsafe {
+        match w {
+            Weights::Blocks(p) => rows_imp::<R, false>(p, std::ptr::null(), a, d, n),
+            Weights::Packed(q, s) => rows_imp::<R, true>(q, s, a, d, n),
+        }
+    }
 }
 
 /// The two-source permute indices of the chunk transpose (see [`transpose`]), one row per permute kind.
@@ -229,20 +269,6 @@ fn lanes(nb: usize) -> __mmask16 {
     }
 }
 
-/// `-128 · Σ w` per lane of a transposed chunk (the flipped activations' correction).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-fn correction(t: &[__m512i; 8]) -> __m512i {
-    let flip = _mm512_set1_epi8(0x80u8 as i8);
-    let zero = _mm512_setzero_si512();
-    let (mut c0, mut c1) = (zero, zero);
-    for g in 0..4 {
-        c0 = _mm512_dpbusd_epi32(c0, flip, t[g]);
-        c1 = _mm512_dpbusd_epi32(c1, flip, t[g + 4]);
-    }
-    _mm512_sub_epi32(zero, _mm512_add_epi32(c0, c1))
-}
-
 /// The contract's final sum of the sixteen lanes: `h8[i] = l[i] + l[i + 8]`, `h4[i] = h8[i] + h8[i + 4]`, then
 /// `(h4[0] + h4[2]) + (h4[1] + h4[3])`.
 #[inline]
@@ -254,39 +280,76 @@ fn hsum16(v: __m512) -> f32 {
     ))
 }
 
-/// Q8_0 · flipped activations, `R` rows of `n` blocks.
+/// Chunk `c` (`nb` blocks) of a packed row: the eight quant lines (already transposed and unsigned) and the
+/// scales as f32.
 ///
 /// # Safety
-/// AVX2/FMA/F16C and AVX-512 F/BW/VL/VNNI present; `w` holds `n` whole blocks, every `au[r]` at least
-/// `n.div_ceil(16)` whole chunks (512 bytes each) and every `da[r]` at least `n` scales.
+/// AVX-512 F and F16C present; chunk `c` lies inside the packed row at `q` (quants) / `s` (scales).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f")]
+unsafe fn packed_chunk(q: *const u8, s: *const u16, c: usize) -> ([__m512i; 8], __m512) {
+    let base = q.wrapping_add(c * GROUPS * 64);
+    prefetch_ahead::<GROUPS>(base);
+    prefetch_ahead::<1>(s.wrapping_add(c * CHUNK) as *const u8);
+    // SAFETY: the chunk's eight lines (64-byte aligned `FlipLine`s) and sixteen scales lie inside the row (the
+    // caller's contract).
+    unsafe {
+        let t = std::array::from_fn(|g| _mm512_load_si512(base.add(64 * g) as *const __m512i));
+        (t, _mm512_cvtph_ps(_mm256_loadu_si256(s.add(c * CHUNK) as *const __m256i)))
+    }
+}
+
+/// Chunk `c` (`nb` blocks) of a row of blocks as stored, transposed and made unsigned, and its scales as f32.
+///
+/// # Safety
+/// AVX-512 F/BW and AVX2/F16C present; blocks `16c..16c + nb` lie inside the row at `w`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw")]
+unsafe fn block_chunk(w: *const u8, c: usize, nb: usize, ix: &[__m512i; 6]) -> ([__m512i; 8], __m512) {
+    let base = w.wrapping_add(c * CHUNK * B);
+    for l in 0..9 {
+        prefetch_ahead::<1>(base.wrapping_add(64 * l));
+    }
+    let flip = _mm512_set1_epi8(0x80u8 as i8);
+    // SAFETY: blocks `16c..16c + nb` lie inside the weight row (the caller's contract).
+    let (t, dw) = unsafe { (transpose(chunk_pairs(base, nb), ix), chunk_scales(base, nb)) };
+    (t.map(|v| _mm512_xor_si512(v, flip)), dw)
+}
+
+/// Q8_0 · flipped activations, `R` rows of `n` blocks; the weights packed (`PACKED`: quant lines at `w`, f16
+/// scales at `ws`) or as stored (blocks at `w`).
+///
+/// # Safety
+/// AVX2/FMA/F16C and AVX-512 F/BW/VL/VNNI present; `w` holds `n` whole blocks (packed: `n.div_ceil(16)` whole
+/// chunks of lines at `w` and of scales at `ws`), every `au[r]` at least `n.div_ceil(16)` whole chunks of the
+/// flipped format (576 bytes each) and every `da[r]` at least `n` scales.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn rows_imp<const R: usize>(w: &[u8], au: [&[u8]; R], da: [&[f32]; R], n: usize) -> [f32; R] {
+unsafe fn rows_imp<const R: usize, const PACKED: bool>(
+    w: *const u8,
+    ws: *const u16,
+    au: [&[u8]; R],
+    da: [&[f32]; R],
+    n: usize,
+) -> [f32; R] {
     let ix = transpose_indices();
     let mut acc = [_mm512_setzero_ps(); R];
-    let wp = w.as_ptr();
     for c in 0..n.div_ceil(CHUNK) {
         let nb = (n - c * CHUNK).min(CHUNK);
-        let base = wp.wrapping_add(c * CHUNK * B);
-        for l in 0..9 {
-            prefetch_ahead::<1>(base.wrapping_add(64 * l));
-        }
-        // SAFETY: blocks `16c..16c + nb` lie inside the weight row (`n` blocks).
-        let (t, dw) = unsafe { (transpose(chunk_pairs(base, nb), &ix), chunk_scales(base, nb)) };
-        let corr = correction(&t);
+        // SAFETY: chunk `c` lies inside the weight row (the caller's contract).
+        let (t, dw) = unsafe { if PACKED { packed_chunk(w, ws, c) } else { block_chunk(w, c, nb, &ix) } };
         let live = lanes(nb);
         for r in 0..R {
             let ap = au[r].as_ptr().wrapping_add(c * CHUNK_BYTES);
-            let (mut s0, mut s1) = (corr, _mm512_setzero_si512());
-            for g in 0..GROUPS / 2 {
-                // SAFETY: chunk `c` (512 bytes at `ap`) lies inside row `r`'s flipped quants.
-                let (u0, u1) = unsafe { (ld(ap.add(64 * g)), ld(ap.add(64 * (g + GROUPS / 2)))) };
-                s0 = _mm512_dpbusd_epi32(s0, u0, t[g]);
-                s1 = _mm512_dpbusd_epi32(s1, u1, t[g + GROUPS / 2]);
+            // SAFETY: chunk `c` (576 bytes at `ap`: eight lines of quants, then the corrections) lies inside row
+            // `r`'s flipped activations.
+            let mut s = unsafe { ld(ap.add(64 * GROUPS)) };
+            for (g, tg) in t.iter().enumerate() {
+                // SAFETY: as above.
+                s = _mm512_dpbusd_epi32(s, *tg, unsafe { ld(ap.add(64 * g)) });
             }
             // SAFETY: scales `16c..16c + nb` of row `r` (`n` of them); masked lanes are not read.
             let d = unsafe { _mm512_maskz_loadu_ps(live, da[r].as_ptr().wrapping_add(c * CHUNK)) };
-            let p = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
-            acc[r] = _mm512_mask3_fmadd_ps(_mm512_mul_ps(dw, d), p, acc[r], live);
+            acc[r] = _mm512_mask3_fmadd_ps(_mm512_mul_ps(dw, d), _mm512_cvtepi32_ps(s), acc[r], live);
         }
     }
     std::array::from_fn(|r| hsum16(acc[r]))
@@ -369,7 +432,7 @@ unsafe fn one_imp(w: &[u8], a: &[u8], n: usize) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::quant::{act_block_scales, flip_acts, q8_0::dot_q8_0_lanes16, ActType, FlipLine};
+    use crate::quant::{act_block_scales, flip_acts, q8_0::dot_q8_0_lanes16, ActType, FlipLine, PackedMat};
     use rand::{Rng, SeedableRng};
 
     /// `rows` rows of `nb` random Q8_0 blocks (finite f16 scales of either sign, a quarter of them subnormal;
@@ -395,7 +458,8 @@ mod tests {
     }
 
     /// Every row count 1..=9 (two calls' worth at 9) and block counts around the chunk size: each output equals
-    /// the scalar reference of the contract bit for bit, for the flipped and the single-row form alike.
+    /// the scalar reference of the contract bit for bit, for the flipped form (weights as stored and packed) and
+    /// the single-row form alike.
     #[test]
     fn every_form_is_the_sixteen_lane_reference() {
         if !available() {
@@ -403,23 +467,27 @@ mod tests {
             return;
         }
         let (one, flip) = (dot_q(GgmlType::Q8_0).unwrap(), dot_q_flipped(GgmlType::Q8_0).unwrap());
+        let packed = dot_q_packed(GgmlType::Q8_0).unwrap();
         let mut rng = rand::rngs::StdRng::seed_from_u64(7);
         for nb in [1, 2, 15, 16, 17, 31, 33, 64, 128, 131] {
             let rb = nb * B;
             let w = blocks(&mut rng, 3, nb, false);
+            let pw = PackedMat::pack_q8_0(&w, 3, rb).unwrap();
             let a = blocks(&mut rng, 9, nb, true);
             let (f, d) = flipped(&a, rb);
             let lines = f.len() / 9;
-            assert_eq!(lines, GROUPS * nb.div_ceil(CHUNK), "{nb} blocks: lines per flipped row");
+            assert_eq!(lines, FLIP_CHUNK_LINES * nb.div_ceil(CHUNK), "{nb} blocks: lines per flipped row");
             let au: Vec<&[u8]> = (0..9).map(|i| bytemuck::cast_slice(&f[i * lines..(i + 1) * lines])).collect();
             let da: Vec<&[f32]> = (0..9).map(|i| &d[i * nb..(i + 1) * nb]).collect();
-            for wr in w.chunks_exact(rb) {
+            for (wi, wr) in w.chunks_exact(rb).enumerate() {
                 for m in 1..=9 {
-                    let mut out = vec![0f32; m];
+                    let (mut out, mut pout) = (vec![0f32; m], vec![0f32; m]);
                     flip(wr, &au[..m], &da[..m], &mut out);
-                    for (i, o) in out.iter().enumerate() {
+                    packed(pw.view().row(wi), &au[..m], &da[..m], &mut pout);
+                    for (i, (o, p)) in out.iter().zip(&pout).enumerate() {
                         let want = dot_q8_0_lanes16(wr, &a[i * rb..(i + 1) * rb]);
                         assert_eq!(o.to_bits(), want.to_bits(), "{nb} blocks, {m} rows, row {i}: {o} vs {want}");
+                        assert_eq!(p.to_bits(), want.to_bits(), "packed, {nb} blocks, {m} rows, row {i}: {p}");
                     }
                 }
                 for ar in a.chunks_exact(rb) {
@@ -457,6 +525,9 @@ mod tests {
             let want = dot_q8_0_lanes16(&w, &a);
             assert_eq!(want, nb as f32 * 32.0 * wq as f32 * aq as f32 * 0.25, "the reference is exact here");
             assert_eq!(out[0].to_bits(), want.to_bits(), "flipped, w {wq} a {aq}");
+            let pw = PackedMat::pack_q8_0(&w, 1, rb).unwrap();
+            dot_q_packed(GgmlType::Q8_0).unwrap()(pw.view().row(0), &[bytemuck::cast_slice(&f)], &[&d], &mut out);
+            assert_eq!(out[0].to_bits(), want.to_bits(), "packed, w {wq} a {aq}");
             assert_eq!(one(&w, &a).to_bits(), want.to_bits(), "single, w {wq} a {aq}");
         }
     }
@@ -476,12 +547,21 @@ mod tests {
         let (f, d) = flipped(&a, rb);
         let lines = f.len() / 2;
         let full: &[u8] = bytemuck::cast_slice(&f[..lines]);
-        let short: &[u8] = bytemuck::cast_slice(&f[lines..2 * lines - GROUPS]);
+        let short: &[u8] = bytemuck::cast_slice(&f[lines..2 * lines - FLIP_CHUNK_LINES]);
         let mut out = [0f32; 3];
         flip(&w, &[full, short], &[&d[..nb], &d[nb..]], &mut out);
         assert_eq!(out[0].to_bits(), dot_q8_0_lanes16(&w, &a[..rb]).to_bits());
         assert!(out[1].is_nan() && out[2].is_nan(), "short row and missing row: {out:?}");
         flip(&w, &[full], &[&d[..nb - 1]], &mut out[..1]);
         assert!(out[0].is_nan(), "short scales: {}", out[0]);
+        let pw = PackedMat::pack_q8_0(&w, 1, rb).unwrap();
+        let packed = dot_q_packed(GgmlType::Q8_0).unwrap();
+        packed(pw.view().row(0), &[full, short], &[&d[..nb], &d[nb..]], &mut out);
+        assert_eq!(out[0].to_bits(), dot_q8_0_lanes16(&w, &a[..rb]).to_bits());
+        assert!(out[1].is_nan() && out[2].is_nan(), "packed: short row and missing row: {out:?}");
+        let row = pw.view().row(0);
+        let cut = PackedRow { quants: &row.quants[..row.quants.len() - 1], ..row };
+        packed(cut, &[full], &[&d[..nb]], &mut out[..1]);
+        assert!(out[0].is_nan(), "packed row shorter than its blocks: {}", out[0]);
     }
 }

@@ -190,6 +190,18 @@ pub fn dot_q_flipped(ty: GgmlType) -> Option<super::api::DotQFlipped> {
     }
 }
 
+/// The packed-weight form of [`dot_q_flipped`] (see [`crate::quant::DotQPacked`]) where this CPU has one (the
+/// same CPUs and types), bit-identical to it.
+pub fn dot_q_packed(ty: GgmlType) -> Option<super::api::DotQPacked> {
+    #[cfg(target_arch = "x86_64")]
+    return avx512_q8_rows::dot_q_packed(ty);
+    #[allow(unreachable_code)]
+    {
+        let _ = ty;
+        None
+    }
+}
+
 /// The eight-row float kernel for `ty` (see [`crate::quant::DotF8`]) where this CPU has one: `avx2_x4`'s 512-bit
 /// F16 / BF16 forms, bit-identical to the AVX2 single kernel.
 pub(crate) fn dot_f8(ty: GgmlType) -> Option<super::api::DotF8> {
