@@ -85,7 +85,7 @@ fn moe_mat(ty: GgmlType, cols: usize, data: &[u8]) -> Result<Mat<'_>> {
     let Some(rb) = ty.row_bytes(cols as u64).map(|b| b as usize).filter(|&b| b > 0) else {
         bail!("moe: {cols} values is not whole {ty} blocks");
     };
-    Ok(Mat { ty, rows: data.len() / rb, cols, row_bytes: rb, data })
+    Ok(Mat { ty, rows: data.len() / rb, cols, row_bytes: rb, data, packed: None })
 }
 
 /// Buffers of [`EngineKernels::pooled_moe`] (grown once, reused).
@@ -116,7 +116,7 @@ impl Kernels for EngineKernels {
         let Some(row_bytes) = ty.row_bytes(cols as u64).map(|b| b as usize) else {
             bail!("matvec: {cols} values is not whole {ty} blocks");
         };
-        let m = Mat { ty, rows, cols, row_bytes, data: w };
+        let m = Mat { ty, rows, cols, row_bytes, data: w, packed: None };
         matmul::matmul(self.pool(), m, x, 1, y)?;
         Ok(true)
     }

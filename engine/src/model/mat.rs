@@ -1,8 +1,10 @@
 //! [`Mat`]: a row-major view of a weight matrix in the model file (what kernels multiply by).
 
-use crate::quant::GgmlType;
+use crate::quant::{GgmlType, PackedRows};
 
-/// A row-major matrix view into the map: `rows` rows of `cols` values of type `ty`.
+/// A row-major matrix view into the map: `rows` rows of `cols` values of type `ty`; `packed`, where the CPU
+/// backend asked for it ([`crate::model::weights::Model::packed_mat`]), the same rows repacked for its batched
+/// Q8_0 kernels (same results, bit for bit; see [`crate::quant::PackedMat`]).
 #[derive(Clone, Copy, Debug)]
 pub struct Mat<'a> {
     pub ty: GgmlType,
@@ -10,6 +12,7 @@ pub struct Mat<'a> {
     pub cols: usize,
     pub row_bytes: usize,
     pub data: &'a [u8],
+    pub packed: Option<PackedRows<'a>>,
 }
 
 impl<'a> Mat<'a> {
@@ -20,6 +23,11 @@ impl<'a> Mat<'a> {
 
     /// Rows `start..start + n` as a matrix (used for one expert of a stacked tensor, or a group of `wo_a`).
     pub fn rows_slice(&self, start: usize, n: usize) -> Mat<'a> {
-        Mat { rows: n, data: &self.data[start * self.row_bytes..(start + n) * self.row_bytes], ..*self }
+        Mat {
+            rows: n,
+            data: &self.data[start * self.row_bytes..(start + n) * self.row_bytes],
+            packed: self.packed.map(|p| p.rows_slice(start, n)),
+            ..*self
+        }
     }
 }

@@ -16,7 +16,8 @@
 //!   [`dot_q8_kernel`] → [`DotQ8`] likewise for eight rows; [`dot_q_rows_kernel`] → [`DotQRows`] for any number
 //!   of rows against several weight rows, one weight decode per up to [`MAX_ROWS`] of them (the AVX-512 IQ2_XXS
 //!   pair and Q2_K kernels); [`dot_q_flipped_kernel`] → [`DotQFlipped`] the same for Q8_0 against one weight row on
-//!   activations flipped once per product ([`flip_acts`], AVX-512 VNNI; any batch from one row up);
+//!   activations flipped once per product ([`flip_acts`], AVX-512 VNNI; any batch from one row up), and
+//!   [`dot_q_packed_kernel`] → [`DotQPacked`] the same on weight rows repacked once per matrix ([`PackedMat`]);
 //!   [`dot_f4_kernel`] → [`DotF4`] the same for float weights (F16/BF16) against four f32 rows.
 //! - [`matvec`] / [`matvec_with_scratch`]: `y = W·x`, single-threaded, best path; [`matvec_q`] takes activations
 //!   already quantized (quantize once, share across matrices and threads).
@@ -51,20 +52,20 @@ mod f16;
 mod iq2_tables;
 mod iq2_xxs;
 mod kquant_search;
+mod packed;
 mod q2_k;
 mod q4_k;
 mod q8_0;
-mod packed;
 mod q8_k;
 pub mod simd;
 
 pub use act::ActType;
 pub use api::{
     act_block_scales, act_type, dequantize_acts, dequantize_row, dot_f32_kernel, dot_f32_kernel_scalar, dot_f4_kernel,
-    dot_f8_kernel, dot_q4_kernel, dot_q8_kernel, dot_q_flipped_kernel, dot_q_kernel, dot_q_kernel_scalar, dot_q_packed_kernel,
-    dot_q_rows_kernel, flip_acts, flip_row_lines, matvec, matvec_q, matvec_with_scratch, quantize_acts,
-    quantize_acts_into, quantize_row, DotF32, DotF4, DotF8, DotQ, DotQ4, DotQ8, DotQFlipped, DotQPacked, DotQRows,
-    FlipLine, MAX_ROWS,
+    dot_f8_kernel, dot_q4_kernel, dot_q8_kernel, dot_q_flipped_kernel, dot_q_kernel, dot_q_kernel_scalar,
+    dot_q_packed_kernel, dot_q_rows_kernel, flip_acts, flip_row_lines, matvec, matvec_q, matvec_with_scratch,
+    quantize_acts, quantize_acts_into, quantize_row, DotF32, DotF4, DotF8, DotQ, DotQ4, DotQ8, DotQFlipped, DotQPacked,
+    DotQRows, FlipLine, MAX_ROWS,
 };
 pub use packed::{PackedMat, PackedRow, PackedRows};
 

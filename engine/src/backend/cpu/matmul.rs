@@ -23,6 +23,12 @@
 //! (`quant::flip_acts`: sixteen-block chunks transposed, once per product). Long batches (prefill) go the same
 //! way: weight rows in L2-sized sub-blocks, each swept by every batch block of eight rows.
 //!
+//! Packed Q8_0 weights: a [`Mat`] whose `packed` rows are set (the CPU backend's dense matrices,
+//! `Model::packed_mat`) runs batches of two rows or more through `quant::dot_q_packed_kernel` — the flipped
+//! kernel without its per-call weight transpose — in passes of four batch rows over 256 KiB weight sub-blocks
+//! (four rows' activations fit L1 beside the weights; the sub-block comes from memory once, from L2 for the
+//! other passes). One row streams the blocks as stored. Same results, bit for bit.
+//!
 //! Activation quantization is the CPU's one deliberate approximation: each activation is rounded to a grid of
 //! `amax/127` per block of 32 (Q8_0) or 256 (Q8_K) values, an error of up to half a step per activation. When the
 //! pool says [`Pool::f32_acts`] (engine option `f32_acts`), quantized weights use `quant::dot_f32_kernel` with f32
@@ -40,7 +46,7 @@ use std::ops::Range;
 use crate::backend::cpu::pool::{split, Pool};
 use crate::model::mat::Mat;
 use crate::quant::{
-    self, ActType, DotF32, DotF4, DotF8, DotQ, DotQ4, DotQ8, DotQFlipped, DotQRows, GgmlType, MAX_ROWS,
+    self, ActType, DotF32, DotF4, DotF8, DotQ, DotQ4, DotQ8, DotQFlipped, DotQPacked, DotQRows, GgmlType, MAX_ROWS,
 };
 use crate::{Error, Result};
 
@@ -56,6 +62,12 @@ const _: () = assert!(BATCH_BLOCK <= MAX_ROWS, "a batch block is one call of a `
 const ROWS_PER_CALL: usize = 32;
 /// Weight bytes of the row sub-block that one batch block streams over (kept in L2 across batch blocks).
 const ROW_BLOCK_BYTES: usize = 64 * 1024;
+/// Batch rows per pass of the packed Q8_0 kernel over a row sub-block: four rows' flipped activations (16 KiB at
+/// 4096 values) stay in L1 beside the weights, where eight (32 KiB) would not; the sub-block's weights come from
+/// memory once and from L2 for the other passes.
+const PACKED_PASS_ROWS: usize = 4;
+/// [`ROW_BLOCK_BYTES`] for the packed Q8_0 kernel's passes.
+const PACKED_BLOCK_BYTES: usize = 256 * 1024;
 /// Smallest row range handed to one thread, in weight bytes (keeps a range long enough to stream).
 const GRAIN_BYTES: usize = 16 * 1024;
 /// Activation values from which a product quantizes its input across the pool (below, on the calling thread).
@@ -74,13 +86,15 @@ pub enum Kernel {
     /// Quantized weights against activations quantized to `act` (`act_bytes` per row); `rows`, where the type has
     /// it, multiplies a weight row into any number of activation rows (up to `quant::MAX_ROWS` per weight decode),
     /// else `dot8` / `dot4`, where the type has them, into eight / four at once (all bit-identical to that many
-    /// `dot` calls); `flip`, where it has one, any number of activation rows flipped to unsigned
-    /// (`quant::flip_acts`; every batch block, one row included; preferred to `rows` / `dot8` / `dot4` / `dot`).
+    /// `dot` calls); `flip`, where it has one, any number of activation rows in the flipped format
+    /// (`quant::flip_acts`; every batch block, one row included; preferred to `rows` / `dot8` / `dot4` / `dot`), and
+    /// `packed` its form on packed weight rows (used where the matrix carries them, [`Mat::packed`]).
     Q {
         act: ActType,
         dot: DotQ,
         rows: Option<DotQRows>,
         flip: Option<DotQFlipped>,
+        packed: Option<DotQPacked>,
         dot4: Option<DotQ4>,
         dot8: Option<DotQ8>,
         act_bytes: usize,
@@ -98,7 +112,8 @@ impl Kernel {
             if let (Ok(dot), Some(b)) = (quant::dot_q_kernel(ty), act.row_bytes(cols as u64)) {
                 let (dot4, dot8) = (quant::dot_q4_kernel(ty), quant::dot_q8_kernel(ty));
                 let (rows, flip) = (quant::dot_q_rows_kernel(ty), quant::dot_q_flipped_kernel(ty));
-                return Ok(Kernel::Q { act, dot, rows, flip, dot4, dot8, act_bytes: b as usize });
+                let packed = flip.and(quant::dot_q_packed_kernel(ty));
+                return Ok(Kernel::Q { act, dot, rows, flip, packed, dot4, dot8, act_bytes: b as usize });
             }
         }
         Kernel::float(ty)
@@ -442,12 +457,22 @@ impl Product<'_> {
         // SAFETY: in bounds (asserted); exclusive access to these elements is the caller's contract.
         let put = |b: usize, r: usize, v: f32| unsafe { *o.ptr.get().add(b * o.stride + o.off + r) = v };
         let rb = w.row_bytes.max(1);
-        let sub = if n <= BATCH_BLOCK { range.len() } else { (ROW_BLOCK_BYTES / rb).max(1) };
+        // Packed weight rows and their kernel, where both exist and the batch has two rows or more: passes of
+        // `PACKED_PASS_ROWS` batch rows. One row (decode of one session) is bound by memory either way and
+        // streams the blocks as stored (measured 2026-12-04: the packed copy's two streams, quants and scales,
+        // were ~4 % slower on the one-row output head).
+        let packed_w = match self.k {
+            Kernel::Q { packed: Some(k), .. } if n > 1 => w.packed.filter(|p| p.rows() == w.rows).map(|p| (k, p)),
+            _ => None,
+        };
+        let block = if packed_w.is_some() { PACKED_PASS_ROWS } else { BATCH_BLOCK };
+        let block_bytes = if packed_w.is_some() { PACKED_BLOCK_BYTES } else { ROW_BLOCK_BYTES };
+        let sub = if n <= block { range.len() } else { (block_bytes / rb).max(1) };
         let mut s0 = range.start;
         while s0 < range.end {
             let s1 = (s0 + sub).min(range.end);
-            for b0 in (0..n).step_by(BATCH_BLOCK) {
-                let b1 = (b0 + BATCH_BLOCK).min(n);
+            for b0 in (0..n).step_by(block) {
+                let b1 = (b0 + block).min(n);
                 match (self.k, self.input) {
                     (
                         Kernel::Q { act, dot, rows: dotn, flip, dot4, dot8, act_bytes, .. },
@@ -489,7 +514,10 @@ impl Product<'_> {
                             let (a, d, m) = (rs.map(|r| r.0), rs.map(|r| r.1), b1 - b0);
                             let mut v = [0f32; MAX_ROWS];
                             for r in s0..s1 {
-                                k(w.row(r), &a[..m], &d[..m], &mut v[..m]);
+                                match packed_w {
+                                    Some((kp, pw)) => kp(pw.row(r), &a[..m], &d[..m], &mut v[..m]),
+                                    None => k(w.row(r), &a[..m], &d[..m], &mut v[..m]),
+                                }
                                 for (i, v) in v[..m].iter().enumerate() {
                                     put(b0 + i, r, *v);
                                 }
@@ -855,6 +883,17 @@ mod tests {
         (0..n).map(|i| ((i * mul % m) as f32 - m as f32 / 2.0) / scale).collect()
     }
 
+    /// `m` as given and, where this CPU has the packed Q8_0 kernel, `m` with its rows packed (`pk` holds them):
+    /// every product must come out the same both ways.
+    fn both_forms<'a>(m: Mat<'a>, pk: &'a mut Option<quant::PackedMat>) -> Vec<Mat<'a>> {
+        if quant::dot_q_packed_kernel(m.ty).is_some() {
+            *pk = quant::PackedMat::pack_q8_0(m.data, m.rows, m.row_bytes);
+            assert!(pk.is_some(), "a Q8_0 matrix packs");
+        }
+        let packed = pk.as_ref().map(|p| Mat { packed: Some(p.view()), ..m });
+        std::iter::once(m).chain(packed).collect()
+    }
+
     /// A `rows × cols` matrix of `ty` (bytes, row bytes), `n` input rows and each row's single-row product.
     fn row_kernel_case(ty: GgmlType, rows: usize, cols: usize, n: usize) -> (Vec<u8>, usize, Vec<f32>, Vec<f32>) {
         let w = vals(rows * cols, 7919, 1013, 400.0);
@@ -874,7 +913,7 @@ mod tests {
         let w = vals(rows * cols, 7919, 1000, 300.0);
         let x = vals(n * cols, 104729, 777, 200.0);
         let bytes: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let m = Mat { ty: GgmlType::F32, rows, cols, row_bytes: cols * 4, data: &bytes };
+        let m = Mat { ty: GgmlType::F32, rows, cols, row_bytes: cols * 4, data: &bytes, packed: None };
         let pool = Pool::new(3);
         let mut y = vec![0f32; n * rows];
         matmul(&pool, m, &x, n, &mut y).unwrap();
@@ -898,7 +937,7 @@ mod tests {
         for r in 0..rows {
             dequant_row(GgmlType::Q8_0, &bytes[r * rb..(r + 1) * rb], &mut deq[r * cols..(r + 1) * cols]).unwrap();
         }
-        let m = Mat { ty: GgmlType::Q8_0, rows, cols, row_bytes: rb, data: &bytes };
+        let m = Mat { ty: GgmlType::Q8_0, rows, cols, row_bytes: rb, data: &bytes, packed: None };
         let pool = Pool::new(2);
         let mut y = vec![0f32; n * rows];
         matmul(&pool, m, &x, n, &mut y).unwrap();
@@ -947,7 +986,9 @@ mod tests {
             let w = vals(rows * cols, 7919, 1013, 400.0);
             let x = vals(n * cols, 104729, 777, 200.0);
             let (bytes, rb) = quantized(ty, &w, rows, cols);
-            let m = Mat { ty, rows, cols, row_bytes: rb, data: &bytes };
+            let m0 = Mat { ty, rows, cols, row_bytes: rb, data: &bytes, packed: None };
+            let mut pk = None;
+            let forms = both_forms(m0, &mut pk);
             let mut want = vec![0f32; n * rows];
             for b in 0..n {
                 quant::matvec(
@@ -960,11 +1001,11 @@ mod tests {
                 )
                 .unwrap();
             }
-            for threads in [1usize, 2, 3] {
+            for (threads, m) in [1usize, 2, 3].into_iter().flat_map(|t| forms.iter().map(move |m| (t, *m))) {
                 let pool = Pool::new(threads);
                 let mut y = vec![f32::NAN; n * rows];
                 matmul(&pool, m, &x, n, &mut y).unwrap();
-                assert_eq!(y, want, "{ty} {threads} threads");
+                assert_eq!(y, want, "{ty} {threads} threads, packed {}", m.packed.is_some());
                 let idx: Vec<usize> = (0..n).rev().collect();
                 let mut g = vec![f32::NAN; n * rows];
                 matmul_gather(&pool, m, &x, &idx, &mut g).unwrap();
@@ -987,12 +1028,14 @@ mod tests {
             (GgmlType::F16, 3, 64),
         ] {
             let (bytes, rb, x, want) = row_kernel_case(ty, rows, cols, 64);
-            let m = Mat { ty, rows, cols, row_bytes: rb, data: &bytes };
+            let mut pk = None;
             let pool = Pool::new(2);
-            for n in 1..=64 {
-                let mut y = vec![f32::NAN; n * rows];
-                matmul(&pool, m, &x, n, &mut y).unwrap();
-                assert_eq!(y, want[..n * rows], "{ty}, {n} rows");
+            for m in both_forms(Mat { ty, rows, cols, row_bytes: rb, data: &bytes, packed: None }, &mut pk) {
+                for n in 1..=64 {
+                    let mut y = vec![f32::NAN; n * rows];
+                    matmul(&pool, m, &x, n, &mut y).unwrap();
+                    assert_eq!(y, want[..n * rows], "{ty}, {n} rows, packed {}", m.packed.is_some());
+                }
             }
         }
     }
@@ -1008,13 +1051,16 @@ mod tests {
         {
             let nmax = 261;
             let (bytes, rb, x, want) = row_kernel_case(ty, rows, cols, nmax);
-            let m = Mat { ty, rows, cols, row_bytes: rb, data: &bytes };
-            for n in [16usize, 17, 18, 19, 20, 21, 33, 64, 99, 256, 261] {
+            let mut pk = None;
+            let forms = both_forms(Mat { ty, rows, cols, row_bytes: rb, data: &bytes, packed: None }, &mut pk);
+            for (m, n) in
+                forms.iter().flat_map(|m| [16usize, 17, 18, 19, 20, 21, 33, 64, 99, 256, 261].map(|n| (*m, n)))
+            {
                 for threads in [1usize, 2, 3] {
                     let pool = Pool::new(threads);
                     let mut y = vec![f32::NAN; n * rows];
                     matmul(&pool, m, &x, n, &mut y).unwrap();
-                    assert_eq!(y, want[..n * rows], "{ty}, {n} rows, {threads} threads");
+                    assert_eq!(y, want[..n * rows], "{ty}, {n} rows, {threads} threads, packed {}", m.packed.is_some());
                 }
                 let idx: Vec<usize> = (0..n).map(|j| (j * 37 + 5) % nmax).collect();
                 let mut g = vec![f32::NAN; n * rows];
@@ -1030,31 +1076,37 @@ mod tests {
     fn grouped_products_match_single_products() {
         // Three products of 40 rows each (different matrices and inputs) in one dispatch, written to one buffer.
         let (rows, cols, n) = (40usize, 256usize, 2usize);
-        let ty = GgmlType::Q4K;
-        let w = vals(3 * rows * cols, 7919, 1013, 400.0);
-        let (bytes, rb) = quantized(ty, &w, 3 * rows, cols);
-        let all = Mat { ty, rows: 3 * rows, cols, row_bytes: rb, data: &bytes };
-        let x = vals(4 * cols, 104729, 777, 200.0);
-        let k = Kernel::for_type(ty, cols).unwrap();
-        let mut acts = Acts::new();
-        acts.prepare(&k, &x, RowAt::Strided { stride: cols, off: 0 }, 4, cols).unwrap();
-        let idx = [[3usize, 0], [1, 2], [2, 2]];
-        let pool = Pool::new(2);
-        let mut y = vec![f32::NAN; 3 * n * rows];
-        let out = Out::new(&mut y, rows, 0);
-        let product = |u: usize| Product {
-            w: all.rows_slice(u * rows, rows),
-            k,
-            input: acts.input(&k, &x, cols, RowAt::Gather { idx: &idx[u], stride: 1 }),
-            n,
-            out: out.shifted(u * n * rows),
-        };
-        // SAFETY: product `u` writes only y[u*n*rows..(u+1)*n*rows]; `y` outlives the call.
-        unsafe { run_group(&pool, 3, rows, 7, &product) };
-        for u in 0..3 {
-            let mut want = vec![0f32; n * rows];
-            matmul_gather(&pool, all.rows_slice(u * rows, rows), &x, &idx[u], &mut want).unwrap();
-            assert_eq!(&y[u * n * rows..(u + 1) * n * rows], &want[..], "product {u}");
+        for ty in [GgmlType::Q4K, GgmlType::Q8_0] {
+            let w = vals(3 * rows * cols, 7919, 1013, 400.0);
+            let (bytes, rb) = quantized(ty, &w, 3 * rows, cols);
+            let all = Mat { ty, rows: 3 * rows, cols, row_bytes: rb, data: &bytes, packed: None };
+            let x = vals(4 * cols, 104729, 777, 200.0);
+            let k = Kernel::for_type(ty, cols).unwrap();
+            let mut acts = Acts::new();
+            acts.prepare(&k, &x, RowAt::Strided { stride: cols, off: 0 }, 4, cols).unwrap();
+            let idx = [[3usize, 0], [1, 2], [2, 2]];
+            let pool = Pool::new(2);
+            let mut pk = None;
+            // Row runs of a packed matrix (`Mat::rows_slice`) too, against the products on the blocks as stored.
+            for m in both_forms(all, &mut pk) {
+                let mut y = vec![f32::NAN; 3 * n * rows];
+                let out = Out::new(&mut y, rows, 0);
+                let product = |u: usize| Product {
+                    w: m.rows_slice(u * rows, rows),
+                    k,
+                    input: acts.input(&k, &x, cols, RowAt::Gather { idx: &idx[u], stride: 1 }),
+                    n,
+                    out: out.shifted(u * n * rows),
+                };
+                // SAFETY: product `u` writes only y[u*n*rows..(u+1)*n*rows]; `y` outlives the call.
+                unsafe { run_group(&pool, 3, rows, 7, &product) };
+                for u in 0..3 {
+                    let mut want = vec![0f32; n * rows];
+                    matmul_gather(&pool, all.rows_slice(u * rows, rows), &x, &idx[u], &mut want).unwrap();
+                    let what = format!("product {u}, packed {}", m.packed.is_some());
+                    assert_eq!(&y[u * n * rows..(u + 1) * n * rows], &want[..], "{what}");
+                }
+            }
         }
     }
 
@@ -1069,7 +1121,14 @@ mod tests {
             .enumerate()
             .map(|(i, &(ty, rows))| quantized(ty, &vals(rows * cols, 7919 + i, 1013, 400.0), rows, cols))
             .collect();
-        let mat = |i: usize| Mat { ty: shapes[i].0, rows: shapes[i].1, cols, row_bytes: mats[i].1, data: &mats[i].0 };
+        let mat = |i: usize| Mat {
+            ty: shapes[i].0,
+            rows: shapes[i].1,
+            cols,
+            row_bytes: mats[i].1,
+            data: &mats[i].0,
+            packed: None,
+        };
         for n in [1usize, 3, 9] {
             let xa = vals(n * cols, 104729, 777, 200.0);
             let xb = vals(n * cols, 7717, 555, 150.0);
@@ -1130,7 +1189,7 @@ mod tests {
         let (rows, cols) = (4usize, 256usize);
         let w = vals(rows * cols, 7919, 1013, 400.0);
         let (bytes, rb) = quantized(GgmlType::Q2K, &w, rows, cols);
-        let m = Mat { ty: GgmlType::Q2K, rows, cols, row_bytes: rb, data: &bytes };
+        let m = Mat { ty: GgmlType::Q2K, rows, cols, row_bytes: rb, data: &bytes, packed: None };
         let mut x = vals(cols, 104729, 777, 200.0);
         x[5] = f32::NAN;
         let mut y = vec![0f32; rows];

@@ -29,9 +29,20 @@ use parking_lot::Mutex;
 
 use crate::backend::{Backend, StepCtx};
 use crate::graph::{BufId, Op};
-use crate::model::Model;
+use crate::model::{Mat, Model, WeightId};
 use crate::{Error, Result};
 use pool::Pool;
+
+/// A dense weight matrix as the CPU multiplies by it: with its packed rows ([`Model::packed_mat`]) unless the pool
+/// computes with f32 activations (whose kernels read the blocks as stored). Routed experts use [`Model::mat`]:
+/// at their sizes a second copy would not be worth it.
+pub(crate) fn weight<'m>(pool: &Pool, model: &'m Model, id: WeightId) -> Mat<'m> {
+    if pool.f32_acts() {
+        model.mat(id)
+    } else {
+        model.packed_mat(id)
+    }
+}
 
 /// Intermediate buffers of the CPU ops (see the module docs).
 #[derive(Debug, Default)]
@@ -251,7 +262,7 @@ impl Backend for CpuBackend {
             Op::RmsNorm { x, y, w, width, heads } => rowops::rms_norm(pool, sc, cx, x, y, w, width * heads, width),
             Op::MatMul { w, x, y } => {
                 let n = cx.batch.rows.len();
-                sc.with_xy(x, y, |xs, ys| matmul::matmul(pool, cx.model.mat(w), xs, n, ys))
+                sc.with_xy(x, y, |xs, ys| matmul::matmul(pool, weight(pool, cx.model, w), xs, n, ys))
             }
             Op::GroupedMatMul { w, x, y, groups, rank } => rowops::grouped_matmul(pool, sc, cx, w, x, y, groups, rank),
             Op::Rope { x, layer, width, heads, inverse } => {
@@ -369,7 +380,7 @@ impl Backend for CpuBackend {
                 let x = xs.iter().flatten().find(|e| e.0 == xy[i].0).map(|e| e.1).expect("taken above");
                 let y = ys.iter_mut().find(|e| e.as_ref().is_some_and(|e| e.0 == xy[i].1)).and_then(Option::take);
                 let y = y.expect("taken above").1;
-                jobs[i] = Some(matmul::MatJob { w: cx.model.mat(w), x, y });
+                jobs[i] = Some(matmul::MatJob { w: weight(&self.pool, cx.model, w), x, y });
             }
             matmul::matmul_many(&self.pool, &mut jobs[..ops.len()], n)
         });

@@ -45,7 +45,8 @@ fn shared_expert<'m>(
     let lw = &model.layers[layer];
     Ok(match (lw.gate_sh, lw.up_sh, lw.down_sh) {
         (Some(g), Some(u), Some(dn)) => {
-            let (g, u, dn) = (model.mat(g), model.mat(u), model.mat(dn));
+            let w = |id| super::weight(pool, model, id);
+            let (g, u, dn) = (w(g), w(u), w(dn));
             Some((g, u, dn, Kinds::new(pool, g, u, dn)?))
         }
         _ => None,

@@ -88,7 +88,7 @@ pub fn grouped_matmul(
     rank: usize,
 ) -> Result<()> {
     let n = cx.batch.rows.len();
-    let wm = cx.model.mat(w);
+    let wm = super::weight(pool, cx.model, w);
     let gs = wm.cols;
     sc.with_xy(x, y, |xs, ys| {
         for gi in 0..groups {
@@ -234,5 +234,11 @@ pub fn hc_post(pool: &Pool, sc: &mut Scratch, cx: &StepCtx<'_>) -> Result<()> {
 /// [`crate::graph::Op::Logits`]: the output projection of the batch's logit rows into the host logits.
 pub fn logits(pool: &Pool, sc: &mut Scratch, cx: &mut StepCtx<'_>) -> Result<()> {
     let model = cx.model;
-    matmul_gather(pool, model.mat(model.global.head), &sc.head_out, &cx.batch.logit_rows, &mut cx.act.logits)
+    matmul_gather(
+        pool,
+        super::weight(pool, model, model.global.head),
+        &sc.head_out,
+        &cx.batch.logit_rows,
+        &mut cx.act.logits,
+    )
 }

@@ -359,7 +359,7 @@ mod accuracy_tests {
 
                 let w = GpuWeight::upload(&ctx, "w", ty, cols, rows, &data, 1).unwrap();
                 let gpu = gpu_product(&ctx, &w, 0..rows, &x, n_tok);
-                let m = Mat { ty, rows, cols, row_bytes: w.row_bytes, data: &data };
+                let m = Mat { ty, rows, cols, row_bytes: w.row_bytes, data: &data, packed: None };
                 let mut cpu_q = vec![0f32; n_tok * rows];
                 pool.set_f32_acts(false);
                 cpu::matmul(&pool, m, &x, n_tok, &mut cpu_q).unwrap();

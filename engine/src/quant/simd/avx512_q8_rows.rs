@@ -280,42 +280,6 @@ fn hsum16(v: __m512) -> f32 {
     ))
 }
 
-/// Chunk `c` (`nb` blocks) of a packed row: the eight quant lines (already transposed and unsigned) and the
-/// scales as f32.
-///
-/// # Safety
-/// AVX-512 F and F16C present; chunk `c` lies inside the packed row at `q` (quants) / `s` (scales).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c,avx512f")]
-unsafe fn packed_chunk(q: *const u8, s: *const u16, c: usize) -> ([__m512i; 8], __m512) {
-    let base = q.wrapping_add(c * GROUPS * 64);
-    prefetch_ahead::<GROUPS>(base);
-    prefetch_ahead::<1>(s.wrapping_add(c * CHUNK) as *const u8);
-    // SAFETY: the chunk's eight lines (64-byte aligned `FlipLine`s) and sixteen scales lie inside the row (the
-    // caller's contract).
-    unsafe {
-        let t = std::array::from_fn(|g| _mm512_load_si512(base.add(64 * g) as *const __m512i));
-        (t, _mm512_cvtph_ps(_mm256_loadu_si256(s.add(c * CHUNK) as *const __m256i)))
-    }
-}
-
-/// Chunk `c` (`nb` blocks) of a row of blocks as stored, transposed and made unsigned, and its scales as f32.
-///
-/// # Safety
-/// AVX-512 F/BW and AVX2/F16C present; blocks `16c..16c + nb` lie inside the row at `w`.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw")]
-unsafe fn block_chunk(w: *const u8, c: usize, nb: usize, ix: &[__m512i; 6]) -> ([__m512i; 8], __m512) {
-    let base = w.wrapping_add(c * CHUNK * B);
-    for l in 0..9 {
-        prefetch_ahead::<1>(base.wrapping_add(64 * l));
-    }
-    let flip = _mm512_set1_epi8(0x80u8 as i8);
-    // SAFETY: blocks `16c..16c + nb` lie inside the weight row (the caller's contract).
-    let (t, dw) = unsafe { (transpose(chunk_pairs(base, nb), ix), chunk_scales(base, nb)) };
-    (t.map(|v| _mm512_xor_si512(v, flip)), dw)
-}
-
 /// Q8_0 · flipped activations, `R` rows of `n` blocks; the weights packed (`PACKED`: quant lines at `w`, f16
 /// scales at `ws`) or as stored (blocks at `w`).
 ///
@@ -332,11 +296,33 @@ unsafe fn rows_imp<const R: usize, const PACKED: bool>(
     n: usize,
 ) -> [f32; R] {
     let ix = transpose_indices();
+    let flip = _mm512_set1_epi8(0x80u8 as i8);
     let mut acc = [_mm512_setzero_ps(); R];
     for c in 0..n.div_ceil(CHUNK) {
         let nb = (n - c * CHUNK).min(CHUNK);
-        // SAFETY: chunk `c` lies inside the weight row (the caller's contract).
-        let (t, dw) = unsafe { if PACKED { packed_chunk(w, ws, c) } else { block_chunk(w, c, nb, &ix) } };
+        // The chunk's weights transposed and unsigned (`t`), and their scales as f32 (`dw`); written out here
+        // rather than in helpers, which the compiler did not always inline (a call per chunk, its result through
+        // memory, cost the one-row output head half its speed).
+        let (t, dw) = if PACKED {
+            let base = w.wrapping_add(c * GROUPS * 64);
+            prefetch_ahead::<GROUPS>(base);
+            prefetch_ahead::<1>(ws.wrapping_add(c * CHUNK) as *const u8);
+            // SAFETY: the chunk's eight lines (64-byte aligned `FlipLine`s) and sixteen scales lie inside the
+            // packed row (the caller's contract).
+            unsafe {
+                let t: [__m512i; 8] = std::array::from_fn(|g| _mm512_load_si512(base.add(64 * g) as *const __m512i));
+                (t, _mm512_cvtph_ps(_mm256_loadu_si256(ws.add(c * CHUNK) as *const __m256i)))
+            }
+        } else {
+            let base = w.wrapping_add(c * CHUNK * B);
+            for l in 0..9 {
+                prefetch_ahead::<1>(base.wrapping_add(64 * l));
+            }
+            // SAFETY: blocks `16c..16c + nb` lie inside the weight row (the caller's contract).
+            let (v, dw) = unsafe { (chunk_pairs(base, nb), chunk_scales(base, nb)) };
+            let v: [__m512i; 8] = std::array::from_fn(|q| _mm512_xor_si512(v[q], flip));
+            (transpose(v, &ix), dw)
+        };
         let live = lanes(nb);
         for r in 0..R {
             let ap = au[r].as_ptr().wrapping_add(c * CHUNK_BYTES);
