@@ -172,6 +172,9 @@ impl Engine {
             return Err(Error::InvalidArgument("max_batch_tokens must be > 0".into()));
         }
         backend.set_device_rollback(opts.rollback);
+        if matches!(opts.backend, BackendKind::Cpu) && !opts.f32_acts {
+            model.pack_dense();
+        }
         let ctx = if opts.ctx == 0 { model.config.ctx_len.max(1) } else { opts.ctx };
         let rope = RopeSet::new(&model);
         let graph = Graph::default();

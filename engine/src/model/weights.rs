@@ -2,7 +2,9 @@
 //!
 //! Layout (struct-of-arrays): [`WeightTable`] holds one entry per tensor — name, type, GGUF dims, index of the
 //! tensor in the file — and, for small tensors (norm weights, biases, sinks, mHC base/scale, compressor `ape`),
-//! an f32 copy made at load. Matrices stay in the GGUF memory map (zero copy) and are read through [`Mat`].
+//! an f32 copy made at load. Matrices stay in the GGUF memory map (zero copy) and are read through [`Mat`]; the
+//! CPU backend adds, per dense Q8_0 matrix, a copy repacked for its batched kernels ([`Model::packed_mat`],
+//! [`Model::pack_dense`]; `DS4_CPU_PACK=0` turns it off).
 //! [`GlobalWeights`] and [`LayerWeights`] are index structs of [`WeightId`]s into the table.
 //!
 //! Invariants after [`Model::load`]: every id points at a tensor whose type the engine can compute with and
@@ -324,6 +326,38 @@ impl Model {
         });
         m.packed = packed.as_ref().map(|p| p.view());
         m
+    }
+
+    /// Packs, now, every matrix [`Model::packed_mat`] would pack on first use — the dense Q8_0 ones; not the
+    /// token embedding (read a row at a time) nor the routed experts (multiplied as stored) — so that the first
+    /// request does not wait for it; a `tracing` line per GiB packed and one at the end. Returns the bytes packed
+    /// (0 where this CPU has no packed kernel or `DS4_CPU_PACK=0`).
+    pub fn pack_dense(&self) -> usize {
+        if quant::dot_q_packed_kernel(GgmlType::Q8_0).is_none() || !packing_on() {
+            return 0;
+        }
+        let t0 = std::time::Instant::now();
+        let mut skip = vec![false; self.table.names.len()];
+        skip[self.global.embed.0 as usize] = true;
+        for lw in &self.layers {
+            for id in [lw.gate_exps, lw.up_exps, lw.down_exps] {
+                skip[id.0 as usize] = true;
+            }
+        }
+        let (mut done, mut logged) = (0usize, 0usize);
+        for (i, ty) in self.table.types.iter().enumerate() {
+            let id = WeightId(i as u32);
+            if skip[i] || *ty != GgmlType::Q8_0 || !self.table.dense[i].is_empty() {
+                continue;
+            }
+            done += self.packed_mat(id).data.len();
+            if done >> 30 > logged {
+                logged = done >> 30;
+                tracing::info!(gib = logged, "packing dense Q8_0 weights for the CPU");
+            }
+        }
+        tracing::info!(bytes = done, ms = t0.elapsed().as_millis() as u64, "dense Q8_0 weights packed for the CPU");
+        done
     }
 
     /// Name of a tensor (for error messages).

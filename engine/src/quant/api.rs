@@ -39,7 +39,7 @@ pub type DotQRows = fn(w: &[u8], row_bytes: usize, a: &[&[u8]], da: &[&[f32]], o
 /// or many sessions, prefill chunks).
 pub type DotQFlipped = fn(w: &[u8], au: &[&[u8]], da: &[&[f32]], out: &mut [f32]);
 
-/// [`DotQFlipped`] on a weight row repacked once ([`super::packed`]): the same results, bit for bit, without the
+/// [`DotQFlipped`] on a weight row repacked once ([`super::PackedMat`]): the same results, bit for bit, without the
 /// per-call transpose of the weight blocks.
 pub type DotQPacked = fn(w: super::packed::PackedRow<'_>, au: &[&[u8]], da: &[&[f32]], out: &mut [f32]);
 
