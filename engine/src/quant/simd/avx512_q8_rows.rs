@@ -328,11 +328,14 @@ unsafe fn rows_imp<const R: usize, const PACKED: bool>(
             let ap = au[r].as_ptr().wrapping_add(c * CHUNK_BYTES);
             // SAFETY: chunk `c` (576 bytes at `ap`: eight lines of quants, then the corrections) lies inside row
             // `r`'s flipped activations.
-            let mut s = unsafe { ld(ap.add(64 * GROUPS)) };
-            for (g, tg) in t.iter().enumerate() {
+            let (mut s0, mut s1) = (unsafe { ld(ap.add(64 * GROUPS)) }, _mm512_setzero_si512());
+            for g in 0..GROUPS / 2 {
                 // SAFETY: as above.
-                s = _mm512_dpbusd_epi32(s, *tg, unsafe { ld(ap.add(64 * g)) });
+                let (u0, u1) = unsafe { (ld(ap.add(64 * g)), ld(ap.add(64 * (g + GROUPS / 2)))) };
+                s0 = _mm512_dpbusd_epi32(s0, t[g], u0);
+                s1 = _mm512_dpbusd_epi32(s1, t[g + GROUPS / 2], u1);
             }
+            let s = _mm512_add_epi32(s0, s1);
             // SAFETY: scales `16c..16c + nb` of row `r` (`n` of them); masked lanes are not read.
             let d = unsafe { _mm512_maskz_loadu_ps(live, da[r].as_ptr().wrapping_add(c * CHUNK)) };
             acc[r] = _mm512_mask3_fmadd_ps(_mm512_mul_ps(dw, d), _mm512_cvtepi32_ps(s), acc[r], live);
