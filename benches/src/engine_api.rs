@@ -13,14 +13,14 @@ use std::cell::RefCell;
 use std::sync::OnceLock;
 
 use anyhow::{bail, Result};
-use ds4_engine::quant::{self, GgmlType};
+use ds4_engine::quant::{self, GgmlType, PackedMat};
 
-use crate::kernels::{Kernels, MoeWeights};
+use crate::kernels::{Kernels, MoeWeights, PooledMatmul};
 use ds4_engine::backend::cpu::matmul::{self, Acts, Kernel, Out, Product, RowAt};
 use ds4_engine::backend::cpu::pool::Pool;
 use ds4_engine::engine::{BackendKind, Engine, EngineOptions};
 use ds4_engine::gguf::GgufFile;
-use ds4_engine::model::Mat;
+use ds4_engine::model::{packing_on, Mat};
 
 /// How the benchmark builds an engine.
 #[derive(Clone, Debug)]
@@ -119,6 +119,45 @@ impl Kernels for EngineKernels {
         let m = Mat { ty, rows, cols, row_bytes, data: w, packed: None };
         matmul::matmul(self.pool(), m, x, 1, y)?;
         Ok(true)
+    }
+
+    /// The CPU backend's prefill matmul (`backend::cpu::matmul::matmul`, one call per matrix) with each matrix in
+    /// the layout a loaded model gives it: Q8_0 packed once (`quant::PackedMat`, as `Model::pack_dense` does; not
+    /// with `DS4_CPU_PACK=0`, where this CPU has no packed kernel, or for rows too wide to gain,
+    /// `PackedMat::pays_for`), every other type as stored.
+    fn pooled_matmul<'a>(
+        &'a self,
+        ty: GgmlType,
+        w: &'a [u8],
+        rows: usize,
+        cols: usize,
+        matrices: usize,
+    ) -> Result<Option<PooledMatmul<'a>>> {
+        let Some(row_bytes) = ty.row_bytes(cols as u64).map(|b| b as usize).filter(|&b| b > 0) else {
+            bail!("matmul: {cols} values is not whole {ty} blocks");
+        };
+        let mb = rows * row_bytes;
+        if rows == 0 || matrices == 0 || w.len() < matrices * mb {
+            bail!("matmul: {} weight bytes do not hold {matrices} matrices of {rows} rows", w.len());
+        }
+        let packs = quant::dot_q_packed_kernel(ty).is_some() && packing_on() && PackedMat::pays_for(cols);
+        let packed: Vec<Option<PackedMat>> = if packs {
+            w.chunks_exact(mb).take(matrices).map(|m| PackedMat::pack_q8_0(m, rows, row_bytes)).collect()
+        } else {
+            Vec::new()
+        };
+        let pool = self.pool();
+        Ok(Some(Box::new(move |xs: &[f32], batch: usize, ys: &mut [f32]| {
+            if batch == 0 || xs.len() != batch * cols || ys.len() != matrices * rows * batch {
+                bail!("matmul: shapes do not match ({} xs, {} ys, batch {batch})", xs.len(), ys.len());
+            }
+            for (m, ym) in ys.chunks_exact_mut(rows * batch).enumerate() {
+                let data = &w[m * mb..(m + 1) * mb];
+                let packed = packed.get(m).and_then(|p| p.as_ref()).map(|p| p.view());
+                matmul::matmul(pool, Mat { ty, rows, cols, row_bytes, data, packed }, xs, batch, ym)?;
+            }
+            Ok(())
+        })))
     }
 
     /// The CPU backend's grouped MoE dispatch (`backend::cpu::moe`), without routing: input quantized once, one
@@ -338,6 +377,33 @@ mod tests {
                 assert!((p - q).abs() <= 1e-4 * (1.0 + q.abs()), "{ty}: {p} vs {q}");
             }
         }
+    }
+
+    /// The engine's pooled prefill matmul (Q8_0 packed) agrees with the batched path, one matrix after another.
+    #[test]
+    fn pooled_matmul_matches_matmul() {
+        let mut rng = Rng::new(7);
+        let k = EngineKernels::new(2);
+        for ty in [GgmlType::Q8_0, GgmlType::Q2K, GgmlType::Q4K, GgmlType::Iq2Xxs, GgmlType::F16] {
+            let (rows, cols, mats, nb) = (40usize, 512usize, 3usize, 6usize);
+            let rb = ty.row_bytes(cols as u64).unwrap() as usize;
+            let mut w = vec![0u8; mats * rows * rb];
+            fill(ty, &mut w, 0.1, &mut rng);
+            let xs: Vec<f32> = (0..nb * cols).map(|_| rng.next_sym()).collect();
+            let mut got = vec![0f32; mats * rows * nb];
+            let mut run = k.pooled_matmul(ty, &w, rows, cols, mats).unwrap().expect("the engine offers it");
+            run(&xs, nb, &mut got).unwrap();
+            assert!(run(&xs, nb, &mut got[1..]).is_err(), "{ty}: short output");
+            for m in 0..mats {
+                let mut want = vec![0f32; rows * nb];
+                k.matmul(ty, &w[m * rows * rb..(m + 1) * rows * rb], rows, cols, &xs, nb, &mut want).unwrap();
+                for (r, b) in (0..rows).flat_map(|r| (0..nb).map(move |b| (r, b))) {
+                    let (p, q) = (got[m * rows * nb + b * rows + r], want[r * nb + b]);
+                    assert!((p - q).abs() <= 1e-4 * (1.0 + q.abs()), "{ty} matrix {m} row {r} batch {b}: {p} vs {q}");
+                }
+            }
+        }
+        assert!(k.pooled_matmul(GgmlType::Q8_0, &[0u8; 34], 2, 32, 1).is_err(), "too few weight bytes");
     }
 
     /// The grouped MoE dispatch equals per-expert quant matvecs exactly (same quantized activations and dots).

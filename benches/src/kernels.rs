@@ -13,7 +13,10 @@
 //! The kernels are reached through the [`Kernels`] trait so the harness can be tested with a trivial kernel; the
 //! engine binding is `crate::engine_api::EngineKernels`. Besides the bench's own row split (`matvec`, `matmul`), the
 //! `engine-matvec` line runs the engine's CPU decode matmul (its worker pool, one call per matrix) on the same
-//! buffer: the rate decode actually gets. The `engine-moe` line ([`run_moe`]) runs the engine's grouped MoE
+//! buffer: the rate decode actually gets; `engine-matmul` the engine's CPU prefill matmul on `--batch` rows (its
+//! worker pool, one call per matrix, every matrix of the buffer per pass) with the weights as a loaded model holds
+//! them — Q8_0 packed once (`quant::PackedMat`), the rest as stored: the rate prefill and many-session decode get.
+//! The `engine-moe` line ([`run_moe`]) runs the engine's grouped MoE
 //! dispatch on Flash's routed experts (IQ2_XXS gate/up, Q2_K down), six experts per token cycling through ≥ 1 GiB
 //! of stacked experts: the rate the routed experts of a decoded token get, dispatch and activation work included.
 //!
@@ -58,6 +61,21 @@ pub trait Kernels: Sync {
     fn pooled_moe(&self, _w: &MoeWeights<'_>, _sel: &[usize], _x: &[f32], _y: &mut [f32]) -> Result<bool> {
         Ok(false)
     }
+    /// The engine's own prefill path, which does its own threading: prepares the stacked weights `w` (`matrices`
+    /// matrices of `rows × cols`) in the layout the engine multiplies them in (a loaded model's dense Q8_0 matrices
+    /// are packed once) and returns a runner for one pass: `ys = W · xs` for every matrix, one call per matrix,
+    /// `batch` activation rows in `xs`, `ys[m·rows·batch + b·rows + r]` (the engine's batch-major layout).
+    /// `Ok(None)` when not available.
+    fn pooled_matmul<'a>(
+        &'a self,
+        _ty: GgmlType,
+        _w: &'a [u8],
+        _rows: usize,
+        _cols: usize,
+        _matrices: usize,
+    ) -> Result<Option<PooledMatmul<'a>>> {
+        Ok(None)
+    }
     /// The batched form: `xs` holds `batch` activation rows of `cols` values; `ys[r * batch + b] = W[r] · xs[b]`.
     /// (Flat arguments on purpose: they mirror `quant::matvec` so the two are easy to compare.)
     #[allow(clippy::too_many_arguments)]
@@ -72,6 +90,9 @@ pub trait Kernels: Sync {
         ys: &mut [f32],
     ) -> Result<()>;
 }
+
+/// One pass of [`Kernels::pooled_matmul`]: `(xs, batch, ys)`.
+pub type PooledMatmul<'a> = Box<dyn FnMut(&[f32], usize, &mut [f32]) -> Result<()> + 'a>;
 
 /// Stacked routed-expert weights for [`Kernels::pooled_moe`]: expert `e` is rows `e·ffn..(e+1)·ffn` of `gate` and
 /// `up` (rows of `d` values of `gate_ty`) and rows `e·d..(e+1)·d` of `down` (rows of `ffn` values of `down_ty`).
@@ -429,6 +450,34 @@ pub fn run_case(k: &dyn Kernels, case: &Case, opts: &Options, pb: &ProgressBar) 
             ..row("matmul", nb, t)
         });
     }
+
+    // The engine's prefill matmul (its worker pool, one call per matrix, the weights in the engine's layout: Q8_0
+    // packed once, as a loaded model's dense matrices are); a pass is every matrix of the buffer.
+    if opts.batch > 0 {
+        pb.set_message(format!("{label}: engine matmul x{}", opts.batch));
+        if let Some(mut run) = k.pooled_matmul(case.ty, w, case.rows, case.cols, matrices)? {
+            let nb = opts.batch;
+            let xs: Vec<f32> = (0..case.cols * nb).map(|_| rng.next_sym()).collect();
+            let mut ys = vec![0f32; total_rows * nb];
+            let mut err = None;
+            let t = par::best_of(
+                opts.min_passes,
+                50,
+                opts.budget,
+                || {
+                    if let Err(e) = run(&xs, nb, &mut ys) {
+                        err.get_or_insert(e);
+                    }
+                },
+                || pb.inc(1),
+            );
+            if let Some(e) = err {
+                return Err(e.context(format!("{label}: engine matmul")));
+            }
+            check_finite(&ys).with_context(|| format!("{label}: engine matmul"))?;
+            out.push(Row { threads: opts.threads, ..row("engine-matmul", nb, t) });
+        }
+    }
     Ok(out)
 }
 
@@ -511,7 +560,7 @@ fn check_finite(y: &[f32]) -> Result<()> {
 /// Passes the progress bar needs per case.
 pub fn passes_hint(opts: &Options) -> u64 {
     let per = opts.min_passes.max(1) as u64;
-    per * if opts.batch > 0 { 4 } else { 3 }
+    per * if opts.batch > 0 { 5 } else { 3 }
 }
 
 /// Runs every selected case, printing the CSV to `out` as it goes; returns all rows.

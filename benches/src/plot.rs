@@ -292,7 +292,7 @@ pub fn kernels(rows: &[kernels::Row], path: &Path) -> Result<()> {
     };
     let bars = rows
         .iter()
-        .filter(|r| r.kernel != "matmul")
+        .filter(|r| !r.kernel.ends_with("matmul"))
         .map(|r| Bar { label: kernel_label(r), value: r.weights_gbs, reference: r.mem_gbs, color: color(r.kernel) })
         .collect();
     let chart = BarChart {

@@ -41,11 +41,15 @@ fn kernels_quick() {
     let header =
         "case,type,rows,cols,matrices,bytes,threads,kernel,batch,weights_gbs,gflops,mem_gbs,fraction,target,verdict";
     let rows = rows(&csv, header);
-    // Default shapes: iq2_xxs expert.gate_up, q8_0 attn.q_b and attn.out_b; matvec, engine-matvec, matmul each.
-    assert_eq!(rows.len(), 9, "{report}");
+    // Default shapes: iq2_xxs expert.gate_up, q8_0 attn.q_b and attn.out_b; matvec, engine-matvec, matmul,
+    // engine-matmul each.
+    assert_eq!(rows.len(), 12, "{report}");
+    for kernel in ["matvec", "engine-matvec", "matmul", "engine-matmul"] {
+        assert_eq!(rows.iter().filter(|r| r[7] == kernel).count(), 3, "{kernel}: {report}");
+    }
     for r in &rows {
         assert!(["q8_0", "iq2_xxs"].contains(&r[1]), "{r:?}");
-        assert!(["matvec", "engine-matvec", "matmul"].contains(&r[7]));
+        assert!(["matvec", "engine-matvec", "matmul", "engine-matmul"].contains(&r[7]));
         for i in [2, 3, 4, 5, 6, 8] {
             assert!(num(r[i]) >= 1.0, "{r:?}");
         }

@@ -310,13 +310,14 @@ impl Model {
     }
 
     /// [`Model::mat`] with [`Mat::packed`] filled where this CPU has a packed-weight kernel for the type
-    /// (`quant::dot_q_packed_kernel`: Q8_0 with AVX-512 VNNI): the copy is made on the first call for the tensor
-    /// (all cores, about as fast as reading the matrix once) and kept for the model's life — resident memory
-    /// grows by the Q8_0 matrices the CPU multiplies by, while their mapped pages, no longer read, stay
-    /// reclaimable page cache. Results are bit-identical with or without it.
+    /// (`quant::dot_q_packed_kernel`: Q8_0 with AVX-512 VNNI) and the rows are short enough to gain from it
+    /// ([`PackedMat::pays_for`]: up to 4096 values; Flash's 8192-value attention output rows stay as stored): the
+    /// copy is made on the first call for the tensor (all cores, about as fast as reading the matrix once) and
+    /// kept for the model's life — resident memory grows by the Q8_0 matrices packed, while their mapped pages,
+    /// no longer read, stay reclaimable page cache. Results are bit-identical with or without it.
     pub fn packed_mat(&self, id: WeightId) -> Mat<'_> {
         let mut m = self.mat(id);
-        if quant::dot_q_packed_kernel(m.ty).is_none() || !packing_on() {
+        if quant::dot_q_packed_kernel(m.ty).is_none() || !packing_on() || !PackedMat::pays_for(m.cols) {
             return m;
         }
         let packed = self.packed[id.0 as usize].get_or_init(|| {
@@ -350,7 +351,10 @@ impl Model {
             if skip[i] || *ty != GgmlType::Q8_0 || !self.table.dense[i].is_empty() {
                 continue;
             }
-            done += self.packed_mat(id).data.len();
+            let m = self.packed_mat(id);
+            if m.packed.is_some() {
+                done += m.data.len();
+            }
             if done >> 30 > logged {
                 logged = done >> 30;
                 tracing::info!(gib = logged, "packing dense Q8_0 weights for the CPU");
@@ -368,7 +372,7 @@ impl Model {
 
 /// Whether [`Model::packed_mat`] packs: yes unless `DS4_CPU_PACK=0` (keeps resident memory at the mapped file's,
 /// at the cost of the batched Q8_0 speed; results are the same either way). Read once.
-fn packing_on() -> bool {
+pub fn packing_on() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| !std::env::var("DS4_CPU_PACK").is_ok_and(|v| v == "0"))
 }

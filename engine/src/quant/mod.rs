@@ -67,7 +67,7 @@ pub use api::{
     quantize_acts, quantize_acts_into, quantize_row, DotF32, DotF4, DotF8, DotQ, DotQ4, DotQ8, DotQFlipped, DotQPacked,
     DotQRows, FlipLine, MAX_ROWS,
 };
-pub use packed::{PackedMat, PackedRow, PackedRows};
+pub use packed::{PackedMat, PackedRow, PackedRows, PASS_ROWS as PACKED_PASS_ROWS};
 
 use std::fmt;
 

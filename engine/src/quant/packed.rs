@@ -26,6 +26,13 @@ const CHUNK: usize = 16;
 /// Lines (64 bytes) of quants per chunk.
 const LINES: usize = 8;
 
+/// Batch rows per pass of the packed kernel over a block of weight rows (the CPU matmul's order): few enough that
+/// their flipped activations stay in L1 beside the streamed weight lines, for rows that [`PackedMat::pays_for`].
+pub const PASS_ROWS: usize = 4;
+/// The flipped-activation bytes [`PASS_ROWS`] rows may take: most of a 32 KiB L1D (Zen 4, recent Intel cores),
+/// the rest for the weight lines in flight.
+const PASS_L1_BYTES: usize = 20 * 1024;
+
 /// A Q8_0 matrix in the packed format (see the module docs), owned: one anonymous mapping, the quant lines then
 /// the scales, advised to use transparent huge pages on Linux (streamed like the weights it copies: with 4 KiB
 /// pages the one-row output head ran 1.5x slower than from the model file's mapping, whose page cache uses large
@@ -56,6 +63,18 @@ pub struct PackedRow<'a> {
 }
 
 impl PackedMat {
+    /// Whether a Q8_0 matrix with rows of `cols` values gains from packing: its rows are short enough that
+    /// [`PASS_ROWS`] batch rows' flipped activations fit in L1 ([`PASS_L1_BYTES`]; rows of up to 4096 values).
+    /// Wider rows run faster as stored, in one pass of all batch rows (measured 2026-12-04, `ds4-bench kernels`'
+    /// `engine-matmul`, batches of 8 and 16 on Zen 4: Flash's 8192-value attention output rows 5–15 % slower
+    /// packed — four rows' activations are 36 KiB — while the 1024- and 4096-value matrices ran as fast or faster,
+    /// the 8-session output head 26.8 vs 32.0 ms).
+    pub fn pays_for(cols: usize) -> bool {
+        let blocks = cols.div_ceil(q8_0::QK);
+        PASS_ROWS * super::api::flip_row_lines(blocks * q8_0::BLOCK_BYTES) * std::mem::size_of::<FlipLine>()
+            <= PASS_L1_BYTES
+    }
+
     /// Packs `rows` Q8_0 rows of `row_bytes` bytes each from `data` (`None` when `data` is not exactly that, a
     /// row is not whole blocks, or the memory cannot be mapped).
     pub fn pack_q8_0(data: &[u8], rows: usize, row_bytes: usize) -> Option<PackedMat> {
@@ -195,5 +214,17 @@ mod tests {
         assert!(PackedMat::pack_q8_0(&data[1..], rows, rb).is_none(), "short data");
         assert!(PackedMat::pack_q8_0(&data, rows, rb - 1).is_none(), "rows not whole blocks");
         assert_eq!(p.bytes(), rows * (16 * 64 + 32 * 2));
+    }
+
+    /// Packing pays where `PASS_ROWS` rows' flipped activations fit the L1 share: Flash's 1024-, 2048- and
+    /// 4096-value rows (four rows: 18 KiB at 4096), not its 8192-value attention output rows (36 KiB).
+    #[test]
+    fn packing_pays_for_rows_whose_pass_fits_l1() {
+        for cols in [32, 1024, 2048, 4096] {
+            assert!(PackedMat::pays_for(cols), "{cols}");
+        }
+        for cols in [4608, 8192, 16384] {
+            assert!(!PackedMat::pays_for(cols), "{cols}");
+        }
     }
 }

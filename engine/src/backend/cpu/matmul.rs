@@ -27,7 +27,8 @@
 //! `Model::packed_mat`) runs batches of two rows or more through `quant::dot_q_packed_kernel` — the flipped
 //! kernel without its per-call weight transpose — in passes of four batch rows over 256 KiB weight sub-blocks
 //! (four rows' activations fit L1 beside the weights; the sub-block comes from memory once, from L2 for the
-//! other passes). One row streams the blocks as stored. Same results, bit for bit.
+//! other passes). One row streams the blocks as stored, and so do rows too wide for four in L1
+//! (`quant::PackedMat::pays_for`: over 4096 values). Same results, bit for bit.
 //!
 //! Activation quantization is the CPU's one deliberate approximation: each activation is rounded to a grid of
 //! `amax/127` per block of 32 (Q8_0) or 256 (Q8_K) values, an error of up to half a step per activation. When the
@@ -62,10 +63,11 @@ const _: () = assert!(BATCH_BLOCK <= MAX_ROWS, "a batch block is one call of a `
 const ROWS_PER_CALL: usize = 32;
 /// Weight bytes of the row sub-block that one batch block streams over (kept in L2 across batch blocks).
 const ROW_BLOCK_BYTES: usize = 64 * 1024;
-/// Batch rows per pass of the packed Q8_0 kernel over a row sub-block: four rows' flipped activations (16 KiB at
-/// 4096 values) stay in L1 beside the weights, where eight (32 KiB) would not; the sub-block's weights come from
-/// memory once and from L2 for the other passes.
-const PACKED_PASS_ROWS: usize = 4;
+/// Batch rows per pass of the packed Q8_0 kernel over a row sub-block (`quant::PACKED_PASS_ROWS`, four): their
+/// flipped activations (18 KiB at 4096 values) stay in L1 beside the weights, where eight (36 KiB) would not; the
+/// sub-block's weights come from memory once and from L2 for the other passes. Only matrices whose rows are
+/// short enough for that are multiplied packed (`quant::PackedMat::pays_for`).
+use crate::quant::PACKED_PASS_ROWS;
 /// [`ROW_BLOCK_BYTES`] for the packed Q8_0 kernel's passes.
 const PACKED_BLOCK_BYTES: usize = 256 * 1024;
 /// Smallest row range handed to one thread, in weight bytes (keeps a range long enough to stream).
@@ -462,7 +464,9 @@ impl Product<'_> {
         // streams the blocks as stored (measured 2026-12-04: the packed copy's two streams, quants and scales,
         // were ~4 % slower on the one-row output head).
         let packed_w = match self.k {
-            Kernel::Q { packed: Some(k), .. } if n > 1 => w.packed.filter(|p| p.rows() == w.rows).map(|p| (k, p)),
+            Kernel::Q { packed: Some(k), .. } if n > 1 && quant::PackedMat::pays_for(w.cols) => {
+                w.packed.filter(|p| p.rows() == w.rows).map(|p| (k, p))
+            }
             _ => None,
         };
         let block = if packed_w.is_some() { PACKED_PASS_ROWS } else { BATCH_BLOCK };
