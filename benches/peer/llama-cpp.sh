@@ -14,7 +14,8 @@
 #   $CACHE/flash-2-from-2.gguf and uses that.
 # Env: PAIRS (default 6), PROMPT (prefill tokens, default 64; e.g. 512, 4096), GEN (decode tokens after the prompt,
 #   default 32), THREADS (default 2), DS4_BATCH_TOKENS (ds4 prefill chunk, default 256), DS4_BENCH_BIN (default target/release/ds4-bench, built if missing),
-#   DS4_CACHE_DIR.
+#   DS4_CACHE_DIR, OPS_LOG (a file: ds4's per-op split of each pair, the `# ctx N: prefill/decode tick by op`
+#   lines, appended there prefixed with the pair number).
 # Output: one line per pair (ds4 and llama.cpp prefill/decode t/s, ratios ds4/llama.cpp, load average before the
 # pair), then the median ratios. The ds4 run goes first in odd pairs, llama.cpp in even ones.
 set -euo pipefail
@@ -62,13 +63,17 @@ if [ -z "$MODEL" ]; then
 fi
 [ -f "$MODEL" ] || { log "no such model file: $MODEL"; exit 1; }
 
-ds4_run() { # -> "prefill_tps decode_tps"
-  timeout 1800 "$BENCH" -m "$MODEL" --threads "$THREADS" --ctx-start "$PROMPT" --ctx-max "$PROMPT" --step 0 \
-    --gen-tokens "$GEN" --batch-tokens "${DS4_BATCH_TOKENS:-256}" --quiet 2>/dev/null \
-    | awk -F, '/^[0-9]/ { print $3, $5 }' | tail -1
+ds4_run() { # $1 = pair number -> "prefill_tps decode_tps"; the per-op lines go to OPS_LOG when set
+  local out
+  out=$(timeout 3600 "$BENCH" -m "$MODEL" --threads "$THREADS" --ctx-start "$PROMPT" --ctx-max "$PROMPT" --step 0 \
+    --gen-tokens "$GEN" --batch-tokens "${DS4_BATCH_TOKENS:-256}" --quiet 2>/dev/null) || true
+  if [ -n "${OPS_LOG:-}" ]; then
+    grep 'tick by op' <<<"$out" | sed "s/^/pair $1 /" >>"$OPS_LOG" || true
+  fi
+  awk -F, '/^[0-9]/ { print $3, $5 }' <<<"$out" | tail -1
 }
 llama_run() {
-  timeout 1800 "$TIMING" "$MODEL" "$PROMPT" "$GEN" "$THREADS" 2>/dev/null \
+  timeout 3600 "$TIMING" "$MODEL" "$PROMPT" "$GEN" "$THREADS" 2>/dev/null \
     | sed -n 's/^prefill_tps=\([0-9.]*\) decode_tps=\([0-9.]*\)$/\1 \2/p'
 }
 
@@ -78,7 +83,7 @@ ratios=$(mktemp)
 trap 'rm -f "$ratios"' EXIT
 for i in $(seq 1 "$PAIRS"); do
   load=$(cut -d' ' -f1 /proc/loadavg)
-  if [ $((i % 2)) = 1 ]; then d=$(ds4_run); l=$(llama_run); else l=$(llama_run); d=$(ds4_run); fi
+  if [ $((i % 2)) = 1 ]; then d=$(ds4_run "$i"); l=$(llama_run); else l=$(llama_run); d=$(ds4_run "$i"); fi
   [ -n "$d" ] || { log "ds4-bench produced no result"; exit 1; }
   [ -n "$l" ] || { log "llama-timing produced no result"; exit 1; }
   read -r dp dd <<<"$d"

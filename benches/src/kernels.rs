@@ -342,6 +342,24 @@ fn timed_passes_with<T: Send>(
     }
 }
 
+/// `par::best_of` (the options' passes and budget, `pb` advanced per pass) over a pass that may fail: passes
+/// stop at the first error, which is returned.
+fn best_of_checked(opts: &Options, pb: &ProgressBar, mut pass: impl FnMut() -> Result<()>) -> Result<par::Timing> {
+    let mut err = None;
+    let t = par::best_of(
+        opts.min_passes,
+        50,
+        opts.budget,
+        || {
+            if err.is_none() {
+                err = pass().err();
+            }
+        },
+        || pb.inc(1),
+    );
+    err.map_or(Ok(t), Err)
+}
+
 /// Runs one case: fills the stacked weights, measures bandwidth, then the matvec and (if `opts.batch > 0`) the
 /// matmul kernel. `pb` advances once per pass.
 pub fn run_case(k: &dyn Kernels, case: &Case, opts: &Options, pb: &ProgressBar) -> Result<Vec<Row>> {
@@ -390,24 +408,14 @@ pub fn run_case(k: &dyn Kernels, case: &Case, opts: &Options, pb: &ProgressBar) 
     // The engine's decode matmul (its worker pool, one call per matrix), if the kernels offer it.
     if k.pooled_matvec(case.ty, &w[..matrix_bytes], case.rows, case.cols, &x, &mut y[..case.rows])? {
         pb.set_message(format!("{label}: engine matvec"));
-        let mut err = None;
-        let t = par::best_of(
-            opts.min_passes,
-            50,
-            opts.budget,
-            || {
-                for (m, ym) in y.chunks_exact_mut(case.rows).enumerate() {
-                    let wm = &w[m * matrix_bytes..(m + 1) * matrix_bytes];
-                    if let Err(e) = k.pooled_matvec(case.ty, wm, case.rows, case.cols, &x, ym) {
-                        err.get_or_insert(e);
-                    }
-                }
-            },
-            || pb.inc(1),
-        );
-        if let Some(e) = err {
-            return Err(e.context(format!("{label}: engine matvec")));
-        }
+        let t = best_of_checked(opts, pb, || {
+            for (m, ym) in y.chunks_exact_mut(case.rows).enumerate() {
+                let wm = &w[m * matrix_bytes..(m + 1) * matrix_bytes];
+                k.pooled_matvec(case.ty, wm, case.rows, case.cols, &x, ym)?;
+            }
+            Ok(())
+        })
+        .with_context(|| format!("{label}: engine matvec"))?;
         check_finite(&y).with_context(|| format!("{label}: engine matvec"))?;
         out.push(Row { threads: opts.threads, ..row("engine-matvec", 1, t) });
     }
@@ -459,21 +467,8 @@ pub fn run_case(k: &dyn Kernels, case: &Case, opts: &Options, pb: &ProgressBar) 
             let nb = opts.batch;
             let xs: Vec<f32> = (0..case.cols * nb).map(|_| rng.next_sym()).collect();
             let mut ys = vec![0f32; total_rows * nb];
-            let mut err = None;
-            let t = par::best_of(
-                opts.min_passes,
-                50,
-                opts.budget,
-                || {
-                    if let Err(e) = run(&xs, nb, &mut ys) {
-                        err.get_or_insert(e);
-                    }
-                },
-                || pb.inc(1),
-            );
-            if let Some(e) = err {
-                return Err(e.context(format!("{label}: engine matmul")));
-            }
+            let t = best_of_checked(opts, pb, || run(&xs, nb, &mut ys))
+                .with_context(|| format!("{label}: engine matmul"))?;
             check_finite(&ys).with_context(|| format!("{label}: engine matmul"))?;
             out.push(Row { threads: opts.threads, ..row("engine-matmul", nb, t) });
         }
@@ -517,23 +512,13 @@ pub fn run_moe(k: &dyn Kernels, opts: &Options, pb: &ProgressBar) -> Result<Opti
     pb.set_message(format!("{label}: memory bandwidth"));
     let bw = membw::measure(&buf, opts.threads, opts.min_passes, opts.budget, || pb.inc(1));
     pb.set_message(format!("{label}: engine moe"));
-    let mut err = None;
-    let t = par::best_of(
-        opts.min_passes,
-        50,
-        opts.budget,
-        || {
-            for tok in 0..experts / MOE_USED {
-                if let Err(e) = k.pooled_moe(&w, &sel(tok), &x, &mut y) {
-                    err.get_or_insert(e);
-                }
-            }
-        },
-        || pb.inc(1),
-    );
-    if let Some(e) = err {
-        return Err(e.context(format!("{label}: engine moe")));
-    }
+    let t = best_of_checked(opts, pb, || {
+        for tok in 0..experts / MOE_USED {
+            k.pooled_moe(&w, &sel(tok), &x, &mut y)?;
+        }
+        Ok(())
+    })
+    .with_context(|| format!("{label}: engine moe"))?;
     check_finite(&y).with_context(|| format!("{label}: engine moe"))?;
     let bytes = (experts * per_expert) as u64;
     Ok(Some(Row {
