@@ -63,11 +63,11 @@ const _: () = assert!(BATCH_BLOCK <= MAX_ROWS, "a batch block is one call of a `
 const ROWS_PER_CALL: usize = 32;
 /// Weight bytes of the row sub-block that one batch block streams over (kept in L2 across batch blocks).
 const ROW_BLOCK_BYTES: usize = 64 * 1024;
-/// Batch rows per pass of the packed Q8_0 kernel over a row sub-block (`quant::PACKED_PASS_ROWS`, four): their
-/// flipped activations (18 KiB at 4096 values) stay in L1 beside the weights, where eight (36 KiB) would not; the
-/// sub-block's weights come from memory once and from L2 for the other passes. Only matrices whose rows are
-/// short enough for that are multiplied packed (`quant::PackedMat::pays_for`).
-use crate::quant::PACKED_PASS_ROWS;
+/// Batch rows per pass of the packed Q8_0 kernel over a row sub-block (the packed format's `PASS_ROWS`, four):
+/// their flipped activations (18 KiB at 4096 values) stay in L1 beside the weights, where eight (36 KiB) would
+/// not; the sub-block's weights come from memory once and from L2 for the other passes. Only matrices whose rows
+/// are short enough for that are multiplied packed (`quant::PackedMat::pays_for`).
+const PACKED_PASS_ROWS: usize = quant::PACKED_PASS_ROWS;
 /// [`ROW_BLOCK_BYTES`] for the packed Q8_0 kernel's passes.
 const PACKED_BLOCK_BYTES: usize = 256 * 1024;
 /// Smallest row range handed to one thread, in weight bytes (keeps a range long enough to stream).
