@@ -232,6 +232,9 @@ impl LogDev {
     }
 }
 
+/// A layer's compressor `ape` tables on the device: `(main, indexer)`.
+pub type DevApes<'a, D> = (Option<&'a <D as DeviceMem>::Buf>, Option<&'a <D as DeviceMem>::Buf>);
+
 /// The tick tensors a [`LogDev::record`] copies from: raw KV rows and, where the layer has them, the main and
 /// indexer compressors' `(features, gates)`.
 pub struct LogSources<'a, D: DeviceMem> {
@@ -555,7 +558,7 @@ impl<D: DeviceMem> SlotKv<D> {
         ctx: &D,
         enc: &mut D::Enc,
         cfg: &ModelConfig,
-        apes: &[(Option<&D::Buf>, Option<&D::Buf>)],
+        apes: &[DevApes<'_, D>],
         pools: &mut [LayerPools<D>],
         pos: usize,
         len: usize,
@@ -749,6 +752,7 @@ mod tests {
 
     /// One token on the host: log, ring, frontier push (gate + ape), emitted row, CSA carry.
     fn step_host(cfg: &ModelConfig, kv: &mut SessionKv, apes: &[LayerApes<'_>], seed: u64, p: usize) {
+        #[allow(clippy::needless_range_loop)] // `l` also seeds the inputs
         for l in 0..cfg.n_layers {
             let x = inputs(cfg, kv, seed, p, l);
             let lk = &mut kv.layers[l];
@@ -784,7 +788,7 @@ mod tests {
         }
     }
 
-    type DevApes = Vec<(Option<<MockDevice as DeviceMem>::Buf>, Option<<MockDevice as DeviceMem>::Buf>)>;
+    type MockApes = Vec<(Option<<MockDevice as DeviceMem>::Buf>, Option<<MockDevice as DeviceMem>::Buf>)>;
 
     /// The same token on the device mirror `m`, with the layer's operations only.
     #[allow(clippy::too_many_arguments)]
@@ -794,7 +798,7 @@ mod tests {
         host: &SessionKv,
         m: &mut SlotKv<MockDevice>,
         pools: &mut [LayerPools<MockDevice>],
-        apes: &DevApes,
+        apes: &MockApes,
         seed: u64,
         p: usize,
     ) -> u64 {
@@ -878,7 +882,7 @@ mod tests {
             })
             .collect();
         let dev = MockDevice::new(None);
-        let dev_apes: DevApes = host_apes
+        let dev_apes: MockApes = host_apes
             .iter()
             .map(|(a, b)| (a.map(|a| dev.upload_f32("ape", a)), b.map(|b| dev.upload_f32("ape", b))))
             .collect();

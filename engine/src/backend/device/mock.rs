@@ -65,7 +65,7 @@ impl MockDevice {
     fn run(&self, enc: Vec<Cmd>) -> Result<()> {
         self.open.set(self.open.get() - 1);
         let range = |len: usize, at: u64, bytes: u64, what: &str| -> Result<std::ops::Range<usize>> {
-            if at % 4 != 0 || bytes % 4 != 0 || at + bytes > (len * 4) as u64 {
+            if !at.is_multiple_of(4) || !bytes.is_multiple_of(4) || at + bytes > (len * 4) as u64 {
                 return Err(dev_err(format!("mock: {what} of {bytes} bytes at {at} out of a {len}-word buffer")));
             }
             Ok((at / 4) as usize..((at + bytes) / 4) as usize)
