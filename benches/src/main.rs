@@ -94,6 +94,10 @@ struct RunArgs {
     /// Print the node graph of one decode tick (one session at position --ctx-start) as Graphviz DOT and exit.
     #[arg(long)]
     print_graph: bool,
+    /// After the run, print which backend and kernel ran each node kind of the last (decode) tick, as `#` lines
+    /// (the executor's placement report: op, weight type, expert layout, shape class, backend, kernel, nodes).
+    #[arg(long)]
+    placement_report: bool,
 }
 
 #[derive(Subcommand, Debug)]
@@ -382,6 +386,11 @@ fn run_throughput(a: &RunArgs) -> Result<()> {
     out.flush()?;
     let rows = throughput::run(&mut engine, &opts, &mut out, &pb)?;
     pb.finish_and_clear();
+    if a.placement_report {
+        for line in engine.placement_report().to_string().lines() {
+            writeln!(out, "# {}", line.trim_start_matches("# "))?;
+        }
+    }
     for r in &rows {
         writeln!(
             out,

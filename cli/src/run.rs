@@ -62,7 +62,11 @@ pub struct GenArgs {
     pub stop: Vec<String>,
     /// cpu or wgpu.
     #[arg(long, default_value = "cpu")]
-    pub backend: String,
+    pub backend: BackendKind,
+    /// At exit, print to stderr which backend and kernel ran each node kind of the last tick (the executor's
+    /// placement report).
+    #[arg(long)]
+    pub placement_report: bool,
     /// Worker threads (0 = all cores).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
@@ -101,7 +105,7 @@ pub const DEMO_SEED: u64 = 1;
 
 fn load(g: &GenArgs) -> anyhow::Result<Loaded> {
     let effort: ReasoningEffort = g.reasoning_effort.parse()?;
-    let backend: BackendKind = g.backend.parse()?;
+    let backend = g.backend;
     let sampler = SamplerConfig {
         temperature: g.temperature,
         top_p: g.top_p,
@@ -261,7 +265,15 @@ pub fn run(a: RunArgs) -> anyhow::Result<i32> {
     };
     let parsed = generate(&mut l.engine, sess, &l.tok, &ids, &opt, &mut on_event)?;
     print_turn_end(&parsed)?;
+    placement_report(&a.gen, &l.engine);
     Ok(0)
+}
+
+/// With `--placement-report`, the engine's placement of its last tick on stderr.
+fn placement_report(g: &GenArgs, engine: &Engine) {
+    if g.placement_report {
+        eprint!("{}", engine.placement_report());
+    }
 }
 
 /// Reads one user message: a line, or several lines when a line ends with `\\` (continued) or between two lines
@@ -379,6 +391,7 @@ pub fn chat(a: ChatArgs) -> anyhow::Result<i32> {
         print_turn_end(&parsed)?;
         messages.push(parsed.to_message());
     }
+    placement_report(&a.gen, &l.engine);
     Ok(0)
 }
 

@@ -22,35 +22,16 @@
 
 use std::path::Path;
 
-use crate::backend::cpu::CpuBackend;
 use crate::backend::{Activations, Backend, RopeSet, StepCtx};
 use crate::exec::Executor;
 use crate::gguf::GgufFile;
 use crate::graph::{Batch, Graph};
 use crate::model::{Model, ModelConfig};
-use crate::tables::{PagePool, SessionId, SessionKv, SessionSnapshot, SessionTable};
+use crate::tables::{PageLedger, SessionId, SessionKv, SessionSnapshot, SessionTable};
 use crate::{Error, Result};
 
-/// Which backend runs the ops.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum BackendKind {
-    /// The reference CPU backend.
-    #[default]
-    Cpu,
-    /// WGSL compute shaders via wgpu.
-    Wgpu,
-}
-
-impl std::str::FromStr for BackendKind {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "cpu" => Ok(BackendKind::Cpu),
-            "wgpu" => Ok(BackendKind::Wgpu),
-            _ => Err(Error::InvalidArgument(format!("unknown backend {s:?} (expected cpu or wgpu)"))),
-        }
-    }
-}
+/// Which backend runs the ops: the one list of backends ([`crate::backend::registry`]).
+pub use crate::backend::registry::BackendKind;
 
 /// Engine options.
 #[derive(Clone, Debug)]
@@ -133,7 +114,7 @@ pub struct Engine {
     batch: Batch,
     kv_tmp: Vec<SessionKv>,
     /// Accounting of every session's KV pages (live pages, bytes copied by forks and copy on write).
-    pages: PagePool,
+    pages: PageLedger,
 }
 
 impl std::fmt::Debug for Engine {
@@ -156,18 +137,8 @@ impl Engine {
     /// Builds an engine on an already opened (possibly in-memory) GGUF file.
     pub fn from_gguf(file: GgufFile, opts: EngineOptions) -> Result<Engine> {
         let model = Model::load(file)?;
-        let backend: Box<dyn Backend> = match opts.backend {
-            BackendKind::Cpu => Box::new(CpuBackend::new(opts.threads).with_f32_acts(opts.f32_acts)),
-            #[cfg(feature = "wgpu")]
-            BackendKind::Wgpu => Box::new(crate::backend::wgpu::WgpuBackend::new()?),
-            #[cfg(not(feature = "wgpu"))]
-            BackendKind::Wgpu => {
-                return Err(Error::Backend {
-                    backend: "wgpu",
-                    what: "this build has no wgpu support (feature off)".into(),
-                })
-            }
-        };
+        let backend_opts = crate::backend::BackendOptions { threads: opts.threads, f32_acts: opts.f32_acts };
+        let backend = crate::backend::registry::create(opts.backend, &backend_opts)?;
         if opts.max_batch_tokens == 0 {
             return Err(Error::InvalidArgument("max_batch_tokens must be > 0".into()));
         }
@@ -190,7 +161,7 @@ impl Engine {
             exec: Executor::default(),
             batch: Batch::default(),
             kv_tmp: Vec::new(),
-            pages: PagePool::new(),
+            pages: PageLedger::new(),
         })
     }
 
@@ -234,6 +205,12 @@ impl Engine {
         self.exec.placed()
     }
 
+    /// Which backend and kernel ran each node of the last tick's graph (`--placement-report` on `ds4` and
+    /// `ds4-bench`; see [`crate::exec::PlacementReport`]). Empty before the first tick.
+    pub fn placement_report(&self) -> crate::exec::PlacementReport {
+        self.exec.placement_report(&self.graph)
+    }
+
     /// The node graph of one decode tick of one session at position `pos`.
     pub fn decode_graph(&self, pos: usize) -> Graph {
         let mut b = Batch::default();
@@ -265,7 +242,7 @@ impl Engine {
         let pool = &self.pages;
         let id = self.sessions.create(|| SessionKv::new_in(cfg, ctx, pool));
         let s = id.slot as usize;
-        if !PagePool::same(&self.sessions.kv[s].pool, pool) {
+        if !PageLedger::same(&self.sessions.kv[s].pool, pool) {
             // A reused slot last held a session restored from another pool.
             self.sessions.kv[s] = SessionKv::new_in(cfg, ctx, pool);
         }
@@ -602,7 +579,7 @@ impl Engine {
     }
 
     /// The pool this engine's sessions' pages report to (live pages and bytes; see [`crate::tables::pages`]).
-    pub fn page_pool(&self) -> &PagePool {
+    pub fn page_pool(&self) -> &PageLedger {
         &self.pages
     }
 

@@ -2,14 +2,10 @@
 
 use std::path::PathBuf;
 
-use clap::{Parser, ValueEnum};
+use clap::Parser;
 
-/// Compute backend.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum BackendKind {
-    Cpu,
-    Wgpu,
-}
+/// Compute backend: the engine's registry ([`ds4_engine::backend::registry`]).
+pub use ds4_engine::BackendKind;
 
 /// OpenAI / Anthropic / Responses compatible server for DeepSeek V4 Flash.
 #[derive(Debug, Parser)]
@@ -41,7 +37,8 @@ pub struct Args {
     /// the same agent restores it, also after a restart (0: off).
     #[arg(long, default_value_t = 1024)]
     pub kv_system_block_min_tokens: usize,
-    #[arg(long, value_enum, default_value_t = BackendKind::Cpu)]
+    /// Compute backend: cpu or wgpu.
+    #[arg(long, default_value = "cpu")]
     pub backend: BackendKind,
     /// Sessions decoding at once (continuous batch width).
     #[arg(long, default_value_t = 32)]

@@ -82,10 +82,7 @@ fn main() -> anyhow::Result<()> {
                 tracing::warn!("no -m given: serving the built-in tiny demo model (random weights: output is noise)");
                 eprintln!("ds4-server: no -m given, serving the built-in demo model (random weights)");
             }
-            let backend = match args.backend {
-                ds4_server::cli::BackendKind::Cpu => ds4_engine::engine::BackendKind::Cpu,
-                ds4_server::cli::BackendKind::Wgpu => ds4_engine::engine::BackendKind::Wgpu,
-            };
+            let backend = args.backend;
             let opts = ds4_server::engine::LoadOptions {
                 backend,
                 ctx: args.ctx.unwrap_or(0),

@@ -19,8 +19,12 @@
 //! uploads them at the session's next tick.
 
 pub mod cpu;
+pub mod device;
+pub mod registry;
 #[cfg(feature = "wgpu")]
 pub mod wgpu;
+
+pub use registry::{BackendKind, BackendOptions};
 
 use crate::graph::{Batch, BufId, Op, Stage};
 use crate::model::{Model, ModelConfig, RopeFreqs};
@@ -85,8 +89,13 @@ pub struct StepCtx<'a> {
 
 /// A kernel provider. See the module docs.
 pub trait Backend: Send + Sync {
-    /// Short name (`"cpu"`, `"wgpu"`); native overrides name their hosting backend by it.
-    fn name(&self) -> &'static str;
+    /// Which backend of the registry this is; native overrides name their hosting backend by it.
+    fn kind(&self) -> BackendKind;
+
+    /// Short name (`"cpu"`, `"wgpu"`), for errors and reports.
+    fn name(&self) -> &'static str {
+        self.kind().name()
+    }
 
     /// Whether the backend has a portable kernel for `op` with `model`'s shapes and weight types.
     fn supports(&self, op: &Op, model: &Model) -> bool;
@@ -96,7 +105,7 @@ pub trait Backend: Send + Sync {
 
     /// Runs `op` with the native override `kernel`; `Ok(false)` when the backend cannot host that kernel for
     /// this op (the executor then uses the portable kernel). Default: hosts none.
-    fn run_native(&self, _op: &Op, _kernel: &ds4_kernels_native::Kernel, _cx: &mut StepCtx<'_>) -> Result<bool> {
+    fn run_native(&self, _op: &Op, _kernel: &ds4_kernels_native::NativeKernel, _cx: &mut StepCtx<'_>) -> Result<bool> {
         Ok(false)
     }
 
@@ -186,7 +195,7 @@ pub trait Backend: Send + Sync {
     }
 
     /// Whether this backend's kernels write each session's roll-back log ([`crate::tables::kv`]'s `TokenLog`, by
-    /// [`crate::graph::Op::KvStore`]). The engine allocates the log only then (elsewhere roll back recomputes).
+    /// [`crate::graph::Op::WindowStore`]). The engine allocates the log only then (elsewhere roll back recomputes).
     /// Default: no.
     fn keeps_rollback_log(&self) -> bool {
         false

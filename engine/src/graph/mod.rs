@@ -20,8 +20,42 @@
 //! - What depends on the batch's shape is in the nodes: the MoE layers' expert layout ([`Experts`], per row or
 //!   gathered by expert) and every host sync of a device backend ([`Op::Readback`]).
 //! - Building reuses the graph's vectors: a tick allocates nothing once capacities are reached.
+//! - Every op means one thing, documented on its [`Op`] variant, and every backend's kernel (portable or a native
+//!   override) computes exactly that; a step shared by two ops is assigned to one of them (e.g. the MoE routing
+//!   weight to [`Op::SwiGlu`], never also to [`Op::MoeCombine`]).
+
+pub use ds4_kernels_native::OpKind;
 
 use crate::model::{ModelConfig, WeightId};
+
+/// The attention visibility rule — which raw and compressed rows a query at a position sees — written once for
+/// every backend's [`Op::IndexerTopK`] and [`Op::SparseAttention`] kernels (`shared/spec/model.md`: row `w` of a
+/// ratio-`m` compressor exists once token `(w+1)m − 1` is processed).
+pub mod visibility {
+    /// Positions of the raw rows a query at `pos` sees: the last `window` positions, `pos` included.
+    pub fn window(pos: usize, window: usize) -> std::ops::RangeInclusive<usize> {
+        (pos + 1).saturating_sub(window)..=pos
+    }
+
+    /// Compressed rows (of a ratio-`ratio` compressor) a query at `pos` sees: rows `0..` this count; 0 when the
+    /// layer has no compressor (`ratio == 0`).
+    pub fn compressed(pos: usize, ratio: usize) -> usize {
+        (pos + 1).checked_div(ratio).unwrap_or(0)
+    }
+
+    #[cfg(test)]
+    mod tests {
+        #[test]
+        fn window_and_compressed_rows() {
+            assert_eq!(super::window(2, 16), 0..=2);
+            assert_eq!(super::window(20, 16), 5..=20);
+            assert_eq!(super::window(20, 16).count(), 16);
+            assert_eq!(super::compressed(2, 4), 0);
+            assert_eq!(super::compressed(3, 4), 1, "row 0 exists once token 3 is processed");
+            assert_eq!(super::compressed(10, 0), 0);
+        }
+    }
+}
 
 /// Named tensors (and KV pages) a node reads or writes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -200,15 +234,21 @@ pub enum Op {
     ActSim { x: BufId, width: usize, heads: usize, kind: SimKind },
     /// `x *= factor` over `rows · width` values.
     Scale { x: BufId, width: usize, factor: f32 },
-    /// Advance layer `layer`'s compressor (`indexer`: the indexer's) token by token through each run, appending
-    /// the emitted rows (normed, roped, simulated) to the KV pages.
+    /// Advance layer `layer`'s compressor (`indexer`: the indexer's) token by token through each run: each token's
+    /// projected features and gate logits (+ `ape`) enter the frontier; every completed block is pooled (softmax
+    /// of the gates), then normed, roped (compressed flavour, at its pooling window's first position) and, with `sim`,
+    /// simulated, and the row is appended to the KV pages.
     CompressPush { layer: usize, indexer: bool, sim: bool },
-    /// Lightning-indexer scores of the visible compressed rows and their top-k, per row.
+    /// Lightning-indexer scores of the compressed rows visible to each row (those whose block ended at or before
+    /// the row's position) and their top-k, per row.
     IndexerTopK { layer: usize },
-    /// Windowed + compressed (HCA: all visible, CSA: selected) attention with sinks, per (row, head).
+    /// Windowed + compressed attention with sinks, per (row, head). A row at position `p` sees the raw rows of
+    /// positions `max(0, p + 1 − window)..=p` (this tick's rows first, then the ring) and the compressed rows whose
+    /// block ended at or before `p` — all of them on HCA layers, those [`Op::IndexerTopK`] selected on CSA layers.
     SparseAttention { layer: usize },
-    /// The last `window` raw rows of each run into its session's ring.
-    KvStore { layer: usize },
+    /// The last `window` raw rows of each run into its session's ring, and (where the backend keeps one) every row's
+    /// inputs into the roll-back log.
+    WindowStore { layer: usize },
     /// mHC `pre`, `post`, `comb` (Sinkhorn) from the mix.
     HcSinkhorn { layer: usize, sub: Sub },
     /// mHC head `pre` from the head mix.
@@ -223,11 +263,15 @@ pub enum Op {
     MoeRoute { layer: usize, hash: bool, experts: Experts },
     /// Gate and up products of every routed row (laid out as `experts` says) and of the shared expert.
     ExpertUp { layer: usize, experts: Experts },
-    /// `gate ← silu(min(gate, L)) · clamp(up, −L, L)` over every expert row.
+    /// `gate ← w · silu(min(gate, L)) · clamp(up, −L, L)` over every expert row, `w` the row's routing weight from
+    /// [`Op::MoeRoute`] (1 for the shared expert's rows): the routing weight is applied here, once, on every
+    /// backend (so the down product and the combine see weighted rows; a fused gate + up + SwiGLU kernel applies
+    /// it at the same point).
     SwiGlu { layer: usize },
     /// Down products of every expert row (laid out as `experts` says).
     ExpertDown { layer: usize, experts: Experts },
-    /// `out = Σ routed weight · expert out (ascending expert) + shared out` per row (the scatter back).
+    /// `out = Σ expert out (ascending expert id; rows already weighted by [`Op::SwiGlu`]) + shared out` per row
+    /// (the scatter back). No weight is applied here.
     MoeCombine { experts: Experts },
     /// Output projection of the rows in [`Batch::logit_rows`] into [`BufId::Logits`].
     Logits,
@@ -253,61 +297,51 @@ pub enum Experts {
 }
 
 impl Op {
-    /// Names of the op kinds, indexed by [`Op::kind`].
-    pub const KINDS: [&'static str; 23] = [
-        "embed",
-        "rms_norm",
-        "matmul",
-        "grouped_matmul",
-        "rope",
-        "act_sim",
-        "scale",
-        "compress_push",
-        "indexer_topk",
-        "sparse_attention",
-        "kv_store",
-        "hc_sinkhorn",
-        "hc_head_weights",
-        "hc_collapse",
-        "hc_post",
-        "moe_route",
-        "expert_up",
-        "swiglu",
-        "expert_down",
-        "moe_combine",
-        "logits",
-        "readback",
-        "stage",
-    ];
+    /// Names of the op kinds, indexed by [`Op::kind`] ([`OpKind::name`]), then the pseudo-kind `"stage"`.
+    pub const KINDS: [&'static str; OpKind::ALL.len() + 1] = {
+        let mut names = [""; OpKind::ALL.len() + 1];
+        let mut i = 0;
+        while i < OpKind::ALL.len() {
+            names[i] = OpKind::ALL[i].name();
+            i += 1;
+        }
+        names[OpKind::ALL.len()] = "stage";
+        names
+    };
 
     /// Index of the pseudo-kind under which a whole stage run at once is timed.
-    pub const STAGE_KIND: usize = 22;
+    pub const STAGE_KIND: usize = OpKind::ALL.len();
 
-    /// The op's kind, an index into [`Op::KINDS`].
+    /// The op's kind, an index into [`Op::KINDS`] (the discriminant of [`Op::op_kind`]).
     pub fn kind(&self) -> usize {
+        self.op_kind() as usize
+    }
+
+    /// The op's kind (the typed key of the override registry, `ds4_kernels_native`).
+    pub fn op_kind(&self) -> OpKind {
         match self {
-            Op::Embed => 0,
-            Op::RmsNorm { .. } => 1,
-            Op::MatMul { .. } => 2,
-            Op::GroupedMatMul { .. } => 3,
-            Op::Rope { .. } => 4,
-            Op::ActSim { .. } => 5,
-            Op::Scale { .. } => 6,
-            Op::CompressPush { .. } => 7,
-            Op::IndexerTopK { .. } => 8,
-            Op::SparseAttention { .. } => 9,
-            Op::KvStore { .. } => 10,
-            Op::HcSinkhorn { .. } => 11,
-            Op::HcHeadWeights => 12,
-            Op::HcCollapse { .. } => 13,
-            Op::HcPost => 14,
-            Op::MoeRoute { .. } => 15,
-            Op::ExpertUp { .. } => 16,
-            Op::SwiGlu { .. } => 17,
-            Op::ExpertDown { .. } => 18,
-            Op::MoeCombine { .. } => 19,
-            Op::Logits => 20,
-            Op::Readback { .. } => 21,
+            Op::Embed => OpKind::Embed,
+            Op::RmsNorm { .. } => OpKind::RmsNorm,
+            Op::MatMul { .. } => OpKind::MatMul,
+            Op::GroupedMatMul { .. } => OpKind::GroupedMatMul,
+            Op::Rope { .. } => OpKind::Rope,
+            Op::ActSim { .. } => OpKind::ActSim,
+            Op::Scale { .. } => OpKind::Scale,
+            Op::CompressPush { .. } => OpKind::CompressPush,
+            Op::IndexerTopK { .. } => OpKind::IndexerTopK,
+            Op::SparseAttention { .. } => OpKind::SparseAttention,
+            Op::WindowStore { .. } => OpKind::WindowStore,
+            Op::HcSinkhorn { .. } => OpKind::HcSinkhorn,
+            Op::HcHeadWeights => OpKind::HcHeadWeights,
+            Op::HcCollapse { .. } => OpKind::HcCollapse,
+            Op::HcPost => OpKind::HcPost,
+            Op::MoeRoute { .. } => OpKind::MoeRoute,
+            Op::ExpertUp { .. } => OpKind::ExpertUp,
+            Op::SwiGlu { .. } => OpKind::SwiGlu,
+            Op::ExpertDown { .. } => OpKind::ExpertDown,
+            Op::MoeCombine { .. } => OpKind::MoeCombine,
+            Op::Logits => OpKind::Logits,
+            Op::Readback { .. } => OpKind::Readback,
         }
     }
 
@@ -352,7 +386,7 @@ impl Op {
                 read(Kv(layer));
                 write(AttnOut);
             }
-            Op::KvStore { layer } => {
+            Op::WindowStore { layer } => {
                 // The compressor and indexer inputs go to the roll-back log (read only where the layer has them).
                 read(KvRows);
                 read(CompKv);
@@ -733,6 +767,16 @@ mod tests {
         g.finish();
         assert_eq!(g.deps, vec![0]);
         assert_eq!((g.nodes.capacity(), g.edges.capacity()), caps);
+    }
+
+    #[test]
+    fn op_kinds_index_the_kind_names() {
+        assert_eq!(Op::KINDS.len(), OpKind::ALL.len() + 1);
+        assert_eq!(Op::KINDS[Op::STAGE_KIND], "stage");
+        let op = Op::WindowStore { layer: 3 };
+        assert_eq!(op.op_kind(), OpKind::WindowStore);
+        assert_eq!(op.name(), "window_store");
+        assert_eq!(Op::KINDS[Op::HcPost.kind()], "hc_post");
     }
 
     #[test]

@@ -78,7 +78,7 @@ pub enum LayerKind {
 
 /// RoPE frequency parameters of one rope flavour.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct RopeParams {
+pub struct RopeSpec {
     /// Base θ.
     pub base: f64,
     /// YaRN `(factor, original_ctx, beta_fast, beta_slow)`; `None` = plain RoPE.
@@ -122,9 +122,9 @@ pub struct ModelConfig {
     /// Compress ratio per layer (exactly `n_layers` entries; extra file entries belong to MTP blocks).
     pub compress_ratios: Vec<usize>,
     /// Plain rope (ratio-0 layers).
-    pub rope_main: RopeParams,
+    pub rope_main: RopeSpec,
     /// Rope of compressed layers, their compressors and indexers.
-    pub rope_compress: RopeParams,
+    pub rope_compress: RopeSpec,
     pub routed_scale: f32,
     /// Renormalise the selected routing weights to sum 1.
     pub weights_norm: bool,
@@ -251,8 +251,8 @@ impl ModelConfig {
             hc_eps: fl("hyper_connection.epsilon")? as f32,
             rms_eps: fl("attention.layer_norm_rms_epsilon")? as f32,
             compress_ratios,
-            rope_main: RopeParams { base: fl("rope.freq_base")?, yarn: None },
-            rope_compress: RopeParams { base: fl("attention.compress_rope_freq_base")?, yarn: Some(yarn) },
+            rope_main: RopeSpec { base: fl("rope.freq_base")?, yarn: None },
+            rope_compress: RopeSpec { base: fl("attention.compress_rope_freq_base")?, yarn: Some(yarn) },
             routed_scale: fl("expert_weights_scale")? as f32,
             weights_norm: f.get_bool(&format!("{P}expert_weights_norm"))?,
             swiglu_limit: clamps[..n_layers].iter().map(|&c| c as f32).collect(),
@@ -416,7 +416,7 @@ impl ModelConfig {
     }
 
     /// The rope used by layer `l` (its attention, compressor and indexer).
-    pub fn rope_for(&self, l: usize) -> RopeParams {
+    pub fn rope_for(&self, l: usize) -> RopeSpec {
         if self.compress_ratios[l] == 0 {
             self.rope_main
         } else {

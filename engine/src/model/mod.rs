@@ -10,7 +10,7 @@ pub(crate) mod rope;
 pub(crate) mod sim;
 pub(crate) mod weights;
 
-pub use config::{LayerKind, ModelConfig, RopeParams};
+pub use config::{LayerKind, ModelConfig, RopeSpec};
 pub use mat::Mat;
 pub use rope::RopeFreqs;
 pub use weights::{packing_on, CompressorWeights, Model, WeightId, WeightTable};

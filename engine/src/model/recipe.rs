@@ -114,7 +114,7 @@ fn attention(g: &mut Graph, model: &Model, layer: usize, sim: bool) {
     }
     g.push(Op::SparseAttention { layer });
     g.push(Op::Rope { x: AttnOut, layer, width: hd, heads: nh, inverse: true });
-    g.push(Op::KvStore { layer });
+    g.push(Op::WindowStore { layer });
     g.push(Op::GroupedMatMul { w: lw.wo_a, x: AttnOut, y: OLow, groups: c.o_groups, rank: c.o_lora_rank });
     g.push(Op::MatMul { w: lw.wo_b, x: OLow, y: SublayerOut });
 }

@@ -4,7 +4,7 @@
 //! Rope acts on the LAST `rope_dim` values of a vector, in interleaved pairs `(2i, 2i+1)` with angle
 //! `pos · inv_freq[i]`. Angles are formed in f32 as the reference does (`pos as f32 * inv_freq`), then cos/sin.
 
-use crate::model::config::RopeParams;
+use crate::model::config::RopeSpec;
 
 /// Inverse frequencies of one rope flavour (`rope_dim / 2` entries, f32 like the reference).
 #[derive(Clone, Debug, PartialEq)]
@@ -14,7 +14,7 @@ pub struct RopeFreqs {
 
 impl RopeFreqs {
     /// Frequencies for `rope_dim` rotated dims.
-    pub fn new(p: &RopeParams, rope_dim: usize) -> RopeFreqs {
+    pub fn new(p: &RopeSpec, rope_dim: usize) -> RopeFreqs {
         let dim = rope_dim as f64;
         let half = rope_dim / 2;
         // base^(2i/dim) evaluated in f32, as torch does for `base ** (arange(0, dim, 2).float() / dim)`.
@@ -86,7 +86,7 @@ mod tests {
 
     #[test]
     fn plain_frequencies() {
-        let f = RopeFreqs::new(&RopeParams { base: 10000.0, yarn: None }, 8);
+        let f = RopeFreqs::new(&RopeSpec { base: 10000.0, yarn: None }, 8);
         assert_eq!(f.inv_freq.len(), 4);
         assert!((f.inv_freq[0] - 1.0).abs() < 1e-7);
         assert!((f.inv_freq[1] - 0.1).abs() < 1e-7);
@@ -97,9 +97,9 @@ mod tests {
     fn yarn_keeps_fast_dims_and_scales_slow_dims() {
         // dim 64, orig 32, base 160000: low = floor(64 ln(32/(64π)) / (2 ln 160000)) < 0 -> 0,
         // high = ceil(64 ln(32/(2π)) / (2 ln 160000)) = ceil(4.339...) = 5.
-        let p = RopeParams { base: 160000.0, yarn: Some((16.0, 32.0, 32.0, 1.0)) };
+        let p = RopeSpec { base: 160000.0, yarn: Some((16.0, 32.0, 32.0, 1.0)) };
         let y = RopeFreqs::new(&p, 64);
-        let plain = RopeFreqs::new(&RopeParams { base: 160000.0, yarn: None }, 64);
+        let plain = RopeFreqs::new(&RopeSpec { base: 160000.0, yarn: None }, 64);
         assert_eq!(y.inv_freq[0], plain.inv_freq[0]);
         for i in 5..32 {
             assert!((y.inv_freq[i] - plain.inv_freq[i] / 16.0).abs() <= 1e-6 * plain.inv_freq[i]);
@@ -111,7 +111,7 @@ mod tests {
 
     #[test]
     fn inverse_undoes_rotation() {
-        let f = RopeFreqs::new(&RopeParams { base: 10000.0, yarn: None }, 4);
+        let f = RopeFreqs::new(&RopeSpec { base: 10000.0, yarn: None }, 4);
         let orig = [1.0f32, 2.0, 3.0, -1.0, 0.5, 0.25];
         let mut x = orig;
         f.apply(&mut x, 7, false);
@@ -125,7 +125,7 @@ mod tests {
 
     #[test]
     fn a_table_rotates_exactly_as_apply() {
-        let f = RopeFreqs::new(&RopeParams { base: 160000.0, yarn: Some((16.0, 65536.0, 32.0, 1.0)) }, 64);
+        let f = RopeFreqs::new(&RopeSpec { base: 160000.0, yarn: Some((16.0, 65536.0, 32.0, 1.0)) }, 64);
         let x: Vec<f32> = (0..80).map(|i| ((i * 37 % 23) as f32 - 11.0) * 0.37).collect();
         let mut cs = vec![(0f32, 0f32); 32];
         for pos in [0usize, 1, 7, 4095, 1 << 20] {

@@ -18,7 +18,7 @@ use std::borrow::Cow;
 use ds4_kv::{RowBlock, RowsView};
 
 use crate::model::ModelConfig;
-use crate::tables::{Frontier, PagePool, SessionKv, SessionSnapshot};
+use crate::tables::{Frontier, PageLedger, SessionKv, SessionSnapshot};
 use crate::{Error, Result};
 
 /// Compressed KV rows.
@@ -180,12 +180,12 @@ impl<'c> SnapshotBuilder<'c> {
     /// An empty builder for `cfg` (pages in a pool of their own).
     #[cfg(test)]
     pub(crate) fn new(cfg: &'c ModelConfig) -> SnapshotBuilder<'c> {
-        SnapshotBuilder::new_in(cfg, &PagePool::new())
+        SnapshotBuilder::new_in(cfg, &PageLedger::new())
     }
 
     /// An empty builder for `cfg` whose rows fill pages of `pool` (the engine's, so a restored session's pages
     /// are accounted with the live ones).
-    pub fn new_in(cfg: &'c ModelConfig, pool: &PagePool) -> SnapshotBuilder<'c> {
+    pub fn new_in(cfg: &'c ModelConfig, pool: &PageLedger) -> SnapshotBuilder<'c> {
         SnapshotBuilder { cfg, kv: SessionKv::new_in(cfg, 0, pool), logits: Vec::new() }
     }
 

@@ -37,7 +37,7 @@
 use std::sync::Arc;
 
 use crate::model::config::{LayerKind, ModelConfig};
-use crate::tables::pages::{rows_per_page, PagePool, PagedRows};
+use crate::tables::pages::{rows_per_page, PageLedger, PagedRows};
 
 /// The carried state of one compressor (main or indexer). See the module docs.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -103,7 +103,7 @@ pub struct TokenLog {
     /// `ceil(cap / LOG_CHUNK)` chunks of `LOG_CHUNK` slots of `width()` values; position `p` in slot `p % cap`.
     chunks: Vec<Arc<Vec<f32>>>,
     /// Where copy-on-write copies are counted.
-    pool: PagePool,
+    pool: PageLedger,
     /// First logged position still held.
     pub start: usize,
     /// One past the last logged position.
@@ -119,7 +119,7 @@ impl PartialEq for TokenLog {
 impl TokenLog {
     /// A log of `cap` tokens for rows of these widths (`cw` / `iw` 0 where the layer has no such compressor),
     /// counting its copies in `pool`.
-    pub fn new(cap: usize, hd: usize, cw: usize, iw: usize, pool: &PagePool) -> TokenLog {
+    pub fn new(cap: usize, hd: usize, cw: usize, iw: usize, pool: &PageLedger) -> TokenLog {
         let mut t = TokenLog { cap, hd, cw, iw, chunks: Vec::new(), pool: pool.clone(), start: 0, end: 0 };
         // Zeroed allocations: the pages are only touched as tokens are logged.
         let w = t.width();
@@ -300,7 +300,7 @@ pub struct SessionKv {
     /// Device-copy bookkeeping (see [`KvSync`]); ignored by `==`.
     pub sync: KvSync,
     /// The pool the pages and log chunks report to; ignored by `==`.
-    pub pool: PagePool,
+    pub pool: PageLedger,
 }
 
 impl SessionKv {
@@ -339,13 +339,13 @@ impl SessionKv {
 
     /// Empty state for `cfg` with pages in a pool of its own (see [`SessionKv::new_in`]).
     pub fn new(cfg: &ModelConfig, ctx: usize) -> SessionKv {
-        SessionKv::new_in(cfg, ctx, &PagePool::new())
+        SessionKv::new_in(cfg, ctx, &PageLedger::new())
     }
 
     /// Empty state for `cfg`, its pages reporting to `pool`, with page-list room for `min(ctx,
     /// RESERVE_TOKENS_MAX)` tokens (pages themselves are allocated as rows arrive: one per layer and table every
     /// [`crate::tables::pages::PAGE_TOKENS`] tokens).
-    pub fn new_in(cfg: &ModelConfig, ctx: usize, pool: &PagePool) -> SessionKv {
+    pub fn new_in(cfg: &ModelConfig, ctx: usize, pool: &PageLedger) -> SessionKv {
         let ctx = ctx.min(Self::RESERVE_TOKENS_MAX);
         let layers = (0..cfg.n_layers)
             .map(|l| {

@@ -1,6 +1,6 @@
 //! Flat component tables (struct-of-arrays; ids are indices): the [`SessionTable`] and each session's KV state
 //! ([`SessionKv`]: raw window rings, compressed rows, indexer rows, compressor frontiers), whose growing rows live in
-//! refcounted pages shared between sessions ([`pages`]: [`PagedRows`], [`PagePool`]).
+//! refcounted pages shared between sessions ([`pages`]: [`PagedRows`], [`PageLedger`]).
 //!
 //! Snapshots are plain data ([`SessionSnapshot`]) that share the pages (immutable once full, copied on write when
 //! partial); the `kv` crate serialises them to disk page by page.
@@ -10,5 +10,5 @@ pub(crate) mod pages;
 pub(crate) mod session;
 
 pub use kv::{Frontier, KvSync, LayerKv, SessionKv};
-pub use pages::{PagePool, PagedRows, PAGE_TOKENS};
+pub use pages::{PageLedger, PagedRows, PAGE_TOKENS};
 pub use session::{SessionId, SessionSnapshot, SessionTable};

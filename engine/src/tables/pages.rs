@@ -10,12 +10,12 @@
 //! - `pages.len() == ceil(rows / rows_per_page)`; every page but the last holds `rows_per_page` valid rows.
 //! - A page referenced by more than one table (after a clone: a fork, a snapshot) is immutable. Appending to a
 //!   table whose last (partial) page is shared first copies that page's valid rows into a fresh private page
-//!   (copy on write, counted in [`PagePool::bytes_copied`]); full pages are never copied.
+//!   (copy on write, counted in [`PageLedger::bytes_copied`]); full pages are never copied.
 //! - A page's `data` may hold more values than the table's view of it (after a truncate into a shared page, or a
 //!   roll back); only the first `valid` rows count, and a private page drops the rest before it is appended to.
 //!
 //! Cloning a table clones `Arc`s: a fork of a session shares every page and copies nothing here. Every page
-//! reports to the [`PagePool`] it was made in (live pages, live bytes); dropping the last reference returns them,
+//! reports to the [`PageLedger`] it was made in (live pages, live bytes); dropping the last reference returns them,
 //! so a pool whose sessions are all gone reads zero.
 //!
 //! Why not the `ds4-kv` store: that crate indexes content-addressed, encoded, immutable entries behind a mutex
@@ -47,12 +47,12 @@ struct PoolStats {
 /// Accounting shared by the pages of one engine (cheap to clone: an `Arc`). See the module docs. The default
 /// pool (what `SessionKv::default()` holds) counts nothing and allocates nothing.
 #[derive(Clone, Debug, Default)]
-pub struct PagePool(Option<Arc<PoolStats>>);
+pub struct PageLedger(Option<Arc<PoolStats>>);
 
-impl PagePool {
+impl PageLedger {
     /// A new, empty, counting pool.
-    pub fn new() -> PagePool {
-        PagePool(Some(Arc::default()))
+    pub fn new() -> PageLedger {
+        PageLedger(Some(Arc::default()))
     }
 
     fn get(&self, f: impl Fn(&PoolStats) -> &AtomicU64) -> u64 {
@@ -87,7 +87,7 @@ impl PagePool {
         self.get(|s| &s.copied)
     }
 
-    /// Adds `bytes` to [`PagePool::bytes_copied`].
+    /// Adds `bytes` to [`PageLedger::bytes_copied`].
     pub fn add_copied(&self, bytes: u64) {
         self.add(|s| &s.copied, bytes);
     }
@@ -100,14 +100,14 @@ impl PagePool {
     }
 
     /// Whether `a` and `b` are the same counting pool.
-    pub fn same(a: &PagePool, b: &PagePool) -> bool {
+    pub fn same(a: &PageLedger, b: &PageLedger) -> bool {
         matches!((&a.0, &b.0), (Some(x), Some(y)) if Arc::ptr_eq(x, y))
     }
 }
 
 /// Bookkeeping only: any two pools compare equal (so states in different pools compare by content).
-impl PartialEq for PagePool {
-    fn eq(&self, _: &PagePool) -> bool {
+impl PartialEq for PageLedger {
+    fn eq(&self, _: &PageLedger) -> bool {
         true
     }
 }
@@ -115,7 +115,7 @@ impl PartialEq for PagePool {
 /// One page of rows (see the module docs).
 pub struct Page {
     data: Vec<f32>,
-    pool: PagePool,
+    pool: PageLedger,
 }
 
 impl Drop for Page {
@@ -132,7 +132,7 @@ pub struct PagedRows {
     shift: u32,
     rows: usize,
     pages: Vec<Arc<Page>>,
-    pool: PagePool,
+    pool: PageLedger,
 }
 
 impl std::fmt::Debug for PagedRows {
@@ -155,7 +155,7 @@ impl PartialEq for PagedRows {
 impl PagedRows {
     /// An empty table of `width`-value rows, `rows_per_page` (rounded down to a power of two) per page, reporting
     /// to `pool`.
-    pub fn new(width: usize, rows_per_page: usize, pool: &PagePool) -> PagedRows {
+    pub fn new(width: usize, rows_per_page: usize, pool: &PageLedger) -> PagedRows {
         let shift = usize::BITS - 1 - rows_per_page.max(1).leading_zeros();
         PagedRows { width, shift, rows: 0, pages: Vec::new(), pool: pool.clone() }
     }
@@ -312,7 +312,7 @@ impl PagedRows {
     }
 
     /// The pool the pages report to.
-    pub fn pool(&self) -> &PagePool {
+    pub fn pool(&self) -> &PageLedger {
         &self.pool
     }
 }
@@ -336,7 +336,7 @@ mod tests {
 
     #[test]
     fn clone_shares_pages_and_append_copies_only_the_partial_page() {
-        let pool = PagePool::new();
+        let pool = PageLedger::new();
         let mut a = PagedRows::new(2, 4, &pool);
         for i in 0..10 {
             a.push(&[i as f32, -(i as f32)]);
@@ -362,7 +362,7 @@ mod tests {
 
     #[test]
     fn truncate_into_a_shared_page_then_append_keeps_the_other_table_intact() {
-        let pool = PagePool::new();
+        let pool = PageLedger::new();
         let mut a = PagedRows::new(1, 4, &pool);
         a.extend_from_slice(&[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
         let mut b = a.clone();

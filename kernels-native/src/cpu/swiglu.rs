@@ -2,15 +2,14 @@
 //! vectorise), then the `silu` products. The same operations per element as the portable kernel, in the same
 //! order, so the result is bit-identical.
 
-use crate::{Kernel, Override, Shape};
+use crate::{BackendKind, NativeKernel, NodeKey, OpKind, Override, Pattern};
 
-/// Registry row (see [`crate::OVERRIDES`]).
+/// Registry row (see [`crate::OVERRIDES`]): every SwiGLU on the CPU whose expert width is whole blocks of 8.
 pub const OVERRIDE: Override = Override {
     name: "cpu-swiglu-x8",
-    op: "swiglu",
-    backend: "cpu",
-    applies: |s: &Shape| s.width.is_multiple_of(8),
-    kernel: Kernel::SwiGlu(swiglu_x8),
+    key: Pattern::any(BackendKind::Cpu, OpKind::SwiGlu),
+    applies: |k: &NodeKey| k.width.is_multiple_of(8),
+    kernel: NativeKernel::SwiGlu(swiglu_x8),
 };
 
 /// `gate ← silu(min(gate, limit)) · clamp(up, −limit, limit)` for one row; `gate.len()` a multiple of 8 and

@@ -149,7 +149,7 @@ pub fn indexer_topk(pool: &Pool, sc: &mut Scratch, cx: &StepCtx<'_>, layer: usiz
     par_rows(pool, &mut sc.sel[..n * topk], topk, &|r, out| {
         let row = rows[r];
         let lk = &kvs[row.run].layers[layer];
-        let n_vis = (row.pos + 1) / ratio;
+        let n_vis = crate::graph::visibility::compressed(row.pos, ratio);
         let mut g = slot(slots);
         let (scores, order) = &mut *g;
         // Size the scratch for every row this session can hold, once (no growth while decoding).
@@ -223,7 +223,7 @@ pub fn sparse_attention(pool: &Pool, sc: &mut Scratch, cx: &StepCtx<'_>, layer: 
         let p0 = rows[run.start].pos;
         let lk = &kvs[row.run].layers[layer];
         let t = row.pos;
-        let first = (t + 1).saturating_sub(window);
+        let first = *crate::graph::visibility::window(t, window).start();
         let nw = t + 1 - first;
         let sel_r = &sel[r * topk..(r + 1) * topk];
         let nc = match kind {
@@ -360,7 +360,7 @@ fn head_scores<'k, const H: usize>(
     }
 }
 
-/// [`crate::graph::Op::KvStore`]: every row of the tick into its session's roll-back log (raw KV row, compressor and
+/// [`crate::graph::Op::WindowStore`]: every row of the tick into its session's roll-back log (raw KV row, compressor and
 /// indexer features and gates before `ape`), and the last `window` raw rows of each run into its session's ring.
 pub fn kv_store(sc: &mut Scratch, cx: &mut StepCtx<'_>, layer: usize) -> Result<()> {
     let c = &cx.model.config;

@@ -237,8 +237,8 @@ impl CpuBackend {
 }
 
 impl Backend for CpuBackend {
-    fn name(&self) -> &'static str {
-        "cpu"
+    fn kind(&self) -> crate::backend::BackendKind {
+        crate::backend::BackendKind::Cpu
     }
 
     fn keeps_rollback_log(&self) -> bool {
@@ -277,7 +277,7 @@ impl Backend for CpuBackend {
             Op::CompressPush { layer, indexer, sim } => attention::compress_push(sc, cx, layer, indexer, sim),
             Op::IndexerTopK { layer } => attention::indexer_topk(pool, sc, cx, layer),
             Op::SparseAttention { layer } => attention::sparse_attention(pool, sc, cx, layer),
-            Op::KvStore { layer } => attention::kv_store(sc, cx, layer),
+            Op::WindowStore { layer } => attention::kv_store(sc, cx, layer),
             Op::HcSinkhorn { layer, sub } => rowops::hc_sinkhorn(sc, cx, layer, sub),
             Op::HcHeadWeights => rowops::hc_head_weights(sc, cx),
             Op::HcCollapse { out } => rowops::hc_collapse(pool, sc, cx, out),
@@ -390,9 +390,9 @@ impl Backend for CpuBackend {
         r
     }
 
-    fn run_native(&self, op: &Op, kernel: &ds4_kernels_native::Kernel, cx: &mut StepCtx<'_>) -> Result<bool> {
+    fn run_native(&self, op: &Op, kernel: &ds4_kernels_native::NativeKernel, cx: &mut StepCtx<'_>) -> Result<bool> {
         match (*op, *kernel) {
-            (Op::SwiGlu { layer }, ds4_kernels_native::Kernel::SwiGlu(f)) => {
+            (Op::SwiGlu { layer }, ds4_kernels_native::NativeKernel::SwiGlu(f)) => {
                 let mut sc = self.scratch(cx);
                 moe::swiglu_rows(&self.pool, &mut sc, cx, layer, f)?;
                 Ok(true)

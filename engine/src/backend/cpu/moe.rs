@@ -4,9 +4,10 @@
 //! id) or, on hash layers, `tid2eid[token]`; weights `s[sel]` renormalised (`/ (Σ + 1e-20)`) when the model says
 //! so, times the routed scale; and the plan: rows grouped by expert (ascending id), then the shared expert, as
 //! slots of consecutive rows of the expert buffers. [`expert_up`]: every slot's `w1·x` and `w3·x` in one dispatch
-//! (each expert's weights read once per batch). [`swiglu_rows`]: `silu(min(w1·x, L)) · clamp(w3·x, −L, L)`.
-//! [`expert_down`]: every slot's `w2·h` in one dispatch. [`combine`]: routed contributions added in ascending
-//! expert order, then the shared expert (weight 1).
+//! (each expert's weights read once per batch). [`swiglu_rows`]: `silu(min(w1·x, L)) · clamp(w3·x, −L, L)`, times
+//! the row's routing weight (1 for the shared expert). [`expert_down`]: every slot's `w2·h` in one dispatch.
+//! [`combine`]: the routed (already weighted) outputs added in ascending expert order, then the shared expert —
+//! the meanings [`crate::graph::Op::SwiGlu`] and [`crate::graph::Op::MoeCombine`] document for every backend.
 
 use super::matmul::{grain_rows, run_group, Acts, Kernel, Out, Product, RowAt};
 use super::pool::{par_rows, Pool};
@@ -202,7 +203,7 @@ pub fn expert_up(pool: &Pool, sc: &mut Scratch, cx: &StepCtx<'_>, layer: usize) 
 }
 
 /// [`crate::graph::Op::SwiGlu`] over every slot row with the row kernel `f` (the portable [`swiglu`] or a native
-/// override of the same signature).
+/// override of the same signature), each routed row then scaled by its routing weight.
 pub fn swiglu_rows(
     pool: &Pool,
     sc: &mut Scratch,
@@ -212,9 +213,15 @@ pub fn swiglu_rows(
 ) -> Result<()> {
     let c = &cx.model.config;
     let (ffn, limit) = (c.expert_ffn, c.swiglu_limit[layer]);
-    let total = sc.moe.total;
-    let h3 = &sc.h3;
-    par_rows(pool, &mut sc.h1[..total * ffn], ffn, &|i, h| f(h, &h3[i * ffn..(i + 1) * ffn], limit));
+    let k = c.n_experts_used;
+    let (total, pick, w_e, h3) = (sc.moe.total, &sc.moe.pick, &sc.w_e, &sc.h3);
+    par_rows(pool, &mut sc.h1[..total * ffn], ffn, &|i, h| {
+        f(h, &h3[i * ffn..(i + 1) * ffn], limit);
+        if let Some(&(r, j)) = pick.get(i) {
+            let w = w_e[r * k + j];
+            h.iter_mut().for_each(|v| *v *= w);
+        }
+    });
     Ok(())
 }
 
@@ -253,18 +260,18 @@ pub fn expert_down(pool: &Pool, sc: &mut Scratch, cx: &StepCtx<'_>, layer: usize
     Ok(())
 }
 
-/// [`crate::graph::Op::MoeCombine`]: routed contributions in ascending expert id, then the shared expert.
+/// [`crate::graph::Op::MoeCombine`]: routed contributions (weighted by the SwiGLU) in ascending expert id, then
+/// the shared expert.
 pub fn combine(sc: &mut Scratch, cx: &StepCtx<'_>) -> Result<()> {
     let c = &cx.model.config;
     let n = cx.batch.rows.len();
-    let (d, k) = (c.d_model, c.n_experts_used);
+    let d = c.d_model;
     let ms = &sc.moe;
     let out = &mut sc.sub_out[..n * d];
     out.fill(0.0);
-    for (i, &(r, j)) in ms.pick.iter().enumerate() {
-        let w = sc.w_e[r * k + j];
+    for (i, &(r, _)) in ms.pick.iter().enumerate() {
         for (o, &v) in out[r * d..(r + 1) * d].iter_mut().zip(&sc.eo[i * d..(i + 1) * d]) {
-            *o += w * v;
+            *o += v;
         }
     }
     if ms.shared {
@@ -381,10 +388,10 @@ mod tests {
             e.set_prefill_logits(s, true).unwrap();
             e.feed(s, &tokens).unwrap();
             e.run_until_idle().unwrap();
-            (e.take_all_logits(s).unwrap(), e.last_placement())
+            (e.take_all_logits(s).unwrap(), e.last_placement(), e.placement_report())
         };
-        let (with, placed) = run(true);
-        let (without, plain) = run(false);
+        let (with, placed, report) = run(true);
+        let (without, plain, plain_report) = run(false);
         let layers = Model::load(file()).unwrap().config.n_layers;
         assert_eq!(placed.native, layers, "one SwiGLU node per layer goes to the override");
         assert_eq!(plain.native, 0);
@@ -392,6 +399,24 @@ mod tests {
         assert_eq!(placed.staged, 0);
         assert!(with.iter().all(|v| v.is_finite()));
         assert!(with == without, "the override changes no logit bit");
+        // The report names the override on exactly the SwiGLU nodes, keyed by the experts' weight type.
+        let gate_ty = {
+            let m = Model::load(file()).unwrap();
+            crate::exec::weight_type(m.table.types[m.layers[0].gate_exps.0 as usize])
+        };
+        for n in &report.nodes {
+            let swiglu = n.key.op == crate::graph::OpKind::SwiGlu;
+            assert_eq!(n.kernel == "cpu-swiglu-x8", swiglu, "node {}", n.node);
+            assert_eq!(n.backend, crate::backend::BackendKind::Cpu);
+            if swiglu {
+                assert_eq!(n.key.weight, Some(gate_ty));
+            }
+        }
+        assert!(plain_report.nodes.iter().all(|n| n.kernel == "portable"));
+        assert_eq!(report.placed, placed);
+        assert_eq!(report.summary().iter().map(|l| l.1).sum::<usize>(), report.nodes.len());
+        let text = report.to_string();
+        assert!(text.starts_with("# placement on cpu:") && text.contains("cpu-swiglu-x8"), "{text}");
     }
 
     #[test]

@@ -17,9 +17,9 @@
 //! function of the batch positions.
 
 use super::backend::WgpuBackend;
-use super::context::{backend_err, Scratch, WgpuContext};
+use super::context::{backend_err, ScratchBuf, WgpuContext};
 use super::kvdev::{copy_rows, DevKv, FrontDev, LayerDev, LayerPools, LogSources, SlotKv};
-use super::ops::{self, key, ActSim, KeyLists, KeySources, Paged, RopeShape, Slot};
+use super::ops::{self, key, ActSim, KeyLists, KeySources, Paged, PoolSlot, RopeShape};
 use super::pagedev::{PagePool, PageTable};
 use super::resident::{rope_table, Tick};
 use crate::backend::StepCtx;
@@ -134,7 +134,7 @@ impl Compress<'_> {
         if w1 > w0 {
             let nw = w1 - w0;
             let spw = coff * ratio;
-            let mut slots: Vec<Slot> = Vec::with_capacity(nw * spw);
+            let mut slots: Vec<PoolSlot> = Vec::with_capacity(nw * spw);
             for win in w0..w1 {
                 if coff == 2 {
                     for s in 0..ratio {
@@ -204,7 +204,7 @@ fn session<'m>(
 
 /// Runs `f(run, its first position, the layer's state in its session's mirror, the layer's page pools, enc)` for
 /// every non-empty run of the batch, in order (each session stamped with a fresh epoch, see [`session`]); the
-/// bytes `f` returns (copy on write of shared pages) count in the session's [`crate::tables::PagePool`].
+/// bytes `f` returns (copy on write of shared pages) count in the session's [`crate::tables::PageLedger`].
 fn for_each_run(
     be: &WgpuBackend,
     dk: &mut DevKv,
@@ -233,7 +233,7 @@ fn for_each_run(
 
 /// A scratch copy of rows `start..start + len` of `src` (`width` values each), for kernels that index a run's
 /// rows from 0.
-fn run_rows(ctx: &WgpuContext, enc: &mut Enc, src: &Buf, start: usize, len: usize, width: usize) -> Scratch {
+fn run_rows(ctx: &WgpuContext, enc: &mut Enc, src: &Buf, start: usize, len: usize, width: usize) -> ScratchBuf {
     let out = ctx.scratch(len * width);
     enc.copy_buffer_to_buffer(src, (start * width * 4) as u64, &out, 0, (len * width * 4) as u64);
     out
@@ -318,7 +318,8 @@ pub fn indexer_topk(be: &WgpuBackend, t: &mut Tick, dk: &mut DevKv, cx: &mut Ste
             .zip(lp.idx.as_ref())
             .ok_or_else(|| backend_err(format!("device KV: layer {layer} has no indexer")))?;
         let n_keys = idx_rows.rows;
-        let limit: Vec<u32> = (p0..p0 + len).map(|pos| ((pos + 1) / ratio).min(n_keys) as u32).collect();
+        let limit: Vec<u32> =
+            (p0..p0 + len).map(|pos| crate::graph::visibility::compressed(pos, ratio).min(n_keys) as u32).collect();
         let (qrun, wrun) = (run_rows(ctx, enc, &iq, start, len, ih * ihd), run_rows(ctx, enc, &iw, start, len, ih));
         let (sc, s) = (ctx.scratch(len * n_keys.max(1)), ctx.scratch(len * topk));
         // The head weights carry 1/sqrt(heads) already (the recipe's Scale node).
@@ -366,7 +367,7 @@ pub fn sparse_attention(
         for row in &rows[start..start + len] {
             let tpos = row.pos;
             let k0 = keys.rows.len() as u32;
-            for p in (tpos + 1).saturating_sub(window)..=tpos {
+            for p in crate::graph::visibility::window(tpos, window) {
                 keys.rows.push(if p >= p0 {
                     key::BATCH | (start + p - p0) as u32
                 } else {
@@ -375,7 +376,9 @@ pub fn sparse_attention(
             }
             match kind {
                 LayerKind::Window => {}
-                LayerKind::Hca => keys.rows.extend((0..((tpos + 1) / ratio).min(n_comp)).map(|w| key::COMP | w as u32)),
+                LayerKind::Hca => keys.rows.extend(
+                    (0..crate::graph::visibility::compressed(tpos, ratio).min(n_comp)).map(|w| key::COMP | w as u32),
+                ),
                 LayerKind::Csa => keys.rows.extend((0..topk).map(|i| key::SEL | i as u32)),
             }
             keys.ranges.push((k0, keys.rows.len() as u32 - k0));
@@ -402,7 +405,7 @@ pub fn sparse_attention(
     })
 }
 
-/// [`crate::graph::Op::KvStore`]: the last `window` raw rows of each run into its session's ring.
+/// [`crate::graph::Op::WindowStore`]: the last `window` raw rows of each run into its session's ring.
 pub fn kv_store(be: &WgpuBackend, t: &mut Tick, dk: &mut DevKv, cx: &mut StepCtx<'_>, layer: usize) -> Result<()> {
     let ctx = be.context();
     let model = cx.model;

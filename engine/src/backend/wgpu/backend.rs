@@ -204,8 +204,8 @@ impl WgpuBackend {
 }
 
 impl Backend for WgpuBackend {
-    fn name(&self) -> &'static str {
-        "wgpu"
+    fn kind(&self) -> crate::backend::BackendKind {
+        crate::backend::BackendKind::Wgpu
     }
 
     fn begin_tick(&self, cx: &mut StepCtx<'_>) -> Result<()> {
@@ -369,7 +369,7 @@ impl Backend for WgpuBackend {
             }
             Op::IndexerTopK { layer } => attn::indexer_topk(self, t, &mut self.kv.lock(), cx, layer),
             Op::SparseAttention { layer } => attn::sparse_attention(self, t, &mut self.kv.lock(), cx, layer),
-            Op::KvStore { layer } => attn::kv_store(self, t, &mut self.kv.lock(), cx, layer),
+            Op::WindowStore { layer } => attn::kv_store(self, t, &mut self.kv.lock(), cx, layer),
             Op::MoeRoute { layer, hash, experts } => moe::route(self, t, cx, layer, hash, experts),
             Op::ExpertUp { layer, experts } => moe::expert_up(self, t, cx, layer, experts),
             Op::SwiGlu { layer } => moe::swiglu(self, t, cx, layer),

@@ -6,7 +6,7 @@
 //! ([`super::weights`]); [`ContextOptions::max_binding_override`] lowers it artificially so tests can exercise the
 //! splitting on tiny tensors.
 //!
-//! Scratch buffers come from a pool keyed by size class ([`WgpuContext::scratch`]: power-of-two sizes, returned
+//! ScratchBuf buffers come from a pool keyed by size class ([`WgpuContext::scratch`]: power-of-two sizes, returned
 //! on drop, contents undefined); the context counts queue submissions and host readbacks ([`Counters`]) so tests
 //! can pin how often a tick syncs with the host.
 //!
@@ -41,7 +41,7 @@ pub struct WgpuContext {
     pub limits: wgpu::Limits,
     max_binding: u64,
     pipelines: Mutex<HashMap<String, Arc<wgpu::ComputePipeline>>>,
-    /// Scratch buffers by size class (see [`WgpuContext::scratch`]).
+    /// ScratchBuf buffers by size class (see [`WgpuContext::scratch`]).
     pool: Arc<Mutex<HashMap<u64, Vec<wgpu::Buffer>>>>,
     submits: AtomicU64,
     readbacks: AtomicU64,
@@ -72,19 +72,19 @@ impl std::ops::Sub for Counters {
 /// out unless it came from [`WgpuContext::scratch_zeroed`] (zeroed in the encoder). Never `queue.write_buffer`
 /// into a scratch buffer: the write would land at the next submit, before commands recorded earlier in the same
 /// encoder that may still read the buffer's previous use.
-pub struct Scratch {
+pub struct ScratchBuf {
     buf: Option<wgpu::Buffer>,
     pool: Arc<Mutex<HashMap<u64, Vec<wgpu::Buffer>>>>,
 }
 
-impl std::ops::Deref for Scratch {
+impl std::ops::Deref for ScratchBuf {
     type Target = wgpu::Buffer;
     fn deref(&self) -> &wgpu::Buffer {
         self.buf.as_ref().expect("scratch buffer present until drop")
     }
 }
 
-impl Drop for Scratch {
+impl Drop for ScratchBuf {
     fn drop(&mut self) {
         if let Some(b) = self.buf.take() {
             self.pool.lock().entry(b.size()).or_default().push(b);
@@ -169,8 +169,8 @@ impl WgpuContext {
     }
 
     /// A pooled storage buffer of at least `len` f32 values (size class: the next power of two, at least 256
-    /// bytes). Contents undefined; see [`Scratch`].
-    pub fn scratch(&self, len: usize) -> Scratch {
+    /// bytes). Contents undefined; see [`ScratchBuf`].
+    pub fn scratch(&self, len: usize) -> ScratchBuf {
         let size = ((len.max(1) * 4) as u64).next_power_of_two().max(256);
         let buf = self.pool.lock().get_mut(&size).and_then(|v| v.pop()).unwrap_or_else(|| {
             self.device.create_buffer(&wgpu::BufferDescriptor {
@@ -180,11 +180,11 @@ impl WgpuContext {
                 mapped_at_creation: false,
             })
         });
-        Scratch { buf: Some(buf), pool: self.pool.clone() }
+        ScratchBuf { buf: Some(buf), pool: self.pool.clone() }
     }
 
     /// Like [`WgpuContext::scratch`], zeroed by a clear recorded into `enc`.
-    pub fn scratch_zeroed(&self, enc: &mut wgpu::CommandEncoder, len: usize) -> Scratch {
+    pub fn scratch_zeroed(&self, enc: &mut wgpu::CommandEncoder, len: usize) -> ScratchBuf {
         let s = self.scratch(len);
         enc.clear_buffer(&s, 0, None);
         s

@@ -9,10 +9,10 @@
 //! - [`ops`]: every other kernel (norm, RoPE, attention, mHC, compressor, indexer, MoE, activation simulation,
 //!   compressor `ape`).
 //! - `resident`: the tick's command encoder and the device buffer behind each tensor ([`crate::graph::BufId`]).
-//! - [`pagedev`]: device KV pages — per layer and row table a refcounted page pool, per session a page table —
-//!   shared by forks, copied on write.
-//! - [`kvdev`]: device-resident session KV (ring, paged compressed and indexer rows, frontiers, roll-back log),
-//!   upload, fork and sync to the host.
+//! - `devmem`: the shared device layer's memory trait ([`crate::backend::device::DeviceMem`]) on wgpu, so the
+//!   device KV — page pools and tables shared by forks and copied on write ([`pagedev`]), the session mirrors with
+//!   ring, paged rows, frontiers, roll-back log, upload, fork and sync ([`kvdev`]) — is the device layer's
+//!   ([`crate::backend::device`]) with wgpu buffers.
 //! - the node kernels, one function per [`crate::graph::Op`] kind: `rows` (row ops, mHC, logits, readback), `attn`
 //!   (compressor push, indexer top-k, sparse attention, ring store), `moe` (routing and the expert halves).
 //! - [`backend`]: [`WgpuBackend`], the [`crate::backend::Backend`] kernel provider that dispatches nodes to them.
@@ -33,6 +33,7 @@
 mod attn;
 pub(crate) mod backend;
 pub mod context;
+mod devmem;
 pub(crate) mod kvdev;
 pub(crate) mod matmul;
 mod moe;

@@ -395,7 +395,7 @@ pub fn hc_post(
 }
 
 /// One pooling slot: source token row, feature offset within the row, APE row. `None` = empty slot.
-pub type Slot = Option<(u32, u32, u32)>;
+pub type PoolSlot = Option<(u32, u32, u32)>;
 
 /// Compressor pooling (see `compress.wgsl`): `slots.len()` must be `n_windows * slots_per_window`.
 #[allow(clippy::too_many_arguments)]
@@ -407,7 +407,7 @@ pub fn compress_pool(
     src_stride: usize,
     ape: &Buf,
     ape_stride: usize,
-    slots: &[Slot],
+    slots: &[PoolSlot],
     slots_per_window: usize,
     dim: usize,
     out: (&Buf, usize, usize),

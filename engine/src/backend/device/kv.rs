@@ -1,0 +1,978 @@
+//! Device-resident session KV for a device backend (wgpu: `backend::wgpu::WgpuBackend`), over any
+//! [`DeviceMem`]: per batch slot a mirror of the session's
+//! [`SessionKv`], advanced by the attention op entirely on the device, synced to the host only on request.
+//!
+//! Layout per layer ([`LayerDev`]), all f32, same row widths and order as the host tables:
+//! - `ring`: `window` rows of `head_dim` (slot `p % window`), exactly the host ring.
+//! - `comp` / `idx` ([`PageTable`]): the compressed rows (`head_dim`) and indexer rows (`idx_head_dim`), paged
+//!   ([`super::pages`]): the session holds page ids, the rows live in the layer's [`PagePool`] of that table,
+//!   shared by every mirror of the backend ([`DevKv::pools`]), `rows_per_page(ratio)` rows a page (the host and
+//!   disk page span). The kernels read row `w` at pool row `ids[w >> shift] << shift | (w & mask)`; the host
+//!   reads rows (sync, [`SlotKv::read_rows`] for persist) through the table into one contiguous buffer. A fork
+//!   ([`SlotKv::duplicate`]) shares every page and log chunk and copies only the ring and frontiers; an append
+//!   into a shared page (the partial last page after a fork, or after a roll back into a shared page) copies it
+//!   first. A pool is one binding (at most the storage binding limit, error beyond it) for all sessions of the
+//!   layer.
+//! - frontiers ([`FrontDev`]): one `kv` and one `gate` buffer of `2·ratio` rows of `coff·dim`: rows
+//!   `0..ratio` the CSA carried block (`Ca` in the first `dim` values; the host keeps only those), rows
+//!   `ratio..2·ratio` the pending block (slot `p % ratio`, gate with `ape` added, as on the host). The scalar
+//!   state (`n_pending = pos % ratio`, `has_prev = pos ≥ ratio`) is a function of the position, which the host
+//!   knows, so it is never read back.
+//!
+//! - roll-back log ([`LogDev`], when the backend keeps one: [`crate::backend::Backend::set_device_rollback`]): per
+//!   processed token the inputs the ring and the compressors consumed — the raw KV row, the main and indexer
+//!   compressors' projected features and gate logits (before `ape`) — exactly the host [`crate::tables::kv`] log's
+//!   contents, for the last `cap = R + max(window, 2·ratio)` tokens, position `p` in slot `p % cap` of one ring
+//!   per input, held as [`ChunkRing`] chunks of [`LOG_CHUNK_TOKENS`] slots in the layer's [`LogPools`] (shared by
+//!   every mirror, like the page pools; a chunk is allocated at its first write, recorded by the WindowStore node). A
+//!   fork shares every chunk; the first write into a shared chunk copies the whole chunk first (counted as bytes
+//!   copied: one chunk per input per layer for a decode step, at most two for a run shorter than a chunk). From it
+//!   [`SlotKv::rollback`] rebuilds the ring and the frontiers of any position `L ≥ pos − R` with device-side copies
+//!   and one `ape` add, and cuts the row tables back to `L / ratio` rows (pages past them released, the rest not
+//!   touched; the next append copies the last page first if it is shared): nothing is recomputed or read back,
+//!   and the state equals a cold run to `L`, value for value (the host rule of [`crate::tables::kv`]: pending
+//!   slots past `L % ratio` keep the previous block's rows, never-written ring slots and frontier rows are zero). The log is live while `end == pos`; an upload starts it empty.
+//!
+//! Ownership: the mirrors live in a [`DevKv`] by batch slot, next to the pools; replacing or removing a mirror
+//! there ([`DevKv::insert`], [`DevKv::remove`]) releases its pages and log chunks, so a backend without sessions
+//! holds none ([`DevKv::pages`] counts both).
+//!
+//! Identity: a mirror carries the epoch of the [`KvSync`] tag it last gave its session. A session whose tag does not
+//! match its slot's mirror (new, restored, cleared, or moved from a slot whose mirror is then taken over) is
+//! uploaded from the host; a stale host copy without a matching mirror is an error, never silently used.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::pages::{rows_per_page, ChunkRing, PagePool, PageTable, LOG_CHUNK_TOKENS};
+use super::{copy_rows, dev_err as backend_err, DeviceMem};
+use crate::model::config::{LayerKind, ModelConfig};
+use crate::tables::{Frontier, KvSync, LayerKv, SessionKv};
+use crate::Result;
+
+static NEXT_EPOCH: AtomicU64 = AtomicU64::new(1);
+
+/// A process-unique epoch (never 0).
+pub fn next_epoch() -> u64 {
+    NEXT_EPOCH.fetch_add(1, Ordering::Relaxed)
+}
+
+/// Which growing row table of a layer (the persist tags `TAG_COMP` / `TAG_IDX`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RowTable {
+    /// Compressed KV rows (`head_dim` wide).
+    Comp,
+    /// Indexer key rows (`idx_head_dim` wide, CSA layers).
+    Idx,
+}
+
+/// A compressor frontier on the device (see module docs).
+pub struct FrontDev<D: DeviceMem> {
+    pub kv: D::Buf,
+    pub gate: D::Buf,
+    pub ratio: usize,
+    pub dim: usize,
+    pub coff: usize,
+}
+
+impl<D: DeviceMem> FrontDev<D> {
+    fn upload(ctx: &D, f: &Frontier) -> Result<FrontDev<D>> {
+        let w = f.coff * f.dim;
+        let prev = if f.coff == 2 { f.ratio * f.dim } else { 0 };
+        if f.ratio == 0
+            || !(1..=2).contains(&f.coff)
+            || f.pending_kv.len() != f.ratio * w
+            || f.pending_gate.len() != f.ratio * w
+            || f.prev_kv.len() != prev
+            || f.prev_gate.len() != prev
+        {
+            return Err(backend_err("device KV: a compressor frontier has the wrong shape"));
+        }
+        let pack = |prev: &[f32], pending: &[f32]| {
+            let mut v = vec![0f32; 2 * f.ratio * w];
+            if f.coff == 2 {
+                for j in 0..f.ratio {
+                    v[j * w..j * w + f.dim].copy_from_slice(&prev[j * f.dim..(j + 1) * f.dim]);
+                }
+            }
+            v[f.ratio * w..].copy_from_slice(pending);
+            v
+        };
+        Ok(FrontDev {
+            kv: ctx.upload_f32("frontier kv", &pack(&f.prev_kv, &f.pending_kv)),
+            gate: ctx.upload_f32("frontier gate", &pack(&f.prev_gate, &f.pending_gate)),
+            ratio: f.ratio,
+            dim: f.dim,
+            coff: f.coff,
+        })
+    }
+
+    fn download(&self, ctx: &D, pos: usize) -> Result<Frontier> {
+        let mut f = Frontier::new(self.ratio, self.dim, self.coff);
+        let w = self.coff * self.dim;
+        for (buf, prev, pending) in
+            [(&self.kv, &mut f.prev_kv, &mut f.pending_kv), (&self.gate, &mut f.prev_gate, &mut f.pending_gate)]
+        {
+            let v = ctx.read_f32(buf, 0, 2 * self.ratio * w)?;
+            if self.coff == 2 {
+                for j in 0..self.ratio {
+                    prev[j * self.dim..(j + 1) * self.dim].copy_from_slice(&v[j * w..j * w + self.dim]);
+                }
+            }
+            pending.copy_from_slice(&v[self.ratio * w..]);
+        }
+        f.n_pending = pos % self.ratio;
+        f.has_prev = self.coff == 2 && pos >= self.ratio;
+        Ok(f)
+    }
+}
+
+/// One compressor's inputs in a [`LogDev`]: features and gate logits (before `ape`), `cap` slots of `width` each,
+/// both in that compressor's [`LogPools`] pool.
+pub struct LogComp {
+    pub kv: ChunkRing,
+    pub gate: ChunkRing,
+    pub width: usize,
+}
+
+/// The roll-back log of one layer on the device (see module docs).
+pub struct LogDev {
+    /// Slots (tokens held).
+    pub cap: usize,
+    /// Raw KV rows, `cap` slots of `head_dim`.
+    pub raw: ChunkRing,
+    /// The main compressor's inputs (compressed layers).
+    pub comp: Option<LogComp>,
+    /// The indexer compressor's inputs (CSA layers).
+    pub idx: Option<LogComp>,
+    /// First logged position still held, and one past the last (`start == end`: empty).
+    pub start: usize,
+    pub end: usize,
+}
+
+impl LogDev {
+    /// An empty log of `cap` slots (no chunk allocated) with compressor inputs of widths `comp` / `idx`.
+    fn new(cap: usize, comp: Option<usize>, idx: Option<usize>) -> LogDev {
+        let inputs = |width: usize| LogComp { kv: ChunkRing::new(cap), gate: ChunkRing::new(cap), width };
+        LogDev { cap, raw: ChunkRing::new(cap), comp: comp.map(inputs), idx: idx.map(inputs), start: 0, end: 0 }
+    }
+
+    /// A log sharing every chunk of this one (a fork: nothing copied). `pools` are the ones the log was made
+    /// for (an input has chunks only where its pool exists).
+    fn share<D: DeviceMem>(&self, pools: &mut LogPools<D>) -> LogDev {
+        let inputs = |c: &Option<LogComp>, pool: &mut Option<PagePool<D>>| {
+            let (c, pool) = c.as_ref().zip(pool.as_mut())?;
+            Some(LogComp { kv: c.kv.share(pool), gate: c.gate.share(pool), width: c.width })
+        };
+        let (comp, idx) = (inputs(&self.comp, &mut pools.comp), inputs(&self.idx, &mut pools.idx));
+        let raw = self.raw.share(&mut pools.raw);
+        LogDev { cap: self.cap, raw, comp, idx, start: self.start, end: self.end }
+    }
+
+    /// Returns every chunk to `pools`.
+    fn release<D: DeviceMem>(&mut self, pools: &mut LogPools<D>) {
+        self.raw.release(&mut pools.raw);
+        for (c, pool) in [(&mut self.comp, &mut pools.comp), (&mut self.idx, &mut pools.idx)] {
+            if let (Some(c), Some(pool)) = (c, pool) {
+                c.kv.release(pool);
+                c.gate.release(pool);
+            }
+        }
+    }
+
+    /// The `(src, dst)` row pairs that log batch rows `first..first + len` (positions `p0..p0 + len`): the last
+    /// `cap` of them, each to slot `p % cap`.
+    fn slots(&self, first: usize, p0: usize, len: usize) -> impl Iterator<Item = (usize, usize)> + '_ {
+        (len.saturating_sub(self.cap)..len).map(move |j| (first + j, (p0 + j) % self.cap))
+    }
+
+    /// Records the logging of a run — batch rows `first..first + len` at positions `p0..` of the tick's raw KV
+    /// rows and compressor inputs — into `enc` (chunks of `pools`), and advances the held range. A run that does
+    /// not continue the log (after an upload or a gap) restarts it at `p0`. Returns the bytes copied on write
+    /// (whole chunks shared with a fork, at most two per input for a run shorter than a chunk).
+    #[allow(clippy::too_many_arguments)]
+    pub fn record<D: DeviceMem>(
+        &mut self,
+        ctx: &D,
+        enc: &mut D::Enc,
+        pools: &mut LogPools<D>,
+        src: &LogSources<'_, D>,
+        first: usize,
+        p0: usize,
+        len: usize,
+    ) -> Result<u64> {
+        let pairs: Vec<(usize, usize)> = self.slots(first, p0, len).collect();
+        let mut copied = self.raw.write(ctx, enc, &mut pools.raw, src.raw, &pairs)?;
+        for (dst, from, pool) in [(&mut self.comp, src.comp, &mut pools.comp), (&mut self.idx, src.idx, &mut pools.idx)]
+        {
+            if let (Some(d), Some((kv, gate)), Some(pool)) = (dst, from, pool.as_mut()) {
+                copied += d.kv.write(ctx, enc, pool, kv, &pairs)?;
+                copied += d.gate.write(ctx, enc, pool, gate, &pairs)?;
+            }
+        }
+        if self.end != p0 || self.start == self.end {
+            self.start = p0;
+        }
+        self.end = p0 + len;
+        self.start = self.start.max(self.end.saturating_sub(self.cap));
+        Ok(copied)
+    }
+
+    /// Smallest position this layer can be rolled back to at `pos` (the host rule: `L` needs `L − need..` held),
+    /// or `pos` when the log is not live there.
+    fn floor(&self, pos: usize, need: usize) -> usize {
+        if self.end != pos || self.start == self.end {
+            return pos;
+        }
+        if self.start == 0 {
+            0
+        } else {
+            (self.start + need).min(pos)
+        }
+    }
+}
+
+/// A layer's compressor `ape` tables on the device: `(main, indexer)`.
+pub type DevApes<'a, D> = (Option<&'a <D as DeviceMem>::Buf>, Option<&'a <D as DeviceMem>::Buf>);
+
+/// The tick tensors a [`LogDev::record`] copies from: raw KV rows and, where the layer has them, the main and
+/// indexer compressors' `(features, gates)`.
+pub struct LogSources<'a, D: DeviceMem> {
+    pub raw: &'a D::Buf,
+    pub comp: Option<(&'a D::Buf, &'a D::Buf)>,
+    pub idx: Option<(&'a D::Buf, &'a D::Buf)>,
+}
+
+/// The page pools of one layer: compressed rows, indexer rows (where the layer has them), and the roll-back
+/// logs' chunks (made at the first upload with a log).
+pub struct LayerPools<D: DeviceMem> {
+    pub comp: Option<PagePool<D>>,
+    pub idx: Option<PagePool<D>>,
+    pub log: Option<LogPools<D>>,
+}
+
+impl<D: DeviceMem> LayerPools<D> {
+    /// Every pool of the layer.
+    fn all(&self) -> impl Iterator<Item = &PagePool<D>> {
+        let log = self.log.as_ref();
+        [self.comp.as_ref(), self.idx.as_ref(), log.map(|l| &l.raw), log.and_then(|l| l.comp.as_ref())]
+            .into_iter()
+            .chain([log.and_then(|l| l.idx.as_ref())])
+            .flatten()
+    }
+}
+
+/// The chunk pools of one layer's roll-back logs ([`LOG_CHUNK_TOKENS`]-row pages): raw KV rows, and per
+/// compressor one pool holding both its feature and its gate chunks (same width).
+pub struct LogPools<D: DeviceMem> {
+    pub raw: PagePool<D>,
+    pub comp: Option<PagePool<D>>,
+    pub idx: Option<PagePool<D>>,
+}
+
+/// Every device mirror of a backend, by batch slot, and the page pools their row tables live in (see module docs).
+pub struct DevKv<D: DeviceMem> {
+    pub slots: HashMap<usize, SlotKv<D>>,
+    /// Per layer, made at the first upload (for that model: [`DevKv::clear`] before another).
+    pub pools: Vec<LayerPools<D>>,
+}
+
+impl<D: DeviceMem> Default for LayerPools<D> {
+    fn default() -> Self {
+        LayerPools { comp: None, idx: None, log: None }
+    }
+}
+
+impl<D: DeviceMem> Default for DevKv<D> {
+    fn default() -> Self {
+        DevKv { slots: HashMap::new(), pools: Vec::new() }
+    }
+}
+
+impl<D: DeviceMem> DevKv<D> {
+    /// The pools for a model of config `cfg`, made empty on first use.
+    pub fn pools(&mut self, ctx: &D, cfg: &ModelConfig) -> Result<&mut [LayerPools<D>]> {
+        if self.pools.len() != cfg.n_layers {
+            if self.pools.iter().flat_map(LayerPools::all).any(|p| p.live_pages() > 0) {
+                return Err(backend_err("device KV: the page pools hold another model's rows"));
+            }
+            let mut pools = Vec::with_capacity(cfg.n_layers);
+            for l in 0..cfg.n_layers {
+                let (kind, ratio) = (cfg.layer_kind(l), cfg.compress_ratios[l]);
+                let pool = |w: usize| PagePool::new(ctx, w, rows_per_page(ratio));
+                pools.push(LayerPools {
+                    comp: (kind != LayerKind::Window).then(|| pool(cfg.head_dim)).transpose()?,
+                    idx: (kind == LayerKind::Csa).then(|| pool(cfg.idx_head_dim)).transpose()?,
+                    log: None,
+                });
+            }
+            self.pools = pools;
+        }
+        Ok(&mut self.pools)
+    }
+
+    /// Puts mirror `m` at `slot`, releasing the pages of the mirror it replaces.
+    pub fn insert(&mut self, slot: usize, m: SlotKv<D>) {
+        if let Some(mut old) = self.slots.insert(slot, m) {
+            old.release(&mut self.pools);
+        }
+    }
+
+    /// Drops the mirror at `slot`, releasing its pages.
+    pub fn remove(&mut self, slot: usize) {
+        if let Some(mut old) = self.slots.remove(&slot) {
+            old.release(&mut self.pools);
+        }
+    }
+
+    /// Drops every mirror and pool.
+    pub fn clear(&mut self) {
+        self.slots.clear();
+        self.pools.clear();
+    }
+
+    /// `(live, shared)` pages over every pool, row pages and log chunks (shared: referenced by more than one
+    /// table).
+    pub fn pages(&self) -> (usize, usize) {
+        let pools = self.pools.iter().flat_map(LayerPools::all);
+        pools.fold((0, 0), |(l, s), p| (l + p.live_pages(), s + p.shared_pages()))
+    }
+}
+
+/// One layer of a device mirror.
+pub struct LayerDev<D: DeviceMem> {
+    pub ring: D::Buf,
+    /// Values in `ring` (`window · head_dim`).
+    pub ring_len: usize,
+    pub comp: Option<PageTable<D>>,
+    pub idx: Option<PageTable<D>>,
+    pub fcomp: Option<FrontDev<D>>,
+    pub fidx: Option<FrontDev<D>>,
+    /// Tokens this layer has processed (set by each attention op; `None` right after an upload).
+    pub pos: Option<usize>,
+    /// The roll-back log (see module docs); `None` when the backend keeps none.
+    pub log: Option<LogDev>,
+}
+
+/// The device mirror of one session (see module docs).
+pub struct SlotKv<D: DeviceMem> {
+    pub epoch: u64,
+    pub layers: Vec<LayerDev<D>>,
+}
+
+impl<D: DeviceMem> SlotKv<D> {
+    /// Uploads host state `kv` for a model with config `cfg` (rows into fresh pages of `pools`, copies recorded
+    /// into `enc`); checks the shapes. `log_tokens` (R) > 0 gives every layer an empty roll-back log of
+    /// `R + max(window, 2·ratio)` slots. On an error every page taken so far is released.
+    pub fn upload(
+        ctx: &D,
+        enc: &mut D::Enc,
+        cfg: &ModelConfig,
+        kv: &SessionKv,
+        log_tokens: usize,
+        pools: &mut [LayerPools<D>],
+    ) -> Result<SlotKv<D>> {
+        if kv.sync.host_stale {
+            return Err(backend_err("device KV: the host copy is stale and the device copy is gone"));
+        }
+        if kv.layers.len() != cfg.n_layers || pools.len() != cfg.n_layers {
+            return Err(backend_err(format!("device KV: {} layers, model has {}", kv.layers.len(), cfg.n_layers)));
+        }
+        let mut m = SlotKv { epoch: 0, layers: Vec::with_capacity(kv.layers.len()) };
+        match m.upload_layers(ctx, enc, cfg, kv, log_tokens, pools) {
+            Ok(()) => {
+                tracing::debug!(layers = m.layers.len(), "device: uploaded session KV");
+                Ok(m)
+            }
+            Err(e) => {
+                m.release(pools);
+                Err(e)
+            }
+        }
+    }
+
+    fn upload_layers(
+        &mut self,
+        ctx: &D,
+        enc: &mut D::Enc,
+        cfg: &ModelConfig,
+        kv: &SessionKv,
+        log_tokens: usize,
+        pools: &mut [LayerPools<D>],
+    ) -> Result<()> {
+        for (l, (lk, lp)) in kv.layers.iter().zip(pools.iter_mut()).enumerate() {
+            let kind = cfg.layer_kind(l);
+            let bad = |what: &str| backend_err(format!("device KV: layer {l}: {what}"));
+            if lk.ring.len() != cfg.window * cfg.head_dim {
+                return Err(bad("ring has the wrong size"));
+            }
+            let coff = if kind == LayerKind::Csa { 2 } else { 1 };
+            let ratio = cfg.compress_ratios[l];
+            let fits = |f: &Option<Frontier>, want: Option<(usize, usize)>| match (f, want) {
+                (None, None) => true,
+                (Some(f), Some((dim, coff))) => f.ratio == ratio && f.dim == dim && f.coff == coff,
+                _ => false,
+            };
+            let comp_want = (kind != LayerKind::Window).then_some((cfg.head_dim, coff));
+            let idx_want = (kind == LayerKind::Csa).then_some((cfg.idx_head_dim, 2));
+            if !fits(&lk.comp, comp_want) || !fits(&lk.idx, idx_want) {
+                return Err(bad("frontiers do not match the layer kind"));
+            }
+            let cw = (kind != LayerKind::Window).then_some(coff * cfg.head_dim);
+            let iw = (kind == LayerKind::Csa).then_some(2 * cfg.idx_head_dim);
+            if log_tokens > 0 && lp.log.is_none() {
+                let pool = |w: usize| PagePool::new(ctx, w, LOG_CHUNK_TOKENS);
+                lp.log = Some(LogPools {
+                    raw: pool(cfg.head_dim)?,
+                    comp: cw.map(pool).transpose()?,
+                    idx: iw.map(pool).transpose()?,
+                });
+            }
+            let log = (log_tokens > 0).then(|| LogDev::new(log_tokens + cfg.window.max(2 * ratio), cw, iw));
+            self.layers.push(LayerDev {
+                ring: ctx.upload_f32("ring", &lk.ring),
+                ring_len: lk.ring.len(),
+                comp: None,
+                idx: None,
+                fcomp: lk.comp.as_ref().map(|f| FrontDev::upload(ctx, f)).transpose()?,
+                fidx: lk.idx.as_ref().map(|f| FrontDev::upload(ctx, f)).transpose()?,
+                pos: None,
+                log,
+            });
+            let ld = self.layers.last_mut().ok_or_else(|| bad("vanished"))?;
+            for (dst, pool, rows) in
+                [(&mut ld.comp, &mut lp.comp, &lk.comp_rows), (&mut ld.idx, &mut lp.idx, &lk.idx_rows)]
+            {
+                match pool {
+                    Some(pool) => *dst = Some(PageTable::upload(ctx, enc, pool, &rows.to_vec())?),
+                    None if rows.rows() == 0 => {}
+                    None => return Err(bad("rows for a table the layer does not have")),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Returns every page and log chunk of this mirror to `pools` (the mirror is empty afterwards).
+    pub fn release(&mut self, pools: &mut [LayerPools<D>]) {
+        for (ld, lp) in self.layers.iter_mut().zip(pools.iter_mut()) {
+            if let (Some(mut log), Some(lpl)) = (ld.log.take(), lp.log.as_mut()) {
+                log.release(lpl);
+            }
+            for (t, pool) in [(&mut ld.comp, &mut lp.comp), (&mut ld.idx, &mut lp.idx)] {
+                if let (Some(mut t), Some(pool)) = (t.take(), pool.as_mut()) {
+                    t.release(pool);
+                }
+            }
+        }
+    }
+
+    /// [`SessionKv::bytes`] of the state this mirror holds.
+    pub fn bytes(&self) -> u64 {
+        let f = |f: &Option<FrontDev<D>>| f.as_ref().map_or(0, |f| 2 * f.ratio * f.coff * f.dim);
+        let r = |r: &Option<PageTable<D>>| r.as_ref().map_or(0, |r| r.rows * r.width);
+        let values: usize =
+            self.layers.iter().map(|l| l.ring_len + r(&l.comp) + r(&l.idx) + f(&l.fcomp) + f(&l.fidx)).sum();
+        (values * 4) as u64
+    }
+
+    /// Gives the session a fresh epoch: its host arrays are stale from now on.
+    pub fn stamp(&mut self, sync: &mut KvSync) {
+        self.epoch = next_epoch();
+        *sync = KvSync { epoch: self.epoch, host_stale: true, device_bytes: self.bytes() };
+    }
+
+    /// Rows `rows` of `table` in layer `layer`, read through its page table (pages in `pools`): for the row range
+    /// of a persist page this is exactly that page's row block for the layer (see module docs). Waits for the
+    /// device.
+    pub fn read_rows(
+        &self,
+        ctx: &D,
+        pools: &[LayerPools<D>],
+        layer: usize,
+        table: RowTable,
+        rows: std::ops::Range<usize>,
+    ) -> Result<Vec<f32>> {
+        let (ld, lp) = self
+            .layers
+            .get(layer)
+            .zip(pools.get(layer))
+            .ok_or_else(|| backend_err(format!("device KV: no layer {layer}")))?;
+        let (t, pool) = match table {
+            RowTable::Comp => (ld.comp.as_ref(), lp.comp.as_ref()),
+            RowTable::Idx => (ld.idx.as_ref(), lp.idx.as_ref()),
+        };
+        let (t, pool) =
+            t.zip(pool).ok_or_else(|| backend_err(format!("device KV: layer {layer} has no {table:?} rows")))?;
+        let mut enc = ctx.encoder();
+        let n = rows.len() * t.width;
+        let out = t.gather(ctx, &mut enc, pool, rows)?;
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        ctx.submit_read_f32(enc, &out, 0, n)
+    }
+
+    /// A copy of this mirror made on the device (recorded into `enc`; nothing goes through the host), with epoch 0
+    /// (give it one with [`SlotKv::stamp`]), and the bytes copied: the private tail — rings, frontiers; the row
+    /// tables share every page of `pools` and the roll-back logs every chunk (nothing of them is copied; see
+    /// [`super::pages`] on copy on write).
+    pub fn duplicate(&self, ctx: &D, enc: &mut D::Enc, pools: &mut [LayerPools<D>]) -> Result<(SlotKv<D>, u64)> {
+        if self.layers.iter().zip(pools.iter()).any(|(ld, lp)| ld.log.is_some() && lp.log.is_none()) {
+            return Err(backend_err("device KV: a roll-back log without its chunk pools"));
+        }
+        let mut c = Copier { ctx, enc, bytes: 0 };
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for (ld, lp) in self.layers.iter().zip(pools.iter_mut()) {
+            let (fcomp, fidx) = (c.front(&ld.fcomp), c.front(&ld.fidx));
+            let ring = c.dup(&ld.ring);
+            let (comp, idx) = (c.share(&ld.comp, &mut lp.comp), c.share(&ld.idx, &mut lp.idx));
+            let log = ld.log.as_ref().zip(lp.log.as_mut()).map(|(g, pools)| g.share(pools));
+            layers.push(LayerDev { ring, ring_len: ld.ring_len, comp, idx, fcomp, fidx, pos: ld.pos, log });
+        }
+        Ok((SlotKv { epoch: 0, layers }, c.bytes))
+    }
+
+    /// Smallest length this mirror (at `pos` tokens) can be rolled back to in place: the largest of its layers'
+    /// log floors, or `pos` when some layer has no live log.
+    pub fn rollback_floor(&self, cfg: &ModelConfig, pos: usize) -> usize {
+        let mut floor = 0;
+        for (l, ld) in self.layers.iter().enumerate() {
+            match &ld.log {
+                Some(log) if ld.pos == Some(pos) => {
+                    floor = floor.max(log.floor(pos, cfg.window.max(2 * cfg.compress_ratios[l])))
+                }
+                _ => return pos,
+            }
+        }
+        floor.min(pos)
+    }
+
+    /// Records into `enc` the roll back of this mirror from `pos` to `len` tokens (see module docs), when
+    /// `rollback_floor(cfg, pos) <= len <= pos`; else records nothing and returns false. `apes[l]` are layer
+    /// `l`'s compressor `ape` tables on the device (main, indexer); the row tables release their pages past the
+    /// new row counts into `pools`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rollback(
+        &mut self,
+        ctx: &D,
+        enc: &mut D::Enc,
+        cfg: &ModelConfig,
+        apes: &[DevApes<'_, D>],
+        pools: &mut [LayerPools<D>],
+        pos: usize,
+        len: usize,
+    ) -> Result<bool> {
+        let n = self.layers.len();
+        if len > pos || len < self.rollback_floor(cfg, pos) || apes.len() != n || pools.len() != n {
+            return Ok(false);
+        }
+        let (hd, window) = (cfg.head_dim, cfg.window);
+        for (l, (ld, lp)) in self.layers.iter_mut().zip(pools.iter_mut()).enumerate() {
+            let log = ld.log.as_mut().ok_or_else(|| backend_err("device KV: roll back without a log"))?;
+            let lpl = lp.log.as_ref().ok_or_else(|| backend_err("device KV: roll back without log chunk pools"))?;
+            let cap = log.cap;
+            // Ring slot s: the latest position below `len` in it, if any (else zero).
+            let mut pairs = Vec::with_capacity(window);
+            for s in 0..window {
+                match ((len + window - 1 - s) / window * window + s).checked_sub(window) {
+                    Some(p) => pairs.push((p % cap, s)),
+                    None => ctx.clear(enc, &ld.ring, (s * hd * 4) as u64, (hd * 4) as u64),
+                }
+            }
+            copy_rows(ctx, enc, &lpl.raw.buf, &ld.ring, &log.raw.reads(&lpl.raw, &pairs)?, hd);
+            let ratio = cfg.compress_ratios[l];
+            for (front, rows, pool, inputs, ape) in [
+                (&ld.fcomp, ld.comp.as_mut(), lp.comp.as_mut(), (&log.comp, &lpl.comp), apes[l].0),
+                (&ld.fidx, ld.idx.as_mut(), lp.idx.as_mut(), (&log.idx, &lpl.idx), apes[l].1),
+            ] {
+                let (Some(f), Some(rows), Some(pool), (Some(inputs), Some(chunks)), Some(ape)) =
+                    (front, rows, pool, inputs, ape)
+                else {
+                    continue;
+                };
+                rebuild_front(ctx, enc, f, (inputs, chunks), ape, cap, len)?;
+                rows.truncate(pool, len / ratio);
+            }
+            log.end = len;
+            ld.pos = Some(len);
+        }
+        Ok(true)
+    }
+
+    /// Copies the device state into `kv`'s host arrays (rows read through the page tables into `pools`; waits
+    /// for the device) and clears `host_stale`.
+    pub fn download(&self, ctx: &D, pools: &[LayerPools<D>], kv: &mut SessionKv) -> Result<()> {
+        if kv.layers.len() != self.layers.len() || pools.len() != self.layers.len() {
+            return Err(backend_err("device KV: layer count changed"));
+        }
+        for ((ld, lk), lp) in self.layers.iter().zip(kv.layers.iter_mut()).zip(pools) {
+            download_layer(ctx, ld, lp, lk)?;
+        }
+        kv.sync.host_stale = false;
+        Ok(())
+    }
+}
+
+/// The device-side copies of [`SlotKv::duplicate`], counting the bytes.
+struct Copier<'a, D: DeviceMem> {
+    ctx: &'a D,
+    enc: &'a mut D::Enc,
+    bytes: u64,
+}
+
+impl<D: DeviceMem> Copier<'_, D> {
+    fn dup(&mut self, b: &D::Buf) -> D::Buf {
+        let size = self.ctx.size(b);
+        let d = self.ctx.zeroed("kv copy", (size / 4) as usize);
+        self.ctx.copy(self.enc, b, 0, &d, 0, size);
+        self.bytes += size;
+        d
+    }
+
+    fn front(&mut self, f: &Option<FrontDev<D>>) -> Option<FrontDev<D>> {
+        let f = f.as_ref()?;
+        Some(FrontDev { kv: self.dup(&f.kv), gate: self.dup(&f.gate), ratio: f.ratio, dim: f.dim, coff: f.coff })
+    }
+
+    fn share(&mut self, t: &Option<PageTable<D>>, pool: &mut Option<PagePool<D>>) -> Option<PageTable<D>> {
+        Some(t.as_ref()?.share(self.ctx, self.enc, pool.as_mut()?))
+    }
+}
+
+fn download_layer<D: DeviceMem>(ctx: &D, ld: &LayerDev<D>, lp: &LayerPools<D>, lk: &mut LayerKv) -> Result<()> {
+    let pos = ld.pos;
+    lk.ring = ctx.read_f32(&ld.ring, 0, lk.ring.len())?;
+    for (rows, pool, host) in [(&ld.comp, &lp.comp, &mut lk.comp_rows), (&ld.idx, &lp.idx, &mut lk.idx_rows)] {
+        if let (Some(r), Some(pool)) = (rows, pool) {
+            host.clear();
+            if r.rows > 0 {
+                let mut enc = ctx.encoder();
+                let all = r.gather(ctx, &mut enc, pool, 0..r.rows)?;
+                host.extend_from_slice(&ctx.submit_read_f32(enc, &all, 0, r.rows * r.width)?);
+            }
+        }
+    }
+    for (fd, host) in [(&ld.fcomp, &mut lk.comp), (&ld.fidx, &mut lk.idx)] {
+        if let (Some(fd), Some(h)) = (fd, host.as_mut()) {
+            let pos = pos.ok_or_else(|| backend_err("device KV: frontier position unknown"))?;
+            *h = fd.download(ctx, pos)?;
+        }
+    }
+    Ok(())
+}
+
+/// Records the rebuild of frontier `f` as it is after the first `len` tokens from the logged `inputs` (slots of a
+/// `cap`-token log, chunks in the given pool) and the compressor's `ape` (the host `Frontier::rebuild`, on the device): pending slot `j` takes
+/// the block of `len` when `j < len % ratio`, else the previous block's row (zero before the first block); CSA's
+/// carried rows take the previous complete block (zero before it). Gates get `ape` added back with the push's add.
+fn rebuild_front<D: DeviceMem>(
+    ctx: &D,
+    enc: &mut D::Enc,
+    f: &FrontDev<D>,
+    (inputs, chunks): (&LogComp, &PagePool<D>),
+    ape: &D::Buf,
+    cap: usize,
+    len: usize,
+) -> Result<()> {
+    let (m, w) = (f.ratio, f.coff * f.dim);
+    let (blocks, np) = (len / m, len % m);
+    let row_bytes = (w * 4) as u64;
+    // (log slot, frontier row) pairs; rows not listed are cleared.
+    let mut pairs = Vec::with_capacity(2 * m);
+    for j in 0..m {
+        let p = if j < np { Some(blocks * m + j) } else { blocks.checked_sub(1).map(|b| b * m + j) };
+        match p {
+            Some(p) => pairs.push((p % cap, m + j)),
+            None => {
+                for b in [&f.kv, &f.gate] {
+                    ctx.clear(enc, b, (m + j) as u64 * row_bytes, row_bytes);
+                }
+            }
+        }
+    }
+    // Pending rows that got a logged row are 0..np, or all of them once a block is complete.
+    let pending = if blocks > 0 { m } else { np };
+    if f.coff == 2 {
+        if blocks > 0 {
+            pairs.extend((0..m).map(|j| (((blocks - 1) * m + j) % cap, j)));
+        } else {
+            for b in [&f.kv, &f.gate] {
+                ctx.clear(enc, b, 0, m as u64 * row_bytes);
+            }
+        }
+    }
+    copy_rows(ctx, enc, &chunks.buf, &f.kv, &inputs.kv.reads(chunks, &pairs)?, w);
+    copy_rows(ctx, enc, &chunks.buf, &f.gate, &inputs.gate.reads(chunks, &pairs)?, w);
+    if pending > 0 {
+        ctx.add_ape(enc, &f.gate, m * w, pending, w, ape, 0, m)?;
+    }
+    if f.coff == 2 && blocks > 0 {
+        ctx.add_ape(enc, &f.gate, 0, m, w, ape, 0, m)?;
+    }
+    Ok(())
+}
+
+/// The layer's page tables, fork and roll back on the mock device ([`super::mock`]), against the host tables'
+/// rules ([`crate::tables::kv`]): the same token inputs drive a host [`SessionKv`] and a device mirror (log
+/// records, ring stores, frontier pushes with `ape`, emitted rows appended), and every download must equal the
+/// host state, after steps, after a fork stepped apart from its parent, and after roll backs.
+#[cfg(test)]
+mod tests {
+    use super::super::mock::MockDevice;
+    use super::*;
+    use crate::model::Model;
+    use crate::tables::kv::LayerApes;
+
+    /// A deterministic input value.
+    fn val(seed: u64, p: usize, l: usize, what: u64, i: usize) -> f32 {
+        let mut h = seed ^ (p as u64) << 20 ^ (l as u64) << 40 ^ what << 50 ^ i as u64;
+        h = h.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        ((h >> 40) % 2001) as f32 / 1000.0 - 1.0
+    }
+
+    struct Inputs {
+        raw: Vec<f32>,
+        /// `(kv, gate)` of the main and the indexer compressor (where the layer has them).
+        comp: Option<(Vec<f32>, Vec<f32>)>,
+        idx: Option<(Vec<f32>, Vec<f32>)>,
+    }
+
+    fn inputs(cfg: &ModelConfig, kv: &SessionKv, seed: u64, p: usize, l: usize) -> Inputs {
+        let v = |what: u64, n: usize| (0..n).map(|i| val(seed, p, l, what, i)).collect::<Vec<_>>();
+        let lk = &kv.layers[l];
+        let pair = |f: &Option<Frontier>, a: u64| f.as_ref().map(|f| (v(a, f.coff * f.dim), v(a + 1, f.coff * f.dim)));
+        Inputs { raw: v(0, cfg.head_dim), comp: pair(&lk.comp, 1), idx: pair(&lk.idx, 3) }
+    }
+
+    /// The row a compressor emits at the end of the block ending at `p` (any values: the layer only stores it).
+    fn emitted(p: usize, l: usize, idx: bool, dim: usize) -> Vec<f32> {
+        (0..dim).map(|i| val(7, p, l, 9 + idx as u64, i)).collect()
+    }
+
+    /// One token on the host: log, ring, frontier push (gate + ape), emitted row, CSA carry.
+    fn step_host(cfg: &ModelConfig, kv: &mut SessionKv, apes: &[LayerApes<'_>], seed: u64, p: usize) {
+        #[allow(clippy::needless_range_loop)] // `l` also seeds the inputs
+        for l in 0..cfg.n_layers {
+            let x = inputs(cfg, kv, seed, p, l);
+            let lk = &mut kv.layers[l];
+            let (c, i) = (x.comp.as_ref(), x.idx.as_ref());
+            lk.log.record(p, &x.raw, c.map(|c| (&c.0[..], &c.1[..])), i.map(|c| (&c.0[..], &c.1[..])));
+            let hd = cfg.head_dim;
+            let s = p % cfg.window;
+            lk.ring[s * hd..(s + 1) * hd].copy_from_slice(&x.raw);
+            for (f, rows, inp, ape, idx) in [
+                (&mut lk.comp, &mut lk.comp_rows, c, apes[l].0, false),
+                (&mut lk.idx, &mut lk.idx_rows, i, apes[l].1, true),
+            ] {
+                let (Some(f), Some((kvi, gi)), Some(ape)) = (f.as_mut(), inp, ape) else { continue };
+                let (m, w, dim) = (f.ratio, f.coff * f.dim, f.dim);
+                let j = p % m;
+                f.pending_kv[j * w..(j + 1) * w].copy_from_slice(kvi);
+                for c in 0..w {
+                    f.pending_gate[j * w + c] = gi[c] + ape[j * w + c];
+                }
+                f.n_pending = j + 1;
+                if j + 1 == m {
+                    rows.push(&emitted(p, l, idx, dim));
+                    f.n_pending = 0;
+                    if f.coff == 2 {
+                        for b in 0..m {
+                            f.prev_kv[b * dim..(b + 1) * dim].copy_from_slice(&f.pending_kv[b * w..b * w + dim]);
+                            f.prev_gate[b * dim..(b + 1) * dim].copy_from_slice(&f.pending_gate[b * w..b * w + dim]);
+                        }
+                        f.has_prev = true;
+                    }
+                }
+            }
+        }
+    }
+
+    type MockApes = Vec<(Option<<MockDevice as DeviceMem>::Buf>, Option<<MockDevice as DeviceMem>::Buf>)>;
+
+    /// The same token on the device mirror `m`, with the layer's operations only.
+    #[allow(clippy::too_many_arguments)]
+    fn step_dev(
+        dev: &MockDevice,
+        cfg: &ModelConfig,
+        host: &SessionKv,
+        m: &mut SlotKv<MockDevice>,
+        pools: &mut [LayerPools<MockDevice>],
+        apes: &MockApes,
+        seed: u64,
+        p: usize,
+    ) -> u64 {
+        let mut enc = dev.encoder();
+        let mut copied = 0;
+        for l in 0..cfg.n_layers {
+            let x = inputs(cfg, host, seed, p, l);
+            let up = |v: &Option<(Vec<f32>, Vec<f32>)>| {
+                v.as_ref().map(|(a, b)| (dev.upload_f32("kv", a), dev.upload_f32("gate", b)))
+            };
+            let (raw, c, i) = (dev.upload_f32("raw", &x.raw), up(&x.comp), up(&x.idx));
+            let (ld, lp) = (&mut m.layers[l], &mut pools[l]);
+            let src =
+                LogSources { raw: &raw, comp: c.as_ref().map(|(a, b)| (a, b)), idx: i.as_ref().map(|(a, b)| (a, b)) };
+            let log = ld.log.as_mut().expect("a log");
+            copied += log.record(dev, &mut enc, lp.log.as_mut().expect("log pools"), &src, 0, p, 1).unwrap();
+            copy_rows(dev, &mut enc, &raw, &ld.ring, &[(0, p % cfg.window)], cfg.head_dim);
+            for (f, rows, pool, inp, ape, idx) in [
+                (&ld.fcomp, ld.comp.as_mut(), lp.comp.as_mut(), &c, &apes[l].0, false),
+                (&ld.fidx, ld.idx.as_mut(), lp.idx.as_mut(), &i, &apes[l].1, true),
+            ] {
+                let (Some(f), Some(rows), Some(pool), Some((kvb, gb)), Some(ape)) = (f, rows, pool, inp, ape) else {
+                    continue;
+                };
+                let (m, w) = (f.ratio, f.coff * f.dim);
+                let j = p % m;
+                copy_rows(dev, &mut enc, kvb, &f.kv, &[(0, m + j)], w);
+                copy_rows(dev, &mut enc, gb, &f.gate, &[(0, m + j)], w);
+                dev.add_ape(&mut enc, &f.gate, (m + j) * w, 1, w, ape, j, m).unwrap();
+                if j + 1 == m {
+                    let row = dev.upload_f32("row", &emitted(p, l, idx, f.dim));
+                    copied += rows.append(dev, &mut enc, pool, &row, 0, 1).unwrap();
+                    if f.coff == 2 {
+                        let hop = dev.temp(m * w);
+                        for b in [&f.kv, &f.gate] {
+                            dev.copy(&mut enc, b, (m * w * 4) as u64, &hop, 0, (m * w * 4) as u64);
+                            dev.copy(&mut enc, &hop, 0, b, 0, (m * w * 4) as u64);
+                        }
+                    }
+                }
+            }
+            ld.pos = Some(p + 1);
+        }
+        dev.submit(enc).unwrap();
+        copied
+    }
+
+    /// Asserts the device mirror downloads to `want`'s state.
+    fn same(
+        dev: &MockDevice,
+        cfg: &ModelConfig,
+        m: &SlotKv<MockDevice>,
+        pools: &[LayerPools<MockDevice>],
+        want: &SessionKv,
+        what: &str,
+    ) {
+        let mut got = SessionKv::new(cfg, 4096);
+        m.download(dev, pools, &mut got).unwrap();
+        for (l, (g, w)) in got.layers.iter().zip(&want.layers).enumerate() {
+            assert!(g.ring == w.ring, "{what}: layer {l} ring");
+            assert!(g.comp_rows.to_vec() == w.comp_rows.to_vec(), "{what}: layer {l} compressed rows");
+            assert!(g.idx_rows.to_vec() == w.idx_rows.to_vec(), "{what}: layer {l} indexer rows");
+            assert!(g.comp == w.comp, "{what}: layer {l} compressor frontier");
+            assert!(g.idx == w.idx, "{what}: layer {l} indexer frontier");
+        }
+    }
+
+    #[test]
+    fn steps_fork_and_roll_back_match_the_host_tables() {
+        let model =
+            Model::load(crate::gguf::GgufFile::from_bytes(crate::convert::demo::demo_model_gguf(7).unwrap()).unwrap())
+                .unwrap();
+        let cfg = &model.config;
+        assert!((0..cfg.n_layers).any(|l| cfg.layer_kind(l) == LayerKind::Csa), "a CSA layer is exercised");
+        let host_apes: Vec<LayerApes<'_>> = model
+            .layers
+            .iter()
+            .map(|l| {
+                let ape = |id| model.dense(id);
+                (l.compressor.as_ref().map(|c| ape(c.ape)), l.indexer.as_ref().map(|i| ape(i.comp.ape)))
+            })
+            .collect();
+        let dev = MockDevice::new(None);
+        let dev_apes: MockApes = host_apes
+            .iter()
+            .map(|(a, b)| (a.map(|a| dev.upload_f32("ape", a)), b.map(|b| dev.upload_f32("ape", b))))
+            .collect();
+        let (ctx, r) = (4096, 40);
+        let mut host = SessionKv::new(cfg, ctx);
+        host.enable_log(cfg, ctx, r);
+        let mut dk = DevKv::<MockDevice>::default();
+        let mut enc = dev.encoder();
+        let pools = dk.pools(&dev, cfg).unwrap();
+        let mirror = SlotKv::upload(&dev, &mut enc, cfg, &host, r, pools).unwrap();
+        dev.submit(enc).unwrap();
+        dk.insert(0, mirror);
+        let n = 100;
+        {
+            let DevKv { slots, pools } = &mut dk;
+            let m = slots.get_mut(&0).unwrap();
+            for p in 0..n {
+                step_host(cfg, &mut host, &host_apes, 1, p);
+                assert_eq!(step_dev(&dev, cfg, &host, m, pools, &dev_apes, 1, p), 0, "nothing shared yet");
+            }
+            same(&dev, cfg, m, pools, &host, "after the steps");
+            assert_eq!(m.rollback_floor(cfg, n), host.rollback_floor(cfg, n));
+        }
+        // Fork: rows and log chunks shared, only the rings and frontiers copied.
+        let (live, _) = dk.pages();
+        let before = dev.copied_bytes();
+        let mut enc = dev.encoder();
+        let DevKv { slots, pools } = &mut dk;
+        let (fork, bytes) = slots[&0].duplicate(&dev, &mut enc, pools).unwrap();
+        dev.submit(enc).unwrap();
+        let tail: u64 = slots[&0]
+            .layers
+            .iter()
+            .map(|l| {
+                let f = |f: &Option<FrontDev<MockDevice>>| f.as_ref().map_or(0, |f| 2 * 2 * f.ratio * f.coff * f.dim);
+                ((l.ring_len + f(&l.fcomp) + f(&l.fidx)) * 4) as u64
+            })
+            .sum();
+        assert_eq!(bytes, tail, "a fork copies the rings and frontiers only");
+        let ids: usize = slots[&0]
+            .layers
+            .iter()
+            .map(|l| l.comp.as_ref().map_or(0, |t| t.ids.len()) + l.idx.as_ref().map_or(0, |t| t.ids.len()))
+            .sum();
+        assert_eq!(dev.copied_bytes() - before, tail + 4 * ids as u64, "besides them, only page ids: no KV row");
+        dk.insert(1, fork);
+        let (live2, shared) = dk.pages();
+        assert_eq!((live2, shared), (live, live), "every page and log chunk shared, none allocated");
+        // Parent and fork step apart: copy on write keeps each one's rows.
+        let mut host_fork = host.fork();
+        let DevKv { slots, pools } = &mut dk;
+        let mut cow = 0;
+        for p in n..n + 7 {
+            step_host(cfg, &mut host, &host_apes, 1, p);
+            step_host(cfg, &mut host_fork, &host_apes, 2, p);
+            cow += step_dev(&dev, cfg, &host, slots.get_mut(&0).unwrap(), pools, &dev_apes, 1, p);
+            cow += step_dev(&dev, cfg, &host_fork, slots.get_mut(&1).unwrap(), pools, &dev_apes, 2, p);
+        }
+        assert!(cow > 0, "the first writes into shared pages and chunks copied them");
+        same(&dev, cfg, &slots[&0], pools, &host, "parent after the fork");
+        same(&dev, cfg, &slots[&1], pools, &host_fork, "fork");
+        // Roll backs: the fork to several lengths, down to its floor; below it, nothing changes.
+        let mut pos = n + 7;
+        let floor = slots[&1].rollback_floor(cfg, pos);
+        assert_eq!(floor, host_fork.rollback_floor(cfg, pos));
+        assert!(floor > 0 && floor < n, "{floor}");
+        let below = floor - 1;
+        let apes: Vec<_> = dev_apes.iter().map(|(a, b)| (a.as_ref(), b.as_ref())).collect();
+        let mut enc = dev.encoder();
+        assert!(!slots.get_mut(&1).unwrap().rollback(&dev, &mut enc, cfg, &apes, pools, pos, below).unwrap());
+        assert!(enc.is_empty(), "a refused roll back records nothing");
+        dev.submit(enc).unwrap();
+        for len in [pos - 1, n + 2, n - 3, floor] {
+            let mut enc = dev.encoder();
+            assert!(slots.get_mut(&1).unwrap().rollback(&dev, &mut enc, cfg, &apes, pools, pos, len).unwrap());
+            dev.submit(enc).unwrap();
+            assert!(host_fork.rollback(cfg, &host_apes, pos, len));
+            same(&dev, cfg, &slots[&1], pools, &host_fork, &format!("fork rolled back to {len}"));
+            pos = len;
+        }
+        // The fork goes on from its roll back; the parent is untouched.
+        for p in pos..pos + 5 {
+            step_host(cfg, &mut host_fork, &host_apes, 3, p);
+            step_dev(&dev, cfg, &host_fork, slots.get_mut(&1).unwrap(), pools, &dev_apes, 3, p);
+        }
+        same(&dev, cfg, &slots[&1], pools, &host_fork, "fork stepped after its roll back");
+        same(&dev, cfg, &slots[&0], pools, &host, "parent");
+        dk.remove(1);
+        dk.remove(0);
+        assert_eq!(dk.pages(), (0, 0), "releasing both mirrors returns every page and chunk");
+        assert_eq!(dev.pending(), 0, "every encoder was submitted");
+    }
+}

@@ -1,0 +1,82 @@
+//! Residency: where each tensor's current value is during a run with a fallback backend, and the copies that
+//! keep it where the next node runs (see [`super`]'s docs).
+
+use super::exec_err;
+use crate::backend::{Backend, StepCtx};
+use crate::graph::{BufId, Op};
+use crate::Result;
+
+/// Where each tensor's current value is during a run with a fallback backend (see the module docs).
+#[derive(Debug, Default)]
+pub(super) struct Residency {
+    /// Per tensor ([`BufId::index`]): bit 0 set when the primary backend holds the current value, bit 1 the
+    /// fallback; 0 before the tick writes it.
+    valid: Vec<u8>,
+    /// Host staging of one copied tensor.
+    host: Vec<f32>,
+    /// Copies inserted by the last run.
+    pub(super) copies: usize,
+}
+
+/// The two backends of a run (the fallback, if any, as host fallback or forced placement).
+#[derive(Clone, Copy)]
+pub(super) struct Pair<'a> {
+    pub(super) primary: &'a dyn Backend,
+    pub(super) fallback: Option<&'a dyn Backend>,
+}
+
+impl Pair<'_> {
+    /// The backend of side `s` (0 primary, 1 fallback).
+    pub(super) fn side(&self, s: usize) -> Result<&dyn Backend> {
+        match s {
+            0 => Ok(self.primary),
+            _ => self.fallback.ok_or_else(|| exec_err("a node is placed on the fallback, but none is given")),
+        }
+    }
+}
+
+impl Residency {
+    /// Starts a tick over `nbuf` tensors: only the KV pages have a value, and they live with the primary backend.
+    pub(super) fn begin(&mut self, nbuf: usize) {
+        self.valid.clear();
+        self.valid.resize(nbuf, 0);
+        self.valid[BufId::FIXED..].fill(1);
+        self.copies = 0;
+    }
+
+    /// Makes the current value of every input of `op` present on side `s`, copying from the other side where it
+    /// is not.
+    pub(super) fn inputs_on(&mut self, op: &Op, s: usize, be: Pair<'_>, cx: &mut StepCtx<'_>) -> Result<()> {
+        let bit = 1u8 << s;
+        let mut need = [None; 8];
+        let mut n = 0;
+        op.inputs(|b| {
+            if n < need.len() && !need[..n].contains(&Some(b)) {
+                need[n] = Some(b);
+                n += 1;
+            }
+        });
+        for b in need[..n].iter().flatten() {
+            let v = self.valid[b.index()];
+            if v == 0 || v & bit != 0 {
+                continue;
+            }
+            let width = b.host_width(&cx.model.config).ok_or_else(|| {
+                exec_err(format!("{} needs {b:?} on the other backend, and it has no host layout", op.name()))
+            })?;
+            self.host.clear();
+            self.host.resize(cx.batch.rows.len() * width, 0.0);
+            be.side(1 - s)?.download(*b, cx, &mut self.host)?;
+            be.side(s)?.upload(*b, cx, &self.host)?;
+            self.valid[b.index()] |= bit;
+            self.copies += 1;
+        }
+        Ok(())
+    }
+
+    /// Records that `op` ran on side `s`: what it wrote now lives there only.
+    pub(super) fn wrote(&mut self, op: &Op, s: usize) {
+        let valid = &mut self.valid;
+        op.access(|_| {}, |b| valid[b.index()] = 1 << s);
+    }
+}
