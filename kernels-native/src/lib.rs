@@ -13,6 +13,7 @@
 //! [`OVERRIDES`].
 
 pub mod cpu;
+pub mod cuda_kernels;
 
 /// The shape of a node as the placement sees it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
