@@ -13,6 +13,9 @@
 //! [`OVERRIDES`].
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod cuda_host;
 pub mod cuda_kernels;
 
 /// The shape of a node as the placement sees it.

@@ -41,7 +41,7 @@ struct Barrier {
 
 struct Warp {
     Barrier bar;
-    uint64_t slots[32] = {};
+    uint64_t slots[2][32] = {};
 };
 
 struct Launch {
@@ -52,13 +52,17 @@ struct Launch {
 
 Launch* g_launch = nullptr;
 thread_local unsigned tl_linear = 0;
+thread_local unsigned tl_phase = 0;
 std::mutex g_launch_mutex;
 
 }  // namespace
 
 void sync_block() { g_launch->block_bar.wait(); }
 void sync_warp() { g_launch->warps[tl_linear / 32]->bar.wait(); }
-uint64_t* warp_slots() { return g_launch->warps[tl_linear / 32]->slots; }
+uint64_t* warp_slots() {
+    tl_phase ^= 1;
+    return g_launch->warps[tl_linear / 32]->slots[tl_phase];
+}
 
 void launch(dim3 grid, dim3 block, void (*body)(void*), void* ctx) {
     std::lock_guard<std::mutex> guard(g_launch_mutex);
@@ -82,6 +86,7 @@ void launch(dim3 grid, dim3 block, void (*body)(void*), void* ctx) {
     for (unsigned i = 0; i < nt; ++i) {
         threads.emplace_back([&, i] {
             tl_linear = i;
+            tl_phase = 0;
             tl_thread = {i % block.x, (i / block.x) % block.y, i / (block.x * block.y)};
             for (unsigned z = 0; z < grid.z; ++z)
                 for (unsigned y = 0; y < grid.y; ++y)

@@ -4,7 +4,7 @@
 // Model: a launch runs its CTAs one after another on blockDim.x·y·z OS threads (one per CUDA thread, created once
 // per launch); all of them pass a barrier between CTAs, so `__shared__` (a function-local `static`) is private to
 // the running CTA. `__syncthreads` is a barrier over the CTA's threads; warp shuffles exchange values through a
-// per-warp slot array between two barriers over the warp's 32 threads, so every lane of a warp must call each
+// per-warp slot array and one barrier over the warp's 32 threads, so every lane of a warp must call each
 // shuffle (the same rule as the device's full-mask shuffles). Launches are serialised by a global mutex (tests run
 // in parallel threads). dp4a, vsub4, popc and the _rn float intrinsics are plain C with the same results; build
 // with -ffp-contract=off so that no a·b + c is fused unless written as fmaf.
@@ -46,7 +46,9 @@ extern dim3 g_block_dim, g_grid_dim;
 
 void sync_block();
 void sync_warp();
-// The calling thread's exchange slot array (32 slots of 8 bytes) of its warp.
+// The calling thread's exchange slots for its next shuffle: two arrays of 32 slots per warp, used in turn, so
+// one barrier per shuffle suffices (a lane can only come back to an array after every lane has passed the next
+// barrier, i.e. has read it).
 uint64_t* warp_slots();
 
 template <class T>
@@ -61,7 +63,6 @@ inline T shfl_xor(T v, int lane_mask) {
     T r;
     const uint64_t other = slots[(lane ^ (unsigned)lane_mask) & 31];
     std::memcpy(&r, &other, sizeof(T));
-    sync_warp();
     return r;
 }
 
