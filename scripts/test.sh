@@ -62,10 +62,11 @@ log "cargo fmt --check"
 cargo fmt --all -- --check
 log "cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings
-cargo clippy -p ds4-kernels-native --features cuda --all-targets -- -D warnings
+cargo clippy -p ds4-kernels-native -p ds4-bench --features ds4-kernels-native/cuda,ds4-bench/cuda --all-targets -- -D warnings
 
 log "cargo build (release binaries for the end-to-end tests)"
-cargo build --release -p ds4-engine -p ds4-cli -p ds4-server -p ds4-bench
+# ds4-bench with `cuda` (builds without CUDA): the binary scripts/gpu-check.sh runs on a GPU machine.
+cargo build --release -p ds4-engine -p ds4-cli -p ds4-server -p ds4-bench --features ds4-bench/cuda
 
 log "cargo test"
 cargo test --workspace

@@ -219,7 +219,10 @@ impl CudaDevice {
     }
 
     fn push(&mut self, s: CudaSlice<u8>) -> BufId {
-        let (ptr, _sync) = s.device_ptr(&self.stream);
+        let ptr = {
+            let (ptr, _sync) = s.device_ptr(&self.stream);
+            ptr
+        };
         self.bufs.push(Some((s, ptr)));
         BufId(self.bufs.len() as u32 - 1)
     }
