@@ -48,13 +48,25 @@ if [ -d tests/python ]; then
   $PY -m pip install -q --disable-pip-version-check openai anthropic pytest prometheus-client websocket-client >/dev/null
 fi
 
+# The CUDA compile check (kernels-native/tests/cuda_compile.rs; no GPU needed): NVRTC and ptxas from PyPI wheels,
+# pinned to CUDA 13.0 (13.5's PTX ISA is refused by the 580 drivers we can borrow), ~330 MB, installed once.
+CUDA_WHEELS_DIR="${DS4_CACHE_DIR:-$HOME/.cache/ds4}/cuda-wheels-13.0.88"
+if [ ! -x "$CUDA_WHEELS_DIR/nvidia/cu13/bin/ptxas" ] || [ ! -e "$CUDA_WHEELS_DIR/nvidia/cu13/lib/libnvrtc.so.13" ]; then
+  log "installing the CUDA compile-check wheels (NVRTC, ptxas) into $CUDA_WHEELS_DIR"
+  $PY -m pip install -q --disable-pip-version-check --no-deps --upgrade --target "$CUDA_WHEELS_DIR" \
+    nvidia-cuda-nvrtc==13.0.88 nvidia-cuda-nvcc==13.0.88 >/dev/null
+fi
+export DS4_CUDA_WHEELS="$CUDA_WHEELS_DIR/nvidia/cu13"
+
 log "cargo fmt --check"
 cargo fmt --all -- --check
 log "cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings
+cargo clippy -p ds4-kernels-native -p ds4-bench --features ds4-kernels-native/cuda,ds4-bench/cuda --all-targets -- -D warnings
 
 log "cargo build (release binaries for the end-to-end tests)"
-cargo build --release -p ds4-engine -p ds4-cli -p ds4-server -p ds4-bench
+# ds4-bench with `cuda` (builds without CUDA): the binary scripts/gpu-check.sh runs on a GPU machine.
+cargo build --release -p ds4-engine -p ds4-cli -p ds4-server -p ds4-bench --features ds4-bench/cuda
 
 log "cargo test"
 cargo test --workspace

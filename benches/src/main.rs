@@ -16,6 +16,8 @@
 
 mod blocks;
 mod correctness;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod engine_api;
 mod kernels;
 mod kvbench;
@@ -112,6 +114,10 @@ enum Cmd {
     /// beyond tolerance).
     #[command(after_help = correctness::TOLERANCES)]
     Correctness(CorrectnessArgs),
+    /// CUDA kernels on the GPU (feature `cuda`): copy bandwidth, each kernel checked against the CPU on tiny and
+    /// Flash shapes, µs, GB/s and the fraction of the copy bandwidth (non-zero exit on disagreement or no GPU).
+    #[cfg(feature = "cuda")]
+    Cuda(cuda::CudaArgs),
 }
 
 #[derive(Args, Debug)]
@@ -621,6 +627,8 @@ fn main() -> ExitCode {
         Some(Cmd::Membw(a)) => run_membw(a),
         Some(Cmd::Kv(a)) => run_kv(a),
         Some(Cmd::Correctness(a)) => run_correctness(a),
+        #[cfg(feature = "cuda")]
+        Some(Cmd::Cuda(a)) => cuda::run(a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

@@ -16,6 +16,10 @@
 //! [`NativeKernel`] variant, which the hosting backend's `run_native` then learns once.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod cuda_host;
+pub mod cuda_kernels;
 pub mod key;
 
 pub use key::{BackendKind, ExpertLayout, NodeKey, OpKind, Pattern, ShapeClass, UnknownBackend, WeightType};

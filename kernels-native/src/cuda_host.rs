@@ -1,0 +1,411 @@
+//! The CUDA backend's host-side logic over an abstract device: which launches an op issues, with which buffers
+//! and arguments, after checking every buffer size against the shapes. [`Device`] is the seam: the real device
+//! (`crate::cuda::CudaDevice`, feature `cuda`) implements it with cudarc, and [`MockDevice`] records launches
+//! and buffer sizes so the sequencing is tested without a GPU (in CI). The compiled-module cache key
+//! ([`module_cache_name`]) lives here for the same reason.
+//!
+//! Ops and their launches (kernels in `kernels-native/cuda`, geometry from [`Plan`]):
+//! - [`matvec`]: quantize the activations once (Q8_0 or Q8_K, skipped for F16), then one product launch per
+//!   group of 1–8 rows of the batch (one launch for a decode tick of up to 8 sessions);
+//! - [`moe_decode`]: quantize x, one gate + up + SwiGLU launch over every selected expert (expert ids and route
+//!   weights read on the device), quantize h, one down + sum launch: four launches per MoE layer whatever the
+//!   number of experts used.
+
+use std::fmt;
+
+use crate::cuda_kernels::{ActFormat, Plan, PlanError, WeightType};
+
+/// A device buffer, as the host plans see it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct BufId(pub u32);
+
+/// One kernel argument.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Arg {
+    /// A buffer's device address.
+    Buf(BufId),
+    /// A null pointer (optional inputs such as the route weights).
+    Null,
+    I32(i32),
+    I64(i64),
+    F32(f32),
+}
+
+/// What a device call can fail with.
+#[derive(Debug)]
+pub enum DeviceError {
+    /// The shapes do not fit the kernels.
+    Plan(PlanError),
+    /// A buffer is missing or has the wrong size.
+    Buffer(String),
+    /// The device or driver failed (message from the driver).
+    Driver(String),
+}
+
+impl fmt::Display for DeviceError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DeviceError::Plan(e) => write!(f, "{e}"),
+            DeviceError::Buffer(s) => write!(f, "cuda buffer: {s}"),
+            DeviceError::Driver(s) => write!(f, "cuda driver: {s}"),
+        }
+    }
+}
+
+impl std::error::Error for DeviceError {}
+
+impl From<PlanError> for DeviceError {
+    fn from(e: PlanError) -> Self {
+        DeviceError::Plan(e)
+    }
+}
+
+/// Device memory and launches, as the host plans need them.
+pub trait Device {
+    /// A zeroed buffer of `bytes` bytes.
+    fn alloc(&mut self, bytes: usize) -> Result<BufId, DeviceError>;
+    /// A buffer holding `data`.
+    fn upload(&mut self, data: &[u8]) -> Result<BufId, DeviceError>;
+    /// The buffer's contents.
+    fn download(&mut self, buf: BufId) -> Result<Vec<u8>, DeviceError>;
+    /// The buffer's size in bytes (`None` for an unknown buffer).
+    fn size(&self, buf: BufId) -> Option<usize>;
+    /// Queues one launch of `plan.kernel` with `args` in the kernel's parameter order.
+    fn launch(&mut self, plan: &Plan, args: &[Arg]) -> Result<(), DeviceError>;
+}
+
+fn need(dev: &dyn Device, buf: BufId, bytes: usize, what: &str) -> Result<(), DeviceError> {
+    match dev.size(buf) {
+        Some(s) if s >= bytes => Ok(()),
+        Some(s) => Err(DeviceError::Buffer(format!("{what} holds {s} bytes, needs {bytes}"))),
+        None => Err(DeviceError::Buffer(format!("{what}: unknown buffer {buf:?}"))),
+    }
+}
+
+fn i32v(v: usize, what: &str) -> Result<i32, DeviceError> {
+    i32::try_from(v).map_err(|_| DeviceError::Buffer(format!("{what} = {v} exceeds 32 bits")))
+}
+
+/// Quantized activations of up to `values` values in the dq layout (`cuda/blocks.cuh`): quants, scales and, for
+/// Q8_K, block sums.
+#[derive(Clone, Copy, Debug)]
+pub struct ActBufs {
+    pub q: BufId,
+    pub d: BufId,
+    pub bs: BufId,
+    pub values: usize,
+}
+
+impl ActBufs {
+    /// Buffers for `values` values in either format (sized for the larger: Q8_0's scales, Q8_K's sums).
+    pub fn new(dev: &mut dyn Device, values: usize) -> Result<Self, DeviceError> {
+        Ok(ActBufs {
+            q: dev.alloc(values)?,
+            d: dev.alloc(values.div_ceil(32) * 4)?,
+            bs: dev.alloc(values.div_ceil(16) * 4)?,
+            values,
+        })
+    }
+}
+
+/// Quantizes `n` f32 values of `x` into `acts` (one launch).
+pub fn quantize(dev: &mut dyn Device, act: ActFormat, x: BufId, n: usize, acts: &ActBufs) -> Result<(), DeviceError> {
+    let plan = Plan::quantize(act, n)?;
+    if n > acts.values {
+        return Err(DeviceError::Buffer(format!("activation buffers hold {} values, {n} given", acts.values)));
+    }
+    need(dev, x, n * 4, "quantize input")?;
+    let nb = i32v(n / act.block_values(), "blocks")?;
+    let args: Vec<Arg> = match act {
+        ActFormat::Q8_0 => vec![Arg::Buf(x), Arg::Buf(acts.q), Arg::Buf(acts.d), Arg::I32(nb)],
+        _ => vec![Arg::Buf(x), Arg::Buf(acts.q), Arg::Buf(acts.d), Arg::Buf(acts.bs), Arg::I32(nb)],
+    };
+    dev.launch(&plan, &args)
+}
+
+/// A weight matrix on the device: `rows × cols` values of `ty`.
+#[derive(Clone, Copy, Debug)]
+pub struct Matrix {
+    pub buf: BufId,
+    pub ty: WeightType,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+/// `y[t] = W · x[t]` for `ntok` f32 rows of `x` (`y`: `ntok × rows` f32).
+pub fn matvec(
+    dev: &mut dyn Device,
+    w: &Matrix,
+    x: BufId,
+    ntok: usize,
+    acts: &ActBufs,
+    y: BufId,
+) -> Result<(), DeviceError> {
+    let plan = Plan::matvec(w.ty, w.rows, w.cols, ntok)?;
+    let row_bytes = w.ty.row_bytes(w.cols).unwrap_or(0);
+    need(dev, w.buf, w.rows * row_bytes, "weights")?;
+    need(dev, x, ntok * w.cols * 4, "x")?;
+    need(dev, y, ntok * w.rows * 4, "y")?;
+    let (rows, cols, nt) = (i32v(w.rows, "rows")?, i32v(w.cols, "cols")?, i32v(ntok, "ntok")?);
+    if w.ty == WeightType::F16 {
+        return dev
+            .launch(&plan, &[Arg::Buf(w.buf), Arg::Buf(x), Arg::Buf(y), Arg::I32(rows), Arg::I32(cols), Arg::I32(nt)]);
+    }
+    let act = w.ty.act();
+    quantize(dev, act, x, ntok * w.cols, acts)?;
+    let bs = if act == ActFormat::Q8K { Arg::Buf(acts.bs) } else { Arg::Null };
+    dev.launch(
+        &plan,
+        &[
+            Arg::Buf(w.buf),
+            Arg::Buf(acts.q),
+            Arg::Buf(acts.d),
+            bs,
+            Arg::Buf(y),
+            Arg::I32(rows),
+            Arg::I32(cols),
+            Arg::I32(nt),
+        ],
+    )
+}
+
+/// A layer's routed experts on the device: `n_experts` stacked matrices each (gate and up `ffn × d_model` of
+/// `up_ty`, down `d_model × ffn` of `down_ty`; Flash's 2-bit file: IQ2_XXS and Q2_K).
+#[derive(Clone, Copy, Debug)]
+pub struct Experts {
+    pub gate: BufId,
+    pub up: BufId,
+    pub down: BufId,
+    pub up_ty: WeightType,
+    pub down_ty: WeightType,
+    pub n_experts: usize,
+    pub d_model: usize,
+    pub ffn: usize,
+}
+
+/// Where the route weights are applied in [`moe_decode`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RouteWeightAt {
+    /// In the SwiGLU (h is already weighted).
+    SwiGlu,
+    /// In the sum over experts (as the CPU backend's combine).
+    Sum,
+}
+
+/// The decode MoE of `ntok` tokens: `out[t] = Σ_j rw[t][j] · down_e(swiglu(gate_e·x_t, up_e·x_t))` over the
+/// `n_used` experts `e = ids[t][j]` (`ids`: i32, `rw`: f32, both `ntok × n_used` on the device), in four launches.
+/// `h` is f32 scratch of `ntok × n_used × ffn`; `acts` must hold `max(d_model, n_used · ffn) · ntok` values.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_decode(
+    dev: &mut dyn Device,
+    ex: &Experts,
+    x: BufId,
+    ids: BufId,
+    rw: BufId,
+    n_used: usize,
+    ntok: usize,
+    at: RouteWeightAt,
+    acts: &ActBufs,
+    h: BufId,
+    out: BufId,
+) -> Result<(), DeviceError> {
+    let up_plan = Plan::moe_gate_up(ex.up_ty, ex.ffn, ex.d_model, n_used, ntok)?;
+    let down_plan = Plan::moe_down_sum(ex.down_ty, ex.d_model, ex.ffn, ntok)?;
+    let (gr, dr) = (ex.up_ty.row_bytes(ex.d_model).unwrap_or(0), ex.down_ty.row_bytes(ex.ffn).unwrap_or(0));
+    let (up_bytes, down_bytes) = (ex.ffn * gr, ex.d_model * dr);
+    need(dev, ex.gate, ex.n_experts * up_bytes, "gate experts")?;
+    need(dev, ex.up, ex.n_experts * up_bytes, "up experts")?;
+    need(dev, ex.down, ex.n_experts * down_bytes, "down experts")?;
+    need(dev, x, ntok * ex.d_model * 4, "x")?;
+    need(dev, ids, ntok * n_used * 4, "expert ids")?;
+    need(dev, rw, ntok * n_used * 4, "route weights")?;
+    need(dev, h, ntok * n_used * ex.ffn * 4, "h")?;
+    need(dev, out, ntok * ex.d_model * 4, "out")?;
+    let (ne, nu) = (i32v(ex.n_experts, "experts")?, i32v(n_used, "experts used")?);
+    let (d, f) = (i32v(ex.d_model, "d_model")?, i32v(ex.ffn, "ffn")?);
+    let (rw_up, rw_down) = match at {
+        RouteWeightAt::SwiGlu => (Arg::Buf(rw), Arg::Null),
+        RouteWeightAt::Sum => (Arg::Null, Arg::Buf(rw)),
+    };
+    quantize(dev, ActFormat::Q8K, x, ntok * ex.d_model, acts)?;
+    dev.launch(
+        &up_plan,
+        &[
+            Arg::Buf(ex.gate),
+            Arg::Buf(ex.up),
+            Arg::I64(up_bytes as i64),
+            Arg::I32(ne),
+            Arg::Buf(acts.q),
+            Arg::Buf(acts.d),
+            Arg::Buf(acts.bs),
+            Arg::Buf(ids),
+            rw_up,
+            Arg::Buf(h),
+            Arg::I32(f),
+            Arg::I32(d),
+            Arg::I32(nu),
+            Arg::F32(SWIGLU_LIMIT),
+        ],
+    )?;
+    quantize(dev, ActFormat::Q8K, h, ntok * n_used * ex.ffn, acts)?;
+    dev.launch(
+        &down_plan,
+        &[
+            Arg::Buf(ex.down),
+            Arg::I64(down_bytes as i64),
+            Arg::I32(ne),
+            Arg::Buf(acts.q),
+            Arg::Buf(acts.d),
+            Arg::Buf(acts.bs),
+            Arg::Buf(ids),
+            rw_down,
+            Arg::Buf(out),
+            Arg::I32(d),
+            Arg::I32(f),
+            Arg::I32(nu),
+        ],
+    )
+}
+
+/// DeepSeek V4 Flash's SwiGLU clamp (gate ≤ 10, up in [−10, 10]).
+pub const SWIGLU_LIMIT: f32 = 10.0;
+
+/// The file name of a compiled module in the disk cache: device name, compute capability, NVRTC version and the
+/// source hash (`cuda_kernels::source_hash`), so a new driver, card or kernel source never loads a stale
+/// module. Characters other than ASCII letters, digits, `-`, `_` and `.` in the device name become `_`.
+pub fn module_cache_name(device: &str, cc: (i32, i32), nvrtc: (i32, i32), source_hash: u64) -> String {
+    let dev: String =
+        device.chars().map(|c| if c.is_ascii_alphanumeric() || "-_.".contains(c) { c } else { '_' }).collect();
+    format!("ds4-{dev}-sm{}{}-nvrtc{}.{}-{source_hash:016x}.cubin", cc.0, cc.1, nvrtc.0, nvrtc.1)
+}
+
+/// One recorded launch: the kernel name, its grid and block, and its arguments.
+pub type Launch = (String, [u32; 3], [u32; 3], Vec<Arg>);
+
+/// A device that keeps buffers in host memory and records launches without running them: for testing the host
+/// plans' sequencing and checks.
+#[derive(Debug, Default)]
+pub struct MockDevice {
+    pub bufs: Vec<Vec<u8>>,
+    /// Every launch: the kernel name, its grid and block, and its arguments.
+    pub launches: Vec<Launch>,
+}
+
+impl Device for MockDevice {
+    fn alloc(&mut self, bytes: usize) -> Result<BufId, DeviceError> {
+        self.bufs.push(vec![0; bytes]);
+        Ok(BufId(self.bufs.len() as u32 - 1))
+    }
+    fn upload(&mut self, data: &[u8]) -> Result<BufId, DeviceError> {
+        self.bufs.push(data.to_vec());
+        Ok(BufId(self.bufs.len() as u32 - 1))
+    }
+    fn download(&mut self, buf: BufId) -> Result<Vec<u8>, DeviceError> {
+        self.bufs.get(buf.0 as usize).cloned().ok_or_else(|| DeviceError::Buffer(format!("unknown {buf:?}")))
+    }
+    fn size(&self, buf: BufId) -> Option<usize> {
+        self.bufs.get(buf.0 as usize).map(Vec::len)
+    }
+    fn launch(&mut self, plan: &Plan, args: &[Arg]) -> Result<(), DeviceError> {
+        if let Some(Arg::Buf(b)) = args.iter().find(|a| matches!(a, Arg::Buf(b) if self.size(*b).is_none())) {
+            return Err(DeviceError::Buffer(format!("launch of {} with unknown {b:?}", plan.kernel)));
+        }
+        self.launches.push((plan.kernel.to_string(), plan.dims.grid, plan.dims.block, args.to_vec()));
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(d: &MockDevice) -> Vec<&str> {
+        d.launches.iter().map(|l| l.0.as_str()).collect()
+    }
+
+    #[test]
+    fn matvec_quantizes_once_then_multiplies() {
+        let mut d = MockDevice::default();
+        let w = Matrix { buf: d.alloc(64 * 2 * 34).unwrap(), ty: WeightType::Q8_0, rows: 64, cols: 64 };
+        let x = d.alloc(5 * 64 * 4).unwrap();
+        let y = d.alloc(5 * 64 * 4).unwrap();
+        let acts = ActBufs::new(&mut d, 5 * 64).unwrap();
+        matvec(&mut d, &w, x, 5, &acts, y).unwrap();
+        assert_eq!(names(&d), ["ds4_quantize_q8_0", "ds4_matvec_q8_0_b4"]);
+        assert_eq!(d.launches[1].1, [8, 2, 1], "two groups of up to four rows");
+        assert_eq!(d.launches[1].3[3], Arg::Null, "Q8_0 has no block sums");
+
+        let mut d = MockDevice::default();
+        let w = Matrix { buf: d.alloc(8 * 64 * 2).unwrap(), ty: WeightType::F16, rows: 8, cols: 64 };
+        let (x, y) = (d.alloc(64 * 4).unwrap(), d.alloc(8 * 4).unwrap());
+        let acts = ActBufs::new(&mut d, 64).unwrap();
+        matvec(&mut d, &w, x, 1, &acts, y).unwrap();
+        assert_eq!(names(&d), ["ds4_matvec_f16_b1"], "f16 takes f32 activations");
+    }
+
+    #[test]
+    fn moe_decode_is_four_launches_with_the_weights_where_asked() {
+        let (ne, dm, ffn, nu, nt) = (8usize, 512usize, 256usize, 6usize, 2usize);
+        let setup = |down_bytes: usize| {
+            let mut d = MockDevice::default();
+            let ex = Experts {
+                gate: d.alloc(ne * ffn * 2 * 66).unwrap(),
+                up: d.alloc(ne * ffn * 2 * 66).unwrap(),
+                down: d.alloc(down_bytes).unwrap(),
+                up_ty: WeightType::Iq2Xxs,
+                down_ty: WeightType::Q2K,
+                n_experts: ne,
+                d_model: dm,
+                ffn,
+            };
+            // x, ids, rw, h, out
+            let b =
+                [nt * dm * 4, nt * nu * 4, nt * nu * 4, nt * nu * ffn * 4, nt * dm * 4].map(|n| d.alloc(n).unwrap());
+            let acts = ActBufs::new(&mut d, nt * nu * ffn).unwrap();
+            (d, ex, b, acts)
+        };
+        for at in [RouteWeightAt::Sum, RouteWeightAt::SwiGlu] {
+            let (mut d, ex, [x, ids, rw, h, out], acts) = setup(ne * dm * 84);
+            moe_decode(&mut d, &ex, x, ids, rw, nu, nt, at, &acts, h, out).unwrap();
+            assert_eq!(
+                names(&d),
+                ["ds4_quantize_q8_k", "ds4_moe_gate_up_iq2_xxs", "ds4_quantize_q8_k", "ds4_moe_down_sum_q2_k"]
+            );
+            assert_eq!(d.launches[1].1, [32, nu as u32, nt as u32]);
+            let (up_rw, down_rw) = (d.launches[1].3[8], d.launches[3].3[7]);
+            match at {
+                RouteWeightAt::Sum => assert_eq!((up_rw, down_rw), (Arg::Null, Arg::Buf(rw))),
+                RouteWeightAt::SwiGlu => assert_eq!((up_rw, down_rw), (Arg::Buf(rw), Arg::Null)),
+            }
+            // A short buffer is an error before anything is launched.
+            let (mut d, ex, [x, ids, rw, h, out], acts) = setup(ne * dm * 84 - 1);
+            let err = moe_decode(&mut d, &ex, x, ids, rw, nu, nt, at, &acts, h, out).unwrap_err();
+            assert!(err.to_string().contains("down experts"), "{err}");
+            assert!(d.launches.is_empty());
+        }
+    }
+
+    #[test]
+    fn bad_shapes_and_buffers_are_errors_not_panics() {
+        let mut d = MockDevice::default();
+        let w = Matrix { buf: d.alloc(100).unwrap(), ty: WeightType::Q4K, rows: 4, cols: 256 };
+        let (x, y) = (d.alloc(1024).unwrap(), d.alloc(16).unwrap());
+        let acts = ActBufs::new(&mut d, 256).unwrap();
+        assert!(matvec(&mut d, &w, x, 1, &acts, y).is_err(), "weights too short");
+        let w = Matrix { buf: d.alloc(4 * 144).unwrap(), ty: WeightType::Q4K, rows: 4, cols: 256 };
+        assert!(matvec(&mut d, &w, x, 2, &acts, y).is_err(), "x too short for two rows");
+        assert!(matvec(&mut d, &Matrix { cols: 100, ..w }, x, 1, &acts, y).is_err(), "partial block");
+        assert!(matvec(&mut d, &Matrix { buf: BufId(99), ..w }, x, 1, &acts, y).is_err(), "unknown buffer");
+        matvec(&mut d, &w, x, 1, &acts, y).unwrap();
+    }
+
+    #[test]
+    fn cache_names_separate_devices_versions_and_sources() {
+        let a = module_cache_name("NVIDIA H100 80GB HBM3", (9, 0), (13, 0), 0xabc);
+        assert_eq!(a, "ds4-NVIDIA_H100_80GB_HBM3-sm90-nvrtc13.0-0000000000000abc.cubin");
+        assert_ne!(a, module_cache_name("NVIDIA H100 80GB HBM3", (9, 0), (13, 0), 0xabd));
+        assert_ne!(a, module_cache_name("NVIDIA H100 80GB HBM3", (12, 0), (13, 0), 0xabc));
+        assert_ne!(a, module_cache_name("NVIDIA H100 80GB HBM3", (9, 0), (13, 1), 0xabc));
+        assert!(!module_cache_name("../x/y", (9, 0), (13, 0), 1).contains('/'));
+    }
+}
