@@ -113,7 +113,7 @@ pub fn fill(ty: GgmlType, buf: &mut [u8], amp: f32, rng: &mut Rng) {
                 for (k, &(off, mult)) in fields.iter().enumerate() {
                     // A scale in [0.5, 1.0) * amp / mult, so blocks differ but none is degenerate.
                     // Never below the smallest normal half: real checkpoints' scales are normal, and a subnormal
-                    // one costs some engines a denormal assist per block (benches/README.md), which would make a
+                    // one costs some engines a denormal assist per block (benches/results/2026-12-01.md), which would make a
                     // written file unfair to them.
                     let frac = 0.5 + ((r >> (k * 16)) & 0xffff) as f32 / 131072.0;
                     let d = f16::from_f32((frac * amp / mult).max(MIN_NORMAL_SCALE));
