@@ -53,13 +53,25 @@ cargo fmt --all -- --check
 log "cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings
 
+log "cargo clippy (the server's test build, feature test-model)"
+cargo clippy -p ds4-server --features test-model --all-targets -- -D warnings
+
 log "cargo build (release binaries for the end-to-end tests)"
+# The scripted test model's server first: building it relinks nothing but ds4-test-server, and the production
+# ds4-server built after it carries no test-model flags (checked below).
+cargo build --release -p ds4-server --features test-model --bin ds4-test-server
 cargo build --release -p ds4-engine -p ds4-cli -p ds4-server -p ds4-bench
+if target/release/ds4-server --help | grep -q -- '--fake'; then
+  echo "the release ds4-server offers test-model options:" >&2
+  target/release/ds4-server --help | grep -- '--fake' >&2
+  exit 1
+fi
 
 log "cargo test"
 cargo test --workspace
 
 if [ -d tests/python ]; then
   log "Python SDK tests"
-  DS4_SERVER_BIN="$PWD/target/release/ds4-server" $PY -m pytest -q tests/python
+  DS4_SERVER_BIN="$PWD/target/release/ds4-server" DS4_TEST_SERVER_BIN="$PWD/target/release/ds4-test-server" \
+    $PY -m pytest -q tests/python
 fi

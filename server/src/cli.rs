@@ -58,13 +58,24 @@ pub struct Args {
     /// Request body limit in MiB (413 above).
     #[arg(long, default_value_t = 32)]
     pub max_body_mb: usize,
+    /// Memory in MiB that all requests' bodies and prompts being tokenized may take together (past it a request
+    /// waits up to --request-memory-wait-s, then gets 503 with Retry-After).
+    #[arg(long, default_value_t = 256)]
+    pub request_memory_mb: usize,
+    /// Seconds a request waits for room in --request-memory-mb before it is answered 503.
+    #[arg(long, default_value_t = 10)]
+    pub request_memory_wait_s: u64,
     /// Serve the deterministic scripted test model instead of a real one (for client/SDK tests; see README).
+    /// Test builds only (feature `test-model`).
+    #[cfg(feature = "test-model")]
     #[arg(long)]
     pub fake_model: bool,
     /// Scripted turns for --fake-model (JSON or JSON Lines; see README "Fake model").
+    #[cfg(feature = "test-model")]
     #[arg(long, requires = "fake_model")]
     pub fake_script: Option<PathBuf>,
     /// Milliseconds the fake model sleeps per step (a slow model, for keep-alive and cancellation tests).
+    #[cfg(feature = "test-model")]
     #[arg(long, default_value_t = 0, requires = "fake_model")]
     pub fake_delay_ms: u64,
     /// Seconds between SSE keep-alives while nothing visible is sent (queue wait, prefill, hidden reasoning).

@@ -283,6 +283,14 @@ impl Codec for EngineCodec {
     fn eos_tokens(&self) -> Vec<u32> {
         vec![self.tok.eos()]
     }
+
+    fn bos(&self) -> Option<u32> {
+        Some(self.tok.bos())
+    }
+
+    fn token_bytes(&self, id: u32) -> Vec<u8> {
+        self.tok.token_bytes(id).map(<[u8]>::to_vec).unwrap_or_default()
+    }
 }
 
 struct Decoder(StreamDecoder);

@@ -233,6 +233,23 @@ def test_anthropic_tool_round_trip_and_count_tokens(ant):
     assert n == m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0)
 
 
+def test_tokenize_and_detokenize_through_the_sdk(oai):
+    """The llama-server / vLLM helpers, through the SDK's raw POST: a chat request's prompt length is what
+    `/v1/tokenize` counts for the same messages, and detokenize gives the text back."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "count my tokens"}]
+    tok = oai.post("/tokenize", body={"model": MODEL, "messages": messages}, cast_to=object)
+    assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == 4096
+    c = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0)
+    assert c.usage.prompt_tokens == tok["count"]
+    text = "Hello, wörld — 你好"
+    ids = oai.post("/tokenize", body={"content": text}, cast_to=object)["tokens"]
+    assert all(isinstance(i, int) for i in ids)
+    back = oai.post("/detokenize", body={"tokens": ids}, cast_to=object)
+    assert back["content"] == text and back["prompt"] == text
+    with pytest.raises(openai.BadRequestError):
+        oai.post("/detokenize", body={"tokens": [-1]}, cast_to=object)
+
+
 def test_errors_through_the_sdks(oai, ant):
     with pytest.raises(openai.NotFoundError):
         oai.chat.completions.create(model="llama-3", messages=[{"role": "user", "content": "x"}])
