@@ -70,6 +70,19 @@ fi
 log "cargo test"
 cargo test --workspace
 
+log "library examples: a custom scheduler and a cross-backend check on the golden model"
+GOLDEN=../shared/golden/tiny-a
+if [ ! -d "$GOLDEN" ]; then
+  if [ "${CI:-}" = true ]; then echo "missing $GOLDEN" >&2; exit 1; fi
+  GOLDEN=""   # outside CI without ../shared: the built-in demo model
+fi
+cargo run -q -p ds4-engine --example scheduler -- $GOLDEN
+cargo run -q -p ds4-engine --example cross_backend -- $GOLDEN
+
+log "cargo doc (library crates, warnings are errors)"
+RUSTDOCFLAGS="-D warnings" cargo doc -q --no-deps -p ds4-engine -p ds4-kv -p ds4-server -p ds4-kernels-native \
+  -p ds4-shaders-wgsl
+
 if [ -d tests/python ]; then
   log "Python SDK tests"
   DS4_SERVER_BIN="$PWD/target/release/ds4-server" DS4_TEST_SERVER_BIN="$PWD/target/release/ds4-test-server" \
