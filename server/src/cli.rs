@@ -99,7 +99,7 @@ pub struct Args {
     /// Seconds to receive a whole request body (408 after).
     #[arg(long, default_value_t = 60)]
     pub body_timeout_s: u64,
-    /// Extra names accepted in the Host header besides localhost, 127.0.0.1, [::1], IP addresses and --host
+    /// Extra names accepted in the Host header besides localhost, 127.0.0.1, ::1, IP addresses and --host
     /// (repeatable; `*` accepts any).
     #[arg(long = "allowed-host")]
     pub allowed_hosts: Vec<String>,
