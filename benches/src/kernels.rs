@@ -31,7 +31,7 @@ use anyhow::{bail, Context, Result};
 use ds4_engine::quant::GgmlType;
 use indicatif::ProgressBar;
 
-use crate::blocks::{self, Rng};
+use crate::blocks::{self, SplitMix64};
 use crate::{membw, par};
 
 /// The CSV header of the kernels report.
@@ -373,7 +373,7 @@ pub fn run_case(k: &dyn Kernels, case: &Case, opts: &Options, pb: &ProgressBar) 
     let mut w = vec![0u8; bytes];
     blocks::fill_par(case.ty, &mut w, 1.0, 0x5eed ^ case.ty.id() as u64, opts.threads);
     let w = &w[..];
-    let mut rng = Rng::new(99);
+    let mut rng = SplitMix64::new(99);
 
     pb.set_message(format!("{label}: memory bandwidth"));
     let bw = membw::measure(w, opts.threads, opts.min_passes, opts.budget, || pb.inc(1));
@@ -502,7 +502,7 @@ pub fn run_moe(k: &dyn Kernels, opts: &Options, pb: &ProgressBar) -> Result<Opti
     let (gu, down) = buf.split_at(2 * experts * gate_bytes);
     let (gate, up) = gu.split_at(experts * gate_bytes);
     let w = MoeWeights { gate_ty: c.ty, down_ty: MOE_DOWN, d, ffn, gate, up, down };
-    let mut rng = Rng::new(7);
+    let mut rng = SplitMix64::new(7);
     let x: Vec<f32> = (0..d).map(|_| rng.next_sym() * 0.1).collect();
     let mut y = vec![0f32; d];
     let sel = |t: usize| std::array::from_fn::<usize, MOE_USED, _>(|j| t * MOE_USED + j);

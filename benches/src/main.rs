@@ -342,7 +342,7 @@ fn run_throughput(a: &RunArgs) -> Result<()> {
     // The roofline's denominator, measured before the model takes the memory.
     let bw_bytes = if quick { 4 << 20 } else { kernels::default_working_set(m.llc_bytes) as usize };
     let mut buf = vec![0u8; bw_bytes];
-    blocks::Rng::new(1).fill_bytes(&mut buf);
+    blocks::SplitMix64::new(1).fill_bytes(&mut buf);
     let passes = if quick { 1 } else { 3 };
     let bw = membw::measure(&buf, threads, passes, Duration::from_millis(if quick { 0 } else { 400 }), || {});
     drop(buf);

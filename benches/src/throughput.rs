@@ -24,7 +24,7 @@ use anyhow::{bail, Result};
 use ds4_engine::engine::{argmax, Engine};
 use indicatif::ProgressBar;
 
-use crate::blocks::Rng;
+use crate::blocks::SplitMix64;
 
 /// The CSV header (the reference engine's).
 pub const CSV_HEADER: &str = "ctx_tokens,prefill_tokens,prefill_tps,gen_tokens,gen_tps,kvcache_bytes";
@@ -134,7 +134,7 @@ fn warm_up(engine: &mut Engine, tokens: &[u32]) -> Result<()> {
 
 /// Deterministic pseudo-random prompt of `n` token ids below `vocab`.
 pub fn prompt(n: usize, vocab: usize) -> Vec<u32> {
-    let mut rng = Rng::new(0x70_6b);
+    let mut rng = SplitMix64::new(0x70_6b);
     (0..n).map(|_| (rng.next_u64() % vocab.max(1) as u64) as u32).collect()
 }
 
