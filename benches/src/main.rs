@@ -262,7 +262,7 @@ fn run_kernels(a: &KernelsArgs) -> Result<()> {
     let m = machine::Machine::detect();
     let threads = a.common.threads();
     let quick = a.common.quick;
-    let opts = kernels::Options {
+    let opts = kernels::KernelOptions {
         threads,
         working_set: if quick {
             4 << 20
@@ -328,7 +328,7 @@ fn run_throughput(a: &RunArgs) -> Result<()> {
         return Ok(());
     }
     let quick = a.common.quick;
-    let opts = throughput::Options {
+    let opts = throughput::ThroughputOptions {
         ctx_start: if quick { 8 } else { a.ctx_start },
         ctx_max: if quick { 16 } else { a.ctx_max },
         step: if quick { 8 } else { a.step },
@@ -498,7 +498,7 @@ fn run_kv(a: &KvArgs) -> Result<()> {
     };
     writeln!(out, "# store: {} (span {span} tokens)", dir.display())?;
     pb.set_position(0);
-    let opts = kvbench::Options { lengths, span, dir };
+    let opts = kvbench::KvOptions { lengths, span, dir };
     let rows = kvbench::run(&mut engine, &opts, &mut out, &pb)?;
     pb.finish_and_clear();
     if let Some(p) = &a.plot {
