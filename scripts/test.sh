@@ -64,14 +64,39 @@ log "cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings
 cargo clippy -p ds4-kernels-native -p ds4-bench --features ds4-kernels-native/cuda,ds4-bench/cuda --all-targets -- -D warnings
 
+log "cargo clippy (the server's test build, feature test-model)"
+cargo clippy -p ds4-server --features test-model --all-targets -- -D warnings
+
 log "cargo build (release binaries for the end-to-end tests)"
+# The scripted test model's server first: building it relinks nothing but ds4-test-server, and the production
+# ds4-server built after it carries no test-model flags (checked below).
+cargo build --release -p ds4-server --features test-model --bin ds4-test-server
 # ds4-bench with `cuda` (builds without CUDA): the binary scripts/gpu-check.sh runs on a GPU machine.
 cargo build --release -p ds4-engine -p ds4-cli -p ds4-server -p ds4-bench --features ds4-bench/cuda
+if target/release/ds4-server --help | grep -q -- '--fake'; then
+  echo "the release ds4-server offers test-model options:" >&2
+  target/release/ds4-server --help | grep -- '--fake' >&2
+  exit 1
+fi
 
 log "cargo test"
 cargo test --workspace
 
+log "library examples: a custom scheduler and a cross-backend check on the golden model"
+GOLDEN=../shared/golden/tiny-a
+if [ ! -d "$GOLDEN" ]; then
+  if [ "${CI:-}" = true ]; then echo "missing $GOLDEN" >&2; exit 1; fi
+  GOLDEN=""   # outside CI without ../shared: the built-in demo model
+fi
+cargo run -q -p ds4-engine --example scheduler -- $GOLDEN
+cargo run -q -p ds4-engine --example cross_backend -- $GOLDEN
+
+log "cargo doc (library crates, warnings are errors)"
+RUSTDOCFLAGS="-D warnings" cargo doc -q --no-deps -p ds4-engine -p ds4-kv -p ds4-server -p ds4-kernels-native \
+  -p ds4-shaders-wgsl
+
 if [ -d tests/python ]; then
   log "Python SDK tests"
-  DS4_SERVER_BIN="$PWD/target/release/ds4-server" $PY -m pytest -q tests/python
+  DS4_SERVER_BIN="$PWD/target/release/ds4-server" DS4_TEST_SERVER_BIN="$PWD/target/release/ds4-test-server" \
+    $PY -m pytest -q tests/python
 fi

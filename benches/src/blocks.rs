@@ -16,12 +16,12 @@ use crate::par;
 
 /// A small, fast PRNG (xorshift64*); not for anything but benchmark data.
 #[derive(Clone, Debug)]
-pub struct Rng(u64);
+pub struct SplitMix64(u64);
 
-impl Rng {
+impl SplitMix64 {
     /// A generator from a seed (0 is remapped, xorshift has no zero state).
-    pub fn new(seed: u64) -> Rng {
-        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    pub fn new(seed: u64) -> SplitMix64 {
+        SplitMix64(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
     }
 
     /// The next 64 random bits.
@@ -82,7 +82,7 @@ fn scale_fields(ty: GgmlType) -> &'static [(usize, f32)] {
 ///
 /// Panics if `ty` is not [`supported`] or `buf.len()` is not a multiple of the block size; both are programming
 /// errors of the caller (the benchmark picks its types and sizes).
-pub fn fill(ty: GgmlType, buf: &mut [u8], amp: f32, rng: &mut Rng) {
+pub fn fill(ty: GgmlType, buf: &mut [u8], amp: f32, rng: &mut SplitMix64) {
     assert!(supported(ty), "blocks::fill: unsupported type {ty}");
     let bb = ty.block_bytes();
     assert_eq!(buf.len() % bb, 0, "blocks::fill: {} bytes is not whole {ty} blocks", buf.len());
@@ -113,7 +113,7 @@ pub fn fill(ty: GgmlType, buf: &mut [u8], amp: f32, rng: &mut Rng) {
                 for (k, &(off, mult)) in fields.iter().enumerate() {
                     // A scale in [0.5, 1.0) * amp / mult, so blocks differ but none is degenerate.
                     // Never below the smallest normal half: real checkpoints' scales are normal, and a subnormal
-                    // one costs some engines a denormal assist per block (benches/README.md), which would make a
+                    // one costs some engines a denormal assist per block (benches/results/2026-12-01.md), which would make a
                     // written file unfair to them.
                     let frac = 0.5 + ((r >> (k * 16)) & 0xffff) as f32 / 131072.0;
                     let d = f16::from_f32((frac * amp / mult).max(MIN_NORMAL_SCALE));
@@ -137,7 +137,7 @@ pub fn fill_par(ty: GgmlType, buf: &mut [u8], amp: f32, seed: u64, threads: usiz
             let (part, tail) = std::mem::take(&mut rest).split_at_mut(r.end - consumed);
             rest = tail;
             consumed = r.end;
-            s.spawn(move || fill(ty, part, amp, &mut Rng::new(seed.wrapping_add(i as u64))));
+            s.spawn(move || fill(ty, part, amp, &mut SplitMix64::new(seed.wrapping_add(i as u64))));
         }
     });
 }
@@ -152,7 +152,7 @@ mod tests {
 
     #[test]
     fn scale_fields_are_finite_and_bounded() {
-        let mut rng = Rng::new(7);
+        let mut rng = SplitMix64::new(7);
         for ty in [GgmlType::Q8_0, GgmlType::Q2K, GgmlType::Q4K, GgmlType::Iq2Xxs] {
             let mut buf = vec![0u8; ty.block_bytes() * 50];
             fill(ty, &mut buf, 0.5, &mut rng);
@@ -170,7 +170,7 @@ mod tests {
     #[test]
     fn tiny_amplitudes_still_give_normal_scales() {
         // amp / multiplier far below f16's normal range: every scale is clamped to a normal half.
-        let mut rng = Rng::new(3);
+        let mut rng = SplitMix64::new(3);
         for ty in [GgmlType::Q8_0, GgmlType::Q2K, GgmlType::Q4K, GgmlType::Iq2Xxs] {
             let mut buf = vec![0u8; ty.block_bytes() * 64];
             fill(ty, &mut buf, 1e-4, &mut rng);
@@ -185,7 +185,7 @@ mod tests {
 
     #[test]
     fn float_types_stay_within_amp() {
-        let mut rng = Rng::new(1);
+        let mut rng = SplitMix64::new(1);
         let mut buf = vec![0u8; 2 * 1001];
         fill(GgmlType::F16, &mut buf, 0.25, &mut rng);
         let v: Vec<f32> = buf.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32()).collect();
@@ -212,7 +212,7 @@ mod tests {
 
     #[test]
     fn rng_covers_the_symmetric_interval() {
-        let mut r = Rng::new(0);
+        let mut r = SplitMix64::new(0);
         let xs: Vec<f32> = (0..10_000).map(|_| r.next_sym()).collect();
         assert!(xs.iter().all(|x| (-1.0..1.0).contains(x)));
         assert!(xs.iter().any(|&x| x < -0.9) && xs.iter().any(|&x| x > 0.9));

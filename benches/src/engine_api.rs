@@ -333,12 +333,12 @@ fn rows_at_once<A: Copy, const R: usize, K: Fn(&[u8], [A; R]) -> [f32; R]>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::blocks::{fill, Rng};
+    use crate::blocks::{fill, SplitMix64};
 
     /// The batched path must agree with the engine's matvec row for row (same quantized activations).
     #[test]
     fn matmul_matches_matvec() {
-        let mut rng = Rng::new(3);
+        let mut rng = SplitMix64::new(3);
         for ty in [GgmlType::Q8_0, GgmlType::Q2K, GgmlType::Q4K, GgmlType::Iq2Xxs, GgmlType::F16] {
             // Six batch rows: one call of the any-row-count kernel where the type has one, else the eight-/four-row
             // kernels and single dots.
@@ -362,7 +362,7 @@ mod tests {
     /// The engine's pooled decode matmul agrees with the quant matvec.
     #[test]
     fn pooled_matvec_matches_matvec() {
-        let mut rng = Rng::new(5);
+        let mut rng = SplitMix64::new(5);
         let k = EngineKernels::new(2);
         for ty in [GgmlType::Q8_0, GgmlType::Q2K, GgmlType::Q4K, GgmlType::Iq2Xxs, GgmlType::F16] {
             let (rows, cols) = (64usize, 512usize);
@@ -382,7 +382,7 @@ mod tests {
     /// The engine's pooled prefill matmul (Q8_0 packed) agrees with the batched path, one matrix after another.
     #[test]
     fn pooled_matmul_matches_matmul() {
-        let mut rng = Rng::new(7);
+        let mut rng = SplitMix64::new(7);
         let k = EngineKernels::new(2);
         for ty in [GgmlType::Q8_0, GgmlType::Q2K, GgmlType::Q4K, GgmlType::Iq2Xxs, GgmlType::F16] {
             let (rows, cols, mats, nb) = (40usize, 512usize, 3usize, 6usize);
@@ -409,7 +409,7 @@ mod tests {
     /// The grouped MoE dispatch equals per-expert quant matvecs exactly (same quantized activations and dots).
     #[test]
     fn pooled_moe_matches_per_expert_matvecs() {
-        let mut rng = Rng::new(9);
+        let mut rng = SplitMix64::new(9);
         let (d, ffn, ne) = (512usize, 256usize, 5usize);
         let (gt, dt) = (GgmlType::Iq2Xxs, GgmlType::Q2K);
         let (grb, drb) = (gt.row_bytes(d as u64).unwrap() as usize, dt.row_bytes(ffn as u64).unwrap() as usize);

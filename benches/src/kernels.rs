@@ -31,7 +31,7 @@ use anyhow::{bail, Context, Result};
 use ds4_engine::quant::GgmlType;
 use indicatif::ProgressBar;
 
-use crate::blocks::{self, Rng};
+use crate::blocks::{self, SplitMix64};
 use crate::{membw, par};
 
 /// The CSV header of the kernels report.
@@ -156,7 +156,7 @@ pub const MOE_DOWN: GgmlType = GgmlType::Q2K;
 
 /// Options of a kernels run.
 #[derive(Clone, Debug)]
-pub struct Options {
+pub struct KernelOptions {
     /// Threads (all cores by default).
     pub threads: usize,
     /// Bytes of weights per case; rounded up to whole matrices.
@@ -175,7 +175,7 @@ pub struct Options {
 
 /// One line of the report.
 #[derive(Clone, Debug)]
-pub struct Row {
+pub struct KernelRow {
     pub case: Case,
     pub matrices: usize,
     pub bytes: u64,
@@ -187,7 +187,7 @@ pub struct Row {
     pub mem_gbs: f64,
 }
 
-impl Row {
+impl KernelRow {
     /// Kernel weight rate over measured bandwidth.
     pub fn fraction(&self) -> f64 {
         self.weights_gbs / self.mem_gbs
@@ -237,7 +237,7 @@ impl Row {
 }
 
 /// The cases selected by `opts`.
-pub fn selected(opts: &Options) -> Vec<Case> {
+pub fn selected(opts: &KernelOptions) -> Vec<Case> {
     CASES
         .iter()
         .filter(|c| opts.all_shapes || c.default)
@@ -300,7 +300,7 @@ fn timed_passes<T: Send>(
     ranges: &[std::ops::Range<usize>],
     out: &mut [T],
     scale: usize,
-    opts: &Options,
+    opts: &KernelOptions,
     pb: &ProgressBar,
     pass: impl Fn(std::ops::Range<usize>, &mut [T]) -> Result<()> + Sync,
 ) -> Result<par::Timing> {
@@ -312,7 +312,7 @@ fn timed_passes_with<T: Send>(
     ranges: &[std::ops::Range<usize>],
     out: &mut [T],
     scale: usize,
-    opts: &Options,
+    opts: &KernelOptions,
     pb: &ProgressBar,
     pass_no: &std::sync::atomic::AtomicUsize,
     pass: impl Fn(std::ops::Range<usize>, &mut [T]) -> Result<()> + Sync,
@@ -344,7 +344,11 @@ fn timed_passes_with<T: Send>(
 
 /// `par::best_of` (the options' passes and budget, `pb` advanced per pass) over a pass that may fail: passes
 /// stop at the first error, which is returned.
-fn best_of_checked(opts: &Options, pb: &ProgressBar, mut pass: impl FnMut() -> Result<()>) -> Result<par::Timing> {
+fn best_of_checked(
+    opts: &KernelOptions,
+    pb: &ProgressBar,
+    mut pass: impl FnMut() -> Result<()>,
+) -> Result<par::Timing> {
     let mut err = None;
     let t = par::best_of(
         opts.min_passes,
@@ -362,7 +366,7 @@ fn best_of_checked(opts: &Options, pb: &ProgressBar, mut pass: impl FnMut() -> R
 
 /// Runs one case: fills the stacked weights, measures bandwidth, then the matvec and (if `opts.batch > 0`) the
 /// matmul kernel. `pb` advances once per pass.
-pub fn run_case(k: &dyn Kernels, case: &Case, opts: &Options, pb: &ProgressBar) -> Result<Vec<Row>> {
+pub fn run_case(k: &dyn Kernels, case: &Case, opts: &KernelOptions, pb: &ProgressBar) -> Result<Vec<KernelRow>> {
     let row_bytes = case.ty.row_bytes(case.cols as u64).context("case width is not whole blocks")? as usize;
     let matrix_bytes = row_bytes * case.rows;
     let matrices = (opts.working_set as usize).div_ceil(matrix_bytes).max(1);
@@ -373,12 +377,12 @@ pub fn run_case(k: &dyn Kernels, case: &Case, opts: &Options, pb: &ProgressBar) 
     let mut w = vec![0u8; bytes];
     blocks::fill_par(case.ty, &mut w, 1.0, 0x5eed ^ case.ty.id() as u64, opts.threads);
     let w = &w[..];
-    let mut rng = Rng::new(99);
+    let mut rng = SplitMix64::new(99);
 
     pb.set_message(format!("{label}: memory bandwidth"));
     let bw = membw::measure(w, opts.threads, opts.min_passes, opts.budget, || pb.inc(1));
     let ranges = par::split(total_rows, opts.threads, 1);
-    let row = |kernel, batch, t: par::Timing| Row {
+    let row = |kernel, batch, t: par::Timing| KernelRow {
         case: *case,
         matrices,
         bytes: bytes as u64,
@@ -417,7 +421,7 @@ pub fn run_case(k: &dyn Kernels, case: &Case, opts: &Options, pb: &ProgressBar) 
         })
         .with_context(|| format!("{label}: engine matvec"))?;
         check_finite(&y).with_context(|| format!("{label}: engine matvec"))?;
-        out.push(Row { threads: opts.threads, ..row("engine-matvec", 1, t) });
+        out.push(KernelRow { threads: opts.threads, ..row("engine-matvec", 1, t) });
     }
 
     // Prefill: `batch` activation rows against every weight row. The batched kernel is compute-bound, so a pass
@@ -450,7 +454,7 @@ pub fn run_case(k: &dyn Kernels, case: &Case, opts: &Options, pb: &ProgressBar) 
         .with_context(|| format!("{label}: matmul"))?;
         check_finite(&ys).with_context(|| format!("{label}: matmul"))?;
         let wbytes = (kmat * matrix_bytes) as u64;
-        out.push(Row {
+        out.push(KernelRow {
             matrices: kmat,
             bytes: wbytes,
             weights_gbs: par::gbs(wbytes, t.best),
@@ -470,7 +474,7 @@ pub fn run_case(k: &dyn Kernels, case: &Case, opts: &Options, pb: &ProgressBar) 
             let t = best_of_checked(opts, pb, || run(&xs, nb, &mut ys))
                 .with_context(|| format!("{label}: engine matmul"))?;
             check_finite(&ys).with_context(|| format!("{label}: engine matmul"))?;
-            out.push(Row { threads: opts.threads, ..row("engine-matmul", nb, t) });
+            out.push(KernelRow { threads: opts.threads, ..row("engine-matmul", nb, t) });
         }
     }
     Ok(out)
@@ -479,7 +483,7 @@ pub fn run_case(k: &dyn Kernels, case: &Case, opts: &Options, pb: &ProgressBar) 
 /// Runs the `engine-moe` line if the kernels offer it and the type filter keeps both expert types: enough experts
 /// stacked to fill the working set, one pass = consecutive tokens whose [`MOE_USED`] experts cycle through all of
 /// them (each expert's weights read once per pass, from DRAM), best of N passes.
-pub fn run_moe(k: &dyn Kernels, opts: &Options, pb: &ProgressBar) -> Result<Option<Row>> {
+pub fn run_moe(k: &dyn Kernels, opts: &KernelOptions, pb: &ProgressBar) -> Result<Option<KernelRow>> {
     let c = MOE_CASE;
     let wanted = |t: GgmlType| opts.types.is_empty() || opts.types.contains(&t);
     if !(wanted(c.ty) && wanted(MOE_DOWN)) {
@@ -502,7 +506,7 @@ pub fn run_moe(k: &dyn Kernels, opts: &Options, pb: &ProgressBar) -> Result<Opti
     let (gu, down) = buf.split_at(2 * experts * gate_bytes);
     let (gate, up) = gu.split_at(experts * gate_bytes);
     let w = MoeWeights { gate_ty: c.ty, down_ty: MOE_DOWN, d, ffn, gate, up, down };
-    let mut rng = Rng::new(7);
+    let mut rng = SplitMix64::new(7);
     let x: Vec<f32> = (0..d).map(|_| rng.next_sym() * 0.1).collect();
     let mut y = vec![0f32; d];
     let sel = |t: usize| std::array::from_fn::<usize, MOE_USED, _>(|j| t * MOE_USED + j);
@@ -521,7 +525,7 @@ pub fn run_moe(k: &dyn Kernels, opts: &Options, pb: &ProgressBar) -> Result<Opti
     .with_context(|| format!("{label}: engine moe"))?;
     check_finite(&y).with_context(|| format!("{label}: engine moe"))?;
     let bytes = (experts * per_expert) as u64;
-    Ok(Some(Row {
+    Ok(Some(KernelRow {
         case: c,
         matrices: experts,
         bytes,
@@ -543,13 +547,18 @@ fn check_finite(y: &[f32]) -> Result<()> {
 }
 
 /// Passes the progress bar needs per case.
-pub fn passes_hint(opts: &Options) -> u64 {
+pub fn passes_hint(opts: &KernelOptions) -> u64 {
     let per = opts.min_passes.max(1) as u64;
     per * if opts.batch > 0 { 5 } else { 3 }
 }
 
 /// Runs every selected case, printing the CSV to `out` as it goes; returns all rows.
-pub fn run(k: &dyn Kernels, opts: &Options, out: &mut dyn std::io::Write, pb: &ProgressBar) -> Result<Vec<Row>> {
+pub fn run(
+    k: &dyn Kernels,
+    opts: &KernelOptions,
+    out: &mut dyn std::io::Write,
+    pb: &ProgressBar,
+) -> Result<Vec<KernelRow>> {
     let cases = selected(opts);
     if cases.is_empty() {
         bail!("no kernel case matches the type filter");
@@ -660,9 +669,10 @@ mod tests {
 
     #[test]
     fn moe_line_appears_when_offered() {
-        let opts = Options { types: vec![GgmlType::Iq2Xxs, GgmlType::Q2K], batch: 0, working_set: 40 << 20, ..quick() };
+        let opts =
+            KernelOptions { types: vec![GgmlType::Iq2Xxs, GgmlType::Q2K], batch: 0, working_set: 40 << 20, ..quick() };
         let rows = run(&WithMoe, &opts, &mut Vec::new(), &ProgressBar::hidden()).unwrap();
-        let moe: Vec<&Row> = rows.iter().filter(|r| r.kernel == "engine-moe").collect();
+        let moe: Vec<&KernelRow> = rows.iter().filter(|r| r.kernel == "engine-moe").collect();
         assert_eq!(moe.len(), 1);
         let r = moe[0];
         assert!(r.weights_gbs > 0.0 && r.mem_gbs > 0.0 && r.target() == Some(0.70), "{}", r.csv());
@@ -673,7 +683,7 @@ mod tests {
             .unwrap()
             .iter()
             .all(|r| r.kernel != "engine-moe"));
-        let q2_only = Options { types: vec![GgmlType::Q2K], ..opts };
+        let q2_only = KernelOptions { types: vec![GgmlType::Q2K], ..opts };
         assert!(run(&WithMoe, &q2_only, &mut Vec::new(), &ProgressBar::hidden())
             .unwrap()
             .iter()
@@ -691,8 +701,8 @@ mod tests {
         }
     }
 
-    fn quick() -> Options {
-        Options {
+    fn quick() -> KernelOptions {
+        KernelOptions {
             threads: 2,
             working_set: 3 << 20,
             batch: 4,
@@ -762,7 +772,7 @@ mod tests {
 
     #[test]
     fn verdicts_follow_targets() {
-        let r = Row {
+        let r = KernelRow {
             case: CASES[0],
             matrices: 1,
             bytes: 1,
@@ -774,8 +784,8 @@ mod tests {
             mem_gbs: 10.0,
         };
         assert_eq!(r.verdict(), "short");
-        assert_eq!(Row { weights_gbs: 7.5, ..r.clone() }.verdict(), "ok");
-        assert_eq!(Row { kernel: "matmul", ..r }.verdict(), "-");
+        assert_eq!(KernelRow { weights_gbs: 7.5, ..r.clone() }.verdict(), "ok");
+        assert_eq!(KernelRow { kernel: "matmul", ..r }.verdict(), "-");
     }
 
     #[test]

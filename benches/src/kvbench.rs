@@ -119,7 +119,7 @@ pub fn fork(engine: &mut Engine, tokens: usize, out: &mut dyn Write) -> Result<(
 
 /// One row.
 #[derive(Clone, Copy, Debug)]
-pub struct Row {
+pub struct KvRow {
     pub prefix_tokens: usize,
     pub kv_file_bytes: u64,
     pub recompute_s: f64,
@@ -129,7 +129,7 @@ pub struct Row {
     pub exact: bool,
 }
 
-impl Row {
+impl KvRow {
     /// The CSV line matching [`CSV_HEADER`].
     pub fn csv(&self) -> String {
         let gbs = |s: f64| self.kv_file_bytes as f64 / s.max(1e-9) / 1e9;
@@ -150,7 +150,7 @@ impl Row {
 
 /// Options of a kv run.
 #[derive(Clone, Debug)]
-pub struct Options {
+pub struct KvOptions {
     /// Prefix lengths, ascending.
     pub lengths: Vec<usize>,
     /// Tokens per page (a multiple of the model's largest compress ratio).
@@ -193,7 +193,7 @@ pub fn span_for(max_ratio: usize, want: u32) -> u32 {
 }
 
 /// Runs the kv benchmark on `engine`.
-pub fn run(engine: &mut Engine, opts: &Options, out: &mut dyn Write, pb: &ProgressBar) -> Result<Vec<Row>> {
+pub fn run(engine: &mut Engine, opts: &KvOptions, out: &mut dyn Write, pb: &ProgressBar) -> Result<Vec<KvRow>> {
     if opts.lengths.is_empty() || opts.lengths.windows(2).any(|w| w[0] >= w[1]) || opts.lengths[0] == 0 {
         bail!("--lengths must be ascending and positive");
     }
@@ -244,7 +244,7 @@ pub fn run(engine: &mut Engine, opts: &Options, out: &mut dyn Write, pb: &Progre
         let raw_write_s = raw_write(&raw, kv_file_bytes)?;
         std::fs::remove_dir_all(&dir).with_context(|| format!("removing {}", dir.display()))?;
 
-        let row = Row { prefix_tokens: len, kv_file_bytes, recompute_s, restore_s, write_s, raw_write_s, exact };
+        let row = KvRow { prefix_tokens: len, kv_file_bytes, recompute_s, restore_s, write_s, raw_write_s, exact };
         writeln!(out, "{}", row.csv())?;
         out.flush()?;
         rows.push(row);
@@ -279,7 +279,7 @@ mod tests {
         let mut engine = crate::engine_api::engine_for(file, &cfg).unwrap();
         let tmp = tempfile::tempdir().unwrap();
         // Lengths inside one span, on a span boundary and across spans with a tail (ratios 4 and 8, span 8).
-        let opts = Options { lengths: vec![5, 16, 27], span: 8, dir: tmp.path().to_path_buf() };
+        let opts = KvOptions { lengths: vec![5, 16, 27], span: 8, dir: tmp.path().to_path_buf() };
         let mut out = Vec::new();
         let rows = run(&mut engine, &opts, &mut out, &ProgressBar::hidden()).unwrap();
         assert_eq!(rows.len(), 3);
@@ -304,9 +304,9 @@ mod tests {
         // The work directories are cleaned up.
         assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0);
         // Bad options are errors.
-        let bad = Options { lengths: vec![8, 4], ..opts.clone() };
+        let bad = KvOptions { lengths: vec![8, 4], ..opts.clone() };
         assert!(run(&mut engine, &bad, &mut Vec::new(), &ProgressBar::hidden()).is_err());
-        let bad = Options { span: 6, ..opts };
+        let bad = KvOptions { span: 6, ..opts };
         assert!(run(&mut engine, &bad, &mut Vec::new(), &ProgressBar::hidden()).is_err());
     }
 

@@ -272,7 +272,7 @@ fn run_kernels(a: &KernelsArgs) -> Result<()> {
     let m = machine::Machine::detect();
     let threads = a.common.threads();
     let quick = a.common.quick;
-    let opts = kernels::Options {
+    let opts = kernels::KernelOptions {
         threads,
         working_set: if quick {
             4 << 20
@@ -338,7 +338,7 @@ fn run_throughput(a: &RunArgs) -> Result<()> {
         return Ok(());
     }
     let quick = a.common.quick;
-    let opts = throughput::Options {
+    let opts = throughput::ThroughputOptions {
         ctx_start: if quick { 8 } else { a.ctx_start },
         ctx_max: if quick { 16 } else { a.ctx_max },
         step: if quick { 8 } else { a.step },
@@ -352,7 +352,7 @@ fn run_throughput(a: &RunArgs) -> Result<()> {
     // The roofline's denominator, measured before the model takes the memory.
     let bw_bytes = if quick { 4 << 20 } else { kernels::default_working_set(m.llc_bytes) as usize };
     let mut buf = vec![0u8; bw_bytes];
-    blocks::Rng::new(1).fill_bytes(&mut buf);
+    blocks::SplitMix64::new(1).fill_bytes(&mut buf);
     let passes = if quick { 1 } else { 3 };
     let bw = membw::measure(&buf, threads, passes, Duration::from_millis(if quick { 0 } else { 400 }), || {});
     drop(buf);
@@ -513,7 +513,7 @@ fn run_kv(a: &KvArgs) -> Result<()> {
     };
     writeln!(out, "# store: {} (span {span} tokens)", dir.display())?;
     pb.set_position(0);
-    let opts = kvbench::Options { lengths, span, dir };
+    let opts = kvbench::KvOptions { lengths, span, dir };
     let rows = kvbench::run(&mut engine, &opts, &mut out, &pb)?;
     pb.finish_and_clear();
     if let Some(p) = &a.plot {

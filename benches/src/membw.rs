@@ -81,7 +81,7 @@ pub fn sweep(
     let mut res = Vec::new();
     for &size in sizes {
         let mut buf = vec![0u8; size];
-        crate::blocks::Rng::new(size as u64).fill_bytes(&mut buf);
+        crate::blocks::SplitMix64::new(size as u64).fill_bytes(&mut buf);
         for t in 1..=threads {
             pb.set_message(format!("{} MiB, {t} threads", size >> 20));
             let bw = measure(&buf, t, min_passes, budget, || {});

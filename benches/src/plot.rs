@@ -222,7 +222,7 @@ pub const PREFILL: &str = "prefill t/s";
 pub const DECODE: &str = "decode t/s";
 
 /// Throughput sweep: prefill and decode t/s against the context, with the decode roofline.
-pub fn throughput(rows: &[throughput::Row], sessions: usize, roofline_tps: f64, path: &Path) -> Result<()> {
+pub fn throughput(rows: &[throughput::ThroughputRow], sessions: usize, roofline_tps: f64, path: &Path) -> Result<()> {
     let decode = if sessions > 1 { format!("{DECODE} ({sessions} sessions)") } else { DECODE.to_string() };
     let chart = LineChart {
         title: "ds4-bench: prefill and decode throughput against context".into(),
@@ -251,7 +251,7 @@ pub const RECOMPUTE: &str = "recompute (prefill)";
 pub const RESTORE: &str = "restore from disk";
 
 /// KV bench: restore vs recompute time against the prefix length.
-pub fn kv(rows: &[kvbench::Row], path: &Path) -> Result<()> {
+pub fn kv(rows: &[kvbench::KvRow], path: &Path) -> Result<()> {
     let ms = |s: f64| s * 1e3;
     let chart = LineChart {
         title: "ds4-bench kv: restore from the disk store vs recompute".into(),
@@ -278,13 +278,13 @@ pub fn kv(rows: &[kvbench::Row], path: &Path) -> Result<()> {
 pub const BANDWIDTH: &str = "measured read bandwidth";
 
 /// The kernels chart's row label of a report row.
-pub fn kernel_label(r: &kernels::Row) -> String {
+pub fn kernel_label(r: &kernels::KernelRow) -> String {
     format!("{} {} · {}", r.case.name, r.case.ty, r.kernel)
 }
 
 /// Kernels bench: GB/s of weights of every decode kernel row against the bandwidth measured for it (the batched
 /// matmul rows are compute-bound and left out).
-pub fn kernels(rows: &[kernels::Row], path: &Path) -> Result<()> {
+pub fn kernels(rows: &[kernels::KernelRow], path: &Path) -> Result<()> {
     let color = |k: &str| match k {
         "matvec" => COLORS[0],
         "engine-matvec" => COLORS[2],

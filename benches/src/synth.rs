@@ -26,7 +26,7 @@ use ds4_engine::gguf::{GgufFile, GgufWriter, MetaValue, TensorDecl};
 use ds4_engine::quant::GgmlType;
 use indicatif::ProgressBar;
 
-use crate::blocks::{self, Rng};
+use crate::blocks::{self, SplitMix64};
 
 /// Which synthetic model to build.
 #[derive(Clone, Debug, PartialEq)]
@@ -197,7 +197,7 @@ fn fill_tensor(item: &Item, cfg: &CheckpointConfig, buf: &mut [u8], seed: u64, t
     let row_len = item.decl.dims[0] as f32;
     match item.class {
         Class::Tid2eid => {
-            let mut rng = Rng::new(seed);
+            let mut rng = SplitMix64::new(seed);
             let (n, used) = (cfg.n_experts as u64, cfg.n_experts_used);
             for row in buf.chunks_exact_mut(4 * used) {
                 let mut ids: Vec<u32> = Vec::with_capacity(used);
@@ -217,7 +217,7 @@ fn fill_tensor(item: &Item, cfg: &CheckpointConfig, buf: &mut [u8], seed: u64, t
                 v.copy_from_slice(&1f32.to_le_bytes());
             }
         }
-        Class::Vector => blocks::fill(GgmlType::F32, buf, 0.05, &mut Rng::new(seed)),
+        Class::Vector => blocks::fill(GgmlType::F32, buf, 0.05, &mut SplitMix64::new(seed)),
         _ => blocks::fill_par(ty, buf, 1.0 / row_len.sqrt(), seed, threads),
     }
 }

@@ -9,7 +9,7 @@
 //! decoding sessions. Prompt tokens are deterministic pseudo-random ids (what they are does not change the work).
 //!
 //! Prefill and decode ticks run with the engine's op timing on ([`Engine::time_ops`]), so each row also says
-//! where a tick's time went ([`Row::prefill_ops_line`], [`Row::decode_ops_line`]). Rows are flushed as they are
+//! where a tick's time went ([`ThroughputRow::prefill_ops_line`], [`ThroughputRow::decode_ops_line`]). Rows are flushed as they are
 //! produced, so an interrupted sweep keeps its rows.
 //!
 //! Warm-up, as `llama-bench` does (and the peer script's llama.cpp side, `benches/peer/llama-timing.c`): before
@@ -24,14 +24,14 @@ use anyhow::{bail, Result};
 use ds4_engine::engine::{argmax, Engine};
 use indicatif::ProgressBar;
 
-use crate::blocks::Rng;
+use crate::blocks::SplitMix64;
 
 /// The CSV header (the reference engine's).
 pub const CSV_HEADER: &str = "ctx_tokens,prefill_tokens,prefill_tps,gen_tokens,gen_tps,kvcache_bytes";
 
 /// Sweep options.
 #[derive(Clone, Debug)]
-pub struct Options {
+pub struct ThroughputOptions {
     pub ctx_start: usize,
     pub ctx_max: usize,
     /// Frontier increment (0: only `ctx_start`).
@@ -41,7 +41,7 @@ pub struct Options {
     pub sessions: usize,
 }
 
-impl Options {
+impl ThroughputOptions {
     /// The frontiers visited.
     pub fn frontiers(&self) -> Result<Vec<usize>> {
         if self.ctx_start == 0 {
@@ -67,7 +67,7 @@ impl Options {
 
 /// One row of the table.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Row {
+pub struct ThroughputRow {
     pub ctx_tokens: usize,
     pub prefill_tokens: usize,
     pub prefill_tps: f64,
@@ -80,7 +80,7 @@ pub struct Row {
     pub decode_ops: Option<ds4_engine::exec::OpTimes>,
 }
 
-impl Row {
+impl ThroughputRow {
     /// `attention 7.10 ms (38 %), logits ...`: decode time per tick by op kind, largest first (empty when not
     /// timed).
     pub fn decode_ops_line(&self) -> String {
@@ -93,7 +93,7 @@ impl Row {
     }
 }
 
-impl Row {
+impl ThroughputRow {
     /// The CSV line matching [`CSV_HEADER`].
     pub fn csv(&self) -> String {
         format!(
@@ -134,12 +134,17 @@ fn warm_up(engine: &mut Engine, tokens: &[u32]) -> Result<()> {
 
 /// Deterministic pseudo-random prompt of `n` token ids below `vocab`.
 pub fn prompt(n: usize, vocab: usize) -> Vec<u32> {
-    let mut rng = Rng::new(0x70_6b);
+    let mut rng = SplitMix64::new(0x70_6b);
     (0..n).map(|_| (rng.next_u64() % vocab.max(1) as u64) as u32).collect()
 }
 
 /// Runs the sweep on `engine`, writing the header and one flushed row per frontier to `out`.
-pub fn run(engine: &mut Engine, opts: &Options, out: &mut dyn Write, pb: &ProgressBar) -> Result<Vec<Row>> {
+pub fn run(
+    engine: &mut Engine,
+    opts: &ThroughputOptions,
+    out: &mut dyn Write,
+    pb: &ProgressBar,
+) -> Result<Vec<ThroughputRow>> {
     let frontiers = opts.frontiers()?;
     if opts.ctx_needed() > engine.ctx() {
         bail!(
@@ -197,7 +202,7 @@ pub fn run(engine: &mut Engine, opts: &Options, out: &mut dyn Write, pb: &Progre
         for s in ids {
             engine.free_session(s)?;
         }
-        let row = Row {
+        let row = ThroughputRow {
             ctx_tokens: frontier,
             prefill_tokens: frontier - prev,
             prefill_tps: (frontier - prev) as f64 / prefill_secs.max(1e-9),
@@ -220,8 +225,8 @@ pub fn run(engine: &mut Engine, opts: &Options, out: &mut dyn Write, pb: &Progre
 mod tests {
     use super::*;
 
-    fn opts(start: usize, max: usize, step: usize) -> Options {
-        Options { ctx_start: start, ctx_max: max, step, gen_tokens: 2, sessions: 1 }
+    fn opts(start: usize, max: usize, step: usize) -> ThroughputOptions {
+        ThroughputOptions { ctx_start: start, ctx_max: max, step, gen_tokens: 2, sessions: 1 }
     }
 
     #[test]
@@ -231,7 +236,7 @@ mod tests {
         assert_eq!(opts(64, 1000, 0).frontiers().unwrap(), vec![64]);
         assert!(opts(0, 10, 1).frontiers().is_err());
         assert!(opts(64, 32, 1).frontiers().is_err());
-        assert!(Options { sessions: 0, ..opts(1, 1, 1) }.frontiers().is_err());
+        assert!(ThroughputOptions { sessions: 0, ..opts(1, 1, 1) }.frontiers().is_err());
     }
 
     #[test]
@@ -245,7 +250,7 @@ mod tests {
     #[test]
     fn sweep_on_a_tiny_synthetic_model() {
         let spec = crate::synth::Spec::parse("tiny:layers=3:recipe=f16").unwrap();
-        let o = Options { ctx_start: 8, ctx_max: 24, step: 8, gen_tokens: 2, sessions: 2 };
+        let o = ThroughputOptions { ctx_start: 8, ctx_max: 24, step: 8, gen_tokens: 2, sessions: 2 };
         let mut engine = crate::engine_api::engine_for(
             crate::synth::build(&spec, 2, &ProgressBar::hidden()).unwrap().file,
             &crate::engine_api::EngineConfig {
@@ -290,7 +295,7 @@ mod tests {
         assert_eq!(text.lines().next(), Some(CSV_HEADER));
         assert_eq!(text.lines().count(), 4);
         // Context overflow is refused up front.
-        let big = Options { ctx_max: 10_000, ..o };
+        let big = ThroughputOptions { ctx_max: 10_000, ..o };
         assert!(run(&mut engine, &big, &mut Vec::new(), &ProgressBar::hidden()).is_err());
     }
 
@@ -320,7 +325,7 @@ mod tests {
 
     #[test]
     fn csv_line_has_the_header_fields() {
-        let r = Row {
+        let r = ThroughputRow {
             ctx_tokens: 8,
             prefill_tokens: 8,
             prefill_tps: 1.5,

@@ -31,6 +31,8 @@
 //! the re-exports of its parent. The `bench-internals` feature also opens `backend::cpu::{matmul, pool}` to the
 //! kernel benchmarks; that is not a stable API.
 #![forbid(unsafe_op_in_unsafe_fn)]
+// Module docs describe the internal design and link the private modules and items that carry it.
+#![allow(rustdoc::private_intra_doc_links)]
 
 pub mod backend;
 pub mod chat;

@@ -55,13 +55,24 @@ pub struct Args {
     /// Request body limit in MiB (413 above).
     #[arg(long, default_value_t = 32)]
     pub max_body_mb: usize,
+    /// Memory in MiB that all requests' bodies and prompts being tokenized may take together (past it a request
+    /// waits up to --request-memory-wait-s, then gets 503 with Retry-After).
+    #[arg(long, default_value_t = 256)]
+    pub request_memory_mb: usize,
+    /// Seconds a request waits for room in --request-memory-mb before it is answered 503.
+    #[arg(long, default_value_t = 10)]
+    pub request_memory_wait_s: u64,
     /// Serve the deterministic scripted test model instead of a real one (for client/SDK tests; see README).
+    /// Test builds only (feature `test-model`).
+    #[cfg(feature = "test-model")]
     #[arg(long)]
     pub fake_model: bool,
     /// Scripted turns for --fake-model (JSON or JSON Lines; see README "Fake model").
+    #[cfg(feature = "test-model")]
     #[arg(long, requires = "fake_model")]
     pub fake_script: Option<PathBuf>,
     /// Milliseconds the fake model sleeps per step (a slow model, for keep-alive and cancellation tests).
+    #[cfg(feature = "test-model")]
     #[arg(long, default_value_t = 0, requires = "fake_model")]
     pub fake_delay_ms: u64,
     /// Seconds between SSE keep-alives while nothing visible is sent (queue wait, prefill, hidden reasoning).
@@ -85,7 +96,7 @@ pub struct Args {
     /// Seconds to receive a whole request body (408 after).
     #[arg(long, default_value_t = 60)]
     pub body_timeout_s: u64,
-    /// Extra names accepted in the Host header besides localhost, 127.0.0.1, [::1], IP addresses and --host
+    /// Extra names accepted in the Host header besides localhost, 127.0.0.1, ::1, IP addresses and --host
     /// (repeatable; `*` accepts any).
     #[arg(long = "allowed-host")]
     pub allowed_hosts: Vec<String>,

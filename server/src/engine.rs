@@ -5,10 +5,11 @@
 //! tokenizer) when no path is given.
 //!
 //! Notes for the next engineer:
-//! - The engine cannot roll a session back, so [`Runner::truncate`] answers `false`: a parked session is reused only
-//!   when the new prompt extends everything it processed. [`Runner::fork`] (`Engine::fork`: KV pages shared, only
-//!   the tail copied) lets the scheduler keep a copy of each prompt's state, so a follow-up that diverges after the
-//!   prompt (regenerate, a re-rendered assistant turn) still reuses the prompt.
+//! - The engine rolls a session back exactly within its roll-back log (`Engine::rollback`, the last R tokens):
+//!   [`Runner::truncate`] does that in place, and [`Runner::rollback_floor`] tells the scheduler how far back it
+//!   reaches. It cannot cut a session back to any length, so [`Runner::can_truncate`] is `false` and
+//!   [`Runner::fork`] (`Engine::fork`: KV pages shared, only the tail copied) lets the scheduler also keep a copy
+//!   of each prompt's state, so a follow-up that diverges before the roll-back floor still reuses the prompt.
 //! - `step` is one engine tick (decode tokens first, then prefill up to the engine's `max_batch_tokens`);
 //!   `pending` reports what is still queued, so a decoding session is never held up by a long prefill.
 //! - Tools are attached to the first message (the renderer prints them in the system prompt); the function object
@@ -281,6 +282,14 @@ impl Codec for EngineCodec {
 
     fn eos_tokens(&self) -> Vec<u32> {
         vec![self.tok.eos()]
+    }
+
+    fn bos(&self) -> Option<u32> {
+        Some(self.tok.bos())
+    }
+
+    fn token_bytes(&self, id: u32) -> Vec<u8> {
+        self.tok.token_bytes(id).map(<[u8]>::to_vec).unwrap_or_default()
     }
 }
 

@@ -34,7 +34,7 @@ pub struct Entry {
     #[serde(default)]
     pub when: When,
     #[serde(default)]
-    pub reply: Reply,
+    pub reply: ScriptedReply,
 }
 
 /// Conditions of an entry (all that are given must hold).
@@ -58,7 +58,7 @@ pub enum LastTurn {
 /// What the model answers.
 #[derive(Debug, Clone, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
-pub struct Reply {
+pub struct ScriptedReply {
     #[serde(default)]
     pub reasoning: String,
     #[serde(default)]
@@ -139,7 +139,7 @@ impl Script {
     }
 
     /// The first entry matching `view`.
-    pub fn pick(&self, view: &PromptView<'_>) -> Option<&Reply> {
+    pub fn pick(&self, view: &PromptView<'_>) -> Option<&ScriptedReply> {
         self.entries.iter().find(|e| e.when.matches(view)).map(|e| &e.reply)
     }
 }

@@ -53,6 +53,24 @@ pub async fn read_body(req: Request<Incoming>, limit: usize) -> Result<Bytes, Ap
     }
 }
 
+/// Read and drop a body of at most `limit` bytes; `false` when it was larger or broken.
+async fn discard_body(req: Request<Incoming>, limit: usize) -> bool {
+    let mut body = req.into_body();
+    let mut seen = 0usize;
+    while let Some(frame) = body.frame().await {
+        match frame {
+            Ok(f) => {
+                seen += f.data_ref().map_or(0, |d| d.len());
+                if seen > limit {
+                    return false;
+                }
+            }
+            Err(_) => return false,
+        }
+    }
+    true
+}
+
 /// Route one request: the [`crate::guard`] checks first, then the endpoint.
 pub async fn handle(state: Arc<AppState>, req: Request<Incoming>) -> Response<Body> {
     let path = req.uri().path().to_string();
@@ -111,6 +129,8 @@ fn known_route(route: &str) -> bool {
             | "/messages"
             | "/messages/count_tokens"
             | "/responses"
+            | "/tokenize"
+            | "/detokenize"
     ) || route.starts_with("/models/")
 }
 
@@ -145,6 +165,8 @@ async fn route_request(
             ("count_tokens", with_body(state, req, api::anthropic::count_tokens).await)
         }
         ("/responses", &Method::POST) => ("responses", with_body(state, req, api::responses::handle).await),
+        ("/tokenize", &Method::POST) => ("tokenize", with_body(state, req, api::tokenize::tokenize).await),
+        ("/detokenize", &Method::POST) => ("detokenize", with_body(state, req, api::tokenize::detokenize).await),
         (p, _) if known_route(p) => {
             ("other", Err(ApiError::new(405, format!("method {method} is not allowed on {path}"))))
         }
@@ -159,6 +181,22 @@ where
     Fut: Future<Output = Result<Response<Body>, ApiError>>,
 {
     let headers = req.headers().clone();
+    // Room in the shared request-memory budget first (the body is not read while waiting for it).
+    let declared = headers.get(hyper::header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<usize>().ok());
+    let size = declared.unwrap_or(state.limits.max_body_bytes).min(state.limits.max_body_bytes);
+    let _reservation = match state.limits.request_memory.reserve(size).await {
+        Ok(r) => r,
+        Err(busy) => {
+            let mut e = ApiError::new(503, "the server is busy: too many large requests are being read; retry later");
+            e.retry_after = Some(busy.retry_after);
+            // Read the body to its end without keeping it, so the client reads the answer (closing with its bytes
+            // unread would reset the connection under it); a body that does not arrive in time closes it.
+            let limit = state.limits.max_body_bytes;
+            let timeout = state.limits.conn.body_timeout;
+            e.close = !matches!(tokio::time::timeout(timeout, discard_body(req, limit)).await, Ok(true));
+            return Err(e);
+        }
+    };
     let timeout = state.limits.conn.body_timeout;
     let body = match tokio::time::timeout(timeout, read_body(req, state.limits.max_body_bytes)).await {
         Ok(b) => b?,

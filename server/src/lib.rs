@@ -32,6 +32,7 @@ pub mod guard;
 pub mod http;
 pub mod kvdisk;
 pub mod markers;
+pub mod membudget;
 pub mod metrics;
 pub mod model;
 pub mod recent;

@@ -7,12 +7,11 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Parser;
 use ds4_server::cli::Args;
-use ds4_server::fake::{FakeCodec, FakeRunner};
-use ds4_server::model::ModelInfo;
+use ds4_server::model::{Codec, ModelInfo, Runner};
 use ds4_server::scheduler::SchedulerConfig;
 use ds4_server::{build_state, http, Limits};
 
-fn main() -> anyhow::Result<()> {
+pub fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info,ds4_server=info".into()),
@@ -41,6 +40,10 @@ fn main() -> anyhow::Result<()> {
         keepalive: Duration::from_secs(args.keepalive_s),
         max_output_tokens: args.max_output_tokens.map(|n| n.max(1)),
         webui: !args.no_webui,
+        request_memory: ds4_server::membudget::RequestMemory::new(
+            args.request_memory_mb.max(1) << 20,
+            Duration::from_secs(args.request_memory_wait_s),
+        ),
         conn: ds4_server::conn::ConnLimits {
             max_connections,
             header_timeout: Duration::from_secs(args.header_timeout_s.max(1)),
@@ -57,55 +60,37 @@ fn main() -> anyhow::Result<()> {
     if limits.access.has_api_key() {
         tracing::info!("API key required (Authorization: Bearer or x-api-key)");
     }
-    let (runner, codec, info): (Box<dyn ds4_server::model::Runner>, Arc<dyn ds4_server::model::Codec>, _) =
-        if args.fake_model {
-            tracing::warn!("--fake-model: serving the scripted test model (not a language model)");
-            let info = ModelInfo {
-                id: "deepseek-v4-flash".into(),
-                context_size: args.ctx.unwrap_or(32768),
-                vocab_size: ds4_server::fake::VOCAB,
-                demo: true,
-            };
-            let script = match &args.fake_script {
-                Some(path) => {
-                    ds4_server::fake_script::Script::load(path).map_err(|e| anyhow::anyhow!("--fake-script {e}"))?
-                }
-                None => ds4_server::fake_script::Script::default(),
-            };
-            tracing::info!(entries = script.entries.len(), "fake model script");
-            let runner = FakeRunner::new(config.max_active + config.max_parked + 8)
-                .with_script(script)
-                .with_delay(Duration::from_millis(args.fake_delay_ms));
-            (Box::new(runner), Arc::new(FakeCodec), info)
-        } else {
-            if args.model.is_none() {
-                tracing::warn!("no -m given: serving the built-in tiny demo model (random weights: output is noise)");
-                eprintln!("ds4-server: no -m given, serving the built-in demo model (random weights)");
-            }
-            let backend = args.backend;
-            let opts = ds4_server::engine::LoadOptions {
-                backend,
-                ctx: args.ctx.unwrap_or(0),
-                max_batch_tokens: config.prefill_chunk + config.max_active,
-                max_sessions: config.max_active + config.max_parked + 8,
-                demo_seed: 1,
-            };
-            let (mut runner, codec, info) =
-                ds4_server::engine::load(args.model.as_deref(), &opts).map_err(|e| anyhow::anyhow!("{e}"))?;
-            if let Some(dir) = &args.kv_disk_dir {
-                if let Err(e) = runner.enable_disk(dir.clone(), args.kv_disk_space_mb) {
-                    tracing::error!(error = %e, "--kv-disk-dir: disk KV tier off");
-                }
-                if let Some(tier) = runner.disk_tier() {
-                    let policy = ds4_kv::SavePolicy {
-                        system_block_min_tokens: args.kv_system_block_min_tokens,
-                        ..ds4_kv::SavePolicy::default()
-                    };
-                    tier.set_policy(policy);
-                }
-            }
-            (Box::new(runner), Arc::new(codec), info)
+    let (runner, codec, info): (Box<dyn Runner>, Arc<dyn Codec>, _) = if let Some(fake) = fake_model(&args, &config)? {
+        fake
+    } else {
+        if args.model.is_none() {
+            tracing::warn!("no -m given: serving the built-in tiny demo model (random weights: output is noise)");
+            eprintln!("ds4-server: no -m given, serving the built-in demo model (random weights)");
+        }
+        let backend = args.backend;
+        let opts = ds4_server::engine::LoadOptions {
+            backend,
+            ctx: args.ctx.unwrap_or(0),
+            max_batch_tokens: config.prefill_chunk + config.max_active,
+            max_sessions: config.max_active + config.max_parked + 8,
+            demo_seed: 1,
         };
+        let (mut runner, codec, info) =
+            ds4_server::engine::load(args.model.as_deref(), &opts).map_err(|e| anyhow::anyhow!("{e}"))?;
+        if let Some(dir) = &args.kv_disk_dir {
+            if let Err(e) = runner.enable_disk(dir.clone(), args.kv_disk_space_mb) {
+                tracing::error!(error = %e, "--kv-disk-dir: disk KV tier off");
+            }
+            if let Some(tier) = runner.disk_tier() {
+                let policy = ds4_kv::SavePolicy {
+                    system_block_min_tokens: args.kv_system_block_min_tokens,
+                    ..ds4_kv::SavePolicy::default()
+                };
+                tier.set_policy(policy);
+            }
+        }
+        (Box::new(runner), Arc::new(codec), info)
+    };
     // A body larger than the context could hold as text is refused before it is read.
     let derived = info.context_size.saturating_mul(256).max(8 << 20);
     let limits = Limits { max_body_bytes: limits.max_body_bytes.min(derived), ..limits };
@@ -126,6 +111,40 @@ fn main() -> anyhow::Result<()> {
     state.scheduler.shutdown();
     tracing::info!("ds4-server stopped");
     Ok(())
+}
+
+/// What a model choice yields: the runner, the codec and the model facts.
+type Model = (Box<dyn Runner>, Arc<dyn Codec>, ModelInfo);
+
+/// `--fake-model`: the scripted test model (test builds only, feature `test-model`).
+#[cfg(feature = "test-model")]
+fn fake_model(args: &Args, config: &SchedulerConfig) -> anyhow::Result<Option<Model>> {
+    use ds4_server::fake::{FakeCodec, FakeRunner};
+    if !args.fake_model {
+        return Ok(None);
+    }
+    tracing::warn!("--fake-model: serving the scripted test model (not a language model)");
+    let info = ModelInfo {
+        id: "deepseek-v4-flash".into(),
+        context_size: args.ctx.unwrap_or(32768),
+        vocab_size: ds4_server::fake::VOCAB,
+        demo: true,
+    };
+    let script = match &args.fake_script {
+        Some(path) => ds4_server::fake_script::Script::load(path).map_err(|e| anyhow::anyhow!("--fake-script {e}"))?,
+        None => ds4_server::fake_script::Script::default(),
+    };
+    tracing::info!(entries = script.entries.len(), "fake model script");
+    let runner = FakeRunner::new(config.max_active + config.max_parked + 8)
+        .with_script(script)
+        .with_delay(Duration::from_millis(args.fake_delay_ms));
+    Ok(Some((Box::new(runner), Arc::new(FakeCodec), info)))
+}
+
+/// Production builds carry no test model.
+#[cfg(not(feature = "test-model"))]
+fn fake_model(_args: &Args, _config: &SchedulerConfig) -> anyhow::Result<Option<Model>> {
+    Ok(None)
 }
 
 /// Installs the SIGINT and SIGTERM handlers now and returns a future that resolves on either.

@@ -269,6 +269,18 @@ pub trait Codec: Send + Sync {
     fn parser(&self, thinking: bool) -> Box<dyn OutputParser>;
     /// Tokens that end a completion.
     fn eos_tokens(&self) -> Vec<u32>;
+    /// The beginning-of-sequence token a text gets when special tokens are added (`/tokenize`'s `add_special`).
+    fn bos(&self) -> Option<u32> {
+        None
+    }
+    /// The bytes token `id` stands for (`/tokenize`'s pieces; may be part of a UTF-8 sequence). Default: what a
+    /// fresh decoder makes of the token alone.
+    fn token_bytes(&self, id: u32) -> Vec<u8> {
+        let mut d = self.decoder();
+        let mut s = d.push(id);
+        s.push_str(&d.finish());
+        s.into_bytes()
+    }
 }
 
 /// Static facts about the loaded model.

@@ -660,7 +660,7 @@ mod tests {
         s.shutdown();
     }
 
-    /// The fake model without rollback, like the real engine.
+    /// The fake model without any roll back (the real engine rolls back only within its log's reach).
     struct NoTruncate(FakeRunner);
 
     impl Runner for NoTruncate {

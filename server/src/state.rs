@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use crate::conn::ConnLimits;
 use crate::guard::Access;
+use crate::membudget::RequestMemory;
 use crate::metrics::Metrics;
 use crate::model::{Codec, ModelInfo};
 use crate::scheduler::Scheduler;
@@ -27,6 +28,8 @@ pub struct Limits {
     pub access: Access,
     /// Serve the web page on `/` (`--no-webui` turns it off: 404).
     pub webui: bool,
+    /// The memory budget shared by all requests' bodies and prompts (see [`crate::membudget`]).
+    pub request_memory: Arc<RequestMemory>,
 }
 
 impl Default for Limits {
@@ -38,6 +41,7 @@ impl Default for Limits {
             conn: ConnLimits::default(),
             access: Access::default(),
             webui: true,
+            request_memory: RequestMemory::new(256 << 20, Duration::from_secs(10)),
         }
     }
 }

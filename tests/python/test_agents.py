@@ -29,6 +29,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BIN = os.environ.get("DS4_SERVER_BIN", os.path.join(ROOT, "target", "debug", "ds4-server"))
+# The scripted test model lives only in the test build of the server (feature `test-model`).
+TEST_BIN = os.environ.get("DS4_TEST_SERVER_BIN", os.path.join(ROOT, "target", "debug", "ds4-test-server"))
 CACHE = os.environ.get("DS4_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "ds4"))
 AGENTS = os.environ.get("DS4_AGENTS_DIR", os.path.join(CACHE, "npm"))
 CI = os.environ.get("CI") == "true"
@@ -92,15 +94,16 @@ def free_port():
 class Server:
     """A `ds4-server` process on 127.0.0.1 (log in a file, never a pipe that could fill)."""
 
-    def __init__(self, tmp, args):
-        if not os.path.exists(BIN):
-            pytest.fail(f"{BIN} not found: run `cargo build -p ds4-server` first")
+    def __init__(self, tmp, args, bin=BIN):
+        if not os.path.exists(bin):
+            pytest.fail(f"{bin} not found: run `cargo build -p ds4-server` (and for the scripted test model "
+                        "`cargo build -p ds4-server --features test-model --bin ds4-test-server`) first")
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = os.path.join(tmp, "server.log")
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [BIN, "--host", "127.0.0.1", "--port", str(self.port), *args],
+            [bin, "--host", "127.0.0.1", "--port", str(self.port), *args],
             stdout=subprocess.DEVNULL,
             stderr=self.log,
         )
@@ -171,7 +174,7 @@ def fake_server(tmp_path):
     script = tmp_path / "script.json"
     script.write_text(json.dumps(SCRIPT))
     # Fake tokens are bytes: agent prompts are 30-50k of them (the fake model has no real context limit).
-    s = Server(str(tmp_path), ["--fake-model", "--fake-script", str(script), "--ctx", "1000000"])
+    s = Server(str(tmp_path), ["--fake-model", "--fake-script", str(script), "--ctx", "1000000"], bin=TEST_BIN)
     yield s
     s.stop()
 

@@ -7,6 +7,7 @@ bounded. The demo model's text is noise, so the tests check shapes, usage accoun
 """
 
 import concurrent.futures
+import json
 import os
 import signal
 import socket
@@ -231,6 +232,33 @@ def test_anthropic_tool_round_trip_and_count_tokens(ant):
     assert m.role == "assistant"
     n = ant.messages.count_tokens(model=MODEL, tools=tools, messages=messages).input_tokens
     assert n == m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0)
+
+
+def post_json(url, body):
+    """(status, JSON answer) of a plain POST."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_tokenize_and_detokenize_match_the_sdk(server, oai):
+    """The llama-server / vLLM helpers: the prompt length the SDK's chat request reports is what `/v1/tokenize`
+    counts for the same messages, and detokenize gives a text back."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "count my tokens"}]
+    status, tok = post_json(server + "/v1/tokenize", {"model": MODEL, "messages": messages})
+    assert status == 200 and tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == 4096
+    c = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0)
+    assert c.usage.prompt_tokens == tok["count"]
+    text = "Hello, wörld — 你好"
+    status, out = post_json(server + "/tokenize", {"content": text})
+    assert status == 200 and all(isinstance(i, int) for i in out["tokens"])
+    status, back = post_json(server + "/detokenize", {"tokens": out["tokens"]})
+    assert status == 200 and back["content"] == text and back["prompt"] == text
+    status, err = post_json(server + "/detokenize", {"tokens": [-1]})
+    assert status == 400 and err["error"]["param"] == "tokens[0]"
 
 
 def test_errors_through_the_sdks(oai, ant):

@@ -26,37 +26,37 @@ pub use crate::convert::config::Revision;
 
 /// Upper bounds on hyperparameters (see the module docs). Flash's value in brackets.
 pub mod limits {
-    /// `block_count` [43].
+    /// `block_count` \[43\].
     pub const LAYERS: usize = 1024;
-    /// `embedding_length` [4096], `attention.q_lora_rank` [1024], `attention.output_lora_rank` [1024],
-    /// `expert_feed_forward_length` [2048].
+    /// `embedding_length` \[4096\], `attention.q_lora_rank` \[1024\], `attention.output_lora_rank` \[1024\],
+    /// `expert_feed_forward_length` \[2048\].
     pub const WIDTH: usize = 1 << 16;
-    /// `vocab_size` [129280].
+    /// `vocab_size` \[129280\].
     pub const VOCAB: usize = 1 << 22;
-    /// `context_length` [1048576], `rope.scaling.original_context_length` [65536].
+    /// `context_length` \[1048576\], `rope.scaling.original_context_length` \[65536\].
     pub const CONTEXT: usize = 1 << 24;
-    /// `attention.head_count` [64], `attention.indexer.head_count` [64].
+    /// `attention.head_count` \[64\], `attention.indexer.head_count` \[64\].
     pub const HEADS: usize = 1024;
-    /// `attention.key_length` [512], `attention.indexer.key_length` [128].
+    /// `attention.key_length` \[512\], `attention.indexer.key_length` \[128\].
     pub const HEAD_DIM: usize = 1 << 13;
-    /// `expert_count` [256].
+    /// `expert_count` \[256\].
     pub const EXPERTS: usize = 1 << 12;
-    /// `expert_used_count` [6].
+    /// `expert_used_count` \[6\].
     pub const EXPERTS_USED: usize = 256;
-    /// `attention.sliding_window` [128].
+    /// `attention.sliding_window` \[128\].
     pub const WINDOW: usize = 1 << 14;
-    /// `attention.indexer.top_k` [512].
+    /// `attention.indexer.top_k` \[512\].
     pub const TOP_K: usize = 1 << 14;
-    /// `hyper_connection.count` [4].
+    /// `hyper_connection.count` \[4\].
     pub const HC: usize = 64;
-    /// `hyper_connection.sinkhorn_iterations` [20].
+    /// `hyper_connection.sinkhorn_iterations` \[20\].
     pub const SINKHORN: usize = 1000;
     /// Entries of `attention.compress_ratios` [4, 128].
     pub const RATIO: usize = 1 << 16;
-    /// `rope.freq_base` [10000], `attention.compress_rope_freq_base` [160000].
+    /// `rope.freq_base` \[10000\], `attention.compress_rope_freq_base` \[160000\].
     pub const ROPE_BASE: f64 = 1e12;
-    /// `rope.scaling.factor` [16], `rope.scaling.yarn_beta_*` [32, 1], `expert_weights_scale` [1.5],
-    /// `swiglu_clamp_exp` [10].
+    /// `rope.scaling.factor` \[16\], `rope.scaling.yarn_beta_*` [32, 1], `expert_weights_scale` [1.5],
+    /// `swiglu_clamp_exp` \[10\].
     pub const SCALE: f64 = 1e6;
     /// `hyper_connection.epsilon`, `attention.layer_norm_rms_epsilon` [1e-6]: below this.
     pub const EPS: f64 = 1.0;

@@ -296,7 +296,7 @@ impl Model {
         v
     }
 
-    /// A tensor as a matrix: rows = product of dims after the first, cols = dims[0].
+    /// A tensor as a matrix: rows = product of dims after the first, cols = dims\[0\].
     pub fn mat(&self, id: WeightId) -> Mat<'_> {
         let i = id.0 as usize;
         let info = &self.file.tensors()[self.table.file_index[i]];

@@ -12,6 +12,7 @@ pub mod models;
 pub mod openai_chat;
 pub mod openai_completions;
 pub mod responses;
+pub mod tokenize;
 
 use serde::de::DeserializeOwned;
 

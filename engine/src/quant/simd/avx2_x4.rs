@@ -15,11 +15,10 @@
 //! remains, computed eight blocks at a time. The AVX2 form (`maddubs` + `madd`) has four rows only: eight rows'
 //! sixteen accumulators do not fit the sixteen registers (measured slower than two four-row calls). Where AVX-512
 //! VNNI is present, `vpdpbusd` on 256-bit vectors does `maddubs` + `madd` in one instruction, and the 32 registers
-//! hold eight rows (measured: eight rows 3.5× eight single calls, 1.65× the previous four-row kernel;
-//! `benches/README.md`). These are the Q8_0 forms of CPUs whose single kernel is AVX2's; where AVX-512 BW/VL/VNNI
-//! are all present every Q8_0 form is `avx512_q8_rows`' instead (another contract, the sixteen-lane one; the
-//! 512-bit block-pair forms that lived here until 2026-12-04 spent four vector operations per block pair and row
-//! where those spend about one and a half).
+//! hold eight rows. These are the Q8_0 forms of CPUs whose single kernel is AVX2's; where AVX-512 BW/VL/VNNI
+//! are all present every Q8_0 form is `avx512_q8_rows`' instead (another contract, the sixteen-lane one, which
+//! spends about one and a half vector operations per block pair and row where a 512-bit block-pair form spends
+//! four).
 //!
 //! Why the results are the single kernels' exactly: every integer partial sum is exact (the same operand ranges as
 //! the single kernel, no saturation), and where the single kernel converts i32 lanes to f32 the lanes hold the
@@ -65,7 +64,7 @@ pub(super) fn dot_q8(ty: GgmlType) -> Option<DotQ8> {
     }
     Some(match ty {
         // Without VNNI, eight rows' sixteen accumulators do not fit the sixteen AVX2 registers: two four-row
-        // calls are faster (measured, `benches/README.md`).
+        // calls are faster (`benches/results/2026-12-02.md`).
         GgmlType::Q8_0 if vnni() => q8_0_x8_vnni,
         GgmlType::Q2K => q2_k_x8,
         GgmlType::Q4K => q4_k_x8,
@@ -76,7 +75,7 @@ pub(super) fn dot_q8(ty: GgmlType) -> Option<DotQ8> {
 
 /// The four-row F16 / BF16 kernels (the AVX2 single kernels' multi-row forms). No eight-row AVX2 ones: their
 /// sixteen accumulators would spill, and a spilled accumulator, updated every 16 values, puts a store-to-load round
-/// trip on the loop's critical path (measured: 0.6–0.7× the single kernel's rate; `benches/README.md`); with
+/// trip on the loop's critical path (measured: 0.6–0.7× the single kernel's rate; `benches/results/2026-12-02.md`); with
 /// AVX-512 there are eight-row ones on 512-bit vectors ([`dot_f8`]: eight accumulators, 32 registers).
 pub(super) fn dot_f4(ty: GgmlType) -> Option<DotF4> {
     if !super::avx2::available() {

@@ -21,18 +21,10 @@
 //!   paired with a zero). Per block the i32 lanes (< 2^22) are converted exactly to f32 and scaled by
 //!   `d_w·d_a/8`; only that f32 accumulation differs in order from the scalar reference.
 //!
-//! Measured (one core of the Sapphire-Rapids-class Xeon this was tuned on, ~3.8 GHz, cache-resident weights;
-//! AVX2 does 15.5 G weights/s): this kernel 26-27 G/s, ~37 cycles per block; without the gathers the rest takes
-//! ~28, and gathers of 32 distinct grid entries cost clearly more than the same count repeating 8 entries. Tried
-//! and slower or no better: the grid as two bit planes looked up with `vpermi2b` and turned into magnitudes by
-//! `gf2p8affineqb` (22 G/s); k-masks read back from a stored vector with `kmovq k, m64` (15 G/s: the store-to-mask
-//! forwarding stalls every block; 24 G/s when read two blocks later); the sign mask by `gf2p8affineqb` +
-//! `vpmovb2m` or by `vpshufbitqmb`, the gather indices by broadcast loads and shifts, dword-index gathers, the
-//! gathers issued one block ahead, two rows per call sharing the activation loads (all 22-27 G/s).
+//! The gathers are the kernel's cost (distinct grid entries per block cost more than repeating ones); the
+//! variants that avoided them on this layout were no faster (the `avx512_iq2` pair layout is what removed them).
 //!
-//! Superseded where GFNI is present: an IQ2_XXS-specific activation layout lets `avx512_iq2` drop the gathers
-//! (46 vs 29 G weights/s); an octet-major layout with these gathers, measured on the way, gained only ~11 %
-//! (`benches/README.md`).
+//! Superseded where GFNI is present: an IQ2_XXS-specific activation layout lets `avx512_iq2` drop the gathers.
 
 use std::arch::x86_64::*;
 

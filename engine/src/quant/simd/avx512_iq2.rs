@@ -35,18 +35,14 @@
 //! rows at a time, each row's accumulators parked in between, so the activations' span (≤ 5 · 2 · 584 bytes)
 //! stays in L1 across the weight rows instead of whole rows (5 · 4672 bytes for 4096 values, with the weights
 //! streaming through), and the same span of the next 16 rows is prefetched into L2 (the order no longer reads a
-//! row straight on). Bit-identical: each row's f32 operations are the untiled ones, in the same order. Measured
-//! (Zen 4, `quant::simd::bench`, distinct activation rows, 32 weight rows per call vs one, on-CPU time, load 4–5,
-//! 2026-12-03): in cache 3 rows 82 vs 70, 4 rows 86 vs 77, 5 rows 81 vs 79 G multiply-adds/s; streamed from
-//! memory 66 vs 58, 72 vs 67, 73 vs 70; at 6 rows equal, at 7 and 8 rows 3–8 % slower (those stay untiled).
+//! row straight on). Bit-identical: each row's f32 operations are the untiled ones, in the same order.
+//! Tiling pays for 3 to 5 activation rows; at 6 rows it breaks even and at 7 and 8 rows it loses, so those stay
+//! untiled.
 //! Only the f32 accumulation order differs from the scalar reference.
 //!
-//! Measured (one core of this project's Sapphire-Rapids-class VM, ~3.8 GHz under AVX-512 load): 57.4 G weights/s
-//! with cache-resident weights (~34 cycles per pair) vs 29.2 G/s for the gather kernel (`quant::simd::bench`;
-//! `benches/README.md` has the history). The one-row, four-row and any-row-count ([`dot_q_rows`], 1..=8 rows per
-//! decode) kernels share one `N`-generic body; as such the one-row case measured 2–4 % slower in cache than a
-//! separate body, equal streamed and in `ds4-bench kernels`. Rows at once on a Zen 4 EPYC (cache-resident,
-//! multiply-adds per second, 2026-12-03): single ×N 52 G/s; any-row kernel 71 (2 rows), 88 (4), 94 (6), 98 (8).
+//! The one-row, four-row and any-row-count ([`dot_q_rows`], 1..=8 rows per decode) kernels share one `N`-generic
+//! body.
+//!
 //! What bounds it (Sapphire Rapids): ports 0 and 5 (every 512-bit op issues there; `vpermt2b` takes port 5 for
 //! two cycles; `vpermb`, `vpmultishiftqb`, `vshufps`, `vpermd` only port 5; `gf2p8affineqb`, `vpdpbusd`,
 //! `vpmovb2m`, shifts and f32 math only port 0): ~52 such uops per pair, and the `vpdpbusd` chains

@@ -19,11 +19,8 @@
 //! every row's `vpdpbusd`s and minimums against them ([`dot_q_rows`], up to 8 rows per decode); each row's f32
 //! operations are those of the single dot, in the same order, so it is bit-identical to it.
 //!
-//! Measured against `avx2` on one core, cache-resident weights: 39-42 vs 35-38 G weights/s (~8%) on the
-//! Sapphire-Rapids-class VM, equal (44-45) on a Zen 4 EPYC; streamed from memory the two are within noise of each
-//! other (Q2_K is already near the bandwidth there). Rows at once on the Zen 4 (`quant::simd::bench`, cache-resident,
-//! multiply-adds per second, 2026-12-03): single ×N 44-45 G/s; any-row kernel 59 (2 rows), 74 (4), 79 (6), 73 (8:
-//! some spilling). Reading the rows through bounds-checked slices instead of raw pointers cost ~45 %.
+//! Rows are read through raw pointers, not bounds-checked slices: the checks cost far more than the kernel's
+//! arithmetic (the bounds are established once by the wrappers, see Soundness).
 
 use std::arch::x86_64::*;
 

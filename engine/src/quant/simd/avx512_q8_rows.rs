@@ -26,15 +26,10 @@
 //! - A row's last chunk may be partial: its missing blocks are loaded as zeros and masked out of the FMA, so
 //!   their lanes keep their values (as in the reference, where they get no update).
 //!
-//! Measured (`benches/README.md`, 2026-12-04, standalone copies of the loops, one thread, rows of 4096 values):
-//! eight rows 0.64–0.72 ns per row and block pair with the weights in L2 against 0.94–0.98 for the kernel this
-//! replaced, 0.82–0.98 against 1.03–1.24 streamed (there the loop waits on memory: each weight byte carries less
-//! work, so the L2 + L1 prefetch of `x86::prefetch_ahead` matters — 1.57 without); the single-row form 2.24 vs
-//! 2.66 ns per block pair in cache, 3.02 vs 3.43 streamed. Packed weights in passes of four activation rows
-//! over weight blocks held in L2 (the engine's matmul): 0.68–0.76 streamed on one thread, 0.67–0.90 on two,
-//! against 0.88–1.19 for eight rows per call on the blocks as stored (the eight rows' 32 KiB of activations no
-//! longer fit L1 beside the weights).
-
+//! Why packed passes of four rows: with the weights packed, passes of four activation rows over weight blocks held
+//! in L2 keep the activations in L1 beside the weights (eight rows' 32 KiB no longer fit), and the L2 + L1 prefetch
+//! of `x86::prefetch_ahead` keeps the streamed loop fed (each weight byte carries little work here).
+//!
 //! Soundness: [`dot_q`] / [`dot_q_flipped`] hand the kernels out only after AVX2/FMA/F16C and AVX-512
 //! F/BW/VL/VNNI are detected (`avx2_x4::vnni_512`); the wrappers check every row's length before the vector code,
 //! whose loads stay inside the whole blocks (weights, stored activations) or whole chunks (flipped activations)
