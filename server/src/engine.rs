@@ -40,12 +40,14 @@ pub struct EngineRunner {
     next: RunnerSessionId,
     max_sessions: usize,
     disk: Option<crate::kvdisk::DiskTier>,
+    /// Tokens of roll-back log per session (`EngineOptions::rollback`), for [`Runner::session_bytes`].
+    rollback: usize,
 }
 
 impl EngineRunner {
-    /// Turns on the disk KV tier in `dir` (budget `space_mb` MiB); see [`crate::kvdisk`].
-    pub fn enable_disk(&mut self, dir: std::path::PathBuf, space_mb: u64) -> Result<(), BackendError> {
-        self.disk = Some(crate::kvdisk::DiskTier::open(&self.engine, dir, space_mb).map_err(BackendError)?);
+    /// Turns on the disk KV tier in `dir` (budget `space_bytes`); see [`crate::kvdisk`].
+    pub fn enable_disk(&mut self, dir: std::path::PathBuf, space_bytes: u64) -> Result<(), BackendError> {
+        self.disk = Some(crate::kvdisk::DiskTier::open(&self.engine, dir, space_bytes).map_err(BackendError)?);
         Ok(())
     }
 
@@ -131,6 +133,15 @@ impl Runner for EngineRunner {
 
     fn kv_bytes_copied(&self) -> u64 {
         self.engine.kv_bytes_copied()
+    }
+
+    fn session_bytes(&self, session: RunnerSessionId) -> u64 {
+        let Some(&sid) = self.ids.get(&session) else { return 0 };
+        let (device, host) = self.engine.kv_bytes_by_tier(sid).unwrap_or((0, 0));
+        // The roll-back log is reserved up front and touched as tokens arrive: count what the position reached.
+        let pos = self.engine.position(sid).unwrap_or(0);
+        let log = crate::context::rollback_log_bytes(self.engine.config(), self.rollback, pos);
+        device + host + if pos == 0 { 0 } else { log }
     }
 
     fn disk_restore(&mut self, prompt: &[u32], better_than: usize) -> Option<(RunnerSessionId, usize)> {
@@ -356,6 +367,9 @@ pub struct LoadOptions {
     /// Engine rows per tick.
     pub max_batch_tokens: usize,
     pub max_sessions: usize,
+    /// Sessions decoding at once (`--max-active`): each may hold a roll-back log, which the default context
+    /// leaves room for ([`crate::context`]).
+    pub active_sessions: usize,
     /// Seed of the demo model's random weights.
     pub demo_seed: u64,
 }
@@ -375,7 +389,14 @@ pub fn load(path: Option<&Path>, o: &LoadOptions) -> Result<(EngineRunner, Engin
     let tok = Tokenizer::from_gguf(&file).map_err(be)?;
     let ctx = if o.ctx == 0 {
         let cfg = ds4_engine::model::ModelConfig::from_gguf(&file).map_err(be)?;
-        let (ctx, why) = crate::context::auto_context(&cfg, file.file_size(), crate::context::mem_available());
+        let log = crate::context::rollback_log_bytes(&cfg, EngineOptions::DEFAULT_ROLLBACK, cfg.ctx_len);
+        let (ctx, why) = crate::context::auto_context(
+            &cfg,
+            file.file_size(),
+            crate::context::mem_available(),
+            o.active_sessions.max(1),
+            log,
+        );
         tracing::info!(ctx, "default context from memory: {why} (set --ctx to choose)");
         ctx
     } else {
@@ -391,7 +412,14 @@ pub fn load(path: Option<&Path>, o: &LoadOptions) -> Result<(EngineRunner, Engin
         demo,
     };
     let codec = EngineCodec::new(tok).with_revision(engine.config().revision);
-    let runner = EngineRunner { engine, ids: HashMap::new(), next: 0, max_sessions: o.max_sessions.max(1), disk: None };
+    let runner = EngineRunner {
+        engine,
+        ids: HashMap::new(),
+        next: 0,
+        max_sessions: o.max_sessions.max(1),
+        disk: None,
+        rollback: EngineOptions::DEFAULT_ROLLBACK,
+    };
     Ok((runner, codec, info))
 }
 
@@ -401,8 +429,14 @@ mod tests {
 
     #[test]
     fn a_step_is_one_engine_tick_and_decode_goes_first() {
-        let opts =
-            LoadOptions { backend: BackendKind::Cpu, ctx: 128, max_batch_tokens: 8, max_sessions: 4, demo_seed: 1 };
+        let opts = LoadOptions {
+            backend: BackendKind::Cpu,
+            ctx: 128,
+            max_batch_tokens: 8,
+            max_sessions: 4,
+            active_sessions: 4,
+            demo_seed: 1,
+        };
         let (mut r, _, _) = load(None, &opts).expect("demo model");
         let (long, short) = (r.create_session().unwrap(), r.create_session().unwrap());
         r.feed(short, &[5]).unwrap();
