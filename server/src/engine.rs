@@ -5,10 +5,12 @@
 //! tokenizer) when no path is given.
 //!
 //! Notes for the next engineer:
-//! - The engine cannot roll a session back, so [`Runner::truncate`] answers `false`: a parked session is reused only
-//!   when the new prompt extends everything it processed. [`Runner::fork`] (`Engine::fork`: KV pages shared, only
-//!   the tail copied) lets the scheduler keep a copy of each prompt's state, so a follow-up that diverges after the
-//!   prompt (regenerate, a re-rendered assistant turn) still reuses the prompt.
+//! - The engine rolls a session back exactly within its roll-back log's reach (`Engine::rollback`, R = 1024 tokens
+//!   by default): [`Runner::truncate`] succeeds inside [`Runner::rollback_floor`] and answers `false` beyond it
+//!   (nothing is recomputed; the scheduler then starts elsewhere), and [`Runner::can_truncate`] stays `false`
+//!   because the reach is bounded. [`Runner::fork`] (`Engine::fork`: KV pages shared, only the tail copied) lets
+//!   the scheduler keep a copy of each prompt's state, so a follow-up that diverges after the prompt (regenerate, a
+//!   re-rendered assistant turn) reuses it even beyond the roll-back reach.
 //! - `step` is one engine tick (decode tokens first, then prefill up to the engine's `max_batch_tokens`);
 //!   `pending` reports what is still queued, so a decoding session is never held up by a long prefill.
 //! - Tools are attached to the first message (the renderer prints them in the system prompt); the function object

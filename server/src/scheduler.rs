@@ -11,9 +11,11 @@
 //! Prefix reuse: a finished (or cancelled) job's session is *parked* with exactly the tokens it has processed. A new
 //! job takes the parked session that lets it skip the most prompt tokens and feeds only the rest: a parked session
 //! whose tokens are a prefix of the prompt is used as is (when they equal the whole prompt, its stored logits are
-//! sampled directly); otherwise it is truncated to the common prefix when the runner can do that. Runners that
-//! cannot truncate get a copy of every freshly prefilled prompt parked too ([`Runner::fork`]), so a request that
-//! diverges right after the prompt (a retry, a re-rendered assistant turn) still skips it. The parked sessions are the
+//! sampled directly); otherwise a copy of it is rolled back to the common prefix when the runner can: anywhere
+//! ([`Runner::can_truncate`]) or within its roll-back reach ([`Runner::rollback_floor`]; the real engine rolls back
+//! exactly, recomputing nothing, up to R = 1024 tokens). Runners without unbounded truncation also get a copy of
+//! every freshly prefilled prompt parked ([`Runner::fork`]), so a request that diverges right after the prompt (a
+//! retry, a re-rendered assistant turn) skips it even beyond the roll-back reach. The parked sessions are the
 //! RAM KV tier, bounded by bytes: least-recently-used ones are evicted (saved to the disk tier first, when there is
 //! one) while their [`Runner::session_bytes`] sum exceeds `max_parked_bytes`, beyond `max_parked` sessions (a
 //! bound on the runner's session table, not the cache policy), or when the runner's session table is full.
