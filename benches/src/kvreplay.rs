@@ -86,8 +86,12 @@ pub struct ReplayOptions {
     pub span: u32,
     /// Store directory (used as is; a restart pass reopens it).
     pub dir: PathBuf,
-    /// Parked RAM sessions kept (LRU).
+    /// Parked RAM sessions kept at most (LRU).
     pub max_parked: usize,
+    /// Bytes of KV state the parked sessions may hold (LRU beyond; the server's `--kv-ram-mb`).
+    pub max_parked_bytes: u64,
+    /// Use the disk store (the server's default; `false`: `--no-kv-disk`).
+    pub disk: bool,
     /// 1, or 2 for a second pass after a simulated restart.
     pub passes: usize,
     /// Compare every request's logits with a cold prefill.
@@ -268,12 +272,16 @@ struct Parked {
     /// Where its last prompt ended (the rest was generated): saves mark it with a restore point.
     prompt_len: usize,
     last_used: u64,
+    /// KV bytes when parked.
+    bytes: u64,
 }
 
 /// The replay's cache: parked sessions and the store.
 struct Cache {
     parked: Vec<Parked>,
     store: KvStore,
+    /// Whether the store is used (saves and restores).
+    disk: bool,
     clock: u64,
 }
 
@@ -315,17 +323,20 @@ impl Cache {
 
     /// Saves `id` with a restore point below `prompt_len` too ([`persist::save_marked`]).
     fn save(&self, engine: &Engine, id: SessionId, reason: SaveReason, prompt_len: usize) -> Result<()> {
-        if engine.position(id)? > 0 {
+        if self.disk && engine.position(id)? > 0 {
             persist::save_marked(&self.store, engine, id, reason, &[prompt_len])?;
         }
         Ok(())
     }
 
-    fn park(&mut self, engine: &mut Engine, p: (SessionId, Vec<u32>, usize), max_parked: usize) -> Result<()> {
+    fn park(&mut self, engine: &mut Engine, p: (SessionId, Vec<u32>, usize), opts: &ReplayOptions) -> Result<()> {
         self.clock += 1;
         let (id, tokens, prompt_len) = p;
-        self.parked.push(Parked { id, tokens, prompt_len, last_used: self.clock });
-        while self.parked.len() > max_parked {
+        let (device, host) = engine.kv_bytes_by_tier(id)?;
+        self.parked.push(Parked { id, tokens, prompt_len, last_used: self.clock, bytes: device + host });
+        while self.parked.len() > opts.max_parked
+            || self.parked.iter().map(|p| p.bytes).sum::<u64>() > opts.max_parked_bytes
+        {
             let lru = (0..self.parked.len()).min_by_key(|&i| self.parked[i].last_used).unwrap_or(0);
             let p = self.parked.swap_remove(lru);
             self.save(engine, p.id, SaveReason::Evict, p.prompt_len)?;
@@ -365,8 +376,8 @@ pub fn replay(
     let policy = SavePolicy { system_block_min_tokens: opts.system_block_min_tokens, ..SavePolicy::default() };
     let kv_opts = persist::kv_options(engine, opts.span, u64::MAX / 4);
     std::fs::create_dir_all(&opts.dir).with_context(|| format!("creating {}", opts.dir.display()))?;
-    let mut cache =
-        Cache { parked: Vec::new(), store: persist::open_store(engine, &opts.dir, kv_opts.clone())?, clock: 0 };
+    let store = persist::open_store(engine, &opts.dir, kv_opts.clone())?;
+    let mut cache = Cache { parked: Vec::new(), store, disk: opts.disk, clock: 0 };
     writeln!(out, "{CSV_HEADER}")?;
     // Every session parked so far: its prompt and what was generated after it.
     let mut seen: Vec<Vec<u32>> = Vec::new();
@@ -384,7 +395,7 @@ pub fn replay(
             let ram = cache.best_ram(engine, req);
             let ram_n = ram.map_or(0, |(_, n)| n);
             let probe = cache.store.longest_prefix(req);
-            let disk_n = if probe.checkpoint.is_some() { probe.matched_tokens } else { 0 };
+            let disk_n = if cache.disk && probe.checkpoint.is_some() { probe.matched_tokens } else { 0 };
             let disk = if disk_n > ram_n { cache.disk_restore(engine, req)? } else { None };
             let (id, reused, tier) = if let Some((id, n)) = disk.filter(|&(_, n)| n > ram_n) {
                 (id, n, "disk")
@@ -408,7 +419,7 @@ pub fn replay(
             if let Some(at) = policy.system_block_end(request.system_block, opts.span as usize) {
                 let probe = cache.store.longest_prefix(&req[..at]);
                 let stored = probe.checkpoint.is_some() && probe.matched_tokens == at;
-                if at > reused && at < req.len() && !stored {
+                if cache.disk && at > reused && at < req.len() && !stored {
                     engine.feed(id, &req[reused..at])?;
                     engine.run_until_idle()?;
                     cache.save(engine, id, SaveReason::SystemBlock, at)?;
@@ -438,7 +449,7 @@ pub fn replay(
                 history.extend_from_slice(&request.completion);
             }
             cache.save(engine, id, SaveReason::Continued, req.len())?;
-            cache.park(engine, (id, history.clone(), req.len()), opts.max_parked)?;
+            cache.park(engine, (id, history.clone(), req.len()), opts)?;
             let row =
                 ReplayRow { pass, request: ri, tokens: req.len(), lcp, reused, tier, restore_s, prefill_s, exact };
             writeln!(out, "{}", row.csv())?;
@@ -524,6 +535,8 @@ mod tests {
             span,
             dir: tmp.path().join("kv"),
             max_parked: 4,
+            max_parked_bytes: u64::MAX,
+            disk: true,
             passes: 2,
             verify: true,
             system_block_min_tokens: 0,
@@ -626,6 +639,8 @@ mod tests {
             span,
             dir: tmp.path().join("kv"),
             max_parked: 4,
+            max_parked_bytes: u64::MAX,
+            disk: true,
             passes: 2,
             verify: true,
             system_block_min_tokens: 128,

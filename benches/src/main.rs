@@ -202,9 +202,16 @@ struct KvArgs {
     /// Replay: compare every request's logits with a cold prefill (doubles the prefill work).
     #[arg(long)]
     verify: bool,
-    /// Replay: parked RAM sessions kept (LRU).
-    #[arg(long, default_value_t = 16)]
+    /// Replay: parked RAM sessions kept at most (LRU), as the server's `--max-parked`.
+    #[arg(long, default_value_t = 256)]
     max_parked: usize,
+    /// Replay: MiB of KV state the parked sessions may hold (LRU beyond), as the server's `--kv-ram-mb`
+    /// (default: no bound but --max-parked).
+    #[arg(long)]
+    ram_mb: Option<u64>,
+    /// Replay: no disk store, as the server's `--no-kv-disk` (RAM only).
+    #[arg(long)]
+    no_disk: bool,
     /// Replay: save a system + tools block at least this long at its end, as the server does (0: off).
     #[arg(long, default_value_t = 1024)]
     system_block_min_tokens: usize,
@@ -557,6 +564,8 @@ fn run_kv_replay(
         span,
         dir: dir.join("kv"),
         max_parked: a.max_parked,
+        max_parked_bytes: a.ram_mb.map_or(u64::MAX, |mb| mb.saturating_mul(1 << 20)),
+        disk: !a.no_disk,
         passes: if a.restart { 2 } else { 1 },
         verify: a.verify,
         system_block_min_tokens: a.system_block_min_tokens,

@@ -26,13 +26,21 @@ pub struct Args {
     /// of the context its prompt leaves).
     #[arg(long)]
     pub max_output_tokens: Option<usize>,
-    /// Directory of the on-disk KV cache.
+    /// Directory of the on-disk KV cache (default: `$XDG_CACHE_HOME/ds4/kv`, else `~/.cache/ds4/kv`).
     #[arg(long)]
     pub kv_disk_dir: Option<PathBuf>,
-    /// Disk space for the KV cache, in MiB.
-    #[arg(long, default_value_t = 4096)]
-    pub kv_disk_space_mb: u64,
-    /// With --kv-disk-dir: a system prompt + tools block (the prompt before its first user message) at least this
+    /// Keep no KV cache on disk (prefixes are then reused from RAM only, and lost on restart).
+    #[arg(long, conflicts_with = "kv_disk_dir")]
+    pub no_kv_disk: bool,
+    /// Disk space for the KV cache, in MiB (default: what the cache holds plus a quarter of the free space, 256 MiB
+    /// to 64 GiB).
+    #[arg(long)]
+    pub kv_disk_space_mb: Option<u64>,
+    /// Memory for idle sessions kept for prefix reuse (the RAM KV tier), in MiB (default: a quarter of the available
+    /// memory left by the weights). Beyond it the least recently used are moved to the disk tier.
+    #[arg(long)]
+    pub kv_ram_mb: Option<u64>,
+    /// With the disk tier: a system prompt + tools block (the prompt before its first user message) at least this
     /// many tokens long is saved to disk at its end (the last page boundary inside it), so another conversation of
     /// the same agent restores it, also after a restart (0: off).
     #[arg(long, default_value_t = 1024)]
@@ -49,8 +57,8 @@ pub struct Args {
     /// Prompt tokens fed per tick (long prefills are sliced so decoders keep flowing).
     #[arg(long, default_value_t = 512)]
     pub prefill_chunk: usize,
-    /// Idle sessions kept in RAM for prefix reuse.
-    #[arg(long, default_value_t = 16)]
+    /// Idle sessions kept in RAM for prefix reuse, at most (their memory is bounded by --kv-ram-mb).
+    #[arg(long, default_value_t = 256)]
     pub max_parked: usize,
     /// Request body limit in MiB (413 above).
     #[arg(long, default_value_t = 32)]

@@ -5,11 +5,12 @@
 //! tokenizer) when no path is given.
 //!
 //! Notes for the next engineer:
-//! - The engine rolls a session back exactly within its roll-back log (`Engine::rollback`, the last R tokens):
-//!   [`Runner::truncate`] does that in place, and [`Runner::rollback_floor`] tells the scheduler how far back it
-//!   reaches. It cannot cut a session back to any length, so [`Runner::can_truncate`] is `false` and
-//!   [`Runner::fork`] (`Engine::fork`: KV pages shared, only the tail copied) lets the scheduler also keep a copy
-//!   of each prompt's state, so a follow-up that diverges before the roll-back floor still reuses the prompt.
+//! - The engine rolls a session back exactly within its roll-back log's reach (`Engine::rollback`, R = 1024 tokens
+//!   by default): [`Runner::truncate`] succeeds inside [`Runner::rollback_floor`] and answers `false` beyond it
+//!   (nothing is recomputed; the scheduler then starts elsewhere), and [`Runner::can_truncate`] stays `false`
+//!   because the reach is bounded. [`Runner::fork`] (`Engine::fork`: KV pages shared, only the tail copied) lets
+//!   the scheduler keep a copy of each prompt's state, so a follow-up that diverges after the prompt (regenerate, a
+//!   re-rendered assistant turn) reuses it even beyond the roll-back reach.
 //! - `step` is one engine tick (decode tokens first, then prefill up to the engine's `max_batch_tokens`);
 //!   `pending` reports what is still queued, so a decoding session is never held up by a long prefill.
 //! - Tools are attached to the first message (the renderer prints them in the system prompt); the function object
@@ -41,12 +42,14 @@ pub struct EngineRunner {
     next: RunnerSessionId,
     max_sessions: usize,
     disk: Option<crate::kvdisk::DiskTier>,
+    /// Tokens of roll-back log per session (`EngineOptions::rollback`), for [`Runner::session_bytes`].
+    rollback: usize,
 }
 
 impl EngineRunner {
-    /// Turns on the disk KV tier in `dir` (budget `space_mb` MiB); see [`crate::kvdisk`].
-    pub fn enable_disk(&mut self, dir: std::path::PathBuf, space_mb: u64) -> Result<(), BackendError> {
-        self.disk = Some(crate::kvdisk::DiskTier::open(&self.engine, dir, space_mb).map_err(BackendError)?);
+    /// Turns on the disk KV tier in `dir` (budget `space_bytes`); see [`crate::kvdisk`].
+    pub fn enable_disk(&mut self, dir: std::path::PathBuf, space_bytes: u64) -> Result<(), BackendError> {
+        self.disk = Some(crate::kvdisk::DiskTier::open(&self.engine, dir, space_bytes).map_err(BackendError)?);
         Ok(())
     }
 
@@ -132,6 +135,15 @@ impl Runner for EngineRunner {
 
     fn kv_bytes_copied(&self) -> u64 {
         self.engine.kv_bytes_copied()
+    }
+
+    fn session_bytes(&self, session: RunnerSessionId) -> u64 {
+        let Some(&sid) = self.ids.get(&session) else { return 0 };
+        let (device, host) = self.engine.kv_bytes_by_tier(sid).unwrap_or((0, 0));
+        // The roll-back log is reserved up front and touched as tokens arrive: count what the position reached.
+        let pos = self.engine.position(sid).unwrap_or(0);
+        let log = crate::context::rollback_log_bytes(self.engine.config(), self.rollback, pos);
+        device + host + if pos == 0 { 0 } else { log }
     }
 
     fn disk_restore(&mut self, prompt: &[u32], better_than: usize) -> Option<(RunnerSessionId, usize)> {
@@ -365,6 +377,9 @@ pub struct LoadOptions {
     /// Engine rows per tick.
     pub max_batch_tokens: usize,
     pub max_sessions: usize,
+    /// Sessions decoding at once (`--max-active`): each may hold a roll-back log, which the default context
+    /// leaves room for ([`crate::context`]).
+    pub active_sessions: usize,
     /// Seed of the demo model's random weights.
     pub demo_seed: u64,
 }
@@ -384,7 +399,14 @@ pub fn load(path: Option<&Path>, o: &LoadOptions) -> Result<(EngineRunner, Engin
     let tok = Tokenizer::from_gguf(&file).map_err(be)?;
     let ctx = if o.ctx == 0 {
         let cfg = ds4_engine::model::ModelConfig::from_gguf(&file).map_err(be)?;
-        let (ctx, why) = crate::context::auto_context(&cfg, file.file_size(), crate::context::mem_available());
+        let log = crate::context::rollback_log_bytes(&cfg, EngineOptions::DEFAULT_ROLLBACK, cfg.ctx_len);
+        let (ctx, why) = crate::context::auto_context(
+            &cfg,
+            file.file_size(),
+            crate::context::mem_available(),
+            o.active_sessions.max(1),
+            log,
+        );
         tracing::info!(ctx, "default context from memory: {why} (set --ctx to choose)");
         ctx
     } else {
@@ -400,7 +422,14 @@ pub fn load(path: Option<&Path>, o: &LoadOptions) -> Result<(EngineRunner, Engin
         demo,
     };
     let codec = EngineCodec::new(tok).with_revision(engine.config().revision);
-    let runner = EngineRunner { engine, ids: HashMap::new(), next: 0, max_sessions: o.max_sessions.max(1), disk: None };
+    let runner = EngineRunner {
+        engine,
+        ids: HashMap::new(),
+        next: 0,
+        max_sessions: o.max_sessions.max(1),
+        disk: None,
+        rollback: EngineOptions::DEFAULT_ROLLBACK,
+    };
     Ok((runner, codec, info))
 }
 
@@ -410,8 +439,14 @@ mod tests {
 
     #[test]
     fn a_step_is_one_engine_tick_and_decode_goes_first() {
-        let opts =
-            LoadOptions { backend: BackendKind::Cpu, ctx: 128, max_batch_tokens: 8, max_sessions: 4, demo_seed: 1 };
+        let opts = LoadOptions {
+            backend: BackendKind::Cpu,
+            ctx: 128,
+            max_batch_tokens: 8,
+            max_sessions: 4,
+            active_sessions: 4,
+            demo_seed: 1,
+        };
         let (mut r, _, _) = load(None, &opts).expect("demo model");
         let (long, short) = (r.create_session().unwrap(), r.create_session().unwrap());
         r.feed(short, &[5]).unwrap();

@@ -471,6 +471,10 @@ impl Runner for FakeRunner {
         self.sessions.get(&session)?.logits.as_deref()
     }
 
+    fn session_bytes(&self, session: RunnerSessionId) -> u64 {
+        self.sessions.get(&session).map_or(0, |s| s.tokens.len() as u64 * 64)
+    }
+
     fn kv_bytes(&self) -> KvBytes {
         let tokens: usize = self.sessions.values().map(|s| s.tokens.len()).sum();
         KvBytes { host: tokens as u64 * 64, ..KvBytes::default() }

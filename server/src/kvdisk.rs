@@ -26,12 +26,73 @@
 //!   restores, store write/read errors, corrupt files removed at start, checksum failures while restoring.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
 
 use ds4_engine::engine::Engine;
 use ds4_engine::persist;
 use ds4_engine::tables::SessionId as EngineSession;
 use ds4_kv::{KvStore, SavePolicy, SaveReason};
+
+/// The disk tier's default directory: `$XDG_CACHE_HOME/ds4/kv` when that variable is an absolute path (the XDG
+/// base directory rule: a relative one is ignored), else `$HOME/.cache/ds4/kv`; `None` when neither is set.
+pub fn default_dir() -> Option<PathBuf> {
+    dir_from_env(std::env::var_os("XDG_CACHE_HOME"), std::env::var_os("HOME"))
+}
+
+/// [`default_dir`] from the two variables' values.
+pub fn dir_from_env(xdg_cache_home: Option<OsString>, home: Option<OsString>) -> Option<PathBuf> {
+    let xdg = xdg_cache_home.map(PathBuf::from).filter(|p| p.is_absolute());
+    let base = match xdg {
+        Some(x) => x,
+        None => PathBuf::from(home.filter(|h| !h.is_empty())?).join(".cache"),
+    };
+    Some(base.join("ds4").join("kv"))
+}
+
+/// Largest default disk budget (`--kv-disk-space-mb` sets any).
+pub const MAX_DEFAULT_SPACE: u64 = 64 << 30;
+/// Smallest default disk budget.
+pub const MIN_DEFAULT_SPACE: u64 = 256 << 20;
+
+/// The default disk budget: what the cache holds already plus a quarter of the file system's free space, within
+/// [`MIN_DEFAULT_SPACE`]`..=`[`MAX_DEFAULT_SPACE`] (free space unknown: the minimum plus what is held).
+pub fn default_space(free: Option<u64>, held: u64) -> u64 {
+    let grow = free.map_or(MIN_DEFAULT_SPACE, |f| f / 4);
+    held.saturating_add(grow).clamp(MIN_DEFAULT_SPACE, MAX_DEFAULT_SPACE)
+}
+
+/// Bytes available to an unprivileged user on the file system that holds `path` (or its nearest existing
+/// ancestor, for a directory not created yet).
+pub fn free_space(path: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let existing = path.ancestors().find(|p| p.exists())?;
+    let c = std::ffi::CString::new(existing.as_os_str().as_bytes()).ok()?;
+    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: `c` is a NUL-terminated path and `st` points to writable memory of the right type; statvfs only
+    // writes through it, and we read it only when the call succeeded.
+    let rc = unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) };
+    if rc != 0 {
+        return None;
+    }
+    // SAFETY: statvfs returned 0, so it filled the whole struct.
+    let st = unsafe { st.assume_init() };
+    // The field types differ between platforms (u32 block counts on macOS).
+    #[allow(clippy::unnecessary_cast)]
+    Some((st.f_bavail as u64).saturating_mul(st.f_frsize as u64))
+}
+
+/// Bytes of the regular files under `dir` (recursively; unreadable entries count 0).
+pub fn dir_bytes(dir: &Path) -> u64 {
+    let Ok(rd) = std::fs::read_dir(dir) else { return 0 };
+    rd.flatten()
+        .map(|e| match e.file_type() {
+            Ok(t) if t.is_dir() => dir_bytes(&e.path()),
+            Ok(t) if t.is_file() => e.metadata().map_or(0, |m| m.len()),
+            _ => 0,
+        })
+        .sum()
+}
 
 /// What happened to a session (the scheduler reports these; the tier decides whether to save).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,10 +121,10 @@ pub struct DiskTier {
 }
 
 impl DiskTier {
-    /// Opens `dir` for `engine`'s model with a budget of `space_mb` MiB. A directory that cannot be used does not
+    /// Opens `dir` for `engine`'s model with a budget of `space_bytes`. A directory that cannot be used does not
     /// fail: the tier is then off (logged, counted).
-    pub fn open(engine: &Engine, dir: PathBuf, space_mb: u64) -> Result<DiskTier, String> {
-        let opts = persist::kv_options(engine, 256, space_mb.saturating_mul(1 << 20));
+    pub fn open(engine: &Engine, dir: PathBuf, space_bytes: u64) -> Result<DiskTier, String> {
+        let opts = persist::kv_options(engine, 256, space_bytes);
         let store = persist::open_store(engine, dir, opts).map_err(|e| e.to_string())?;
         let st = store.status();
         let why = st.last_error.as_deref().unwrap_or("unknown error");
@@ -73,8 +134,8 @@ impl DiskTier {
             tracing::warn!(dir = %st.dir.display(), error = why, files = st.files,
                 "--kv-disk-dir is read-only: restoring from its entries, saving nothing");
         } else {
-            tracing::info!(dir = %st.dir.display(), files = st.files, bytes = st.bytes, span = store.span_tokens(),
-                "KV disk tier ready");
+            tracing::info!(dir = %st.dir.display(), files = st.files, bytes = st.bytes, budget = space_bytes,
+                span = store.span_tokens(), "KV disk tier ready");
         }
         if st.corrupt_at_open > 0 {
             tracing::warn!(removed = st.corrupt_at_open, "corrupt KV files removed at start");
@@ -209,5 +270,43 @@ impl DiskTier {
     /// Forgets a freed session.
     pub fn forget(&mut self, sid: EngineSession) {
         self.saved_at.remove(&sid);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_dir_follows_xdg_then_home() {
+        let os = |s: &str| Some(OsString::from(s));
+        assert_eq!(dir_from_env(os("/x/cache"), os("/home/u")), Some(PathBuf::from("/x/cache/ds4/kv")));
+        // A relative XDG_CACHE_HOME is ignored (XDG base directory rule), an empty one too.
+        assert_eq!(dir_from_env(os("rel"), os("/home/u")), Some(PathBuf::from("/home/u/.cache/ds4/kv")));
+        assert_eq!(dir_from_env(os(""), os("/home/u")), Some(PathBuf::from("/home/u/.cache/ds4/kv")));
+        assert_eq!(dir_from_env(None, os("/home/u")), Some(PathBuf::from("/home/u/.cache/ds4/kv")));
+        assert_eq!(dir_from_env(None, None), None);
+        assert_eq!(dir_from_env(None, os("")), None);
+    }
+
+    #[test]
+    fn default_space_is_held_plus_a_quarter_of_free_within_bounds() {
+        let gib = 1u64 << 30;
+        assert_eq!(default_space(Some(100 * gib), 2 * gib), 27 * gib);
+        assert_eq!(default_space(Some(10 << 20), 0), MIN_DEFAULT_SPACE);
+        assert_eq!(default_space(Some(10_000 * gib), 0), MAX_DEFAULT_SPACE);
+        assert_eq!(default_space(None, gib), gib + MIN_DEFAULT_SPACE);
+    }
+
+    #[test]
+    fn free_space_of_a_path_not_created_yet_is_its_ancestors() {
+        let tmp = tempfile::tempdir().unwrap();
+        let deep = tmp.path().join("a/b/c");
+        let free = free_space(&deep).expect("statvfs of the temp dir");
+        assert!(free > 0);
+        std::fs::create_dir_all(tmp.path().join("a/b")).unwrap();
+        std::fs::write(tmp.path().join("a/b/f"), vec![0u8; 1000]).unwrap();
+        std::fs::write(tmp.path().join("a/g"), vec![0u8; 24]).unwrap();
+        assert_eq!(dir_bytes(tmp.path()), 1024);
     }
 }

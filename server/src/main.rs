@@ -19,11 +19,18 @@ pub fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let args = Args::parse();
+    let weight_bytes = args.model.as_ref().and_then(|m| std::fs::metadata(m).ok()).map_or(0, |m| m.len());
+    let max_parked_bytes = match args.kv_ram_mb {
+        Some(mb) => mb.saturating_mul(1 << 20),
+        None => ds4_server::context::ram_tier_default(weight_bytes, ds4_server::context::mem_available()),
+    };
+    tracing::info!(max_parked_bytes, "RAM KV tier budget (set --kv-ram-mb to choose)");
     let config = SchedulerConfig {
         max_active: args.max_active.max(1),
         max_queue: args.max_queue,
         prefill_chunk: args.prefill_chunk.max(1),
         max_parked: args.max_parked,
+        max_parked_bytes,
         context_size: 0,
     };
     let mut max_connections = args.max_connections.max(1);
@@ -73,12 +80,31 @@ pub fn main() -> anyhow::Result<()> {
             ctx: args.ctx.unwrap_or(0),
             max_batch_tokens: config.prefill_chunk + config.max_active,
             max_sessions: config.max_active + config.max_parked + 8,
+            active_sessions: config.max_active,
             demo_seed: 1,
         };
         let (mut runner, codec, info) =
             ds4_server::engine::load(args.model.as_deref(), &opts).map_err(|e| anyhow::anyhow!("{e}"))?;
-        if let Some(dir) = &args.kv_disk_dir {
-            if let Err(e) = runner.enable_disk(dir.clone(), args.kv_disk_space_mb) {
+        let dir = if args.no_kv_disk {
+            None
+        } else if let Some(d) = &args.kv_disk_dir {
+            Some(d.clone())
+        } else {
+            let d = ds4_server::kvdisk::default_dir();
+            if d.is_none() {
+                tracing::warn!("neither XDG_CACHE_HOME nor HOME is set: disk KV tier off (--kv-disk-dir DIR)");
+            }
+            d
+        };
+        if let Some(dir) = &dir {
+            let space = match args.kv_disk_space_mb {
+                Some(mb) => mb.saturating_mul(1 << 20),
+                None => ds4_server::kvdisk::default_space(
+                    ds4_server::kvdisk::free_space(dir),
+                    ds4_server::kvdisk::dir_bytes(dir),
+                ),
+            };
+            if let Err(e) = runner.enable_disk(dir.clone(), space) {
                 tracing::error!(error = %e, "--kv-disk-dir: disk KV tier off");
             }
             if let Some(tier) = runner.disk_tier() {

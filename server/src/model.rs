@@ -115,6 +115,12 @@ pub trait Runner: Send {
     fn kv_bytes(&self) -> KvBytes {
         KvBytes::default()
     }
+    /// Memory `session` holds (its KV state and per-session buffers such as a roll-back log), counted as if it
+    /// shared nothing with other sessions (an upper bound); the RAM tier's byte budget is charged with it. 0 when
+    /// the runner does not know.
+    fn session_bytes(&self, _session: RunnerSessionId) -> u64 {
+        0
+    }
     /// KV bytes copied so far by forks and copy on write (`ds4_kv_fork_bytes_copied_total`).
     fn kv_bytes_copied(&self) -> u64 {
         0

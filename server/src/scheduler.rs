@@ -11,10 +11,14 @@
 //! Prefix reuse: a finished (or cancelled) job's session is *parked* with exactly the tokens it has processed. A new
 //! job takes the parked session that lets it skip the most prompt tokens and feeds only the rest: a parked session
 //! whose tokens are a prefix of the prompt is used as is (when they equal the whole prompt, its stored logits are
-//! sampled directly); otherwise it is truncated to the common prefix when the runner can do that. Runners that
-//! cannot truncate get a copy of every freshly prefilled prompt parked too ([`Runner::fork`]), so a request that
-//! diverges right after the prompt (a retry, a re-rendered assistant turn) still skips it. Parked sessions are
-//! evicted least-recently-used beyond `max_parked`, or when the runner's session table is full.
+//! sampled directly); otherwise a copy of it is rolled back to the common prefix when the runner can: anywhere
+//! ([`Runner::can_truncate`]) or within its roll-back reach ([`Runner::rollback_floor`]; the real engine rolls back
+//! exactly, recomputing nothing, up to R = 1024 tokens). Runners without unbounded truncation also get a copy of
+//! every freshly prefilled prompt parked ([`Runner::fork`]), so a request that diverges right after the prompt (a
+//! retry, a re-rendered assistant turn) skips it even beyond the roll-back reach. The parked sessions are the
+//! RAM KV tier, bounded by bytes: least-recently-used ones are evicted (saved to the disk tier first, when there is
+//! one) while their [`Runner::session_bytes`] sum exceeds `max_parked_bytes`, beyond `max_parked` sessions (a
+//! bound on the runner's session table, not the cache policy), or when the runner's session table is full.
 //!
 //! Every finished job (done, cancelled or failed) leaves a [`RequestRecord`] — counts and timings, no text — in
 //! the metrics' ring of recent requests, and every tick adds its prompt and generated tokens to the throughput
@@ -83,13 +87,23 @@ pub struct SchedulerConfig {
     pub max_active: usize,
     pub max_queue: usize,
     pub prefill_chunk: usize,
+    /// Parked sessions at most (the session table's bound).
     pub max_parked: usize,
+    /// Bytes the parked sessions may hold ([`Runner::session_bytes`]; the RAM tier's budget, `--kv-ram-mb`).
+    pub max_parked_bytes: u64,
     pub context_size: usize,
 }
 
 impl Default for SchedulerConfig {
     fn default() -> Self {
-        SchedulerConfig { max_active: 32, max_queue: 256, prefill_chunk: 512, max_parked: 16, context_size: 4096 }
+        SchedulerConfig {
+            max_active: 32,
+            max_queue: 256,
+            prefill_chunk: 512,
+            max_parked: 256,
+            max_parked_bytes: 1 << 30,
+            context_size: 4096,
+        }
     }
 }
 
@@ -204,6 +218,8 @@ struct Parked {
     session: RunnerSessionId,
     tokens: Vec<u32>,
     last_used: u64,
+    /// [`Runner::session_bytes`] when it was parked.
+    bytes: u64,
 }
 
 struct Worker {
@@ -445,10 +461,16 @@ impl Worker {
     fn park(&mut self, session: RunnerSessionId, mut tokens: Vec<u32>) {
         self.clock += 1;
         tokens.shrink_to_fit();
-        self.parked.push(Parked { session, tokens, last_used: self.clock });
-        while self.parked.len() > self.config.max_parked {
+        let bytes = self.runner.session_bytes(session);
+        self.parked.push(Parked { session, tokens, last_used: self.clock, bytes });
+        while self.parked.len() > self.config.max_parked || self.parked_bytes() > self.config.max_parked_bytes {
             self.evict_lru();
         }
+    }
+
+    /// Bytes the parked sessions hold (the RAM tier's use).
+    fn parked_bytes(&self) -> u64 {
+        self.parked.iter().map(|p| p.bytes).sum()
     }
 
     /// Finish the job at `idx`: park its session with the tokens the runner has processed.
@@ -801,6 +823,44 @@ mod tests {
             assert!(prefill_ticks < 1000, "the prefill does not finish");
         }
         assert!(prefill_ticks >= long.len() / 8, "a {}-token prefill in {prefill_ticks} ticks", long.len());
+    }
+
+    #[test]
+    fn the_ram_tier_is_bounded_by_bytes_not_by_count() {
+        // The fake model charges 64 bytes per token: a budget of 150 tokens' worth keeps two ~68-token
+        // conversations (prompt + reply) parked, not three; the least recently used one is evicted.
+        let config = SchedulerConfig { max_parked_bytes: 150 * 64, ..Default::default() };
+        let mut w = Worker::new(Box::new(FakeRunner::new(64)), config, Default::default(), Default::default());
+        let run = |w: &mut Worker, p: Vec<u32>| {
+            let (j, mut rx) = job(p, 100);
+            w.queued.fetch_add(1, Ordering::SeqCst);
+            w.waiting.push_back((j, Instant::now()));
+            while w.active.len() + w.waiting.len() > 0 {
+                w.admit();
+                w.tick();
+            }
+            collect(&mut rx)
+        };
+        let prompts: Vec<Vec<u32>> = (0..3).map(|i| prompt(&format!("conversation {i}"))).collect();
+        for p in &prompts {
+            run(&mut w, p.clone());
+        }
+        let held = |w: &Worker, p: &[u32]| w.parked.iter().any(|s| s.tokens.starts_with(p));
+        assert_eq!(w.parked.len(), 2, "bytes {}", w.parked_bytes());
+        assert!(w.parked_bytes() <= 150 * 64);
+        assert!(!held(&w, &prompts[0]) && held(&w, &prompts[1]) && held(&w, &prompts[2]));
+        // Using the oldest one makes it recent: the next eviction takes the other.
+        let (ev, _) = run(&mut w, prompts[1].clone());
+        assert!(matches!(ev[0], JobEvent::Started { cached_tokens, .. } if cached_tokens + 1 >= prompts[1].len()));
+        run(&mut w, prompts[0].clone());
+        assert!(held(&w, &prompts[0]) && held(&w, &prompts[1]) && !held(&w, &prompts[2]));
+        // Many small sessions fit where a count bound of 16 would have evicted: 40 sessions of 1 KiB.
+        let config = SchedulerConfig { max_parked_bytes: 1 << 20, ..Default::default() };
+        let mut w = Worker::new(Box::new(FakeRunner::new(128)), config, Default::default(), Default::default());
+        for i in 0..40 {
+            run(&mut w, prompt(&format!("q{i}")));
+        }
+        assert_eq!(w.parked.len(), 40);
     }
 
     #[test]

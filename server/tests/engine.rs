@@ -18,6 +18,7 @@ fn demo_server() -> TestServer {
         ctx: 2048,
         max_batch_tokens: 256,
         max_sessions: 64,
+        active_sessions: 8,
         demo_seed: 1,
     };
     let (runner, codec, info) = load(None, &opts).expect("demo model");

@@ -28,8 +28,25 @@ impl Server {
         Self::start_with(kv_dir, unprivileged, &[])
     }
 
-    /// With `extra` flags.
+    /// With `extra` flags. Without `kv_dir` the disk tier is off (`--no-kv-disk`: no test writes into the real
+    /// cache directory).
     fn start_with(kv_dir: Option<&Path>, unprivileged: bool, extra: &[&str]) -> Server {
+        match kv_dir {
+            Some(d) => {
+                let mut args = vec!["--kv-disk-dir", d.to_str().expect("utf-8 temp path")];
+                args.extend_from_slice(extra);
+                Self::spawn(unprivileged, &args, &[])
+            }
+            None => {
+                let mut args = vec!["--no-kv-disk"];
+                args.extend_from_slice(extra);
+                Self::spawn(unprivileged, &args, &[])
+            }
+        }
+    }
+
+    /// With exactly `args` (after the listen address) and `env` set.
+    fn spawn(unprivileged: bool, args: &[&str], env: &[(&str, &Path)]) -> Server {
         // SAFETY: geteuid has no preconditions and cannot fail.
         let root = unsafe { libc::geteuid() } == 0;
         let mut cmd = if unprivileged && root {
@@ -40,10 +57,12 @@ impl Server {
             Command::new(env!("CARGO_BIN_EXE_ds4-server"))
         };
         cmd.args(["--host", "127.0.0.1", "--port", "0", "--drain-timeout-s", "30"]);
-        if let Some(d) = kv_dir {
-            cmd.arg("--kv-disk-dir").arg(d);
+        cmd.args(args);
+        // Only what a test sets: the runner's own cache directory is never used.
+        cmd.env_remove("XDG_CACHE_HOME");
+        for (k, v) in env {
+            cmd.env(k, v);
         }
-        cmd.args(extra);
         cmd.env("RUST_LOG", "warn").stdout(Stdio::null()).stderr(Stdio::piped());
         let mut child = cmd.spawn().expect("spawn ds4-server");
         let stderr = child.stderr.take().unwrap();
@@ -207,6 +226,51 @@ fn conversation_survives_a_restart_through_the_disk_tier() {
     assert_eq!(usage_u64(&r3, &["prompt_tokens_details", "cached_tokens"]), 0);
     assert_eq!(r2["choices"][0]["message"], r3["choices"][0]["message"], "cached and uncached outputs differ");
     c.stop();
+}
+
+/// The disk tier is on by default, under `$XDG_CACHE_HOME/ds4/kv` (else `$HOME/.cache/ds4/kv`): a server started
+/// with no cache flag at all keeps a conversation's prefix across a restart.
+#[cfg(unix)]
+#[test]
+fn default_flags_keep_the_prefix_across_a_restart() {
+    const SPAN: u64 = 256;
+    let tmp = tempfile::tempdir().unwrap();
+    let (home, xdg) = (tmp.path().join("home"), tmp.path().join("xdg"));
+    std::fs::create_dir_all(&home).unwrap();
+    let env = [("HOME", home.as_path()), ("XDG_CACHE_HOME", xdg.as_path())];
+    let mut messages = vec![
+        json!({"role": "system", "content": long_text(3, 300)}),
+        json!({"role": "user", "content": long_text(4, 200)}),
+    ];
+    let a = Server::spawn(false, &[], &env);
+    let r1 = a.chat(&messages);
+    let p1 = usage_u64(&r1, &["prompt_tokens"]);
+    let answer = r1["choices"][0]["message"]["content"].as_str().unwrap_or("").to_string();
+    a.stop();
+    let kv = xdg.join("ds4").join("kv");
+    assert!(files(&kv, "page") >= 1 && files(&kv, "ckpt") >= 1, "nothing saved under {}", kv.display());
+    assert!(!home.join(".cache").exists(), "XDG_CACHE_HOME set, yet the cache went under HOME");
+
+    messages.push(json!({"role": "assistant", "content": answer}));
+    messages.push(json!({"role": "user", "content": "and then?"}));
+    let b = Server::spawn(false, &[], &env);
+    let r2 = b.chat(&messages);
+    let cached = usage_u64(&r2, &["prompt_tokens_details", "cached_tokens"]);
+    assert!(cached + SPAN >= p1, "cached {cached} < history {p1} minus a page");
+    assert_eq!(b.metric_sum("ds4_kv_disk_errors_total"), 0.0);
+    b.stop();
+
+    // Without XDG_CACHE_HOME (the harness clears it) the cache is under HOME; `--no-kv-disk` writes nothing.
+    let c = Server::spawn(false, &[], &[("HOME", home.as_path())]);
+    c.chat(&messages[..2]);
+    c.stop();
+    assert!(files(&home.join(".cache/ds4/kv"), "ckpt") >= 1, "nothing saved under HOME/.cache/ds4/kv");
+    let off = tmp.path().join("off");
+    std::fs::create_dir_all(&off).unwrap();
+    let d = Server::spawn(false, &["--no-kv-disk"], &[("HOME", off.as_path()), ("XDG_CACHE_HOME", off.as_path())]);
+    d.chat(&messages[..2]);
+    d.stop();
+    assert_eq!(std::fs::read_dir(&off).unwrap().count(), 0, "--no-kv-disk wrote into the cache directory");
 }
 
 /// An agent's next turn re-renders what the model generated (its reasoning dropped), so it diverges right after the

@@ -103,7 +103,8 @@ class Server:
         self.log_path = os.path.join(tmp, "server.log")
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [bin, "--host", "127.0.0.1", "--port", str(self.port), *args],
+            # --no-kv-disk: a test never writes into the real cache directory.
+            [bin, "--host", "127.0.0.1", "--port", str(self.port), "--no-kv-disk", *args],
             stdout=subprocess.DEVNULL,
             stderr=self.log,
         )

@@ -37,7 +37,7 @@ def server():
         pytest.fail(f"{BIN} not found: run `cargo build -p ds4-server` first")
     port = free_port()
     proc = subprocess.Popen(
-        [BIN, "--port", str(port), "--ctx", "4096", "--max-active", "32"],
+        [BIN, "--port", str(port), "--ctx", "4096", "--max-active", "32", "--no-kv-disk"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,

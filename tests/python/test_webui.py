@@ -69,7 +69,7 @@ def server():
         pytest.fail(f"{BIN} not found: run `cargo build -p ds4-server` first")
     port = free_port()
     proc = subprocess.Popen(
-        [BIN, "--host", "127.0.0.1", "--port", str(port), "--ctx", str(CTX)],
+        [BIN, "--host", "127.0.0.1", "--port", str(port), "--ctx", str(CTX), "--no-kv-disk"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
