@@ -269,6 +269,10 @@ pub trait Codec: Send + Sync {
     fn parser(&self, thinking: bool) -> Box<dyn OutputParser>;
     /// Tokens that end a completion.
     fn eos_tokens(&self) -> Vec<u32>;
+    /// The grammar compiler for this model's vocabulary (structured outputs); an error when the model has none.
+    fn grammar(&self) -> Result<std::sync::Arc<crate::structured::GrammarSupport>, BackendError> {
+        Err(BackendError("this model has no grammar support".into()))
+    }
 }
 
 /// Static facts about the loaded model.
