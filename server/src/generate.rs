@@ -150,7 +150,7 @@ impl Generation {
             eos: state.codec.eos_tokens(),
             system_block,
             events: tx,
-            constraint: opts.constraint.take(),
+            constraint: opts.constraint.take().map(Box::new),
         };
         state.scheduler.submit(job).map_err(|e| match e {
             SubmitError::QueueFull => ApiError::overloaded(1),

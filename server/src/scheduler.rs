@@ -77,7 +77,7 @@ pub struct GenRequest {
     pub system_block: usize,
     pub events: UnboundedSender<JobEvent>,
     /// Structured output: every sampled token goes through this grammar's mask ([`crate::structured`]).
-    pub constraint: Option<JobConstraint>,
+    pub constraint: Option<Box<JobConstraint>>,
 }
 
 /// Tunables.
@@ -522,7 +522,7 @@ impl Worker {
                 .iter_mut()
                 .enumerate()
                 .filter(|(i, a)| a.fed == a.tokens.len() && !failed.iter().any(|f| f.0 == *i))
-                .filter_map(|(_, a)| a.job.constraint.as_mut())
+                .filter_map(|(_, a)| a.job.constraint.as_deref_mut())
                 .filter(|c| c.active())
                 .collect();
             let (runner, metrics) = (&mut self.runner, &self.metrics);
