@@ -9,7 +9,7 @@
 //! copy on write of shared pages; fork shares pages by reference),
 //! `generations_cancelled_total` (generations stopped because their client went away), `keepalives_total` (SSE
 //! keep-alive frames sent), `connections_open`, `connections_closed_total{reason}` (closed by the server:
-//! timeouts, the connection cap).
+//! timeouts, the connection cap), and the structured-output set of [`StructuredMetrics`].
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
