@@ -45,7 +45,7 @@ export DS4_AGENTS_DIR="$AGENTS_DIR"
 PY=python3
 if [ -d tests/python ]; then
   log "installing Python test clients"
-  $PY -m pip install -q --disable-pip-version-check openai anthropic pytest prometheus-client websocket-client >/dev/null
+  $PY -m pip install -q --disable-pip-version-check openai anthropic pytest prometheus-client websocket-client jsonschema httpx >/dev/null
 fi
 
 # The CUDA compile check (kernels-native/tests/cuda_compile.rs; no GPU needed): NVRTC and ptxas from PyPI wheels,

@@ -15,6 +15,7 @@
 //! | [`exec`] | the executor: places each node (native override, portable kernel, or whole stage) and runs the graph |
 //! | [`backend`] | op implementations: `cpu` (reference + SIMD) and `wgpu` |
 //! | [`tokenizer`], [`chat`], [`sampler`] | text in, text out |
+//! | [`grammar`] | constrained decoding (JSON schema, regex, Lark) with `llguidance`: per-token masks for the sampler |
 //! | [`testdata`] | for tests: where `../shared` is, and the skip-unless-CI rule |
 //!
 //! Errors: every fallible function returns [`Result`], whose [`Error`] names the op, file or tensor involved.
@@ -22,7 +23,7 @@
 //! Public surface: the top-level modules above stay `pub` (except `error`, whose [`Error`] and [`Result`] are
 //! re-exported here), because the other crates use them: [`engine`] (the [`Engine`] facade: server, cli, benches,
 //! tests), [`tables`] (session ids and snapshots), [`persist`] (the `ds4-kv` bridge: server, benches), [`gguf`],
-//! [`tokenizer`], [`chat`], [`sampler`] (server, cli), [`convert`] (cli, server, tests), [`model`] (hyperparameters),
+//! [`tokenizer`], [`chat`], [`sampler`], [`grammar`] (server, cli), [`convert`] (cli, server, tests), [`model`] (hyperparameters),
 //! [`graph`] (benches, `ds4-kernels-native`), [`exec`] (benches), [`quant`] (benches, engine tests), [`backend`]
 //! (benches, tests) and [`testdata`] (tests). Inside them only these submodules are public: `backend::{cpu, wgpu}`,
 //! `backend::wgpu::context` (the wgpu test context of the `ds4-tests` crate), `model::config` (`Revision`),
@@ -41,6 +42,7 @@ pub mod engine;
 pub(crate) mod error;
 pub mod exec;
 pub mod gguf;
+pub mod grammar;
 pub mod graph;
 pub mod model;
 pub mod persist;

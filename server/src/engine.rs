@@ -20,6 +20,7 @@
 
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::Arc;
 
 use ds4_engine::chat::{self, JsonValue, Mode, ParseEvent, RenderOptions, StreamParser};
 use ds4_engine::engine::{BackendKind, Engine, EngineOptions};
@@ -177,13 +178,24 @@ pub struct EngineCodec {
     neutraliser: Result<crate::markers::Neutraliser, BackendError>,
     /// The loaded model's revision: its chat template's reasoning-effort texts follow it.
     revision: ds4_engine::chat::effort::Revision,
+    /// The logits width grammars' masks cover (the model's vocabulary; at least the tokenizer's).
+    logits: usize,
+    /// Built on first use (a trie over the vocabulary: ~0.1 s).
+    grammar: std::sync::OnceLock<Result<Arc<crate::structured::GrammarSupport>, BackendError>>,
 }
 
 impl EngineCodec {
     /// A codec for an April-revision model (see [`EngineCodec::with_revision`]).
     pub fn new(tok: Tokenizer) -> Self {
         let neutraliser = crate::markers::Neutraliser::new(&tok);
-        EngineCodec { tok, neutraliser, revision: Default::default() }
+        let logits = tok.vocab_size();
+        EngineCodec { tok, neutraliser, revision: Default::default(), logits, grammar: Default::default() }
+    }
+
+    /// Masks cover `logits` ids (the model's output width, when it is wider than the tokenizer's vocabulary).
+    pub fn with_logits(mut self, logits: usize) -> Self {
+        self.logits = logits.max(self.tok.vocab_size());
+        self
     }
 
     /// Render for the model revision `revision` (from the loaded file's `deepseek4.revision`).
@@ -303,6 +315,21 @@ impl Codec for EngineCodec {
     fn token_bytes(&self, id: u32) -> Vec<u8> {
         self.tok.token_bytes(id).map(<[u8]>::to_vec).unwrap_or_default()
     }
+
+    fn grammar(&self) -> Result<Arc<crate::structured::GrammarSupport>, BackendError> {
+        self.grammar
+            .get_or_init(|| {
+                let factory = ds4_engine::grammar::ConstraintFactory::new(&self.tok, self.logits).map_err(be)?;
+                let s = self.tok.special();
+                Ok(Arc::new(crate::structured::GrammarSupport {
+                    factory,
+                    eos: s.eos,
+                    think_end: s.think_end,
+                    dsml: s.dsml,
+                }))
+            })
+            .clone()
+    }
 }
 
 struct Decoder(StreamDecoder);
@@ -421,7 +448,7 @@ pub fn load(path: Option<&Path>, o: &LoadOptions) -> Result<(EngineRunner, Engin
         vocab_size: engine.config().vocab,
         demo,
     };
-    let codec = EngineCodec::new(tok).with_revision(engine.config().revision);
+    let codec = EngineCodec::new(tok).with_revision(engine.config().revision).with_logits(engine.config().vocab);
     let runner = EngineRunner {
         engine,
         ids: HashMap::new(),

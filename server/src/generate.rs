@@ -76,6 +76,8 @@ pub struct GenOptions {
     pub tool_id_prefix: &'static str,
     /// Plain text completion: no reasoning / tool-call parsing.
     pub raw: bool,
+    /// Structured output: the grammar every sampled token must follow ([`crate::structured::plan`]).
+    pub constraint: Option<crate::structured::JobConstraint>,
 }
 
 impl Default for GenOptions {
@@ -87,6 +89,7 @@ impl Default for GenOptions {
             thinking: false,
             tool_id_prefix: "call_",
             raw: false,
+            constraint: None,
         }
     }
 }
@@ -125,7 +128,7 @@ pub struct Generation {
 
 impl Generation {
     /// Submit `prompt`; fails on context overflow (400) or a full queue (503).
-    pub fn start(state: &Arc<AppState>, prompt: Vec<u32>, opts: GenOptions) -> Result<Self, ApiError> {
+    pub fn start(state: &Arc<AppState>, prompt: Vec<u32>, mut opts: GenOptions) -> Result<Self, ApiError> {
         let ctx = state.info.context_size;
         if prompt.len() >= ctx {
             return Err(ApiError::context_overflow(prompt.len(), ctx));
@@ -147,6 +150,7 @@ impl Generation {
             eos: state.codec.eos_tokens(),
             system_block,
             events: tx,
+            constraint: opts.constraint.take().map(Box::new),
         };
         state.scheduler.submit(job).map_err(|e| match e {
             SubmitError::QueueFull => ApiError::overloaded(1),

@@ -11,6 +11,7 @@
 //!   exact shapes ([`sse`] formats the frames), errors in that API's JSON shape ([`api::errors`]);
 //! - [`generate`] — API-neutral generation: submit to the scheduler, detokenize, parse reasoning / content / tool
 //!   calls, stop strings, usage;
+//! - [`structured`] — structured outputs: response formats and strict tools as a grammar that masks sampling;
 //! - [`scheduler`] — the one thread that owns the model and runs continuous-batching ticks, with prefix reuse;
 //! - [`webui`] — the built-in page on `/`, fed by [`status`] (`GET /v1/status`) and [`recent`] (the ring of recent
 //!   requests the scheduler fills);
@@ -41,6 +42,7 @@ pub mod scheduler;
 pub mod sse;
 pub mod state;
 pub mod status;
+pub mod structured;
 pub mod toolmem;
 pub mod webui;
 

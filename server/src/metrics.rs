@@ -9,7 +9,7 @@
 //! copy on write of shared pages; fork shares pages by reference),
 //! `generations_cancelled_total` (generations stopped because their client went away), `keepalives_total` (SSE
 //! keep-alive frames sent), `connections_open`, `connections_closed_total{reason}` (closed by the server:
-//! timeouts, the connection cap).
+//! timeouts, the connection cap), and the structured-output set of [`StructuredMetrics`].
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -21,6 +21,69 @@ use parking_lot::Mutex;
 use crate::recent::Recent;
 
 const TTFT_BUCKETS: &[f64] = &[0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
+const MASK_BUCKETS: &[f64] = &[0.00001, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1];
+const COMPILE_BUCKETS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0];
+
+/// Structured-output metrics: `ds4_structured_requests_total` (constrained generations), `ds4_grammar_compile_seconds`,
+/// `ds4_grammar_mask_seconds` (computing one token's mask, on the worker that runs beside the model step),
+/// `ds4_grammar_mask_wait_seconds` (how long sampling waited for a mask after the step: the part on the critical
+/// path), `ds4_grammar_masked_tokens_total` and `ds4_grammar_errors_total` (a constrained generation failed).
+pub struct StructuredMetrics {
+    pub requests: AtomicU64,
+    pub compile: Histogram,
+    pub mask: Histogram,
+    pub mask_wait: Histogram,
+    pub masked_tokens: AtomicU64,
+    pub errors: AtomicU64,
+}
+
+impl Default for StructuredMetrics {
+    fn default() -> Self {
+        StructuredMetrics {
+            requests: AtomicU64::new(0),
+            compile: Histogram::new(COMPILE_BUCKETS),
+            mask: Histogram::new(MASK_BUCKETS),
+            mask_wait: Histogram::new(MASK_BUCKETS),
+            masked_tokens: AtomicU64::new(0),
+            errors: AtomicU64::new(0),
+        }
+    }
+}
+
+impl StructuredMetrics {
+    /// A grammar was compiled for a request in `d`.
+    pub fn compiled(&self, d: Duration) {
+        self.requests.fetch_add(1, Ordering::Relaxed);
+        self.compile.observe(d);
+    }
+
+    fn render(&self, out: &mut String) {
+        let counter = |out: &mut String, name: &str, help: &str, v: u64| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
+        };
+        counter(out, "ds4_structured_requests_total", "Generations constrained by a grammar.", load(&self.requests));
+        counter(
+            out,
+            "ds4_grammar_masked_tokens_total",
+            "Tokens sampled under a grammar mask.",
+            load(&self.masked_tokens),
+        );
+        counter(
+            out,
+            "ds4_grammar_errors_total",
+            "Constrained generations that failed in the grammar.",
+            load(&self.errors),
+        );
+        self.compile.render("ds4_grammar_compile_seconds", "Compiling a request's grammar.", out);
+        self.mask.render("ds4_grammar_mask_seconds", "Computing one token's mask (beside the model step).", out);
+        self.mask_wait.render(
+            "ds4_grammar_mask_wait_seconds",
+            "Sampling's wait for a mask after the model step (the mask cost on the critical path).",
+            out,
+        );
+    }
+}
+
 const ITL_BUCKETS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5];
 
 /// A fixed-bucket histogram.
@@ -121,6 +184,8 @@ pub struct Metrics {
     closed: [AtomicU64; 5],
     /// Recent requests and the throughput window, for the status view (not exported to Prometheus).
     pub recent: Recent,
+    /// Structured outputs (grammar compiles, per-token mask cost).
+    pub structured: StructuredMetrics,
 }
 
 impl Default for Metrics {
@@ -145,6 +210,7 @@ impl Default for Metrics {
             connections_open: AtomicU64::new(0),
             closed: Default::default(),
             recent: Recent::default(),
+            structured: StructuredMetrics::default(),
         }
     }
 }
@@ -283,6 +349,7 @@ impl Metrics {
         for (i, r) in CLOSE_REASONS.iter().enumerate() {
             let _ = writeln!(out, "ds4_connections_closed_total{{reason=\"{r}\"}} {}", load(&self.closed[i]));
         }
+        self.structured.render(&mut out);
         out
     }
 }

@@ -287,6 +287,10 @@ pub trait Codec: Send + Sync {
         s.push_str(&d.finish());
         s.into_bytes()
     }
+    /// The grammar compiler for this model's vocabulary (structured outputs); an error when the model has none.
+    fn grammar(&self) -> Result<std::sync::Arc<crate::structured::GrammarSupport>, BackendError> {
+        Err(BackendError("this model has no grammar support".into()))
+    }
 }
 
 /// Static facts about the loaded model.

@@ -43,6 +43,7 @@ use crate::kvdisk::DiskEvent;
 use crate::metrics::{CacheTier, Metrics};
 use crate::model::{Runner, RunnerSessionId};
 use crate::recent::{Outcome, RequestRecord};
+use crate::structured::JobConstraint;
 use ds4_engine::sampler::{Sampler, SamplerConfig};
 
 /// Why generation stopped.
@@ -79,6 +80,8 @@ pub struct GenRequest {
     /// tier may save a checkpoint at its end ([`DiskEvent::SystemBlock`]).
     pub system_block: usize,
     pub events: UnboundedSender<JobEvent>,
+    /// Structured output: every sampled token goes through this grammar's mask ([`crate::structured`]).
+    pub constraint: Option<Box<JobConstraint>>,
 }
 
 /// Tunables.
@@ -535,7 +538,32 @@ impl Worker {
             queued_any = true;
         }
         if queued_any {
-            let stepped = catch_unwind(AssertUnwindSafe(|| self.runner.step()));
+            // The grammar masks of the sessions this step ends with are computed on a worker while the step runs.
+            let ready: Vec<&mut JobConstraint> = self
+                .active
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, a)| a.fed == a.tokens.len() && !failed.iter().any(|f| f.0 == *i))
+                .filter_map(|(_, a)| a.job.constraint.as_deref_mut())
+                .filter(|c| c.active())
+                .collect();
+            let (runner, metrics) = (&mut self.runner, &self.metrics);
+            let stepped = std::thread::scope(|s| {
+                let worker = (!ready.is_empty()).then(|| {
+                    s.spawn(move || {
+                        for c in ready {
+                            if let Ok(d) = c.prepare() {
+                                metrics.structured.mask.observe(d);
+                            }
+                        }
+                    })
+                });
+                let stepped = catch_unwind(AssertUnwindSafe(|| runner.step()));
+                if let Some(w) = worker {
+                    let _ = w.join();
+                }
+                stepped
+            });
             let err = match stepped {
                 Ok(Ok(())) => None,
                 Ok(Err(e)) => Some(e.0),
@@ -586,10 +614,28 @@ impl Worker {
                 finished.push((i, JobEvent::Error("the model returned no logits".into())));
                 continue;
             };
-            let token = match a.sampler.sample(logits) {
+            let picked = match a.job.constraint.as_mut().map(|c| (Instant::now(), c.take_mask())) {
+                None | Some((_, Ok(None))) => a.sampler.sample(logits).map_err(|e| format!("sampling failed: {e}")),
+                Some((t0, Ok(Some(mask)))) => {
+                    self.metrics.structured.mask_wait.observe(t0.elapsed());
+                    self.metrics.structured.masked_tokens.fetch_add(1, Ordering::Relaxed);
+                    a.sampler.sample_masked(logits, &mask, false).map_err(|e| format!("sampling failed: {e}"))
+                }
+                Some((_, Err(e))) => Err(format!("the output grammar failed: {e}")),
+            };
+            let picked = picked.and_then(|t| match a.job.constraint.as_mut() {
+                Some(c) if !a.job.eos.contains(&t) => {
+                    c.accept(t).map(|_| t).map_err(|e| format!("the output grammar failed: {e}"))
+                }
+                _ => Ok(t),
+            });
+            let token = match picked {
                 Ok(t) => t,
                 Err(e) => {
-                    finished.push((i, JobEvent::Error(format!("sampling failed: {e}"))));
+                    if a.job.constraint.is_some() {
+                        self.metrics.structured.errors.fetch_add(1, Ordering::Relaxed);
+                    }
+                    finished.push((i, JobEvent::Error(e)));
                     continue;
                 }
             };
@@ -634,7 +680,7 @@ mod tests {
     fn job(prompt: Vec<u32>, max_tokens: usize) -> (GenRequest, UnboundedReceiver<JobEvent>) {
         let (tx, rx) = unbounded_channel();
         let sampling = SamplerConfig::greedy();
-        (GenRequest { prompt, sampling, max_tokens, eos: vec![EOS], system_block: 0, events: tx }, rx)
+        (GenRequest { prompt, sampling, max_tokens, eos: vec![EOS], system_block: 0, events: tx, constraint: None }, rx)
     }
 
     fn collect(rx: &mut UnboundedReceiver<JobEvent>) -> (Vec<JobEvent>, String) {

@@ -3,6 +3,7 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 
 use super::rng::Rng;
+use crate::grammar::TokenMask;
 use crate::{Error, Result};
 
 /// Sampling settings. `Default` is plain sampling at temperature 1 with every filter off.
@@ -220,6 +221,18 @@ impl Sampler {
         }
         // Rounding left `acc` a hair below 1: the last candidate.
         Ok(dist.last().map(|x| x.0).unwrap_or(best))
+    }
+
+    /// Like [`Sampler::sample_with`], among the ids `mask` allows only (constrained decoding, see
+    /// [`crate::grammar`]). When no allowed id has a finite logit the lowest allowed id is taken, so a grammar
+    /// always makes progress; an empty mask is an error.
+    pub fn sample_masked(&mut self, logits: &[f32], mask: &TokenMask, force_greedy: bool) -> Result<u32> {
+        let mut masked = logits.to_vec();
+        mask.apply(&mut masked);
+        if argmax(&masked).is_none() {
+            return mask.ids().next().ok_or_else(|| Error::InvalidArgument("the grammar allows no token here".into()));
+        }
+        self.sample_with(&masked, force_greedy)
     }
 
     fn has_penalties(&self) -> bool {

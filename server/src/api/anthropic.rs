@@ -5,8 +5,10 @@
 //! turn), `tools` (custom tools; `type`d server tools are skipped; `defer_loading: true` tools stay out of the tool
 //! list until a `tool_reference` in a tool result loads them), `tool_choice` (`{"type":"none"}` hides tools),
 //! `thinking` (`enabled`/`adaptive` turn reasoning on; `display: "omitted"` keeps it out of the answer),
-//! `max_tokens`, `temperature`, `top_p`, `top_k`, `stop_sequences`, `stream`. `metadata`, `context_management`,
-//! `output_config`, `cache_control` and every `anthropic-beta` header are accepted and ignored.
+//! `max_tokens`, `temperature`, `top_p`, `top_k`, `stop_sequences`, `stream`, `output_config.format` (or the older
+//! beta `output_format`) and `tools[].strict` (structured outputs: the JSON arrives as the text block, see
+//! [`crate::structured`]). `metadata`, `context_management`, `output_config.effort`, `cache_control` and every
+//! `anthropic-beta` header are accepted and ignored.
 //!
 //! Content blocks: every type the API defines is accepted. `text` is text; `tool_use` / `server_tool_use` (assistant)
 //! are tool calls; `thinking` (assistant) is reasoning, `redacted_thinking` is dropped; `tool_result` content may be
@@ -54,6 +56,9 @@ struct MessagesRequest {
     top_p: Option<f64>,
     top_k: Option<u64>,
     stop_sequences: Option<Vec<String>>,
+    output_config: Option<Value>,
+    /// The older structured-outputs beta field (`output_config.format` replaced it).
+    output_format: Option<Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -97,6 +102,7 @@ struct ATool {
     description: Option<String>,
     input_schema: Option<Value>,
     defer_loading: Option<bool>,
+    strict: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -322,8 +328,12 @@ fn tool_input(arguments: &str) -> Value {
     }
 }
 
+/// What `prepare` hands on: the request, its conversation, whether thinking is shown, the options, and the
+/// structured-output format with the strict tools' names.
+type Prepared = (MessagesRequest, Conversation, bool, GenOptions, Option<crate::structured::Format>, Vec<String>);
+
 /// Render, tokenize and start; shared by `handle`.
-fn prepare(state: &Arc<AppState>, body: &[u8]) -> Result<(MessagesRequest, Conversation, bool, GenOptions), ApiError> {
+fn prepare(state: &Arc<AppState>, body: &[u8]) -> Result<Prepared, ApiError> {
     let mut req: MessagesRequest = parse_json(body)?;
     models::check(state, req.model.as_deref())?;
     let opts = GenOptions {
@@ -333,13 +343,17 @@ fn prepare(state: &Arc<AppState>, body: &[u8]) -> Result<(MessagesRequest, Conve
         thinking: false,
         tool_id_prefix: "toolu_",
         raw: false,
+        constraint: None,
     };
     if req.temperature.is_some_and(|t| t > 1.0) {
         return Err(ApiError::invalid("temperature: must be between 0 and 1"));
     }
+    let format = crate::structured::anthropic_output_format(req.output_config.as_ref(), req.output_format.as_ref())?;
+    let strict: Vec<String> =
+        req.tools.iter().flatten().filter(|t| t.strict == Some(true)).map(|t| t.name.clone()).collect();
     let (mut conv, show) = conversation(&mut req)?;
     state.tools.restore(&mut conv);
-    Ok((req, conv, show, opts))
+    Ok((req, conv, show, opts, format, strict))
 }
 
 /// The conversation a request body describes (no model check, no tool-call memory): what tests render.
@@ -350,14 +364,14 @@ pub fn to_conversation(body: &[u8]) -> Result<Conversation, ApiError> {
 
 /// `POST /v1/messages/count_tokens`.
 pub async fn count_tokens(state: Arc<AppState>, _h: HeaderMap, body: Bytes) -> Result<Response<Body>, ApiError> {
-    let (_, conv, _, _) = prepare(&state, &body)?;
+    let (_, conv, _, _, _, _) = prepare(&state, &body)?;
     let n = crate::api::prompt_tokens(&state, &conv, "messages").await?.len();
     Ok(json_response(200, &json!({"input_tokens": n})))
 }
 
 /// `POST /v1/messages`.
 pub async fn handle(state: Arc<AppState>, _headers: HeaderMap, body: Bytes) -> Result<Response<Body>, ApiError> {
-    let (req, conv, show_thinking, opts) = prepare(&state, &body)?;
+    let (req, conv, show_thinking, opts, format, strict) = prepare(&state, &body)?;
     if req.max_tokens.is_none() {
         // As the Anthropic API: max_tokens is required on /v1/messages (not on count_tokens).
         return Err(ApiError::param("max_tokens", "max_tokens: Field required"));
@@ -365,7 +379,13 @@ pub async fn handle(state: Arc<AppState>, _headers: HeaderMap, body: Bytes) -> R
     let model = req.model.clone().unwrap_or_else(|| state.info.id.clone());
     let tokens = crate::api::prompt_tokens(&state, &conv, "messages").await?;
     let stop_seqs = opts.stop.clone();
-    let gen = Generation::start(&state, tokens, GenOptions { thinking: conv.thinking, ..opts })?;
+    let format_param = if req.output_config.as_ref().and_then(|c| c.get("format")).is_some() {
+        "output_config.format"
+    } else {
+        "output_format"
+    };
+    let constraint = crate::structured::plan(&state, format, format_param, &conv.tools, &strict, conv.thinking).await?;
+    let gen = Generation::start(&state, tokens, GenOptions { thinking: conv.thinking, constraint, ..opts })?;
     let id = new_id("msg_");
     if !req.stream.unwrap_or(false) {
         let out = gen.collect().await?;

@@ -4,7 +4,8 @@
 //! `image_url` / `input_audio` / `file` parts as short notes, see [`crate::api::content`]), `tools`
 //! (function tools; other types are skipped), `tool_choice` (`"none"` hides the tools, anything else is accepted),
 //! `stream`, `stream_options.include_usage`, `max_tokens`/`max_completion_tokens`, `temperature`, `top_p`, `top_k`,
-//! `seed`, `stop`, `n` (1 only), `reasoning_effort` / `thinking` (turn reasoning on). Unknown fields are ignored.
+//! `seed`, `stop`, `n` (1 only), `reasoning_effort` / `thinking` (turn reasoning on), `response_format` and
+//! `tools[].function.strict` (structured outputs, see [`crate::structured`]). Unknown fields are ignored.
 //! Assistant turns may echo `reasoning_content` (opencode sends `""`).
 //!
 //! Stream: a role chunk, then `reasoning_content` / `content` / `tool_calls` delta chunks (a call's id and name first
@@ -44,6 +45,7 @@ pub struct ChatRequest {
     pub n: Option<u64>,
     pub reasoning_effort: Option<String>,
     pub thinking: Option<Value>,
+    pub response_format: Option<Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -94,6 +96,7 @@ pub struct FunctionDef {
     pub name: String,
     pub description: Option<String>,
     pub parameters: Option<Value>,
+    pub strict: Option<bool>,
 }
 
 /// Text of a content field; parts the model cannot see (images, audio, files) become short notes.
@@ -212,11 +215,23 @@ pub async fn handle(state: Arc<AppState>, _headers: HeaderMap, body: Bytes) -> R
         thinking: false,
         tool_id_prefix: "call_",
         raw: false,
+        constraint: None,
     };
+    let format = crate::structured::openai_response_format(req.response_format.as_ref())?;
+    let strict: Vec<String> = req
+        .tools
+        .iter()
+        .flatten()
+        .filter_map(|t| t.function.as_ref())
+        .filter(|f| f.strict == Some(true))
+        .map(|f| f.name.clone())
+        .collect();
     let mut conv = conversation(&mut req)?;
     state.tools.restore(&mut conv);
     let tokens = crate::api::prompt_tokens(&state, &conv, "messages").await?;
-    let gen = Generation::start(&state, tokens, GenOptions { thinking: conv.thinking, ..opts })?;
+    let constraint =
+        crate::structured::plan(&state, format, "response_format", &conv.tools, &strict, conv.thinking).await?;
+    let gen = Generation::start(&state, tokens, GenOptions { thinking: conv.thinking, constraint, ..opts })?;
     let id = new_id("chatcmpl-");
     let created = now_unix();
     if !req.stream.unwrap_or(false) {

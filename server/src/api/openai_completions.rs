@@ -2,7 +2,8 @@
 //! template, no reasoning or tool parsing.
 //!
 //! Accepted: `prompt` (string, a one-element list of strings, or a list of token ids), `max_tokens`, `temperature`,
-//! `top_p`, `top_k`, `seed`, `stop`, `n` (1 only), `stream`, `stream_options.include_usage`, `echo` (false only).
+//! `top_p`, `top_k`, `seed`, `stop`, `n` (1 only), `stream`, `stream_options.include_usage`, `echo` (false only),
+//! `response_format` (the completion follows it: see [`crate::structured`]).
 
 use std::sync::Arc;
 
@@ -33,6 +34,7 @@ struct CompletionRequest {
     stream: Option<bool>,
     stream_options: Option<StreamOptions>,
     echo: Option<bool>,
+    response_format: Option<Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -64,6 +66,7 @@ fn finish_str(f: Finish) -> &'static str {
 pub async fn handle(state: Arc<AppState>, _headers: HeaderMap, body: Bytes) -> Result<Response<Body>, ApiError> {
     let req: CompletionRequest = parse_json(&body)?;
     let model = models::check(&state, req.model.as_deref())?;
+    let format = crate::structured::openai_response_format(req.response_format.as_ref())?;
     if req.n.is_some_and(|n| n != 1) {
         return Err(ApiError::param("n", "only n = 1 is supported"));
     }
@@ -91,6 +94,7 @@ pub async fn handle(state: Arc<AppState>, _headers: HeaderMap, body: Bytes) -> R
         thinking: false,
         tool_id_prefix: "call_",
         raw: true,
+        constraint: crate::structured::plan(&state, format, "response_format", &[], &[], false).await?,
     };
     let gen = Generation::start(&state, tokens, opts)?;
     let id = new_id("cmpl-");

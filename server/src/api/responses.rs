@@ -8,7 +8,8 @@
 //! becomes a leading system message. Tools: `function` tools are offered (a `defer_loading: true` one only once a
 //! `tool_search_output` item lists it); `namespace`, `custom`, `web_search`, `tool_search` and any other type are
 //! skipped, not rejected. The response echoes the request's `tools` as sent. `reasoning` (any value but
-//! `effort: "none"`) turns thinking on. `previous_response_id` is refused: nothing is stored.
+//! `effort: "none"`) turns thinking on. `previous_response_id` is refused: nothing is stored. `text.format` and
+//! `tools[].strict` constrain the output ([`crate::structured`]); the format is echoed in the response's `text`.
 //!
 //! Stream events (each with `sequence_number`): `response.created`, `response.in_progress`, then per output item
 //! `response.output_item.added` … `response.output_item.done` (reasoning: `response.reasoning_text.delta/done`;
@@ -47,6 +48,7 @@ struct ResponsesRequest {
     reasoning: Option<Value>,
     previous_response_id: Option<String>,
     parallel_tool_calls: Option<bool>,
+    text: Option<Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -219,6 +221,8 @@ struct Envelope {
     tool_choice: Value,
     /// The request's tools, echoed as sent.
     tools: Value,
+    /// The request's `text` (its `format`), echoed.
+    text: Value,
 }
 
 impl Envelope {
@@ -234,7 +238,7 @@ impl Envelope {
             "instructions": null, "max_output_tokens": self.max_output_tokens,
             "parallel_tool_calls": self.parallel_tool_calls, "tool_choice": self.tool_choice, "tools": self.tools,
             "previous_response_id": null, "reasoning": null, "store": false, "temperature": null, "top_p": null,
-            "text": {"format": {"type": "text"}}, "truncation": "disabled", "metadata": {},
+            "text": self.text, "truncation": "disabled", "metadata": {},
             "usage": usage.map(usage_json),
         })
     }
@@ -292,11 +296,16 @@ pub async fn handle(state: Arc<AppState>, _headers: HeaderMap, body: Bytes) -> R
         thinking: false,
         tool_id_prefix: "call_",
         raw: false,
+        constraint: None,
     };
+    let format = crate::structured::responses_text_format(req.text.as_ref())?;
+    let strict = crate::structured::strict_names(req.tools.as_deref().unwrap_or_default(), None);
     let mut conv = conversation(&mut req)?;
     state.tools.restore(&mut conv);
     let tokens = crate::api::prompt_tokens(&state, &conv, "input").await?;
-    let gen = Generation::start(&state, tokens, GenOptions { thinking: conv.thinking, ..opts })?;
+    let constraint =
+        crate::structured::plan(&state, format, "text.format", &conv.tools, &strict, conv.thinking).await?;
+    let gen = Generation::start(&state, tokens, GenOptions { thinking: conv.thinking, constraint, ..opts })?;
     let env = Envelope {
         id: new_id("resp_"),
         created: now_unix(),
@@ -305,6 +314,10 @@ pub async fn handle(state: Arc<AppState>, _headers: HeaderMap, body: Bytes) -> R
         parallel_tool_calls: req.parallel_tool_calls.unwrap_or(true),
         tool_choice: req.tool_choice.clone().unwrap_or_else(|| json!("auto")),
         tools: Value::Array(req.tools.take().unwrap_or_default()),
+        text: match req.text.as_ref().and_then(|t| t.get("format")) {
+            Some(f) if !f.is_null() => json!({"format": f}),
+            _ => json!({"format": {"type": "text"}}),
+        },
     };
     if !req.stream.unwrap_or(false) {
         let out = gen.collect().await?;
