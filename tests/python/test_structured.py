@@ -18,6 +18,7 @@ import re
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.request
 
@@ -38,21 +39,31 @@ def free_port():
         return s.getsockname()[1]
 
 
+def read_log(f):
+    """What a child process wrote to its log file so far (for failure messages)."""
+    f.flush()
+    f.seek(0)
+    return f.read()[-4000:]
+
+
 @pytest.fixture(scope="module")
 def server():
     if not os.path.exists(BIN):
         pytest.fail(f"{BIN} not found: run `cargo build -p ds4-server` first")
     port = free_port()
+    # stderr goes to a file, not a pipe: nobody reads a pipe while the tests run, and a full one (64 KiB of
+    # log lines) would block the process mid-request.
+    errlog = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen(
         [BIN, "--port", str(port), "--ctx", "2048", "--max-active", "32"],
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+        stderr=errlog,
         text=True,
     )
     base = f"http://127.0.0.1:{port}"
     for _ in range(600):
         if proc.poll() is not None:
-            pytest.fail(f"ds4-server exited: {proc.stderr.read()}")
+            pytest.fail(f"ds4-server exited: {read_log(errlog)}")
         try:
             with urllib.request.urlopen(base + "/health", timeout=1) as r:
                 if r.status == 200:

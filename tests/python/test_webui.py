@@ -46,6 +46,13 @@ def free_port():
         return s.getsockname()[1]
 
 
+def read_log(f):
+    """What a child process wrote to its log file so far (for failure messages)."""
+    f.flush()
+    f.seek(0)
+    return f.read()[-4000:]
+
+
 def missing(what):
     msg = f"{what} is needed for the web page test (scripts/test.sh installs it)"
     if os.environ.get("CI") == "true":
@@ -68,16 +75,19 @@ def server():
     if not os.path.exists(BIN):
         pytest.fail(f"{BIN} not found: run `cargo build -p ds4-server` first")
     port = free_port()
+    # stderr goes to a file, not a pipe: nobody reads a pipe while the tests run, and a full one (64 KiB of
+    # log lines) would block the process mid-request.
+    errlog = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen(
         [BIN, "--host", "127.0.0.1", "--port", str(port), "--ctx", str(CTX), "--no-kv-disk"],
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+        stderr=errlog,
         text=True,
     )
     base = f"http://127.0.0.1:{port}"
     for _ in range(600):  # up to 60 s to load the demo model
         if proc.poll() is not None:
-            pytest.fail(f"ds4-server exited: {proc.stderr.read()}")
+            pytest.fail(f"ds4-server exited: {read_log(errlog)}")
         try:
             with urllib.request.urlopen(base + "/health", timeout=1) as r:
                 if r.status == 200:
@@ -163,6 +173,9 @@ def page(server):
     if websocket is None:
         missing("the Python package websocket-client")
     profile = tempfile.mkdtemp(prefix="ds4-webui-chromium-")
+    # stderr goes to a file, not a pipe: nobody reads a pipe while the tests run, and a full one (64 KiB of
+    # log lines) would block the process mid-request.
+    errlog = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen(
         [
             CHROMIUM,
@@ -181,7 +194,7 @@ def page(server):
             "about:blank",
         ],
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+        stderr=errlog,
         text=True,
     )
     p = None
@@ -190,7 +203,7 @@ def page(server):
         deadline = time.monotonic() + 60
         while not (os.path.exists(port_file) and open(port_file).read().strip()):
             if proc.poll() is not None:
-                pytest.fail(f"chromium exited: {proc.stderr.read()[-2000:]}")
+                pytest.fail(f"chromium exited: {read_log(errlog)[-2000:]}")
             if time.monotonic() > deadline:
                 pytest.fail("chromium did not open its debugging port")
             time.sleep(0.1)
