@@ -7,6 +7,8 @@
 //! Subcommands (each report starts with a `#`-prefixed machine summary, then CSV on stdout; progress on stderr):
 //! - `kernels`: quant matvec/matmul GB/s on the real Flash shapes vs measured memory bandwidth ([`kernels`]).
 //! - `membw`: the bandwidth roofline alone, per buffer size and thread count ([`membw`]).
+//! - `speculate`: plain greedy decoding vs the speculative verify path with an oracle drafter at several draft
+//!   lengths, tokens/s and speed-up side by side ([`speculate`]).
 //! - `correctness`: per backend pair max |Δlogit|, argmax and greedy agreement ([`correctness`]).
 //! - `kv`: restore-from-disk vs recompute per prefix length, cache write vs raw write ([`kvbench`], on `ds4_engine::persist`).
 //!   `kv --replay FILE.jsonl [--restart] [--verify]`: a request trace through the RAM + disk prefix cache ([`kvreplay`]).
@@ -28,6 +30,7 @@ mod par;
 mod plot;
 mod progress;
 mod roofline;
+mod speculate;
 mod synth;
 mod throughput;
 
@@ -114,10 +117,38 @@ enum Cmd {
     /// beyond tolerance).
     #[command(after_help = correctness::TOLERANCES)]
     Correctness(CorrectnessArgs),
+    /// Speculative decoding's verify path: plain greedy decode vs an oracle drafter (the target's own greedy
+    /// continuation, so every draft stands) at each draft length, tokens/s and speed-up in one run (non-zero exit
+    /// if any speculative output differs from the plain one).
+    Speculate(SpeculateArgs),
     /// CUDA kernels on the GPU (feature `cuda`): copy bandwidth, each kernel checked against the CPU on tiny and
     /// Flash shapes, µs, GB/s and the fraction of the copy bandwidth (non-zero exit on disagreement or no GPU).
     #[cfg(feature = "cuda")]
     Cuda(cuda::CudaArgs),
+}
+
+#[derive(Args, Debug)]
+struct SpeculateArgs {
+    #[command(flatten)]
+    common: Common,
+    /// A DS4 GGUF model file.
+    #[arg(short = 'm', long = "model", conflicts_with = "synthetic")]
+    model: Option<std::path::PathBuf>,
+    /// A random-weight model built in memory (see the main --help).
+    #[arg(long, default_value = "flash:layers=2:from=2")]
+    synthetic: String,
+    /// Draft lengths to measure.
+    #[arg(long, value_delimiter = ',', default_values_t = [2usize, 3, 5])]
+    drafts: Vec<usize>,
+    /// Tokens generated per run.
+    #[arg(long, default_value_t = 24)]
+    tokens: usize,
+    /// Prompt tokens before generation.
+    #[arg(long, default_value_t = 32)]
+    prompt: usize,
+    /// Compute backend: cpu or wgpu.
+    #[arg(long, default_value = "cpu")]
+    backend: String,
 }
 
 #[derive(Args, Debug)]
@@ -577,6 +608,33 @@ fn run_kv_replay(
     Ok(())
 }
 
+fn run_speculate(a: &SpeculateArgs) -> Result<()> {
+    let m = machine::Machine::detect();
+    let threads = a.common.threads();
+    let quick = a.common.quick;
+    let mut out = std::io::stdout().lock();
+    write!(out, "{}", m.summary(&format!("{} (ds4_engine::speculative, oracle drafter)", a.backend), threads))?;
+    let pb = progress::bar((a.drafts.len() + 1) as u64, a.common.quiet);
+    let spec = if quick { "tiny:layers=3:recipe=f16" } else { a.synthetic.as_str() };
+    let (file, line) = open_model(&m, a.model.as_deref(), Some(spec), threads, &pb)?;
+    writeln!(out, "{line}")?;
+    let vocab = file.get_usize("deepseek4.vocab_size")?;
+    let (prompt_len, tokens) = if quick { (a.prompt.min(8), a.tokens.min(8)) } else { (a.prompt, a.tokens) };
+    let prompt = throughput::prompt(prompt_len.max(1), vocab);
+    let cfg = engine_api::EngineConfig {
+        threads,
+        ctx: prompt.len() + tokens + a.drafts.iter().copied().max().unwrap_or(0) + 2,
+        batch_tokens: 256,
+        backend: a.backend.clone(),
+        exact: false,
+    };
+    let mut engine = engine_api::engine_for(file, &cfg)?;
+    pb.set_position(0);
+    speculate::run(&mut engine, &prompt, tokens, &a.drafts, &mut out, &pb)?;
+    pb.finish_and_clear();
+    Ok(())
+}
+
 fn run_correctness(a: &CorrectnessArgs) -> Result<()> {
     let m = machine::Machine::detect();
     let threads = a.common.threads();
@@ -636,6 +694,7 @@ fn main() -> ExitCode {
         Some(Cmd::Membw(a)) => run_membw(a),
         Some(Cmd::Kv(a)) => run_kv(a),
         Some(Cmd::Correctness(a)) => run_correctness(a),
+        Some(Cmd::Speculate(a)) => run_speculate(a),
         #[cfg(feature = "cuda")]
         Some(Cmd::Cuda(a)) => cuda::run(a),
     };

@@ -399,6 +399,26 @@ impl Engine {
         Ok(&self.sessions.logits[s])
     }
 
+    /// Whether session `id` keeps every processed position's logits ([`Engine::set_prefill_logits`]).
+    pub(crate) fn prefill_logits_on(&self, id: SessionId) -> Result<bool> {
+        Ok(self.sessions.want_all_logits[self.slot(id)?])
+    }
+
+    /// Sets the logits of session `id`'s last processed position (a caller that rolled back keeps the row it had).
+    pub(crate) fn set_logits(&mut self, id: SessionId, logits: &[f32]) -> Result<()> {
+        let s = self.slot(id)?;
+        if logits.len() != self.model.config.vocab {
+            return Err(Error::InvalidArgument(format!(
+                "{} logits for a vocabulary of {}",
+                logits.len(),
+                self.model.config.vocab
+            )));
+        }
+        self.sessions.logits[s].clear();
+        self.sessions.logits[s].extend_from_slice(logits);
+        Ok(())
+    }
+
     /// Takes the per-position logits collected since [`Engine::set_prefill_logits`] (`[n, vocab]`).
     pub fn take_all_logits(&mut self, id: SessionId) -> Result<Vec<f32>> {
         let s = self.slot(id)?;

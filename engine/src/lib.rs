@@ -15,6 +15,7 @@
 //! | [`exec`] | the executor: places each node (native override, portable kernel, or whole stage) and runs the graph |
 //! | [`backend`] | op implementations: `cpu` (reference + SIMD) and `wgpu` |
 //! | [`tokenizer`], [`chat`], [`sampler`] | text in, text out |
+//! | [`speculative`] | speculative decoding: drafters, the batched verify tick, lossless acceptance, exact roll back of rejected drafts |
 //! | [`grammar`] | constrained decoding (JSON schema, regex, Lark) with `llguidance`: per-token masks for the sampler |
 //! | [`testdata`] | for tests: where `../shared` is, and the skip-unless-CI rule |
 //!
@@ -23,7 +24,7 @@
 //! Public surface: the top-level modules above stay `pub` (except `error`, whose [`Error`] and [`Result`] are
 //! re-exported here), because the other crates use them: [`engine`] (the [`Engine`] facade: server, cli, benches,
 //! tests), [`tables`] (session ids and snapshots), [`persist`] (the `ds4-kv` bridge: server, benches), [`gguf`],
-//! [`tokenizer`], [`chat`], [`sampler`], [`grammar`] (server, cli), [`convert`] (cli, server, tests), [`model`] (hyperparameters),
+//! [`tokenizer`], [`chat`], [`sampler`], [`grammar`] (server, cli), [`speculative`] (benches, tests), [`convert`] (cli, server, tests), [`model`] (hyperparameters),
 //! [`graph`] (benches, `ds4-kernels-native`), [`exec`] (benches), [`quant`] (benches, engine tests), [`backend`]
 //! (benches, tests) and [`testdata`] (tests). Inside them only these submodules are public: `backend::{cpu, wgpu}`,
 //! `backend::wgpu::context` (the wgpu test context of the `ds4-tests` crate), `model::config` (`Revision`),
@@ -48,6 +49,7 @@ pub mod model;
 pub mod persist;
 pub mod quant;
 pub mod sampler;
+pub mod speculative;
 pub mod tables;
 pub mod testdata;
 pub mod tokenizer;

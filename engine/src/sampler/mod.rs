@@ -21,5 +21,5 @@ mod sample;
 mod stop;
 
 pub use rng::Rng;
-pub use sample::{argmax, filtered_distribution, Sampler, SamplerConfig};
+pub use sample::{argmax, filtered_distribution, Sampler, SamplerConfig, Verdict};
 pub use stop::{partial_suffix_len, StopChecker, StopReason, StopStatus};

@@ -143,6 +143,15 @@ fn normalize(c: &mut [(u32, f64)]) {
     }
 }
 
+/// The outcome of [`Sampler::verify_drafted`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// The drafted id stands.
+    Accept,
+    /// The drafted id is rejected; this id takes its place (and the rest of the draft is dropped).
+    Reject(u32),
+}
+
 /// Picks token ids; see the module doc. Holds the PRNG state and the penalty history of one generation.
 #[derive(Clone, Debug)]
 pub struct Sampler {
@@ -235,6 +244,58 @@ impl Sampler {
         self.sample_with(&masked, force_greedy)
     }
 
+    /// The distribution [`Sampler::sample_with`]`(logits, false)` draws from, most likely first: penalties, then
+    /// a point mass on the argmax at temperature 0 or when the argmax is a structural id, else
+    /// [`filtered_distribution`].
+    pub fn distribution(&self, logits: &[f32]) -> Result<Vec<(u32, f64)>> {
+        let penalized;
+        let logits = if self.has_penalties() && !self.counts.is_empty() {
+            penalized = self.penalize(logits);
+            &penalized[..]
+        } else {
+            logits
+        };
+        let best = argmax(logits).ok_or_else(|| Error::InvalidArgument("logits row has no finite value".into()))?;
+        if self.cfg.temperature == 0.0 || self.structural.contains(&best) {
+            return Ok(vec![(best, 1.0)]);
+        }
+        filtered_distribution(logits, &self.cfg)
+    }
+
+    /// Speculative verification of one drafted id against the target's logits row at its position, for a
+    /// deterministic drafter (its proposal has probability 1 under the draft distribution).
+    ///
+    /// With `p` the distribution [`Sampler::distribution`] gives for `logits`: `drafted` is accepted with
+    /// probability `p(drafted)`; otherwise an id is drawn from `p` with `drafted` removed and renormalised. The id
+    /// that comes out (the draft or the replacement) is distributed exactly as [`Sampler::sample`] would draw it:
+    /// `P(x) = p(d)·[x = d] + (1 − p(d)) · p(x)·[x ≠ d] / (1 − p(d)) = p(x)`. At temperature 0 this is "accept
+    /// while the argmax matches", and the replacement is the argmax. Neither id is recorded for the penalties:
+    /// call [`Sampler::accept`] with the id that is appended.
+    pub fn verify_drafted(&mut self, logits: &[f32], drafted: u32) -> Result<Verdict> {
+        let dist = self.distribution(logits)?;
+        let pd = dist.iter().find(|x| x.0 == drafted).map_or(0.0, |x| x.1);
+        if pd >= 1.0 {
+            return Ok(Verdict::Accept);
+        }
+        if pd > 0.0 && self.rng.next_f64() < pd {
+            return Ok(Verdict::Accept);
+        }
+        // The residual: p without the drafted id (its mass 1 − p(d) > 0 since p(d) < 1).
+        let rest = 1.0 - pd;
+        let u = self.rng.next_f64() * rest;
+        let mut acc = 0.0;
+        let mut last = None;
+        for &(id, p) in dist.iter().filter(|x| x.0 != drafted) {
+            acc += p;
+            last = Some(id);
+            if u < acc {
+                return Ok(Verdict::Reject(id));
+            }
+        }
+        // Rounding left `acc` a hair below `rest`: the last candidate.
+        last.map(Verdict::Reject).ok_or_else(|| Error::InvalidArgument("no id besides the drafted one".into()))
+    }
+
     fn has_penalties(&self) -> bool {
         self.cfg.repetition_penalty != 1.0 || self.cfg.presence_penalty != 0.0 || self.cfg.frequency_penalty != 0.0
     }
@@ -283,6 +344,52 @@ mod tests {
         let mut s = Sampler::new(cfg(1e-4)).unwrap();
         assert!((0..200).all(|_| s.sample(&LOGITS).unwrap() == 1));
         assert!(Sampler::new(cfg(1.0)).unwrap().sample(&[f32::NAN, f32::NEG_INFINITY]).is_err());
+    }
+
+    #[test]
+    fn verifying_a_draft_keeps_the_target_distribution() {
+        // The emitted id (the draft when accepted, the replacement otherwise) is distributed as plain sampling
+        // draws: checked for a likely, an unlikely and a filtered-out (probability 0) draft, within 4.5 standard
+        // errors of 200k draws each (a deterministic seed, so the check is repeatable).
+        let c = SamplerConfig { top_k: 4, ..cfg(0.8) };
+        let p = filtered_distribution(&LOGITS, &c).unwrap();
+        let n = 200_000;
+        for drafted in [1u32, 0, 3] {
+            let mut s = Sampler::new(c.clone()).unwrap();
+            let mut counts = [0usize; LOGITS.len()];
+            let mut accepted = 0usize;
+            for _ in 0..n {
+                let id = match s.verify_drafted(&LOGITS, drafted).unwrap() {
+                    Verdict::Accept => {
+                        accepted += 1;
+                        drafted
+                    }
+                    Verdict::Reject(x) => {
+                        assert_ne!(x, drafted, "a rejected draft is never its own replacement");
+                        x
+                    }
+                };
+                counts[id as usize] += 1;
+            }
+            let pd = p.iter().find(|x| x.0 == drafted).map_or(0.0, |x| x.1);
+            let se = (pd * (1.0 - pd) / n as f64).sqrt();
+            assert!((accepted as f64 / n as f64 - pd).abs() <= 4.5 * se + 1e-12, "draft {drafted}: acceptance rate");
+            for (id, &k) in counts.iter().enumerate() {
+                let want = p.iter().find(|x| x.0 == id as u32).map_or(0.0, |x| x.1);
+                let got = k as f64 / n as f64;
+                let se = (want * (1.0 - want) / n as f64).sqrt();
+                assert!((got - want).abs() <= 4.5 * se + 1e-12, "draft {drafted}: id {id}: {got} vs {want}");
+            }
+        }
+        // Temperature 0: accept exactly the argmax; anything else is replaced by it.
+        let mut g = Sampler::new(SamplerConfig::greedy()).unwrap();
+        assert_eq!(g.verify_drafted(&LOGITS, 1).unwrap(), Verdict::Accept);
+        assert_eq!(g.verify_drafted(&LOGITS, 5).unwrap(), Verdict::Reject(1));
+        // Penalties shape the distribution verification uses, as they shape sampling.
+        let mut r = Sampler::new(SamplerConfig { presence_penalty: 10.0, ..SamplerConfig::greedy() }).unwrap();
+        r.accept(1);
+        assert_eq!(r.distribution(&LOGITS).unwrap(), vec![(5, 1.0)]);
+        assert_eq!(r.verify_drafted(&LOGITS, 1).unwrap(), Verdict::Reject(5));
     }
 
     #[test]
