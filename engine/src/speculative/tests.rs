@@ -45,7 +45,7 @@ impl Drafter for Noisy {
         let mut d = self.oracle.draft(context, k);
         for t in d.iter_mut() {
             self.offered += 1;
-            if self.offered % self.every == 0 {
+            if self.offered.is_multiple_of(self.every) {
                 *t = (*t + 1) % 1000;
             }
         }
