@@ -17,8 +17,8 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use ds4_engine::quant::{act_type, dot_f32_kernel_scalar, dot_q_kernel_scalar, quantize_acts, GgmlType};
 use ds4_kernels_native::cuda::{preload_nvrtc, CudaDevice};
-use ds4_kernels_native::cuda_host::{self, ActBufs, Device, Experts, Matrix, RouteWeightAt};
-use ds4_kernels_native::cuda_kernels::{Plan, WeightType};
+use ds4_kernels_native::cuda_host::{self, ActBufs, CudaExperts, Device, Matrix, RouteWeightAt};
+use ds4_kernels_native::cuda_kernels::{CudaWeight, Plan};
 
 /// Options of `ds4-bench cuda`.
 #[derive(clap::Args, Debug)]
@@ -60,18 +60,18 @@ impl Rng {
     }
 }
 
-fn ggml(ty: WeightType) -> GgmlType {
+fn ggml(ty: CudaWeight) -> GgmlType {
     match ty {
-        WeightType::Q8_0 => GgmlType::Q8_0,
-        WeightType::F16 => GgmlType::F16,
-        WeightType::Iq2Xxs => GgmlType::Iq2Xxs,
-        WeightType::Q2K => GgmlType::Q2K,
-        WeightType::Q4K => GgmlType::Q4K,
+        CudaWeight::Q8_0 => GgmlType::Q8_0,
+        CudaWeight::F16 => GgmlType::F16,
+        CudaWeight::Iq2Xxs => GgmlType::Iq2Xxs,
+        CudaWeight::Q2K => GgmlType::Q2K,
+        CudaWeight::Q4K => GgmlType::Q4K,
     }
 }
 
 /// Random weight blocks with sane f16 scales (see the host-shim test).
-fn random_weights(rng: &mut Rng, ty: WeightType, rows: usize, cols: usize) -> Vec<u8> {
+fn random_weights(rng: &mut Rng, ty: CudaWeight, rows: usize, cols: usize) -> Vec<u8> {
     let bytes = rows * ty.row_bytes(cols).unwrap_or(0);
     let mut w = vec![0u8; bytes];
     for c in w.chunks_mut(8) {
@@ -79,10 +79,10 @@ fn random_weights(rng: &mut Rng, ty: WeightType, rows: usize, cols: usize) -> Ve
         c.copy_from_slice(&v[..c.len()]);
     }
     let scale_at: &[usize] = match ty {
-        WeightType::Q8_0 | WeightType::Iq2Xxs => &[0],
-        WeightType::Q2K => &[80, 82],
-        WeightType::Q4K => &[0, 2],
-        WeightType::F16 => &[0, 2, 4, 6],
+        CudaWeight::Q8_0 | CudaWeight::Iq2Xxs => &[0],
+        CudaWeight::Q2K => &[80, 82],
+        CudaWeight::Q4K => &[0, 2],
+        CudaWeight::F16 => &[0, 2, 4, 6],
     };
     for blk in w.chunks_exact_mut(ty.block_bytes()) {
         for &o in scale_at {
@@ -102,11 +102,11 @@ fn from_bytes(b: &[u8]) -> Vec<f32> {
 }
 
 /// CPU dot of one weight row with one f32 activation row, as the CPU backend computes it.
-fn cpu_dot(ty: WeightType, w: &[u8], x: &[f32]) -> Result<(f32, f32)> {
+fn cpu_dot(ty: CudaWeight, w: &[u8], x: &[f32]) -> Result<(f32, f32)> {
     let mut wf = vec![0f32; x.len()];
     ds4_engine::quant::dequantize_row(ggml(ty), w, &mut wf)?;
     let mass: f32 = wf.iter().zip(x).map(|(a, b)| (a * b).abs()).sum();
-    if ty == WeightType::F16 {
+    if ty == CudaWeight::F16 {
         return Ok((dot_f32_kernel_scalar(GgmlType::F16)?(w, x), mass));
     }
     let mut a = Vec::new();
@@ -176,7 +176,7 @@ fn check_matvec(
     dev: &mut CudaDevice,
     rep: &mut Report,
     rng: &mut Rng,
-    ty: WeightType,
+    ty: CudaWeight,
     rows: usize,
     cols: usize,
     ntok: usize,
@@ -218,7 +218,7 @@ fn check_moe(
     dev: &mut CudaDevice,
     rep: &mut Report,
     rng: &mut Rng,
-    (up_ty, down_ty): (WeightType, WeightType),
+    (up_ty, down_ty): (CudaWeight, CudaWeight),
     (n_experts, d_model, ffn, n_used): (usize, usize, usize, usize),
     iters: usize,
     label: &str,
@@ -235,7 +235,7 @@ fn check_moe(
         }
     }
     let rw: Vec<f32> = (0..n_used).map(|_| 0.1 + rng.f().abs()).collect();
-    let ex = Experts {
+    let ex = CudaExperts {
         gate: dev.upload(&gate)?,
         up: dev.upload(&up)?,
         down: dev.upload(&down)?,
@@ -366,7 +366,7 @@ pub fn run(a: &CudaArgs) -> Result<()> {
     println!("kernel,shape,us_per_call,bytes_per_call,gb_s,fraction_of_copy_bw,max_rel_err");
     let mut rng = Rng(0x5eed);
     let it = a.iters;
-    use WeightType::*;
+    use CudaWeight::*;
     for ty in [Q8_0, F16, Iq2Xxs, Q2K, Q4K] {
         for ntok in [1usize, 3, 8] {
             check_matvec(&mut dev, &mut rep, &mut rng, ty, 96, 512, ntok, it, "tiny")?;

@@ -150,7 +150,7 @@ impl KvRow {
 
 /// Options of a kv run.
 #[derive(Clone, Debug)]
-pub struct KvOptions {
+pub struct KvBenchOptions {
     /// Prefix lengths, ascending.
     pub lengths: Vec<usize>,
     /// Tokens per page (a multiple of the model's largest compress ratio).
@@ -193,7 +193,7 @@ pub fn span_for(max_ratio: usize, want: u32) -> u32 {
 }
 
 /// Runs the kv benchmark on `engine`.
-pub fn run(engine: &mut Engine, opts: &KvOptions, out: &mut dyn Write, pb: &ProgressBar) -> Result<Vec<KvRow>> {
+pub fn run(engine: &mut Engine, opts: &KvBenchOptions, out: &mut dyn Write, pb: &ProgressBar) -> Result<Vec<KvRow>> {
     if opts.lengths.is_empty() || opts.lengths.windows(2).any(|w| w[0] >= w[1]) || opts.lengths[0] == 0 {
         bail!("--lengths must be ascending and positive");
     }
@@ -279,7 +279,7 @@ mod tests {
         let mut engine = crate::engine_api::engine_for(file, &cfg).unwrap();
         let tmp = tempfile::tempdir().unwrap();
         // Lengths inside one span, on a span boundary and across spans with a tail (ratios 4 and 8, span 8).
-        let opts = KvOptions { lengths: vec![5, 16, 27], span: 8, dir: tmp.path().to_path_buf() };
+        let opts = KvBenchOptions { lengths: vec![5, 16, 27], span: 8, dir: tmp.path().to_path_buf() };
         let mut out = Vec::new();
         let rows = run(&mut engine, &opts, &mut out, &ProgressBar::hidden()).unwrap();
         assert_eq!(rows.len(), 3);
@@ -304,9 +304,9 @@ mod tests {
         // The work directories are cleaned up.
         assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0);
         // Bad options are errors.
-        let bad = KvOptions { lengths: vec![8, 4], ..opts.clone() };
+        let bad = KvBenchOptions { lengths: vec![8, 4], ..opts.clone() };
         assert!(run(&mut engine, &bad, &mut Vec::new(), &ProgressBar::hidden()).is_err());
-        let bad = KvOptions { span: 6, ..opts };
+        let bad = KvBenchOptions { span: 6, ..opts };
         assert!(run(&mut engine, &bad, &mut Vec::new(), &ProgressBar::hidden()).is_err());
     }
 

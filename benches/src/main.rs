@@ -551,7 +551,7 @@ fn run_kv(a: &KvArgs) -> Result<()> {
     };
     writeln!(out, "# store: {} (span {span} tokens)", dir.display())?;
     pb.set_position(0);
-    let opts = kvbench::KvOptions { lengths, span, dir };
+    let opts = kvbench::KvBenchOptions { lengths, span, dir };
     let rows = kvbench::run(&mut engine, &opts, &mut out, &pb)?;
     pb.finish_and_clear();
     if let Some(p) = &a.plot {

@@ -7,7 +7,7 @@ use ds4_engine::convert::{convert_with, ConvertOptions, Progress, Recipe};
 
 /// Arguments of `ds4 convert`.
 #[derive(clap::Args, Debug)]
-pub struct Args {
+pub struct ConvertArgs {
     /// Checkpoint folder: config.json plus *.safetensors (sharded with model.safetensors.index.json, or single).
     #[arg(long)]
     pub input: PathBuf,
@@ -60,7 +60,7 @@ impl Progress for Bar {
 }
 
 /// Runs `ds4 convert`.
-pub fn run(a: Args) -> anyhow::Result<i32> {
+pub fn run(a: ConvertArgs) -> anyhow::Result<i32> {
     let opts = ConvertOptions {
         input: a.input,
         output: a.output,

@@ -11,7 +11,7 @@ use ds4_engine::sampler::{Sampler, SamplerConfig};
 
 /// Arguments of `ds4 generate` (a contract: keep stable).
 #[derive(clap::Args, Debug)]
-pub struct Args {
+pub struct GenerateArgs {
     /// The DS4 GGUF model.
     #[arg(short = 'm', long = "model")]
     pub model: PathBuf,
@@ -55,7 +55,7 @@ pub struct Args {
 }
 
 /// Runs `ds4 generate`.
-pub fn run(a: Args) -> anyhow::Result<i32> {
+pub fn run(a: GenerateArgs) -> anyhow::Result<i32> {
     let tokens = parse_tokens(&a.tokens)?;
     if tokens.is_empty() {
         anyhow::bail!("--tokens is empty");

@@ -7,7 +7,7 @@ use ds4_engine::gguf::GgufFile;
 
 /// Arguments of `ds4 inspect`.
 #[derive(clap::Args, Debug)]
-pub struct Args {
+pub struct InspectArgs {
     /// The GGUF file.
     pub file: PathBuf,
     /// Skip the per-tensor table, print only metadata and a per-type summary.
@@ -16,7 +16,7 @@ pub struct Args {
 }
 
 /// Runs `ds4 inspect`.
-pub fn run(a: Args) -> anyhow::Result<i32> {
+pub fn run(a: InspectArgs) -> anyhow::Result<i32> {
     let f = GgufFile::open(&a.file)?;
     println!("file: {}", a.file.display());
     println!(

@@ -17,7 +17,7 @@ use ds4_kv::{admin, disk};
 
 /// Arguments of `ds4 kv`.
 #[derive(clap::Args, Debug)]
-pub struct Args {
+pub struct KvArgs {
     #[command(subcommand)]
     pub cmd: KvCmd,
 }
@@ -99,7 +99,7 @@ macro_rules! out {
     }};
 }
 
-pub fn run(a: Args) -> anyhow::Result<i32> {
+pub fn run(a: KvArgs) -> anyhow::Result<i32> {
     let mut o = String::new();
     let code = run_into(a, &mut o)?;
     // Ignore a closed pipe (`ds4 kv ls | head`): the output was not wanted any more.
@@ -107,7 +107,7 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
     Ok(code)
 }
 
-fn run_into(a: Args, o: &mut String) -> anyhow::Result<i32> {
+fn run_into(a: KvArgs, o: &mut String) -> anyhow::Result<i32> {
     match a.cmd {
         KvCmd::Ls { dir, json } => {
             let l = admin::list(&dir)?;
@@ -249,9 +249,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let key = cache(dir.path());
         let d = || dir.path().to_path_buf();
-        assert_eq!(run(Args { cmd: KvCmd::Ls { dir: d(), json: false } }).unwrap(), 0);
-        assert_eq!(run(Args { cmd: KvCmd::Ls { dir: d(), json: true } }).unwrap(), 0);
-        let inspect = |json| run(Args { cmd: KvCmd::Inspect { file: key.hex(), dir: Some(d()), json } });
+        assert_eq!(run(KvArgs { cmd: KvCmd::Ls { dir: d(), json: false } }).unwrap(), 0);
+        assert_eq!(run(KvArgs { cmd: KvCmd::Ls { dir: d(), json: true } }).unwrap(), 0);
+        let inspect = |json| run(KvArgs { cmd: KvCmd::Inspect { file: key.hex(), dir: Some(d()), json } });
         assert_eq!(inspect(false).unwrap(), 0);
         assert_eq!(inspect(true).unwrap(), 0);
         // Flip a payload bit: inspect reports it with exit code 2, gc --verify removes it (and the orphaned checkpoint).
@@ -262,8 +262,8 @@ mod tests {
         std::fs::write(&path, b).unwrap();
         assert_eq!(inspect(false).unwrap(), 2);
         let gc = KvCmd::Gc { dir: d(), max_mb: Some(1), verify: true, half_life_hours: 6.0 };
-        assert_eq!(run(Args { cmd: gc }).unwrap(), 0);
+        assert_eq!(run(KvArgs { cmd: gc }).unwrap(), 0);
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
-        assert!(run(Args { cmd: KvCmd::Ls { dir: dir.path().join("missing"), json: false } }).is_err());
+        assert!(run(KvArgs { cmd: KvCmd::Ls { dir: dir.path().join("missing"), json: false } }).is_err());
     }
 }

@@ -9,7 +9,7 @@ use ds4_engine::engine::{BackendKind, Engine, EngineOptions};
 
 /// Arguments of `ds4 logits` (a contract: keep stable).
 #[derive(clap::Args, Debug)]
-pub struct Args {
+pub struct LogitsArgs {
     /// The DS4 GGUF model.
     #[arg(short = 'm', long = "model")]
     pub model: PathBuf,
@@ -68,7 +68,7 @@ pub fn engine_options(
 }
 
 /// Runs `ds4 logits`.
-pub fn run(a: Args) -> anyhow::Result<i32> {
+pub fn run(a: LogitsArgs) -> anyhow::Result<i32> {
     let tokens = parse_tokens(&a.tokens)?;
     if tokens.is_empty() {
         anyhow::bail!("--tokens is empty");

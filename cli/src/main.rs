@@ -28,23 +28,23 @@ pub struct Cli {
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Print a GGUF file's metadata and tensor table.
-    Inspect(inspect::Args),
+    Inspect(inspect::InspectArgs),
     /// Check a tokenizer against {"text","ids"} cases (--jsonl), or print the ids of a text.
-    Tokenize(tokenize::Args),
+    Tokenize(tokenize::TokenizeArgs),
     /// Render a conversation (JSON on stdin) into the model's prompt text.
-    Render(render::Args),
+    Render(render::RenderArgs),
     /// Answer one prompt with a model (reasoning on stderr, answer on stdout).
     Run(run::RunArgs),
     /// Interactive chat with a model, one user turn per line.
     Chat(run::ChatArgs),
     /// Convert an official checkpoint folder (config.json + safetensors) to a DS4 GGUF file.
-    Convert(convert::Args),
+    Convert(convert::ConvertArgs),
     /// Write the logits of every prompt position (little-endian f32 `[n_tokens, vocab]`).
-    Logits(logits::Args),
+    Logits(logits::LogitsArgs),
     /// Greedy generation from a token prompt; prints the generated ids.
-    Generate(generate::Args),
+    Generate(generate::GenerateArgs),
     /// Disk KV cache maintenance: ls, inspect, gc.
-    Kv(kv::Args),
+    Kv(kv::KvArgs),
 }
 
 /// Initializes logging (`RUST_LOG` controls the level; default `info`) on stderr.

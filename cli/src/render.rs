@@ -13,7 +13,7 @@ use ds4_engine::chat::{render, Mode, ReasoningEffort, RenderInput};
 
 /// Arguments of `ds4 render`.
 #[derive(clap::Args, Debug)]
-pub struct Args {
+pub struct RenderArgs {
     /// chat or thinking.
     #[arg(long, default_value = "thinking")]
     pub mode: String,
@@ -26,7 +26,7 @@ pub struct Args {
 }
 
 /// Runs `ds4 render`.
-pub fn run(a: Args) -> anyhow::Result<i32> {
+pub fn run(a: RenderArgs) -> anyhow::Result<i32> {
     let mode: Mode = a.mode.parse()?;
     let effort: ReasoningEffort = a.reasoning_effort.parse()?;
     let text = match &a.input {

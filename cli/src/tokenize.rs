@@ -15,7 +15,7 @@ use ds4_engine::tokenizer::Tokenizer;
 
 /// Arguments of `ds4 tokenize`.
 #[derive(clap::Args, Debug)]
-pub struct Args {
+pub struct TokenizeArgs {
     /// A Hugging Face tokenizer.json.
     #[arg(long, conflicts_with = "model")]
     pub tokenizer: Option<PathBuf>,
@@ -42,7 +42,7 @@ pub fn load(tokenizer: Option<&PathBuf>, model: Option<&PathBuf>) -> anyhow::Res
 }
 
 /// Runs `ds4 tokenize`.
-pub fn run(a: Args) -> anyhow::Result<i32> {
+pub fn run(a: TokenizeArgs) -> anyhow::Result<i32> {
     let tok = load(a.tokenizer.as_ref(), a.model.as_ref())?;
     let Some(cases) = a.jsonl else {
         let text = a.text.context("give --jsonl CASES or a TEXT to tokenize")?;

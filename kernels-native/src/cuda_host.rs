@@ -1,6 +1,6 @@
 //! The CUDA backend's host-side logic over an abstract device: which launches an op issues, with which buffers
 //! and arguments, after checking every buffer size against the shapes. [`Device`] is the seam: the real device
-//! (`crate::cuda::CudaDevice`, feature `cuda`) implements it with cudarc, and [`MockDevice`] records launches
+//! (`crate::cuda::CudaDevice`, feature `cuda`) implements it with cudarc, and [`CudaMockDevice`] records launches
 //! and buffer sizes so the sequencing is tested without a GPU (in CI). The compiled-module cache key
 //! ([`module_cache_name`]) lives here for the same reason.
 //!
@@ -13,17 +13,17 @@
 
 use std::fmt;
 
-use crate::cuda_kernels::{ActFormat, Plan, PlanError, WeightType};
+use crate::cuda_kernels::{ActFormat, CudaWeight, Plan, PlanError};
 
 /// A device buffer, as the host plans see it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct BufId(pub u32);
+pub struct CudaBufId(pub u32);
 
 /// One kernel argument.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Arg {
     /// A buffer's device address.
-    Buf(BufId),
+    Buf(CudaBufId),
     /// A null pointer (optional inputs such as the route weights).
     Null,
     I32(i32),
@@ -63,18 +63,18 @@ impl From<PlanError> for DeviceError {
 /// Device memory and launches, as the host plans need them.
 pub trait Device {
     /// A zeroed buffer of `bytes` bytes.
-    fn alloc(&mut self, bytes: usize) -> Result<BufId, DeviceError>;
+    fn alloc(&mut self, bytes: usize) -> Result<CudaBufId, DeviceError>;
     /// A buffer holding `data`.
-    fn upload(&mut self, data: &[u8]) -> Result<BufId, DeviceError>;
+    fn upload(&mut self, data: &[u8]) -> Result<CudaBufId, DeviceError>;
     /// The buffer's contents.
-    fn download(&mut self, buf: BufId) -> Result<Vec<u8>, DeviceError>;
+    fn download(&mut self, buf: CudaBufId) -> Result<Vec<u8>, DeviceError>;
     /// The buffer's size in bytes (`None` for an unknown buffer).
-    fn size(&self, buf: BufId) -> Option<usize>;
+    fn size(&self, buf: CudaBufId) -> Option<usize>;
     /// Queues one launch of `plan.kernel` with `args` in the kernel's parameter order.
     fn launch(&mut self, plan: &Plan, args: &[Arg]) -> Result<(), DeviceError>;
 }
 
-fn need(dev: &dyn Device, buf: BufId, bytes: usize, what: &str) -> Result<(), DeviceError> {
+fn need(dev: &dyn Device, buf: CudaBufId, bytes: usize, what: &str) -> Result<(), DeviceError> {
     match dev.size(buf) {
         Some(s) if s >= bytes => Ok(()),
         Some(s) => Err(DeviceError::Buffer(format!("{what} holds {s} bytes, needs {bytes}"))),
@@ -90,9 +90,9 @@ fn i32v(v: usize, what: &str) -> Result<i32, DeviceError> {
 /// Q8_K, block sums.
 #[derive(Clone, Copy, Debug)]
 pub struct ActBufs {
-    pub q: BufId,
-    pub d: BufId,
-    pub bs: BufId,
+    pub q: CudaBufId,
+    pub d: CudaBufId,
+    pub bs: CudaBufId,
     pub values: usize,
 }
 
@@ -109,7 +109,13 @@ impl ActBufs {
 }
 
 /// Quantizes `n` f32 values of `x` into `acts` (one launch).
-pub fn quantize(dev: &mut dyn Device, act: ActFormat, x: BufId, n: usize, acts: &ActBufs) -> Result<(), DeviceError> {
+pub fn quantize(
+    dev: &mut dyn Device,
+    act: ActFormat,
+    x: CudaBufId,
+    n: usize,
+    acts: &ActBufs,
+) -> Result<(), DeviceError> {
     let plan = Plan::quantize(act, n)?;
     if n > acts.values {
         return Err(DeviceError::Buffer(format!("activation buffers hold {} values, {n} given", acts.values)));
@@ -126,8 +132,8 @@ pub fn quantize(dev: &mut dyn Device, act: ActFormat, x: BufId, n: usize, acts: 
 /// A weight matrix on the device: `rows × cols` values of `ty`.
 #[derive(Clone, Copy, Debug)]
 pub struct Matrix {
-    pub buf: BufId,
-    pub ty: WeightType,
+    pub buf: CudaBufId,
+    pub ty: CudaWeight,
     pub rows: usize,
     pub cols: usize,
 }
@@ -136,10 +142,10 @@ pub struct Matrix {
 pub fn matvec(
     dev: &mut dyn Device,
     w: &Matrix,
-    x: BufId,
+    x: CudaBufId,
     ntok: usize,
     acts: &ActBufs,
-    y: BufId,
+    y: CudaBufId,
 ) -> Result<(), DeviceError> {
     let plan = Plan::matvec(w.ty, w.rows, w.cols, ntok)?;
     let row_bytes = w.ty.row_bytes(w.cols).unwrap_or(0);
@@ -147,7 +153,7 @@ pub fn matvec(
     need(dev, x, ntok * w.cols * 4, "x")?;
     need(dev, y, ntok * w.rows * 4, "y")?;
     let (rows, cols, nt) = (i32v(w.rows, "rows")?, i32v(w.cols, "cols")?, i32v(ntok, "ntok")?);
-    if w.ty == WeightType::F16 {
+    if w.ty == CudaWeight::F16 {
         return dev
             .launch(&plan, &[Arg::Buf(w.buf), Arg::Buf(x), Arg::Buf(y), Arg::I32(rows), Arg::I32(cols), Arg::I32(nt)]);
     }
@@ -172,12 +178,12 @@ pub fn matvec(
 /// A layer's routed experts on the device: `n_experts` stacked matrices each (gate and up `ffn × d_model` of
 /// `up_ty`, down `d_model × ffn` of `down_ty`; Flash's 2-bit file: IQ2_XXS and Q2_K).
 #[derive(Clone, Copy, Debug)]
-pub struct Experts {
-    pub gate: BufId,
-    pub up: BufId,
-    pub down: BufId,
-    pub up_ty: WeightType,
-    pub down_ty: WeightType,
+pub struct CudaExperts {
+    pub gate: CudaBufId,
+    pub up: CudaBufId,
+    pub down: CudaBufId,
+    pub up_ty: CudaWeight,
+    pub down_ty: CudaWeight,
     pub n_experts: usize,
     pub d_model: usize,
     pub ffn: usize,
@@ -198,16 +204,16 @@ pub enum RouteWeightAt {
 #[allow(clippy::too_many_arguments)]
 pub fn moe_decode(
     dev: &mut dyn Device,
-    ex: &Experts,
-    x: BufId,
-    ids: BufId,
-    rw: BufId,
+    ex: &CudaExperts,
+    x: CudaBufId,
+    ids: CudaBufId,
+    rw: CudaBufId,
     n_used: usize,
     ntok: usize,
     at: RouteWeightAt,
     acts: &ActBufs,
-    h: BufId,
-    out: BufId,
+    h: CudaBufId,
+    out: CudaBufId,
 ) -> Result<(), DeviceError> {
     let up_plan = Plan::moe_gate_up(ex.up_ty, ex.ffn, ex.d_model, n_used, ntok)?;
     let down_plan = Plan::moe_down_sum(ex.down_ty, ex.d_model, ex.ffn, ntok)?;
@@ -285,25 +291,25 @@ pub type Launch = (String, [u32; 3], [u32; 3], Vec<Arg>);
 /// A device that keeps buffers in host memory and records launches without running them: for testing the host
 /// plans' sequencing and checks.
 #[derive(Debug, Default)]
-pub struct MockDevice {
+pub struct CudaMockDevice {
     pub bufs: Vec<Vec<u8>>,
     /// Every launch: the kernel name, its grid and block, and its arguments.
     pub launches: Vec<Launch>,
 }
 
-impl Device for MockDevice {
-    fn alloc(&mut self, bytes: usize) -> Result<BufId, DeviceError> {
+impl Device for CudaMockDevice {
+    fn alloc(&mut self, bytes: usize) -> Result<CudaBufId, DeviceError> {
         self.bufs.push(vec![0; bytes]);
-        Ok(BufId(self.bufs.len() as u32 - 1))
+        Ok(CudaBufId(self.bufs.len() as u32 - 1))
     }
-    fn upload(&mut self, data: &[u8]) -> Result<BufId, DeviceError> {
+    fn upload(&mut self, data: &[u8]) -> Result<CudaBufId, DeviceError> {
         self.bufs.push(data.to_vec());
-        Ok(BufId(self.bufs.len() as u32 - 1))
+        Ok(CudaBufId(self.bufs.len() as u32 - 1))
     }
-    fn download(&mut self, buf: BufId) -> Result<Vec<u8>, DeviceError> {
+    fn download(&mut self, buf: CudaBufId) -> Result<Vec<u8>, DeviceError> {
         self.bufs.get(buf.0 as usize).cloned().ok_or_else(|| DeviceError::Buffer(format!("unknown {buf:?}")))
     }
-    fn size(&self, buf: BufId) -> Option<usize> {
+    fn size(&self, buf: CudaBufId) -> Option<usize> {
         self.bufs.get(buf.0 as usize).map(Vec::len)
     }
     fn launch(&mut self, plan: &Plan, args: &[Arg]) -> Result<(), DeviceError> {
@@ -319,14 +325,14 @@ impl Device for MockDevice {
 mod tests {
     use super::*;
 
-    fn names(d: &MockDevice) -> Vec<&str> {
+    fn names(d: &CudaMockDevice) -> Vec<&str> {
         d.launches.iter().map(|l| l.0.as_str()).collect()
     }
 
     #[test]
     fn matvec_quantizes_once_then_multiplies() {
-        let mut d = MockDevice::default();
-        let w = Matrix { buf: d.alloc(64 * 2 * 34).unwrap(), ty: WeightType::Q8_0, rows: 64, cols: 64 };
+        let mut d = CudaMockDevice::default();
+        let w = Matrix { buf: d.alloc(64 * 2 * 34).unwrap(), ty: CudaWeight::Q8_0, rows: 64, cols: 64 };
         let x = d.alloc(5 * 64 * 4).unwrap();
         let y = d.alloc(5 * 64 * 4).unwrap();
         let acts = ActBufs::new(&mut d, 5 * 64).unwrap();
@@ -335,8 +341,8 @@ mod tests {
         assert_eq!(d.launches[1].1, [8, 2, 1], "two groups of up to four rows");
         assert_eq!(d.launches[1].3[3], Arg::Null, "Q8_0 has no block sums");
 
-        let mut d = MockDevice::default();
-        let w = Matrix { buf: d.alloc(8 * 64 * 2).unwrap(), ty: WeightType::F16, rows: 8, cols: 64 };
+        let mut d = CudaMockDevice::default();
+        let w = Matrix { buf: d.alloc(8 * 64 * 2).unwrap(), ty: CudaWeight::F16, rows: 8, cols: 64 };
         let (x, y) = (d.alloc(64 * 4).unwrap(), d.alloc(8 * 4).unwrap());
         let acts = ActBufs::new(&mut d, 64).unwrap();
         matvec(&mut d, &w, x, 1, &acts, y).unwrap();
@@ -347,13 +353,13 @@ mod tests {
     fn moe_decode_is_four_launches_with_the_weights_where_asked() {
         let (ne, dm, ffn, nu, nt) = (8usize, 512usize, 256usize, 6usize, 2usize);
         let setup = |down_bytes: usize| {
-            let mut d = MockDevice::default();
-            let ex = Experts {
+            let mut d = CudaMockDevice::default();
+            let ex = CudaExperts {
                 gate: d.alloc(ne * ffn * 2 * 66).unwrap(),
                 up: d.alloc(ne * ffn * 2 * 66).unwrap(),
                 down: d.alloc(down_bytes).unwrap(),
-                up_ty: WeightType::Iq2Xxs,
-                down_ty: WeightType::Q2K,
+                up_ty: CudaWeight::Iq2Xxs,
+                down_ty: CudaWeight::Q2K,
                 n_experts: ne,
                 d_model: dm,
                 ffn,
@@ -387,15 +393,15 @@ mod tests {
 
     #[test]
     fn bad_shapes_and_buffers_are_errors_not_panics() {
-        let mut d = MockDevice::default();
-        let w = Matrix { buf: d.alloc(100).unwrap(), ty: WeightType::Q4K, rows: 4, cols: 256 };
+        let mut d = CudaMockDevice::default();
+        let w = Matrix { buf: d.alloc(100).unwrap(), ty: CudaWeight::Q4K, rows: 4, cols: 256 };
         let (x, y) = (d.alloc(1024).unwrap(), d.alloc(16).unwrap());
         let acts = ActBufs::new(&mut d, 256).unwrap();
         assert!(matvec(&mut d, &w, x, 1, &acts, y).is_err(), "weights too short");
-        let w = Matrix { buf: d.alloc(4 * 144).unwrap(), ty: WeightType::Q4K, rows: 4, cols: 256 };
+        let w = Matrix { buf: d.alloc(4 * 144).unwrap(), ty: CudaWeight::Q4K, rows: 4, cols: 256 };
         assert!(matvec(&mut d, &w, x, 2, &acts, y).is_err(), "x too short for two rows");
         assert!(matvec(&mut d, &Matrix { cols: 100, ..w }, x, 1, &acts, y).is_err(), "partial block");
-        assert!(matvec(&mut d, &Matrix { buf: BufId(99), ..w }, x, 1, &acts, y).is_err(), "unknown buffer");
+        assert!(matvec(&mut d, &Matrix { buf: CudaBufId(99), ..w }, x, 1, &acts, y).is_err(), "unknown buffer");
         matvec(&mut d, &w, x, 1, &acts, y).unwrap();
     }
 

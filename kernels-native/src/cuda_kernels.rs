@@ -98,7 +98,7 @@ pub const KERNELS: &[KernelInfo] = &[
 
 /// Weight types the kernels multiply.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum WeightType {
+pub enum CudaWeight {
     /// Q8_0 (with Q8_0 activations).
     Q8_0,
     /// F16 (with f32 activations).
@@ -111,43 +111,43 @@ pub enum WeightType {
     Q4K,
 }
 
-impl WeightType {
+impl CudaWeight {
     /// Values per weight block.
     pub fn block_values(self) -> usize {
         match self {
-            WeightType::Q8_0 => 32,
-            WeightType::F16 => 4,
+            CudaWeight::Q8_0 => 32,
+            CudaWeight::F16 => 4,
             _ => 256,
         }
     }
 
-    /// Bytes per block of [`WeightType::block_values`] values.
+    /// Bytes per block of [`CudaWeight::block_values`] values.
     pub fn block_bytes(self) -> usize {
         match self {
-            WeightType::Q8_0 => 34,
-            WeightType::F16 => 8,
-            WeightType::Iq2Xxs => 66,
-            WeightType::Q2K => 84,
-            WeightType::Q4K => 144,
+            CudaWeight::Q8_0 => 34,
+            CudaWeight::F16 => 8,
+            CudaWeight::Iq2Xxs => 66,
+            CudaWeight::Q2K => 84,
+            CudaWeight::Q4K => 144,
         }
     }
 
     /// The kernel-name suffix (`q8_0`, `f16`, `iq2_xxs`, `q2_k`, `q4_k`).
     pub fn suffix(self) -> &'static str {
         match self {
-            WeightType::Q8_0 => "q8_0",
-            WeightType::F16 => "f16",
-            WeightType::Iq2Xxs => "iq2_xxs",
-            WeightType::Q2K => "q2_k",
-            WeightType::Q4K => "q4_k",
+            CudaWeight::Q8_0 => "q8_0",
+            CudaWeight::F16 => "f16",
+            CudaWeight::Iq2Xxs => "iq2_xxs",
+            CudaWeight::Q2K => "q2_k",
+            CudaWeight::Q4K => "q4_k",
         }
     }
 
     /// The activation format the products take.
     pub fn act(self) -> ActFormat {
         match self {
-            WeightType::Q8_0 => ActFormat::Q8_0,
-            WeightType::F16 => ActFormat::F32,
+            CudaWeight::Q8_0 => ActFormat::Q8_0,
+            CudaWeight::F16 => ActFormat::F32,
             _ => ActFormat::Q8K,
         }
     }
@@ -265,16 +265,16 @@ impl Plan {
 
     /// The activation rows per launch of a product of `ntok` rows: the largest instantiated batch width not
     /// above `ntok` (decode ticks of 1, 2, 4 or 8 sessions run in one launch).
-    pub fn matvec_width(ty: WeightType, ntok: usize) -> usize {
+    pub fn matvec_width(ty: CudaWeight, ntok: usize) -> usize {
         let widths: &[usize] = match ty {
-            WeightType::Q8_0 => &[8, 4, 2, 1],
+            CudaWeight::Q8_0 => &[8, 4, 2, 1],
             _ => &[4, 1],
         };
         widths.iter().copied().find(|&w| w <= ntok.max(1)).unwrap_or(1)
     }
 
     /// `y[t] = W · x[t]` for `ntok` activation rows, `W` of `rows × cols` in `ty`.
-    pub fn matvec(ty: WeightType, rows: usize, cols: usize, ntok: usize) -> Result<Plan, PlanError> {
+    pub fn matvec(ty: CudaWeight, rows: usize, cols: usize, ntok: usize) -> Result<Plan, PlanError> {
         if ty.row_bytes(cols).is_none() {
             return bad(format!("matvec {}: cols {cols} is not whole blocks of {}", ty.suffix(), ty.block_values()));
         }
@@ -291,7 +291,7 @@ impl Plan {
     }
 
     /// The decode MoE's gate + up + SwiGLU over `n_used` selected experts of `ntok` tokens (`ffn` rows of `cols`).
-    pub fn moe_gate_up(ty: WeightType, ffn: usize, cols: usize, n_used: usize, ntok: usize) -> Result<Plan, PlanError> {
+    pub fn moe_gate_up(ty: CudaWeight, ffn: usize, cols: usize, n_used: usize, ntok: usize) -> Result<Plan, PlanError> {
         Self::check_moe(ty, cols)?;
         Ok(Plan {
             kernel: kernel(&format!("ds4_moe_gate_up_{}", ty.suffix())),
@@ -303,7 +303,7 @@ impl Plan {
     }
 
     /// The decode MoE's down products summed over the selected experts (`d_model` rows of `ffn`).
-    pub fn moe_down_sum(ty: WeightType, d_model: usize, ffn: usize, ntok: usize) -> Result<Plan, PlanError> {
+    pub fn moe_down_sum(ty: CudaWeight, d_model: usize, ffn: usize, ntok: usize) -> Result<Plan, PlanError> {
         Self::check_moe(ty, ffn)?;
         Ok(Plan {
             kernel: kernel(&format!("ds4_moe_down_sum_{}", ty.suffix())),
@@ -314,8 +314,8 @@ impl Plan {
         })
     }
 
-    fn check_moe(ty: WeightType, cols: usize) -> Result<(), PlanError> {
-        if !matches!(ty, WeightType::Iq2Xxs | WeightType::Q2K | WeightType::Q4K) {
+    fn check_moe(ty: CudaWeight, cols: usize) -> Result<(), PlanError> {
+        if !matches!(ty, CudaWeight::Iq2Xxs | CudaWeight::Q2K | CudaWeight::Q4K) {
             return bad(format!("no MoE kernel for {} experts", ty.suffix()));
         }
         if ty.row_bytes(cols).is_none() {
@@ -360,8 +360,8 @@ impl Plan {
     }
 
     /// The test hook: per-block terms of one row of `nb` blocks (one warp).
-    pub fn block_terms(ty: WeightType) -> Result<Plan, PlanError> {
-        if ty == WeightType::F16 {
+    pub fn block_terms(ty: CudaWeight) -> Result<Plan, PlanError> {
+        if ty == CudaWeight::F16 {
             return bad("f16 has no integer block terms".into());
         }
         Ok(Plan {
@@ -379,7 +379,7 @@ mod tests {
     fn every_planned_kernel_is_listed() {
         // (That every listed kernel is defined, and nothing else, is checked against ptxas's list of entry
         // points by the compile check, tests/cuda_compile.rs.)
-        let tys = [WeightType::Q8_0, WeightType::F16, WeightType::Iq2Xxs, WeightType::Q2K, WeightType::Q4K];
+        let tys = [CudaWeight::Q8_0, CudaWeight::F16, CudaWeight::Iq2Xxs, CudaWeight::Q2K, CudaWeight::Q4K];
         for ty in tys {
             for ntok in 1..=9 {
                 let p = Plan::matvec(ty, 100, ty.block_values() * 3, ntok).unwrap();
@@ -387,11 +387,11 @@ mod tests {
                 let w = Plan::matvec_width(ty, ntok) as u32;
                 assert!(w as usize <= ntok && p.dims.grid[1] * w >= ntok as u32);
             }
-            if ty != WeightType::F16 {
+            if ty != CudaWeight::F16 {
                 assert_ne!(Plan::block_terms(ty).unwrap().kernel, "?");
             }
         }
-        for ty in [WeightType::Iq2Xxs, WeightType::Q2K, WeightType::Q4K] {
+        for ty in [CudaWeight::Iq2Xxs, CudaWeight::Q2K, CudaWeight::Q4K] {
             assert_ne!(Plan::moe_gate_up(ty, 2048, 4096, 6, 1).unwrap().kernel, "?");
             assert_ne!(Plan::moe_down_sum(ty, 4096, 2048, 1).unwrap().kernel, "?");
         }
@@ -399,12 +399,12 @@ mod tests {
 
     #[test]
     fn geometry_covers_the_shapes() {
-        let p = Plan::matvec(WeightType::Q8_0, 4097, 4096, 1).unwrap();
+        let p = Plan::matvec(CudaWeight::Q8_0, 4097, 4096, 1).unwrap();
         assert_eq!(p.dims, Dims { grid: [513, 1, 1], block: [256, 1, 1] });
         assert_eq!(p.kernel, "ds4_matvec_q8_0_b1");
-        let p = Plan::matvec(WeightType::Q8_0, 64, 64, 11).unwrap();
+        let p = Plan::matvec(CudaWeight::Q8_0, 64, 64, 11).unwrap();
         assert_eq!((p.kernel, p.dims.grid), ("ds4_matvec_q8_0_b8", [8, 2, 1]));
-        let p = Plan::moe_gate_up(WeightType::Iq2Xxs, 2048, 4096, 6, 3).unwrap();
+        let p = Plan::moe_gate_up(CudaWeight::Iq2Xxs, 2048, 4096, 6, 3).unwrap();
         assert_eq!(p.dims.grid, [256, 6, 3]);
         let p = Plan::quantize(ActFormat::Q8K, 6 * 2048).unwrap();
         assert_eq!(p.dims.grid, [6, 1, 1]);
@@ -413,18 +413,18 @@ mod tests {
 
     #[test]
     fn bad_shapes_are_errors() {
-        assert!(Plan::matvec(WeightType::Q4K, 10, 100, 1).is_err());
-        assert!(Plan::matvec(WeightType::Q8_0, 0, 64, 1).is_err());
-        assert!(Plan::matvec(WeightType::Q8_0, 10, 0, 1).is_err());
-        assert!(Plan::matvec(WeightType::Q8_0, 10, 64, 0).is_err());
+        assert!(Plan::matvec(CudaWeight::Q4K, 10, 100, 1).is_err());
+        assert!(Plan::matvec(CudaWeight::Q8_0, 0, 64, 1).is_err());
+        assert!(Plan::matvec(CudaWeight::Q8_0, 10, 0, 1).is_err());
+        assert!(Plan::matvec(CudaWeight::Q8_0, 10, 64, 0).is_err());
         assert!(Plan::quantize(ActFormat::Q8_0, 33).is_err());
         assert!(Plan::quantize(ActFormat::F32, 32).is_err());
-        assert!(Plan::moe_gate_up(WeightType::Q8_0, 64, 256, 6, 1).is_err());
-        assert!(Plan::moe_gate_up(WeightType::Q2K, 64, 256, 0, 1).is_err());
-        assert!(Plan::moe_gate_up(WeightType::Q2K, 64, 256, 6, 70_000).is_err());
+        assert!(Plan::moe_gate_up(CudaWeight::Q8_0, 64, 256, 6, 1).is_err());
+        assert!(Plan::moe_gate_up(CudaWeight::Q2K, 64, 256, 0, 1).is_err());
+        assert!(Plan::moe_gate_up(CudaWeight::Q2K, 64, 256, 6, 70_000).is_err());
         assert!(Plan::rope(4, 8, 5).is_err());
         assert!(Plan::rms_norm(4, 0).is_err());
-        assert!(Plan::matvec(WeightType::F16, usize::MAX / 2, 64, 1).is_err());
+        assert!(Plan::matvec(CudaWeight::F16, usize::MAX / 2, 64, 1).is_err());
     }
 
     #[test]

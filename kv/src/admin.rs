@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use crate::disk;
-use crate::error::Result;
+use crate::error::KvResult as Result;
 use crate::format::{EntryKind, Header};
 use crate::key::{Key, ModelIdentity};
 use crate::policy::{self, Candidate};

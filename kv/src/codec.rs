@@ -18,7 +18,7 @@
 
 use half::f16;
 
-use crate::error::{KvError, Result};
+use crate::error::{KvError, KvResult as Result};
 
 /// Values per chunk of the [`Encoding::Blocked`] encoding (the engine's FP8 block size).
 pub const CHUNK: usize = 64;

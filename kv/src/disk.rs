@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime};
 
-use crate::error::{KvError, Result};
+use crate::error::{KvError, KvResult as Result};
 use crate::format::{self, EntryKind, EntryMeta, Header, RowBlock};
 use crate::key::Key;
 

@@ -1,4 +1,4 @@
-//! The crate's error type. Every fallible function returns [`Result`]; I/O errors carry the path involved.
+//! The crate's error type. Every fallible function returns [`KvResult`]; I/O errors carry the path involved.
 
 use std::path::PathBuf;
 
@@ -40,4 +40,4 @@ impl KvError {
 }
 
 /// `Result` with [`KvError`].
-pub type Result<T> = std::result::Result<T, KvError>;
+pub type KvResult<T> = std::result::Result<T, KvError>;

@@ -33,7 +33,7 @@ use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::Path;
 
 use crate::codec::{self, Encoding};
-use crate::error::{KvError, Result};
+use crate::error::{KvError, KvResult as Result};
 use crate::key::Key;
 
 /// File magic.

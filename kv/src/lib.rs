@@ -24,7 +24,7 @@
 //! ## Quick guide
 //! ```no_run
 //! use ds4_kv::{KvOptions, KvStore, ModelIdentity, RowBlock, SaveReason};
-//! # fn main() -> ds4_kv::Result<()> {
+//! # fn main() -> ds4_kv::KvResult<()> {
 //! let store = KvStore::open("/var/cache/ds4-kv", ModelIdentity::new("flash q2 sim=1"), KvOptions::default())?;
 //! let tokens: Vec<u32> = (0..300).collect();
 //! let rows = vec![0f32; 64 * 512];
@@ -60,7 +60,7 @@ mod table;
 pub mod triggers;
 
 pub use codec::Encoding;
-pub use error::{KvError, Result};
+pub use error::{KvError, KvResult};
 pub use format::{BlockDesc, EntryKind, Header, RowBlock, RowsView, SaveReason};
 pub use key::{checkpoint_key, page_key, Key, ModelIdentity, PrefixHasher};
 pub use store::{DiskStatus, EntryInfo, EntryRef, GcReport, KvOptions, KvStore, LoadInfo, PrefixMatch};

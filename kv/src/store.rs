@@ -40,7 +40,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use parking_lot::Mutex;
 
 use crate::disk;
-use crate::error::{KvError, Result};
+use crate::error::{KvError, KvResult as Result};
 use crate::format::{self, EntryKind, EntryMeta, RowBlock, RowsView, SaveReason};
 use crate::key::{checkpoint_key, page_key, Key, ModelIdentity};
 use crate::policy::{self, Candidate};

@@ -76,11 +76,11 @@ impl Conn {
     }
 
     /// A request head is complete: the connection is busy until the returned guard (and any other) is dropped.
-    pub fn begin(self: &Arc<Self>) -> Busy {
+    pub fn begin(self: &Arc<Self>) -> BusyGuard {
         self.in_flight.fetch_add(1, Ordering::AcqRel);
         self.requests.fetch_add(1, Ordering::AcqRel);
         self.phase.store(BUSY, Ordering::Release);
-        Busy(self.clone())
+        BusyGuard(self.clone())
     }
 
     /// Resolves when the tracker wants this connection closed.
@@ -98,9 +98,9 @@ impl Conn {
 }
 
 /// Keeps its connection busy while alive (held by the response body).
-pub struct Busy(Arc<Conn>);
+pub struct BusyGuard(Arc<Conn>);
 
-impl Drop for Busy {
+impl Drop for BusyGuard {
     fn drop(&mut self) {
         if self.0.in_flight.fetch_sub(1, Ordering::AcqRel) == 1 {
             self.0.since_ms.store(self.0.now_ms(), Ordering::Release);
@@ -367,11 +367,11 @@ pub fn raise_fd_limit() -> Option<u64> {
 /// The response body of a request, holding its connection busy until the body is done or dropped.
 pub struct GuardedBody<B> {
     inner: B,
-    _busy: Busy,
+    _busy: BusyGuard,
 }
 
 impl<B> GuardedBody<B> {
-    pub fn new(inner: B, busy: Busy) -> Self {
+    pub fn new(inner: B, busy: BusyGuard) -> Self {
         GuardedBody { inner, _busy: busy }
     }
 }

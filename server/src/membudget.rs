@@ -45,7 +45,7 @@ pub struct RequestMemory {
 
 /// Why a reservation was not granted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Busy {
+pub struct BudgetFull {
     /// Seconds a client should wait before retrying.
     pub retry_after: u64,
 }
@@ -82,7 +82,7 @@ impl RequestMemory {
 
     /// Reserve room for a body of `body_bytes` (see the module docs): `Ok(None)` for a small body, `Err` after
     /// waiting the configured time in vain.
-    pub async fn reserve(self: &Arc<Self>, body_bytes: usize) -> Result<Option<Reservation>, Busy> {
+    pub async fn reserve(self: &Arc<Self>, body_bytes: usize) -> Result<Option<Reservation>, BudgetFull> {
         if body_bytes < SMALL_BODY {
             return Ok(None);
         }
@@ -97,7 +97,7 @@ impl RequestMemory {
                 Ok(Some(Reservation { budget: self.clone(), _permit: permit }))
             }
             // Closed never happens (the semaphore is never closed); a timeout is the busy answer.
-            Ok(Err(_)) | Err(_) => Err(Busy { retry_after: self.wait.as_secs().clamp(1, 10) }),
+            Ok(Err(_)) | Err(_) => Err(BudgetFull { retry_after: self.wait.as_secs().clamp(1, 10) }),
         }
     }
 }

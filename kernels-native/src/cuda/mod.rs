@@ -15,7 +15,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
 
-use crate::cuda_host::{module_cache_name, Arg, BufId, Device, DeviceError};
+use crate::cuda_host::{module_cache_name, Arg, CudaBufId, Device, DeviceError};
 use crate::cuda_kernels::{program_source, source_hash, Plan, KERNELS};
 
 fn drv(e: impl std::fmt::Debug) -> DeviceError {
@@ -198,7 +198,7 @@ impl CudaDevice {
     }
 
     /// Copies `bytes` bytes from buffer `src` to buffer `dst` on the device (for the copy-bandwidth figure).
-    pub fn copy(&mut self, src: BufId, dst: BufId, bytes: usize) -> Result<(), DeviceError> {
+    pub fn copy(&mut self, src: CudaBufId, dst: CudaBufId, bytes: usize) -> Result<(), DeviceError> {
         if self.size(src).unwrap_or(0) < bytes || self.size(dst).unwrap_or(0) < bytes || src == dst {
             return Err(DeviceError::Buffer(format!("copy of {bytes} bytes between {src:?} and {dst:?}")));
         }
@@ -212,22 +212,22 @@ impl CudaDevice {
     }
 
     /// Frees a buffer (its id is not reused).
-    pub fn free(&mut self, buf: BufId) {
+    pub fn free(&mut self, buf: CudaBufId) {
         if let Some(b) = self.bufs.get_mut(buf.0 as usize) {
             *b = None;
         }
     }
 
-    fn push(&mut self, s: CudaSlice<u8>) -> BufId {
+    fn push(&mut self, s: CudaSlice<u8>) -> CudaBufId {
         let ptr = {
             let (ptr, _sync) = s.device_ptr(&self.stream);
             ptr
         };
         self.bufs.push(Some((s, ptr)));
-        BufId(self.bufs.len() as u32 - 1)
+        CudaBufId(self.bufs.len() as u32 - 1)
     }
 
-    fn ptr(&self, b: BufId) -> Result<u64, DeviceError> {
+    fn ptr(&self, b: CudaBufId) -> Result<u64, DeviceError> {
         match self.bufs.get(b.0 as usize) {
             Some(Some((_, p))) => Ok(*p),
             _ => Err(DeviceError::Buffer(format!("unknown or freed {b:?}"))),
@@ -236,12 +236,12 @@ impl CudaDevice {
 }
 
 impl Device for CudaDevice {
-    fn alloc(&mut self, bytes: usize) -> Result<BufId, DeviceError> {
+    fn alloc(&mut self, bytes: usize) -> Result<CudaBufId, DeviceError> {
         let s = self.stream.alloc_zeros::<u8>(bytes.max(1)).map_err(drv)?;
         Ok(self.push(s))
     }
 
-    fn upload(&mut self, data: &[u8]) -> Result<BufId, DeviceError> {
+    fn upload(&mut self, data: &[u8]) -> Result<CudaBufId, DeviceError> {
         let s = if data.is_empty() {
             self.stream.alloc_zeros::<u8>(1).map_err(drv)?
         } else {
@@ -250,14 +250,14 @@ impl Device for CudaDevice {
         Ok(self.push(s))
     }
 
-    fn download(&mut self, buf: BufId) -> Result<Vec<u8>, DeviceError> {
+    fn download(&mut self, buf: CudaBufId) -> Result<Vec<u8>, DeviceError> {
         match self.bufs.get(buf.0 as usize) {
             Some(Some((s, _))) => self.stream.clone_dtoh(s).map_err(drv),
             _ => Err(DeviceError::Buffer(format!("unknown or freed {buf:?}"))),
         }
     }
 
-    fn size(&self, buf: BufId) -> Option<usize> {
+    fn size(&self, buf: CudaBufId) -> Option<usize> {
         match self.bufs.get(buf.0 as usize) {
             Some(Some((s, _))) => Some(s.len()),
             _ => None,

@@ -89,7 +89,7 @@ pub fn checkpoint_rows(tokens: &[u32], window_values: usize) -> Vec<f32> {
 /// A loaded block: (group, tag, rows, width, values).
 pub type Block = (u32, u32, u32, u32, Vec<f32>);
 
-pub fn collect(store: &KvStore, key: &ds4_kv::Key) -> ds4_kv::Result<Vec<Block>> {
+pub fn collect(store: &KvStore, key: &ds4_kv::Key) -> ds4_kv::KvResult<Vec<Block>> {
     let mut out = Vec::new();
     store.load(key, |v: RowsView<'_>| {
         out.push((v.group, v.tag, v.rows, v.width, v.values.to_vec()));
@@ -99,7 +99,7 @@ pub fn collect(store: &KvStore, key: &ds4_kv::Key) -> ds4_kv::Result<Vec<Block>>
 }
 
 /// Saves a whole session: missing pages in order, then a checkpoint with `window_values` values at the end.
-pub fn save_session(store: &KvStore, tokens: &[u32], window_values: usize) -> ds4_kv::Result<ds4_kv::EntryRef> {
+pub fn save_session(store: &KvStore, tokens: &[u32], window_values: usize) -> ds4_kv::KvResult<ds4_kv::EntryRef> {
     let span = store.span_tokens() as usize;
     let have = store.page_chain(tokens);
     let mut parent = have.last().map(|r| r.key).unwrap_or(store.root());
