@@ -11,7 +11,7 @@ use ds4_engine::quant::{
     GgmlType,
 };
 use ds4_kernels_native::cpu::swiglu::swiglu_x8;
-use ds4_kernels_native::cuda_kernels::{ActFormat, Plan, WeightType};
+use ds4_kernels_native::cuda_kernels::{ActFormat, Plan, CudaWeight};
 
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -142,11 +142,11 @@ fn terms_fn(kernel: &str) -> TermsFn {
     }
 }
 
-fn moe_fns(ty: WeightType) -> (GateUpFn, DownSumFn) {
+fn moe_fns(ty: CudaWeight) -> (GateUpFn, DownSumFn) {
     match ty {
-        WeightType::Iq2Xxs => (shim_ds4_moe_gate_up_iq2_xxs, shim_ds4_moe_down_sum_iq2_xxs),
-        WeightType::Q2K => (shim_ds4_moe_gate_up_q2_k, shim_ds4_moe_down_sum_q2_k),
-        WeightType::Q4K => (shim_ds4_moe_gate_up_q4_k, shim_ds4_moe_down_sum_q4_k),
+        CudaWeight::Iq2Xxs => (shim_ds4_moe_gate_up_iq2_xxs, shim_ds4_moe_down_sum_iq2_xxs),
+        CudaWeight::Q2K => (shim_ds4_moe_gate_up_q2_k, shim_ds4_moe_down_sum_q2_k),
+        CudaWeight::Q4K => (shim_ds4_moe_gate_up_q4_k, shim_ds4_moe_down_sum_q4_k),
         t => panic!("no MoE kernels for {t:?}"),
     }
 }
@@ -177,33 +177,33 @@ impl Rng {
     }
 }
 
-fn ggml(ty: WeightType) -> GgmlType {
+fn ggml(ty: CudaWeight) -> GgmlType {
     match ty {
-        WeightType::Q8_0 => GgmlType::Q8_0,
-        WeightType::F16 => GgmlType::F16,
-        WeightType::Iq2Xxs => GgmlType::Iq2Xxs,
-        WeightType::Q2K => GgmlType::Q2K,
-        WeightType::Q4K => GgmlType::Q4K,
+        CudaWeight::Q8_0 => GgmlType::Q8_0,
+        CudaWeight::F16 => GgmlType::F16,
+        CudaWeight::Iq2Xxs => GgmlType::Iq2Xxs,
+        CudaWeight::Q2K => GgmlType::Q2K,
+        CudaWeight::Q4K => GgmlType::Q4K,
     }
 }
 
-const QUANT_TYPES: [WeightType; 4] = [WeightType::Q8_0, WeightType::Iq2Xxs, WeightType::Q2K, WeightType::Q4K];
+const QUANT_TYPES: [CudaWeight; 4] = [CudaWeight::Q8_0, CudaWeight::Iq2Xxs, CudaWeight::Q2K, CudaWeight::Q4K];
 
 /// `rows` random weight rows of `cols` values as raw blocks (every byte random, so every grid point, sign
 /// pattern, scale and nibble occurs), with the f16 scale fields set to normal values in about [0.002, 0.03].
-fn random_weights(rng: &mut Rng, ty: WeightType, rows: usize, cols: usize) -> Vec<u8> {
+fn random_weights(rng: &mut Rng, ty: CudaWeight, rows: usize, cols: usize) -> Vec<u8> {
     let bytes = rows * ty.row_bytes(cols).expect("whole blocks");
     let mut w: Vec<u8> = (0..bytes).map(|_| rng.next() as u8).collect();
     let scale_at: &[usize] = match ty {
-        WeightType::Q8_0 | WeightType::Iq2Xxs => &[0],
-        WeightType::Q2K => &[80, 82],
-        WeightType::Q4K => &[0, 2],
-        WeightType::F16 => &[0, 2, 4, 6],
+        CudaWeight::Q8_0 | CudaWeight::Iq2Xxs => &[0],
+        CudaWeight::Q2K => &[80, 82],
+        CudaWeight::Q4K => &[0, 2],
+        CudaWeight::F16 => &[0, 2, 4, 6],
     };
     for blk in w.chunks_exact_mut(ty.block_bytes()) {
         for &o in scale_at {
             let bits = 0x1800u16 + (rng.next() % 0x0f00) as u16;
-            let bits = if ty == WeightType::F16 && rng.next().is_multiple_of(2) { bits | 0x8000 } else { bits };
+            let bits = if ty == CudaWeight::F16 && rng.next().is_multiple_of(2) { bits | 0x8000 } else { bits };
             blk[o..o + 2].copy_from_slice(&bits.to_le_bytes());
         }
     }
@@ -252,9 +252,9 @@ fn dq_from_cpu(act: ActFormat, bytes: &[u8]) -> Dq {
 }
 
 /// The CPU's activation bytes for `x` as the CPU's kernels of `ty` read them, and as plain blocks.
-fn cpu_acts(ty: WeightType, x: &[f32]) -> (ActType, Vec<u8>, Vec<u8>) {
+fn cpu_acts(ty: CudaWeight, x: &[f32]) -> (ActType, Vec<u8>, Vec<u8>) {
     let act = act_type(ggml(ty));
-    let plain = if ty == WeightType::Q8_0 { ActType::Q8_0 } else { ActType::Q8K };
+    let plain = if ty == CudaWeight::Q8_0 { ActType::Q8_0 } else { ActType::Q8K };
     let (mut a, mut p) = (Vec::new(), Vec::new());
     quantize_acts(act, x, &mut a).expect("cpu quantize");
     quantize_acts(plain, x, &mut p).expect("cpu quantize");
@@ -303,7 +303,7 @@ fn bs_ptr(dq: &Dq) -> *const i32 {
 }
 
 /// Runs the product `W (rows × cols) · x_t` for every activation row t of `dq`.
-fn matvec_device(ty: WeightType, w: &[u8], rows: usize, cols: usize, dq: &Dq) -> Vec<f32> {
+fn matvec_device(ty: CudaWeight, w: &[u8], rows: usize, cols: usize, dq: &Dq) -> Vec<f32> {
     let ntok = dq.q.len() / cols;
     assert_eq!(w.len(), rows * ty.row_bytes(cols).unwrap());
     let p = Plan::matvec(ty, rows, cols, ntok).expect("plan");
@@ -329,7 +329,7 @@ fn matvec_device(ty: WeightType, w: &[u8], rows: usize, cols: usize, dq: &Dq) ->
 }
 
 /// Σ |w_i · a_i| of one row: the scale of the rounding differences a reordered sum may show.
-fn mass(ty: WeightType, w_row: &[u8], a: &[f32]) -> f32 {
+fn mass(ty: CudaWeight, w_row: &[u8], a: &[f32]) -> f32 {
     let mut wf = vec![0f32; a.len()];
     dequantize_row(ggml(ty), w_row, &mut wf).expect("dequantize");
     wf.iter().zip(a).map(|(p, q)| (p * q).abs()).sum()
@@ -419,12 +419,12 @@ fn products_agree_with_the_cpu() {
 fn f16_products_agree_with_the_cpu() {
     let mut rng = Rng(17);
     let (rows, cols) = (11, 200);
-    let w = random_weights(&mut rng, WeightType::F16, rows, cols);
+    let w = random_weights(&mut rng, CudaWeight::F16, rows, cols);
     let w16: Vec<u16> = w.chunks_exact(2).map(|p| u16::from_le_bytes([p[0], p[1]])).collect();
     let dot = dot_f32_kernel_scalar(GgmlType::F16).unwrap();
     for ntok in [1usize, 6] {
         let x = rng.vec(ntok * cols, 1.0);
-        let p = Plan::matvec(WeightType::F16, rows, cols, ntok).unwrap();
+        let p = Plan::matvec(CudaWeight::F16, rows, cols, ntok).unwrap();
         let (g, b) = dims(&p);
         let mut y = vec![f32::NAN; ntok * rows];
         // SAFETY: w16 holds rows × cols f16 weights, x ntok rows of cols, y ntok × rows.
@@ -436,7 +436,7 @@ fn f16_products_agree_with_the_cpu() {
             for r in 0..rows {
                 let wrow = &w[r * cols * 2..(r + 1) * cols * 2];
                 let want = dot(wrow, xt);
-                let tol = 2e-6 * mass(WeightType::F16, wrow, xt);
+                let tol = 2e-6 * mass(CudaWeight::F16, wrow, xt);
                 let got = y[t * rows + r];
                 assert!((got - want).abs() <= tol, "f16 ntok {ntok} t {t} r {r}: {got} vs {want}");
             }
@@ -451,7 +451,7 @@ fn f16_products_agree_with_the_cpu() {
 fn decode_moe_agrees_with_the_cpu() {
     let mut rng = Rng(19);
     let (d_model, ffn, n_experts, n_used, ntok, limit) = (256usize, 256usize, 5usize, 2usize, 2usize, 0.6f32);
-    for ty in [WeightType::Iq2Xxs, WeightType::Q2K, WeightType::Q4K] {
+    for ty in [CudaWeight::Iq2Xxs, CudaWeight::Q2K, CudaWeight::Q4K] {
         let gate = random_weights(&mut rng, ty, n_experts * ffn, d_model);
         let up = random_weights(&mut rng, ty, n_experts * ffn, d_model);
         let down = random_weights(&mut rng, ty, n_experts * d_model, ffn);

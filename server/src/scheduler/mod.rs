@@ -8,17 +8,7 @@
 //! holds), then sample for every session whose fed tokens are all processed ([`Runner::pending`] is 0). A decoding
 //! session therefore gets a token every tick, however long another session's prompt is.
 //!
-//! Prefix reuse: a finished (or cancelled) job's session is *parked* with exactly the tokens it has processed. A new
-//! job takes the parked session that lets it skip the most prompt tokens and feeds only the rest: a parked session
-//! whose tokens are a prefix of the prompt is used as is (when they equal the whole prompt, its stored logits are
-//! sampled directly); otherwise a copy of it is rolled back to the common prefix when the runner can: anywhere
-//! ([`Runner::can_truncate`]) or within its roll-back reach ([`Runner::rollback_floor`]; the real engine rolls back
-//! exactly, recomputing nothing, up to R = 1024 tokens). Runners without unbounded truncation also get a copy of
-//! every freshly prefilled prompt parked ([`Runner::fork`]), so a request that diverges right after the prompt (a
-//! retry, a re-rendered assistant turn) skips it even beyond the roll-back reach. The parked sessions are the
-//! RAM KV tier, bounded by bytes: least-recently-used ones are evicted (saved to the disk tier first, when there is
-//! one) while their [`Runner::session_bytes`] sum exceeds `max_parked_bytes`, beyond `max_parked` sessions (a
-//! bound on the runner's session table, not the cache policy), or when the runner's session table is full.
+//! Prefix reuse and the RAM KV tier (parked sessions, their lookup and eviction) live in [`parked`].
 //!
 //! Every finished job (done, cancelled or failed) leaves a [`RequestRecord`] — counts and timings, no text — in
 //! the metrics' ring of recent requests, and every tick adds its prompt and generated tokens to the throughput
@@ -45,6 +35,10 @@ use crate::model::{Runner, RunnerSessionId};
 use crate::recent::{Outcome, RequestRecord};
 use crate::structured::JobConstraint;
 use ds4_engine::sampler::{Sampler, SamplerConfig};
+
+mod parked;
+
+use parked::Parked;
 
 /// Why generation stopped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -217,14 +211,6 @@ impl Active {
     }
 }
 
-struct Parked {
-    session: RunnerSessionId,
-    tokens: Vec<u32>,
-    last_used: u64,
-    /// [`Runner::session_bytes`] when it was parked.
-    bytes: u64,
-}
-
 struct Worker {
     runner: Box<dyn Runner>,
     config: SchedulerConfig,
@@ -234,10 +220,6 @@ struct Worker {
     active: Vec<Active>,
     parked: Vec<Parked>,
     clock: u64,
-}
-
-fn common_prefix(a: &[u32], b: &[u32]) -> usize {
-    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
 impl Worker {
@@ -369,111 +351,6 @@ impl Worker {
                 last_token: None,
             });
         }
-    }
-
-    /// A session for `prompt`: the parked one that lets the most prompt tokens be skipped, else a fresh one.
-    /// Returns the session and the number of prompt tokens it already holds (`== prompt.len()` only when the
-    /// session also holds the logits that follow the prompt).
-    /// A session restored from the disk tier wins when it covers more of the prompt than any parked one.
-    fn acquire(&mut self, prompt: &[u32]) -> Result<(RunnerSessionId, usize, CacheTier), String> {
-        let can_truncate = self.runner.can_truncate();
-        let usable = |runner: &dyn Runner, p: &Parked| -> usize {
-            let lcp = common_prefix(&p.tokens, prompt);
-            if lcp == p.tokens.len() && (lcp < prompt.len() || runner.logits(p.session).is_some()) {
-                lcp // the prompt extends the parked tokens (or equals them, logits included)
-            } else if can_truncate {
-                lcp.min(prompt.len() - 1)
-            } else {
-                // Roll back to the common prefix (keeping one prompt token to feed, for its logits) if in reach.
-                let n = lcp.min(prompt.len() - 1);
-                runner.rollback_floor(p.session).filter(|&f| f <= n).map_or(0, |_| n)
-            }
-        };
-        let best = self
-            .parked
-            .iter()
-            .enumerate()
-            .map(|(i, p)| (i, usable(self.runner.as_ref(), p)))
-            .filter(|&(_, n)| n > 0)
-            .max_by_key(|&(i, n)| (n, self.parked[i].last_used));
-        if let Some((s, n)) = self.runner.disk_restore(prompt, best.map_or(0, |(_, n)| n)) {
-            return Ok((s, n, CacheTier::Disk));
-        }
-        if let Some((i, n)) = best {
-            let extends = n == self.parked[i].tokens.len();
-            if !can_truncate || !extends {
-                // Keep the parked state (whole history) for the next request that shares it; the job continues on
-                // a copy, cut back to the common prefix when the prompt diverges.
-                if let Some(copy) = self.runner.fork(self.parked[i].session) {
-                    if extends || self.runner.truncate(copy, n) {
-                        self.clock += 1;
-                        self.parked[i].last_used = self.clock;
-                        return Ok((copy, n, CacheTier::Host));
-                    }
-                    self.runner.free_session(copy);
-                }
-            }
-            let p = self.parked.swap_remove(i);
-            if extends || self.runner.truncate(p.session, n) {
-                return Ok((p.session, n, CacheTier::Host));
-            }
-            self.runner.free_session(p.session);
-        }
-        loop {
-            match self.runner.create_session() {
-                Ok(s) => return Ok((s, 0, CacheTier::Host)),
-                Err(e) => {
-                    if !self.evict_lru() {
-                        return Err(format!("cannot create a session: {e}"));
-                    }
-                }
-            }
-        }
-    }
-
-    /// Free the least recently used parked session; `false` when there is none.
-    fn evict_lru(&mut self) -> bool {
-        let Some(lru) = self.parked.iter().enumerate().min_by_key(|(_, p)| p.last_used).map(|(i, _)| i) else {
-            return false;
-        };
-        let p = self.parked.swap_remove(lru);
-        self.runner.disk_event(p.session, DiskEvent::Evict);
-        self.runner.free_session(p.session);
-        true
-    }
-
-    /// Keep a copy of a session whose prompt was just processed (when the runner cannot truncate, this is what lets
-    /// a request that diverges after the prompt reuse it).
-    fn checkpoint_prompt(&mut self, session: RunnerSessionId, prompt: &[u32]) {
-        if self.runner.can_truncate() || self.config.max_parked == 0 {
-            return;
-        }
-        if self.parked.iter().any(|p| p.tokens == prompt) {
-            return;
-        }
-        let copy = match self.runner.fork(session) {
-            Some(c) => Some(c),
-            None if self.evict_lru() => self.runner.fork(session),
-            None => None,
-        };
-        if let Some(c) = copy {
-            self.park(c, prompt.to_vec());
-        }
-    }
-
-    fn park(&mut self, session: RunnerSessionId, mut tokens: Vec<u32>) {
-        self.clock += 1;
-        tokens.shrink_to_fit();
-        let bytes = self.runner.session_bytes(session);
-        self.parked.push(Parked { session, tokens, last_used: self.clock, bytes });
-        while self.parked.len() > self.config.max_parked || self.parked_bytes() > self.config.max_parked_bytes {
-            self.evict_lru();
-        }
-    }
-
-    /// Bytes the parked sessions hold (the RAM tier's use).
-    fn parked_bytes(&self) -> u64 {
-        self.parked.iter().map(|p| p.bytes).sum()
     }
 
     /// Finish the job at `idx`: park its session with the tokens the runner has processed.
@@ -671,262 +548,4 @@ impl Worker {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::fake::{FakeCodec, FakeRunner, EOS};
-    use crate::model::Codec;
-    use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
-
-    fn job(prompt: Vec<u32>, max_tokens: usize) -> (GenRequest, UnboundedReceiver<JobEvent>) {
-        let (tx, rx) = unbounded_channel();
-        let sampling = SamplerConfig::greedy();
-        (GenRequest { prompt, sampling, max_tokens, eos: vec![EOS], system_block: 0, events: tx, constraint: None }, rx)
-    }
-
-    fn collect(rx: &mut UnboundedReceiver<JobEvent>) -> (Vec<JobEvent>, String) {
-        let mut events = Vec::new();
-        let mut text = Vec::new();
-        while let Some(ev) = rx.blocking_recv() {
-            let last = matches!(ev, JobEvent::Done(_) | JobEvent::Error(_));
-            if let JobEvent::Token(t) = ev {
-                text.push(t as u8);
-            }
-            events.push(ev);
-            if last {
-                break;
-            }
-        }
-        (events, String::from_utf8_lossy(&text).into_owned())
-    }
-
-    fn prompt(user: &str) -> Vec<u32> {
-        FakeCodec.encode(&format!("<|user|>{user}\n<|assistant|>")).unwrap()
-    }
-
-    #[test]
-    fn generates_and_reuses_the_prefix() {
-        let metrics = Arc::new(Metrics::default());
-        let config = SchedulerConfig { prefill_chunk: 7, ..Default::default() };
-        let s = Scheduler::start(Box::new(FakeRunner::new(8)), config, metrics.clone());
-        let p1 = prompt("hello");
-        let (j, mut rx) = job(p1.clone(), 100);
-        s.submit(j).unwrap();
-        let (ev, text) = collect(&mut rx);
-        assert_eq!(text, "Hello! You said: hello.");
-        assert_eq!(ev[0], JobEvent::Started { prompt_tokens: p1.len(), cached_tokens: 0 });
-        assert_eq!(ev.last().unwrap(), &JobEvent::Done(StopReason::Eos));
-        // The follow-up carries the whole history: everything before its new turn comes from the parked session.
-        let mut p2 = p1.clone();
-        p2.extend(FakeCodec.encode("Hello! You said: hello.<|end|>\n<|user|>again\n<|assistant|>").unwrap());
-        let (j, mut rx) = job(p2.clone(), 100);
-        s.submit(j).unwrap();
-        let (ev, text) = collect(&mut rx);
-        assert_eq!(text, "Hello! You said: again.");
-        let hello_len = p1.len() + "Hello! You said: hello.".len();
-        assert_eq!(ev[0], JobEvent::Started { prompt_tokens: p2.len(), cached_tokens: hello_len });
-        assert_eq!(metrics.prefix_hit_tokens(CacheTier::Host), hello_len as u64);
-        s.shutdown();
-    }
-
-    /// The fake model without any roll back (the real engine rolls back only within its log's reach).
-    struct NoTruncate(FakeRunner);
-
-    impl Runner for NoTruncate {
-        fn vocab_size(&self) -> usize {
-            self.0.vocab_size()
-        }
-        fn create_session(&mut self) -> Result<RunnerSessionId, crate::model::BackendError> {
-            self.0.create_session()
-        }
-        fn free_session(&mut self, session: RunnerSessionId) {
-            self.0.free_session(session)
-        }
-        fn truncate(&mut self, _: RunnerSessionId, _: usize) -> bool {
-            false
-        }
-        fn fork(&mut self, session: RunnerSessionId) -> Option<RunnerSessionId> {
-            self.0.fork(session)
-        }
-        fn feed(&mut self, session: RunnerSessionId, tokens: &[u32]) -> Result<(), crate::model::BackendError> {
-            self.0.feed(session, tokens)
-        }
-        fn step(&mut self) -> Result<(), crate::model::BackendError> {
-            self.0.step()
-        }
-        fn logits(&self, session: RunnerSessionId) -> Option<&[f32]> {
-            self.0.logits(session)
-        }
-    }
-
-    #[test]
-    fn without_truncate_prompt_checkpoints_serve_repeats_and_divergent_follow_ups() {
-        let s = Scheduler::start(Box::new(NoTruncate(FakeRunner::new(8))), Default::default(), Default::default());
-        let p1 = prompt("hello");
-        let (j, mut rx) = job(p1.clone(), 100);
-        s.submit(j).unwrap();
-        let (ev, solo) = collect(&mut rx);
-        assert_eq!(ev[0], JobEvent::Started { prompt_tokens: p1.len(), cached_tokens: 0 });
-        // The same prompt again: served from the prompt checkpoint, logits included, nothing re-fed.
-        let (j, mut rx) = job(p1.clone(), 100);
-        s.submit(j).unwrap();
-        let (ev, again) = collect(&mut rx);
-        assert_eq!(ev[0], JobEvent::Started { prompt_tokens: p1.len(), cached_tokens: p1.len() });
-        assert_eq!(again, solo);
-        // A follow-up whose assistant turn was re-rendered differently still reuses the first prompt.
-        let mut p2 = p1.clone();
-        p2.extend(FakeCodec.encode("Hi!<|end|>\n<|user|>more\n<|assistant|>").unwrap());
-        let (j, mut rx) = job(p2.clone(), 100);
-        s.submit(j).unwrap();
-        let (ev, text) = collect(&mut rx);
-        assert_eq!(ev[0], JobEvent::Started { prompt_tokens: p2.len(), cached_tokens: p1.len() });
-        assert_eq!(text, "Hello! You said: more.");
-        s.shutdown();
-    }
-
-    #[test]
-    fn max_tokens_and_context_limits() {
-        let config = SchedulerConfig { context_size: 40, ..Default::default() };
-        let s = Scheduler::start(Box::new(FakeRunner::new(8)), config, Arc::new(Metrics::default()));
-        let (j, mut rx) = job(prompt("hello"), 3);
-        s.submit(j).unwrap();
-        let (ev, text) = collect(&mut rx);
-        assert_eq!(text, "Hel");
-        assert_eq!(ev.last().unwrap(), &JobEvent::Done(StopReason::Length));
-        let (j, mut rx) = job(prompt(&"x".repeat(50)), 3);
-        s.submit(j).unwrap();
-        let (ev, _) = collect(&mut rx);
-        assert!(matches!(&ev[0], JobEvent::Error(m) if m.contains("context size 40")), "{ev:?}");
-        let (j, mut rx) = job(prompt("a long answer"), 1000);
-        s.submit(j).unwrap();
-        let (ev, text) = collect(&mut rx);
-        assert_eq!(ev.last().unwrap(), &JobEvent::Done(StopReason::Length));
-        assert_eq!(text.len() + prompt("a long answer").len(), 40);
-        s.shutdown();
-    }
-
-    #[test]
-    fn concurrent_jobs_match_solo_runs_and_queue_bounds() {
-        let config = SchedulerConfig { max_active: 3, max_queue: 64, prefill_chunk: 5, ..Default::default() };
-        let s = Scheduler::start(Box::new(FakeRunner::new(32)), config, Arc::new(Metrics::default()));
-        let mut rxs = Vec::new();
-        for i in 0..10 {
-            let (j, rx) = job(prompt(&format!("number {i}")), 100);
-            s.submit(j).unwrap();
-            rxs.push((i, rx));
-        }
-        for (i, mut rx) in rxs {
-            assert_eq!(collect(&mut rx).1, format!("Hello! You said: number {i}."));
-        }
-        s.shutdown();
-        let (j, _rx) = job(prompt("late"), 5);
-        assert_eq!(s.submit(j), Err(SubmitError::ShuttingDown));
-
-        let config = SchedulerConfig { max_queue: 0, ..Default::default() };
-        let s = Scheduler::start(Box::new(FakeRunner::new(4)), config, Arc::new(Metrics::default()));
-        let (j, _rx) = job(prompt("x"), 5);
-        assert_eq!(s.submit(j), Err(SubmitError::QueueFull));
-        s.shutdown();
-    }
-
-    #[test]
-    fn decoding_gets_a_token_every_tick_during_another_long_prefill() {
-        // The model processes 8 rows per step and the scheduler may queue 512 prompt tokens: a 400-token prompt
-        // takes dozens of ticks, and the session already decoding gets one token in each of them. The worker is
-        // driven tick by tick here (no thread), so the counts are exact.
-        let runner = FakeRunner::new(8).with_batch_tokens(8);
-        let queued = Arc::new(AtomicUsize::new(0));
-        let mut w = Worker::new(Box::new(runner), SchedulerConfig::default(), Default::default(), queued.clone());
-        let submit = |w: &mut Worker, j: GenRequest| {
-            queued.fetch_add(1, Ordering::SeqCst);
-            w.waiting.push_back((j, Instant::now()));
-        };
-        let tokens = |rx: &mut UnboundedReceiver<JobEvent>| {
-            std::iter::from_fn(|| rx.try_recv().ok()).filter(|e| matches!(e, JobEvent::Token(_))).count()
-        };
-        let (a, mut rx_a) = job(prompt("a long answer"), 10_000);
-        submit(&mut w, a);
-        let mut ticks = 0;
-        while tokens(&mut rx_a) == 0 {
-            w.admit();
-            w.tick();
-            ticks += 1;
-            assert!(ticks < 100, "no first token");
-        }
-        let long = prompt(&"x".repeat(400));
-        let (b, mut rx_b) = job(long.clone(), 3);
-        submit(&mut w, b);
-        let mut prefill_ticks = 0;
-        loop {
-            w.admit();
-            w.tick();
-            let b_started = tokens(&mut rx_b) > 0;
-            // One token for the decoding session on every tick, the prefill tick included.
-            assert_eq!(tokens(&mut rx_a), 1, "tick {prefill_ticks} of the prefill");
-            if b_started {
-                break;
-            }
-            prefill_ticks += 1;
-            assert!(prefill_ticks < 1000, "the prefill does not finish");
-        }
-        assert!(prefill_ticks >= long.len() / 8, "a {}-token prefill in {prefill_ticks} ticks", long.len());
-    }
-
-    #[test]
-    fn the_ram_tier_is_bounded_by_bytes_not_by_count() {
-        // The fake model charges 64 bytes per token: a budget of 150 tokens' worth keeps two ~68-token
-        // conversations (prompt + reply) parked, not three; the least recently used one is evicted.
-        let config = SchedulerConfig { max_parked_bytes: 150 * 64, ..Default::default() };
-        let mut w = Worker::new(Box::new(FakeRunner::new(64)), config, Default::default(), Default::default());
-        let run = |w: &mut Worker, p: Vec<u32>| {
-            let (j, mut rx) = job(p, 100);
-            w.queued.fetch_add(1, Ordering::SeqCst);
-            w.waiting.push_back((j, Instant::now()));
-            while w.active.len() + w.waiting.len() > 0 {
-                w.admit();
-                w.tick();
-            }
-            collect(&mut rx)
-        };
-        let prompts: Vec<Vec<u32>> = (0..3).map(|i| prompt(&format!("conversation {i}"))).collect();
-        for p in &prompts {
-            run(&mut w, p.clone());
-        }
-        let held = |w: &Worker, p: &[u32]| w.parked.iter().any(|s| s.tokens.starts_with(p));
-        assert_eq!(w.parked.len(), 2, "bytes {}", w.parked_bytes());
-        assert!(w.parked_bytes() <= 150 * 64);
-        assert!(!held(&w, &prompts[0]) && held(&w, &prompts[1]) && held(&w, &prompts[2]));
-        // Using the oldest one makes it recent: the next eviction takes the other.
-        let (ev, _) = run(&mut w, prompts[1].clone());
-        assert!(matches!(ev[0], JobEvent::Started { cached_tokens, .. } if cached_tokens + 1 >= prompts[1].len()));
-        run(&mut w, prompts[0].clone());
-        assert!(held(&w, &prompts[0]) && held(&w, &prompts[1]) && !held(&w, &prompts[2]));
-        // Many small sessions fit where a count bound of 16 would have evicted: 40 sessions of 1 KiB.
-        let config = SchedulerConfig { max_parked_bytes: 1 << 20, ..Default::default() };
-        let mut w = Worker::new(Box::new(FakeRunner::new(128)), config, Default::default(), Default::default());
-        for i in 0..40 {
-            run(&mut w, prompt(&format!("q{i}")));
-        }
-        assert_eq!(w.parked.len(), 40);
-    }
-
-    #[test]
-    fn a_dropped_receiver_cancels_and_frees_the_slot() {
-        let config = SchedulerConfig { max_active: 1, ..Default::default() };
-        let runner = FakeRunner::new(4).with_delay(std::time::Duration::from_millis(2));
-        let s = Scheduler::start(Box::new(runner), config, Arc::new(Metrics::default()));
-        let (j, mut rx) = job(prompt("a long answer"), 10_000);
-        s.submit(j).unwrap();
-        // Wait for the first token, then hang up.
-        loop {
-            if let Some(JobEvent::Token(_)) = rx.blocking_recv() {
-                break;
-            }
-        }
-        drop(rx);
-        // With max_active = 1 this only completes once the cancelled job has left the active set.
-        let (j, mut rx) = job(prompt("next"), 100);
-        s.submit(j).unwrap();
-        assert_eq!(collect(&mut rx).1, "Hello! You said: next.");
-        s.shutdown();
-    }
-}
+mod tests;

@@ -1,0 +1,259 @@
+//! The scheduler's tests: admission, batching, prefix reuse and the RAM tier, on the scripted test model.
+
+use super::*;
+use crate::fake::{FakeCodec, FakeRunner, EOS};
+use crate::model::Codec;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+fn job(prompt: Vec<u32>, max_tokens: usize) -> (GenRequest, UnboundedReceiver<JobEvent>) {
+    let (tx, rx) = unbounded_channel();
+    let sampling = SamplerConfig::greedy();
+    (GenRequest { prompt, sampling, max_tokens, eos: vec![EOS], system_block: 0, events: tx, constraint: None }, rx)
+}
+
+fn collect(rx: &mut UnboundedReceiver<JobEvent>) -> (Vec<JobEvent>, String) {
+    let mut events = Vec::new();
+    let mut text = Vec::new();
+    while let Some(ev) = rx.blocking_recv() {
+        let last = matches!(ev, JobEvent::Done(_) | JobEvent::Error(_));
+        if let JobEvent::Token(t) = ev {
+            text.push(t as u8);
+        }
+        events.push(ev);
+        if last {
+            break;
+        }
+    }
+    (events, String::from_utf8_lossy(&text).into_owned())
+}
+
+fn prompt(user: &str) -> Vec<u32> {
+    FakeCodec.encode(&format!("<|user|>{user}\n<|assistant|>")).unwrap()
+}
+
+#[test]
+fn generates_and_reuses_the_prefix() {
+    let metrics = Arc::new(Metrics::default());
+    let config = SchedulerConfig { prefill_chunk: 7, ..Default::default() };
+    let s = Scheduler::start(Box::new(FakeRunner::new(8)), config, metrics.clone());
+    let p1 = prompt("hello");
+    let (j, mut rx) = job(p1.clone(), 100);
+    s.submit(j).unwrap();
+    let (ev, text) = collect(&mut rx);
+    assert_eq!(text, "Hello! You said: hello.");
+    assert_eq!(ev[0], JobEvent::Started { prompt_tokens: p1.len(), cached_tokens: 0 });
+    assert_eq!(ev.last().unwrap(), &JobEvent::Done(StopReason::Eos));
+    // The follow-up carries the whole history: everything before its new turn comes from the parked session.
+    let mut p2 = p1.clone();
+    p2.extend(FakeCodec.encode("Hello! You said: hello.<|end|>\n<|user|>again\n<|assistant|>").unwrap());
+    let (j, mut rx) = job(p2.clone(), 100);
+    s.submit(j).unwrap();
+    let (ev, text) = collect(&mut rx);
+    assert_eq!(text, "Hello! You said: again.");
+    let hello_len = p1.len() + "Hello! You said: hello.".len();
+    assert_eq!(ev[0], JobEvent::Started { prompt_tokens: p2.len(), cached_tokens: hello_len });
+    assert_eq!(metrics.prefix_hit_tokens(CacheTier::Host), hello_len as u64);
+    s.shutdown();
+}
+
+/// The fake model without any roll back (the real engine rolls back only within its log's reach).
+struct NoTruncate(FakeRunner);
+
+impl Runner for NoTruncate {
+    fn vocab_size(&self) -> usize {
+        self.0.vocab_size()
+    }
+    fn create_session(&mut self) -> Result<RunnerSessionId, crate::model::BackendError> {
+        self.0.create_session()
+    }
+    fn free_session(&mut self, session: RunnerSessionId) {
+        self.0.free_session(session)
+    }
+    fn truncate(&mut self, _: RunnerSessionId, _: usize) -> bool {
+        false
+    }
+    fn fork(&mut self, session: RunnerSessionId) -> Option<RunnerSessionId> {
+        self.0.fork(session)
+    }
+    fn feed(&mut self, session: RunnerSessionId, tokens: &[u32]) -> Result<(), crate::model::BackendError> {
+        self.0.feed(session, tokens)
+    }
+    fn step(&mut self) -> Result<(), crate::model::BackendError> {
+        self.0.step()
+    }
+    fn logits(&self, session: RunnerSessionId) -> Option<&[f32]> {
+        self.0.logits(session)
+    }
+}
+
+#[test]
+fn without_truncate_prompt_checkpoints_serve_repeats_and_divergent_follow_ups() {
+    let s = Scheduler::start(Box::new(NoTruncate(FakeRunner::new(8))), Default::default(), Default::default());
+    let p1 = prompt("hello");
+    let (j, mut rx) = job(p1.clone(), 100);
+    s.submit(j).unwrap();
+    let (ev, solo) = collect(&mut rx);
+    assert_eq!(ev[0], JobEvent::Started { prompt_tokens: p1.len(), cached_tokens: 0 });
+    // The same prompt again: served from the prompt checkpoint, logits included, nothing re-fed.
+    let (j, mut rx) = job(p1.clone(), 100);
+    s.submit(j).unwrap();
+    let (ev, again) = collect(&mut rx);
+    assert_eq!(ev[0], JobEvent::Started { prompt_tokens: p1.len(), cached_tokens: p1.len() });
+    assert_eq!(again, solo);
+    // A follow-up whose assistant turn was re-rendered differently still reuses the first prompt.
+    let mut p2 = p1.clone();
+    p2.extend(FakeCodec.encode("Hi!<|end|>\n<|user|>more\n<|assistant|>").unwrap());
+    let (j, mut rx) = job(p2.clone(), 100);
+    s.submit(j).unwrap();
+    let (ev, text) = collect(&mut rx);
+    assert_eq!(ev[0], JobEvent::Started { prompt_tokens: p2.len(), cached_tokens: p1.len() });
+    assert_eq!(text, "Hello! You said: more.");
+    s.shutdown();
+}
+
+#[test]
+fn max_tokens_and_context_limits() {
+    let config = SchedulerConfig { context_size: 40, ..Default::default() };
+    let s = Scheduler::start(Box::new(FakeRunner::new(8)), config, Arc::new(Metrics::default()));
+    let (j, mut rx) = job(prompt("hello"), 3);
+    s.submit(j).unwrap();
+    let (ev, text) = collect(&mut rx);
+    assert_eq!(text, "Hel");
+    assert_eq!(ev.last().unwrap(), &JobEvent::Done(StopReason::Length));
+    let (j, mut rx) = job(prompt(&"x".repeat(50)), 3);
+    s.submit(j).unwrap();
+    let (ev, _) = collect(&mut rx);
+    assert!(matches!(&ev[0], JobEvent::Error(m) if m.contains("context size 40")), "{ev:?}");
+    let (j, mut rx) = job(prompt("a long answer"), 1000);
+    s.submit(j).unwrap();
+    let (ev, text) = collect(&mut rx);
+    assert_eq!(ev.last().unwrap(), &JobEvent::Done(StopReason::Length));
+    assert_eq!(text.len() + prompt("a long answer").len(), 40);
+    s.shutdown();
+}
+
+#[test]
+fn concurrent_jobs_match_solo_runs_and_queue_bounds() {
+    let config = SchedulerConfig { max_active: 3, max_queue: 64, prefill_chunk: 5, ..Default::default() };
+    let s = Scheduler::start(Box::new(FakeRunner::new(32)), config, Arc::new(Metrics::default()));
+    let mut rxs = Vec::new();
+    for i in 0..10 {
+        let (j, rx) = job(prompt(&format!("number {i}")), 100);
+        s.submit(j).unwrap();
+        rxs.push((i, rx));
+    }
+    for (i, mut rx) in rxs {
+        assert_eq!(collect(&mut rx).1, format!("Hello! You said: number {i}."));
+    }
+    s.shutdown();
+    let (j, _rx) = job(prompt("late"), 5);
+    assert_eq!(s.submit(j), Err(SubmitError::ShuttingDown));
+
+    let config = SchedulerConfig { max_queue: 0, ..Default::default() };
+    let s = Scheduler::start(Box::new(FakeRunner::new(4)), config, Arc::new(Metrics::default()));
+    let (j, _rx) = job(prompt("x"), 5);
+    assert_eq!(s.submit(j), Err(SubmitError::QueueFull));
+    s.shutdown();
+}
+
+#[test]
+fn decoding_gets_a_token_every_tick_during_another_long_prefill() {
+    // The model processes 8 rows per step and the scheduler may queue 512 prompt tokens: a 400-token prompt
+    // takes dozens of ticks, and the session already decoding gets one token in each of them. The worker is
+    // driven tick by tick here (no thread), so the counts are exact.
+    let runner = FakeRunner::new(8).with_batch_tokens(8);
+    let queued = Arc::new(AtomicUsize::new(0));
+    let mut w = Worker::new(Box::new(runner), SchedulerConfig::default(), Default::default(), queued.clone());
+    let submit = |w: &mut Worker, j: GenRequest| {
+        queued.fetch_add(1, Ordering::SeqCst);
+        w.waiting.push_back((j, Instant::now()));
+    };
+    let tokens = |rx: &mut UnboundedReceiver<JobEvent>| {
+        std::iter::from_fn(|| rx.try_recv().ok()).filter(|e| matches!(e, JobEvent::Token(_))).count()
+    };
+    let (a, mut rx_a) = job(prompt("a long answer"), 10_000);
+    submit(&mut w, a);
+    let mut ticks = 0;
+    while tokens(&mut rx_a) == 0 {
+        w.admit();
+        w.tick();
+        ticks += 1;
+        assert!(ticks < 100, "no first token");
+    }
+    let long = prompt(&"x".repeat(400));
+    let (b, mut rx_b) = job(long.clone(), 3);
+    submit(&mut w, b);
+    let mut prefill_ticks = 0;
+    loop {
+        w.admit();
+        w.tick();
+        let b_started = tokens(&mut rx_b) > 0;
+        // One token for the decoding session on every tick, the prefill tick included.
+        assert_eq!(tokens(&mut rx_a), 1, "tick {prefill_ticks} of the prefill");
+        if b_started {
+            break;
+        }
+        prefill_ticks += 1;
+        assert!(prefill_ticks < 1000, "the prefill does not finish");
+    }
+    assert!(prefill_ticks >= long.len() / 8, "a {}-token prefill in {prefill_ticks} ticks", long.len());
+}
+
+#[test]
+fn the_ram_tier_is_bounded_by_bytes_not_by_count() {
+    // The fake model charges 64 bytes per token: a budget of 150 tokens' worth keeps two ~68-token
+    // conversations (prompt + reply) parked, not three; the least recently used one is evicted.
+    let config = SchedulerConfig { max_parked_bytes: 150 * 64, ..Default::default() };
+    let mut w = Worker::new(Box::new(FakeRunner::new(64)), config, Default::default(), Default::default());
+    let run = |w: &mut Worker, p: Vec<u32>| {
+        let (j, mut rx) = job(p, 100);
+        w.queued.fetch_add(1, Ordering::SeqCst);
+        w.waiting.push_back((j, Instant::now()));
+        while w.active.len() + w.waiting.len() > 0 {
+            w.admit();
+            w.tick();
+        }
+        collect(&mut rx)
+    };
+    let prompts: Vec<Vec<u32>> = (0..3).map(|i| prompt(&format!("conversation {i}"))).collect();
+    for p in &prompts {
+        run(&mut w, p.clone());
+    }
+    let held = |w: &Worker, p: &[u32]| w.parked.iter().any(|s| s.tokens.starts_with(p));
+    assert_eq!(w.parked.len(), 2, "bytes {}", w.parked_bytes());
+    assert!(w.parked_bytes() <= 150 * 64);
+    assert!(!held(&w, &prompts[0]) && held(&w, &prompts[1]) && held(&w, &prompts[2]));
+    // Using the oldest one makes it recent: the next eviction takes the other.
+    let (ev, _) = run(&mut w, prompts[1].clone());
+    assert!(matches!(ev[0], JobEvent::Started { cached_tokens, .. } if cached_tokens + 1 >= prompts[1].len()));
+    run(&mut w, prompts[0].clone());
+    assert!(held(&w, &prompts[0]) && held(&w, &prompts[1]) && !held(&w, &prompts[2]));
+    // Many small sessions fit where a count bound of 16 would have evicted: 40 sessions of 1 KiB.
+    let config = SchedulerConfig { max_parked_bytes: 1 << 20, ..Default::default() };
+    let mut w = Worker::new(Box::new(FakeRunner::new(128)), config, Default::default(), Default::default());
+    for i in 0..40 {
+        run(&mut w, prompt(&format!("q{i}")));
+    }
+    assert_eq!(w.parked.len(), 40);
+}
+
+#[test]
+fn a_dropped_receiver_cancels_and_frees_the_slot() {
+    let config = SchedulerConfig { max_active: 1, ..Default::default() };
+    let runner = FakeRunner::new(4).with_delay(std::time::Duration::from_millis(2));
+    let s = Scheduler::start(Box::new(runner), config, Arc::new(Metrics::default()));
+    let (j, mut rx) = job(prompt("a long answer"), 10_000);
+    s.submit(j).unwrap();
+    // Wait for the first token, then hang up.
+    loop {
+        if let Some(JobEvent::Token(_)) = rx.blocking_recv() {
+            break;
+        }
+    }
+    drop(rx);
+    // With max_active = 1 this only completes once the cancelled job has left the active set.
+    let (j, mut rx) = job(prompt("next"), 100);
+    s.submit(j).unwrap();
+    assert_eq!(collect(&mut rx).1, "Hello! You said: next.");
+    s.shutdown();
+}
