@@ -622,7 +622,8 @@ impl KvStore {
             cur = g.t.find(&g.t.parent[p as usize]);
         }
         pages.reverse();
-        let mut out: Vec<EntryRef> = pages.iter().map(|&p| EntryRef { id: g.t.id(p), key: g.t.key[p as usize] }).collect();
+        let mut out: Vec<EntryRef> =
+            pages.iter().map(|&p| EntryRef { id: g.t.id(p), key: g.t.key[p as usize] }).collect();
         for prefix in std::iter::once(self.root).chain(pages.iter().map(|&p| g.t.key[p as usize])) {
             for &c in g.t.children(&prefix) {
                 if g.t.kind[c as usize] == EntryKind::Checkpoint {

@@ -90,7 +90,10 @@ fn torn_corrupt_foreign_and_misplaced_blobs_are_refused() {
     assert_eq!(dst.status().host_entries, 0, "nothing was stored");
     // A checkpoint before its page is there: missing parent.
     let tail = &toks[span..];
-    assert!(matches!(dst.import_entry(EntryKind::Checkpoint, &m.pages[0].key, tail, &ck.image), Err(KvError::Missing(_))));
+    assert!(matches!(
+        dst.import_entry(EntryKind::Checkpoint, &m.pages[0].key, tail, &ck.image),
+        Err(KvError::Missing(_))
+    ));
 
     // A store of another model (or another span) refuses the blob even with matching tokens.
     let foreign = KvStore::in_memory(
@@ -99,8 +102,8 @@ fn torn_corrupt_foreign_and_misplaced_blobs_are_refused() {
     )
     .unwrap();
     assert!(is_corrupt(foreign.import_entry(EntryKind::Page, &foreign.root(), &toks[..span], &page.image)));
-    let wide = KvStore::in_memory(identity(), KvOptions { span_tokens: 256, host_budget_bytes: 64 << 20, ..opts(0) })
-        .unwrap();
+    let wide =
+        KvStore::in_memory(identity(), KvOptions { span_tokens: 256, host_budget_bytes: 64 << 20, ..opts(0) }).unwrap();
     let t256 = tokens(4, 256);
     assert!(is_corrupt(wide.import_entry(EntryKind::Page, &wide.root(), &t256, &page.image)));
 
