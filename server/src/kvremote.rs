@@ -474,3 +474,68 @@ impl Writer {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ds4_kv::{KvOptions, ModelIdentity, RowBlock, SaveReason};
+
+    fn store() -> Arc<KvStore> {
+        let opts = KvOptions { span_tokens: 128, host_budget_bytes: 16 << 20, ..KvOptions::default() };
+        Arc::new(KvStore::in_memory(ModelIdentity::new("test model"), opts).unwrap())
+    }
+
+    #[test]
+    fn bad_urls_are_refused_with_the_flag_named() {
+        assert!(RemoteConfig::new("redis://127.0.0.1:6379/0").is_ok());
+        for bad in ["http://127.0.0.1/", "not a url", ""] {
+            let e = RemoteConfig::new(bad).unwrap_err();
+            assert!(e.contains("--kv-remote"), "{e}");
+        }
+    }
+
+    #[test]
+    fn keys_carry_the_model_identity_and_span() {
+        let s = store();
+        let n = Names::new(&s);
+        let k = s.root();
+        let model = s.identity().hash().hex();
+        assert_eq!(n.entry(EntryKind::Page, &k), format!("ds4:kv:{model}:128:p:{}", k.hex()));
+        assert_eq!(n.entry(EntryKind::Checkpoint, &k), format!("ds4:kv:{model}:128:c:{}", k.hex()));
+        assert_eq!(n.index(&k), format!("ds4:kv:{model}:128:i:{}", k.hex()));
+        let other = KvStore::in_memory(
+            ModelIdentity::new("another model"),
+            KvOptions { span_tokens: 128, host_budget_bytes: 1 << 20, ..KvOptions::default() },
+        )
+        .unwrap();
+        assert_ne!(Names::new(&other).ns, n.ns);
+    }
+
+    #[test]
+    fn a_stalled_redis_never_blocks_the_caller_and_full_queues_drop_and_count() {
+        // A listener that never answers: the writer's first SET waits for its read timeout.
+        let stalled = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("redis://{}/0", stalled.local_addr().unwrap());
+        let cfg = RemoteConfig { timeout: Duration::from_millis(300), queue: 1, ..RemoteConfig::new(&url).unwrap() };
+        let s = store();
+        let values = vec![0.5f32; 64];
+        let groups = vec![vec![RowBlock { tag: 0, rows: 1, width: 64, values: &values }]];
+        let ck = s.put_checkpoint(&s.root(), &[1, 2, 3], &groups, SaveReason::Cold).unwrap();
+        let stats = Arc::new(RemoteStats::default());
+        let mut tier = RemoteTier::start(&cfg, s.clone(), stats.clone()).unwrap();
+        let t0 = Instant::now();
+        for _ in 0..50 {
+            tier.queue_write(ck.key);
+        }
+        assert!(t0.elapsed() < Duration::from_millis(100), "queueing waited on the socket: {:?}", t0.elapsed());
+        assert!(stats.dropped_queue_full.load(Ordering::Relaxed) >= 40);
+        // A lookup meets the outage the writer found (or times out itself): a miss, never an error to the caller.
+        std::thread::sleep(Duration::from_millis(400));
+        assert_eq!(tier.fetch_into(&s, &[1, 2, 3, 4], 0), None);
+        drop(tier);
+        assert_eq!(stats.writes.load(Ordering::Relaxed), 0);
+        assert!(stats.err_timeout.load(Ordering::Relaxed) >= 1);
+        assert!(stats.misses.load(Ordering::Relaxed) >= 1);
+        assert!(!stats.up.load(Ordering::Relaxed));
+    }
+}

@@ -394,7 +394,43 @@ fn a_corrupted_blob_in_redis_is_a_counted_miss_and_the_answer_stays_right() {
     // The bad blob is gone from Redis, so it is recomputed and saved again rather than failing every replica.
     let left = redis.keys("ds4:kv:*:c:*");
     assert!(left.len() < ckpts.len() || left.iter().any(|k| !ckpts.contains(k)), "{left:?}");
+    // B prefilled turn 2 and saved it (cold): a third replica now restores that from Redis, with the same output.
+    b.wait_metric("ds4_kv_remote_writes_total", "", 2.0);
+    let c = Server::replica(None, &redis.url(), &[]);
+    let r3 = c.chat(&turn2);
+    assert!(cached(&r3) + SPAN >= p1, "the recomputed prefix was not shared: {}", r3["usage"]);
+    assert_eq!(c.metric("ds4_kv_remote_hits_total", ""), 1.0);
+    assert_eq!(c.metric("ds4_kv_remote_errors_total", ""), 0.0);
+    assert_eq!(r3["choices"][0]["message"], want["choices"][0]["message"]);
     b.stop();
+    c.stop();
+}
+
+#[test]
+fn a_stalled_redis_costs_a_bounded_wait_and_one_warning() {
+    if !have(REDIS, "redis-server") {
+        return;
+    }
+    let redis = Redis::start();
+    let d = tempfile::tempdir().unwrap();
+    let s = Server::replica(Some(d.path()), &redis.url(), &["--kv-remote-timeout-ms", "300"]);
+    s.chat(&first_turn(50));
+    s.wait_metric("ds4_kv_remote_writes_total", "", 1.0);
+    // Frozen (SIGSTOP): connections hang instead of failing; every request still finishes, in bounded time.
+    let pid = redis.child.id().to_string();
+    assert!(Command::new("kill").args(["-STOP", &pid]).status().unwrap().success());
+    let t0 = Instant::now();
+    for i in 0..3 {
+        let r = s.chat(&first_turn(52 + 2 * i));
+        assert!(usage(&r, &["completion_tokens"]) >= 1);
+    }
+    let took = t0.elapsed();
+    assert!(Command::new("kill").args(["-CONT", &pid]).status().unwrap().success());
+    assert!(s.metric("ds4_kv_remote_errors_total", "kind=\"timeout\"") >= 1.0);
+    assert_eq!(s.logged(&["WARN", "Redis KV tier unavailable"]), 1);
+    eprintln!("3 requests against a frozen Redis took {took:?}");
+    assert!(took < Duration::from_secs(60), "{took:?}");
+    s.stop();
 }
 
 #[test]
