@@ -184,6 +184,9 @@ fn fake_model(args: &Args, config: &SchedulerConfig) -> anyhow::Result<Option<Mo
         return Ok(None);
     }
     tracing::warn!("--fake-model: serving the scripted test model (not a language model)");
+    if args.kv_remote.is_some() {
+        tracing::warn!("--kv-remote is ignored with --fake-model (the scripted model has no KV state)");
+    }
     let info = ModelInfo {
         id: "deepseek-v4-flash".into(),
         context_size: args.ctx.unwrap_or(32768),
