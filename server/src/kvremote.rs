@@ -38,6 +38,9 @@ use parking_lot::Mutex;
 /// (without one: every 10240), so the next turn finds its state on whichever replica it lands.
 pub const REMOTE_CONTINUED_EVERY: usize = 1024;
 
+/// Entries fetched per round trip while importing (≈ 1 MB each on Flash).
+const FETCH_BATCH: usize = 32;
+
 /// `--kv-remote` settings.
 #[derive(Debug, Clone)]
 pub struct RemoteConfig {
@@ -369,38 +372,41 @@ impl RemoteTier {
         // The blobs: the pages not held locally, then the checkpoint.
         let mut names: Vec<(EntryKind, Key)> = (local..n).map(|p| (EntryKind::Page, prefixes[p + 1])).collect();
         names.push((EntryKind::Checkpoint, ck));
-        let mut pipe = redis::pipe();
-        for (kind, key) in &names {
-            pipe.cmd("GET").arg(self.names.entry(*kind, key));
-        }
-        let blobs: Vec<Option<Vec<u8>>> = self.link.with(|c| pipe.query(c))?;
-        for (i, ((kind, key), blob)) in names.iter().zip(blobs).enumerate() {
-            let Some(blob) = blob else {
-                tracing::debug!(key = %key, "Redis KV entry evicted during the lookup");
-                return Ok(None);
-            };
-            let (parent, tokens) = match kind {
-                EntryKind::Page => {
-                    let p = local + i;
-                    (prefixes[p], &prompt[p * span..(p + 1) * span])
-                }
-                EntryKind::Checkpoint => (prefixes[n], &prompt[n * span..end]),
-            };
-            match store.import_entry(*kind, &parent, tokens, &blob) {
-                Ok(_) => self.health.mark_written(*key),
-                Err(KvError::Corrupt(why)) => {
-                    self.health.stats.err_integrity.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(key = %key, reason = %why,
-                        "Redis KV entry failed validation: removed there, prefilling instead");
-                    self.health.written.lock().remove(key);
-                    let name = self.names.entry(*kind, key);
-                    let _ = self.link.with(|c| redis::cmd("DEL").arg(&name).query::<()>(c));
+        // Fetched a batch at a time, so a long prefix is never held twice in memory whole.
+        for (b, batch) in names.chunks(FETCH_BATCH).enumerate() {
+            let mut pipe = redis::pipe();
+            for (kind, key) in batch {
+                pipe.cmd("GET").arg(self.names.entry(*kind, key));
+            }
+            let blobs: Vec<Option<Vec<u8>>> = self.link.with(|c| pipe.query(c))?;
+            for (j, ((kind, key), blob)) in batch.iter().zip(blobs).enumerate() {
+                let Some(blob) = blob else {
+                    tracing::debug!(key = %key, "Redis KV entry evicted during the lookup");
                     return Ok(None);
-                }
-                Err(e) => {
-                    self.health.stats.err_other.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(key = %key, error = %e, "could not import a Redis KV entry");
-                    return Ok(None);
+                };
+                let (parent, tokens) = match kind {
+                    EntryKind::Page => {
+                        let p = local + b * FETCH_BATCH + j;
+                        (prefixes[p], &prompt[p * span..(p + 1) * span])
+                    }
+                    EntryKind::Checkpoint => (prefixes[n], &prompt[n * span..end]),
+                };
+                match store.import_entry(*kind, &parent, tokens, &blob) {
+                    Ok(_) => self.health.mark_written(*key),
+                    Err(KvError::Corrupt(why)) => {
+                        self.health.stats.err_integrity.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(key = %key, reason = %why,
+                            "Redis KV entry failed validation: removed there, prefilling instead");
+                        self.health.written.lock().remove(key);
+                        let name = self.names.entry(*kind, key);
+                        let _ = self.link.with(|c| redis::cmd("DEL").arg(&name).query::<()>(c));
+                        return Ok(None);
+                    }
+                    Err(e) => {
+                        self.health.stats.err_other.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(key = %key, error = %e, "could not import a Redis KV entry");
+                        return Ok(None);
+                    }
                 }
             }
         }
