@@ -16,6 +16,14 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mesa-vulkan-drivers libvulkan1 >/dev/null
   fi
 fi
+# Redis and nginx for the shared KV tier and two-replica tests (server/tests/kv_remote.rs; they fail under CI=true
+# without them).
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  if [ ! -x /usr/bin/redis-server ] || [ ! -x /usr/sbin/nginx ]; then
+    log "installing redis-server and nginx-light (shared KV tier tests)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server nginx-light >/dev/null
+  fi
+fi
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && [ -d tests/python ]; then
   if ! command -v chromium >/dev/null 2>&1; then
     log "installing headless Chromium (web page test)"

@@ -68,6 +68,26 @@ pub fn publish(dir: &Path, meta: &EntryMeta<'_>, groups: &[Vec<RowBlock<'_>>]) -
     }
 }
 
+/// Writes an entry's complete file image (already validated by the caller) atomically into `dir`, like
+/// [`publish`].
+pub fn publish_image(dir: &Path, key: &Key, kind: EntryKind, image: &[u8]) -> Result<()> {
+    let tmp = dir.join(temp_name(key));
+    let final_path = dir.join(file_name(key, kind));
+    let r = (|| {
+        let mut f =
+            OpenOptions::new().write(true).create_new(true).open(&tmp).map_err(|e| KvError::io("create", &tmp, e))?;
+        f.write_all(image).map_err(|e| KvError::io("write", &tmp, e))?;
+        f.sync_all().map_err(|e| KvError::io("fsync", &tmp, e))?;
+        drop(f);
+        fs::rename(&tmp, &final_path).map_err(|e| KvError::io("rename", &final_path, e))?;
+        sync_dir(dir)
+    })();
+    if r.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    r
+}
+
 /// Fsyncs a directory so a rename in it is durable.
 pub fn sync_dir(dir: &Path) -> Result<()> {
     File::open(dir).and_then(|d| d.sync_all()).map_err(|e| KvError::io("fsync dir", dir, e))

@@ -63,6 +63,6 @@ pub use codec::Encoding;
 pub use error::{KvError, KvResult};
 pub use format::{BlockDesc, EntryKind, Header, RowBlock, RowsView, SaveReason};
 pub use key::{checkpoint_key, page_key, Key, ModelIdentity, PrefixHasher};
-pub use store::{DiskStatus, EntryInfo, EntryRef, GcReport, KvOptions, KvStore, LoadInfo, PrefixMatch};
+pub use store::{DiskStatus, EntryInfo, EntryRef, ExportedEntry, GcReport, KvOptions, KvStore, LoadInfo, PrefixMatch};
 pub use table::{CheckpointId, EntryId, PageId, Tier};
 pub use triggers::SavePolicy;

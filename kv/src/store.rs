@@ -207,6 +207,27 @@ pub struct KvStore {
     root: Key,
     opts: KvOptions,
     inner: Mutex<Inner>,
+    /// Built by [`KvStore::in_memory`]: no directory, every entry in the host tier.
+    memory: bool,
+}
+
+/// One entry as a self-validating blob, from [`KvStore::export_entry`]: its `.page`/`.ckpt` file image (header with
+/// the model identity, key, parent, position and tokens, a CRC over the header and one per row block). Another store
+/// takes it with [`KvStore::import_entry`], which checks all of it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExportedEntry {
+    /// Page or checkpoint.
+    pub kind: EntryKind,
+    /// Its key.
+    pub key: Key,
+    /// The page it follows (or the chain root).
+    pub parent: Key,
+    /// Tokens before it.
+    pub token_start: u64,
+    /// Its own tokens.
+    pub tokens: Vec<u32>,
+    /// The file image.
+    pub image: Vec<u8>,
 }
 
 fn unix_secs(t: SystemTime) -> u64 {
@@ -233,8 +254,14 @@ impl KvStore {
             )));
         }
         let dir = dir.into();
-        let store =
-            KvStore { root: identity.root(opts.span_tokens), identity, inner: Mutex::new(Inner::default()), dir, opts };
+        let store = KvStore {
+            root: identity.root(opts.span_tokens),
+            identity,
+            inner: Mutex::new(Inner::default()),
+            dir,
+            opts,
+            memory: false,
+        };
         {
             let mut g = store.inner.lock();
             g.st.dir = store.dir.clone();
@@ -257,6 +284,48 @@ impl KvStore {
             store.enforce_budget(&mut g, false);
         }
         Ok(store)
+    }
+
+    /// A store without a directory: every entry is kept in the host tier (`opts.host_budget_bytes`, which must be
+    /// positive), nothing touches a disk. For a server without a disk tier that still shares entries with a
+    /// remote tier (entries come and go through [`KvStore::export_entry`] / [`KvStore::import_entry`]).
+    pub fn in_memory(identity: ModelIdentity, opts: KvOptions) -> Result<KvStore> {
+        if opts.span_tokens == 0 || opts.span_tokens.checked_rem(opts.span_multiple_of) != Some(0) {
+            return Err(KvError::Invalid(format!(
+                "span_tokens {} must be a positive multiple of {}",
+                opts.span_tokens, opts.span_multiple_of
+            )));
+        }
+        if opts.host_budget_bytes == 0 {
+            return Err(KvError::Invalid("an in-memory store needs a host budget".into()));
+        }
+        let store = KvStore {
+            root: identity.root(opts.span_tokens),
+            identity,
+            inner: Mutex::new(Inner::default()),
+            dir: PathBuf::new(),
+            opts,
+            memory: true,
+        };
+        store.inner.lock().st.last_error = Some("in-memory store (no disk tier)".into());
+        Ok(store)
+    }
+
+    /// Whether this store keeps its entries in memory only ([`KvStore::in_memory`]).
+    pub fn is_memory(&self) -> bool {
+        self.memory
+    }
+
+    /// Whether entries can be stored now (on disk, or in the host tier when it has a budget).
+    pub fn accepts_entries(&self) -> bool {
+        let g = self.inner.lock();
+        (g.st.enabled && !g.st.read_only) || self.opts.host_budget_bytes > 0
+    }
+
+    /// Whether lookups can find anything (disk caching on, even read-only, or entries in the host tier).
+    pub fn serves_entries(&self) -> bool {
+        let g = self.inner.lock();
+        g.st.enabled || self.opts.host_budget_bytes > 0
     }
 
     /// The directory.
@@ -462,6 +531,24 @@ impl KvStore {
             let g = self.inner.lock();
             return Err(KvError::DiskOff(g.st.last_error.clone().unwrap_or_else(|| "no storage".into())));
         };
+        self.insert_stored(kind, parent, key, tokens, start, storage, bytes, reason)
+    }
+
+    /// Indexes an entry whose bytes were just stored (`storage`), unless its parent went away or another thread
+    /// stored the same key meanwhile; enforces the budget.
+    #[allow(clippy::too_many_arguments)]
+    fn insert_stored(
+        &self,
+        kind: EntryKind,
+        parent: &Key,
+        key: Key,
+        tokens: &[u32],
+        start: u64,
+        storage: Storage,
+        bytes: u64,
+        reason: SaveReason,
+    ) -> Result<EntryRef> {
+        let now = SystemTime::now();
         let mut g = self.inner.lock();
         let on_disk = matches!(storage, Storage::Disk);
         // The parent may have been evicted while we wrote, or another thread stored the same key.
@@ -499,6 +586,115 @@ impl KvStore {
         self.enforce_budget(&mut g, !on_disk);
         g.t.refcount[id.index as usize] -= 1;
         Ok(EntryRef { id, key })
+    }
+
+    /// Entry `key` as a self-validating blob (its file image), to copy it to another tier or store.
+    /// [`KvError::Missing`] when it is not (or no longer) stored.
+    pub fn export_entry(&self, key: &Key) -> Result<ExportedEntry> {
+        let (kind, parent, token_start, tokens, storage) = {
+            let g = self.inner.lock();
+            let i = g.t.find(key).ok_or_else(|| KvError::Missing(key.to_string()))? as usize;
+            (g.t.kind[i], g.t.parent[i], g.t.token_start[i], g.t.tokens[i].to_vec(), g.t.storage[i].clone())
+        };
+        let image = match storage {
+            Storage::Host(img) => img.as_ref().clone(),
+            Storage::Disk => {
+                let path = self.dir.join(disk::file_name(key, kind));
+                fs::read(&path).map_err(|e| match e.kind() {
+                    std::io::ErrorKind::NotFound => KvError::Missing(format!("{key} (its file vanished)")),
+                    _ => KvError::io("read", &path, e),
+                })?
+            }
+        };
+        Ok(ExportedEntry { kind, key: *key, parent, token_start, tokens, image })
+    }
+
+    /// What a restore through entry `key` needs and what hangs beside it: the page chain from the first page to
+    /// `key` (or to its parent, for a checkpoint), `key` itself, and every checkpoint stored after one of those pages
+    /// (or after the root), parents before children. Empty when `key` is not stored.
+    pub fn lineage(&self, key: &Key) -> Vec<EntryRef> {
+        let g = self.inner.lock();
+        let Some(i) = g.t.find(key) else { return Vec::new() };
+        let mut pages = Vec::new();
+        let mut cur = if g.t.kind[i as usize] == EntryKind::Page { Some(i) } else { g.t.find(&g.t.parent[i as usize]) };
+        while let Some(p) = cur {
+            pages.push(p);
+            cur = g.t.find(&g.t.parent[p as usize]);
+        }
+        pages.reverse();
+        let mut out: Vec<EntryRef> =
+            pages.iter().map(|&p| EntryRef { id: g.t.id(p), key: g.t.key[p as usize] }).collect();
+        for prefix in std::iter::once(self.root).chain(pages.iter().map(|&p| g.t.key[p as usize])) {
+            for &c in g.t.children(&prefix) {
+                if g.t.kind[c as usize] == EntryKind::Checkpoint {
+                    out.push(EntryRef { id: g.t.id(c), key: g.t.key[c as usize] });
+                }
+            }
+        }
+        out
+    }
+
+    /// Takes an entry exported by another store ([`KvStore::export_entry`]) as the `kind` entry holding `tokens`
+    /// after `parent` (the caller's expectation, e.g. from the prompt being looked up). The blob is validated
+    /// completely before anything is stored: header and layout checksums, the model identity (hash and text), the
+    /// page span, kind, key (recomputed from `parent` and `tokens`), parent, position and tokens, every block's
+    /// checksum and encoding, and the exact length. A blob that fails any of these is [`KvError::Corrupt`] and
+    /// leaves the store unchanged; a parent not stored here is [`KvError::Missing`]. An entry already stored is
+    /// returned as is. Stored like [`KvStore::put_page`] (disk, else the host tier).
+    pub fn import_entry(&self, kind: EntryKind, parent: &Key, tokens: &[u32], image: &[u8]) -> Result<EntryRef> {
+        let span = self.opts.span_tokens as usize;
+        let key = match kind {
+            EntryKind::Page if tokens.len() == span => page_key(parent, tokens),
+            EntryKind::Checkpoint if tokens.len() < span => checkpoint_key(parent, tokens),
+            _ => return Err(KvError::Invalid(format!("a {kind:?} of {} tokens (span {span})", tokens.len()))),
+        };
+        let src = Path::new("<imported blob>");
+        let corrupt = |why: &str| KvError::Corrupt(format!("imported blob: {why}"));
+        let mut cur = Cursor::new(image);
+        let h = format::read_header(&mut cur, src)?;
+        if h.model != self.identity.hash() || h.identity != self.identity.text() {
+            return Err(corrupt(&format!("written for another model ({:?})", h.identity)));
+        }
+        if h.span_tokens != self.opts.span_tokens {
+            return Err(corrupt(&format!("page span {} (this store: {span})", h.span_tokens)));
+        }
+        if h.kind != kind || h.key != key || h.parent != *parent || h.tokens != tokens {
+            return Err(corrupt("names another entry (kind, key, parent or tokens differ)"));
+        }
+        if image.len() as u64 != h.file_bytes() {
+            return Err(corrupt(&format!("{} bytes, its header says {}", image.len(), h.file_bytes())));
+        }
+        format::stream_blocks(&mut cur, src, &h, |_| Ok(()))?;
+        let (start, disk_on) = {
+            let mut g = self.inner.lock();
+            let Some(start) = self.parent_end(&g, parent) else {
+                return Err(KvError::Missing(format!("parent page {parent}")));
+            };
+            if h.token_start != start {
+                return Err(corrupt(&format!("starts at token {}, its parent ends at {start}", h.token_start)));
+            }
+            if let Some(i) = g.t.find(&key) {
+                g.t.last_use[i as usize] = SystemTime::now();
+                return Ok(EntryRef { id: g.t.id(i), key });
+            }
+            (start, g.st.enabled && !g.st.read_only)
+        };
+        let mut storage = None;
+        if disk_on {
+            match disk::publish_image(&self.dir, &key, kind, image) {
+                Ok(()) => storage = Some((Storage::Disk, image.len() as u64)),
+                Err(e @ KvError::Io { .. }) => self.disable(&mut self.inner.lock(), &e),
+                Err(e) => return Err(e),
+            }
+        }
+        if storage.is_none() && self.opts.host_budget_bytes > 0 {
+            storage = Some((Storage::Host(Arc::new(image.to_vec())), image.len() as u64));
+        }
+        let Some((storage, bytes)) = storage else {
+            let g = self.inner.lock();
+            return Err(KvError::DiskOff(g.st.last_error.clone().unwrap_or_else(|| "no storage".into())));
+        };
+        self.insert_stored(kind, parent, key, tokens, start, storage, bytes, h.reason)
     }
 
     /// The longest stored page chain that is a prefix of `tokens` (no checkpoint needed), in order.
@@ -789,7 +985,7 @@ impl KvStore {
     /// Re-probes the directory and switches disk caching back on if it is writable. Returns whether it is on.
     pub fn retry_disk(&self) -> bool {
         let mut g = self.inner.lock();
-        if !g.st.enabled {
+        if !g.st.enabled && !self.memory {
             match probe_dir(&self.dir) {
                 Ok(()) => {
                     tracing::info!(dir = %self.dir.display(), "KV disk cache switched back on");

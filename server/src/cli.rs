@@ -45,6 +45,19 @@ pub struct Args {
     /// the same agent restores it, also after a restart (0: off).
     #[arg(long, default_value_t = 1024)]
     pub kv_system_block_min_tokens: usize,
+    /// Shared KV tier on Redis, `redis://HOST:PORT/DB`: replicas behind a load balancer share restore points (what
+    /// the local tier saves is also written there, behind it; a local miss asks it). Works with the disk tier and
+    /// with --no-kv-disk (then the local tier is in memory, --kv-ram-mb / 4). Redis down: one warning, serving
+    /// goes on from the local tiers, reconnects every few seconds. See docs/scale-out.md.
+    #[arg(long, value_name = "URL")]
+    pub kv_remote: Option<String>,
+    /// Milliseconds that connecting to --kv-remote, and each read or write on it, may take.
+    #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u64).range(1..=600_000))]
+    pub kv_remote_timeout_ms: u64,
+    /// Saves waiting to be written to --kv-remote at most; past it a save is dropped (counted), so the scheduler
+    /// never waits on the network.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=65_536))]
+    pub kv_remote_queue: u64,
     /// Compute backend: cpu or wgpu.
     #[arg(long, default_value = "cpu")]
     pub backend: BackendKind,

@@ -54,6 +54,12 @@ impl EngineRunner {
         Ok(())
     }
 
+    /// Turns on an in-memory local KV tier of `bytes` (no disk: for `--no-kv-disk` with `--kv-remote`).
+    pub fn enable_memory_tier(&mut self, bytes: u64) -> Result<(), BackendError> {
+        self.disk = Some(crate::kvdisk::DiskTier::open_memory(&self.engine, bytes).map_err(BackendError)?);
+        Ok(())
+    }
+
     /// The disk tier, when on (to adjust its policy).
     pub fn disk_tier(&mut self) -> Option<&mut crate::kvdisk::DiskTier> {
         self.disk.as_mut()

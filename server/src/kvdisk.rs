@@ -112,7 +112,9 @@ pub enum DiskEvent {
 
 /// The store, the trigger policy and per-session save positions.
 pub struct DiskTier {
-    store: KvStore,
+    store: std::sync::Arc<KvStore>,
+    /// The shared tier on Redis (`--kv-remote`), behind this one.
+    remote: Option<crate::kvremote::RemoteTier>,
     policy: SavePolicy,
     /// Position of the last save of each live engine session.
     saved_at: HashMap<EngineSession, usize>,
@@ -141,12 +143,44 @@ impl DiskTier {
             tracing::warn!(removed = st.corrupt_at_open, "corrupt KV files removed at start");
         }
         Ok(DiskTier {
-            store,
+            store: std::sync::Arc::new(store),
+            remote: None,
             policy: SavePolicy::default(),
             saved_at: HashMap::new(),
             save_errors: 0,
             restore_errors: 0,
         })
+    }
+
+    /// A local tier without a disk (`--no-kv-disk` with `--kv-remote`): entries live in memory (`memory_bytes`,
+    /// least useful evicted first) and are shared through the remote tier.
+    pub fn open_memory(engine: &Engine, memory_bytes: u64) -> Result<DiskTier, String> {
+        let opts = ds4_kv::KvOptions { host_budget_bytes: memory_bytes.max(1), ..persist::kv_options(engine, 256, 0) };
+        let store = KvStore::in_memory(persist::model_identity(engine), opts).map_err(|e| e.to_string())?;
+        tracing::info!(budget = memory_bytes, span = store.span_tokens(), "KV memory tier ready (no disk tier)");
+        Ok(DiskTier {
+            store: std::sync::Arc::new(store),
+            remote: None,
+            policy: SavePolicy::default(),
+            saved_at: HashMap::new(),
+            save_errors: 0,
+            restore_errors: 0,
+        })
+    }
+
+    /// Adds the shared tier on Redis behind this one (see [`crate::kvremote`]).
+    pub fn attach_remote(
+        &mut self,
+        cfg: &crate::kvremote::RemoteConfig,
+        stats: std::sync::Arc<crate::kvremote::RemoteStats>,
+    ) -> Result<(), String> {
+        self.remote = Some(crate::kvremote::RemoteTier::start(cfg, self.store.clone(), stats)?);
+        Ok(())
+    }
+
+    /// The trigger thresholds.
+    pub fn policy(&self) -> SavePolicy {
+        self.policy
     }
 
     /// Overrides the trigger thresholds.
@@ -172,9 +206,10 @@ impl DiskTier {
         }
     }
 
-    /// Bytes of KV files on disk.
+    /// Bytes of KV files on disk (of entries in memory, for an in-memory tier).
     pub fn disk_bytes(&self) -> u64 {
-        self.store.status().bytes
+        let st = self.store.status();
+        st.bytes + st.host_bytes
     }
 
     /// Restores the longest cached prefix of `prompt` when it covers more than `better_than` tokens.
@@ -184,10 +219,19 @@ impl DiskTier {
         prompt: &[u32],
         better_than: usize,
     ) -> Option<(EngineSession, usize)> {
-        if !self.store.status().enabled {
+        if !self.store.serves_entries() {
             return None;
         }
-        let probe = self.store.longest_prefix(prompt);
+        let mut probe = self.store.longest_prefix(prompt);
+        let local = if probe.checkpoint.is_some() { probe.matched_tokens } else { 0 };
+        if let Some(remote) = &mut self.remote {
+            // The shared tier is asked when the local tiers do not hold the whole prompt.
+            if local.max(better_than) + 1 < prompt.len()
+                && remote.fetch_into(&self.store, prompt, local.max(better_than)).is_some()
+            {
+                probe = self.store.longest_prefix(prompt);
+            }
+        }
         if probe.checkpoint.is_none() || probe.matched_tokens <= better_than {
             return None;
         }
@@ -222,8 +266,7 @@ impl DiskTier {
     /// save, given a system + tools block of `block` tokens: the policy's page boundary, when it is past `cached`,
     /// inside the prompt, and not stored yet (`None` otherwise, and when saving is off).
     pub fn system_block_save_at(&mut self, prompt: &[u32], block: usize, cached: usize) -> Option<usize> {
-        let st = self.store.status();
-        if !st.enabled || st.read_only {
+        if !self.store.accepts_entries() {
             return None;
         }
         let at = self.policy.system_block_end(block.min(prompt.len()), self.store.span_tokens() as usize)?;
@@ -249,8 +292,7 @@ impl DiskTier {
         if matches!(event, DiskEvent::Evict | DiskEvent::Shutdown) {
             self.saved_at.remove(&sid);
         }
-        let st = self.store.status();
-        if pos == 0 || last == Some(pos) || !st.enabled || st.read_only {
+        if pos == 0 || last == Some(pos) || !self.store.accepts_entries() {
             return;
         }
         match persist::save(&self.store, engine, sid, reason) {
@@ -259,6 +301,9 @@ impl DiskTier {
                     self.saved_at.insert(sid, pos);
                 }
                 tracing::debug!(pos, pages = info.pages, written = info.pages_written, ?reason, "KV saved to disk");
+                if let Some(remote) = &self.remote {
+                    remote.queue_write(info.checkpoint.key);
+                }
             }
             Err(e) => {
                 self.save_errors += 1;

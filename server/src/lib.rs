@@ -32,6 +32,7 @@ pub mod generate;
 pub mod guard;
 pub mod http;
 pub mod kvdisk;
+pub mod kvremote;
 pub mod markers;
 pub mod membudget;
 pub mod metrics;

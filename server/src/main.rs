@@ -67,6 +67,15 @@ pub fn main() -> anyhow::Result<()> {
     if limits.access.has_api_key() {
         tracing::info!("API key required (Authorization: Bearer or x-api-key)");
     }
+    let remote = match &args.kv_remote {
+        Some(url) => {
+            let mut cfg = ds4_server::kvremote::RemoteConfig::new(url).map_err(|e| anyhow::anyhow!("{e}"))?;
+            cfg.timeout = Duration::from_millis(args.kv_remote_timeout_ms);
+            cfg.queue = args.kv_remote_queue as usize;
+            Some((cfg, Arc::new(ds4_server::kvremote::RemoteStats::default())))
+        }
+        None => None,
+    };
     let (runner, codec, info): (Box<dyn Runner>, Arc<dyn Codec>, _) = if let Some(fake) = fake_model(&args, &config)? {
         fake
     } else {
@@ -115,12 +124,37 @@ pub fn main() -> anyhow::Result<()> {
                 tier.set_policy(policy);
             }
         }
+        if let Some((cfg, stats)) = &remote {
+            if runner.disk_tier().is_none() {
+                // No disk tier: the restore points shared through Redis land in memory.
+                let bytes = (max_parked_bytes / 4).max(256 << 20);
+                runner.enable_memory_tier(bytes).map_err(|e| anyhow::anyhow!("--kv-remote: {e}"))?;
+                if let Some(tier) = runner.disk_tier() {
+                    let policy = ds4_kv::SavePolicy {
+                        system_block_min_tokens: args.kv_system_block_min_tokens,
+                        ..ds4_kv::SavePolicy::default()
+                    };
+                    tier.set_policy(policy);
+                }
+            }
+            if let Some(tier) = runner.disk_tier() {
+                tier.attach_remote(cfg, stats.clone()).map_err(|e| anyhow::anyhow!("{e}"))?;
+                // A turn may land on another replica next: a session is saved (and shared) at the end of a request
+                // once it grew REMOTE_CONTINUED_EVERY tokens, not only every 10k.
+                let mut policy = tier.policy();
+                policy.continued_every = policy.continued_every.min(ds4_server::kvremote::REMOTE_CONTINUED_EVERY);
+                tier.set_policy(policy);
+            }
+        }
         (Box::new(runner), Arc::new(codec), info)
     };
     // A body larger than the context could hold as text is refused before it is read.
     let derived = info.context_size.saturating_mul(256).max(8 << 20);
     let limits = Limits { max_body_bytes: limits.max_body_bytes.min(derived), ..limits };
     let state = build_state(runner, codec, info, config, limits);
+    if let Some((_, stats)) = remote {
+        let _ = state.metrics.kv_remote.set(stats);
+    }
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting tokio")?;
     rt.block_on(async {
         let addr = format!("{}:{}", args.host, args.port);
@@ -150,6 +184,9 @@ fn fake_model(args: &Args, config: &SchedulerConfig) -> anyhow::Result<Option<Mo
         return Ok(None);
     }
     tracing::warn!("--fake-model: serving the scripted test model (not a language model)");
+    if args.kv_remote.is_some() {
+        tracing::warn!("--kv-remote is ignored with --fake-model (the scripted model has no KV state)");
+    }
     let info = ModelInfo {
         id: "deepseek-v4-flash".into(),
         context_size: args.ctx.unwrap_or(32768),

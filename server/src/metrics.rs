@@ -186,6 +186,8 @@ pub struct Metrics {
     pub recent: Recent,
     /// Structured outputs (grammar compiles, per-token mask cost).
     pub structured: StructuredMetrics,
+    /// The Redis KV tier's counters, when `--kv-remote` is on.
+    pub kv_remote: std::sync::OnceLock<std::sync::Arc<crate::kvremote::RemoteStats>>,
 }
 
 impl Default for Metrics {
@@ -211,8 +213,40 @@ impl Default for Metrics {
             closed: Default::default(),
             recent: Recent::default(),
             structured: StructuredMetrics::default(),
+            kv_remote: std::sync::OnceLock::new(),
         }
     }
+}
+
+/// The `ds4_kv_remote_*` series.
+fn render_remote(r: &crate::kvremote::RemoteStats, out: &mut String) {
+    let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    let series: [(&str, &str, &str, u64); 5] = [
+        ("ds4_kv_remote_hits_total", "counter", "Lookups that imported a restore point from Redis.", l(&r.hits)),
+        ("ds4_kv_remote_hit_tokens_total", "counter", "Prompt tokens those restore points covered.", l(&r.hit_tokens)),
+        (
+            "ds4_kv_remote_misses_total",
+            "counter",
+            "Redis lookups that found nothing better than the local tiers (Redis unavailable included).",
+            l(&r.misses),
+        ),
+        ("ds4_kv_remote_writes_total", "counter", "KV entries (pages, checkpoints) written to Redis.", l(&r.writes)),
+        ("ds4_kv_remote_write_bytes_total", "counter", "Bytes of KV entries written to Redis.", l(&r.write_bytes)),
+    ];
+    for (name, kind, help, v) in series {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}");
+    }
+    out.push_str("# HELP ds4_kv_remote_dropped_writes_total Saves not written to Redis (queue_full, unavailable).\n");
+    out.push_str("# TYPE ds4_kv_remote_dropped_writes_total counter\n");
+    let _ = writeln!(out, "ds4_kv_remote_dropped_writes_total{{reason=\"queue_full\"}} {}", l(&r.dropped_queue_full));
+    let _ = writeln!(out, "ds4_kv_remote_dropped_writes_total{{reason=\"unavailable\"}} {}", l(&r.dropped_unavailable));
+    out.push_str("# HELP ds4_kv_remote_errors_total Redis KV tier failures by kind (integrity: a blob that failed ");
+    out.push_str("validation; connection; timeout; other).\n# TYPE ds4_kv_remote_errors_total counter\n");
+    for (kind, n) in r.errors_by_kind() {
+        let _ = writeln!(out, "ds4_kv_remote_errors_total{{kind=\"{kind}\"}} {n}");
+    }
+    let up = r.up.load(Ordering::Relaxed) as u64;
+    let _ = writeln!(out, "# HELP ds4_kv_remote_up Whether the last Redis operation succeeded.\n# TYPE ds4_kv_remote_up gauge\nds4_kv_remote_up {up}");
 }
 
 impl Metrics {
@@ -304,6 +338,9 @@ impl Metrics {
         out.push_str("# TYPE ds4_kv_disk_errors_total counter\n");
         for (kind, n) in self.kv_disk_errors.lock().by_kind() {
             let _ = writeln!(out, "ds4_kv_disk_errors_total{{kind=\"{kind}\"}} {n}");
+        }
+        if let Some(r) = self.kv_remote.get() {
+            render_remote(r, &mut out);
         }
         counter(
             &mut out,
