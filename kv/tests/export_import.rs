@@ -65,7 +65,7 @@ fn torn_corrupt_foreign_and_misplaced_blobs_are_refused() {
     let ck = src.export_entry(&m.checkpoint.unwrap().key).unwrap();
     let span = SPAN as usize;
     let fresh = || KvStore::in_memory(identity(), KvOptions { host_budget_bytes: 64 << 20, ..opts(0) }).unwrap();
-    let is_corrupt = |r: ds4_kv::Result<ds4_kv::EntryRef>| matches!(r, Err(KvError::Corrupt(_)));
+    let is_corrupt = |r: ds4_kv::KvResult<ds4_kv::EntryRef>| matches!(r, Err(KvError::Corrupt(_)));
 
     let dst = fresh();
     let root = dst.root();

@@ -11,7 +11,7 @@ use ds4_engine::quant::{
     GgmlType,
 };
 use ds4_kernels_native::cpu::swiglu::swiglu_x8;
-use ds4_kernels_native::cuda_kernels::{ActFormat, Plan, CudaWeight};
+use ds4_kernels_native::cuda_kernels::{ActFormat, CudaWeight, Plan};
 
 #[repr(C)]
 #[derive(Clone, Copy)]
