@@ -1,7 +1,7 @@
 //! Responses custom (freeform) tools: on the demo model (random weights, real tokenizer, DSML template and parser)
 //! a tool's Lark or regex grammar is the only thing that can make its input valid, so every `custom_tool_call` that
 //! comes back is checked against the grammar by hand; on the scripted test model, a free-text custom tool's call
-//! comes back as a `custom_tool_call` with the raw input. Bad grammars are 400s naming the tool.
+//! comes back as a `custom_tool_call` with the raw input. Bad grammars are 400s naming the tool, on both.
 
 mod common;
 
@@ -268,9 +268,14 @@ fn free_text_custom_tools_on_the_scripted_model() {
     let done = events.iter().find(|(_, e)| e["type"] == "response.custom_tool_call_input.done").unwrap();
     assert_eq!(done.1["input"], "*** Begin Patch\nraw <text> \"here\"\n");
 
-    // A grammar needs grammar support, which this model lacks: a 400 naming the tool, not free text.
-    let body = json!({"input": "please patch it", "tools": [patch_tool()]});
-    let (param, message) = bad_request(&server, &body);
+    // Its tool calls are its own parser's: a grammar is checked (a bad one is a 400 naming the tool), the call
+    // comes back as scripted.
+    let bad = json!({"type": "custom", "name": "apply_patch", "format": {"type": "grammar", "syntax": "lark",
+        "definition": "start: (("}});
+    let (param, message) = bad_request(&server, &json!({"input": "please patch it", "tools": [bad]}));
     assert_eq!(param, "tools[0].format");
     assert!(message.contains("`apply_patch`"), "{message}");
+    let r = server.post("/v1/responses", &json!({"input": "please patch it", "tools": [patch_tool()]}));
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(custom_calls(&r.json())[0]["input"], "*** Begin Patch\nraw <text> \"here\"\n");
 }
