@@ -12,9 +12,9 @@
 //! `{"type": "text"}` or no format leaves it free; a bad grammar is a 400 naming the tool (`tools[i].format`).
 //! `namespace`, `web_search`, `tool_search` and any other type are skipped, not rejected. The response echoes the
 //! request's `tools` as sent. `tool_choice`: `"none"` hides the tools; `"required"` or `{"type": "custom" |
-//! "function", "name": …}` forces a call (of that tool); anything else lets the model choose;
-//! `parallel_tool_calls: false` allows one call. `reasoning` (any value
-//! but `effort: "none"`) turns thinking on. `previous_response_id` is refused: nothing is stored. `text.format` and
+//! "function", "name": …}` forces a call (of that tool, when it is offered; a custom tool that is not is a 400);
+//! anything else lets the model choose; `parallel_tool_calls: false` allows one call. `reasoning` (any value but
+//! `effort: "none"`) turns thinking on. `previous_response_id` is refused: nothing is stored. `text.format` and
 //! `tools[].strict` constrain the output ([`crate::structured`]); the format is echoed in the response's `text`.
 //!
 //! Output items: `reasoning`, `message`, `function_call` and, for a custom tool, `custom_tool_call`
@@ -269,20 +269,28 @@ fn conversation(req: &mut ResponsesRequest) -> Result<(Conversation, ToolRules),
     if let Some(c) = rules.custom.iter().find(|c| conv.tools.iter().filter(|t| t.name == c.name).count() > 1) {
         return Err(ApiError::param("tools", format!("tool name `{}` is used twice", c.name)));
     }
-    rules.force = if hide_tools { None } else { forced(req.tool_choice.as_ref()) };
     rules.single = req.parallel_tool_calls == Some(false);
-    match &rules.force {
-        Some(_) if conv.tools.is_empty() => {
+    // A forced call needs its tool offered. A named custom tool or `"required"` without any tools is a 400; a
+    // named function tool this server does not offer (inside a namespace, deferred) or `"required"` with only tool
+    // types it skips leaves the choice to the model.
+    let force = if hide_tools { None } else { forced(req.tool_choice.as_ref()) };
+    let named_custom = str_field(req.tool_choice.as_ref().unwrap_or(&Value::Null), "type") == Some("custom");
+    rules.force = match force {
+        Some(Force::Any) if req.tools.as_ref().is_none_or(Vec::is_empty) => {
             return Err(ApiError::param("tool_choice", "tool_choice asks for a tool call, but no tool is offered"))
         }
-        Some(Force::Tool(n)) if !conv.tools.iter().any(|t| t.name == *n) => {
-            return Err(ApiError::param(
-                "tool_choice",
-                format!("tool_choice names `{n}`, which is not an offered tool"),
-            ))
+        Some(Force::Tool(n)) if !conv.tools.iter().any(|t| t.name == n) => {
+            if named_custom {
+                return Err(ApiError::param(
+                    "tool_choice",
+                    format!("tool_choice names `{n}`, which is not an offered custom tool"),
+                ));
+            }
+            None
         }
-        _ => {}
-    }
+        Some(Force::Any) if conv.tools.is_empty() => None,
+        f => f,
+    };
     conv.thinking = match &req.reasoning {
         None | Some(Value::Null) => false,
         Some(r) => str_field(r, "effort") != Some("none"),
