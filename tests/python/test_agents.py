@@ -415,12 +415,20 @@ enabled = false
 def test_codex_output_schema(structured_server, tmp_path):
     codex = client("codex")
     home, repo = scratch(tmp_path, "codex-schema")
-    env = codex_home(home, structured_server.base)
+    proxy = RecordingProxy(structured_server.port)
+    env = codex_home(home, proxy.base)
     schema_file = tmp_path / "schema.json"
     schema_file.write_text(json.dumps(OUTPUT_SCHEMA))
     flags = ["--json", "--skip-git-repo-check", "--sandbox", "read-only", "--output-schema", str(schema_file)]
-    p = run([codex, "exec", *flags, "SCHEMA TEST: answer in the schema"], repo, env)
+    try:
+        p = run([codex, "exec", *flags, "SCHEMA TEST: answer in the schema"], repo, env)
+    finally:
+        proxy.stop()
     assert p.returncode == 0, f"stdout: {p.stdout}\nstderr: {p.stderr}"
+    # The request carried the schema as Responses `text.format`.
+    formats = [(r["request"] or {}).get("text", {}).get("format") for r in proxy.records]
+    sent = [f for f in formats if f and f.get("type") == "json_schema"]
+    assert sent and sent[0]["schema"] == OUTPUT_SCHEMA, formats
     events = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
     messages = [e["item"]["text"] for e in events
                 if e.get("type") == "item.completed" and e["item"].get("type") == "agent_message"]
