@@ -6,6 +6,7 @@
 //!   (`<｜end▁of▁sentence｜>`, `</think>`, `｜DSML｜`, …) is marked special (llguidance's 0xFF prefix), so free text
 //!   in a grammar can never produce one — a grammar names them explicitly (`<[128825]>`); the vocabulary is padded
 //!   with empty (never allowed) entries up to the logits size, so a mask covers every logit.
+//!   [`ConstraintFactory::from_vocab`] builds one over any other vocabulary (the server's byte-token test model).
 //! * [`ConstraintFactory::compile`] turns a [`GrammarSpec`] into a [`Constraint`] (one per request). Compilation is
 //!   bounded by llguidance's fuel limits and by [`MAX_GRAMMAR_BYTES`]; an unsupported keyword, a malformed schema,
 //!   regex or grammar, or a grammar that admits nothing is a [`GrammarError`] naming the problem. JSON schemas are
