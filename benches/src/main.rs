@@ -10,6 +10,8 @@
 //! - `speculate`: plain greedy decoding vs the speculative verify path with an oracle drafter at several draft
 //!   lengths, tokens/s and speed-up side by side ([`speculate`]).
 //! - `correctness`: per backend pair max |Δlogit|, argmax and greedy agreement ([`correctness`]).
+//! - `mask`: the per-token cost of constrained decoding per grammar kind, optionally as a share of a decode tick
+//!   ([`mask`]).
 //! - `kv`: restore-from-disk vs recompute per prefix length, cache write vs raw write ([`kvbench`], on `ds4_engine::persist`).
 //!   `kv --replay FILE.jsonl [--restart] [--verify]`: a request trace through the RAM + disk prefix cache ([`kvreplay`]).
 //!
@@ -25,6 +27,7 @@ mod kernels;
 mod kvbench;
 mod kvreplay;
 mod machine;
+mod mask;
 mod membw;
 mod par;
 mod plot;
@@ -121,6 +124,9 @@ enum Cmd {
     /// continuation, so every draft stands) at each draft length, tokens/s and speed-up in one run (non-zero exit
     /// if any speculative output differs from the plain one).
     Speculate(SpeculateArgs),
+    /// Structured outputs: per-token mask and consume time (mean, p50, p99, max µs) of a JSON schema, a Lark
+    /// grammar and a regex on the Flash vocabulary; with a model, also as a share of a decode tick.
+    Mask(MaskArgs),
     /// CUDA kernels on the GPU (feature `cuda`): copy bandwidth, each kernel checked against the CPU on tiny and
     /// Flash shapes, µs, GB/s and the fraction of the copy bandwidth (non-zero exit on disagreement or no GPU).
     #[cfg(feature = "cuda")]
@@ -187,6 +193,27 @@ struct CorrectnessArgs {
     /// ones, so a quantized model's comparison isolates the kernels from activation-quantization noise.
     #[arg(long)]
     f32_acts: bool,
+}
+
+#[derive(Args, Debug)]
+struct MaskArgs {
+    #[command(flatten)]
+    common: Common,
+    /// Sampled tokens per grammar.
+    #[arg(long, default_value_t = 2000)]
+    tokens: usize,
+    /// A DS4 GGUF model file: also time its decode ticks.
+    #[arg(short = 'm', long = "model", conflicts_with = "synthetic")]
+    model: Option<std::path::PathBuf>,
+    /// A random-weight model built in memory (see the main --help): also time its decode ticks.
+    #[arg(long)]
+    synthetic: Option<String>,
+    /// Context before the timed decode ticks.
+    #[arg(long, default_value_t = 128)]
+    ctx: usize,
+    /// Decode ticks timed.
+    #[arg(long, default_value_t = 8)]
+    decode: usize,
 }
 
 #[derive(Args, Debug)]
@@ -513,6 +540,68 @@ fn open_model(
     Ok((s.file, line))
 }
 
+fn run_mask(a: &MaskArgs) -> Result<()> {
+    let m = machine::Machine::detect();
+    let threads = a.common.threads();
+    let mut out = std::io::stdout().lock();
+    write!(out, "{}", m.summary("cpu (llguidance matcher, one thread)", threads))?;
+    writeln!(out, "# masks over {} ids (the Flash logits row), bundled tokenizer", mask::FLASH_LOGITS)?;
+    let tokens = if a.common.quick { 50 } else { a.tokens.max(1) };
+    let rows = mask::run(tokens, &mut out)?;
+    if a.model.is_none() && a.synthetic.is_none() {
+        return Ok(());
+    }
+    let pb = progress::bar(0, a.common.quiet);
+    let (file, line) = open_model(&m, a.model.as_deref(), a.synthetic.as_deref(), threads, &pb)?;
+    pb.finish_and_clear();
+    writeln!(out, "{line}")?;
+    let ctx = if a.common.quick { 8 } else { a.ctx.max(1) };
+    let ticks = if a.common.quick { 2 } else { a.decode.max(1) };
+    let cfg = engine_api::EngineConfig {
+        threads,
+        ctx: ctx + ticks + 2,
+        batch_tokens: 256,
+        backend: "cpu".into(),
+        exact: false,
+    };
+    let mut engine = engine_api::engine_for(file, &cfg)?;
+    let prompt = throughput::prompt(ctx, engine.config().vocab);
+    let s = engine.create_session();
+    engine.feed(s, &prompt)?;
+    engine.run_until_idle()?;
+    let mut next = ds4_engine::engine::argmax(engine.logits(s)?);
+    // One untimed tick, then the timed ones.
+    let mut times = Vec::with_capacity(ticks);
+    for i in 0..=ticks {
+        let t = std::time::Instant::now();
+        engine.feed(s, &[next])?;
+        engine.run_until_idle()?;
+        next = ds4_engine::engine::argmax(engine.logits(s)?);
+        if i > 0 {
+            times.push(t.elapsed());
+        }
+    }
+    engine.free_session(s)?;
+    let (tick, _, tick99, _) = mask::stats(&times);
+    writeln!(
+        out,
+        "# decode tick (one session, ctx {ctx}, {ticks} ticks): mean {:.2} ms, p99 {:.2} ms",
+        tick / 1e3,
+        tick99 / 1e3
+    )?;
+    for r in &rows {
+        let (mean, _, p99, _) = mask::stats(&r.mask);
+        writeln!(
+            out,
+            "# {}: mask mean {:.2} % of the mean tick, p99 {:.2} %",
+            r.grammar,
+            100.0 * mean / tick,
+            100.0 * p99 / tick
+        )?;
+    }
+    Ok(())
+}
+
 fn run_kv(a: &KvArgs) -> Result<()> {
     let m = machine::Machine::detect();
     let threads = a.common.threads();
@@ -695,6 +784,7 @@ fn main() -> ExitCode {
         Some(Cmd::Kv(a)) => run_kv(a),
         Some(Cmd::Correctness(a)) => run_correctness(a),
         Some(Cmd::Speculate(a)) => run_speculate(a),
+        Some(Cmd::Mask(a)) => run_mask(a),
         #[cfg(feature = "cuda")]
         Some(Cmd::Cuda(a)) => cuda::run(a),
     };

@@ -185,3 +185,23 @@ fn correctness_exits_non_zero_beyond_tolerance() {
         .unwrap();
     assert!(!out.status.success());
 }
+
+#[test]
+fn mask_quick_with_a_decode_tick() {
+    let report = run(&["mask", "--quick", "--quiet", "--synthetic", "tiny:recipe=f16"]);
+    let (comments, csv) = split(&report);
+    let header =
+        "grammar,tokens,restarts,mask_mean_us,mask_p50_us,mask_p99_us,mask_max_us,consume_mean_us,consume_p99_us";
+    let rows = rows(&csv, header);
+    let names: Vec<&str> = rows.iter().map(|r| r[0]).collect();
+    assert_eq!(names, ["json_schema", "lark_patch", "regex"], "{report}");
+    for r in &rows {
+        assert_eq!(r[1], "50");
+        let (mean, p50, p99, max) = (num(r[3]), num(r[4]), num(r[5]), num(r[6]));
+        assert!(mean > 0.0 && p50 <= p99 && p99 <= max, "{r:?}");
+    }
+    assert!(comments.iter().any(|l| l.starts_with("# decode tick (one session")), "{report}");
+    for name in names {
+        assert!(comments.iter().any(|l| l.starts_with(&format!("# {name}: mask mean "))), "{report}");
+    }
+}

@@ -330,8 +330,9 @@ impl Codec for EngineCodec {
                 Ok(Arc::new(crate::structured::GrammarSupport {
                     factory,
                     eos: s.eos,
-                    think_end: s.think_end,
+                    think_end: s.think_end.into_iter().collect(),
                     dsml: s.dsml,
+                    call_open: None,
                 }))
             })
             .clone()

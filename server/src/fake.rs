@@ -15,9 +15,11 @@
 //! then [`EOS`]. A script ([`crate::fake_script`], `--fake-script FILE`) is tried first: its first entry matching the
 //! prompt gives the reply (reasoning, text, tool calls); prompts it does not match get the built-in reply above.
 //! Logits are one-hot with a wide margin, so any temperature gives the same text in practice and
-//! greedy decoding always does. Batching cannot change a session's output (sessions are independent).
-//! An optional per-step delay makes slow-model tests (keep-alive, cancellation, queueing) possible, and an optional
-//! batch budget ([`FakeRunner::with_batch_tokens`]) makes a step process only part of what was fed, like the engine.
+//! greedy decoding always does. Structured outputs work on it (a grammar over its byte vocabulary): a masked-out
+//! scripted byte leaves a uniform choice among the allowed ones, so a scripted reply that does not fit the format
+//! still comes back in it; its tool calls are left to its own parser (`<tool_call>` starts one). Batching cannot
+//! change a session's output (sessions are independent). An optional per-step delay makes slow-model tests
+//! (keep-alive, cancellation, queueing) possible, and an optional batch budget ([`FakeRunner::with_batch_tokens`]) makes a step process only part of what was fed, like the engine.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -104,6 +106,26 @@ impl Codec for FakeCodec {
 
     fn eos_tokens(&self) -> Vec<u32> {
         vec![EOS]
+    }
+
+    fn grammar(&self) -> Result<Arc<crate::structured::GrammarSupport>, BackendError> {
+        static SUPPORT: std::sync::OnceLock<Result<Arc<crate::structured::GrammarSupport>, BackendError>> =
+            std::sync::OnceLock::new();
+        SUPPORT
+            .get_or_init(|| {
+                let mut tokens: Vec<Vec<u8>> = (0..=255u8).map(|b| vec![b]).collect();
+                tokens.push(b"<|eos|>".to_vec());
+                let factory = ds4_engine::grammar::ConstraintFactory::from_vocab(&tokens, &[], EOS, VOCAB)
+                    .map_err(|e| BackendError(e.to_string()))?;
+                Ok(Arc::new(crate::structured::GrammarSupport {
+                    factory,
+                    eos: EOS,
+                    think_end: b"</think>".iter().map(|&b| u32::from(b)).collect(),
+                    dsml: None,
+                    call_open: Some("<tool_call>".into()),
+                }))
+            })
+            .clone()
     }
 }
 

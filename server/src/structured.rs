@@ -11,10 +11,21 @@
 //!   tools only, each parameter value valid JSON (`string="false"`) or plain text (`string="true"`); a strict tool's
 //!   parameters follow its input schema (names and order from `properties`, required ones present, values valid
 //!   against each property's schema). So a tool call always parses back into a call with JSON arguments.
+//! * **Custom tools** (Responses `{"type": "custom", "format": …}`, [`CustomTool`]): offered as a tool with one
+//!   plain-text parameter, `input`; the value follows the tool's Lark grammar (nested as `%lark { … }`) or regex, or
+//!   is free text. Each custom grammar is compiled alone first, so a bad one is a 400 naming the tool. A model
+//!   without DSML (the test model) leaves its tool calls to its own parser: their grammars are checked, not
+//!   enforced, as strict tools are not.
+//! * **A forced call** ([`Force`]: `tool_choice` `"required"` or naming a tool): the answer is a tool-call block
+//!   right away (at most two newlines before it), calling only the named tool when one is named.
+//! * **One call** ([`ToolRules::single`], `parallel_tool_calls: false`): the block holds one invoke.
 //! * **Thinking**: the constraint starts after `</think>` ([`JobConstraint::trigger`]); reasoning is free.
 //!
 //! A user Lark grammar replaces the whole answer (tools are not offered through it). Bad schemas and grammars are
-//! 400s naming the problem; compilation runs on the blocking pool and is bounded by llguidance's limits.
+//! 400s naming the problem; compilation runs on the blocking pool and is bounded by llguidance's limits. A custom
+//! tool's grammar ends its value where the grammar ends: a grammar whose last terminal can also take `</` (say
+//! `/.*/` at the very end) keeps that text in the terminal and the call cannot close; end such a grammar with a
+//! literal (a newline, a keyword).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -40,33 +51,160 @@ pub enum Format {
     Lark(String),
 }
 
+/// How a custom tool's `input` is constrained.
+#[derive(Debug, Clone, PartialEq)]
+pub enum CustomFormat {
+    /// Free text.
+    Text,
+    /// A Lark grammar (llguidance's dialect).
+    Lark(String),
+    /// A regex the whole input matches.
+    Regex(String),
+}
+
+/// A custom (freeform) tool: offered as a tool named `name` with one plain-text parameter, `input`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CustomTool {
+    pub name: String,
+    pub format: CustomFormat,
+    /// The request field its format came from (`tools[3].format`), for error messages.
+    pub param: String,
+}
+
+/// The one parameter of a custom tool.
+pub const CUSTOM_INPUT: &str = "input";
+
+/// The parameters schema a custom tool is offered with.
+pub fn custom_parameters() -> Value {
+    json!({
+        "type": "object",
+        "properties": {CUSTOM_INPUT: {"type": "string", "description": "The tool's raw input text (not JSON)."}},
+        "required": [CUSTOM_INPUT],
+    })
+}
+
+/// The description a custom tool is offered with: its own, then what the input must be.
+pub fn custom_description(description: &str, format: &CustomFormat) -> String {
+    let rule = match format {
+        CustomFormat::Text => return description.to_string(),
+        CustomFormat::Lark(g) => format!("follows this Lark grammar:\n```lark\n{}\n```", g.trim_end()),
+        CustomFormat::Regex(r) => format!("matches this regular expression: `{r}`"),
+    };
+    let sep = if description.is_empty() { "" } else { "\n\n" };
+    format!("{description}{sep}The `{CUSTOM_INPUT}` parameter is raw text (not JSON) that {rule}")
+}
+
+/// The `input` of a custom tool's call, from the call's JSON arguments (`{"input": "…"}`; a lone string value of
+/// another name is taken too; anything else is passed as the arguments text).
+pub fn custom_input(arguments: &str) -> String {
+    match serde_json::from_str::<Value>(arguments) {
+        Ok(Value::Object(m)) => match m.get(CUSTOM_INPUT) {
+            Some(Value::String(s)) => s.clone(),
+            _ => match (m.len(), m.values().next()) {
+                (1, Some(Value::String(s))) => s.clone(),
+                _ => arguments.to_string(),
+            },
+        },
+        Ok(Value::String(s)) => s,
+        _ => arguments.to_string(),
+    }
+}
+
+/// A tool call the answer must make.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Force {
+    /// Any offered tool (`tool_choice: "required"`).
+    Any,
+    /// This tool.
+    Tool(String),
+}
+
+/// What constrains the offered tools beyond JSON-valid arguments.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ToolRules {
+    /// Tools whose parameters follow their input schema.
+    pub strict: Vec<String>,
+    /// Custom tools (also in the tool list, as [`custom_parameters`]).
+    pub custom: Vec<CustomTool>,
+    /// The answer must call a tool.
+    pub force: Option<Force>,
+    /// At most one call (`parallel_tool_calls: false`).
+    pub single: bool,
+}
+
+impl ToolRules {
+    /// A custom tool of this name.
+    pub fn custom(&self, name: &str) -> Option<&CustomTool> {
+        self.custom.iter().find(|c| c.name == name)
+    }
+
+    fn needs_grammar(&self) -> bool {
+        self.force.is_some() || self.custom.iter().any(|c| c.format != CustomFormat::Text)
+    }
+}
+
+/// A regex matching `text` literally.
+fn regex_literal(text: &str) -> String {
+    let mut out = String::with_capacity(text.len() * 2);
+    for c in text.chars() {
+        if "\\.+*?()|[]{}^$#&-~".contains(c) {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// A regex as the body of a Lark `/…/` literal: unescaped `/` escaped, line breaks spelled out.
+fn lark_regex(rx: &str) -> String {
+    let mut out = String::with_capacity(rx.len() + 8);
+    let mut escaped = false;
+    for c in rx.chars() {
+        match c {
+            '/' if !escaped => out.push_str("\\/"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            _ => out.push(c),
+        }
+        escaped = c == '\\' && !escaped;
+    }
+    out
+}
+
 /// The grammar support of a model: the factory and the special ids grammars name.
 #[derive(Debug, Clone)]
 pub struct GrammarSupport {
     pub factory: ConstraintFactory,
     pub eos: u32,
-    pub think_end: Option<u32>,
+    /// The ids that end the reasoning (`</think>`; one special id on the real model).
+    pub think_end: Vec<u32>,
+    /// The DSML marker of the model's tool calls.
     pub dsml: Option<u32>,
+    /// A model without DSML: the text its tool calls start with (the test model's `<tool_call>`); once it is
+    /// written, the rest is left to that model's own parser.
+    pub call_open: Option<String>,
 }
 
 /// A request's constraint as the scheduler uses it: masks after the trigger, and the ids sampled fed back.
 #[derive(Debug, Clone)]
 pub struct JobConstraint {
     constraint: Constraint,
-    /// Free sampling until this id has been sampled (`</think>` in thinking mode).
-    pub trigger: Option<u32>,
+    /// Free sampling until these ids have been sampled in a row (`</think>` in thinking mode); empty: active.
+    trigger: Vec<u32>,
+    /// How many leading ids of `trigger` the latest samples matched.
+    matched: usize,
     /// The mask for the next sample, computed ahead (while the model's step runs).
     ready: Option<TokenMask>,
 }
 
 impl JobConstraint {
-    pub fn new(constraint: Constraint, trigger: Option<u32>) -> Self {
-        JobConstraint { constraint, trigger, ready: None }
+    pub fn new(constraint: Constraint, trigger: Vec<u32>) -> Self {
+        JobConstraint { constraint, trigger, matched: 0, ready: None }
     }
 
     /// The constraint applies to the next token.
     pub fn active(&self) -> bool {
-        self.trigger.is_none()
+        self.trigger.is_empty()
     }
 
     /// Compute the next mask now (a worker calls this while the step runs); returns the time it took.
@@ -92,15 +230,18 @@ impl JobConstraint {
     /// Record the sampled id.
     pub fn accept(&mut self, id: u32) -> Result<(), String> {
         self.ready = None;
-        match self.trigger {
-            Some(t) => {
-                if t == id {
-                    self.trigger = None;
-                }
-                Ok(())
-            }
-            None => self.constraint.consume(id).map_err(|e| e.to_string()),
+        if self.trigger.is_empty() {
+            return self.constraint.consume(id).map_err(|e| e.to_string());
         }
+        if self.trigger.get(self.matched) == Some(&id) {
+            self.matched += 1;
+        } else {
+            self.matched = usize::from(self.trigger.first() == Some(&id));
+        }
+        if self.matched == self.trigger.len() {
+            self.trigger.clear();
+        }
+        Ok(())
     }
 }
 
@@ -233,7 +374,7 @@ fn answer_rule(f: &Format) -> Result<String, ApiError> {
     Ok(match f {
         Format::JsonObject => json_block(&json!({"type": "object"})),
         Format::JsonSchema { schema, .. } => json_block(schema),
-        Format::Regex(r) => format!("/{}/", r.replace('/', "\\/")),
+        Format::Regex(r) => format!("/{}/", lark_regex(r)),
         Format::Lark(_) => return Err(ApiError::invalid("a Lark grammar format cannot be combined with tools")),
     })
 }
@@ -263,6 +404,12 @@ fn plain_string(prop: &Value) -> bool {
 /// The Lark grammar of an answer in DSML with `tools` offered (see the module doc). `answer` is the format's rule
 /// body, `None` for free text; `strict` names the tools whose parameters follow their schemas.
 pub fn tool_grammar(tools: &[ToolSpec], strict: &[String], answer: Option<&str>, dsml: u32) -> String {
+    tool_grammar_with(tools, &ToolRules { strict: strict.to_vec(), ..ToolRules::default() }, answer, dsml)
+}
+
+/// [`tool_grammar`] with custom tools and a forced call ([`ToolRules`]).
+pub fn tool_grammar_with(tools: &[ToolSpec], rules: &ToolRules, answer: Option<&str>, dsml: u32) -> String {
+    let strict = &rules.strict;
     let d = format!("<[{dsml}]>");
     let mut g = String::new();
     // Free text never spells the DSML marker (the output parser would take it for markup).
@@ -270,20 +417,42 @@ pub fn tool_grammar(tools: &[ToolSpec], strict: &[String], answer: Option<&str>,
     g.push_str("TEXT_LT: /(?s:.*)</ & ~/(?s:.*)｜DSML｜(?s:.*)/\n");
     g.push_str("SVAL: /(?s:.*)<\\// & ~/(?s:.*)｜DSML｜(?s:.*)/\n");
     g.push_str("PNAME: /[A-Za-z0-9_.\\-]{1,64}/\n");
-    match answer {
-        None => g.push_str(&format!("start: TEXT | TEXT_LT {d} calls\n")),
-        Some(a) => g.push_str(&format!("start: answer | \"<\" {d} calls\nanswer: {a}\n")),
+    match (answer, &rules.force) {
+        (_, Some(_)) => g.push_str(&format!("start: CALL_LT {d} calls\nCALL_LT: /\\n{{0,2}}</\n")),
+        (None, None) => g.push_str(&format!("start: TEXT | TEXT_LT {d} calls\n")),
+        (Some(a), None) => g.push_str(&format!("start: answer | \"<\" {d} calls\nanswer: {a}\n")),
     }
     // Every tag inside the block starts with a "\n<" or "\n</" lexeme (never "\n" then "<": a greedy lexer would
     // take "\n<" for the start of "\n</" and refuse the marker that follows).
-    g.push_str(&format!("calls: \"tool_calls>\" invoke+ \"\\n</\" {d} \"tool_calls>\"\n"));
-    let names: Vec<String> = (0..tools.len()).map(|i| format!("tool{i}")).collect();
+    let n = if rules.single { "" } else { "+" };
+    g.push_str(&format!("calls: \"tool_calls>\" invoke{n} \"\\n</\" {d} \"tool_calls>\"\n"));
+    let names: Vec<String> = (0..tools.len())
+        .filter(|&i| match &rules.force {
+            Some(Force::Tool(n)) => tools[i].name == *n,
+            _ => true,
+        })
+        .map(|i| format!("tool{i}"))
+        .collect();
     g.push_str(&format!("invoke: {}\n", names.join(" | ")));
     for (i, t) in tools.iter().enumerate() {
         let head = format!("\"\\n<\" {d} {}", lit(&format!("invoke name=\"{}\">", t.name)));
         let tail = format!("\"\\n</\" {d} \"invoke>\"");
         let props = t.parameters.get("properties").and_then(Value::as_object);
-        if strict.contains(&t.name) {
+        if let Some(c) = rules.custom(&t.name) {
+            // One plain-text parameter, `input`, in the tool's format (the terminal takes the closing `</`, as
+            // SVAL does, so the value ends exactly where the DSML marker comes).
+            let open = format!("\"\\n<\" {d} {}", lit(&format!("parameter name=\"{CUSTOM_INPUT}\" string=\"true\">")));
+            let close = format!("{d} \"parameter>\"");
+            let body = match &c.format {
+                CustomFormat::Text => format!("SVAL {close}"),
+                CustomFormat::Regex(r) => {
+                    g.push_str(&format!("T{i}IN: /(?:{})<\\// & ~/(?s:.*)｜DSML｜(?s:.*)/\n", lark_regex(r)));
+                    format!("T{i}IN {close}")
+                }
+                CustomFormat::Lark(l) => format!("%lark {{\n{l}\n}} \"</\" {close}"),
+            };
+            g.push_str(&format!("tool{i}: {head} {open} {body} {tail}\n"));
+        } else if strict.contains(&t.name) {
             let props: Vec<(&String, &Value)> = props.map(|p| p.iter().collect()).unwrap_or_default();
             let required: Vec<&str> = t
                 .parameters
@@ -336,15 +505,59 @@ pub async fn plan(
     strict: &[String],
     thinking: bool,
 ) -> Result<Option<JobConstraint>, ApiError> {
+    let rules = ToolRules { strict: strict.to_vec(), ..ToolRules::default() };
+    plan_with(state, format, format_param, tools, &rules, thinking).await
+}
+
+/// Compile `spec` on the blocking pool (timed into the metrics).
+async fn compile(state: &Arc<AppState>, factory: &ConstraintFactory, spec: GrammarSpec) -> Result<Constraint, String> {
+    let factory = factory.clone();
+    let t = std::time::Instant::now();
+    let compiled = tokio::task::spawn_blocking(move || factory.compile(&spec))
+        .await
+        .map_err(|_| "compiling the grammar failed".to_string())?;
+    state.metrics.structured.compiled(t.elapsed());
+    compiled.map_err(|e| e.0)
+}
+
+/// [`plan`] with custom tools and a forced call ([`ToolRules`]).
+pub async fn plan_with(
+    state: &Arc<AppState>,
+    format: Option<Format>,
+    format_param: &str,
+    tools: &[ToolSpec],
+    rules: &ToolRules,
+    thinking: bool,
+) -> Result<Option<JobConstraint>, ApiError> {
     if format.is_none() && tools.is_empty() {
         return Ok(None);
     }
     let sup = match support(state) {
         Ok(s) => s,
         // Tools alone on a model without grammar support (the test model): its own parser guards the calls.
-        Err(_) if format.is_none() => return Ok(None),
-        Err(e) => return Err(e),
+        Err(_) if format.is_none() && !rules.needs_grammar() => return Ok(None),
+        Err(e) => {
+            let field = match rules.custom.iter().find(|c| c.format != CustomFormat::Text) {
+                Some(c) if format.is_none() => {
+                    return Err(ApiError::param(&c.param, format!("custom tool `{}`: {}", c.name, e.message)))
+                }
+                _ if format.is_none() => "tool_choice",
+                _ => format_param,
+            };
+            return Err(ApiError::param(field, e.message));
+        }
     };
+    // Each custom grammar alone first: an error names its tool.
+    for c in &rules.custom {
+        let spec = match &c.format {
+            CustomFormat::Text => continue,
+            CustomFormat::Lark(l) => GrammarSpec::Lark(l.clone()),
+            CustomFormat::Regex(r) => GrammarSpec::Regex(r.clone()),
+        };
+        compile(state, &sup.factory, spec)
+            .await
+            .map_err(|e| ApiError::param(&c.param, format!("custom tool `{}`: {e}", c.name)))?;
+    }
     let spec = match (&format, tools.is_empty(), sup.dsml) {
         (Some(Format::Lark(l)), _, _) => GrammarSpec::Lark(l.clone()),
         (Some(f), true, _) => match f {
@@ -355,20 +568,26 @@ pub async fn plan(
         },
         (f, false, Some(dsml)) => {
             let answer = f.as_ref().map(answer_rule).transpose()?;
-            GrammarSpec::Lark(tool_grammar(tools, strict, answer.as_deref(), dsml))
+            GrammarSpec::Lark(tool_grammar_with(tools, rules, answer.as_deref(), dsml))
         }
+        (Some(f), false, None) => match &sup.call_open {
+            // The answer in the format, or a tool call in the model's own syntax.
+            Some(open) => GrammarSpec::Lark(format!(
+                "start: answer | CALL\nanswer: {}\nCALL: /{}(?s:.*)/\n",
+                answer_rule(f)?,
+                lark_regex(&regex_literal(open))
+            )),
+            None => return Err(ApiError::invalid("this model has no tool-call marker")),
+        },
         (None, _, _) => return Ok(None),
-        (Some(_), _, None) => return Err(ApiError::invalid("this model has no tool-call marker")),
     };
-    let factory = sup.factory.clone();
-    let t = std::time::Instant::now();
-    let compiled = tokio::task::spawn_blocking(move || factory.compile(&spec))
+    let c = compile(state, &sup.factory, spec)
         .await
-        .map_err(|_| ApiError::internal("compiling the grammar failed"))?;
-    state.metrics.structured.compiled(t.elapsed());
-    let c = compiled.map_err(|e| ApiError::param(if format.is_some() { format_param } else { "tools" }, e.0))?;
-    let trigger = if thinking { sup.think_end } else { None };
-    let _ = sup.eos;
+        .map_err(|e| ApiError::param(if format.is_some() { format_param } else { "tools" }, e))?;
+    let trigger = if thinking { sup.think_end.clone() } else { Vec::new() };
+    if thinking && trigger.is_empty() {
+        return Err(ApiError::param(format_param, "this model cannot end its reasoning under a grammar"));
+    }
     Ok(Some(JobConstraint::new(c, trigger)))
 }
 

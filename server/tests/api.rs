@@ -122,7 +122,7 @@ fn responses_tool_round_trip() {
         "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}},
         {"type": "web_search", "external_web_access": false},
         {"type": "namespace", "name": "multi_agent_v1", "tools": [{"type": "function", "name": "spawn"}]},
-        {"type": "custom", "name": "apply_patch", "format": {"type": "grammar", "syntax": "lark", "definition": "x"}}]);
+        {"type": "custom", "name": "apply_patch", "format": {"type": "grammar", "syntax": "lark", "definition": "start: \"x\""}}]);
     let mut input = vec![
         json!({"type": "message", "id": "msg_1", "role": "developer",
         "content": [{"type": "input_text", "text": "You are Codex."}]}),

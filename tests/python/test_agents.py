@@ -6,6 +6,11 @@
   `codex exec resume --last`, `opencode run --continue`) whose usage, as the client itself reports it, shows the first
   turn's prompt served from the server's prefix cache. No request any client sent may get a 4xx/5xx
   (`ds4_requests_total` on /metrics).
+- Structured outputs from the clients themselves, on the scripted model (whose grammar support is a mask over its
+  byte vocabulary: a scripted reply that does not fit the format still comes back in it): `codex exec
+  --output-schema FILE` ends with a message that validates against FILE, and an interactive Claude Code session's
+  title request (`output_config.format` json_schema, sent only by the interactive UI) is answered with JSON that
+  validates against the schema it sent (seen through a recording proxy).
 - With the demo model (no -m: real tokenizer and template, random weights) and hidden thinking: keep-alive pings
   arrive at least every 15 s, and a client that goes away has its generation stopped within 2 s (/metrics).
 
@@ -15,16 +20,22 @@ Every client runs with HOME set to a scratch folder, telemetry/update/model fetc
 server on 127.0.0.1. Every run is bounded by a timeout.
 """
 
+import http.client
+import http.server
 import json
 import os
+import pty
 import re
+import select
 import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.request
 
+import jsonschema
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -207,11 +218,11 @@ def run(cmd, cwd, env, timeout=RUN_TIMEOUT):
     return p
 
 
-def assert_no_errors(server, expect_endpoint):
+def assert_no_errors(server, expect_endpoint, at_least=3):
     reqs = server.requests()
     bad = {k: v for k, v in reqs.items() if k[1] >= 400}
     assert not bad, f"requests answered with errors: {bad}\n{server.read_log()[-4000:]}"
-    assert sum(v for (ep, _), v in reqs.items() if ep == expect_endpoint) >= 3, reqs
+    assert sum(v for (ep, _), v in reqs.items() if ep == expect_endpoint) >= at_least, reqs
 
 
 def assert_reused(cached, prompt, turn1_prompt, who):
@@ -345,6 +356,207 @@ def test_opencode(fake_server, tmp_path):
     t = [e["part"]["tokens"] for e in events if e.get("type") == "step_finish"][-1]
     assert_reused(t["cache"]["read"], t["input"] + t["cache"]["read"], turn1_prompt, "opencode")
     assert_no_errors(fake_server, "chat_completions")
+
+
+# --- structured outputs asked for by the clients themselves ---------------------------------------------------
+
+# What the scripted model answers: replies that do NOT fit the requested formats (a number where a string is due,
+# an extra key, plain prose), so only the server's grammar can make the answers valid.
+STRUCTURED_SCRIPT = [
+    {"when": {"contains": "SCHEMA TEST"},
+     "reply": {"reasoning": "Answer in the schema.", "text": '{"answer": 42, "extra": true, "count": "many"}'}},
+    {"when": {"contains": "TITLE TEST", "tool": "Bash"}, "reply": {"text": "done"}},
+    {"when": {"contains": "TITLE TEST"}, "reply": {"text": "Sure, here is a title: Listing files"}},
+]
+
+# Bounded (a noisy string must end) and strict-compatible (every property required, no others).
+OUTPUT_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "answer": {"type": "string", "maxLength": 12},
+        "count": {"type": "integer", "minimum": 0, "maximum": 9},
+    },
+    "required": ["answer", "count"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture()
+def structured_server(tmp_path):
+    script = tmp_path / "script.json"
+    script.write_text(json.dumps(STRUCTURED_SCRIPT))
+    s = Server(str(tmp_path), ["--fake-model", "--fake-script", str(script), "--ctx", "1000000"], bin=TEST_BIN)
+    yield s
+    s.stop()
+
+
+def codex_home(home, base):
+    (home / ".codex").mkdir()
+    (home / ".codex" / "config.toml").write_text(
+        f"""model = "{MODEL}"
+model_provider = "ds4"
+
+[model_providers.ds4]
+name = "ds4"
+base_url = "{base}/v1"
+env_key = "DS4_API_KEY"
+wire_api = "responses"
+
+[analytics]
+enabled = false
+
+[feedback]
+enabled = false
+"""
+    )
+    return {"HOME": str(home), "CODEX_HOME": str(home / ".codex"), "DS4_API_KEY": "dummy"}
+
+
+def test_codex_output_schema(structured_server, tmp_path):
+    codex = client("codex")
+    home, repo = scratch(tmp_path, "codex-schema")
+    proxy = RecordingProxy(structured_server.port)
+    env = codex_home(home, proxy.base)
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text(json.dumps(OUTPUT_SCHEMA))
+    flags = ["--json", "--skip-git-repo-check", "--sandbox", "read-only", "--output-schema", str(schema_file)]
+    try:
+        p = run([codex, "exec", *flags, "SCHEMA TEST: answer in the schema"], repo, env)
+    finally:
+        proxy.stop()
+    assert p.returncode == 0, f"stdout: {p.stdout}\nstderr: {p.stderr}"
+    # The request carried the schema as Responses `text.format`.
+    formats = [(r["request"] or {}).get("text", {}).get("format") for r in proxy.records]
+    sent = [f for f in formats if f and f.get("type") == "json_schema"]
+    assert sent and sent[0]["schema"] == OUTPUT_SCHEMA, formats
+    events = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    messages = [e["item"]["text"] for e in events
+                if e.get("type") == "item.completed" and e["item"].get("type") == "agent_message"]
+    assert messages, events
+    answer = json.loads(messages[-1])
+    jsonschema.validate(answer, OUTPUT_SCHEMA)
+    # The scripted reply was not valid: the grammar, not the model, made it so (the request carried text.format).
+    assert structured_server.metric("ds4_structured_requests_total") >= 1
+    assert_no_errors(structured_server, "responses", at_least=1)
+
+
+class RecordingProxy:
+    """A proxy on 127.0.0.1 in front of the server that records every request body and the whole answer to it (a
+    stream is read to its end, then passed on)."""
+
+    def __init__(self, upstream_port):
+        self.records = []
+        lock = threading.Lock()
+        records = self.records
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("content-length", 0)))
+                skip = {"host", "content-length", "connection", "accept-encoding"}
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in skip}
+                conn = http.client.HTTPConnection("127.0.0.1", upstream_port, timeout=300)
+                conn.request("POST", self.path, body=body, headers=headers)
+                r = conn.getresponse()
+                data = r.read()
+                conn.close()
+                with lock:
+                    try:
+                        req = json.loads(body)
+                    except ValueError:
+                        req = None
+                    records.append({"path": self.path, "request": req, "status": r.status,
+                                    "response": data.decode(errors="replace")})
+                self.send_response(r.status)
+                for k, v in r.getheaders():
+                    if k.lower() not in ("content-length", "transfer-encoding", "connection"):
+                        self.send_header(k, v)
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.base = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def stop(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def sse_text(body):
+    """The text of an Anthropic messages stream (its text_delta events joined)."""
+    out = []
+    for frame in body.split("\n\n"):
+        for line in frame.splitlines():
+            if line.startswith("data: "):
+                ev = json.loads(line[6:])
+                if ev.get("type") == "content_block_delta" and ev["delta"].get("type") == "text_delta":
+                    out.append(ev["delta"]["text"])
+    return "".join(out)
+
+
+def test_claude_code_session_title(structured_server, tmp_path):
+    """Claude Code names a session with a side request carrying `output_config.format` (a json_schema with a
+    `title` string). Only its interactive UI sends it, so Claude Code runs in a pseudo-terminal with onboarding,
+    the API key and the folder's trust already accepted in its config, and non-essential traffic allowed (the title
+    request is part of it; nothing outside 127.0.0.1 is reachable)."""
+    claude = client("claude")
+    home, repo = scratch(tmp_path, "claude-title")
+    (home / ".claude.json").write_text(json.dumps({
+        "hasCompletedOnboarding": True,
+        "customApiKeyResponses": {"approved": ["dummy"], "rejected": []},
+        "projects": {str(repo): {"hasTrustDialogAccepted": True, "hasCompletedProjectOnboarding": True}},
+    }))
+    proxy = RecordingProxy(structured_server.port)
+    env = {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "USER", "SHELL", "TMPDIR")}
+    env.update({"HOME": str(home), "ANTHROPIC_BASE_URL": proxy.base, "ANTHROPIC_API_KEY": "dummy",
+                "DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1", "DISABLE_ERROR_REPORTING": "1",
+                "TERM": "xterm-256color"})
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([claude, "--model", MODEL, "TITLE TEST: list the files here"], cwd=repo, env=env,
+                            stdin=slave, stdout=slave, stderr=slave)
+    os.close(slave)
+    screen = b""
+
+    def answered():
+        titles = [r for r in proxy.records if (r["request"] or {}).get("output_config", {}).get("format")]
+        main = [r for r in proxy.records if (r["request"] or {}).get("tools")]
+        return titles, main
+
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT
+        while time.monotonic() < deadline:
+            # Keep reading the terminal (a full pty would block the client).
+            ready, _, _ = select.select([master], [], [], 0.2)
+            if ready:
+                try:
+                    screen += os.read(master, 65536)
+                except OSError:
+                    break
+            titles, main = answered()
+            if titles and main:
+                break
+            assert proc.poll() is None, f"claude exited: {screen[-3000:]!r}"
+        titles, main = answered()
+        assert titles, f"no title request in {[r['request'] for r in proxy.records]}\n{screen[-3000:]!r}"
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+        os.close(master)
+        proxy.stop()
+    t = titles[0]
+    fmt = t["request"]["output_config"]["format"]
+    assert fmt["type"] == "json_schema", fmt
+    assert t["status"] == 200, t["response"][:2000]
+    text = sse_text(t["response"]) if t["request"].get("stream") else json.loads(t["response"])["content"][0]["text"]
+    jsonschema.validate(json.loads(text), fmt["schema"])
+    assert structured_server.metric("ds4_structured_requests_total") >= 1
+    assert_no_errors(structured_server, "messages", at_least=2)
 
 
 # --- the demo model: hidden thinking is not silence, and a client that goes away stops its generation ---------

@@ -6,6 +6,7 @@
 //!   (`<｜end▁of▁sentence｜>`, `</think>`, `｜DSML｜`, …) is marked special (llguidance's 0xFF prefix), so free text
 //!   in a grammar can never produce one — a grammar names them explicitly (`<[128825]>`); the vocabulary is padded
 //!   with empty (never allowed) entries up to the logits size, so a mask covers every logit.
+//!   [`ConstraintFactory::from_vocab`] builds one over any other vocabulary (the server's byte-token test model).
 //! * [`ConstraintFactory::compile`] turns a [`GrammarSpec`] into a [`Constraint`] (one per request). Compilation is
 //!   bounded by llguidance's fuel limits and by [`MAX_GRAMMAR_BYTES`]; an unsupported keyword, a malformed schema,
 //!   regex or grammar, or a grammar that admits nothing is a [`GrammarError`] naming the problem. JSON schemas are
@@ -141,29 +142,56 @@ impl ConstraintFactory {
                 "the logits row has {logits} entries, fewer than the tokenizer's {n} tokens"
             )));
         }
-        let added: HashSet<u32> = tok.added_tokens().iter().map(|(_, id)| *id).collect();
+        let mut special: HashSet<u32> = tok.added_tokens().iter().map(|(_, id)| *id).collect();
+        special.insert(tok.eos());
+        special.insert(tok.bos());
+        let tokens = (0..n as u32).map(|id| tok.token_bytes(id).map(<[u8]>::to_vec)).collect::<Result<Vec<_>>>()?;
+        Self::build(&tokens, &special, tok.eos(), Some(tok.bos()), tok.special().pad, logits)
+    }
+
+    /// A factory over an explicit vocabulary (a stand-in model's): `tokens[i]` is the bytes of id `i`, the ids in
+    /// `special` are marked special (a grammar names them as `<[id]>`; free text never produces them), `eos` ends
+    /// the output, and masks cover `logits` ids (at least `tokens.len()`).
+    pub fn from_vocab(tokens: &[Vec<u8>], special: &[u32], eos: u32, logits: usize) -> Result<Self> {
+        if logits < tokens.len() || eos as usize >= logits {
+            return Err(Error::InvalidArgument(format!(
+                "a vocabulary of {} tokens with EOS {eos} does not fit {logits} logits",
+                tokens.len()
+            )));
+        }
+        let special: HashSet<u32> = special.iter().copied().chain([eos]).collect();
+        Self::build(tokens, &special, eos, None, None, logits)
+    }
+
+    fn build(
+        tokens: &[Vec<u8>],
+        special: &HashSet<u32>,
+        eos: u32,
+        bos: Option<u32>,
+        pad: Option<u32>,
+        logits: usize,
+    ) -> Result<Self> {
         let mut words = Vec::with_capacity(logits);
-        for id in 0..n as u32 {
-            let bytes = tok.token_bytes(id)?;
-            if added.contains(&id) || id == tok.eos() || id == tok.bos() {
+        for (id, bytes) in tokens.iter().enumerate() {
+            if special.contains(&(id as u32)) {
                 let mut w = Vec::with_capacity(bytes.len() + 1);
                 w.push(TokTrie::SPECIAL_TOKEN_MARKER);
                 w.extend_from_slice(bytes);
                 words.push(w);
             } else {
-                words.push(bytes.to_vec());
+                words.push(bytes.clone());
             }
         }
         words.resize(logits, Vec::new());
-        let mut info = TokRxInfo::new(logits as u32, tok.eos());
-        info.tok_bos = Some(tok.bos());
-        info.tok_pad = tok.special().pad;
+        let mut info = TokRxInfo::new(logits as u32, eos);
+        info.tok_bos = bos;
+        info.tok_pad = pad;
         let trie = TokTrie::from(&info, &words);
         let env: TokEnv = Arc::new(Env { trie });
         let mut factory = ParserFactory::new_simple(&env)
             .map_err(|e| Error::InvalidArgument(format!("cannot build the grammar factory: {e}")))?;
         factory.quiet();
-        Ok(ConstraintFactory { inner: Arc::new(factory), logits, eos: tok.eos() })
+        Ok(ConstraintFactory { inner: Arc::new(factory), logits, eos })
     }
 
     /// Entries of a mask (the logits width).

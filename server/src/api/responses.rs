@@ -6,15 +6,25 @@
 //! (string or parts), `custom_tool_call` / `custom_tool_call_output` (treated as function calls with raw input),
 //! `reasoning` (its text becomes the next assistant turn's reasoning). Other item types are ignored. `instructions`
 //! becomes a leading system message. Tools: `function` tools are offered (a `defer_loading: true` one only once a
-//! `tool_search_output` item lists it); `namespace`, `custom`, `web_search`, `tool_search` and any other type are
-//! skipped, not rejected. The response echoes the request's `tools` as sent. `reasoning` (any value but
+//! `tool_search_output` item lists it); `custom` (freeform) tools are offered as a tool with one plain-text
+//! parameter, `input` (the rendering a `custom_tool_call` input item gets too), whose value follows the tool's
+//! `format`: `{"type": "grammar", "syntax": "lark" | "regex", "definition": …}` constrains it by grammar,
+//! `{"type": "text"}` or no format leaves it free; a bad grammar is a 400 naming the tool (`tools[i].format`).
+//! `namespace`, `web_search`, `tool_search` and any other type are skipped, not rejected. The response echoes the
+//! request's `tools` as sent. `tool_choice`: `"none"` hides the tools; `"required"` or `{"type": "custom" |
+//! "function", "name": …}` forces a call (of that tool, when it is offered; a custom tool that is not is a 400);
+//! anything else lets the model choose; `parallel_tool_calls: false` allows one call. `reasoning` (any value but
 //! `effort: "none"`) turns thinking on. `previous_response_id` is refused: nothing is stored. `text.format` and
 //! `tools[].strict` constrain the output ([`crate::structured`]); the format is echoed in the response's `text`.
+//!
+//! Output items: `reasoning`, `message`, `function_call` and, for a custom tool, `custom_tool_call`
+//! (`{call_id, name, input, id, status}`, `input` the raw text).
 //!
 //! Stream events (each with `sequence_number`): `response.created`, `response.in_progress`, then per output item
 //! `response.output_item.added` … `response.output_item.done` (reasoning: `response.reasoning_text.delta/done`;
 //! message: `response.content_part.added`, `response.output_text.delta/done`, `response.content_part.done`;
-//! function call: `response.function_call_arguments.delta/done`), and finally `response.completed`,
+//! function call: `response.function_call_arguments.delta/done`; custom tool call:
+//! `response.custom_tool_call_input.delta/done`), and finally `response.completed`,
 //! `response.incomplete` (`incomplete_details.reason: "max_output_tokens"`: the output limit) or `response.failed`
 //! with `error.code: "context_length_exceeded"` (the context filled up: Codex's signal to compact). Errors
 //! mid-stream: `response.failed`. Keep-alives are SSE comments.
@@ -33,6 +43,9 @@ use crate::model::{Conversation, Message, Role, ToolCall, ToolSpec};
 use crate::response::{json_response, sse_response, Body};
 use crate::sse;
 use crate::state::AppState;
+use crate::structured::{
+    custom_description, custom_input, custom_parameters, CustomFormat, CustomTool, Force, ToolRules,
+};
 
 #[derive(Debug, Deserialize)]
 struct ResponsesRequest {
@@ -85,7 +98,42 @@ fn str_field<'a>(item: &'a Value, key: &str) -> Option<&'a str> {
     item.get(key).and_then(Value::as_str)
 }
 
-fn conversation(req: &mut ResponsesRequest) -> Result<Conversation, ApiError> {
+/// A `custom` tool's format: none or `{"type": "text"}` (free text), or `{"type": "grammar", "syntax": "lark" |
+/// "regex", "definition": …}`.
+fn custom_format(t: &Value, at: &str) -> Result<CustomFormat, ApiError> {
+    let param = format!("{at}.format");
+    let Some(f) = t.get("format").filter(|f| !f.is_null()) else { return Ok(CustomFormat::Text) };
+    let name = str_field(t, "name").unwrap_or_default();
+    let bad = |msg: String| ApiError::param(&param, format!("custom tool `{name}`: {msg}"));
+    match str_field(f, "type") {
+        Some("text") => Ok(CustomFormat::Text),
+        Some("grammar") => {
+            let def =
+                str_field(f, "definition").ok_or_else(|| bad("a grammar format needs a string `definition`".into()))?;
+            match str_field(f, "syntax") {
+                Some("lark") => Ok(CustomFormat::Lark(def.to_string())),
+                Some("regex") => Ok(CustomFormat::Regex(def.to_string())),
+                Some(other) => Err(bad(format!("grammar syntax `{other}` is not supported (lark or regex)"))),
+                None => Err(bad("a grammar format needs a `syntax` (lark or regex)".into())),
+            }
+        }
+        Some(other) => Err(bad(format!("unsupported format type `{other}`; expected text or grammar"))),
+        None => Err(bad("the format needs a string `type`".into())),
+    }
+}
+
+/// `tool_choice` as a forced call: `"required"`, or `{"type": "custom" | "function", "name": …}`.
+fn forced(choice: Option<&Value>) -> Option<Force> {
+    match choice? {
+        Value::String(s) if s == "required" => Some(Force::Any),
+        v @ Value::Object(_) if matches!(str_field(v, "type"), Some("custom" | "function")) => {
+            str_field(v, "name").map(|n| Force::Tool(n.to_string()))
+        }
+        _ => None,
+    }
+}
+
+fn conversation(req: &mut ResponsesRequest) -> Result<(Conversation, ToolRules), ApiError> {
     let mut conv = Conversation::default();
     if let Some(i) = req.instructions.take().filter(|i| !i.is_empty()) {
         conv.messages.push(Message::new(Role::System, i));
@@ -179,8 +227,31 @@ fn conversation(req: &mut ResponsesRequest) -> Result<Conversation, ApiError> {
         .flatten()
         .filter_map(|t| str_field(t, "name"))
         .collect();
-    for t in req.tools.clone().unwrap_or_default() {
-        if hide_tools || str_field(&t, "type") != Some("function") {
+    let mut rules = ToolRules {
+        strict: crate::structured::strict_names(req.tools.as_deref().unwrap_or_default(), None),
+        ..ToolRules::default()
+    };
+    for (i, t) in req.tools.clone().unwrap_or_default().into_iter().enumerate() {
+        if hide_tools {
+            continue;
+        }
+        if str_field(&t, "type") == Some("custom") {
+            let at = format!("tools[{i}]");
+            let name = str_field(&t, "name").filter(|n| !n.is_empty());
+            let name = name.ok_or_else(|| ApiError::param(&format!("{at}.name"), "a custom tool needs a `name`"))?;
+            if conv.tools.iter().any(|x| x.name == name) {
+                return Err(ApiError::param(&format!("{at}.name"), format!("tool name `{name}` is used twice")));
+            }
+            let format = custom_format(&t, &at)?;
+            conv.tools.push(ToolSpec {
+                name: name.to_string(),
+                description: custom_description(str_field(&t, "description").unwrap_or_default(), &format),
+                parameters: custom_parameters(),
+            });
+            rules.custom.push(CustomTool { name: name.to_string(), format, param: format!("{at}.format") });
+            continue;
+        }
+        if str_field(&t, "type") != Some("function") {
             continue;
         }
         let deferred = t.get("defer_loading").and_then(Value::as_bool) == Some(true);
@@ -194,11 +265,37 @@ fn conversation(req: &mut ResponsesRequest) -> Result<Conversation, ApiError> {
             parameters: t.get("parameters").cloned().unwrap_or_else(|| json!({"type": "object", "properties": {}})),
         });
     }
+    // A function tool of a custom tool's name (in either order) is ambiguous.
+    if let Some(c) = rules.custom.iter().find(|c| conv.tools.iter().filter(|t| t.name == c.name).count() > 1) {
+        return Err(ApiError::param("tools", format!("tool name `{}` is used twice", c.name)));
+    }
+    rules.single = req.parallel_tool_calls == Some(false);
+    // A forced call needs its tool offered. A named custom tool or `"required"` without any tools is a 400; a
+    // named function tool this server does not offer (inside a namespace, deferred) or `"required"` with only tool
+    // types it skips leaves the choice to the model.
+    let force = if hide_tools { None } else { forced(req.tool_choice.as_ref()) };
+    let named_custom = str_field(req.tool_choice.as_ref().unwrap_or(&Value::Null), "type") == Some("custom");
+    rules.force = match force {
+        Some(Force::Any) if req.tools.as_ref().is_none_or(Vec::is_empty) => {
+            return Err(ApiError::param("tool_choice", "tool_choice asks for a tool call, but no tool is offered"))
+        }
+        Some(Force::Tool(n)) if !conv.tools.iter().any(|t| t.name == n) => {
+            if named_custom {
+                return Err(ApiError::param(
+                    "tool_choice",
+                    format!("tool_choice names `{n}`, which is not an offered custom tool"),
+                ));
+            }
+            None
+        }
+        Some(Force::Any) if conv.tools.is_empty() => None,
+        f => f,
+    };
     conv.thinking = match &req.reasoning {
         None | Some(Value::Null) => false,
         Some(r) => str_field(r, "effort") != Some("none"),
     };
-    Ok(conv)
+    Ok((conv, rules))
 }
 
 fn usage_json(u: &Usage) -> Value {
@@ -273,10 +370,23 @@ fn call_item(id: &str, c: &ToolCall, arguments: &str, status: &str) -> Value {
         "status": status})
 }
 
+fn custom_item(id: &str, c: &ToolCall, input: &str, status: &str) -> Value {
+    json!({"type": "custom_tool_call", "id": id, "call_id": c.id, "name": c.name, "input": input, "status": status})
+}
+
+/// The output item of a finished call: `custom_tool_call` (with the raw input) for a custom tool, else
+/// `function_call`.
+fn finished_call_item(c: &ToolCall, rules: &ToolRules) -> Value {
+    match rules.custom(&c.name) {
+        Some(_) => custom_item(&new_id("ctc_"), c, &custom_input(&c.arguments), "completed"),
+        None => call_item(&new_id("fc_"), c, &c.arguments, "completed"),
+    }
+}
+
 /// The conversation a request body describes (no model check, no tool-call memory): what tests render.
 pub fn to_conversation(body: &[u8]) -> Result<Conversation, ApiError> {
     let mut req: ResponsesRequest = parse_json(body)?;
-    conversation(&mut req)
+    conversation(&mut req).map(|(conv, _)| conv)
 }
 
 /// `POST /v1/responses`.
@@ -299,12 +409,11 @@ pub async fn handle(state: Arc<AppState>, _headers: HeaderMap, body: Bytes) -> R
         constraint: None,
     };
     let format = crate::structured::responses_text_format(req.text.as_ref())?;
-    let strict = crate::structured::strict_names(req.tools.as_deref().unwrap_or_default(), None);
-    let mut conv = conversation(&mut req)?;
+    let (mut conv, rules) = conversation(&mut req)?;
     state.tools.restore(&mut conv);
     let tokens = crate::api::prompt_tokens(&state, &conv, "input").await?;
     let constraint =
-        crate::structured::plan(&state, format, "text.format", &conv.tools, &strict, conv.thinking).await?;
+        crate::structured::plan_with(&state, format, "text.format", &conv.tools, &rules, conv.thinking).await?;
     let gen = Generation::start(&state, tokens, GenOptions { thinking: conv.thinking, constraint, ..opts })?;
     let env = Envelope {
         id: new_id("resp_"),
@@ -329,14 +438,14 @@ pub async fn handle(state: Arc<AppState>, _headers: HeaderMap, body: Bytes) -> R
             output.push(message_item(&new_id("msg_"), &out.content, "completed"));
         }
         for c in &out.tool_calls {
-            output.push(call_item(&new_id("fc_"), c, &c.arguments, "completed"));
+            output.push(finished_call_item(c, &rules));
         }
         let status = status_of(out.finish);
         return Ok(json_response(200, &env.object(status, &output, Some(&out.usage), Some(out.finish))));
     }
     let (tx, response) = sse_response();
     tokio::spawn(async move {
-        let mut w = Writer { tx, seq: 0, output: Vec::new(), open: None };
+        let mut w = Writer { tx, seq: 0, output: Vec::new(), open: None, rules };
         let created = env.object("in_progress", &[], None, None);
         if !w.emit("response.created", json!({"response": created})).await
             || !w.emit("response.in_progress", json!({"response": created})).await
@@ -381,6 +490,8 @@ struct Writer {
     output: Vec<Value>,
     /// (kind "reasoning"/"message", item id, text so far).
     open: Option<(&'static str, String, String)>,
+    /// Which calls are custom tool calls.
+    rules: ToolRules,
 }
 
 impl Writer {
@@ -466,6 +577,9 @@ impl Writer {
         if !self.close_open().await {
             return false;
         }
+        if self.rules.custom(&c.name).is_some() {
+            return self.custom_call(c).await;
+        }
         let id = new_id("fc_");
         let i = self.output.len();
         let done_item = call_item(&id, c, &c.arguments, "completed");
@@ -488,6 +602,32 @@ impl Writer {
                     json!({"item_id": id, "output_index": i,
                     "name": c.name, "arguments": c.arguments}),
                 )
+                .await
+            && self.emit("response.output_item.done", json!({"output_index": i, "item": done_item})).await;
+        self.output.push(done_item);
+        ok
+    }
+
+    /// A custom tool's call: `custom_tool_call` with its raw input (`response.custom_tool_call_input.delta/done`).
+    async fn custom_call(&mut self, c: &ToolCall) -> bool {
+        let id = new_id("ctc_");
+        let i = self.output.len();
+        let input = custom_input(&c.arguments);
+        let done_item = custom_item(&id, c, &input, "completed");
+        let ok = self
+            .emit(
+                "response.output_item.added",
+                json!({"output_index": i, "item": custom_item(&id, c, "", "in_progress")}),
+            )
+            .await
+            && self
+                .emit(
+                    "response.custom_tool_call_input.delta",
+                    json!({"item_id": id, "output_index": i, "delta": input}),
+                )
+                .await
+            && self
+                .emit("response.custom_tool_call_input.done", json!({"item_id": id, "output_index": i, "input": input}))
                 .await
             && self.emit("response.output_item.done", json!({"output_index": i, "item": done_item})).await;
         self.output.push(done_item);

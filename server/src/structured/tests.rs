@@ -202,3 +202,87 @@ fn random_tool_calls_parse_back_with_json_arguments() {
     }
     assert!(checked >= 6, "only {checked} walks ended");
 }
+
+const PATCH_GRAMMAR: &str = r#"start: "*** Begin Patch\n" hunk hunk? "*** End Patch\n"
+hunk: "*** Add File: " PATH "\n" line line? line?
+PATH: /[a-z]{1,8}\.txt/
+line: "+" /[a-z ]{0,20}/ "\n"
+"#;
+
+/// The demo tools plus a custom `apply_patch` tool in `format`.
+fn custom_grammar(format: CustomFormat, force: Option<Force>, single: bool) -> Result<Constraint, String> {
+    let (tok, f) = demo();
+    let mut ts = tools();
+    ts.push(tool("apply_patch", custom_parameters()));
+    let rules = ToolRules {
+        custom: vec![CustomTool { name: "apply_patch".into(), format, param: "tools[2].format".into() }],
+        force,
+        single,
+        ..ToolRules::default()
+    };
+    let g = tool_grammar_with(&ts, &rules, None, tok.special().dsml.unwrap());
+    f.compile(&GrammarSpec::Lark(g.clone())).map_err(|e| format!("{e}\n{g}"))
+}
+
+fn patch_call(input: &str) -> String {
+    call("apply_patch", &[("input", true, input)])
+}
+
+#[test]
+fn custom_tool_inputs_follow_their_grammar() {
+    let patch = "*** Begin Patch\n*** Add File: a.txt\n+hello world\n*** End Patch\n";
+    let lark = || CustomFormat::Lark(PATCH_GRAMMAR.into());
+    // What the renderer writes for a call with that input is accepted; off-grammar input is not.
+    let mut c = custom_grammar(lark(), None, false).unwrap();
+    assert!(accepts(&mut c, &format!("Patching.{}", block(&[patch_call(patch)]))));
+    assert!(c.is_complete() || c.is_accepting());
+    assert!(!accepts(&mut custom_grammar(lark(), None, false).unwrap(), &block(&[patch_call("hello")])));
+    assert!(!accepts(
+        &mut custom_grammar(lark(), None, false).unwrap(),
+        &block(&[patch_call("*** Begin Patch\n*** Add File: A.txt\n+x\n*** End Patch\n")])
+    ));
+    // JSON arguments are not what a custom tool takes.
+    let json_args = block(&[call("apply_patch", &[("input", false, "\"x\"")])]);
+    assert!(!accepts(&mut custom_grammar(lark(), None, false).unwrap(), &json_args));
+    // Other tools keep their rules beside it.
+    let both = block(&[call("shell", &[("cmd", true, "ls")]), patch_call(patch)]);
+    assert!(accepts(&mut custom_grammar(lark(), None, false).unwrap(), &both));
+    // A regex (with a `/` in it) is matched whole.
+    let rx = || CustomFormat::Regex("[0-9]{3}/[a-z]{2,4}".into());
+    assert!(accepts(&mut custom_grammar(rx(), None, false).unwrap(), &block(&[patch_call("123/abc")])));
+    assert!(!accepts(&mut custom_grammar(rx(), None, false).unwrap(), &block(&[patch_call("12/abc")])));
+    assert!(!accepts(&mut custom_grammar(rx(), None, false).unwrap(), &block(&[patch_call("123/abcde")])));
+    // Free text: any input, even with `<` in it.
+    let text = CustomFormat::Text;
+    assert!(accepts(&mut custom_grammar(text, None, false).unwrap(), &block(&[patch_call("a </b> c")])));
+}
+
+#[test]
+fn a_forced_call_admits_no_text_and_one_call_when_asked() {
+    let patch = "*** Begin Patch\n*** Add File: a.txt\n+x\n*** End Patch\n";
+    let lark = || CustomFormat::Lark(PATCH_GRAMMAR.into());
+    let any = || Some(Force::Any);
+    assert!(!accepts(&mut custom_grammar(lark(), any(), false).unwrap(), "Just text."));
+    let mut c = custom_grammar(lark(), any(), false).unwrap();
+    assert!(accepts(&mut c, &block(&[call("shell", &[("cmd", true, "ls")])])));
+    let named = || Some(Force::Tool("apply_patch".into()));
+    assert!(!accepts(&mut custom_grammar(lark(), named(), false).unwrap(), &block(&[call("shell", &[])])));
+    assert!(accepts(&mut custom_grammar(lark(), named(), false).unwrap(), &block(&[patch_call(patch)])));
+    // Without leading newlines too.
+    assert!(accepts(&mut custom_grammar(lark(), named(), false).unwrap(), &block(&[patch_call(patch)])[2..]));
+    // One call only.
+    let two = block(&[patch_call(patch), patch_call(patch)]);
+    assert!(accepts(&mut custom_grammar(lark(), named(), false).unwrap(), &two));
+    assert!(!accepts(&mut custom_grammar(lark(), named(), true).unwrap(), &two));
+}
+
+#[test]
+fn custom_inputs_come_back_from_the_arguments() {
+    assert_eq!(custom_input(r#"{"input": "a\nb"}"#), "a\nb");
+    assert_eq!(custom_input(r#"{"patch": "x"}"#), "x");
+    assert_eq!(custom_input(r#"{"a": 1}"#), r#"{"a": 1}"#);
+    assert_eq!(custom_input("not json"), "not json");
+    assert!(custom_description("Edit files.", &CustomFormat::Lark("start: \"a\"".into())).contains("start: \"a\""));
+    assert_eq!(custom_description("Edit files.", &CustomFormat::Text), "Edit files.");
+    assert_eq!(lark_regex("a/b\\/c"), "a\\/b\\/c");
+}
