@@ -28,8 +28,8 @@ use ds4_engine::gguf::GgufFile;
 use ds4_engine::tokenizer::{StreamDecoder, Tokenizer};
 
 use crate::model::{
-    BackendError, Codec, Conversation, EncodeError, ModelInfo, OutputParser, Parsed, Role, Runner, RunnerSessionId,
-    TokenDecoder,
+    BackendError, Codec, Conversation, EncodeError, ModelInfo, OutputParser, Parsed, Runner, RunnerSessionId,
+    TokenDecoder, TurnRole,
 };
 
 fn be(e: impl std::fmt::Display) -> BackendError {
@@ -231,10 +231,10 @@ pub fn to_chat_messages(conv: &Conversation) -> Result<Vec<chat::Message>, Backe
     let mut out = Vec::with_capacity(conv.messages.len());
     for m in &conv.messages {
         let role = match m.role {
-            Role::System => chat::Role::System,
-            Role::User => chat::Role::User,
-            Role::Assistant => chat::Role::Assistant,
-            Role::Tool => chat::Role::Tool,
+            TurnRole::System => chat::Role::System,
+            TurnRole::User => chat::Role::User,
+            TurnRole::Assistant => chat::Role::Assistant,
+            TurnRole::Tool => chat::Role::Tool,
         };
         // Consecutive system messages (Codex's two developer messages) are one system prompt, so the tool list
         // (attached below) follows all of it instead of splitting it.

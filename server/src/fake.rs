@@ -27,7 +27,7 @@ use std::time::Duration;
 
 use crate::fake_script::{substitute, substitute_value, LastTurn, PromptView, Script};
 use crate::model::{
-    BackendError, Codec, Conversation, KvBytes, OutputParser, Parsed, Role, Runner, RunnerSessionId, TokenDecoder,
+    BackendError, Codec, Conversation, KvBytes, OutputParser, Parsed, Runner, RunnerSessionId, TokenDecoder, TurnRole,
 };
 use ds4_engine::sampler::partial_suffix_len;
 
@@ -56,12 +56,12 @@ impl Codec for FakeCodec {
         }
         for m in &conv.messages {
             match m.role {
-                Role::System => out.push_str(&format!("<|system|>{}\n", m.content)),
-                Role::User => out.push_str(&format!("<|user|>{}\n", m.content)),
-                Role::Tool => {
+                TurnRole::System => out.push_str(&format!("<|system|>{}\n", m.content)),
+                TurnRole::User => out.push_str(&format!("<|user|>{}\n", m.content)),
+                TurnRole::Tool => {
                     out.push_str(&format!("<|tool|>{}:{}\n", m.tool_call_id.as_deref().unwrap_or(""), m.content))
                 }
-                Role::Assistant => {
+                TurnRole::Assistant => {
                     out.push_str(ASSISTANT);
                     if !m.reasoning.is_empty() {
                         out.push_str(&format!("<think>{}</think>", m.reasoning));
@@ -506,7 +506,7 @@ impl Runner for FakeRunner {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{Message, ToolSpec};
+    use crate::model::{ChatTurn, ToolSpec};
 
     fn generate(runner: &mut FakeRunner, prompt: &[u32]) -> String {
         let s = runner.create_session().unwrap();
@@ -528,7 +528,7 @@ mod tests {
     #[test]
     fn scripted_replies_follow_the_prompt() {
         let codec = FakeCodec;
-        let mut conv = Conversation { messages: vec![Message::new(Role::User, "hi there")], ..Default::default() };
+        let mut conv = Conversation { messages: vec![ChatTurn::new(TurnRole::User, "hi there")], ..Default::default() };
         let mut r = FakeRunner::new(4);
         assert_eq!(
             generate(&mut r, &codec.encode(&codec.render(&conv).unwrap()).unwrap()),

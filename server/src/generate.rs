@@ -24,8 +24,8 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 use tokio::time::Instant;
 
 use crate::api::errors::ApiError;
-use crate::model::{OutputParser, Parsed, TokenDecoder, ToolCall};
-use crate::scheduler::{GenRequest, JobEvent, StopReason, SubmitError};
+use crate::model::{OutputParser, Parsed, TokenDecoder, TurnToolCall};
+use crate::scheduler::{GenRequest, JobEvent, JobStopReason, SubmitError};
 use crate::sse::SseSender;
 use crate::state::AppState;
 use ds4_engine::sampler::{SamplerConfig, StopChecker, StopStatus};
@@ -35,7 +35,7 @@ use ds4_engine::sampler::{SamplerConfig, StopChecker, StopStatus};
 pub enum GenEvent {
     Reasoning(String),
     Content(String),
-    ToolCall(ToolCall),
+    ToolCall(TurnToolCall),
     /// Nothing for a while (send a keep-alive).
     KeepAlive,
 }
@@ -249,13 +249,13 @@ impl Generation {
                     self.report();
                 }
                 Some(JobEvent::Done(reason)) => {
-                    if reason == StopReason::Eos {
+                    if reason == JobStopReason::Eos {
                         self.usage.completion_tokens += 1;
                     }
                     let full = self.usage.prompt_tokens + self.usage.completion_tokens >= self.state.info.context_size;
                     self.end(match reason {
-                        StopReason::Length if full => Finish::ContextFull,
-                        StopReason::Length => Finish::Length,
+                        JobStopReason::Length if full => Finish::ContextFull,
+                        JobStopReason::Length => Finish::Length,
                         _ => Finish::Stop,
                     });
                     self.report();
@@ -318,7 +318,7 @@ impl Generation {
                     let id = new_id(self.opts.tool_id_prefix);
                     self.state.tools.remember(&id, &name, &arguments, &self.reasoning);
                     self.saw_tool_call = true;
-                    self.queue.push_back(GenEvent::ToolCall(ToolCall { id, name, arguments }));
+                    self.queue.push_back(GenEvent::ToolCall(TurnToolCall { id, name, arguments }));
                 }
             }
         }
@@ -398,7 +398,7 @@ impl OutputParser for PassThrough {
 pub struct Collected {
     pub reasoning: String,
     pub content: String,
-    pub tool_calls: Vec<ToolCall>,
+    pub tool_calls: Vec<TurnToolCall>,
     pub finish: Finish,
     pub usage: Usage,
 }

@@ -159,7 +159,7 @@ pub fn prompt_ids(
 mod tests {
     use super::*;
     use crate::engine::to_chat_messages;
-    use crate::model::{Conversation, Message, Role, ToolCall, ToolSpec};
+    use crate::model::{ChatTurn, Conversation, ToolSpec, TurnRole, TurnToolCall};
     use ds4_engine::chat::Mode;
 
     const FORGED: &str =
@@ -172,22 +172,22 @@ mod tests {
     }
 
     fn conv(text: &str) -> Conversation {
-        let mut assistant = Message::new(Role::Assistant, format!("sure {text}"));
+        let mut assistant = ChatTurn::new(TurnRole::Assistant, format!("sure {text}"));
         assistant.reasoning = format!("thinking {text}");
-        assistant.tool_calls = vec![ToolCall {
+        assistant.tool_calls = vec![TurnToolCall {
             id: "call_1".into(),
             name: "bash".into(),
             arguments: format!("{{\"command\": {}}}", serde_json::Value::String(format!("echo {text}"))),
         }];
-        let mut tool = Message::new(Role::Tool, format!("result {text}"));
+        let mut tool = ChatTurn::new(TurnRole::Tool, format!("result {text}"));
         tool.tool_call_id = Some("call_1".into());
         Conversation {
             messages: vec![
-                Message::new(Role::System, format!("system {text}")),
-                Message::new(Role::User, format!("hello {text}")),
+                ChatTurn::new(TurnRole::System, format!("system {text}")),
+                ChatTurn::new(TurnRole::User, format!("hello {text}")),
                 assistant,
                 tool,
-                Message::new(Role::User, format!("again {text}")),
+                ChatTurn::new(TurnRole::User, format!("again {text}")),
             ],
             tools: vec![ToolSpec {
                 name: "bash".into(),

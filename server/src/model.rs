@@ -151,7 +151,7 @@ pub trait Runner: Send {
 
 /// Who said a message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Role {
+pub enum TurnRole {
     System,
     User,
     Assistant,
@@ -160,7 +160,7 @@ pub enum Role {
 
 /// One tool call, as produced by the model or echoed back by a client.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ToolCall {
+pub struct TurnToolCall {
     pub id: String,
     pub name: String,
     /// JSON text of the arguments, byte-exact as the model produced it when known.
@@ -169,19 +169,19 @@ pub struct ToolCall {
 
 /// One chat message in API-neutral form.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Message {
-    pub role: Role,
+pub struct ChatTurn {
+    pub role: TurnRole,
     pub content: String,
     /// Reasoning text of an assistant turn (empty when none).
     pub reasoning: String,
-    pub tool_calls: Vec<ToolCall>,
-    /// For `Role::Tool`: the call this result answers.
+    pub tool_calls: Vec<TurnToolCall>,
+    /// For `TurnRole::Tool`: the call this result answers.
     pub tool_call_id: Option<String>,
 }
 
-impl Message {
-    pub fn new(role: Role, content: impl Into<String>) -> Self {
-        Message { role, content: content.into(), reasoning: String::new(), tool_calls: Vec::new(), tool_call_id: None }
+impl ChatTurn {
+    pub fn new(role: TurnRole, content: impl Into<String>) -> Self {
+        ChatTurn { role, content: content.into(), reasoning: String::new(), tool_calls: Vec::new(), tool_call_id: None }
     }
 }
 
@@ -197,7 +197,7 @@ pub struct ToolSpec {
 /// A whole chat request in API-neutral form.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Conversation {
-    pub messages: Vec<Message>,
+    pub messages: Vec<ChatTurn>,
     pub tools: Vec<ToolSpec>,
     /// Think before answering (the prompt opens a reasoning block).
     pub thinking: bool,

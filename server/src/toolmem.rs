@@ -11,7 +11,7 @@ use std::collections::{HashMap, VecDeque};
 
 use parking_lot::Mutex;
 
-use crate::model::{Conversation, Role};
+use crate::model::{Conversation, TurnRole};
 
 #[derive(Debug, Clone)]
 struct Remembered {
@@ -48,7 +48,7 @@ impl ToolMemory {
     /// Put remembered argument bytes (and missing reasoning) back into the assistant turns of `conv`.
     pub fn restore(&self, conv: &mut Conversation) {
         let g = self.inner.lock();
-        for m in conv.messages.iter_mut().filter(|m| m.role == Role::Assistant) {
+        for m in conv.messages.iter_mut().filter(|m| m.role == TurnRole::Assistant) {
             let mut reasoning = None;
             for c in &mut m.tool_calls {
                 if let Some(r) = g.0.get(&c.id) {
@@ -79,11 +79,11 @@ fn same_json(a: &str, b: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{Message, ToolCall};
+    use crate::model::{ChatTurn, TurnToolCall};
 
     fn conv(args: &str) -> Conversation {
-        let mut m = Message::new(Role::Assistant, "");
-        m.tool_calls.push(ToolCall { id: "call_1".into(), name: "bash".into(), arguments: args.into() });
+        let mut m = ChatTurn::new(TurnRole::Assistant, "");
+        m.tool_calls.push(TurnToolCall { id: "call_1".into(), name: "bash".into(), arguments: args.into() });
         Conversation { messages: vec![m], ..Default::default() }
     }
 

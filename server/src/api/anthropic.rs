@@ -35,7 +35,7 @@ use serde_json::{json, Value};
 use crate::api::errors::{ApiError, Flavor};
 use crate::api::{content, max_tokens, models, parse_json, sampling, stop_strings};
 use crate::generate::{new_id, Finish, GenEvent, GenOptions, Generation, Usage};
-use crate::model::{Conversation, Message, Role, ToolCall, ToolSpec};
+use crate::model::{ChatTurn, Conversation, ToolSpec, TurnRole, TurnToolCall};
 use crate::response::{json_response, sse_response, Body};
 use crate::sse;
 use crate::state::AppState;
@@ -229,7 +229,7 @@ fn conversation(req: &mut MessagesRequest) -> Result<(Conversation, bool), ApiEr
     let mut conv = Conversation::default();
     let system = system_text(req.system.take());
     if !system.is_empty() {
-        conv.messages.push(Message::new(Role::System, system));
+        conv.messages.push(ChatTurn::new(TurnRole::System, system));
     }
     if req.messages.is_empty() {
         return Err(ApiError::invalid("messages: at least one message is required"));
@@ -239,9 +239,9 @@ fn conversation(req: &mut MessagesRequest) -> Result<(Conversation, bool), ApiEr
     for (i, m) in std::mem::take(&mut req.messages).into_iter().enumerate() {
         match m.role.as_str() {
             // Kept as a system message; the renderer folds one that follows a user turn into that turn.
-            "system" => conv.messages.push(Message::new(Role::System, plain_text(m.content, &tools))),
+            "system" => conv.messages.push(ChatTurn::new(TurnRole::System, plain_text(m.content, &tools))),
             "user" => match m.content {
-                AContent::Text(t) => conv.messages.push(Message::new(Role::User, t)),
+                AContent::Text(t) => conv.messages.push(ChatTurn::new(TurnRole::User, t)),
                 AContent::Blocks(blocks) => {
                     let mut text: Vec<String> = Vec::new();
                     for b in blocks {
@@ -253,7 +253,7 @@ fn conversation(req: &mut MessagesRequest) -> Result<(Conversation, bool), ApiEr
                                 if is_error && !content.starts_with("Error") {
                                     content = format!("Error: {content}");
                                 }
-                                let mut msg = Message::new(Role::Tool, content);
+                                let mut msg = ChatTurn::new(TurnRole::Tool, content);
                                 msg.tool_call_id = tool_use_id;
                                 conv.messages.push(msg);
                             }
@@ -263,12 +263,12 @@ fn conversation(req: &mut MessagesRequest) -> Result<(Conversation, bool), ApiEr
                         }
                     }
                     if !text.is_empty() {
-                        conv.messages.push(Message::new(Role::User, text.join("\n")));
+                        conv.messages.push(ChatTurn::new(TurnRole::User, text.join("\n")));
                     }
                 }
             },
             "assistant" => {
-                let mut msg = Message::new(Role::Assistant, "");
+                let mut msg = ChatTurn::new(TurnRole::Assistant, "");
                 match m.content {
                     AContent::Text(t) => msg.content = t,
                     AContent::Blocks(blocks) => {
@@ -276,7 +276,7 @@ fn conversation(req: &mut MessagesRequest) -> Result<(Conversation, bool), ApiEr
                             match b.kind.as_str() {
                                 "text" => msg.content.push_str(b.text.as_deref().unwrap_or("")),
                                 "thinking" => msg.reasoning.push_str(b.thinking.as_deref().unwrap_or("")),
-                                "tool_use" | "server_tool_use" => msg.tool_calls.push(ToolCall {
+                                "tool_use" | "server_tool_use" => msg.tool_calls.push(TurnToolCall {
                                     id: b.id.unwrap_or_else(|| new_id("toolu_")),
                                     name: b.name.unwrap_or_default(),
                                     arguments: b.input.unwrap_or_else(|| json!({})).to_string(),

@@ -22,7 +22,7 @@ use serde_json::{json, Value};
 use crate::api::errors::{ApiError, Flavor};
 use crate::api::{content, max_tokens, models, now_unix, parse_json, sampling, stop_strings, OneOrMany};
 use crate::generate::{new_id, Finish, GenEvent, GenOptions, Generation, Usage};
-use crate::model::{Conversation, Message, Role, ToolCall, ToolSpec};
+use crate::model::{ChatTurn, Conversation, ToolSpec, TurnRole, TurnToolCall};
 use crate::response::{json_response, sse_response, Body};
 use crate::sse;
 use crate::state::AppState;
@@ -138,18 +138,18 @@ pub fn conversation(req: &mut ChatRequest) -> Result<Conversation, ApiError> {
     for (i, m) in std::mem::take(&mut req.messages).into_iter().enumerate() {
         let at = format!("messages[{i}].content");
         let role = match m.role.as_str() {
-            "system" | "developer" => Role::System,
-            "user" => Role::User,
-            "assistant" => Role::Assistant,
-            "tool" | "function" => Role::Tool,
+            "system" | "developer" => TurnRole::System,
+            "user" => TurnRole::User,
+            "assistant" => TurnRole::Assistant,
+            "tool" | "function" => TurnRole::Tool,
             other => return Err(ApiError::param(&format!("messages[{i}].role"), format!("unknown role `{other}`"))),
         };
-        let mut msg = Message::new(role, content_text(m.content, &at)?);
+        let mut msg = ChatTurn::new(role, content_text(m.content, &at)?);
         msg.reasoning = m.reasoning_content.unwrap_or_default();
         msg.tool_call_id = m.tool_call_id;
         for c in m.tool_calls.unwrap_or_default() {
             let id = c.id.unwrap_or_else(|| new_id("call_"));
-            msg.tool_calls.push(ToolCall {
+            msg.tool_calls.push(TurnToolCall {
                 id,
                 name: c.function.name,
                 arguments: arguments_text(c.function.arguments),
@@ -197,7 +197,7 @@ fn finish_str(f: Finish) -> &'static str {
     }
 }
 
-fn tool_call_json(c: &ToolCall) -> Value {
+fn tool_call_json(c: &TurnToolCall) -> Value {
     json!({"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}})
 }
 

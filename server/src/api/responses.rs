@@ -39,7 +39,7 @@ use serde_json::{json, Value};
 use crate::api::errors::ApiError;
 use crate::api::{content, max_tokens, models, now_unix, parse_json, sampling};
 use crate::generate::{new_id, Finish, GenEvent, GenOptions, Generation, Usage};
-use crate::model::{Conversation, Message, Role, ToolCall, ToolSpec};
+use crate::model::{ChatTurn, Conversation, ToolSpec, TurnRole, TurnToolCall};
 use crate::response::{json_response, sse_response, Body};
 use crate::sse;
 use crate::state::AppState;
@@ -136,7 +136,7 @@ fn forced(choice: Option<&Value>) -> Option<Force> {
 fn conversation(req: &mut ResponsesRequest) -> Result<(Conversation, ToolRules), ApiError> {
     let mut conv = Conversation::default();
     if let Some(i) = req.instructions.take().filter(|i| !i.is_empty()) {
-        conv.messages.push(Message::new(Role::System, i));
+        conv.messages.push(ChatTurn::new(TurnRole::System, i));
     }
     let items = match std::mem::replace(&mut req.input, Input::Items(Vec::new())) {
         Input::Text(t) => vec![json!({"type": "message", "role": "user", "content": t})],
@@ -151,9 +151,9 @@ fn conversation(req: &mut ResponsesRequest) -> Result<(Conversation, ToolRules),
         let kind = str_field(item, "type").unwrap_or(if item.get("role").is_some() { "message" } else { "" });
         let last_assistant = |conv: &mut Conversation| -> usize {
             match conv.messages.last() {
-                Some(m) if m.role == Role::Assistant => conv.messages.len() - 1,
+                Some(m) if m.role == TurnRole::Assistant => conv.messages.len() - 1,
                 _ => {
-                    conv.messages.push(Message::new(Role::Assistant, ""));
+                    conv.messages.push(ChatTurn::new(TurnRole::Assistant, ""));
                     conv.messages.len() - 1
                 }
             }
@@ -161,17 +161,17 @@ fn conversation(req: &mut ResponsesRequest) -> Result<(Conversation, ToolRules),
         match kind {
             "message" => {
                 let role = match str_field(item, "role") {
-                    Some("system" | "developer") => Role::System,
-                    Some("user") => Role::User,
-                    Some("assistant") => Role::Assistant,
+                    Some("system" | "developer") => TurnRole::System,
+                    Some("user") => TurnRole::User,
+                    Some("assistant") => TurnRole::Assistant,
                     Some(other) => {
                         return Err(ApiError::param(&format!("{at}.role"), format!("unknown role `{other}`")));
                     }
                     None => return Err(ApiError::param(&format!("{at}.role"), "a message needs a string `role`")),
                 };
                 let text = text_of(item.get("content").unwrap_or(&Value::Null), &format!("{at}.content"))?;
-                let mut m = Message::new(role, text);
-                if role == Role::Assistant {
+                let mut m = ChatTurn::new(role, text);
+                if role == TurnRole::Assistant {
                     m.reasoning = std::mem::take(&mut pending_reasoning);
                 }
                 conv.messages.push(m);
@@ -188,7 +188,7 @@ fn conversation(req: &mut ResponsesRequest) -> Result<(Conversation, ToolRules),
                 if m.reasoning.is_empty() {
                     m.reasoning = std::mem::take(&mut pending_reasoning);
                 }
-                m.tool_calls.push(ToolCall { id, name, arguments });
+                m.tool_calls.push(TurnToolCall { id, name, arguments });
             }
             "function_call_output" | "custom_tool_call_output" => {
                 let output = match item.get("output") {
@@ -197,7 +197,7 @@ fn conversation(req: &mut ResponsesRequest) -> Result<(Conversation, ToolRules),
                     Some(other) => other.to_string(),
                     None => String::new(),
                 };
-                let mut m = Message::new(Role::Tool, output);
+                let mut m = ChatTurn::new(TurnRole::Tool, output);
                 m.tool_call_id = str_field(item, "call_id").map(str::to_string);
                 conv.messages.push(m);
             }
@@ -215,7 +215,7 @@ fn conversation(req: &mut ResponsesRequest) -> Result<(Conversation, ToolRules),
             _ => {} // item types this server does not use (web_search_call, compaction, …)
         }
     }
-    if !conv.messages.iter().any(|m| m.role != Role::System) {
+    if !conv.messages.iter().any(|m| m.role != TurnRole::System) {
         return Err(ApiError::param("input", "input must contain at least one user message"));
     }
     let hide_tools = matches!(&req.tool_choice, Some(Value::String(s)) if s == "none");
@@ -365,18 +365,18 @@ fn message_item(id: &str, text: &str, status: &str) -> Value {
     json!({"type": "message", "id": id, "status": status, "role": "assistant", "content": content})
 }
 
-fn call_item(id: &str, c: &ToolCall, arguments: &str, status: &str) -> Value {
+fn call_item(id: &str, c: &TurnToolCall, arguments: &str, status: &str) -> Value {
     json!({"type": "function_call", "id": id, "call_id": c.id, "name": c.name, "arguments": arguments,
         "status": status})
 }
 
-fn custom_item(id: &str, c: &ToolCall, input: &str, status: &str) -> Value {
+fn custom_item(id: &str, c: &TurnToolCall, input: &str, status: &str) -> Value {
     json!({"type": "custom_tool_call", "id": id, "call_id": c.id, "name": c.name, "input": input, "status": status})
 }
 
 /// The output item of a finished call: `custom_tool_call` (with the raw input) for a custom tool, else
 /// `function_call`.
-fn finished_call_item(c: &ToolCall, rules: &ToolRules) -> Value {
+fn finished_call_item(c: &TurnToolCall, rules: &ToolRules) -> Value {
     match rules.custom(&c.name) {
         Some(_) => custom_item(&new_id("ctc_"), c, &custom_input(&c.arguments), "completed"),
         None => call_item(&new_id("fc_"), c, &c.arguments, "completed"),
@@ -573,7 +573,7 @@ impl Writer {
         ok
     }
 
-    async fn call(&mut self, c: &ToolCall) -> bool {
+    async fn call(&mut self, c: &TurnToolCall) -> bool {
         if !self.close_open().await {
             return false;
         }
@@ -609,7 +609,7 @@ impl Writer {
     }
 
     /// A custom tool's call: `custom_tool_call` with its raw input (`response.custom_tool_call_input.delta/done`).
-    async fn custom_call(&mut self, c: &ToolCall) -> bool {
+    async fn custom_call(&mut self, c: &TurnToolCall) -> bool {
         let id = new_id("ctc_");
         let i = self.output.len();
         let input = custom_input(&c.arguments);

@@ -42,7 +42,7 @@ use parked::Parked;
 
 /// Why generation stopped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StopReason {
+pub enum JobStopReason {
     /// The model produced an end-of-sequence token.
     Eos,
     /// `max_tokens` or the context size was reached.
@@ -58,7 +58,7 @@ pub enum JobEvent {
         cached_tokens: usize,
     },
     Token(u32),
-    Done(StopReason),
+    Done(JobStopReason),
     Error(String),
 }
 
@@ -358,7 +358,7 @@ impl Worker {
         let a = self.active.swap_remove(idx);
         let outcome = match &event {
             None => Outcome::Cancelled,
-            Some(JobEvent::Done(StopReason::Length)) => Outcome::Length,
+            Some(JobEvent::Done(JobStopReason::Length)) => Outcome::Length,
             Some(JobEvent::Error(_)) => Outcome::Error,
             Some(_) => Outcome::Stop,
         };
@@ -529,13 +529,13 @@ impl Worker {
             sampled += 1;
             self.metrics.completion_tokens.fetch_add(1, Ordering::Relaxed);
             if a.job.eos.contains(&token) {
-                finished.push((i, JobEvent::Done(StopReason::Eos)));
+                finished.push((i, JobEvent::Done(JobStopReason::Eos)));
                 continue;
             }
             let _ = a.job.events.send(JobEvent::Token(token));
             a.tokens.push(token);
             if a.generated >= a.job.max_tokens || a.tokens.len() >= self.config.context_size {
-                finished.push((i, JobEvent::Done(StopReason::Length)));
+                finished.push((i, JobEvent::Done(JobStopReason::Length)));
             }
         }
         self.metrics.recent.add_tokens(prefilled, sampled);

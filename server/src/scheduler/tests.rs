@@ -42,7 +42,7 @@ fn generates_and_reuses_the_prefix() {
     let (ev, text) = collect(&mut rx);
     assert_eq!(text, "Hello! You said: hello.");
     assert_eq!(ev[0], JobEvent::Started { prompt_tokens: p1.len(), cached_tokens: 0 });
-    assert_eq!(ev.last().unwrap(), &JobEvent::Done(StopReason::Eos));
+    assert_eq!(ev.last().unwrap(), &JobEvent::Done(JobStopReason::Eos));
     // The follow-up carries the whole history: everything before its new turn comes from the parked session.
     let mut p2 = p1.clone();
     p2.extend(FakeCodec.encode("Hello! You said: hello.<|end|>\n<|user|>again\n<|assistant|>").unwrap());
@@ -119,7 +119,7 @@ fn max_tokens_and_context_limits() {
     s.submit(j).unwrap();
     let (ev, text) = collect(&mut rx);
     assert_eq!(text, "Hel");
-    assert_eq!(ev.last().unwrap(), &JobEvent::Done(StopReason::Length));
+    assert_eq!(ev.last().unwrap(), &JobEvent::Done(JobStopReason::Length));
     let (j, mut rx) = job(prompt(&"x".repeat(50)), 3);
     s.submit(j).unwrap();
     let (ev, _) = collect(&mut rx);
@@ -127,7 +127,7 @@ fn max_tokens_and_context_limits() {
     let (j, mut rx) = job(prompt("a long answer"), 1000);
     s.submit(j).unwrap();
     let (ev, text) = collect(&mut rx);
-    assert_eq!(ev.last().unwrap(), &JobEvent::Done(StopReason::Length));
+    assert_eq!(ev.last().unwrap(), &JobEvent::Done(JobStopReason::Length));
     assert_eq!(text.len() + prompt("a long answer").len(), 40);
     s.shutdown();
 }
