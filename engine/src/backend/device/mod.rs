@@ -8,8 +8,8 @@
 //!   tables, the compressor frontiers and the roll-back log), upload, download, fork ([`kv::SlotKv::duplicate`]:
 //!   pages and log chunks shared, only the ring and frontiers copied), roll back from the log
 //!   ([`kv::SlotKv::rollback`]), and the mirrors of a backend by batch slot ([`kv::DevKv`]).
-//! - `mock` (unit tests only): a host-memory [`DeviceMem`] (commands recorded and run at submit, like a device queue) on which the
-//!   layer's page-table, fork and roll-back logic is tested without a GPU.
+//! - `mock` (unit tests only): a host-memory [`DeviceMem`] (commands recorded and run at submit, like a device
+//!   queue) on which the layer's page-table, fork and roll-back logic is tested without a GPU.
 //!
 //! A backend implements [`DeviceMem`] (wgpu: `backend::wgpu::devmem`) and keeps a [`kv::DevKv`] of its own
 //! device type; its attention kernels read the rings, tables and pools directly. What the trait asks for is what
