@@ -1,5 +1,6 @@
 //! [`Sampler`]: one logits row → one token id. See the module doc of [`crate::sampler`] for the order of operations.
 
+use std::borrow::Cow;
 use std::collections::{HashMap, HashSet, VecDeque};
 
 use super::rng::Rng;
@@ -208,18 +209,11 @@ impl Sampler {
     /// Like [`Sampler::sample`]; `force_greedy` takes the argmax (e.g. while the output parser is inside DSML
     /// syntax, see `chat::StreamParser::in_tool_syntax`).
     pub fn sample_with(&mut self, logits: &[f32], force_greedy: bool) -> Result<u32> {
-        let penalized;
-        let logits = if self.has_penalties() && !self.counts.is_empty() {
-            penalized = self.penalize(logits);
-            &penalized[..]
-        } else {
-            logits
-        };
-        let best = argmax(logits).ok_or_else(|| Error::InvalidArgument("logits row has no finite value".into()))?;
+        let (logits, best) = self.penalized(logits)?;
         if force_greedy || self.cfg.temperature == 0.0 || self.structural.contains(&best) {
             return Ok(best);
         }
-        let dist = filtered_distribution(logits, &self.cfg)?;
+        let dist = filtered_distribution(&logits, &self.cfg)?;
         let u = self.rng.next_f64();
         let mut acc = 0.0;
         for &(id, p) in &dist {
@@ -248,18 +242,22 @@ impl Sampler {
     /// a point mass on the argmax at temperature 0 or when the argmax is a structural id, else
     /// [`filtered_distribution`].
     pub fn distribution(&self, logits: &[f32]) -> Result<Vec<(u32, f64)>> {
-        let penalized;
-        let logits = if self.has_penalties() && !self.counts.is_empty() {
-            penalized = self.penalize(logits);
-            &penalized[..]
-        } else {
-            logits
-        };
-        let best = argmax(logits).ok_or_else(|| Error::InvalidArgument("logits row has no finite value".into()))?;
+        let (logits, best) = self.penalized(logits)?;
         if self.cfg.temperature == 0.0 || self.structural.contains(&best) {
             return Ok(vec![(best, 1.0)]);
         }
-        filtered_distribution(logits, &self.cfg)
+        filtered_distribution(&logits, &self.cfg)
+    }
+
+    /// The logits with the penalties applied (borrowed when there are none) and their argmax.
+    fn penalized<'a>(&self, logits: &'a [f32]) -> Result<(Cow<'a, [f32]>, u32)> {
+        let logits: Cow<'a, [f32]> = if self.has_penalties() && !self.counts.is_empty() {
+            Cow::Owned(self.penalize(logits))
+        } else {
+            Cow::Borrowed(logits)
+        };
+        let best = argmax(&logits).ok_or_else(|| Error::InvalidArgument("logits row has no finite value".into()))?;
+        Ok((logits, best))
     }
 
     /// Speculative verification of one drafted id against the target's logits row at its position, for a
