@@ -520,6 +520,20 @@ async fn compile(state: &Arc<AppState>, factory: &ConstraintFactory, spec: Gramm
     compiled.map_err(|e| e.0)
 }
 
+/// Checks a forced call against the offered tools (chat and messages: every tool they offer is a function tool):
+/// a forced call with no tool offered, or naming a tool that is not offered, is a 400 on `param`.
+pub fn check_force(force: Option<Force>, tools: &[ToolSpec], param: &str) -> Result<Option<Force>, ApiError> {
+    match force {
+        Some(Force::Any) if tools.is_empty() => {
+            Err(ApiError::param(param, "tool_choice asks for a tool call, but no tool is offered"))
+        }
+        Some(Force::Tool(n)) if !tools.iter().any(|t| t.name == n) => {
+            Err(ApiError::param(param, format!("tool_choice names `{n}`, which is not an offered tool")))
+        }
+        f => Ok(f),
+    }
+}
+
 /// [`plan`] with custom tools and a forced call ([`ToolRules`]).
 pub async fn plan_with(
     state: &Arc<AppState>,

@@ -3,7 +3,9 @@
 //! Accepted: `system` (string or blocks), `messages` (user / assistant, and the `role: "system"` turn Claude Code
 //! puts inside `messages` — kept as a system message; the renderer folds one that follows a user turn into that
 //! turn), `tools` (custom tools; `type`d server tools are skipped; `defer_loading: true` tools stay out of the tool
-//! list until a `tool_reference` in a tool result loads them), `tool_choice` (`{"type":"none"}` hides tools),
+//! list until a `tool_reference` in a tool result loads them), `tool_choice` (`{"type":"none"}` hides tools;
+//! `{"type":"any"}` or `{"type":"tool","name":…}` forces a call, a name not offered is a 400;
+//! `disable_parallel_tool_use: true` allows one call),
 //! `thinking` (`enabled`/`adaptive` turn reasoning on; `display: "omitted"` keeps it out of the answer),
 //! `max_tokens`, `temperature`, `top_p`, `top_k`, `stop_sequences`, `stream`, `output_config.format` (or the older
 //! beta `output_format`) and `tools[].strict` (structured outputs: the JSON arrives as the text block, see
@@ -369,6 +371,17 @@ pub async fn count_tokens(state: Arc<AppState>, _h: HeaderMap, body: Bytes) -> R
     Ok(json_response(200, &json!({"input_tokens": n})))
 }
 
+/// `tool_choice` as a forced call: `{"type": "any"}`, or `{"type": "tool", "name": …}`.
+fn forced(choice: Option<&Value>) -> Option<crate::structured::Force> {
+    use crate::structured::Force;
+    let c = choice?;
+    match c.get("type").and_then(Value::as_str)? {
+        "any" => Some(Force::Any),
+        "tool" => c.get("name").and_then(Value::as_str).map(|n| Force::Tool(n.to_string())),
+        _ => None,
+    }
+}
+
 /// `POST /v1/messages`.
 pub async fn handle(state: Arc<AppState>, _headers: HeaderMap, body: Bytes) -> Result<Response<Body>, ApiError> {
     let (req, conv, show_thinking, opts, format, strict) = prepare(&state, &body)?;
@@ -384,7 +397,15 @@ pub async fn handle(state: Arc<AppState>, _headers: HeaderMap, body: Bytes) -> R
     } else {
         "output_format"
     };
-    let constraint = crate::structured::plan(&state, format, format_param, &conv.tools, &strict, conv.thinking).await?;
+    let choice = req.tool_choice.as_ref();
+    let rules = crate::structured::ToolRules {
+        strict,
+        force: crate::structured::check_force(forced(choice), &conv.tools, "tool_choice")?,
+        single: choice.and_then(|c| c.get("disable_parallel_tool_use")).and_then(Value::as_bool) == Some(true),
+        ..Default::default()
+    };
+    let constraint =
+        crate::structured::plan_with(&state, format, format_param, &conv.tools, &rules, conv.thinking).await?;
     let gen = Generation::start(&state, tokens, GenOptions { thinking: conv.thinking, constraint, ..opts })?;
     let id = new_id("msg_");
     if !req.stream.unwrap_or(false) {

@@ -2,7 +2,9 @@
 //!
 //! Accepted: `messages` (system/developer/user/assistant/tool; content as a string or parts: text parts as they are,
 //! `image_url` / `input_audio` / `file` parts as short notes, see [`crate::api::content`]), `tools`
-//! (function tools; other types are skipped), `tool_choice` (`"none"` hides the tools, anything else is accepted),
+//! (function tools; other types are skipped), `tool_choice` (`"none"` hides the tools; `"required"` or
+//! `{"type": "function", "function": {"name": …}}` forces a call of an offered tool or that one, a name not offered
+//! is a 400), `parallel_tool_calls` (`false`: at most one call),
 //! `stream`, `stream_options.include_usage`, `max_tokens`/`max_completion_tokens`, `temperature`, `top_p`, `top_k`,
 //! `seed`, `stop`, `n` (1 only), `reasoning_effort` / `thinking` (turn reasoning on), `response_format` and
 //! `tools[].function.strict` (structured outputs, see [`crate::structured`]). Unknown fields are ignored.
@@ -33,6 +35,7 @@ pub struct ChatRequest {
     pub messages: Vec<ChatMessage>,
     pub tools: Option<Vec<ChatTool>>,
     pub tool_choice: Option<Value>,
+    pub parallel_tool_calls: Option<bool>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
     pub max_tokens: Option<u64>,
@@ -130,6 +133,18 @@ fn arguments_text(v: Option<Value>) -> String {
 }
 
 /// Convert the request into a conversation (tool-call memory is applied by the caller).
+/// `tool_choice` as a forced call: `"required"`, or `{"type": "function", "function": {"name": …}}`.
+fn forced(choice: Option<&Value>) -> Option<crate::structured::Force> {
+    use crate::structured::Force;
+    match choice? {
+        Value::String(s) if s == "required" => Some(Force::Any),
+        v @ Value::Object(_) if v.get("type").and_then(Value::as_str) == Some("function") => {
+            v.get("function").and_then(|f| f.get("name")).and_then(Value::as_str).map(|n| Force::Tool(n.to_string()))
+        }
+        _ => None,
+    }
+}
+
 pub fn conversation(req: &mut ChatRequest) -> Result<Conversation, ApiError> {
     if req.messages.is_empty() {
         return Err(ApiError::param("messages", "messages must not be empty"));
@@ -229,8 +244,14 @@ pub async fn handle(state: Arc<AppState>, _headers: HeaderMap, body: Bytes) -> R
     let mut conv = conversation(&mut req)?;
     state.tools.restore(&mut conv);
     let tokens = crate::api::prompt_tokens(&state, &conv, "messages").await?;
+    let rules = crate::structured::ToolRules {
+        strict,
+        force: crate::structured::check_force(forced(req.tool_choice.as_ref()), &conv.tools, "tool_choice")?,
+        single: req.parallel_tool_calls == Some(false),
+        ..Default::default()
+    };
     let constraint =
-        crate::structured::plan(&state, format, "response_format", &conv.tools, &strict, conv.thinking).await?;
+        crate::structured::plan_with(&state, format, "response_format", &conv.tools, &rules, conv.thinking).await?;
     let gen = Generation::start(&state, tokens, GenOptions { thinking: conv.thinking, constraint, ..opts })?;
     let id = new_id("chatcmpl-");
     let created = now_unix();
