@@ -19,7 +19,7 @@
 //! * **A forced call** ([`Force`]: `tool_choice` `"required"` or naming a tool): the answer is a tool-call block
 //!   right away (at most two newlines before it), calling only the named tool when one is named.
 //! * **One call** ([`ToolRules::single`], `parallel_tool_calls: false`): the block holds one invoke.
-//! * **Thinking**: the constraint starts after `</think>` ([`JobConstraint::trigger`]); reasoning is free.
+//! * **Thinking**: the constraint starts after `</think>` (`JobConstraint::trigger`); reasoning is free.
 //!
 //! A user Lark grammar replaces the whole answer (tools are not offered through it). Bad schemas and grammars are
 //! 400s naming the problem; compilation runs on the blocking pool and is bounded by llguidance's limits. A custom

@@ -30,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 BIN = os.environ.get("DS4_SERVER_BIN", os.path.join(ROOT, "target", "debug", "ds4-server"))
 MODEL = "deepseek-v4-flash"
 MAX_TOKENS = 300
-N_SCHEMAS = int(os.environ.get("DS4_STRUCTURED_SCHEMAS", "64"))
+N_SCHEMAS = int(os.environ.get("DS4_STRUCTURED_SCHEMAS", "300"))
 
 
 def free_port():

@@ -30,8 +30,8 @@
 //! images, `host_budget_bytes`), or are refused with [`KvError::DiskOff`] when that budget is 0. Eviction: see
 //! [`crate::policy`].
 //!
-//! Files: this one holds the store, its index, saving, lookups and loads; [`types`] the public data types,
-//! [`exchange`] entries as self-validating blobs (export / import, for the remote tier), [`eviction`] the budgets
+//! Files: this one holds the store, its index, saving, lookups and loads; `types` the public data types,
+//! `exchange` entries as self-validating blobs (export / import, for the remote tier), `eviction` the budgets
 //! and the pins of live sessions.
 
 use std::collections::HashMap;

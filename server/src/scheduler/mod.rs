@@ -8,7 +8,7 @@
 //! holds), then sample for every session whose fed tokens are all processed ([`Runner::pending`] is 0). A decoding
 //! session therefore gets a token every tick, however long another session's prompt is.
 //!
-//! Prefix reuse and the RAM KV tier (parked sessions, their lookup and eviction) live in [`parked`].
+//! Prefix reuse and the RAM KV tier (parked sessions, their lookup and eviction) live in `parked`.
 //!
 //! Every finished job (done, cancelled or failed) leaves a [`RequestRecord`] — counts and timings, no text — in
 //! the metrics' ring of recent requests, and every tick adds its prompt and generated tokens to the throughput
