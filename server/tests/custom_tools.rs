@@ -5,28 +5,9 @@
 
 mod common;
 
-use std::sync::Arc;
-
-use common::{Options, TestServer};
-use ds4_server::engine::{load, LoadOptions};
+use common::{demo_server, Options, TestServer};
 use ds4_server::fake_script::Script;
-use ds4_server::scheduler::SchedulerConfig;
-use ds4_server::{build_state, Limits};
 use serde_json::{json, Value};
-
-fn demo_server() -> TestServer {
-    let opts = LoadOptions {
-        backend: ds4_engine::engine::BackendKind::Cpu,
-        ctx: 2048,
-        max_batch_tokens: 256,
-        max_sessions: 16,
-        active_sessions: 4,
-        demo_seed: 1,
-    };
-    let (runner, codec, info) = load(None, &opts).expect("demo model");
-    let config = SchedulerConfig { max_active: 4, prefill_chunk: 128, ..SchedulerConfig::default() };
-    TestServer::on(build_state(Box::new(runner), Arc::new(codec), info, config, Limits::default()))
-}
 
 /// A small patch language, bounded (so that noise has to finish it): one or two hunks of one to three lines.
 const PATCH: &str = r#"start: "*** Begin Patch\n" hunk hunk? "*** End Patch\n"

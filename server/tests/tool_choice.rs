@@ -6,27 +6,8 @@
 
 mod common;
 
-use std::sync::Arc;
-
-use common::TestServer;
-use ds4_server::engine::{load, LoadOptions};
-use ds4_server::scheduler::SchedulerConfig;
-use ds4_server::{build_state, Limits};
+use common::demo_server;
 use serde_json::{json, Value};
-
-fn demo_server() -> TestServer {
-    let opts = LoadOptions {
-        backend: ds4_engine::engine::BackendKind::Cpu,
-        ctx: 2048,
-        max_batch_tokens: 256,
-        max_sessions: 16,
-        active_sessions: 4,
-        demo_seed: 1,
-    };
-    let (runner, codec, info) = load(None, &opts).expect("demo model");
-    let config = SchedulerConfig { max_active: 4, prefill_chunk: 128, ..SchedulerConfig::default() };
-    TestServer::on(build_state(Box::new(runner), Arc::new(codec), info, config, Limits::default()))
-}
 
 /// Each tool's one argument and the values its schema allows.
 const TOOLS: [(&str, &str, [&str; 2]); 2] =

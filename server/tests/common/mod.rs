@@ -232,3 +232,19 @@ pub fn replay(server: &TestServer, fixture: &Value) -> Reply {
     let body = fixture["body"].to_string();
     request(server.addr, fixture["method"].as_str().unwrap(), fixture["path"].as_str().unwrap(), &h, body.as_bytes())
 }
+
+/// A server on the demo model (random weights, the real tokenizer, DSML template and parser): its free output is
+/// noise, so whatever structure comes back was made by a constraint.
+pub fn demo_server() -> TestServer {
+    let opts = ds4_server::engine::LoadOptions {
+        backend: ds4_engine::engine::BackendKind::Cpu,
+        ctx: 2048,
+        max_batch_tokens: 256,
+        max_sessions: 16,
+        active_sessions: 4,
+        demo_seed: 1,
+    };
+    let (runner, codec, info) = ds4_server::engine::load(None, &opts).expect("demo model");
+    let config = SchedulerConfig { max_active: 4, prefill_chunk: 128, ..SchedulerConfig::default() };
+    TestServer::on(build_state(Box::new(runner), Arc::new(codec), info, config, Limits::default()))
+}
