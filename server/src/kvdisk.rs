@@ -142,14 +142,19 @@ impl DiskTier {
         if st.corrupt_at_open > 0 {
             tracing::warn!(removed = st.corrupt_at_open, "corrupt KV files removed at start");
         }
-        Ok(DiskTier {
+        Ok(DiskTier::over(store))
+    }
+
+    /// A tier over `store`, with no remote tier yet and nothing saved.
+    fn over(store: KvStore) -> DiskTier {
+        DiskTier {
             store: std::sync::Arc::new(store),
             remote: None,
             policy: SavePolicy::default(),
             saved_at: HashMap::new(),
             save_errors: 0,
             restore_errors: 0,
-        })
+        }
     }
 
     /// A local tier without a disk (`--no-kv-disk` with `--kv-remote`): entries live in memory (`memory_bytes`,
@@ -158,14 +163,7 @@ impl DiskTier {
         let opts = ds4_kv::KvOptions { host_budget_bytes: memory_bytes.max(1), ..persist::kv_options(engine, 256, 0) };
         let store = KvStore::in_memory(persist::model_identity(engine), opts).map_err(|e| e.to_string())?;
         tracing::info!(budget = memory_bytes, span = store.span_tokens(), "KV memory tier ready (no disk tier)");
-        Ok(DiskTier {
-            store: std::sync::Arc::new(store),
-            remote: None,
-            policy: SavePolicy::default(),
-            saved_at: HashMap::new(),
-            save_errors: 0,
-            restore_errors: 0,
-        })
+        Ok(DiskTier::over(store))
     }
 
     /// Adds the shared tier on Redis behind this one (see [`crate::kvremote`]).

@@ -269,25 +269,7 @@ def test_claude_code(fake_server, tmp_path):
 def test_codex(fake_server, tmp_path):
     codex = client("codex")
     home, repo = scratch(tmp_path, "codex")
-    (home / ".codex").mkdir()
-    (home / ".codex" / "config.toml").write_text(
-        f"""model = "{MODEL}"
-model_provider = "ds4"
-
-[model_providers.ds4]
-name = "ds4"
-base_url = "{fake_server.base}/v1"
-env_key = "DS4_API_KEY"
-wire_api = "responses"
-
-[analytics]
-enabled = false
-
-[feedback]
-enabled = false
-"""
-    )
-    env = {"HOME": str(home), "CODEX_HOME": str(home / ".codex"), "DS4_API_KEY": "dummy"}
+    env = codex_home(home, fake_server.base)
     flags = ["--json", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox"]
     p = run([codex, "exec", *flags, "RUN THE TOOL please"], repo, env)
     assert p.returncode == 0, f"stdout: {p.stdout}\nstderr: {p.stderr}"
