@@ -25,7 +25,7 @@ use std::path::Path;
 use crate::backend::{Activations, Backend, RopeSet, StepCtx};
 use crate::exec::Executor;
 use crate::gguf::GgufFile;
-use crate::graph::{Batch, Graph};
+use crate::graph::{Batch, BufId, Graph};
 use crate::model::{Model, ModelConfig};
 use crate::tables::{PageLedger, SessionId, SessionKv, SessionSnapshot, SessionTable};
 use crate::{Error, Result};
@@ -136,7 +136,11 @@ impl Engine {
 
     /// Builds an engine on an already opened (possibly in-memory) GGUF file.
     pub fn from_gguf(file: GgufFile, opts: EngineOptions) -> Result<Engine> {
-        let model = Model::load(file)?;
+        Engine::from_model(Model::load(file)?, opts)
+    }
+
+    /// Builds an engine on a loaded model (e.g. the MTP drafter of another engine's file, [`Model::load_mtp`]).
+    pub fn from_model(model: Model, opts: EngineOptions) -> Result<Engine> {
         let backend_opts = crate::backend::BackendOptions { threads: opts.threads, f32_acts: opts.f32_acts };
         let backend = crate::backend::registry::create(opts.backend, &backend_opts)?;
         if opts.max_batch_tokens == 0 {
@@ -266,8 +270,64 @@ impl Engine {
         Ok(())
     }
 
-    /// Queues tokens for a session (processed by the next ticks).
+    /// Keeps the final streams (after the last layer, before the head: `hc·d` values) of the last `rows`
+    /// positions the session processes from now on, until [`Engine::take_hidden`] — what the MTP drafter reads.
+    /// 0 turns it off.
+    pub fn set_keep_hidden(&mut self, id: SessionId, rows: usize) -> Result<()> {
+        let s = self.slot(id)?;
+        self.sessions.keep_hidden[s] = rows;
+        if rows == 0 {
+            self.sessions.hidden[s].1.clear();
+        }
+        Ok(())
+    }
+
+    /// Takes the final streams kept since the last call ([`Engine::set_keep_hidden`]): the position of the first
+    /// row and the rows (`[n, hc·d]`). Rows of positions a roll back removed are gone.
+    pub fn take_hidden(&mut self, id: SessionId) -> Result<(usize, Vec<f32>)> {
+        let s = self.slot(id)?;
+        let pos = self.sessions.pos[s];
+        let rows = std::mem::take(&mut self.sessions.hidden[s].1);
+        let hcd = self.model.config.hc_dim();
+        let from = pos - rows.len() / hcd;
+        self.sessions.hidden[s].0 = pos;
+        Ok((from, rows))
+    }
+
+    /// Queues tokens for an MTP drafter's session ([`Model::load_mtp`]) with each token's input streams
+    /// (`hidden`: `hc·d` values per token; see [`crate::graph::Op::MtpInput`]).
+    pub fn feed_with_hidden(&mut self, id: SessionId, tokens: &[u32], hidden: &[f32]) -> Result<()> {
+        let hcd = self.model.config.hc_dim();
+        if self.model.mtp_input.is_none() {
+            return Err(Error::InvalidArgument("feed_with_hidden: the model is not an MTP drafter".into()));
+        }
+        if hidden.len() != tokens.len() * hcd {
+            return Err(Error::InvalidArgument(format!(
+                "feed_with_hidden: {} input values for {} tokens of {hcd}",
+                hidden.len(),
+                tokens.len()
+            )));
+        }
+        self.feed_checked(id, tokens)?;
+        let s = self.slot(id)?;
+        self.sessions.pending_hidden[s].extend_from_slice(hidden);
+        Ok(())
+    }
+
+    /// Queues tokens for a session (processed by the next ticks). On an MTP drafter's model the tokens' input
+    /// streams are zero (as at its first position); [`Engine::feed_with_hidden`] gives them.
     pub fn feed(&mut self, id: SessionId, tokens: &[u32]) -> Result<()> {
+        self.feed_checked(id, tokens)?;
+        if self.model.mtp_input.is_some() {
+            let s = self.slot(id)?;
+            let n = tokens.len() * self.model.config.hc_dim();
+            let ph = &mut self.sessions.pending_hidden[s];
+            ph.resize(ph.len() + n, 0.0);
+        }
+        Ok(())
+    }
+
+    fn feed_checked(&mut self, id: SessionId, tokens: &[u32]) -> Result<()> {
         let s = self.slot(id)?;
         let vocab = self.model.config.vocab;
         if let Some(&t) = tokens.iter().find(|&&t| t as usize >= vocab) {
@@ -326,6 +386,15 @@ impl Engine {
         }
         tracing::debug!(rows = self.batch.rows.len(), runs = self.batch.runs.len(), "tick");
         self.act.ensure(&self.model, self.batch.rows.len(), self.batch.logit_rows.len());
+        let hcd = self.model.config.hc_dim();
+        if self.model.mtp_input.is_some() {
+            self.act.hidden_in.clear();
+            for run in &self.batch.runs {
+                self.act.hidden_in.extend_from_slice(&self.sessions.pending_hidden[run.slot][..run.len * hcd]);
+            }
+        }
+        let keep_hidden = self.batch.runs.iter().any(|r| self.sessions.keep_hidden[r.slot] > 0);
+        let mut hidden_out = std::mem::take(&mut self.act.hidden_out);
         self.kv_tmp.clear();
         for run in &self.batch.runs {
             self.kv_tmp.push(std::mem::take(&mut self.sessions.kv[run.slot]));
@@ -339,7 +408,13 @@ impl Engine {
             sim: !self.opts.exact,
         };
         crate::model::recipe::build(&mut self.graph, &self.model, &self.batch, !self.opts.exact);
-        let r = self.exec.run(&self.graph, self.backend.as_ref(), &mut cx);
+        let mut r = self.exec.run(&self.graph, self.backend.as_ref(), &mut cx);
+        if r.is_ok() && keep_hidden {
+            // The streams after the last layer are still in place (the head reads them, writes elsewhere).
+            hidden_out.resize(self.batch.rows.len() * hcd, 0.0);
+            r = self.backend.download(BufId::Streams, &mut cx, &mut hidden_out);
+        }
+        self.act.hidden_out = hidden_out;
         for (run, kv) in self.batch.runs.iter().zip(self.kv_tmp.drain(..)) {
             self.sessions.kv[run.slot] = kv;
         }
@@ -356,6 +431,12 @@ impl Engine {
                 self.sessions.history[s] = hist;
                 self.sessions.history[s].clear();
                 self.sessions.pos[s] = 0;
+                self.sessions.hidden[s] = (0, Vec::new());
+                if self.model.mtp_input.is_some() {
+                    // A drafter's input streams of its history are not kept: it starts over, empty.
+                    self.sessions.pending[s].clear();
+                    self.sessions.pending_hidden[s].clear();
+                }
                 self.sessions.logits[s].clear();
                 self.sessions.all_logits[s].clear();
             }
@@ -370,6 +451,23 @@ impl Engine {
                 self.sessions.history[s].push(row.token);
             }
             self.sessions.pending[s].drain(..run.len);
+            if !self.sessions.pending_hidden[s].is_empty() {
+                self.sessions.pending_hidden[s].drain(..run.len * hcd);
+            }
+            let cap = self.sessions.keep_hidden[s];
+            if cap > 0 {
+                let rows = &self.act.hidden_out[run.start * hcd..(run.start + run.len) * hcd];
+                let h = &mut self.sessions.hidden[s];
+                if h.1.is_empty() {
+                    h.0 = self.sessions.pos[s];
+                }
+                h.1.extend_from_slice(rows);
+                let n = h.1.len() / hcd;
+                if n > cap {
+                    h.1.drain(..(n - cap) * hcd);
+                    h.0 += n - cap;
+                }
+            }
             self.sessions.pos[s] += run.len;
             let n_out = if run.all_logits { run.len } else { 1 };
             let block = &self.act.logits[out_row * vocab..(out_row + n_out) * vocab];
@@ -453,13 +551,27 @@ impl Engine {
             )));
         }
         self.sessions.pending[s].clear();
+        self.sessions.pending_hidden[s].clear();
         if len < pos {
             self.sessions.pos[s] = len;
             self.sessions.history[s].truncate(len);
             self.sessions.logits[s].clear();
             self.sessions.all_logits[s].clear();
+            self.cut_hidden(s, len);
         }
         Ok(())
+    }
+
+    /// Drops the kept final streams of positions `len..`.
+    fn cut_hidden(&mut self, s: usize, len: usize) {
+        let hcd = self.model.config.hc_dim();
+        let h = &mut self.sessions.hidden[s];
+        if h.0 >= len {
+            h.1.clear();
+            h.0 = len;
+        } else {
+            h.1.truncate((len - h.0) * hcd);
+        }
     }
 
     /// [`Engine::rollback`] on a snapshot taken from this engine ([`Engine::snapshot`]): afterwards it is the
@@ -490,10 +602,16 @@ impl Engine {
         if len > pos {
             return Err(Error::InvalidArgument(format!("cannot truncate a session of {pos} tokens to {len}")));
         }
+        if self.model.mtp_input.is_some() && len < pos {
+            // Recomputing would need the input streams of the kept tokens, which are not kept.
+            return Err(Error::InvalidArgument("an MTP drafter's session rolls back; it cannot be truncated".into()));
+        }
         self.sessions.pending[s].clear();
+        self.sessions.pending_hidden[s].clear();
         if len == pos {
             return Ok(());
         }
+        self.cut_hidden(s, len);
         if len > 0 && self.rollback_floor(id)? < len {
             let last = self.sessions.history[s][len - 1];
             self.rollback(id, len - 1)?;
@@ -502,6 +620,7 @@ impl Engine {
         }
         let mut hist = std::mem::take(&mut self.sessions.history[s]);
         hist.truncate(len);
+        self.sessions.hidden[s] = (0, Vec::new());
         self.sessions.kv[s].clear();
         self.sessions.pos[s] = 0;
         self.sessions.logits[s].clear();

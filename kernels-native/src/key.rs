@@ -75,11 +75,12 @@ pub enum OpKind {
     MoeCombine,
     Logits,
     Readback,
+    MtpInput,
 }
 
 impl OpKind {
     /// Every kind, indexed by its discriminant.
-    pub const ALL: [OpKind; 22] = [
+    pub const ALL: [OpKind; 23] = [
         OpKind::Embed,
         OpKind::RmsNorm,
         OpKind::MatMul,
@@ -102,6 +103,7 @@ impl OpKind {
         OpKind::MoeCombine,
         OpKind::Logits,
         OpKind::Readback,
+        OpKind::MtpInput,
     ];
 
     /// The kind's snake-case name (what op timings and placement reports print).
@@ -130,6 +132,7 @@ impl OpKind {
             MoeCombine => "moe_combine",
             Logits => "logits",
             Readback => "readback",
+            MtpInput => "mtp_input",
         }
     }
 }

@@ -36,6 +36,12 @@ use crate::Result;
 pub struct Activations {
     /// `[logit_rows, vocab]`.
     pub logits: Vec<f32>,
+    /// Host input of [`crate::graph::Op::MtpInput`]: `[rows, hc·d]`, each row's input streams (filled by the
+    /// engine from what its caller queued; empty for the target model).
+    pub hidden_in: Vec<f32>,
+    /// The tick's final streams `[rows, hc·d]` (after the last layer, before the head), for the sessions that
+    /// keep them ([`crate::engine::Engine::set_keep_hidden`]); filled by the engine after the tick.
+    pub hidden_out: Vec<f32>,
 }
 
 impl Activations {

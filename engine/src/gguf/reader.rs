@@ -60,10 +60,11 @@ fn mem_available() -> Option<u64> {
     kib.checked_mul(1024)
 }
 
-/// Where a file's bytes live.
+/// Where a file's bytes live (shared by [`GgufFile::share`]d handles).
+#[derive(Clone)]
 enum Backing {
-    Mmap(memmap2::Mmap),
-    Owned(Vec<u8>),
+    Mmap(std::sync::Arc<memmap2::Mmap>),
+    Owned(std::sync::Arc<Vec<u8>>),
 }
 
 impl Backing {
@@ -236,7 +237,7 @@ impl GgufFile {
         // truncating the file while it is mapped would be undefined behaviour, as with every mmap-based model
         // loader; model files are treated as immutable while in use.
         let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
-        Self::parse(Backing::Mmap(mmap), Some(path.to_path_buf()))
+        Self::parse(Backing::Mmap(std::sync::Arc::new(mmap)), Some(path.to_path_buf()))
     }
 
     /// Pre-faults the mapping where the file fits in memory (see the module docs; a no-op for a file held in memory).
@@ -247,9 +248,25 @@ impl GgufFile {
         }
     }
 
+    /// A second handle on the same bytes (the mapping or the buffer is shared, not copied; the parsed metadata is
+    /// copied): a model made of some of the file's tensors (the MTP drafter) keeps the file alive on its own.
+    pub fn share(&self) -> GgufFile {
+        GgufFile {
+            path: self.path.clone(),
+            backing: self.backing.clone(),
+            version: self.version,
+            alignment: self.alignment,
+            data_offset: self.data_offset,
+            metadata: self.metadata.clone(),
+            meta_index: self.meta_index.clone(),
+            tensors: self.tensors.clone(),
+            tensor_index: self.tensor_index.clone(),
+        }
+    }
+
     /// Parses and validates a file held in memory.
     pub fn from_bytes(bytes: Vec<u8>) -> Result<Self> {
-        Self::parse(Backing::Owned(bytes), None)
+        Self::parse(Backing::Owned(std::sync::Arc::new(bytes)), None)
     }
 
     fn parse(backing: Backing, path: Option<PathBuf>) -> Result<Self> {

@@ -280,6 +280,11 @@ pub enum Op {
     /// [`Experts::ByExpert`], which the host groups by expert. Every host sync of a device backend's tick is one of
     /// these nodes; on the CPU (host memory already) they do nothing.
     Readback { buf: BufId },
+    /// The MTP drafter's first stage, in place of [`Op::Embed`] ([`crate::model::MtpInputWeights`]): per row,
+    /// `streams[r] = e_proj·(RMSNorm(embed[token])·enorm) + h_proj·(RMSNorm(h[r])·hnorm)` with `h` the row's
+    /// input streams ([`crate::backend::Activations::hidden_in`]: the target's final streams of the previous
+    /// position, or the drafter's own when it drafts on).
+    MtpInput,
 }
 
 /// How an MoE layer lays out its routed rows — the two algorithms of the expert FFN; the recipe picks one per
@@ -342,6 +347,7 @@ impl Op {
             Op::MoeCombine { .. } => OpKind::MoeCombine,
             Op::Logits => OpKind::Logits,
             Op::Readback { .. } => OpKind::Readback,
+            Op::MtpInput => OpKind::MtpInput,
         }
     }
 
@@ -355,7 +361,7 @@ impl Op {
     pub fn access(&self, mut read: impl FnMut(BufId), mut write: impl FnMut(BufId)) {
         use BufId::*;
         match *self {
-            Op::Embed => write(Streams),
+            Op::Embed | Op::MtpInput => write(Streams),
             Op::RmsNorm { x, y, .. } | Op::MatMul { x, y, .. } | Op::GroupedMatMul { x, y, .. } => {
                 if x != y {
                     read(x);
@@ -465,7 +471,7 @@ impl Op {
     pub fn overwrites(&self, b: BufId) -> bool {
         use BufId::*;
         match *self {
-            Op::Embed => b == Streams,
+            Op::Embed | Op::MtpInput => b == Streams,
             Op::RmsNorm { x, y, .. } => x != y && b == y,
             Op::MatMul { y, .. } | Op::GroupedMatMul { y, .. } => b == y,
             Op::HcSinkhorn { .. } => matches!(b, Pre | PostComb),

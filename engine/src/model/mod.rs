@@ -13,4 +13,4 @@ pub(crate) mod weights;
 pub use config::{LayerKind, ModelConfig, RopeSpec};
 pub use mat::Mat;
 pub use rope::RopeFreqs;
-pub use weights::{packing_on, CompressorWeights, Model, WeightId, WeightTable};
+pub use weights::{packing_on, CompressorWeights, Model, MtpInputWeights, WeightId, WeightTable};

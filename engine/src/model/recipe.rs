@@ -1,5 +1,8 @@
 //! The forward pass, written once: the nodes of one tick, built from its batch.
 //!
+//! The MTP drafter ([`Model::load_mtp`]) is the same recipe over its one layer, starting from [`Op::MtpInput`]
+//! instead of the embedding.
+//!
 //! [`build`] emits, for the batch at hand, every fine op of `shared/spec/model.md` in the reference order (the
 //! golden data follows it), grouped in [`Stage`]s: the embedding; per layer the mHC pre-mix, attention, mHC
 //! post-mix, mHC pre-mix, MoE FFN, mHC post-mix; the head; the logits. What differs between ticks and layers is
@@ -31,7 +34,7 @@ pub fn build(g: &mut Graph, model: &Model, batch: &Batch, sim: bool) {
     let c = &model.config;
     g.clear(c.n_layers);
     g.stage(Stage::Embed);
-    g.push(Op::Embed);
+    g.push(if model.mtp_input.is_some() { Op::MtpInput } else { Op::Embed });
     for layer in 0..c.n_layers {
         hc_pre(g, model, layer, Sub::Attn);
         attention(g, model, layer, sim);

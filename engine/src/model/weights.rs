@@ -102,14 +102,27 @@ pub struct LayerWeights {
     pub down_sh: Option<WeightId>,
 }
 
+/// The MTP block's input projections (see [`Model::load_mtp`]): position `q` of the drafter takes token `t_q` and
+/// the target's final streams `H[q−1]` (zero at `q = 0`) and starts from the streams
+/// `X[r] = e_proj·(RMSNorm(embed[t_q])·enorm) + h_proj·(RMSNorm(H[q−1][r])·hnorm)` for every stream `r`.
+#[derive(Clone, Copy, Debug)]
+pub struct MtpInputWeights {
+    pub e_proj: WeightId,
+    pub h_proj: WeightId,
+    pub enorm: WeightId,
+    pub hnorm: WeightId,
+}
+
 /// A loaded model: config, the file (owning the map) and the weight table; `packed`: per tensor, the CPU's
-/// repacked copy of a Q8_0 matrix, made on first use by [`Model::packed_mat`].
+/// repacked copy of a Q8_0 matrix, made on first use by [`Model::packed_mat`]. `mtp_input` is set on the MTP
+/// drafter's model only ([`Model::load_mtp`]): its first stage is [`crate::graph::Op::MtpInput`], not the embedding.
 pub struct Model {
     pub config: ModelConfig,
     pub file: GgufFile,
     pub table: WeightTable,
     pub global: GlobalWeights,
     pub layers: Vec<LayerWeights>,
+    pub mtp_input: Option<MtpInputWeights>,
     packed: Vec<OnceLock<Option<PackedMat>>>,
 }
 
@@ -264,7 +277,7 @@ impl Model {
         };
         let mut layers = Vec::with_capacity(c.n_layers);
         for l in 0..c.n_layers {
-            let lw = load_layer(&mut ld, c, l, dk, vk, hcd, mixk).map_err(|e| {
+            let lw = load_layer(&mut ld, c, l, &format!("blk.{l}."), dk, vk, hcd, mixk).map_err(|e| {
                 let what = format!(
                     "layer {l} (deepseek4.attention.compress_ratios[{l}] = {}: {:?} attention; {} by \
                      deepseek4.hash_layer_count = {}): {e}",
@@ -286,7 +299,59 @@ impl Model {
             "model loaded"
         );
         let packed = (0..table.names.len()).map(|_| OnceLock::new()).collect();
-        Ok(Model { config, file, table, global, layers, packed })
+        Ok(Model { config, file, table, global, layers, mtp_input: None, packed })
+    }
+
+    /// Whether the file holds an MTP block (`mtp.0.*`, the April release's layout).
+    pub fn has_mtp(&self) -> bool {
+        self.file.tensor_info("mtp.0.e_proj.weight").is_some()
+    }
+
+    /// The MTP drafter as a model of its own (`None` when the file has no MTP block): one layer — the block
+    /// `mtp.0.<layer tensors>`, sliding-window attention (compress ratio 0), learned routing — whose first stage
+    /// combines the token's embedding with the target's final streams ([`MtpInputWeights`]), and whose head is
+    /// the target's (`token_embd`, `output.weight`) with the block's own `mtp.0.norm` and `mtp.0.hc_head_*`. Its
+    /// logits at position `q` predict token `q + 1`, as the target's do; its final streams feed its next
+    /// position when it drafts several tokens in a row. Shares the file's bytes ([`GgufFile::share`]).
+    pub fn load_mtp(&self) -> Result<Option<Model>> {
+        if !self.has_mtp() {
+            return Ok(None);
+        }
+        let mut config = self.config.clone();
+        config.n_layers = 1;
+        config.compress_ratios = vec![0];
+        config.n_hash_layers = 0;
+        config.swiglu_limit = vec![*self.config.swiglu_limit.last().unwrap_or(&0.0)];
+        let file = self.file.share();
+        let c = &config;
+        let (d, hc, mix) = (c.d_model, c.hc_mult, c.hc_mix());
+        let mut ld = Loader { f: &file, t: WeightTable::default() };
+        use Hold::*;
+        let dk = (d, "deepseek4.embedding_length");
+        let vk = (c.vocab, "deepseek4.vocab_size");
+        let hck = (hc, "deepseek4.hyper_connection.count");
+        let hcd = (hc * d, "deepseek4.hyper_connection.count × embedding_length");
+        let mixk = (mix, "(2 + deepseek4.hyper_connection.count) × hyper_connection.count");
+        let global = GlobalWeights {
+            embed: ld.add("token_embd.weight", &[dk, vk], Map)?,
+            norm: ld.add("mtp.0.norm.weight", &[dk], Dense)?,
+            head: ld.add("output.weight", &[dk, vk], Map)?,
+            hc_fn: ld.add("mtp.0.hc_head_fn.weight", &[hcd, hck], Map)?,
+            hc_base: ld.add("mtp.0.hc_head_base.weight", &[hck], Dense)?,
+            hc_scale: ld.add("mtp.0.hc_head_scale.weight", &[(1, "1")], Dense)?,
+        };
+        let mtp_input = MtpInputWeights {
+            e_proj: ld.add("mtp.0.e_proj.weight", &[dk, dk], Map)?,
+            h_proj: ld.add("mtp.0.h_proj.weight", &[dk, dk], Map)?,
+            enorm: ld.add("mtp.0.enorm.weight", &[dk], Dense)?,
+            hnorm: ld.add("mtp.0.hnorm.weight", &[dk], Dense)?,
+        };
+        let block = load_layer(&mut ld, c, 0, "mtp.0.", dk, vk, hcd, mixk)
+            .map_err(|e| Error::Metadata(format!("the MTP block (mtp.0.*: window attention, learned routing): {e}")))?;
+        let table = ld.t;
+        tracing::info!(tensors = table.names.len(), "MTP drafter loaded");
+        let packed = (0..table.names.len()).map(|_| OnceLock::new()).collect();
+        Ok(Some(Model { config, file, table, global, layers: vec![block], mtp_input: Some(mtp_input), packed }))
     }
 
     /// The f32 copy of a small tensor. Panics if `id` was loaded as a matrix (see module docs).
@@ -377,11 +442,13 @@ pub fn packing_on() -> bool {
     *ON.get_or_init(|| !std::env::var("DS4_CPU_PACK").is_ok_and(|v| v == "0"))
 }
 
-/// Binds the tensors of layer `l` (see [`Model::load`]).
+/// Binds the tensors of layer `l`, named `{prefix}<suffix>` (see [`Model::load`], [`Model::load_mtp`]).
+#[allow(clippy::too_many_arguments)]
 fn load_layer(
     ld: &mut Loader,
     c: &ModelConfig,
     l: usize,
+    prefix: &str,
     dk: (usize, &str),
     vk: (usize, &str),
     hcd: (usize, &str),
@@ -389,7 +456,7 @@ fn load_layer(
 ) -> Result<LayerWeights> {
     use Hold::*;
     let file = ld.f;
-    let n = |s: &str| format!("blk.{l}.{s}");
+    let n = |s: &str| format!("{prefix}{s}");
     let hcw = |ld: &mut Loader, side: &str| -> Result<HcWeights> {
         Ok(HcWeights {
             fn_: ld.add(&n(&format!("hc_{side}_fn.weight")), &[hcd, mixk], Map)?,

@@ -34,8 +34,13 @@
 //!   by one (the roll back is exact; where a draft is longer than the roll-back log reaches, the session is
 //!   truncated and recomputed instead, with the same result).
 
+pub mod mtp;
+#[cfg(test)]
+mod mtp_tests;
 #[cfg(test)]
 mod tests;
+
+pub use mtp::{MtpDrafter, MtpOptions};
 
 use crate::engine::Engine;
 use crate::sampler::{Sampler, Verdict};
@@ -44,9 +49,18 @@ use crate::{Error, Result};
 
 /// Proposes the tokens most likely to follow a context.
 pub trait Drafter {
-    /// Up to `k` tokens to follow `context` (the session's history and the chosen next token). Fewer (or none)
-    /// when the drafter has nothing it trusts.
-    fn draft(&mut self, context: &[u32], k: usize) -> Vec<u32>;
+    /// Called for a target session before its prompt is fed: a drafter that reads the target's state (the MTP
+    /// block reads its final streams) asks for it here.
+    fn attach(&mut self, _target: &mut Engine, _session: SessionId) -> Result<()> {
+        Ok(())
+    }
+
+    /// The session is done (its drafter state is dropped).
+    fn detach(&mut self, _target: &mut Engine, _session: SessionId) {}
+
+    /// Up to `k` tokens to follow `context` (target session `session`'s history and the chosen next token).
+    /// Fewer (or none) when the drafter has nothing it trusts.
+    fn draft(&mut self, target: &mut Engine, session: SessionId, context: &[u32], k: usize) -> Result<Vec<u32>>;
 }
 
 /// The oracle drafter: proposes a known continuation (the target's own greedy output, computed beforehand), so
@@ -63,13 +77,20 @@ impl OracleDrafter {
     }
 }
 
-impl Drafter for OracleDrafter {
-    fn draft(&mut self, context: &[u32], k: usize) -> Vec<u32> {
+impl OracleDrafter {
+    /// The known continuation of `context` (up to `k` tokens; none when `context` is not a prefix).
+    pub fn continuation(&self, context: &[u32], k: usize) -> Vec<u32> {
         if context.len() > self.tokens.len() || self.tokens[..context.len()] != *context {
             return Vec::new();
         }
         let end = (context.len() + k).min(self.tokens.len());
         self.tokens[context.len()..end].to_vec()
+    }
+}
+
+impl Drafter for OracleDrafter {
+    fn draft(&mut self, _target: &mut Engine, _session: SessionId, context: &[u32], k: usize) -> Result<Vec<u32>> {
+        Ok(self.continuation(context, k))
     }
 }
 
@@ -246,7 +267,7 @@ impl Engine {
             context.push(first);
             // Room for the draft, the cycle's own token and the next one within `n`.
             let k = draft_len.min(n - out.len() - 1);
-            let mut draft = if k > 0 { drafter.draft(&context, k) } else { Vec::new() };
+            let mut draft = if k > 0 { drafter.draft(self, id, &context, k)? } else { Vec::new() };
             draft.truncate(k);
             if draft.is_empty() {
                 self.feed(id, &[first])?;

@@ -41,15 +41,15 @@ struct Noisy {
 }
 
 impl Drafter for Noisy {
-    fn draft(&mut self, context: &[u32], k: usize) -> Vec<u32> {
-        let mut d = self.oracle.draft(context, k);
+    fn draft(&mut self, _: &mut Engine, _: SessionId, context: &[u32], k: usize) -> Result<Vec<u32>> {
+        let mut d = self.oracle.continuation(context, k);
         for t in d.iter_mut() {
             self.offered += 1;
             if self.offered.is_multiple_of(self.every) {
                 *t = (*t + 1) % 1000;
             }
         }
-        d
+        Ok(d)
     }
 }
 
@@ -137,7 +137,7 @@ fn batched_cycles_and_plain_decoding_share_ticks_and_match_each_alone() {
                 let room = N.saturating_sub(outs[i].len() + 1).min(4);
                 let mut ctx = e.history([a, b][i]).unwrap().to_vec();
                 ctx.push(firsts[i]);
-                drafters[i].draft(&ctx, room)
+                drafters[i].draft(&mut e, [a, b][i], &ctx, room).unwrap()
             })
             .collect();
         if outs[2].len() < N {
@@ -184,13 +184,9 @@ fn sampled_speculation_leaves_the_state_of_its_own_tokens() {
     // last token repeated (mostly rejected).
     struct Always(OracleDrafter);
     impl Drafter for Always {
-        fn draft(&mut self, context: &[u32], k: usize) -> Vec<u32> {
-            let d = self.0.draft(context, k);
-            if d.is_empty() {
-                vec![*context.last().unwrap(); k]
-            } else {
-                d
-            }
+        fn draft(&mut self, _: &mut Engine, _: SessionId, context: &[u32], k: usize) -> Result<Vec<u32>> {
+            let d = self.0.continuation(context, k);
+            Ok(if d.is_empty() { vec![*context.last().unwrap(); k] } else { d })
         }
     }
     let mut sampler = Sampler::new(SamplerConfig { temperature: 0.7, seed: 3, ..Default::default() }).unwrap();

@@ -2,7 +2,8 @@
 //!
 //! Per slot: `pos` (tokens processed), `history` (token ids processed), `pending` (queued, not yet processed),
 //! `kv` (the [`SessionKv`]), `logits` (of the last processed position), `all_logits` (every processed position's
-//! logits when prefill logits were requested), `alive`. A freed slot releases its KV pages and keeps its other
+//! logits when prefill logits were requested), `keep_hidden` / `hidden` (final streams kept for an MTP drafter),
+//! `pending_hidden` (a drafter model's per-token input streams), `alive`. A freed slot releases its KV pages and keeps its other
 //! allocations for the next session.
 
 use std::collections::VecDeque;
@@ -36,6 +37,14 @@ pub struct SessionTable {
     pub logits: Vec<Vec<f32>>,
     pub all_logits: Vec<Vec<f32>>,
     pub want_all_logits: Vec<bool>,
+    /// Final streams of the last this many processed positions are kept (0: none;
+    /// [`crate::engine::Engine::set_keep_hidden`]).
+    pub keep_hidden: Vec<usize>,
+    /// The kept final streams: `(first position, [n, hc·d])`, since the last take.
+    pub hidden: Vec<(usize, Vec<f32>)>,
+    /// The MTP drafter's input streams of the queued tokens, `hc·d` per token in queue order (empty for a target
+    /// model; for a drafter always `pending.len() · hc·d` values).
+    pub pending_hidden: Vec<Vec<f32>>,
     pub alive: Vec<bool>,
     pub generation: Vec<u32>,
     pub free: Vec<u32>,
@@ -53,6 +62,9 @@ impl SessionTable {
             self.logits[s].clear();
             self.all_logits[s].clear();
             self.want_all_logits[s] = false;
+            self.keep_hidden[s] = 0;
+            self.hidden[s] = (0, Vec::new());
+            self.pending_hidden[s].clear();
             self.alive[s] = true;
             self.generation[s] = self.generation[s].wrapping_add(1);
             return SessionId { slot, generation: self.generation[s] };
@@ -65,6 +77,9 @@ impl SessionTable {
         self.logits.push(Vec::new());
         self.all_logits.push(Vec::new());
         self.want_all_logits.push(false);
+        self.keep_hidden.push(0);
+        self.hidden.push((0, Vec::new()));
+        self.pending_hidden.push(Vec::new());
         self.alive.push(true);
         self.generation.push(0);
         SessionId { slot, generation: 0 }
@@ -82,6 +97,8 @@ impl SessionTable {
             Some(s) => {
                 self.alive[s] = false;
                 self.pending[s].clear();
+                self.pending_hidden[s].clear();
+                self.hidden[s].1.clear();
                 // Its pages go back now (shared ones live on in their other holders).
                 self.kv[s].release_pages();
                 self.free.push(s as u32);

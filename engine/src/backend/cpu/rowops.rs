@@ -37,6 +37,57 @@ pub fn embed(pool: &Pool, cx: &StepCtx<'_>, streams: &mut [f32]) -> Result<()> {
     Ok(())
 }
 
+/// [`crate::graph::Op::MtpInput`]: the MTP drafter's first streams from each row's token and input streams
+/// ([`crate::backend::Activations::hidden_in`], `[rows, hc·d]`).
+pub fn mtp_input(pool: &Pool, sc: &mut Scratch, cx: &StepCtx<'_>) -> Result<()> {
+    let model = cx.model;
+    let c = &model.config;
+    let (d, hc, eps) = (c.d_model, c.hc_mult, c.rms_eps);
+    let Some(mw) = model.mtp_input else {
+        return Err(crate::Error::Backend { backend: "cpu", what: "MtpInput on a model without an MTP block".into() });
+    };
+    let n = cx.batch.rows.len();
+    let h_in = &cx.act.hidden_in;
+    if h_in.len() < n * hc * d {
+        return Err(crate::Error::Backend {
+            backend: "cpu",
+            what: format!("MtpInput needs {} input stream values, has {}", n * hc * d, h_in.len()),
+        });
+    }
+    // e = RMSNorm(embed[token])·enorm, one row per batch row.
+    let mut e = vec![0f32; n * d];
+    embed_rows(pool, cx, &mut e);
+    let enorm = model.dense(mw.enorm);
+    par_rows(pool, &mut e, d, &|_, r| norm::rms_norm_inplace(r, enorm, eps));
+    let mut ep = vec![0f32; n * d];
+    super::matmul::matmul(pool, super::weight(pool, model, mw.e_proj), &e, n, &mut ep)?;
+    // h = RMSNorm(h_in[r])·hnorm per stream (a zero row stays zero), projected per stream.
+    let mut h = h_in[..n * hc * d].to_vec();
+    let hnorm = model.dense(mw.hnorm);
+    par_rows(pool, &mut h, d, &|_, r| norm::rms_norm_inplace(r, hnorm, eps));
+    let streams = &mut sc.streams[..n * hc * d];
+    super::matmul::matmul(pool, super::weight(pool, model, mw.h_proj), &h, n * hc, streams)?;
+    for (row, x) in streams.chunks_exact_mut(hc * d).enumerate() {
+        for s in x.chunks_exact_mut(d) {
+            s.iter_mut().zip(&ep[row * d..(row + 1) * d]).for_each(|(v, a)| *v += a);
+        }
+    }
+    Ok(())
+}
+
+/// The embedding row of each batch row's token into `out` (`[rows, d]`).
+fn embed_rows(pool: &Pool, cx: &StepCtx<'_>, out: &mut [f32]) {
+    let model = cx.model;
+    let d = model.config.d_model;
+    let emb = model.mat(model.global.embed);
+    let rows = &cx.batch.rows;
+    par_rows(pool, &mut out[..rows.len() * d], d, &|r, x| {
+        if dequant_row(emb.ty, emb.row(rows[r].token as usize), x).is_err() {
+            x.fill(f32::NAN);
+        }
+    });
+}
+
 /// [`crate::graph::Op::RmsNorm`] over rows of `width` values, `per_row` values per batch row.
 #[allow(clippy::too_many_arguments)]
 pub fn rms_norm(

@@ -326,10 +326,12 @@ impl Backend for WgpuBackend {
         Ok(true)
     }
 
-    /// Every op kind has a kernel; ops whose weights have no WGSL decoder are not supported.
+    /// Every op kind of the target model has a kernel; ops whose weights have no WGSL decoder are not supported,
+    /// nor the MTP drafter's input stage (the drafter runs on the CPU).
     fn supports(&self, op: &Op, model: &Model) -> bool {
         let ok = |w: WeightId| weight_format(model.mat(w).ty).is_ok();
         match *op {
+            Op::MtpInput => false,
             Op::Embed => ok(model.global.embed),
             Op::MatMul { w, .. } | Op::GroupedMatMul { w, .. } => ok(w),
             Op::Logits => ok(model.global.head),
@@ -351,6 +353,7 @@ impl Backend for WgpuBackend {
         let t = &mut *t;
         match *op {
             Op::Embed => rows::embed(self, t, cx),
+            Op::MtpInput => Err(backend_err("no kernel for the MTP input stage (the drafter runs on the CPU)")),
             Op::RmsNorm { x, y, w, width, heads } => rows::rms_norm(self, t, cx, x, y, w, width, heads),
             Op::MatMul { w, x, y } => rows::matmul(self, t, cx, w, x, y),
             Op::GroupedMatMul { w, x, y, groups, rank } => rows::grouped_matmul(self, t, cx, w, x, y, groups, rank),
