@@ -502,8 +502,10 @@ impl Engine {
         Ok(self.sessions.want_all_logits[self.slot(id)?])
     }
 
-    /// Sets the logits of session `id`'s last processed position (a caller that rolled back keeps the row it had).
-    pub(crate) fn set_logits(&mut self, id: SessionId, logits: &[f32]) -> Result<()> {
+    /// Sets the logits of session `id`'s last processed position: a caller that rolled back keeps the row it had
+    /// for that position (speculative verification keeps the verify tick's row). The row must be the one the model
+    /// computed there; the engine cannot check it.
+    pub fn set_logits(&mut self, id: SessionId, logits: &[f32]) -> Result<()> {
         let s = self.slot(id)?;
         if logits.len() != self.model.config.vocab {
             return Err(Error::InvalidArgument(format!(

@@ -58,6 +58,18 @@ pub struct Args {
     /// never waits on the network.
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=65_536))]
     pub kv_remote_queue: u64,
+    /// Speculative decoding: `off`; `mtp` (the model file's MTP block drafts, the target verifies each draft in one
+    /// batched tick; output identical to plain decoding at temperature 0, the same distribution otherwise); `auto`
+    /// (mtp where the model has the block, paused per session while its drafts do not pay). `dspark` is refused
+    /// (not implemented yet).
+    #[arg(long, default_value = "auto", value_parser = parse_spec_mode)]
+    pub speculative: crate::scheduler::SpecMode,
+    /// Drafted tokens per verify run at most (1..=16).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=16))]
+    pub draft_len: u64,
+    /// The drafter stops a draft at a token it gives less than this probability (0: full length).
+    #[arg(long, default_value_t = 0.0)]
+    pub draft_min_confidence: f32,
     /// Compute backend: cpu or wgpu.
     #[arg(long, default_value = "cpu")]
     pub backend: BackendKind,
@@ -128,4 +140,8 @@ pub struct Args {
     /// Require this key as `Authorization: Bearer KEY` or `x-api-key: KEY` (everything but /health).
     #[arg(long, env = "DS4_SERVER_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
+}
+
+fn parse_spec_mode(s: &str) -> Result<crate::scheduler::SpecMode, String> {
+    s.parse()
 }

@@ -45,6 +45,9 @@ pub struct EngineRunner {
     disk: Option<crate::kvdisk::DiskTier>,
     /// Tokens of roll-back log per session (`EngineOptions::rollback`), for [`Runner::session_bytes`].
     rollback: usize,
+    /// The MTP drafter (`--speculative mtp|auto` on a model file with an MTP block); every engine session is
+    /// attached to it.
+    drafter: Option<ds4_engine::speculative::MtpDrafter>,
 }
 
 impl EngineRunner {
@@ -64,6 +67,39 @@ impl EngineRunner {
     pub fn disk_tier(&mut self) -> Option<&mut crate::kvdisk::DiskTier> {
         self.disk.as_mut()
     }
+
+    /// Turns on the MTP drafter; an error when the model file has no MTP block.
+    pub fn enable_mtp(&mut self, min_confidence: f32) -> Result<(), BackendError> {
+        use ds4_engine::speculative::{MtpDrafter, MtpOptions};
+        let opts = MtpOptions { min_confidence, threads: self.engine.options().threads };
+        let d = MtpDrafter::new(self.engine.model(), opts).map_err(be)?.ok_or_else(|| {
+            BackendError("the model file has no MTP block (mtp.0.*): --speculative mtp needs one".into())
+        })?;
+        self.drafter = Some(d);
+        let sids: Vec<_> = self.ids.values().copied().collect();
+        for sid in sids {
+            self.attach(sid);
+        }
+        Ok(())
+    }
+
+    /// Whether the model file holds an MTP block.
+    pub fn has_mtp(&self) -> bool {
+        self.engine.model().has_mtp()
+    }
+
+    fn attach(&mut self, sid: ds4_engine::tables::SessionId) {
+        use ds4_engine::speculative::Drafter;
+        if let Some(d) = &mut self.drafter {
+            if let Err(e) = d.attach(&mut self.engine, sid) {
+                tracing::warn!(error = %e, "MTP drafter could not attach a session");
+            }
+        }
+    }
+
+    fn sid(&self, session: RunnerSessionId) -> Result<ds4_engine::tables::SessionId, BackendError> {
+        self.ids.get(&session).copied().ok_or_else(|| BackendError(format!("unknown session {session}")))
+    }
 }
 
 impl Runner for EngineRunner {
@@ -78,11 +114,16 @@ impl Runner for EngineRunner {
         let sid = self.engine.create_session();
         self.next += 1;
         self.ids.insert(self.next, sid);
+        self.attach(sid);
         Ok(self.next)
     }
 
     fn free_session(&mut self, session: RunnerSessionId) {
         if let Some(sid) = self.ids.remove(&session) {
+            if let Some(d) = &mut self.drafter {
+                use ds4_engine::speculative::Drafter;
+                d.detach(&mut self.engine, sid);
+            }
             if let Some(d) = &mut self.disk {
                 d.forget(sid);
             }
@@ -109,7 +150,58 @@ impl Runner for EngineRunner {
         let sid = self.engine.fork(*self.ids.get(&session)?).ok()?;
         self.next += 1;
         self.ids.insert(self.next, sid);
+        self.attach(sid);
         Some(self.next)
+    }
+
+    fn can_draft(&self) -> bool {
+        self.drafter.is_some()
+    }
+
+    fn draft(&mut self, reqs: &[(RunnerSessionId, &[u32], usize)]) -> Vec<Vec<u32>> {
+        let Some(d) = &mut self.drafter else {
+            return vec![Vec::new(); reqs.len()];
+        };
+        let mut mapped = Vec::with_capacity(reqs.len());
+        for &(s, ctx, k) in reqs {
+            match self.ids.get(&s) {
+                Some(&sid) => mapped.push((sid, ctx, k)),
+                None => return vec![Vec::new(); reqs.len()],
+            }
+        }
+        match d.draft_many(&mut self.engine, &mapped) {
+            Ok(v) => v,
+            Err(e) => {
+                // Drafting is an optimisation: a failure costs the drafts, never the output.
+                tracing::warn!(error = %e, "MTP drafting failed; decoding these sessions plainly this tick");
+                vec![Vec::new(); reqs.len()]
+            }
+        }
+    }
+
+    fn feed_verify(&mut self, session: RunnerSessionId, tokens: &[u32]) -> Result<(), BackendError> {
+        let sid = self.sid(session)?;
+        let _ = self.engine.take_all_logits(sid).map_err(be)?;
+        self.engine.set_prefill_logits(sid, true).map_err(be)?;
+        let fed = self.engine.feed(sid, tokens).map_err(be);
+        if fed.is_err() {
+            self.engine.set_prefill_logits(sid, false).map_err(be)?;
+        }
+        fed
+    }
+
+    fn take_verify_logits(&mut self, session: RunnerSessionId) -> Vec<f32> {
+        let Ok(sid) = self.sid(session) else { return Vec::new() };
+        let _ = self.engine.set_prefill_logits(sid, false);
+        self.engine.take_all_logits(sid).unwrap_or_default()
+    }
+
+    fn commit_verify(&mut self, session: RunnerSessionId, len: usize, logits: &[f32]) -> Result<(), BackendError> {
+        let sid = self.sid(session)?;
+        if self.engine.position(sid).map_err(be)? > len {
+            self.engine.rollback(sid, len).map_err(be)?;
+        }
+        self.engine.set_logits(sid, logits).map_err(be)
     }
 
     fn feed(&mut self, session: RunnerSessionId, tokens: &[u32]) -> Result<(), BackendError> {
@@ -160,6 +252,8 @@ impl Runner for EngineRunner {
         let (sid, n) = self.disk.as_mut()?.restore(&mut self.engine, prompt, better_than)?;
         self.next += 1;
         self.ids.insert(self.next, sid);
+        // The restored positions' final streams are not in the file: the drafter's first window is cold.
+        self.attach(sid);
         Some((self.next, n))
     }
 
@@ -463,6 +557,7 @@ pub fn load(path: Option<&Path>, o: &LoadOptions) -> Result<(EngineRunner, Engin
         max_sessions: o.max_sessions.max(1),
         disk: None,
         rollback: EngineOptions::DEFAULT_ROLLBACK,
+        drafter: None,
     };
     Ok((runner, codec, info))
 }

@@ -32,6 +32,10 @@ pub fn main() -> anyhow::Result<()> {
         max_parked: args.max_parked,
         max_parked_bytes,
         context_size: 0,
+        speculative: ds4_server::scheduler::SpecConfig {
+            mode: args.speculative,
+            draft_len: args.draft_len as usize,
+        },
     };
     let mut max_connections = args.max_connections.max(1);
     if let Some(fds) = ds4_server::conn::raise_fd_limit() {
@@ -94,6 +98,17 @@ pub fn main() -> anyhow::Result<()> {
         };
         let (mut runner, codec, info) =
             ds4_server::engine::load(args.model.as_deref(), &opts).map_err(|e| anyhow::anyhow!("{e}"))?;
+        use ds4_server::scheduler::SpecMode;
+        match args.speculative {
+            SpecMode::Off => {}
+            SpecMode::Auto if !runner.has_mtp() => {
+                tracing::info!("--speculative auto: the model has no MTP block; plain decoding")
+            }
+            _ => {
+                runner.enable_mtp(args.draft_min_confidence).map_err(|e| anyhow::anyhow!("--speculative: {e}"))?;
+                tracing::info!(mode = ?args.speculative, draft_len = args.draft_len, "speculative decoding with the MTP block");
+            }
+        }
         let dir = if args.no_kv_disk {
             None
         } else if let Some(d) = &args.kv_disk_dir {

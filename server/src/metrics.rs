@@ -9,7 +9,8 @@
 //! copy on write of shared pages; fork shares pages by reference),
 //! `generations_cancelled_total` (generations stopped because their client went away), `keepalives_total` (SSE
 //! keep-alive frames sent), `connections_open`, `connections_closed_total{reason}` (closed by the server:
-//! timeouts, the connection cap), and the structured-output set of [`StructuredMetrics`].
+//! timeouts, the connection cap), the structured-output set of [`StructuredMetrics`], and the speculative-decoding
+//! set of [`SpecMetrics`].
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -23,6 +24,22 @@ use crate::recent::Recent;
 const TTFT_BUCKETS: &[f64] = &[0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
 const MASK_BUCKETS: &[f64] = &[0.00001, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1];
 const COMPILE_BUCKETS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0];
+
+/// Speculative-decoding metrics (`--speculative`): `ds4_spec_cycles_total` (verify runs: a chosen token and its
+/// draft checked in one tick), `ds4_spec_draft_tokens_total` (drafted tokens verified), `ds4_spec_accepted_tokens_total`
+/// (drafted tokens that stood), `ds4_spec_draft_seconds_total` (time the drafter took, on the scheduler thread),
+/// `ds4_spec_verify_seconds_total` (time of the model ticks that verified drafts), `ds4_spec_paused_total` (sessions
+/// `auto` stopped speculating for, their acceptance below what pays). Acceptance rate = accepted / draft tokens; mean
+/// accepted length = (accepted + cycles) / cycles tokens per verify run.
+#[derive(Default)]
+pub struct SpecMetrics {
+    pub cycles: AtomicU64,
+    pub draft_tokens: AtomicU64,
+    pub accepted_tokens: AtomicU64,
+    pub draft_micros: AtomicU64,
+    pub verify_micros: AtomicU64,
+    pub paused: AtomicU64,
+}
 
 /// Structured-output metrics: `ds4_structured_requests_total` (constrained generations), `ds4_grammar_compile_seconds`,
 /// `ds4_grammar_mask_seconds` (computing one token's mask, on the worker that runs beside the model step),
@@ -186,6 +203,8 @@ pub struct Metrics {
     pub recent: Recent,
     /// Structured outputs (grammar compiles, per-token mask cost).
     pub structured: StructuredMetrics,
+    /// Speculative decoding.
+    pub spec: SpecMetrics,
     /// The Redis KV tier's counters, when `--kv-remote` is on.
     pub kv_remote: std::sync::OnceLock<std::sync::Arc<crate::kvremote::RemoteStats>>,
 }
@@ -213,6 +232,7 @@ impl Default for Metrics {
             closed: Default::default(),
             recent: Recent::default(),
             structured: StructuredMetrics::default(),
+            spec: SpecMetrics::default(),
             kv_remote: std::sync::OnceLock::new(),
         }
     }
@@ -331,6 +351,29 @@ impl Metrics {
         };
         counter(&mut out, "ds4_prompt_tokens_total", "Prompt tokens of admitted requests.", load(&self.prompt_tokens));
         counter(&mut out, "ds4_completion_tokens_total", "Generated tokens.", load(&self.completion_tokens));
+        let sp = &self.spec;
+        counter(&mut out, "ds4_spec_cycles_total", "Speculative verify runs.", load(&sp.cycles));
+        counter(&mut out, "ds4_spec_draft_tokens_total", "Drafted tokens verified.", load(&sp.draft_tokens));
+        counter(&mut out, "ds4_spec_accepted_tokens_total", "Drafted tokens accepted.", load(&sp.accepted_tokens));
+        let secs = |v: &AtomicU64| load(v) as f64 / 1e6;
+        let _ = writeln!(
+            out,
+            "# HELP ds4_spec_draft_seconds_total Time spent drafting.\n# TYPE ds4_spec_draft_seconds_total counter\n\
+             ds4_spec_draft_seconds_total {}",
+            secs(&sp.draft_micros)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP ds4_spec_verify_seconds_total Time of the model ticks that verified drafts.\n\
+             # TYPE ds4_spec_verify_seconds_total counter\nds4_spec_verify_seconds_total {}",
+            secs(&sp.verify_micros)
+        );
+        counter(
+            &mut out,
+            "ds4_spec_paused_total",
+            "Times auto speculation paused a session whose drafts did not pay.",
+            load(&sp.paused),
+        );
         out.push_str("# HELP ds4_kv_disk_errors_total Disk KV tier failures by kind (save, restore, write, read, ");
         out.push_str(
             "corrupt_at_open: corrupt files removed at start, checksum: corrupt entries found while restoring).\n",

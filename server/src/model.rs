@@ -147,6 +147,30 @@ pub trait Runner: Send {
     fn disk_error_counts(&self) -> DiskErrors {
         DiskErrors::default()
     }
+    /// Speculative decoding: whether the runner has a drafter (`--speculative`).
+    fn can_draft(&self) -> bool {
+        false
+    }
+    /// Speculative decoding: drafts for several sessions at once (one shared drafter tick per draft position).
+    /// Each request: the session, its context (processed tokens and the chosen next token, not yet fed) and the
+    /// most tokens wanted. An empty draft where the drafter has nothing.
+    fn draft(&mut self, reqs: &[(RunnerSessionId, &[u32], usize)]) -> Vec<Vec<u32>> {
+        vec![Vec::new(); reqs.len()]
+    }
+    /// Speculative decoding: queue a verify run (the chosen token and its draft), keeping every position's logits
+    /// for [`Runner::take_verify_logits`].
+    fn feed_verify(&mut self, session: RunnerSessionId, tokens: &[u32]) -> Result<(), BackendError> {
+        self.feed(session, tokens)
+    }
+    /// The `[n, vocab]` logits of the verify run fed last (once a step processed it).
+    fn take_verify_logits(&mut self, _session: RunnerSessionId) -> Vec<f32> {
+        Vec::new()
+    }
+    /// Keeps the first `len` tokens of `session` (an exact roll back of the rejected drafts) and makes `logits`
+    /// (the verify row after the last kept token) its current logits.
+    fn commit_verify(&mut self, _session: RunnerSessionId, _len: usize, _logits: &[f32]) -> Result<(), BackendError> {
+        Err(BackendError("this runner does not verify drafts".into()))
+    }
 }
 
 /// Who said a message.

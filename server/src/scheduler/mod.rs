@@ -8,7 +8,8 @@
 //! holds), then sample for every session whose fed tokens are all processed ([`Runner::pending`] is 0). A decoding
 //! session therefore gets a token every tick, however long another session's prompt is.
 //!
-//! Prefix reuse and the RAM KV tier (parked sessions, their lookup and eviction) live in `parked`.
+//! Prefix reuse and the RAM KV tier (parked sessions, their lookup and eviction) live in `parked`; speculative
+//! decoding (a decoding session feeding its token plus a draft, verified after the tick) in [`spec`].
 //!
 //! Every finished job (done, cancelled or failed) leaves a [`RequestRecord`] — counts and timings, no text — in
 //! the metrics' ring of recent requests, and every tick adds its prompt and generated tokens to the throughput
@@ -37,8 +38,11 @@ use crate::structured::JobConstraint;
 use ds4_engine::sampler::{Sampler, SamplerConfig};
 
 mod parked;
+pub mod spec;
 
 use parked::Parked;
+pub use spec::{SpecConfig, SpecMode};
+use spec::SpecState;
 
 /// Why generation stopped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -89,6 +93,8 @@ pub struct SchedulerConfig {
     /// Bytes the parked sessions may hold ([`Runner::session_bytes`]; the RAM tier's budget, `--kv-ram-mb`).
     pub max_parked_bytes: u64,
     pub context_size: usize,
+    /// Speculative decoding (`--speculative`, `--draft-len`).
+    pub speculative: SpecConfig,
 }
 
 impl Default for SchedulerConfig {
@@ -100,6 +106,7 @@ impl Default for SchedulerConfig {
             max_parked: 256,
             max_parked_bytes: 1 << 30,
             context_size: 4096,
+            speculative: SpecConfig::default(),
         }
     }
 }
@@ -192,6 +199,7 @@ struct Active {
     admitted: Instant,
     first_token: Option<Instant>,
     last_token: Option<Instant>,
+    spec: SpecState,
 }
 
 impl Active {
@@ -349,6 +357,7 @@ impl Worker {
                 admitted: Instant::now(),
                 first_token: None,
                 last_token: None,
+                spec: SpecState::default(),
             });
         }
     }
@@ -384,6 +393,7 @@ impl Worker {
                 i += 1;
             }
         }
+        self.plan_drafts();
         let mut budget = self.config.prefill_chunk.max(1);
         let mut failed = Vec::new();
         let mut queued_any = false;
@@ -404,7 +414,14 @@ impl Worker {
             if n == 0 {
                 continue;
             }
-            if let Err(e) = self.runner.feed(a.session, &a.tokens[a.fed..a.fed + n]) {
+            let fed = if a.spec.draft.is_empty() {
+                self.runner.feed(a.session, &a.tokens[a.fed..a.fed + n])
+            } else {
+                let run: Vec<u32> = a.tokens[a.fed..].iter().chain(&a.spec.draft).copied().collect();
+                self.runner.feed_verify(a.session, &run)
+            };
+            if let Err(e) = fed {
+                a.spec.draft.clear();
                 failed.push((i, e.0));
                 continue;
             }
@@ -415,6 +432,7 @@ impl Worker {
             queued_any = true;
         }
         if queued_any {
+            let verifying = self.active.iter().any(|a| !a.spec.draft.is_empty());
             // The grammar masks of the sessions this step ends with are computed on a worker while the step runs.
             let ready: Vec<&mut JobConstraint> = self
                 .active
@@ -424,6 +442,7 @@ impl Worker {
                 .filter_map(|(_, a)| a.job.constraint.as_deref_mut())
                 .filter(|c| c.active())
                 .collect();
+            let t_step = Instant::now();
             let (runner, metrics) = (&mut self.runner, &self.metrics);
             let stepped = std::thread::scope(|s| {
                 let worker = (!ready.is_empty()).then(|| {
@@ -441,6 +460,9 @@ impl Worker {
                 }
                 stepped
             });
+            if verifying {
+                self.metrics.spec.verify_micros.fetch_add(t_step.elapsed().as_micros() as u64, Ordering::Relaxed);
+            }
             let err = match stepped {
                 Ok(Ok(())) => None,
                 Ok(Err(e)) => Some(e.0),
@@ -465,15 +487,16 @@ impl Worker {
                 self.runner.disk_event(session, DiskEvent::SystemBlock);
             }
         }
+        let mut finished: Vec<(usize, JobEvent)> = failed.into_iter().map(|(i, e)| (i, JobEvent::Error(e))).collect();
+        let mut sampled = self.verify_drafts(&mut finished);
         // Ready to sample: everything fed has been processed (after a full prefix hit, nothing needed feeding: the
-        // parked session holds the prompt's logits). A session whose feed failed is not sampled.
+        // parked session holds the prompt's logits). A session whose feed failed or that finished is not sampled.
         let sample_now: Vec<usize> = (0..self.active.len())
             .filter(|&i| {
                 let a = &self.active[i];
-                a.fed == a.tokens.len() && self.runner.pending(a.session) == 0 && !failed.iter().any(|f| f.0 == i)
+                a.fed == a.tokens.len() && self.runner.pending(a.session) == 0 && !finished.iter().any(|f| f.0 == i)
             })
             .collect();
-        let mut finished: Vec<(usize, JobEvent)> = failed.into_iter().map(|(i, e)| (i, JobEvent::Error(e))).collect();
         let checkpoints: Vec<(RunnerSessionId, Vec<u32>, usize)> = sample_now
             .iter()
             .map(|&i| &self.active[i])
@@ -484,14 +507,15 @@ impl Worker {
             self.runner.disk_event(session, DiskEvent::Prefilled { cached, prompt_len: prompt.len() });
             self.checkpoint_prompt(session, &prompt);
         }
-        let mut sampled = 0u64;
         for i in sample_now {
             let a = &mut self.active[i];
             let Some(logits) = self.runner.logits(a.session) else {
                 finished.push((i, JobEvent::Error("the model returned no logits".into())));
                 continue;
             };
+            let forced = a.spec.forced.take();
             let picked = match a.job.constraint.as_mut().map(|c| (Instant::now(), c.take_mask())) {
+                _ if forced.is_some() => Ok(forced.unwrap_or_default()),
                 None | Some((_, Ok(None))) => a.sampler.sample(logits).map_err(|e| format!("sampling failed: {e}")),
                 Some((t0, Ok(Some(mask)))) => {
                     self.metrics.structured.mask_wait.observe(t0.elapsed());
@@ -516,26 +540,9 @@ impl Worker {
                     continue;
                 }
             };
-            let now = Instant::now();
-            match a.last_token {
-                None => {
-                    self.metrics.ttft.observe(now - a.submitted);
-                    a.first_token = Some(now);
-                }
-                Some(t) => self.metrics.itl.observe(now - t),
-            }
-            a.last_token = Some(now);
-            a.generated += 1;
             sampled += 1;
-            self.metrics.completion_tokens.fetch_add(1, Ordering::Relaxed);
-            if a.job.eos.contains(&token) {
-                finished.push((i, JobEvent::Done(JobStopReason::Eos)));
-                continue;
-            }
-            let _ = a.job.events.send(JobEvent::Token(token));
-            a.tokens.push(token);
-            if a.generated >= a.job.max_tokens || a.tokens.len() >= self.config.context_size {
-                finished.push((i, JobEvent::Done(JobStopReason::Length)));
+            if let Some(ev) = emit(a, token, &self.metrics, self.config.context_size) {
+                finished.push((i, ev));
             }
         }
         self.metrics.recent.add_tokens(prefilled, sampled);
@@ -544,6 +551,145 @@ impl Worker {
         for (i, ev) in finished {
             self.retire(i, Some(ev));
         }
+    }
+}
+
+/// Emits `token` for job `a` as its next generated token (metrics, the event, the token list); returns the
+/// job's final event when it ends there (an end-of-sequence token, `max_tokens`, the context).
+fn emit(a: &mut Active, token: u32, metrics: &Metrics, context_size: usize) -> Option<JobEvent> {
+    let now = Instant::now();
+    match a.last_token {
+        None => {
+            metrics.ttft.observe(now - a.submitted);
+            a.first_token = Some(now);
+        }
+        Some(t) => metrics.itl.observe(now - t),
+    }
+    a.last_token = Some(now);
+    a.generated += 1;
+    metrics.completion_tokens.fetch_add(1, Ordering::Relaxed);
+    if a.job.eos.contains(&token) {
+        return Some(JobEvent::Done(JobStopReason::Eos));
+    }
+    let _ = a.job.events.send(JobEvent::Token(token));
+    a.tokens.push(token);
+    if a.generated >= a.job.max_tokens || a.tokens.len() >= context_size {
+        return Some(JobEvent::Done(JobStopReason::Length));
+    }
+    None
+}
+
+impl Worker {
+    /// Chooses the decoding sessions that draft this tick and asks the runner's drafter for their drafts (one
+    /// shared drafter pass), leaving each in its [`SpecState::draft`].
+    fn plan_drafts(&mut self) {
+        let cfg = self.config.speculative;
+        for a in &mut self.active {
+            a.spec.draft.clear();
+        }
+        if cfg.mode == SpecMode::Off || cfg.draft_len == 0 || !self.runner.can_draft() {
+            return;
+        }
+        let mut who = Vec::new();
+        for (i, a) in self.active.iter().enumerate() {
+            let decoding = a.fed >= a.prompt_len && a.tokens.len() == a.fed + 1;
+            // Room for the drafts plus the token drawn after them (max_tokens, and the context).
+            let room = a
+                .job
+                .max_tokens
+                .saturating_sub(a.generated + 1)
+                .min(self.config.context_size.saturating_sub(a.tokens.len() + 1));
+            let k = cfg.draft_len.min(room);
+            if decoding
+                && k > 0
+                && a.job.constraint.is_none()
+                && a.spec.drafting(cfg.mode, a.generated)
+                && self.runner.pending(a.session) == 0
+            {
+                who.push((i, k));
+            }
+        }
+        if who.is_empty() {
+            return;
+        }
+        let t0 = Instant::now();
+        let reqs: Vec<(RunnerSessionId, &[u32], usize)> =
+            who.iter().map(|&(i, k)| (self.active[i].session, &self.active[i].tokens[..], k)).collect();
+        let drafts = self.runner.draft(&reqs);
+        self.metrics.spec.draft_micros.fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
+        for ((i, k), mut d) in who.into_iter().zip(drafts) {
+            d.truncate(k);
+            self.active[i].spec.draft = d;
+        }
+    }
+
+    /// Judges the verify runs of this tick: accepted drafted tokens are emitted, the rest rolled back, and a
+    /// rejection's replacement becomes the session's next token ([`SpecState::forced`]). Returns the tokens
+    /// emitted; jobs that ended go to `finished`.
+    fn verify_drafts(&mut self, finished: &mut Vec<(usize, JobEvent)>) -> u64 {
+        let vocab = self.runner.vocab_size();
+        let mode = self.config.speculative.mode;
+        let mut emitted = 0u64;
+        for i in 0..self.active.len() {
+            let a = &mut self.active[i];
+            if a.spec.draft.is_empty() || finished.iter().any(|f| f.0 == i) || self.runner.pending(a.session) > 0 {
+                continue;
+            }
+            let draft = std::mem::take(&mut a.spec.draft);
+            let rows = self.runner.take_verify_logits(a.session);
+            if rows.len() != (draft.len() + 1) * vocab {
+                finished.push((i, JobEvent::Error("the model returned no verify logits".into())));
+                continue;
+            }
+            let row = |j: usize| &rows[j * vocab..(j + 1) * vocab];
+            let mut accepted = 0;
+            let mut ended = None;
+            for &d in &draft {
+                match a.sampler.verify_drafted(row(accepted), d) {
+                    Ok(ds4_engine::sampler::Verdict::Accept) => {
+                        accepted += 1;
+                        emitted += 1;
+                        a.fed += 1; // processed in the verify run
+                        if let Some(ev) = emit(a, d, &self.metrics, self.config.context_size) {
+                            if matches!(ev, JobEvent::Done(JobStopReason::Eos)) {
+                                a.fed -= 1; // the end token is not part of the session
+                            }
+                            ended = Some(ev);
+                            break;
+                        }
+                    }
+                    Ok(ds4_engine::sampler::Verdict::Reject(x)) => {
+                        a.spec.forced = Some(x);
+                        break;
+                    }
+                    Err(e) => {
+                        ended = Some(JobEvent::Error(format!("sampling failed: {e}")));
+                        break;
+                    }
+                }
+            }
+            let m = &self.metrics.spec;
+            m.cycles.fetch_add(1, Ordering::Relaxed);
+            m.draft_tokens.fetch_add(draft.len() as u64, Ordering::Relaxed);
+            let stood = accepted - usize::from(matches!(ended, Some(JobEvent::Done(JobStopReason::Eos))));
+            m.accepted_tokens.fetch_add(stood as u64, Ordering::Relaxed);
+            if a.spec.record(mode, stood, a.generated) {
+                m.paused.fetch_add(1, Ordering::Relaxed);
+            }
+            // The logits after the last kept token: verify row `j` follows the `j`-th drafted token (row 0 follows
+            // the session's own token).
+            if let Err(e) = self.runner.commit_verify(a.session, a.fed, row(stood)) {
+                if ended.is_none() {
+                    ended = Some(JobEvent::Error(format!("speculative roll back failed: {}", e.0)));
+                }
+                a.spec.forced = None;
+            }
+            if let Some(ev) = ended {
+                a.spec.forced = None;
+                finished.push((i, ev));
+            }
+        }
+        emitted
     }
 }
 
