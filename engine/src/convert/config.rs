@@ -5,7 +5,7 @@
 //! `qk_rope_head_dim`, `o_groups`, `o_lora_rank`, `index_*`, `hc_*`, `swiglu_limit`, `rope_scaling.*`, ...). Every size
 //! is read from the file; nothing assumes Flash. A missing required key is [`Error::Convert`] naming the key; keys
 //! with a documented default (`num_key_value_heads` 1, `n_group`/`topk_group` 0, `norm_topk_prob` true,
-//! `num_hash_layers` 0, no `rope_scaling`) fall back to it.
+//! `num_hash_layers` 0, `num_nextn_predict_layers` 0, no `rope_scaling`) fall back to it.
 
 use serde_json::Value;
 
@@ -64,6 +64,8 @@ pub struct CheckpointConfig {
     /// `bos_token_id` / `eos_token_id` (default 0 / 1, DeepSeek V4's).
     pub bos_token_id: u32,
     pub eos_token_id: u32,
+    /// `num_nextn_predict_layers` (default 0): MTP blocks the checkpoint declares (April: 1, `mtp.0.*`).
+    pub n_nextn_layers: usize,
     /// The model revision (see [`Revision`]): 0731 when config.json has `dspark_*` fields.
     pub revision: Revision,
     /// The 0731 DSpark drafter's config fields, when present.
@@ -76,7 +78,7 @@ pub struct CheckpointConfig {
 /// and the official chat encoder's reasoning-effort texts.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Revision {
-    /// The April 2026 release (one MTP layer `mtp.0.*`, not converted).
+    /// The April 2026 release (one MTP layer `mtp.0.*`, converted under `mtp.0.*` GGUF names).
     #[default]
     April,
     /// V4-Flash-0731: `dspark_*` config fields, a three-stage drafter in `mtp.{0,1,2}.*` (kept in the GGUF).
@@ -249,6 +251,7 @@ impl CheckpointConfig {
             compress_ratios_all,
             bos_token_id: id32("bos_token_id", 0)?,
             eos_token_id: id32("eos_token_id", 1)?,
+            n_nextn_layers: uint_or(&v, "num_nextn_predict_layers", 0)?,
             revision: if dspark.is_some() { Revision::V0731 } else { Revision::April },
             dspark,
         };

@@ -64,6 +64,7 @@ pub fn demo_config() -> CheckpointConfig {
         compress_ratios_all: vec![0, 4, 8],
         bos_token_id: 0,
         eos_token_id: 1,
+        n_nextn_layers: 0,
         revision: Default::default(),
         dspark: None,
     }

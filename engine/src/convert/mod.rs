@@ -21,8 +21,15 @@
 //! Without `--tokenizer`, [`synth_tokenizer`] writes a synthetic byte-level tokenizer section of `vocab_size` tokens
 //! (tiny models; a vocabulary it cannot fill is refused, asking for `--tokenizer`).
 //!
-//! Revisions ([`config::Revision`], written as `deepseek4.revision`): an April checkpoint's MTP block `mtp.0.*` is
-//! not converted (listed in the report as unused, as before). A V4-Flash-0731 checkpoint (config.json has
+//! Revisions ([`config::Revision`], written as `deepseek4.revision`): an April checkpoint's MTP block `mtp.0.*` (one
+//! extra decoder block of compress ratio 0 with learned routing, plus `e_proj`, `h_proj`, `enorm`, `hnorm`, `norm`
+//! and its own `hc_head_*`; the trunk's embedding and `head.weight` are shared) is converted when the checkpoint has
+//! it (`mtp.0.e_proj.weight` present): its tensors are written after the trunk under the names the reference C
+//! engine binds (`mtp.0.e_proj.weight`, ..., `mtp.0.hc_head_fn.weight`, and the block as `mtp.0.` + the GGUF suffix
+//! a trunk layer has under `blk.N.`: `mtp.0.attn_q_a.weight`, `mtp.0.exp_probs_b.bias`, ...; see [`plan::mtp_plan`]),
+//! with the types the recipe gives a trunk layer's tensors of the same class (`e_proj`/`h_proj` as attention
+//! projections), and `deepseek4.nextn_predict_layers` = 1 is written. A checkpoint without it converts as before (no
+//! `mtp.*` tensors, no `nextn_predict_layers` key). A V4-Flash-0731 checkpoint (config.json has
 //! `dspark_*` fields) keeps its DSpark drafter: every `mtp.*` tensor is written to the same GGUF under its official
 //! name (GGUF dims = official shape reversed; F32 for 1-D tensors and under the f32 recipe, else F16; integer
 //! tensors as I32), after the trunk; `deepseek4.dspark.*` records the drafter's config. The engine's trunk ignores
@@ -276,6 +283,11 @@ fn expert_stack_bytes(
     Ok(out)
 }
 
+/// Whether an (April) checkpoint holds the MTP block `mtp.0.*` (its `e_proj`, the block's first tensor).
+fn has_mtp_block(ckpt: &Checkpoint) -> bool {
+    ckpt.get(&format!("{}e_proj.weight", plan::MTP_PREFIX)).is_some()
+}
+
 /// One drafter tensor of a 0731 checkpoint, copied under its official name.
 struct DrafterTensor {
     /// Official (logical, decoded) shape.
@@ -360,7 +372,16 @@ fn convert_to(opts: &ConvertOptions, tmp: &Path, progress: &dyn Progress) -> Res
     let t0 = Instant::now();
     let cfg = read_config(&opts.input)?;
     let ckpt = Checkpoint::open(&opts.input)?;
-    let plan = plan::plan(&cfg);
+    let mut plan = plan::plan(&cfg);
+    let mtp = cfg.revision == config::Revision::April && has_mtp_block(&ckpt);
+    if mtp {
+        plan.extend(plan::mtp_plan(&cfg));
+    } else if cfg.revision == config::Revision::April && cfg.n_nextn_layers > 0 {
+        tracing::info!(
+            "config.json declares {} MTP layer(s), the checkpoint has no mtp.0.*: trunk only",
+            cfg.n_nextn_layers
+        );
+    }
     check_plan(&ckpt, &plan)?;
     let mut decls: Vec<TensorDecl> = plan
         .iter()
@@ -373,6 +394,9 @@ fn convert_to(opts: &ConvertOptions, tmp: &Path, progress: &dyn Progress) -> Res
     let drafter = if cfg.revision == config::Revision::V0731 { drafter_plan(&ckpt, opts.recipe)? } else { Vec::new() };
     decls.extend(drafter.iter().map(|d| d.decl.clone()));
     let mut meta = build_metadata(&cfg, opts)?;
+    if mtp {
+        meta.push(("deepseek4.nextn_predict_layers".into(), MetaValue::U32(1)));
+    }
     let im = match &opts.imatrix {
         Some(p) => {
             let im = Imatrix::load(p)?;

@@ -7,6 +7,13 @@
 //! are stacked over E into `[in, out, n_experts]`. Compressor tensors exist only on layers with ratio > 0, indexer
 //! tensors only on ratio-4 layers, `exp_probs_b.bias` only on learned-routing layers, `ffn_gate_tid2eid.weight` only
 //! on hash layers (`il < num_hash_layers`).
+//!
+//! [`mtp_plan`] adds an April checkpoint's MTP block: official `mtp.0.<x>` → GGUF `mtp.0.<y>`, where a block tensor's
+//! `<y>` is the suffix a trunk layer's tensor has under `blk.N.` (ratio 0, learned routing: `mtp.0.attn_q_a.weight`,
+//! `mtp.0.ffn_gate_inp.weight`, `mtp.0.exp_probs_b.bias`, `mtp.0.ffn_gate_exps.weight`, `mtp.0.hc_attn_fn.weight`,
+//! ...), and the MTP-only tensors are `mtp.0.e_proj.weight`, `mtp.0.h_proj.weight`, `mtp.0.enorm.weight`,
+//! `mtp.0.hnorm.weight`, `mtp.0.norm.weight`, `mtp.0.hc_head_fn.weight`, `mtp.0.hc_head_base.weight`,
+//! `mtp.0.hc_head_scale.weight` (the names the reference C engine binds).
 
 use super::config::CheckpointConfig;
 
@@ -94,82 +101,115 @@ impl Builder {
     }
 }
 
+/// The tensors of one decoder block: official names `{official}<x>`, GGUF names `{gguf}<y>`, with compress ratio
+/// `ratio` and hash routing (`tid2eid`) or learned routing (`exp_probs_b.bias`).
+fn block(b: &mut Builder, c: &CheckpointConfig, official: &str, gguf: &str, ratio: usize, hash: bool) {
+    use Class::*;
+    let d = c.hidden_size;
+    let hc = c.hc_mult;
+    let hc_mix = (2 + hc) * hc;
+    let o = |x: &str| format!("{official}{x}");
+    let g = |x: &str| format!("{gguf}{x}");
+    for sub in ["attn", "ffn"] {
+        b.one(g(&format!("hc_{sub}_fn.weight")), o(&format!("hc_{sub}_fn")), &[hc_mix, hc * d], HcFn);
+        b.one(g(&format!("hc_{sub}_base.weight")), o(&format!("hc_{sub}_base")), &[hc_mix], Vector);
+        b.one(g(&format!("hc_{sub}_scale.weight")), o(&format!("hc_{sub}_scale")), &[3], Vector);
+    }
+    b.one(g("attn_norm.weight"), o("attn_norm.weight"), &[d], Vector);
+    b.one(g("attn_q_a.weight"), o("attn.wq_a.weight"), &[c.q_lora_rank, d], Attn);
+    b.one(g("attn_q_a_norm.weight"), o("attn.q_norm.weight"), &[c.q_lora_rank], Vector);
+    b.one(g("attn_q_b.weight"), o("attn.wq_b.weight"), &[c.n_heads * c.head_dim, c.q_lora_rank], Attn);
+    b.one(g("attn_kv.weight"), o("attn.wkv.weight"), &[c.head_dim, d], Attn);
+    b.one(g("attn_kv_a_norm.weight"), o("attn.kv_norm.weight"), &[c.head_dim], Vector);
+    b.one(g("attn_sinks.weight"), o("attn.attn_sink"), &[c.n_heads], Vector);
+    let group_in = c.n_heads * c.head_dim / c.o_groups;
+    b.one(g("attn_output_a.weight"), o("attn.wo_a.weight"), &[c.o_groups * c.o_lora_rank, group_in], Attn);
+    b.one(g("attn_output_b.weight"), o("attn.wo_b.weight"), &[d, c.o_groups * c.o_lora_rank], Attn);
+    if ratio > 0 {
+        let w = CheckpointConfig::compressor_coff(ratio) * c.head_dim;
+        b.one(g("attn_compressor_ape.weight"), o("attn.compressor.ape"), &[ratio, w], Compressor);
+        b.one(g("attn_compressor_kv.weight"), o("attn.compressor.wkv.weight"), &[w, d], Compressor);
+        b.one(g("attn_compressor_gate.weight"), o("attn.compressor.wgate.weight"), &[w, d], Compressor);
+        b.one(g("attn_compressor_norm.weight"), o("attn.compressor.norm.weight"), &[c.head_dim], Vector);
+    }
+    if ratio == 4 {
+        let (ih, ihd) = (c.index_n_heads, c.index_head_dim);
+        let iw = CheckpointConfig::compressor_coff(ratio) * ihd;
+        b.one(g("indexer.attn_q_b.weight"), o("attn.indexer.wq_b.weight"), &[ih * ihd, c.q_lora_rank], Indexer);
+        b.one(g("indexer.proj.weight"), o("attn.indexer.weights_proj.weight"), &[ih, d], Indexer);
+        b.one(g("indexer_compressor_ape.weight"), o("attn.indexer.compressor.ape"), &[ratio, iw], Compressor);
+        b.one(g("indexer_compressor_kv.weight"), o("attn.indexer.compressor.wkv.weight"), &[iw, d], Compressor);
+        b.one(g("indexer_compressor_gate.weight"), o("attn.indexer.compressor.wgate.weight"), &[iw, d], Compressor);
+        b.one(g("indexer_compressor_norm.weight"), o("attn.indexer.compressor.norm.weight"), &[ihd], Vector);
+    }
+    b.one(g("ffn_norm.weight"), o("ffn_norm.weight"), &[d], Vector);
+    b.one(g("ffn_gate_inp.weight"), o("ffn.gate.weight"), &[c.n_experts, d], Router);
+    if hash {
+        b.one(g("ffn_gate_tid2eid.weight"), o("ffn.gate.tid2eid"), &[c.vocab_size, c.n_experts_used], Tid2eid);
+    } else {
+        b.one(g("exp_probs_b.bias"), o("ffn.gate.bias"), &[c.n_experts], Vector);
+    }
+    let f = c.expert_ffn;
+    for (gguf, w, shape, class) in [
+        ("ffn_gate_exps.weight", "w1", [f, d], RoutedGateUp),
+        ("ffn_up_exps.weight", "w3", [f, d], RoutedGateUp),
+        ("ffn_down_exps.weight", "w2", [d, f], RoutedDown),
+    ] {
+        b.out.push(Planned {
+            name: g(gguf),
+            dims: vec![shape[1] as u64, shape[0] as u64, c.n_experts as u64],
+            class,
+            source: Source::Experts((0..c.n_experts).map(|e| o(&format!("ffn.experts.{e}.{w}.weight"))).collect()),
+            src_shape: shape.to_vec(),
+        });
+    }
+    if c.n_shared_experts > 0 {
+        let sf = f * c.n_shared_experts;
+        b.one(g("ffn_gate_shexp.weight"), o("ffn.shared_experts.w1.weight"), &[sf, d], SharedExpert);
+        b.one(g("ffn_up_shexp.weight"), o("ffn.shared_experts.w3.weight"), &[sf, d], SharedExpert);
+        b.one(g("ffn_down_shexp.weight"), o("ffn.shared_experts.w2.weight"), &[d, sf], SharedExpert);
+    }
+}
+
 /// Builds the plan for a checkpoint with this config.
 pub fn plan(c: &CheckpointConfig) -> Vec<Planned> {
     use Class::*;
     let mut b = Builder { out: Vec::new() };
     let d = c.hidden_size;
     let hc = c.hc_mult;
-    let hc_mix = (2 + hc) * hc;
     b.one("token_embd.weight".into(), "embed.weight".into(), &[c.vocab_size, d], TokenEmbd);
     for il in 0..c.n_layers {
-        let o = |x: &str| format!("layers.{il}.{x}");
-        let g = |x: &str| format!("blk.{il}.{x}");
-        for sub in ["attn", "ffn"] {
-            b.one(g(&format!("hc_{sub}_fn.weight")), o(&format!("hc_{sub}_fn")), &[hc_mix, hc * d], HcFn);
-            b.one(g(&format!("hc_{sub}_base.weight")), o(&format!("hc_{sub}_base")), &[hc_mix], Vector);
-            b.one(g(&format!("hc_{sub}_scale.weight")), o(&format!("hc_{sub}_scale")), &[3], Vector);
-        }
-        b.one(g("attn_norm.weight"), o("attn_norm.weight"), &[d], Vector);
-        b.one(g("attn_q_a.weight"), o("attn.wq_a.weight"), &[c.q_lora_rank, d], Attn);
-        b.one(g("attn_q_a_norm.weight"), o("attn.q_norm.weight"), &[c.q_lora_rank], Vector);
-        b.one(g("attn_q_b.weight"), o("attn.wq_b.weight"), &[c.n_heads * c.head_dim, c.q_lora_rank], Attn);
-        b.one(g("attn_kv.weight"), o("attn.wkv.weight"), &[c.head_dim, d], Attn);
-        b.one(g("attn_kv_a_norm.weight"), o("attn.kv_norm.weight"), &[c.head_dim], Vector);
-        b.one(g("attn_sinks.weight"), o("attn.attn_sink"), &[c.n_heads], Vector);
-        let group_in = c.n_heads * c.head_dim / c.o_groups;
-        b.one(g("attn_output_a.weight"), o("attn.wo_a.weight"), &[c.o_groups * c.o_lora_rank, group_in], Attn);
-        b.one(g("attn_output_b.weight"), o("attn.wo_b.weight"), &[d, c.o_groups * c.o_lora_rank], Attn);
-        let ratio = c.compress_ratios[il];
-        if ratio > 0 {
-            let w = CheckpointConfig::compressor_coff(ratio) * c.head_dim;
-            b.one(g("attn_compressor_ape.weight"), o("attn.compressor.ape"), &[ratio, w], Compressor);
-            b.one(g("attn_compressor_kv.weight"), o("attn.compressor.wkv.weight"), &[w, d], Compressor);
-            b.one(g("attn_compressor_gate.weight"), o("attn.compressor.wgate.weight"), &[w, d], Compressor);
-            b.one(g("attn_compressor_norm.weight"), o("attn.compressor.norm.weight"), &[c.head_dim], Vector);
-        }
-        if ratio == 4 {
-            let (ih, ihd) = (c.index_n_heads, c.index_head_dim);
-            let iw = CheckpointConfig::compressor_coff(ratio) * ihd;
-            b.one(g("indexer.attn_q_b.weight"), o("attn.indexer.wq_b.weight"), &[ih * ihd, c.q_lora_rank], Indexer);
-            b.one(g("indexer.proj.weight"), o("attn.indexer.weights_proj.weight"), &[ih, d], Indexer);
-            b.one(g("indexer_compressor_ape.weight"), o("attn.indexer.compressor.ape"), &[ratio, iw], Compressor);
-            b.one(g("indexer_compressor_kv.weight"), o("attn.indexer.compressor.wkv.weight"), &[iw, d], Compressor);
-            b.one(g("indexer_compressor_gate.weight"), o("attn.indexer.compressor.wgate.weight"), &[iw, d], Compressor);
-            b.one(g("indexer_compressor_norm.weight"), o("attn.indexer.compressor.norm.weight"), &[ihd], Vector);
-        }
-        b.one(g("ffn_norm.weight"), o("ffn_norm.weight"), &[d], Vector);
-        b.one(g("ffn_gate_inp.weight"), o("ffn.gate.weight"), &[c.n_experts, d], Router);
-        if c.is_hash_layer(il) {
-            b.one(g("ffn_gate_tid2eid.weight"), o("ffn.gate.tid2eid"), &[c.vocab_size, c.n_experts_used], Tid2eid);
-        } else {
-            b.one(g("exp_probs_b.bias"), o("ffn.gate.bias"), &[c.n_experts], Vector);
-        }
-        let f = c.expert_ffn;
-        for (gguf, w, shape, class) in [
-            ("ffn_gate_exps.weight", "w1", [f, d], RoutedGateUp),
-            ("ffn_up_exps.weight", "w3", [f, d], RoutedGateUp),
-            ("ffn_down_exps.weight", "w2", [d, f], RoutedDown),
-        ] {
-            b.out.push(Planned {
-                name: g(gguf),
-                dims: vec![shape[1] as u64, shape[0] as u64, c.n_experts as u64],
-                class,
-                source: Source::Experts((0..c.n_experts).map(|e| o(&format!("ffn.experts.{e}.{w}.weight"))).collect()),
-                src_shape: shape.to_vec(),
-            });
-        }
-        if c.n_shared_experts > 0 {
-            let sf = f * c.n_shared_experts;
-            b.one(g("ffn_gate_shexp.weight"), o("ffn.shared_experts.w1.weight"), &[sf, d], SharedExpert);
-            b.one(g("ffn_up_shexp.weight"), o("ffn.shared_experts.w3.weight"), &[sf, d], SharedExpert);
-            b.one(g("ffn_down_shexp.weight"), o("ffn.shared_experts.w2.weight"), &[d, sf], SharedExpert);
-        }
+        block(&mut b, c, &format!("layers.{il}."), &format!("blk.{il}."), c.compress_ratios[il], c.is_hash_layer(il));
     }
     b.one("output_hc_fn.weight".into(), "hc_head_fn".into(), &[hc, hc * d], HcFn);
     b.one("output_hc_base.weight".into(), "hc_head_base".into(), &[hc], Vector);
     b.one("output_hc_scale.weight".into(), "hc_head_scale".into(), &[1], Vector);
     b.one("output_norm.weight".into(), "norm.weight".into(), &[d], Vector);
     b.one("output.weight".into(), "head.weight".into(), &[c.vocab_size, d], Output);
+    b.out
+}
+
+/// The official-name prefix of the April release's MTP block, and the GGUF prefix it is written under.
+pub const MTP_PREFIX: &str = "mtp.0.";
+
+/// The plan of an April checkpoint's MTP block `mtp.0.*` (written after the trunk when the checkpoint has one; see
+/// the module docs of [`crate::convert`]): `e_proj`/`h_proj` (ordinary matrices, [`Class::Attn`]), `enorm`, `hnorm`,
+/// `norm`, the MTP head's `hc_head_*`, and one decoder block of compress ratio 0 with learned routing whose tensors
+/// are named as a trunk layer's, under `mtp.0.` instead of `layers.N.` / `blk.N.`.
+pub fn mtp_plan(c: &CheckpointConfig) -> Vec<Planned> {
+    use Class::*;
+    let mut b = Builder { out: Vec::new() };
+    let d = c.hidden_size;
+    let hc = c.hc_mult;
+    let m = |x: &str| format!("{MTP_PREFIX}{x}");
+    b.one(m("e_proj.weight"), m("e_proj.weight"), &[d, d], Attn);
+    b.one(m("h_proj.weight"), m("h_proj.weight"), &[d, d], Attn);
+    b.one(m("enorm.weight"), m("enorm.weight"), &[d], Vector);
+    b.one(m("hnorm.weight"), m("hnorm.weight"), &[d], Vector);
+    block(&mut b, c, MTP_PREFIX, MTP_PREFIX, 0, false);
+    b.one(m("hc_head_fn.weight"), m("hc_head_fn"), &[hc, hc * d], HcFn);
+    b.one(m("hc_head_base.weight"), m("hc_head_base"), &[hc], Vector);
+    b.one(m("hc_head_scale.weight"), m("hc_head_scale"), &[1], Vector);
+    b.one(m("norm.weight"), m("norm.weight"), &[d], Vector);
     b.out
 }
