@@ -230,6 +230,42 @@ fn engine_trunk_logits_match_the_training_scripts_jax_forward() {
     let std = (want.iter().map(|x| x * x).sum::<f32>() / want.len() as f32).sqrt();
     eprintln!("max |engine - JAX| trunk logit = {diff} (logit rms {std})");
     assert!(diff <= 1e-4, "max |engine - JAX| trunk logit = {diff} (logit rms {std})");
-    // The MTP reference exists and has the same shape (checked against the engine once it runs the MTP block).
-    assert_eq!(read_f32(&dir.join("mtp_logits.f32")).len(), want.len());
+}
+
+/// The engine's MTP drafter (`Model::load_mtp`: the block as a one-layer model whose first stage takes the token and
+/// the trunk's final streams of the previous position) against the JAX MTP logits at every position.
+#[test]
+fn engine_mtp_logits_match_the_training_scripts_jax_forward() {
+    let dir = fixture_dir();
+    let meta = fixture_json();
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("mtp.gguf");
+    convert(&ConvertOptions::new(&dir, &out, Recipe::F32)).unwrap();
+    let prompt = prompt();
+    let vocab = meta["vocab_size"].as_u64().unwrap() as usize;
+    let opts = EngineOptions { exact: true, threads: 2, ..EngineOptions::default() };
+    let mut e = Engine::from_gguf(GgufFile::open(&out).unwrap(), opts.clone()).unwrap();
+    assert_eq!(e.config().vocab, vocab);
+    let s = e.create_session();
+    e.set_keep_hidden(s, usize::MAX).unwrap();
+    e.feed(s, &prompt).unwrap();
+    e.run_until_idle().unwrap();
+    let (from, h) = e.take_hidden(s).unwrap();
+    let hcd = e.config().hc_dim();
+    assert_eq!((from, h.len()), (0, prompt.len() * hcd));
+    let mut d = Engine::from_model(e.model().load_mtp().unwrap().expect("the fixture has an MTP block"), opts).unwrap();
+    let ds = d.create_session();
+    d.set_prefill_logits(ds, true).unwrap();
+    let mut input = vec![0f32; prompt.len() * hcd];
+    input[hcd..].copy_from_slice(&h[..(prompt.len() - 1) * hcd]);
+    d.feed_with_hidden(ds, &prompt, &input).unwrap();
+    d.run_until_idle().unwrap();
+    let got = d.take_all_logits(ds).unwrap();
+    let want = read_f32(&dir.join("mtp_logits.f32"));
+    assert_eq!(got.len(), want.len());
+    let diff = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    let std = (want.iter().map(|x| x * x).sum::<f32>() / want.len() as f32).sqrt();
+    eprintln!("max |engine - JAX| MTP logit = {diff} (logit rms {std})");
+    assert!(std > 0.1, "the reference logits are not degenerate");
+    assert!(diff <= 1e-4, "max |engine - JAX| MTP logit = {diff} (logit rms {std})");
 }
