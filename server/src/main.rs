@@ -32,10 +32,7 @@ pub fn main() -> anyhow::Result<()> {
         max_parked: args.max_parked,
         max_parked_bytes,
         context_size: 0,
-        speculative: ds4_server::scheduler::SpecConfig {
-            mode: args.speculative,
-            draft_len: args.draft_len as usize,
-        },
+        speculative: ds4_server::scheduler::SpecConfig { mode: args.speculative, draft_len: args.draft_len as usize },
     };
     let mut max_connections = args.max_connections.max(1);
     if let Some(fds) = ds4_server::conn::raise_fd_limit() {

@@ -111,10 +111,14 @@ pub fn demo_model_gguf(seed: u64) -> Result<Vec<u8>> {
     random_model_gguf(&demo_config(), seed, extra)
 }
 
-/// A random-weight model of any shape `cfg` describes, in the converted layout and the `q2` recipe's types, with
+/// A random-weight model of any shape `cfg` describes (with an MTP block when `cfg.n_nextn_layers > 0`), in the converted layout and the `q2` recipe's types, with
 /// `extra` metadata (name, tokenizer) after the config's keys. Weights as for the demo model (module docs).
 pub fn random_model_gguf(cfg: &CheckpointConfig, seed: u64, extra: Vec<(String, MetaValue)>) -> Result<Vec<u8>> {
-    let tensors = plan(cfg);
+    let mut tensors = plan(cfg);
+    if cfg.n_nextn_layers > 0 && cfg.revision == super::config::Revision::April {
+        // The MTP block, as the converter writes an April checkpoint's.
+        tensors.extend(super::plan::mtp_plan(cfg));
+    }
     let decls: Vec<TensorDecl> = tensors
         .iter()
         .map(|t| TensorDecl {

@@ -41,8 +41,8 @@ mod parked;
 pub mod spec;
 
 use parked::Parked;
-pub use spec::{SpecConfig, SpecMode};
 use spec::SpecState;
+pub use spec::{SpecConfig, SpecMode};
 
 /// Why generation stopped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
