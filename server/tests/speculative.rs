@@ -1,0 +1,168 @@
+//! Speculative decoding in the server (`--speculative mtp`): on a model with an MTP block, temperature-0 answers of
+//! every API, streamed or not, alone or batched with other requests, are token for token the answers without
+//! speculation; the drafts are verified (the metrics count them); a grammar-constrained request decodes plainly.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::TestServer;
+use ds4_server::engine::{load, LoadOptions};
+use ds4_server::scheduler::{SchedulerConfig, SpecConfig, SpecMode};
+use ds4_server::{build_state, Limits};
+use serde_json::{json, Value};
+
+/// The demo model's shape and real tokenizer with an MTP block (random weights), as a file.
+fn model_file() -> &'static std::path::Path {
+    static FILE: std::sync::OnceLock<tempfile::TempPath> = std::sync::OnceLock::new();
+    FILE.get_or_init(|| {
+        let mut cfg = ds4_engine::convert::demo_config();
+        cfg.n_nextn_layers = 1;
+        let tok = ds4_engine::tokenizer::bundled_tokenizer_json();
+        let meta = ds4_engine::tokenizer::gguf_metadata_from_tokenizer_json_bytes(tok).unwrap();
+        let bytes = ds4_engine::convert::random_model_gguf(&cfg, 3, meta).unwrap();
+        let f = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(f.path(), bytes).unwrap();
+        f.into_temp_path()
+    })
+}
+
+fn server(mode: SpecMode) -> TestServer {
+    let opts = LoadOptions {
+        backend: ds4_engine::engine::BackendKind::Cpu,
+        ctx: 1024,
+        max_batch_tokens: 256,
+        max_sessions: 32,
+        active_sessions: 4,
+        demo_seed: 1,
+    };
+    let (mut runner, codec, info) = load(Some(model_file()), &opts).expect("model with an MTP block");
+    assert!(runner.has_mtp());
+    if mode != SpecMode::Off {
+        runner.enable_mtp(0.0).unwrap();
+    }
+    let config = SchedulerConfig {
+        max_active: 4,
+        prefill_chunk: 128,
+        speculative: SpecConfig { mode, draft_len: 3 },
+        ..SchedulerConfig::default()
+    };
+    TestServer::on(build_state(Box::new(runner), Arc::new(codec), info, config, Limits::default()))
+}
+
+/// One request per API (streamed and not), each answering with the text it generated.
+fn requests(prompt: &str) -> Vec<(&'static str, Value)> {
+    let msgs = json!([{"role": "user", "content": prompt}]);
+    let mut out = Vec::new();
+    for stream in [false, true] {
+        out.push((
+            "/v1/chat/completions",
+            json!({"messages": msgs, "max_tokens": 24, "temperature": 0, "stream": stream}),
+        ));
+        out.push((
+            "/v1/messages",
+            json!({"model": "deepseek-v4-flash", "messages": msgs, "max_tokens": 24, "temperature": 0, "stream": stream}),
+        ));
+        out.push((
+            "/v1/responses",
+            json!({"input": prompt, "max_output_tokens": 24, "temperature": 0, "stream": stream}),
+        ));
+        out.push(("/v1/completions", json!({"prompt": prompt, "max_tokens": 24, "temperature": 0, "stream": stream})));
+    }
+    out
+}
+
+/// The reply's body with the parts that differ between runs (ids, timings) removed: for a streamed reply the
+/// concatenated text deltas, else the generated text fields.
+fn answer(path: &str, r: &common::Reply) -> String {
+    assert_eq!(r.status, 200, "{path}: {}", r.body);
+    let streamed = r.header("content-type").is_some_and(|c| c.contains("event-stream"));
+    let mut text = String::new();
+    let mut take = |v: &Value| {
+        for p in [
+            "/choices/0/message/content",
+            "/choices/0/message/reasoning_content",
+            "/choices/0/text",
+            "/choices/0/delta/content",
+            "/choices/0/delta/reasoning_content",
+            "/delta/text",
+            "/delta/thinking",
+            "/delta",
+            "/output_text",
+        ] {
+            if let Some(s) = v.pointer(p).and_then(Value::as_str) {
+                text.push_str(s);
+            }
+        }
+        if let Some(items) = v.get("content").and_then(Value::as_array) {
+            for c in items {
+                for k in ["text", "thinking"] {
+                    text.push_str(c.get(k).and_then(Value::as_str).unwrap_or_default());
+                }
+            }
+        }
+    };
+    if streamed {
+        for (_, v) in r.event_json() {
+            take(&v);
+        }
+    } else {
+        take(&r.json());
+    }
+    text
+}
+
+#[test]
+fn speculation_gives_the_plain_answers_on_every_api_alone_and_batched() {
+    let prompts = ["Write a haiku about caches.", "def fibonacci(n):", "List three colours"];
+    let mut plain = server(SpecMode::Off);
+    let want: Vec<Vec<String>> = prompts
+        .iter()
+        .map(|p| requests(p).iter().map(|(path, body)| answer(path, &plain.post(path, body))).collect())
+        .collect();
+    plain.stop();
+    assert!(want.iter().flatten().any(|t| !t.is_empty()), "the plain answers have text");
+    let mut spec = server(SpecMode::Mtp);
+    for (p, want) in prompts.iter().zip(&want) {
+        let got: Vec<String> = requests(p).iter().map(|(path, body)| answer(path, &spec.post(path, body))).collect();
+        assert_eq!(&got, want, "alone: {p}");
+    }
+    let cycles = spec.metric("ds4_spec_cycles_total");
+    assert!(cycles > 0.0, "drafts were verified");
+    assert!(spec.metric("ds4_spec_draft_tokens_total") >= cycles);
+    assert!(spec.metric("ds4_spec_accepted_tokens_total") <= spec.metric("ds4_spec_draft_tokens_total"));
+    // All requests at once: batched with each other, speculating and not (streams finish at different times).
+    let addr = spec.addr;
+    let handles: Vec<_> = prompts
+        .iter()
+        .enumerate()
+        .flat_map(|(i, p)| requests(p).into_iter().enumerate().map(move |(j, r)| (i, j, r)))
+        .map(|(i, j, (path, body))| {
+            std::thread::spawn(move || {
+                let r = common::request(
+                    addr,
+                    "POST",
+                    path,
+                    &[("content-type", "application/json")],
+                    body.to_string().as_bytes(),
+                );
+                (i, j, answer(path, &r))
+            })
+        })
+        .collect();
+    for h in handles {
+        let (i, j, got) = h.join().unwrap();
+        assert_eq!(got, want[i][j], "batched: prompt {i}, request {j}");
+    }
+    assert!(spec.metric("ds4_spec_cycles_total") > cycles);
+    // A grammar-constrained request decodes plainly (and still validates).
+    let before = spec.metric("ds4_spec_cycles_total");
+    let r = spec.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "a number"}], "max_tokens": 8, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"}}}}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(spec.metric("ds4_spec_cycles_total"), before, "no drafts under a grammar");
+    spec.stop();
+}
