@@ -1,5 +1,5 @@
 //! `ds4 generate -m FILE --tokens 0,5,17 -n N --temperature 0 --print-ids [--exact] [--f32-acts] [--backend cpu]
-//! [--threads N]`:
+//! [--threads N] [--speculative off|mtp|auto --draft-len K]`:
 //! continuation of a token prompt (greedy at temperature 0, else sampled with [`ds4_engine::sampler::Sampler`]), printed
 //! as comma-separated ids on one line.
 
@@ -52,6 +52,13 @@ pub struct GenerateArgs {
     /// Worker threads (0 = all cores).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
+    /// Speculative decoding with the model's MTP block: off, mtp or auto (same ids either way; the counters are
+    /// logged).
+    #[arg(long, default_value = "off")]
+    pub speculative: crate::run::SpecChoice,
+    /// Drafted tokens per verify run at most.
+    #[arg(long = "draft-len", default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=16))]
+    pub draft_len: u64,
 }
 
 /// Runs `ds4 generate`.
@@ -72,7 +79,22 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<i32> {
     let mut engine = Engine::open(&a.model, opts)?;
     let s = engine.create_session();
     let t0 = std::time::Instant::now();
-    let ids = if a.temperature == 0.0 {
+    let drafter = crate::run::drafter_for(&engine, a.speculative, a.threads)?;
+    let ids = if let Some(mut d) = drafter {
+        use ds4_engine::speculative::Drafter;
+        d.attach(&mut engine, s)?;
+        engine.feed(s, &tokens)?;
+        engine.run_until_idle()?;
+        let (ids, st) = engine.generate_speculative(s, &mut sampler, &mut d, a.draft_len as usize, a.n)?;
+        tracing::info!(
+            cycles = st.cycles,
+            drafted = st.drafted,
+            accepted = st.accepted,
+            acceptance = format!("{:.2}", st.acceptance_rate()),
+            "speculative decoding"
+        );
+        ids
+    } else if a.temperature == 0.0 {
         engine.generate_greedy(s, &tokens, a.n)?
     } else {
         engine.feed(s, &tokens)?;

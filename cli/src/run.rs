@@ -21,6 +21,7 @@ use ds4_engine::chat::{
 use ds4_engine::engine::{BackendKind, Engine, EngineOptions};
 use ds4_engine::gguf::GgufFile;
 use ds4_engine::sampler::{Sampler, SamplerConfig, StopChecker, StopStatus};
+use ds4_engine::speculative::{Cycle, Drafter, MtpDrafter, SpecStats};
 use ds4_engine::tables::SessionId;
 use ds4_engine::tokenizer::{Tokenizer, EOS_TOKEN};
 
@@ -73,6 +74,37 @@ pub struct GenArgs {
     /// Context length (0 = the model's).
     #[arg(long, default_value_t = 0)]
     pub ctx: usize,
+    /// Speculative decoding: off, mtp (the model's MTP block drafts; an error without one) or auto (mtp when the
+    /// model has the block). The answer is the one plain decoding gives.
+    #[arg(long, default_value = "auto")]
+    pub speculative: SpecChoice,
+    /// Drafted tokens per verify run at most.
+    #[arg(long = "draft-len", default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=16))]
+    pub draft_len: u64,
+}
+
+/// `--speculative` of `ds4 run/chat/generate`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum SpecChoice {
+    Off,
+    Mtp,
+    Auto,
+}
+
+/// The MTP drafter `choice` asks for on `engine`'s model (`None`: plain decoding).
+pub fn drafter_for(engine: &Engine, choice: SpecChoice, threads: usize) -> anyhow::Result<Option<MtpDrafter>> {
+    if choice == SpecChoice::Off {
+        return Ok(None);
+    }
+    let opts = ds4_engine::speculative::MtpOptions { min_confidence: 0.0, threads };
+    let d = MtpDrafter::new(engine.model(), opts)?;
+    if d.is_none() && choice == SpecChoice::Mtp {
+        anyhow::bail!("--speculative mtp: the model has no MTP block (mtp.0.*)");
+    }
+    if d.is_some() {
+        tracing::info!("speculative decoding with the model's MTP block");
+    }
+    Ok(d)
 }
 
 /// Arguments of `ds4 run`.
@@ -146,14 +178,34 @@ pub struct TurnOptions<'a> {
     pub cancel: Option<&'a AtomicBool>,
 }
 
+/// Speculative decoding for [`generate`]: the MTP drafter and the most tokens it drafts per verify run.
+pub struct Speculation<'a> {
+    pub drafter: &'a mut MtpDrafter,
+    pub draft_len: usize,
+    pub stats: SpecStats,
+}
+
+/// Whether a token ends the turn.
+#[derive(PartialEq)]
+enum Next {
+    Go,
+    Stop,
+}
+
 /// Runs one assistant turn: feeds `new_tokens` to `sess`, then samples until EOS, a stop sequence or the token
 /// limit. `on_event` sees every parser event as it happens. Returns the parsed answer.
+///
+/// With `spec`, each sampled token is fed with the drafter's continuation as one verify run
+/// ([`Engine::verify_drafts`]); the accepted drafts go through the same decoding, stop and parse steps as sampled
+/// tokens, so the answer is the one plain decoding gives (token for token at temperature 0; the same distribution
+/// otherwise: no draft is made or kept inside DSML syntax, where sampling turns greedy).
 pub fn generate(
     engine: &mut Engine,
     sess: SessionId,
     tok: &Tokenizer,
     new_tokens: &[u32],
     opt: &TurnOptions<'_>,
+    mut spec: Option<&mut Speculation<'_>>,
     on_event: &mut dyn FnMut(&ParseEvent),
 ) -> ds4_engine::Result<ParsedMessage> {
     let TurnOptions { mode, sampler: sampler_cfg, stops, max_tokens, cancel } = *opt;
@@ -170,6 +222,29 @@ pub fn generate(
             on_event(&e);
         }
     };
+    // The text side of one generated token (it is fed by the caller).
+    let mut take = |id: u32, parser: &mut StreamParser, on_event: &mut dyn FnMut(&ParseEvent)| {
+        if id == special.eos {
+            let rest = dec.finish() + &stop.finish();
+            emit(parser, &rest, on_event);
+            emit(parser, EOS_TOKEN, on_event);
+            return Ok::<Next, ds4_engine::Error>(Next::Stop);
+        }
+        let piece = dec.push(id)?;
+        Ok(match stop.push(&piece) {
+            StopStatus::Continue { emit: text } => {
+                emit(parser, &text, on_event);
+                Next::Go
+            }
+            StopStatus::Stop { emit: text, reason } => {
+                tracing::debug!(?reason, "generation stopped");
+                emit(parser, &text, on_event);
+                Next::Stop
+            }
+        })
+    };
+    let mut forced: Option<u32> = None;
+    let mut generated = 0usize;
     loop {
         if cancel.is_some_and(|c| c.swap(false, Ordering::SeqCst)) {
             tracing::info!("generation stopped (interrupted)");
@@ -177,29 +252,63 @@ pub fn generate(
             emit(&mut parser, &rest, on_event);
             break;
         }
-        let id = sampler.sample_with(engine.logits(sess)?, parser.in_tool_syntax())?;
+        let id = match forced.take() {
+            Some(t) => t,
+            None => sampler.sample_with(engine.logits(sess)?, parser.in_tool_syntax())?,
+        };
         sampler.accept(id);
-        if id == special.eos {
-            let rest = dec.finish() + &stop.finish();
-            emit(&mut parser, &rest, on_event);
-            emit(&mut parser, EOS_TOKEN, on_event);
-            // Feed EOS so the session's history holds the whole turn (the next turn continues after it).
+        generated += 1;
+        // An end token is fed too, so the session's history holds the whole turn (the next turn continues after it).
+        if take(id, &mut parser, on_event)? == Next::Stop {
             engine.feed(sess, &[id])?;
             engine.run_until_idle()?;
             break;
         }
-        let piece = dec.push(id)?;
-        engine.feed(sess, &[id])?;
-        match stop.push(&piece) {
-            StopStatus::Continue { emit: text } => emit(&mut parser, &text, on_event),
-            StopStatus::Stop { emit: text, reason } => {
-                tracing::debug!(?reason, "generation stopped");
-                emit(&mut parser, &text, on_event);
-                engine.run_until_idle()?;
+        let room = max_tokens.saturating_sub(generated + 1);
+        let draft = match spec.as_deref_mut() {
+            Some(sp) if room > 0 && !parser.in_tool_syntax() => {
+                let mut ctx = engine.history(sess)?.to_vec();
+                ctx.push(id);
+                let mut d = sp.drafter.draft(engine, sess, &ctx, sp.draft_len.min(room))?;
+                d.truncate(sp.draft_len.min(room));
+                d
+            }
+            _ => Vec::new(),
+        };
+        if draft.is_empty() {
+            engine.feed(sess, &[id])?;
+            engine.run_until_idle()?;
+            continue;
+        }
+        let base = engine.position(sess)?;
+        let mut cycle = [Cycle { session: sess, first: id, draft: &draft, sampler: &mut sampler }];
+        let v = engine.verify_drafts(&mut cycle)?.remove(0);
+        if let Some(sp) = spec.as_deref_mut() {
+            sp.stats.cycles += 1;
+            sp.stats.drafted += draft.len();
+            sp.stats.accepted += v.accepted;
+        }
+        forced = Some(v.next);
+        let mut end = false;
+        for (j, &d) in draft[..v.accepted].iter().enumerate() {
+            generated += 1;
+            let next = take(d, &mut parser, on_event)?;
+            if next == Next::Stop || parser.in_tool_syntax() {
+                // Keep the session up to this token, with its logits (as plain decoding leaves it); inside DSML
+                // syntax the next token is sampled again, greedily.
+                let keep = base + 2 + j;
+                if engine.position(sess)? > keep {
+                    engine.truncate(sess, keep)?;
+                    engine.run_until_idle()?;
+                }
+                forced = None;
+                end = next == Next::Stop;
                 break;
             }
         }
-        engine.run_until_idle()?;
+        if end {
+            break;
+        }
     }
     let (last, result) = parser.finish();
     for e in &last {
@@ -255,6 +364,15 @@ pub fn run(a: RunArgs) -> anyhow::Result<i32> {
     let text = render(&RenderInput { messages }, l.mode, l.effort)?;
     let ids = l.tok.encode(&text)?;
     let sess = l.engine.create_session();
+    let mut drafter = drafter_for(&l.engine, a.gen.speculative, a.gen.threads)?;
+    if let Some(d) = &mut drafter {
+        d.attach(&mut l.engine, sess)?;
+    }
+    let mut spec = drafter.as_mut().map(|d| Speculation {
+        drafter: d,
+        draft_len: a.gen.draft_len as usize,
+        stats: SpecStats::default(),
+    });
     let mut on_event = printer();
     let opt = TurnOptions {
         mode: l.mode,
@@ -263,10 +381,25 @@ pub fn run(a: RunArgs) -> anyhow::Result<i32> {
         max_tokens: a.gen.max_tokens,
         cancel: None,
     };
-    let parsed = generate(&mut l.engine, sess, &l.tok, &ids, &opt, &mut on_event)?;
+    let parsed = generate(&mut l.engine, sess, &l.tok, &ids, &opt, spec.as_mut(), &mut on_event)?;
     print_turn_end(&parsed)?;
+    if let Some(sp) = &spec {
+        spec_summary(&sp.stats);
+    }
     placement_report(&a.gen, &l.engine);
     Ok(0)
+}
+
+/// The speculation counters of a run (a `tracing` line).
+fn spec_summary(st: &SpecStats) {
+    tracing::info!(
+        cycles = st.cycles,
+        drafted = st.drafted,
+        accepted = st.accepted,
+        acceptance = format!("{:.2}", st.acceptance_rate()),
+        mean_accepted_length = format!("{:.2}", st.mean_accepted_length()),
+        "speculative decoding"
+    );
 }
 
 /// With `--placement-report`, the engine's placement of its last tick on stderr.
@@ -334,6 +467,11 @@ pub fn chat(a: ChatArgs) -> anyhow::Result<i32> {
     let mut l = load(&a.gen)?;
     let mut messages = conversation_start(&a.gen);
     let mut sess = l.engine.create_session();
+    let mut drafter = drafter_for(&l.engine, a.gen.speculative, a.gen.threads)?;
+    if let Some(d) = &mut drafter {
+        d.attach(&mut l.engine, sess)?;
+    }
+    let mut stats = SpecStats::default();
     let stdin = std::io::stdin();
     let mut on_event = printer();
     let cancel = Arc::new(AtomicBool::new(false));
@@ -347,8 +485,7 @@ pub fn chat(a: ChatArgs) -> anyhow::Result<i32> {
             "/exit" | "/quit" => break,
             "/reset" => {
                 messages = conversation_start(&a.gen);
-                l.engine.free_session(sess)?;
-                sess = l.engine.create_session();
+                sess = renew_session(&mut l.engine, drafter.as_mut(), sess)?;
                 continue;
             }
             "/think" => {
@@ -372,8 +509,7 @@ pub fn chat(a: ChatArgs) -> anyhow::Result<i32> {
         let new = if ids.starts_with(&done) {
             &ids[done.len()..]
         } else {
-            l.engine.free_session(sess)?;
-            sess = l.engine.create_session();
+            sess = renew_session(&mut l.engine, drafter.as_mut(), sess)?;
             &ids[..]
         };
         let opt = TurnOptions {
@@ -385,14 +521,38 @@ pub fn chat(a: ChatArgs) -> anyhow::Result<i32> {
         };
         cancel.store(false, Ordering::SeqCst);
         generating.store(true, Ordering::SeqCst);
-        let parsed = generate(&mut l.engine, sess, &l.tok, new, &opt, &mut on_event);
+        let mut spec = drafter.as_mut().map(|d| Speculation {
+            drafter: d,
+            draft_len: a.gen.draft_len as usize,
+            stats: SpecStats::default(),
+        });
+        let parsed = generate(&mut l.engine, sess, &l.tok, new, &opt, spec.as_mut(), &mut on_event);
+        if let Some(sp) = spec {
+            stats.cycles += sp.stats.cycles;
+            stats.drafted += sp.stats.drafted;
+            stats.accepted += sp.stats.accepted;
+        }
         generating.store(false, Ordering::SeqCst);
         let parsed = parsed?;
         print_turn_end(&parsed)?;
         messages.push(parsed.to_message());
     }
+    if drafter.is_some() {
+        spec_summary(&stats);
+    }
     placement_report(&a.gen, &l.engine);
     Ok(0)
+}
+
+/// Frees `sess` and makes a new session (attached to the drafter, when there is one).
+fn renew_session(engine: &mut Engine, drafter: Option<&mut MtpDrafter>, sess: SessionId) -> anyhow::Result<SessionId> {
+    let s = engine.create_session();
+    if let Some(d) = drafter {
+        d.detach(engine, sess);
+        d.attach(engine, s)?;
+    }
+    engine.free_session(sess)?;
+    Ok(s)
 }
 
 #[cfg(test)]
@@ -418,7 +578,7 @@ mod tests {
         let sess = engine.create_session();
         let mut seen = String::new();
         let opt = TurnOptions { mode: Mode::Thinking, sampler: cfg, stops: &[], max_tokens, cancel: None };
-        let p = generate(engine, sess, tok, &ids, &opt, &mut |e| match e {
+        let p = generate(engine, sess, tok, &ids, &opt, None, &mut |e| match e {
             ParseEvent::ReasoningDelta(d) | ParseEvent::ContentDelta(d) => seen += d,
             _ => {}
         })
@@ -463,10 +623,80 @@ mod tests {
         let sess = engine.create_session();
         let cancel = AtomicBool::new(true);
         let opt = TurnOptions { mode: Mode::Chat, sampler: &cfg, stops: &[], max_tokens: 50, cancel: Some(&cancel) };
-        generate(&mut engine, sess, &tok, &ids, &opt, &mut |_| {}).unwrap();
+        generate(&mut engine, sess, &tok, &ids, &opt, None, &mut |_| {}).unwrap();
         assert_eq!(engine.history(sess).unwrap().len(), ids.len(), "no token may be generated after a cancel");
         assert!(!cancel.load(Ordering::SeqCst), "the flag is cleared");
-        generate(&mut engine, sess, &tok, &[], &TurnOptions { max_tokens: 3, ..opt }, &mut |_| {}).unwrap();
+        generate(&mut engine, sess, &tok, &[], &TurnOptions { max_tokens: 3, ..opt }, None, &mut |_| {}).unwrap();
         assert!(engine.history(sess).unwrap().len() > ids.len(), "a later turn generates again");
+    }
+
+    /// A random model with the real tokenizer and an MTP block.
+    fn with_mtp(seed: u64) -> (Engine, Tokenizer) {
+        let mut cfg = ds4_engine::convert::demo_config();
+        cfg.n_nextn_layers = 1;
+        let tj = ds4_engine::tokenizer::bundled_tokenizer_json();
+        let meta = ds4_engine::tokenizer::gguf_metadata_from_tokenizer_json_bytes(tj).unwrap();
+        let bytes = ds4_engine::convert::random_model_gguf(&cfg, seed, meta).unwrap();
+        let tok = Tokenizer::from_gguf(&GgufFile::from_bytes(bytes.clone()).unwrap()).unwrap();
+        let opts = EngineOptions { threads: 2, ..EngineOptions::default() };
+        (Engine::from_gguf(GgufFile::from_bytes(bytes).unwrap(), opts).unwrap(), tok)
+    }
+
+    /// The answer, every parser event and the session's final history and logits of one turn.
+    fn spec_turn(
+        engine: &mut Engine,
+        tok: &Tokenizer,
+        drafter: Option<&mut MtpDrafter>,
+        stops: &[String],
+        max_tokens: usize,
+    ) -> (ParsedMessage, String, Vec<u32>, Vec<f32>, SpecStats) {
+        let text =
+            render(&RenderInput { messages: vec![Message::new(Role::User, "Hi")] }, Mode::Chat, ReasoningEffort::High)
+                .unwrap();
+        let ids = tok.encode(&text).unwrap();
+        let sess = engine.create_session();
+        let cfg = SamplerConfig::greedy();
+        let opt = TurnOptions { mode: Mode::Chat, sampler: &cfg, stops, max_tokens, cancel: None };
+        let mut events = String::new();
+        let mut spec = drafter.map(|d| {
+            d.attach(engine, sess).unwrap();
+            Speculation { drafter: d, draft_len: 3, stats: SpecStats::default() }
+        });
+        let p = generate(engine, sess, tok, &ids, &opt, spec.as_mut(), &mut |e| events += &format!("{e:?}")).unwrap();
+        let hist = engine.history(sess).unwrap().to_vec();
+        let logits = engine.logits(sess).map(|l| l.to_vec()).unwrap_or_default();
+        let stats = spec.as_ref().map(|s| s.stats).unwrap_or_default();
+        if let Some(sp) = spec {
+            sp.drafter.detach(engine, sess);
+        }
+        engine.free_session(sess).unwrap();
+        (p, events, hist, logits, stats)
+    }
+
+    #[test]
+    fn speculative_turns_equal_plain_turns() {
+        // A seed whose greedy answer is long enough to draft in (random weights end early on some).
+        let (mut engine, tok, plain) = (1..20)
+            .map(|seed| {
+                let (mut e, tok) = with_mtp(seed);
+                let p = spec_turn(&mut e, &tok, None, &[], 40);
+                (e, tok, p)
+            })
+            .find(|(_, _, p)| p.0.content.chars().count() > 20)
+            .expect("a seed with a long answer");
+        let mut dr = drafter_for(&engine, SpecChoice::Mtp, 2).unwrap().unwrap();
+        // A stop string taken from the plain answer's middle: the turn ends there either way.
+        let stop: String = plain.0.content.chars().skip(5).take(3).collect();
+        for (stops, max) in [(vec![], 40), (vec![], 7), (vec![stop], 40)] {
+            let want = spec_turn(&mut engine, &tok, None, &stops, max);
+            let got = spec_turn(&mut engine, &tok, Some(&mut dr), &stops, max);
+            assert_eq!((&got.0, &got.1, &got.2), (&want.0, &want.1, &want.2), "stops {stops:?}, max {max}");
+            assert_eq!(got.3, want.3, "the session's logits");
+            assert!(got.4.cycles > 0, "drafts were verified: {:?}", got.4);
+        }
+        // Without an MTP block: off under auto, an error under mtp.
+        let (plain_engine, _) = demo();
+        assert!(drafter_for(&plain_engine, SpecChoice::Auto, 1).unwrap().is_none());
+        assert!(drafter_for(&plain_engine, SpecChoice::Mtp, 1).is_err());
     }
 }

@@ -269,3 +269,33 @@ fn engine_mtp_logits_match_the_training_scripts_jax_forward() {
     assert!(std > 0.1, "the reference logits are not degenerate");
     assert!(diff <= 1e-4, "max |engine - JAX| MTP logit = {diff} (logit rms {std})");
 }
+
+/// On the fixture model, greedy decoding with the MTP drafter gives the plain greedy tokens, session state included,
+/// at several draft lengths.
+#[test]
+fn mtp_speculation_on_the_fixture_is_token_identical_to_plain_greedy() {
+    use ds4_engine::sampler::{Sampler, SamplerConfig};
+    use ds4_engine::speculative::{Drafter, MtpDrafter, MtpOptions};
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("mtp.gguf");
+    convert(&ConvertOptions::new(fixture_dir(), &out, Recipe::F32)).unwrap();
+    let opts = EngineOptions { exact: true, threads: 2, ..EngineOptions::default() };
+    let mut e = Engine::from_gguf(GgufFile::open(&out).unwrap(), opts).unwrap();
+    let prompt = prompt();
+    let s = e.create_session();
+    let want = e.generate_greedy(s, &prompt, 30).unwrap();
+    let want_logits = e.logits(s).unwrap().to_vec();
+    let mut d = MtpDrafter::new(e.model(), MtpOptions { min_confidence: 0.0, threads: 2 }).unwrap().unwrap();
+    for k in [1, 2, 4] {
+        let t = e.create_session();
+        d.attach(&mut e, t).unwrap();
+        e.feed(t, &prompt).unwrap();
+        e.run_until_idle().unwrap();
+        let mut sampler = Sampler::new(SamplerConfig::greedy()).unwrap();
+        let (got, st) = e.generate_speculative(t, &mut sampler, &mut d, k, 30).unwrap();
+        assert_eq!(got, want, "k {k}");
+        assert_eq!(e.logits(t).unwrap(), &want_logits[..], "k {k}");
+        assert!(st.cycles > 0, "k {k}: {st:?}");
+        d.detach(&mut e, t);
+    }
+}
