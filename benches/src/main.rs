@@ -146,6 +146,12 @@ struct SpeculateArgs {
     /// Draft lengths to measure.
     #[arg(long, value_delimiter = ',', default_values_t = [2usize, 3, 5])]
     drafts: Vec<usize>,
+    /// The drafter: oracle (the target's own continuation) or mtp (the model's MTP block).
+    #[arg(long, value_enum, default_value = "oracle")]
+    drafter: speculate::DrafterKind,
+    /// Chat prompts (repeatable), rendered with the model's template and tokenizer, in place of random token ids.
+    #[arg(long = "prompt-text")]
+    prompt_text: Vec<String>,
     /// Tokens generated per run.
     #[arg(long, default_value_t = 24)]
     tokens: usize,
@@ -702,24 +708,42 @@ fn run_speculate(a: &SpeculateArgs) -> Result<()> {
     let threads = a.common.threads();
     let quick = a.common.quick;
     let mut out = std::io::stdout().lock();
-    write!(out, "{}", m.summary(&format!("{} (ds4_engine::speculative, oracle drafter)", a.backend), threads))?;
+    let what = format!("{} (ds4_engine::speculative, {:?} drafter)", a.backend, a.drafter);
+    write!(out, "{}", m.summary(&what, threads))?;
     let pb = progress::bar((a.drafts.len() + 1) as u64, a.common.quiet);
     let spec = if quick { "tiny:layers=3:recipe=f16" } else { a.synthetic.as_str() };
     let (file, line) = open_model(&m, a.model.as_deref(), Some(spec), threads, &pb)?;
     writeln!(out, "{line}")?;
     let vocab = file.get_usize("deepseek4.vocab_size")?;
     let (prompt_len, tokens) = if quick { (a.prompt.min(8), a.tokens.min(8)) } else { (a.prompt, a.tokens) };
-    let prompt = throughput::prompt(prompt_len.max(1), vocab);
+    let prompts: Vec<Vec<u32>> = if a.prompt_text.is_empty() {
+        vec![throughput::prompt(prompt_len.max(1), vocab)]
+    } else {
+        let tok = ds4_engine::tokenizer::Tokenizer::from_gguf(&file)?;
+        a.prompt_text
+            .iter()
+            .map(|t| {
+                let msgs = vec![ds4_engine::chat::Message::new(ds4_engine::chat::Role::User, t.clone())];
+                let text = ds4_engine::chat::render(
+                    &ds4_engine::chat::RenderInput { messages: msgs },
+                    ds4_engine::chat::Mode::Chat,
+                    ds4_engine::chat::ReasoningEffort::High,
+                )?;
+                Ok(tok.encode(&text)?)
+            })
+            .collect::<Result<_>>()?
+    };
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
     let cfg = engine_api::EngineConfig {
         threads,
-        ctx: prompt.len() + tokens + a.drafts.iter().copied().max().unwrap_or(0) + 2,
+        ctx: longest + tokens + a.drafts.iter().copied().max().unwrap_or(0) + 2,
         batch_tokens: 256,
         backend: a.backend.clone(),
         exact: false,
     };
     let mut engine = engine_api::engine_for(file, &cfg)?;
     pb.set_position(0);
-    speculate::run(&mut engine, &prompt, tokens, &a.drafts, &mut out, &pb)?;
+    speculate::run(&mut engine, &prompts, tokens, &a.drafts, a.drafter, &mut out, &pb)?;
     pb.finish_and_clear();
     Ok(())
 }

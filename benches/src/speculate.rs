@@ -6,9 +6,13 @@
 //! the model's real shapes (the Flash shapes with `--synthetic flash…`), with no drafter to train. A real drafter's
 //! speed-up is this one scaled by its acceptance.
 //!
-//! Rows (CSV): `mode,draft_len,tokens,secs,tps,speedup,cycles,mean_accepted,tick_cost` — `speedup` is plain time /
-//! this time; `tick_cost` is the mean verify tick's time over the mean plain decode tick's. Every speculative run's
-//! tokens are checked against the plain run's (lossless; a mismatch is an error).
+//! With `--drafter mtp` the drafts come from the model file's MTP block ([`MtpDrafter`]) instead: the real
+//! speed-up on a model that has one (the built-in demo model, trained with its MTP block), with its acceptance.
+//!
+//! Rows (CSV): `mode,draft_len,tokens,secs,tps,speedup,cycles,mean_accepted,acceptance,tick_cost` — `speedup` is
+//! plain time / this time; `acceptance` drafted tokens accepted / drafted; `tick_cost` is the mean tick's time
+//! (verify ticks, the drafter's work included, and plain ones) over the mean plain decode tick's. Every speculative
+//! run's tokens are checked against the plain run's (lossless; a mismatch is an error).
 
 use std::io::Write;
 use std::time::Instant;
@@ -16,11 +20,20 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use ds4_engine::engine::Engine;
 use ds4_engine::sampler::{Sampler, SamplerConfig};
-use ds4_engine::speculative::OracleDrafter;
+use ds4_engine::speculative::{Drafter, MtpDrafter, MtpOptions, OracleDrafter, SpecStats};
 use indicatif::ProgressBar;
 
 /// The CSV header.
-pub const CSV_HEADER: &str = "mode,draft_len,tokens,secs,tps,speedup,cycles,mean_accepted,tick_cost";
+pub const CSV_HEADER: &str = "mode,draft_len,tokens,secs,tps,speedup,cycles,mean_accepted,acceptance,tick_cost";
+
+/// Which drafter the speculative runs use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DrafterKind {
+    /// The target's own greedy continuation: every draft stands (the verify path's best case).
+    Oracle,
+    /// The model file's MTP block (`mtp.0.*`).
+    Mtp,
+}
 
 /// One row of the report (what the tests read back).
 #[derive(Clone, Debug)]
@@ -29,14 +42,17 @@ pub struct SpecRow {
     pub secs: f64,
     pub cycles: usize,
     pub mean_accepted: f64,
+    pub acceptance: f64,
 }
 
-/// Plain greedy decoding of `tokens` tokens after `prompt`, then the oracle drafter at each of `drafts`.
+/// Plain greedy decoding of `tokens` tokens after each of `prompts`, then speculative decoding with `kind`'s
+/// drafter at each of `drafts` (the same prompts; times and counters summed over them).
 pub fn run(
     engine: &mut Engine,
-    prompt: &[u32],
+    prompts: &[Vec<u32>],
     tokens: usize,
     drafts: &[usize],
+    kind: DrafterKind,
     out: &mut dyn Write,
     pb: &ProgressBar,
 ) -> Result<Vec<SpecRow>> {
@@ -46,61 +62,103 @@ pub fn run(
     if drafts.contains(&0) {
         bail!("--drafts: a draft length is at least 1");
     }
+    if prompts.is_empty() || prompts.iter().any(|p| p.is_empty()) {
+        bail!("no prompt");
+    }
+    let mut mtp = match kind {
+        DrafterKind::Oracle => None,
+        DrafterKind::Mtp => Some(
+            MtpDrafter::new(engine.model(), MtpOptions { min_confidence: 0.0, threads: engine.options().threads })?
+                .ok_or_else(|| anyhow::anyhow!("--drafter mtp: the model has no MTP block (mtp.0.*)"))?,
+        ),
+    };
     // Warm-up (first touch of weights and scratch), as the throughput run does.
     let w = engine.create_session();
-    engine.generate_greedy(w, &prompt[..prompt.len().min(8)], 2)?;
+    engine.generate_greedy(w, &prompts[0][..prompts[0].len().min(8)], 2)?;
     engine.free_session(w)?;
 
-    let s = engine.create_session();
-    engine.feed(s, prompt)?;
-    engine.run_until_idle()?;
-    let t0 = Instant::now();
-    let want = engine.generate_greedy(s, &[], tokens)?;
-    let plain = t0.elapsed().as_secs_f64();
-    engine.free_session(s)?;
-    // generate_greedy runs tokens - 1 decode ticks (the first token comes from the prompt's logits).
-    let plain_tick = plain / (tokens - 1) as f64;
+    let mut want = Vec::with_capacity(prompts.len());
+    let mut plain = 0.0;
+    for p in prompts {
+        let s = engine.create_session();
+        engine.feed(s, p)?;
+        engine.run_until_idle()?;
+        let t0 = Instant::now();
+        want.push(engine.generate_greedy(s, &[], tokens)?);
+        plain += t0.elapsed().as_secs_f64();
+        engine.free_session(s)?;
+    }
+    let n_tok = tokens * prompts.len();
+    // generate_greedy runs tokens - 1 decode ticks per prompt (the first token comes from the prompt's logits).
+    let plain_ticks = (tokens - 1) * prompts.len();
+    let plain_tick = plain / plain_ticks as f64;
     writeln!(out, "{CSV_HEADER}")?;
-    writeln!(out, "plain,0,{tokens},{plain:.4},{:.3},1.000,{},1.000,1.000", tokens as f64 / plain, tokens - 1)?;
+    writeln!(out, "plain,0,{n_tok},{plain:.4},{:.3},1.000,{plain_ticks},1.000,,1.000", n_tok as f64 / plain)?;
     out.flush()?;
     pb.inc(1);
 
-    let mut full = prompt.to_vec();
-    full.extend_from_slice(&want);
-    let mut rows = vec![SpecRow { draft_len: 0, secs: plain, cycles: tokens - 1, mean_accepted: 1.0 }];
+    let mode = match kind {
+        DrafterKind::Oracle => "oracle",
+        DrafterKind::Mtp => "mtp",
+    };
+    let mut rows =
+        vec![SpecRow { draft_len: 0, secs: plain, cycles: plain_ticks, mean_accepted: 1.0, acceptance: 0.0 }];
     for &k in drafts {
-        let s = engine.create_session();
-        engine.feed(s, prompt)?;
-        engine.run_until_idle()?;
-        let mut sampler = Sampler::new(SamplerConfig::greedy())?;
-        let mut oracle = OracleDrafter::new(full.clone());
-        let t0 = Instant::now();
-        let (got, stats) = engine.generate_speculative(s, &mut sampler, &mut oracle, k, tokens)?;
-        let secs = t0.elapsed().as_secs_f64();
-        engine.free_session(s)?;
-        if got != want {
-            bail!("draft length {k}: speculative tokens differ from plain greedy decoding (lossless check)");
+        let mut secs = 0.0;
+        let mut stats = SpecStats::default();
+        for (p, want) in prompts.iter().zip(&want) {
+            let s = engine.create_session();
+            let mut oracle = OracleDrafter::new(p.iter().chain(want).copied().collect());
+            let drafter: &mut dyn Drafter = match &mut mtp {
+                Some(m) => m,
+                None => &mut oracle,
+            };
+            drafter.attach(engine, s)?;
+            engine.feed(s, p)?;
+            engine.run_until_idle()?;
+            let mut sampler = Sampler::new(SamplerConfig::greedy())?;
+            let t0 = Instant::now();
+            let (got, st) = engine.generate_speculative(s, &mut sampler, drafter, k, tokens)?;
+            secs += t0.elapsed().as_secs_f64();
+            drafter.detach(engine, s);
+            engine.free_session(s)?;
+            if got != *want {
+                bail!("draft length {k}: speculative tokens differ from plain greedy decoding (lossless check)");
+            }
+            stats.cycles += st.cycles;
+            stats.drafted += st.drafted;
+            stats.accepted += st.accepted;
+            stats.plain_steps += st.plain_steps;
         }
         let ticks = stats.cycles + stats.plain_steps;
         let tick_cost = if stats.cycles == 0 { 0.0 } else { secs / ticks as f64 / plain_tick };
         writeln!(
             out,
-            "oracle,{k},{tokens},{secs:.4},{:.3},{:.3},{},{:.3},{tick_cost:.3}",
-            tokens as f64 / secs,
+            "{mode},{k},{n_tok},{secs:.4},{:.3},{:.3},{},{:.3},{:.3},{tick_cost:.3}",
+            n_tok as f64 / secs,
             plain / secs,
             stats.cycles,
-            stats.mean_accepted_length()
+            stats.mean_accepted_length(),
+            stats.acceptance_rate()
         )?;
         out.flush()?;
         pb.inc(1);
-        rows.push(SpecRow { draft_len: k, secs, cycles: stats.cycles, mean_accepted: stats.mean_accepted_length() });
+        rows.push(SpecRow {
+            draft_len: k,
+            secs,
+            cycles: stats.cycles,
+            mean_accepted: stats.mean_accepted_length(),
+            acceptance: stats.acceptance_rate(),
+        });
     }
     if let Some(best) = rows[1..].iter().min_by(|a, b| a.secs.total_cmp(&b.secs)) {
         writeln!(
             out,
-            "# best: draft length {}, {:.2}x plain decode (oracle drafts; {:.2} tokens per verify tick over {} cycles)",
+            "# best: draft length {}, {:.2}x plain decode ({mode} drafts; acceptance {:.2}, {:.2} tokens per verify \
+             tick over {} cycles)",
             best.draft_len,
             plain / best.secs,
+            best.acceptance,
             best.mean_accepted,
             best.cycles
         )?;
@@ -121,7 +179,9 @@ mod tests {
         let opts = EngineOptions { threads: 2, ctx: 128, ..EngineOptions::default() };
         let mut e = Engine::from_gguf(GgufFile::from_bytes(bytes).unwrap(), opts).unwrap();
         let mut out = Vec::new();
-        let rows = run(&mut e, &[1, 2, 3, 4, 5], 12, &[2, 4], &mut out, &ProgressBar::hidden()).unwrap();
+        let rows =
+            run(&mut e, &[vec![1, 2, 3, 4, 5]], 12, &[2, 4], DrafterKind::Oracle, &mut out, &ProgressBar::hidden())
+                .unwrap();
         let text = String::from_utf8(out).unwrap();
         assert_eq!(text.lines().next(), Some(CSV_HEADER));
         assert_eq!(text.lines().count(), 5, "{text}");
@@ -133,6 +193,29 @@ mod tests {
         assert_eq!(rows[2].cycles, 2, "k = 4: {rows:?}");
         assert_eq!(rows[1].mean_accepted, 2.75, "{rows:?}");
         assert_eq!(rows[2].mean_accepted, 5.0, "{rows:?}");
-        assert!(run(&mut e, &[1, 2], 12, &[0], &mut Vec::new(), &ProgressBar::hidden()).is_err());
+        assert!(
+            run(&mut e, &[vec![1, 2]], 12, &[0], DrafterKind::Oracle, &mut Vec::new(), &ProgressBar::hidden()).is_err()
+        );
+        assert!(
+            run(&mut e, &[vec![1, 2]], 12, &[2], DrafterKind::Mtp, &mut Vec::new(), &ProgressBar::hidden()).is_err(),
+            "no MTP block"
+        );
+    }
+
+    #[test]
+    fn mtp_runs_are_lossless_and_report_acceptance() {
+        let mut cfg = demo_config();
+        cfg.n_nextn_layers = 1;
+        let bytes = random_model_gguf(&cfg, 3, Vec::new()).unwrap();
+        let opts = EngineOptions { threads: 2, ctx: 128, ..EngineOptions::default() };
+        let mut e = Engine::from_gguf(GgufFile::from_bytes(bytes).unwrap(), opts).unwrap();
+        let mut out = Vec::new();
+        let prompts = [vec![1, 2, 3, 4, 5], vec![9, 8, 7]];
+        let rows = run(&mut e, &prompts, 10, &[1, 3], DrafterKind::Mtp, &mut out, &ProgressBar::hidden()).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        assert!(text.lines().nth(2).unwrap().starts_with("mtp,1,20,"), "{text}");
+        for r in &rows[1..] {
+            assert!((0.0..=1.0).contains(&r.acceptance) && r.cycles > 0, "{rows:?}");
+        }
     }
 }
