@@ -41,8 +41,8 @@ mod parked;
 pub mod spec;
 
 use parked::Parked;
-use spec::SpecState;
 pub use spec::{SpecConfig, SpecMode};
+use spec::{SpecState, TickCost};
 
 /// Why generation stopped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -228,6 +228,10 @@ struct Worker {
     active: Vec<Active>,
     parked: Vec<Parked>,
     clock: u64,
+    /// What plain and speculative ticks cost (for `--speculative auto`).
+    spec_cost: TickCost,
+    /// Drafting time of the current tick.
+    draft_secs: f64,
 }
 
 impl Worker {
@@ -241,6 +245,8 @@ impl Worker {
             active: Vec::new(),
             parked: Vec::new(),
             clock: 0,
+            spec_cost: TickCost::default(),
+            draft_secs: 0.0,
         }
     }
 
@@ -433,6 +439,8 @@ impl Worker {
         }
         if queued_any {
             let verifying = self.active.iter().any(|a| !a.spec.draft.is_empty());
+            // A tick of decode tokens only (no prompt chunk): the plain tick `auto` compares verify runs with.
+            let decode_only = prefilled == 0;
             // The grammar masks of the sessions this step ends with are computed on a worker while the step runs.
             let ready: Vec<&mut JobConstraint> = self
                 .active
@@ -460,8 +468,12 @@ impl Worker {
                 }
                 stepped
             });
+            let step_secs = t_step.elapsed().as_secs_f64();
             if verifying {
-                self.metrics.spec.verify_micros.fetch_add(t_step.elapsed().as_micros() as u64, Ordering::Relaxed);
+                self.metrics.spec.verify_micros.fetch_add((step_secs * 1e6) as u64, Ordering::Relaxed);
+                self.spec_cost.spec_tick(step_secs + self.draft_secs);
+            } else if decode_only {
+                self.spec_cost.plain_tick(step_secs);
             }
             let err = match stepped {
                 Ok(Ok(())) => None,
@@ -584,6 +596,7 @@ impl Worker {
     /// shared drafter pass), leaving each in its [`SpecState::draft`].
     fn plan_drafts(&mut self) {
         let cfg = self.config.speculative;
+        self.draft_secs = 0.0;
         for a in &mut self.active {
             a.spec.draft.clear();
         }
@@ -616,7 +629,8 @@ impl Worker {
         let reqs: Vec<(RunnerSessionId, &[u32], usize)> =
             who.iter().map(|&(i, k)| (self.active[i].session, &self.active[i].tokens[..], k)).collect();
         let drafts = self.runner.draft(&reqs);
-        self.metrics.spec.draft_micros.fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
+        self.draft_secs = t0.elapsed().as_secs_f64();
+        self.metrics.spec.draft_micros.fetch_add((self.draft_secs * 1e6) as u64, Ordering::Relaxed);
         for ((i, k), mut d) in who.into_iter().zip(drafts) {
             d.truncate(k);
             self.active[i].spec.draft = d;
@@ -673,7 +687,7 @@ impl Worker {
             m.draft_tokens.fetch_add(draft.len() as u64, Ordering::Relaxed);
             let stood = accepted - usize::from(matches!(ended, Some(JobEvent::Done(JobStopReason::Eos))));
             m.accepted_tokens.fetch_add(stood as u64, Ordering::Relaxed);
-            if a.spec.record(mode, stood, a.generated) {
+            if a.spec.record(mode, stood, a.generated, self.spec_cost.ratio()) {
                 m.paused.fetch_add(1, Ordering::Relaxed);
             }
             // The logits after the last kept token: verify row `j` follows the `j`-th drafted token (row 0 follows

@@ -13,10 +13,11 @@
 //! Not drafted: sessions under an output grammar (their tokens go through the mask one at a time), sessions with
 //! fewer than two tokens of room left (`max_tokens`, context).
 //!
-//! `auto` pauses speculation for a session whose last [`AUTO_WINDOW`] verify runs accepted fewer than
-//! [`AUTO_MIN_ACCEPTED`] drafted tokens per run on average: such a run delivers under 1.5 tokens for a tick that
-//! verifies `1 + draft_len` rows plus the drafter's work, which on a bandwidth-bound decode costs about what 1.5
-//! plain ticks cost on the shapes `ds4-bench speculate` measures. It tries again after [`AUTO_PAUSE`] tokens.
+//! `auto` pauses speculation for a session whose drafts do not pay for their cost: over its last [`AUTO_WINDOW`]
+//! verify runs it delivered `1 + a` tokens per run (`a` accepted drafts on average), and a run costs `c` plain decode
+//! ticks — measured as it goes ([`TickCost`]: the drafter's time plus the verify tick's, over the time of ticks that
+//! only decode; [`DEFAULT_COST`] until both were seen). When `1 + a < c` the session decodes plainly for
+//! [`AUTO_PAUSE`] tokens, then tries again.
 
 /// `--speculative`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -58,10 +59,46 @@ impl Default for SpecConfig {
 
 /// Verify runs `auto` judges a session on.
 pub const AUTO_WINDOW: usize = 8;
-/// Accepted drafted tokens per verify run below which `auto` pauses a session.
-pub const AUTO_MIN_ACCEPTED: f64 = 0.5;
+/// The cost of a verify run in plain decode ticks before it has been measured (about what `ds4-bench speculate`
+/// finds for 3 drafts on the Flash shapes, drafter excluded).
+pub const DEFAULT_COST: f64 = 1.5;
 /// Tokens a paused session decodes plainly before it drafts again.
 pub const AUTO_PAUSE: usize = 64;
+
+/// Running means (exponential, weight 1/16) of what a plain decode tick and a speculative cycle (drafting plus its
+/// verify tick) take; their ratio is what a verify run costs in plain ticks.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct TickCost {
+    plain: Option<f64>,
+    spec: Option<f64>,
+}
+
+impl TickCost {
+    fn update(v: &mut Option<f64>, secs: f64) {
+        *v = Some(match *v {
+            None => secs,
+            Some(m) => m + (secs - m) / 16.0,
+        });
+    }
+
+    /// A tick that only decoded (no verify run) took `secs`.
+    pub fn plain_tick(&mut self, secs: f64) {
+        Self::update(&mut self.plain, secs);
+    }
+
+    /// A tick with verify runs took `secs`, drafting included.
+    pub fn spec_tick(&mut self, secs: f64) {
+        Self::update(&mut self.spec, secs);
+    }
+
+    /// A verify run's cost in plain decode ticks ([`DEFAULT_COST`] until both kinds of tick were measured).
+    pub fn ratio(&self) -> f64 {
+        match (self.plain, self.spec) {
+            (Some(p), Some(s)) if p > 0.0 => s / p,
+            _ => DEFAULT_COST,
+        }
+    }
+}
 
 /// One session's speculation state.
 #[derive(Debug, Default)]
@@ -86,14 +123,15 @@ impl SpecState {
         }
     }
 
-    /// Records a verify run that accepted `accepted` drafted tokens; returns true when `auto` pauses the session.
-    pub fn record(&mut self, mode: SpecMode, accepted: usize, generated: usize) -> bool {
+    /// Records a verify run that accepted `accepted` drafted tokens, verify runs costing `cost` plain ticks; returns
+    /// true when `auto` pauses the session.
+    pub fn record(&mut self, mode: SpecMode, accepted: usize, generated: usize, cost: f64) -> bool {
         self.recent.push(accepted);
         if self.recent.len() > AUTO_WINDOW {
             self.recent.remove(0);
         }
-        let poor = self.recent.len() == AUTO_WINDOW
-            && (self.recent.iter().sum::<usize>() as f64) < AUTO_MIN_ACCEPTED * AUTO_WINDOW as f64;
+        let mean = self.recent.iter().sum::<usize>() as f64 / self.recent.len() as f64;
+        let poor = self.recent.len() == AUTO_WINDOW && 1.0 + mean < cost;
         if mode == SpecMode::Auto && poor {
             self.paused_until = generated + AUTO_PAUSE;
             self.recent.clear();
@@ -112,22 +150,30 @@ mod tests {
         let mut s = SpecState::default();
         assert!(s.drafting(SpecMode::Auto, 0));
         for i in 0..AUTO_WINDOW - 1 {
-            assert!(!s.record(SpecMode::Auto, 0, i));
+            assert!(!s.record(SpecMode::Auto, 0, i, 1.5));
         }
-        assert!(s.record(SpecMode::Auto, 0, 10), "a full window of rejected drafts pauses");
+        assert!(s.record(SpecMode::Auto, 0, 10, 1.5), "a full window of rejected drafts pauses");
         assert!(!s.drafting(SpecMode::Auto, 10 + AUTO_PAUSE - 1));
         assert!(s.drafting(SpecMode::Auto, 10 + AUTO_PAUSE));
-        // Drafts that pay keep it on; `mtp` never pauses.
+        // Drafts that pay keep it on; the same acceptance stops paying when a run costs more than it delivers.
         for i in 0..3 * AUTO_WINDOW {
-            assert!(!s.record(SpecMode::Auto, 1, 100 + i));
+            assert!(!s.record(SpecMode::Auto, 1, 100 + i, 1.5));
         }
+        assert!(s.record(SpecMode::Auto, 1, 200, 2.5), "2 tokens per run for the cost of 2.5 ticks");
+        // `mtp` never pauses.
         let mut m = SpecState::default();
         for i in 0..3 * AUTO_WINDOW {
-            assert!(!m.record(SpecMode::Mtp, 0, i));
+            assert!(!m.record(SpecMode::Mtp, 0, i, 9.0));
         }
         assert!(m.drafting(SpecMode::Mtp, 1000));
         assert!(!m.drafting(SpecMode::Off, 0));
         assert!("dspark".parse::<SpecMode>().is_err());
+        let mut c = TickCost::default();
+        assert_eq!(c.ratio(), DEFAULT_COST);
+        c.plain_tick(0.010);
+        assert_eq!(c.ratio(), DEFAULT_COST, "both kinds of tick are needed");
+        c.spec_tick(0.020);
+        assert!((c.ratio() - 2.0).abs() < 1e-9);
         assert_eq!("auto".parse::<SpecMode>(), Ok(SpecMode::Auto));
     }
 }
