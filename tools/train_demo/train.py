@@ -13,6 +13,7 @@ Modes:
   train.py --out DIR [--minutes N | --steps N]   train, then write DIR/{config.json,model.safetensors,tokenizer.json}
   train.py --fixture DIR                          tiny random model + reference trunk/MTP logits (float64 forward)
   train.py --tokenizer-only DIR                   only write DIR/tokenizer.json
+  train.py --eval-ckpt DIR                        held-out loss/accuracy of a saved checkpoint (trunk and MTP)
 """
 
 import argparse
@@ -657,11 +658,45 @@ def sample(c, fwd, P, Bf, tok, jnp, prompts=("What does the function join do?", 
         print(f"sample: {u!r} -> {tok.decode(ids[n0:])!r}", flush=True)
 
 
+def eval_checkpoint(ckpt, seed, seq, batch):
+    """Held-out trunk/MTP loss and top-1 accuracy of a saved checkpoint, and how often the MTP's top-1 at q equals the
+    trunk's top-1 at q (what greedy self-speculation with the MTP block would accept, to first order)."""
+    import jax
+    import jax.numpy as jnp
+    from safetensors.numpy import load_file
+    c = json.load(open(os.path.join(ckpt, "config.json")))
+    t = load_file(os.path.join(ckpt, "model.safetensors"))
+    P = {k: jnp.asarray(v) for k, v in t.items() if not k.endswith(("tid2eid", "gate.bias"))}
+    Bf = {k: (v if k.endswith("tid2eid") else jnp.asarray(v)) for k, v in t.items()
+          if k.endswith(("tid2eid", "gate.bias"))}
+    tok = Tok()
+    texts = collect_examples(max_chars=int(seq * 1.5), seed=seed)
+    n_eval = max(64, len(texts) // 50)
+    rows, mask = make_batches(tok, texts[:n_eval][:256], seq)
+    fwd = jax.jit(make_forward(c, jnp, jax), static_argnums=())
+    tot = {"nll_trunk": 0.0, "nll_mtp": 0.0, "acc_trunk": 0.0, "acc_mtp": 0.0, "mtp_agrees_with_trunk": 0.0}
+    n = 0.0
+    for i in range(0, len(rows) - batch + 1, batch):
+        r, m = rows[i:i + batch], mask[i:i + batch, 1:]
+        trunk, mtp, _ = fwd(P, Bf, jnp.asarray(r[:, :-1]))
+        tgt = r[:, 1:]
+        for name, lg in (("trunk", trunk), ("mtp", mtp)):
+            lp = np.asarray(jax.nn.log_softmax(lg, -1))
+            tot["nll_" + name] += float((-np.take_along_axis(lp, tgt[..., None], -1)[..., 0] * m).sum())
+            tot["acc_" + name] += float(((lp.argmax(-1) == tgt) * m).sum())
+        tot["mtp_agrees_with_trunk"] += float(((np.asarray(trunk).argmax(-1) == np.asarray(mtp).argmax(-1)) * m).sum())
+        n += float(m.sum())
+    out = {k: round(v / n, 4) for k, v in tot.items()}
+    out["tokens"] = int(n)
+    print(json.dumps(out), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="out/demo-ckpt")
     ap.add_argument("--fixture", metavar="DIR")
     ap.add_argument("--tokenizer-only", metavar="DIR")
+    ap.add_argument("--eval-ckpt", metavar="DIR", help="held-out losses/accuracies of a saved checkpoint")
     ap.add_argument("--minutes", type=float, default=40.0)
     ap.add_argument("--steps", type=int, default=0, help="stop after N steps (0: only the time limit)")
     ap.add_argument("--seed", type=int, default=1)
@@ -689,6 +724,8 @@ def main():
     args = ap.parse_args()
     if args.fixture:
         fixture(args.fixture, args.seed)
+    elif args.eval_ckpt:
+        eval_checkpoint(args.eval_ckpt, args.seed, args.seq, args.batch)
     elif args.tokenizer_only:
         os.makedirs(args.tokenizer_only, exist_ok=True)
         with open(os.path.join(args.tokenizer_only, "tokenizer.json"), "w", encoding="utf-8") as f:
