@@ -427,6 +427,9 @@ mod tests {
         assert_eq!(get("deepseek4.rope.scaling.original_context_length").as_int(), Some(32));
         assert_eq!(get("deepseek4.swiglu_clamp_exp").as_array().unwrap().len(), 3);
         assert_eq!(get("deepseek4.context_length").as_int(), Some(4096));
+        assert_eq!(c.n_nextn_layers, 0, "num_nextn_predict_layers defaults to 0");
+        let with_mtp = TINY.replace("\"rms_norm_eps\"", "\"num_nextn_predict_layers\": 1, \"rms_norm_eps\"");
+        assert_eq!(CheckpointConfig::from_json_str(&with_mtp).unwrap().n_nextn_layers, 1);
     }
 
     #[test]
