@@ -28,7 +28,7 @@ use ds4_engine::tokenizer::{Tokenizer, EOS_TOKEN};
 /// Options shared by `ds4 run` and `ds4 chat`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct GenArgs {
-    /// The DS4 GGUF model file (default: the built-in tiny demo model: random weights, real tokenizer).
+    /// The DS4 GGUF model file (default: the built-in demo model, small and trained: words, not sense).
     #[arg(short = 'm', long = "model")]
     pub model: Option<PathBuf>,
     /// A system prompt.
@@ -132,9 +132,6 @@ struct Loaded {
     sampler: SamplerConfig,
 }
 
-/// Seed of the built-in demo model used when no `-m` is given.
-pub const DEMO_SEED: u64 = 1;
-
 fn load(g: &GenArgs) -> anyhow::Result<Loaded> {
     let effort: ReasoningEffort = g.reasoning_effort.parse()?;
     let backend = g.backend;
@@ -154,8 +151,10 @@ fn load(g: &GenArgs) -> anyhow::Result<Loaded> {
             f
         }
         None => {
-            tracing::info!("no -m given: using the built-in tiny demo model (random weights, real tokenizer)");
-            GgufFile::from_bytes(ds4_engine::convert::demo::demo_model_gguf(DEMO_SEED)?)?
+            tracing::info!(
+                "no -m given: using the built-in demo model (small, trained on Python docs: words, not sense)"
+            );
+            GgufFile::from_bytes(ds4_engine::convert::trained_demo_gguf().to_vec())?
         }
     };
     let name = g.model.as_ref().map_or_else(|| "the demo model".to_string(), |p| p.display().to_string());

@@ -1,8 +1,8 @@
 //! The real model behind the seam: [`EngineRunner`] adapts `ds4_engine::engine::Engine` to [`Runner`], and
 //! [`EngineCodec`] adapts the DeepSeek-V4 tokenizer, chat renderer and DSML stream parser to [`Codec`].
 //!
-//! [`load`] opens a DS4 GGUF file, or builds the built-in demo model (random weights, real vocabulary and
-//! tokenizer) when no path is given.
+//! [`load`] opens a DS4 GGUF file, or the built-in demo model when no path is given (the trained one, or with
+//! `LoadOptions::demo_seed` the random-weight one with the real vocabulary and tokenizer).
 //!
 //! Notes for the next engineer:
 //! - The engine rolls a session back exactly within its roll-back log's reach (`Engine::rollback`, R = 1024 tokens
@@ -508,8 +508,9 @@ pub struct LoadOptions {
     /// Sessions decoding at once (`--max-active`): each may hold a roll-back log, which the default context
     /// leaves room for ([`crate::context`]).
     pub active_sessions: usize,
-    /// Seed of the demo model's random weights.
-    pub demo_seed: u64,
+    /// Without a path: `None` serves the trained demo model (`ds4_engine::convert::trained_demo_gguf`), `Some(seed)`
+    /// the random-weight demo model with the real vocabulary and tokenizer (`demo_model_gguf(seed)`).
+    pub demo_seed: Option<u64>,
 }
 
 /// Open `path` (or build the demo model when `None`): runner, codec and model facts.
@@ -521,7 +522,11 @@ pub fn load(path: Option<&Path>, o: &LoadOptions) -> Result<(EngineRunner, Engin
             (f, false)
         }
         None => {
-            (GgufFile::from_bytes(ds4_engine::convert::demo_model_gguf(o.demo_seed).map_err(be)?).map_err(be)?, true)
+            let bytes = match o.demo_seed {
+                None => ds4_engine::convert::trained_demo_gguf().to_vec(),
+                Some(seed) => ds4_engine::convert::demo_model_gguf(seed).map_err(be)?,
+            };
+            (GgufFile::from_bytes(bytes).map_err(be)?, true)
         }
     };
     let tok = Tokenizer::from_gguf(&file).map_err(be)?;
@@ -574,7 +579,7 @@ mod tests {
             max_batch_tokens: 8,
             max_sessions: 4,
             active_sessions: 4,
-            demo_seed: 1,
+            demo_seed: Some(1),
         };
         let (mut r, _, _) = load(None, &opts).expect("demo model");
         let (long, short) = (r.create_session().unwrap(), r.create_session().unwrap());

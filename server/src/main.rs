@@ -81,8 +81,10 @@ pub fn main() -> anyhow::Result<()> {
         fake
     } else {
         if args.model.is_none() {
-            tracing::warn!("no -m given: serving the built-in tiny demo model (random weights: output is noise)");
-            eprintln!("ds4-server: no -m given, serving the built-in demo model (random weights)");
+            tracing::warn!(
+                "no -m given: serving the built-in demo model (a 1.7M-parameter model trained on Python docs)"
+            );
+            eprintln!("ds4-server: no -m given, serving the built-in demo model (small, trained: words, not sense)");
         }
         let backend = args.backend;
         let opts = ds4_server::engine::LoadOptions {
@@ -91,7 +93,7 @@ pub fn main() -> anyhow::Result<()> {
             max_batch_tokens: config.prefill_chunk + config.max_active,
             max_sessions: config.max_active + config.max_parked + 8,
             active_sessions: config.max_active,
-            demo_seed: 1,
+            demo_seed: None,
         };
         let (mut runner, codec, info) =
             ds4_server::engine::load(args.model.as_deref(), &opts).map_err(|e| anyhow::anyhow!("{e}"))?;

@@ -19,7 +19,7 @@ fn demo_server() -> TestServer {
         max_batch_tokens: 256,
         max_sessions: 64,
         active_sessions: 8,
-        demo_seed: 1,
+        demo_seed: Some(1),
     };
     let (runner, codec, info) = load(None, &opts).expect("demo model");
     assert!(info.demo);

@@ -34,7 +34,7 @@ fn server(mode: SpecMode) -> TestServer {
         max_batch_tokens: 256,
         max_sessions: 32,
         active_sessions: 4,
-        demo_seed: 1,
+        demo_seed: Some(1),
     };
     let (mut runner, codec, info) = load(Some(model_file()), &opts).expect("model with an MTP block");
     assert!(runner.has_mtp());

@@ -1,7 +1,13 @@
-//! The built-in demo model: a tiny DeepSeek-V4 (same architecture and GGUF layout as Flash) with random weights but
-//! the real vocabulary (129280 tokens) and the real tokenizer metadata, built in memory in well under a second.
-//! `ds4 run` / `ds4-server` use it when no `-m` is given, so every code path can be exercised without an 80 GB file.
-//! Its output is gibberish by design.
+//! The built-in demo models.
+//!
+//! - [`trained_demo_gguf`]: the one `ds4 run` / `ds4-server` serve when no `-m` is given — a small model in the
+//!   DeepSeek V4 architecture with an MTP block, trained on this repository's CPU script (`tools/train_demo`: Python
+//!   standard-library docstrings and code as chat turns, a byte-level tokenizer with the chat template's markers),
+//!   3.4 MB (`engine/assets/demo-model.gguf`). It answers in words and code-like text (not sense), and its MTP block
+//!   drafts for speculative decoding.
+//! - [`demo_model_gguf`]: a tiny random-weight DeepSeek-V4 with the real vocabulary (129280 tokens) and the real
+//!   tokenizer metadata, built in memory in well under a second, so every code path that depends on the real
+//!   tokenizer can be exercised without an 80 GB file. Its output is gibberish by design.
 //!
 //! Shape ([`demo_config`]): hidden 64, 3 layers with compress ratios `[0, 4, 8]` (one plain, one CSA with indexer,
 //! one HCA), layer 0 hash-routed, 8 routed experts (top 2) + 1 shared, 4 heads × 128 (rope 64), q rank 64, 2 output
@@ -103,7 +109,12 @@ fn values(name: &str, class: Class, dims: &[u64], rng: &mut SplitMix) -> Vec<f32
     (0..n).map(|_| center + amp * rng.unit()).collect()
 }
 
-/// Builds the demo model's GGUF bytes for `seed` (same seed, same bytes).
+/// The trained demo model's GGUF bytes (see the module docs), built into the library.
+pub fn trained_demo_gguf() -> &'static [u8] {
+    include_bytes!("../../assets/demo-model.gguf")
+}
+
+/// Builds the random demo model's GGUF bytes for `seed` (same seed, same bytes).
 pub fn demo_model_gguf(seed: u64) -> Result<Vec<u8>> {
     let mut extra = vec![("general.name".to_string(), MetaValue::String("ds4-demo (random weights)".into()))];
     extra

@@ -36,7 +36,7 @@ use crate::{Error, Result};
 pub struct MtpOptions {
     /// Stop drafting at a token whose drafter probability is below this (0 = always draft the full length).
     pub min_confidence: f32,
-    /// CPU threads for the drafter (0 = all cores).
+    /// CPU threads for the drafter (0 = all cores; a model file under 1 GiB always gets one).
     pub threads: usize,
 }
 
@@ -75,6 +75,9 @@ impl std::fmt::Debug for MtpDrafter {
     }
 }
 
+/// Model files below this size get a one-thread drafter.
+const SMALL_MODEL_BYTES: u64 = 1 << 30;
+
 /// The longest draft a cycle asks for (bounds the drafter's roll-back log).
 pub const MAX_DRAFT: usize = 16;
 
@@ -85,8 +88,10 @@ impl MtpDrafter {
             return Ok(None);
         };
         let (hcd, window) = (model.config.hc_dim(), model.config.window.max(1));
+        // A small model's ops are too small to share between threads (the hand-offs cost more than they save).
+        let threads = if target.file.file_size() < SMALL_MODEL_BYTES { 1 } else { opts.threads };
         let eopts = EngineOptions {
-            threads: opts.threads,
+            threads,
             // The exact forward (no FP8 simulation): drafts need not match bits, and it is the reference's.
             exact: true,
             rollback: MAX_DRAFT + 2,

@@ -242,7 +242,7 @@ pub fn demo_server() -> TestServer {
         max_batch_tokens: 256,
         max_sessions: 16,
         active_sessions: 4,
-        demo_seed: 1,
+        demo_seed: Some(1),
     };
     let (runner, codec, info) = ds4_server::engine::load(None, &opts).expect("demo model");
     let config = SchedulerConfig { max_active: 4, prefill_chunk: 128, ..SchedulerConfig::default() };
