@@ -11,9 +11,14 @@ pub use ds4_engine::BackendKind;
 #[derive(Debug, Parser)]
 #[command(name = "ds4-server", version)]
 pub struct Args {
-    /// Model file (DS4 GGUF). Without it the built-in tiny demo model is served.
+    /// Model file (DS4 GGUF). Without it the built-in demo model is served (see --demo-model).
     #[arg(short = 'm', long = "model")]
     pub model: Option<PathBuf>,
+    /// Which built-in model serves without -m: `trained` (small, trained on Python docs, with an MTP block: it
+    /// answers in words) or `random` (random weights with the real DeepSeek V4 vocabulary and tokenizer: noise that
+    /// exercises every token a client can see).
+    #[arg(long, value_enum, default_value = "trained", conflicts_with = "model")]
+    pub demo_model: DemoModel,
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
     #[arg(long, default_value_t = 8000)]
@@ -144,4 +149,11 @@ pub struct Args {
 
 fn parse_spec_mode(s: &str) -> Result<crate::scheduler::SpecMode, String> {
     s.parse()
+}
+
+/// `--demo-model`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DemoModel {
+    Trained,
+    Random,
 }

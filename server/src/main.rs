@@ -80,11 +80,15 @@ pub fn main() -> anyhow::Result<()> {
     let (runner, codec, info): (Box<dyn Runner>, Arc<dyn Codec>, _) = if let Some(fake) = fake_model(&args, &config)? {
         fake
     } else {
+        let random_demo = args.demo_model == ds4_server::cli::DemoModel::Random;
         if args.model.is_none() {
-            tracing::warn!(
-                "no -m given: serving the built-in demo model (a 1.7M-parameter model trained on Python docs)"
-            );
-            eprintln!("ds4-server: no -m given, serving the built-in demo model (small, trained: words, not sense)");
+            let what = if random_demo {
+                "random weights, real tokenizer: output is noise"
+            } else {
+                "a 1.7M-parameter model trained on Python docs: words, not sense"
+            };
+            tracing::warn!("no -m given: serving the built-in demo model ({what})");
+            eprintln!("ds4-server: no -m given, serving the built-in demo model ({what})");
         }
         let backend = args.backend;
         let opts = ds4_server::engine::LoadOptions {
@@ -93,7 +97,7 @@ pub fn main() -> anyhow::Result<()> {
             max_batch_tokens: config.prefill_chunk + config.max_active,
             max_sessions: config.max_active + config.max_parked + 8,
             active_sessions: config.max_active,
-            demo_seed: None,
+            demo_seed: random_demo.then_some(1),
         };
         let (mut runner, codec, info) =
             ds4_server::engine::load(args.model.as_deref(), &opts).map_err(|e| anyhow::anyhow!("{e}"))?;

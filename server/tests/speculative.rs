@@ -166,3 +166,61 @@ fn speculation_gives_the_plain_answers_on_every_api_alone_and_batched() {
     assert_eq!(spec.metric("ds4_spec_cycles_total"), before, "no drafts under a grammar");
     spec.stop();
 }
+
+/// The README's first command: `ds4-server` without `-m` serves the trained demo model, which answers in words and
+/// speculates with its MTP block by default (`--speculative auto`).
+#[test]
+fn the_default_server_serves_the_trained_demo_model_and_speculates() {
+    use std::io::{BufRead, BufReader};
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_ds4-server"))
+        .args(["--port", "0", "--no-kv-disk", "--ctx", "4096"])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let mut notice = false;
+    let addr = loop {
+        let line = lines.next().expect("the server exits before listening").unwrap();
+        notice |= line.contains("demo model") && line.contains("trained");
+        if let Some(a) = line.strip_prefix("ds4-server: listening on http://") {
+            break a.trim().parse::<std::net::SocketAddr>().unwrap();
+        }
+    };
+    // Keep reading stderr so the server never blocks on a full pipe.
+    std::thread::spawn(move || for _ in lines {});
+    assert!(notice, "no notice that the trained demo model is served");
+    let ask = |q: &str| {
+        let body = json!({"messages": [{"role": "user", "content": q}], "max_tokens": 48, "temperature": 0,
+            "reasoning_effort": "none"});
+        let r = common::request(
+            addr,
+            "POST",
+            "/v1/chat/completions",
+            &[("content-type", "application/json")],
+            body.to_string().as_bytes(),
+        );
+        assert_eq!(r.status, 200, "{}", r.body);
+        let v = r.json();
+        let msg = &v["choices"][0]["message"];
+        format!(
+            "{}{}",
+            msg["reasoning_content"].as_str().unwrap_or_default(),
+            msg["content"].as_str().unwrap_or_default()
+        )
+    };
+    let mut text = String::new();
+    for q in ["Return the number of items.", "What does the function join do?", "Explain urlsplit."] {
+        text += &ask(q);
+    }
+    let wordy = text.chars().filter(|c| c.is_ascii_alphabetic() || *c == ' ').count();
+    assert!(wordy * 10 >= text.chars().count() * 7, "not words: {text:?}");
+    let metrics = common::request(addr, "GET", "/metrics", &[], b"").body;
+    let cycles = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("ds4_spec_cycles_total "))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .unwrap();
+    assert!(cycles > 0.0, "the MTP block drafted");
+    child.kill().unwrap();
+    let _ = child.wait();
+}

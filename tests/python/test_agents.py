@@ -11,7 +11,7 @@
   --output-schema FILE` ends with a message that validates against FILE, and an interactive Claude Code session's
   title request (`output_config.format` json_schema, sent only by the interactive UI) is answered with JSON that
   validates against the schema it sent (seen through a recording proxy).
-- With the demo model (no -m: real tokenizer and template, random weights) and hidden thinking: keep-alive pings
+- With the random demo model (`--demo-model random`: real tokenizer and template, random weights) and hidden thinking: keep-alive pings
   arrive at least every 15 s, and a client that goes away has its generation stopped within 2 s (/metrics).
 
 The clients come from `$DS4_AGENTS_DIR/node_modules/.bin` (scripts/test.sh installs them into
@@ -401,7 +401,7 @@ def schema_server(request, tmp_path):
     if request.param == "scripted":
         yield request.getfixturevalue("structured_server")
         return
-    s = Server(str(tmp_path), ["--ctx", "65536", "--max-active", "2"])
+    s = Server(str(tmp_path), ["--ctx", "65536", "--max-active", "2", "--demo-model", "random"])
     s.model_kind = "demo"
     yield s
     s.stop()
@@ -564,7 +564,7 @@ def test_claude_code_session_title(structured_server, tmp_path):
 
 @pytest.fixture(scope="module")
 def demo_server(tmp_path_factory):
-    s = Server(str(tmp_path_factory.mktemp("demo")), ["--ctx", "8192", "--max-active", "4"])
+    s = Server(str(tmp_path_factory.mktemp("demo")), ["--ctx", "8192", "--max-active", "4", "--demo-model", "random"])
     yield s
     s.stop()
 
@@ -663,7 +663,7 @@ def test_demo_claude_code_hidden_thinking_then_killed(tmp_path):
     """Claude Code itself (adaptive thinking, `display: "omitted"`) on the demo model: the reasoning never ends, so
     the server only sends keep-alives (at least one per 15 s); killing the client frees its session within 2 s."""
     claude = client("claude")
-    server = Server(str(tmp_path), ["--ctx", "32768", "--max-active", "2"])
+    server = Server(str(tmp_path), ["--ctx", "32768", "--max-active", "2", "--demo-model", "random"])
     home, repo = scratch(tmp_path, "claude-demo")
     env = {
         "HOME": str(home),

@@ -1,4 +1,4 @@
-"""Drive the real `ds4-server` binary (built-in demo model: random weights, real tokenizer and chat template) with the
+"""Drive the real `ds4-server` binary (`--demo-model random`: random weights, real tokenizer and chat template) with the
 official `openai` and `anthropic` Python SDKs.
 
 Run: `cargo build -p ds4-server && pip install openai anthropic pytest prometheus-client && pytest tests/python`.
@@ -48,7 +48,7 @@ def server():
     # log lines) would block the process mid-request.
     errlog = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen(
-        [BIN, "--port", str(port), "--ctx", "4096", "--max-active", "32", "--no-kv-disk"],
+        [BIN, "--port", str(port), "--ctx", "4096", "--max-active", "32", "--no-kv-disk", "--demo-model", "random"],
         stdout=subprocess.DEVNULL,
         stderr=errlog,
         text=True,

@@ -1,4 +1,4 @@
-"""Structured outputs against the real `ds4-server` binary and its demo model (random weights: its free output is
+"""Structured outputs against the real `ds4-server` binary and its random demo model (`--demo-model random`: its free output is
 noise, so only the grammar can make it valid).
 
 A few hundred generated JSON schemas (nesting, enums, bounded strings and arrays, `$defs`/`$ref`, optional fields),
@@ -55,7 +55,7 @@ def server():
     # log lines) would block the process mid-request.
     errlog = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen(
-        [BIN, "--port", str(port), "--ctx", "2048", "--max-active", "32"],
+        [BIN, "--port", str(port), "--ctx", "2048", "--max-active", "32", "--demo-model", "random"],
         stdout=subprocess.DEVNULL,
         stderr=errlog,
         text=True,

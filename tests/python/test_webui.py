@@ -1,4 +1,4 @@
-"""Open the built-in web page of the real `ds4-server` binary (demo model) in headless Chromium, driven over the
+"""Open the built-in web page of the real `ds4-server` binary (`--demo-model random`) in headless Chromium, driven over the
 Chrome DevTools Protocol (a websocket, `websocket-client`): send a chat message with the keyboard, see the reply
 stream in, stop a long generation with the Stop button, and see the status view count the requests and show the
 cached tokens of a second turn.
@@ -79,7 +79,7 @@ def server():
     # log lines) would block the process mid-request.
     errlog = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen(
-        [BIN, "--host", "127.0.0.1", "--port", str(port), "--ctx", str(CTX), "--no-kv-disk"],
+        [BIN, "--host", "127.0.0.1", "--port", str(port), "--ctx", str(CTX), "--no-kv-disk", "--demo-model", "random"],
         stdout=subprocess.DEVNULL,
         stderr=errlog,
         text=True,
