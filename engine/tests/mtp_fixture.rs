@@ -89,6 +89,17 @@ fn run_logits(file: GgufFile, prompt: &[u32]) -> Vec<f32> {
     e.take_all_logits(s).unwrap()
 }
 
+/// The fixture converted with the f32 recipe, opened by an engine with `threads` threads in exact mode (the
+/// directory holding the file lives as long as the first value).
+fn fixture_engine(threads: usize) -> (tempfile::TempDir, Engine) {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("mtp.gguf");
+    convert(&ConvertOptions::new(fixture_dir(), &out, Recipe::F32)).unwrap();
+    let opts = EngineOptions { exact: true, threads, ..EngineOptions::default() };
+    let e = Engine::from_gguf(GgufFile::open(&out).unwrap(), opts).unwrap();
+    (tmp, e)
+}
+
 fn prompt() -> Vec<u32> {
     fixture_json()["tokens"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
 }
@@ -238,13 +249,10 @@ fn engine_trunk_logits_match_the_training_scripts_jax_forward() {
 fn engine_mtp_logits_match_the_training_scripts_jax_forward() {
     let dir = fixture_dir();
     let meta = fixture_json();
-    let tmp = tempfile::tempdir().unwrap();
-    let out = tmp.path().join("mtp.gguf");
-    convert(&ConvertOptions::new(&dir, &out, Recipe::F32)).unwrap();
+    let (_tmp, mut e) = fixture_engine(2);
     let prompt = prompt();
     let vocab = meta["vocab_size"].as_u64().unwrap() as usize;
     let opts = EngineOptions { exact: true, threads: 2, ..EngineOptions::default() };
-    let mut e = Engine::from_gguf(GgufFile::open(&out).unwrap(), opts.clone()).unwrap();
     assert_eq!(e.config().vocab, vocab);
     let s = e.create_session();
     e.set_keep_hidden(s, usize::MAX).unwrap();
@@ -276,11 +284,7 @@ fn engine_mtp_logits_match_the_training_scripts_jax_forward() {
 fn mtp_speculation_on_the_fixture_is_token_identical_to_plain_greedy() {
     use ds4_engine::sampler::{Sampler, SamplerConfig};
     use ds4_engine::speculative::{Drafter, MtpDrafter, MtpOptions};
-    let tmp = tempfile::tempdir().unwrap();
-    let out = tmp.path().join("mtp.gguf");
-    convert(&ConvertOptions::new(fixture_dir(), &out, Recipe::F32)).unwrap();
-    let opts = EngineOptions { exact: true, threads: 2, ..EngineOptions::default() };
-    let mut e = Engine::from_gguf(GgufFile::open(&out).unwrap(), opts).unwrap();
+    let (_tmp, mut e) = fixture_engine(2);
     let prompt = prompt();
     let s = e.create_session();
     let want = e.generate_greedy(s, &prompt, 30).unwrap();
@@ -309,11 +313,7 @@ fn mtp_speculation_on_the_fixture_is_token_identical_to_plain_greedy() {
 fn sampled_mtp_speculation_keeps_the_plain_distribution() {
     use ds4_engine::sampler::{Sampler, SamplerConfig};
     use ds4_engine::speculative::{Drafter, MtpDrafter, MtpOptions};
-    let tmp = tempfile::tempdir().unwrap();
-    let out = tmp.path().join("mtp.gguf");
-    convert(&ConvertOptions::new(fixture_dir(), &out, Recipe::F32)).unwrap();
-    let opts = EngineOptions { exact: true, threads: 1, ..EngineOptions::default() };
-    let mut e = Engine::from_gguf(GgufFile::open(&out).unwrap(), opts).unwrap();
+    let (_tmp, mut e) = fixture_engine(1);
     let prompt = &prompt()[..6];
     let cfg = |seed| SamplerConfig { temperature: 0.7, top_k: 12, seed, ..SamplerConfig::default() };
     let vocab = e.config().vocab;

@@ -199,7 +199,14 @@ impl Runner for EngineRunner {
     fn commit_verify(&mut self, session: RunnerSessionId, len: usize, logits: &[f32]) -> Result<(), BackendError> {
         let sid = self.sid(session)?;
         if self.engine.position(sid).map_err(be)? > len {
-            self.engine.rollback(sid, len).map_err(be)?;
+            if self.engine.rollback_floor(sid).map_err(be)? <= len {
+                self.engine.rollback(sid, len).map_err(be)?;
+            } else {
+                // Beyond the roll-back log (the scheduler drafts only where it is live): recompute the kept tokens.
+                tracing::warn!(len, "speculative roll back beyond the log: recomputing the session");
+                self.engine.truncate(sid, len).map_err(be)?;
+                self.engine.run_until_idle().map_err(be)?;
+            }
         }
         self.engine.set_logits(sid, logits).map_err(be)
     }

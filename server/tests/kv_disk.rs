@@ -56,7 +56,8 @@ impl Server {
         } else {
             Command::new(env!("CARGO_BIN_EXE_ds4-server"))
         };
-        cmd.args(["--host", "127.0.0.1", "--port", "0", "--drain-timeout-s", "30"]);
+        // The random demo model (real tokenizer): the prompts' token counts below are its.
+        cmd.args(["--host", "127.0.0.1", "--port", "0", "--drain-timeout-s", "30", "--demo-model", "random"]);
         cmd.args(args);
         // Only what a test sets: the runner's own cache directory is never used.
         cmd.env_remove("XDG_CACHE_HOME");

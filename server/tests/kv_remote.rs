@@ -112,7 +112,8 @@ impl Server {
     /// With `args` after the listen address (no flag for the disk tier: pass `--kv-disk-dir` or `--no-kv-disk`).
     fn start(args: &[&str]) -> Server {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_ds4-server"));
-        cmd.args(["--host", "127.0.0.1", "--port", "0", "--drain-timeout-s", "30"]).args(args);
+        cmd.args(["--host", "127.0.0.1", "--port", "0", "--drain-timeout-s", "30", "--demo-model", "random"])
+            .args(args);
         cmd.env_remove("XDG_CACHE_HOME");
         cmd.env("RUST_LOG", "warn").stdout(Stdio::null()).stderr(Stdio::piped());
         let mut child = cmd.spawn().expect("spawn ds4-server");

@@ -33,7 +33,7 @@ fn start() -> Server {
     let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let child = Command::new(env!("CARGO_BIN_EXE_ds4-server"))
         .args(["--host", "127.0.0.1", "--port", &port.to_string(), "--ctx", "65536", "--request-memory-mb", "256"])
-        .args(["--no-webui"])
+        .args(["--no-webui", "--demo-model", "random"])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()

@@ -28,6 +28,11 @@ fn model_file() -> &'static std::path::Path {
 }
 
 fn server(mode: SpecMode) -> TestServer {
+    server_on_disk(mode, None)
+}
+
+/// [`server`] with the disk KV tier in `disk`.
+fn server_on_disk(mode: SpecMode, disk: Option<&std::path::Path>) -> TestServer {
     let opts = LoadOptions {
         backend: ds4_engine::engine::BackendKind::Cpu,
         ctx: 1024,
@@ -40,6 +45,9 @@ fn server(mode: SpecMode) -> TestServer {
     assert!(runner.has_mtp());
     if mode != SpecMode::Off {
         runner.enable_mtp(0.0).unwrap();
+    }
+    if let Some(dir) = disk {
+        runner.enable_disk(dir.to_path_buf(), 1 << 30).unwrap();
     }
     let config = SchedulerConfig {
         max_active: 4,
@@ -223,4 +231,32 @@ fn the_default_server_serves_the_trained_demo_model_and_speculates() {
     assert!(cycles > 0.0, "the MTP block drafted");
     child.kill().unwrap();
     let _ = child.wait();
+}
+
+/// A session restored from the disk tier has no roll-back log for its first window of new tokens: it decodes plainly
+/// until the log is live, then speculates, and its answer is the plain one.
+#[test]
+fn a_session_restored_from_disk_speculates_once_it_can_roll_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let first = json!([{"role": "user", "content": "Tell me about caches and their many layers."}]);
+    let ask = |s: &TestServer, msgs: &Value| {
+        let r = s.post("/v1/chat/completions", &json!({"messages": msgs, "max_tokens": 40, "temperature": 0}));
+        assert_eq!(r.status, 200, "{}", r.body);
+        let v = r.json();
+        (v["choices"][0]["message"].clone(), v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0))
+    };
+    let mut s1 = server_on_disk(SpecMode::Off, Some(dir.path()));
+    let (a1, _) = ask(&s1, &first);
+    s1.stop(); // saves the session to the disk tier
+    let second =
+        json!([first[0], {"role": "assistant", "content": a1["content"]}, {"role": "user", "content": "And then?"}]);
+    let mut plain = server(SpecMode::Off);
+    let (want, _) = ask(&plain, &second);
+    plain.stop();
+    let mut s2 = server_on_disk(SpecMode::Mtp, Some(dir.path()));
+    let (got, cached) = ask(&s2, &second);
+    assert!(cached > 0, "the second turn was restored from disk");
+    assert_eq!(got, want, "the restored, speculating session answers as plain decoding does");
+    assert!(s2.metric("ds4_spec_cycles_total") > 0.0, "it speculated once its roll-back log was live");
+    s2.stop();
 }

@@ -258,23 +258,9 @@ impl Model {
         let config = ModelConfig::from_gguf(&file)?;
         check_tokenizer_keys(&file, config.vocab)?;
         let c = &config;
-        let (d, hc, mix) = (c.d_model, c.hc_mult, c.hc_mix());
         let mut ld = Loader { f: &file, t: WeightTable::default() };
-        use Hold::*;
-        // Each dim with the metadata key(s) it follows (named when a tensor disagrees).
-        let dk = (d, "deepseek4.embedding_length");
-        let vk = (c.vocab, "deepseek4.vocab_size");
-        let hck = (hc, "deepseek4.hyper_connection.count");
-        let hcd = (hc * d, "deepseek4.hyper_connection.count × embedding_length");
-        let mixk = (mix, "(2 + deepseek4.hyper_connection.count) × hyper_connection.count");
-        let global = GlobalWeights {
-            embed: ld.add("token_embd.weight", &[dk, vk], Map)?,
-            norm: ld.add("output_norm.weight", &[dk], Dense)?,
-            head: ld.add("output.weight", &[dk, vk], Map)?,
-            hc_fn: ld.add("output_hc_fn.weight", &[hcd, hck], Map)?,
-            hc_base: ld.add("output_hc_base.weight", &[hck], Dense)?,
-            hc_scale: ld.add("output_hc_scale.weight", &[(1, "1")], Dense)?,
-        };
+        let Dims { dk, vk, hcd, mixk, .. } = Dims::of(c);
+        let global = load_global(&mut ld, c, "output_norm.weight", "output_hc_")?;
         let mut layers = Vec::with_capacity(c.n_layers);
         for l in 0..c.n_layers {
             let lw = load_layer(&mut ld, c, l, &format!("blk.{l}."), dk, vk, hcd, mixk).map_err(|e| {
@@ -324,22 +310,11 @@ impl Model {
         config.swiglu_limit = vec![*self.config.swiglu_limit.last().unwrap_or(&0.0)];
         let file = self.file.share();
         let c = &config;
-        let (d, hc, mix) = (c.d_model, c.hc_mult, c.hc_mix());
         let mut ld = Loader { f: &file, t: WeightTable::default() };
         use Hold::*;
-        let dk = (d, "deepseek4.embedding_length");
-        let vk = (c.vocab, "deepseek4.vocab_size");
-        let hck = (hc, "deepseek4.hyper_connection.count");
-        let hcd = (hc * d, "deepseek4.hyper_connection.count × embedding_length");
-        let mixk = (mix, "(2 + deepseek4.hyper_connection.count) × hyper_connection.count");
-        let global = GlobalWeights {
-            embed: ld.add("token_embd.weight", &[dk, vk], Map)?,
-            norm: ld.add("mtp.0.norm.weight", &[dk], Dense)?,
-            head: ld.add("output.weight", &[dk, vk], Map)?,
-            hc_fn: ld.add("mtp.0.hc_head_fn.weight", &[hcd, hck], Map)?,
-            hc_base: ld.add("mtp.0.hc_head_base.weight", &[hck], Dense)?,
-            hc_scale: ld.add("mtp.0.hc_head_scale.weight", &[(1, "1")], Dense)?,
-        };
+        let Dims { dk, vk, hcd, mixk, .. } = Dims::of(c);
+        // The target's embedding and output matrix, the block's own norm and mHC head.
+        let global = load_global(&mut ld, c, "mtp.0.norm.weight", "mtp.0.hc_head_")?;
         let mtp_input = MtpInputWeights {
             e_proj: ld.add("mtp.0.e_proj.weight", &[dk, dk], Map)?,
             h_proj: ld.add("mtp.0.h_proj.weight", &[dk, dk], Map)?,
@@ -433,6 +408,42 @@ impl Model {
     pub fn name(&self, id: WeightId) -> &str {
         &self.table.names[id.0 as usize]
     }
+}
+
+/// The dims the tensors follow, each with the metadata key(s) it comes from (named when a tensor disagrees).
+struct Dims {
+    dk: (usize, &'static str),
+    vk: (usize, &'static str),
+    hck: (usize, &'static str),
+    hcd: (usize, &'static str),
+    mixk: (usize, &'static str),
+}
+
+impl Dims {
+    fn of(c: &ModelConfig) -> Dims {
+        Dims {
+            dk: (c.d_model, "deepseek4.embedding_length"),
+            vk: (c.vocab, "deepseek4.vocab_size"),
+            hck: (c.hc_mult, "deepseek4.hyper_connection.count"),
+            hcd: (c.hc_mult * c.d_model, "deepseek4.hyper_connection.count × embedding_length"),
+            mixk: (c.hc_mix(), "(2 + deepseek4.hyper_connection.count) × hyper_connection.count"),
+        }
+    }
+}
+
+/// Binds the head's tensors: the embedding and output matrix, the final norm `norm` and the mHC head
+/// `{hc}fn.weight`, `{hc}base.weight`, `{hc}scale.weight` (the target's `output_hc_`, the MTP block's `mtp.0.hc_head_`).
+fn load_global(ld: &mut Loader, c: &ModelConfig, norm: &str, hc: &str) -> Result<GlobalWeights> {
+    use Hold::*;
+    let Dims { dk, vk, hck, hcd, .. } = Dims::of(c);
+    Ok(GlobalWeights {
+        embed: ld.add("token_embd.weight", &[dk, vk], Map)?,
+        norm: ld.add(norm, &[dk], Dense)?,
+        head: ld.add("output.weight", &[dk, vk], Map)?,
+        hc_fn: ld.add(&format!("{hc}fn.weight"), &[hcd, hck], Map)?,
+        hc_base: ld.add(&format!("{hc}base.weight"), &[hck], Dense)?,
+        hc_scale: ld.add(&format!("{hc}scale.weight"), &[(1, "1")], Dense)?,
+    })
 }
 
 /// Whether [`Model::packed_mat`] packs: yes unless `DS4_CPU_PACK=0` (keeps resident memory at the mapped file's,

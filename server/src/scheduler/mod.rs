@@ -613,11 +613,14 @@ impl Worker {
                 .saturating_sub(a.generated + 1)
                 .min(self.config.context_size.saturating_sub(a.tokens.len() + 1));
             let k = cfg.draft_len.min(room);
+            // The rejected drafts go with an exact roll back: only sessions whose roll-back log is live (a session
+            // restored from disk has one once it has processed a window of new tokens).
             if decoding
                 && k > 0
                 && a.job.constraint.is_none()
                 && a.spec.drafting(cfg.mode, a.generated)
                 && self.runner.pending(a.session) == 0
+                && self.runner.rollback_floor(a.session).is_some()
             {
                 who.push((i, k));
             }
