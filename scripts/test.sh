@@ -53,7 +53,9 @@ export DS4_AGENTS_DIR="$AGENTS_DIR"
 PY=python3
 if [ -d tests/python ]; then
   log "installing Python test clients"
-  $PY -m pip install -q --disable-pip-version-check openai anthropic pytest prometheus-client websocket-client jsonschema httpx >/dev/null
+  # jax (CPU build), safetensors, numpy: the demo model's training script (tools/train_demo), smoke-tested.
+  $PY -m pip install -q --disable-pip-version-check openai anthropic pytest prometheus-client websocket-client jsonschema httpx \
+    jax==0.10.2 jaxlib==0.10.2 safetensors numpy >/dev/null
 fi
 
 # The CUDA compile check (kernels-native/tests/cuda_compile.rs; no GPU needed): NVRTC and ptxas from PyPI wheels,
@@ -106,5 +108,5 @@ RUSTDOCFLAGS="-D warnings" cargo doc -q --no-deps -p ds4-engine -p ds4-kv -p ds4
 if [ -d tests/python ]; then
   log "Python SDK tests"
   DS4_SERVER_BIN="$PWD/target/release/ds4-server" DS4_TEST_SERVER_BIN="$PWD/target/release/ds4-test-server" \
-    $PY -m pytest -q tests/python
+    DS4_BIN="$PWD/target/release/ds4" $PY -m pytest -q tests/python
 fi
