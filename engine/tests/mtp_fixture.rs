@@ -311,11 +311,23 @@ fn mtp_speculation_on_the_fixture_is_token_identical_to_plain_greedy() {
 /// implementation fails one run in a thousand at most — and these seeds are fixed, so the result is repeatable.
 #[test]
 fn sampled_mtp_speculation_keeps_the_plain_distribution() {
+    // The fixture (a random MTP block: drafts mostly fall) and the trained demo model (drafts often stand), so both
+    // paths of the verification carry weight.
+    let (_tmp, e) = fixture_engine(1);
+    chi_square_check(e, &prompt()[..6], (0.7, 12), (20, 0.5));
+    let file = || GgufFile::from_bytes(ds4_engine::convert::trained_demo_gguf().to_vec()).unwrap();
+    let demo = Engine::from_gguf(file(), EngineOptions { threads: 1, ..EngineOptions::default() }).unwrap();
+    let tok = ds4_engine::tokenizer::Tokenizer::from_gguf(&file()).unwrap();
+    let p = tok.encode("<｜begin▁of▁sentence｜><｜User｜>Return the number of items.<｜Assistant｜></think>").unwrap();
+    chi_square_check(demo, &p, (1.6, 40), (1000, 1.0));
+}
+
+/// The check of [`sampled_mtp_speculation_keeps_the_plain_distribution`] on `e` after `prompt`, sampling at
+/// `(temperature, top_k)`; `accepted_bounds`: at least this many drafts stood, and less than this share of them.
+fn chi_square_check(mut e: Engine, prompt: &[u32], sampling: (f32, usize), accepted_bounds: (usize, f64)) {
     use ds4_engine::sampler::{Sampler, SamplerConfig};
     use ds4_engine::speculative::{Drafter, MtpDrafter, MtpOptions};
-    let (_tmp, mut e) = fixture_engine(1);
-    let prompt = &prompt()[..6];
-    let cfg = |seed| SamplerConfig { temperature: 0.7, top_k: 12, seed, ..SamplerConfig::default() };
+    let cfg = |seed| SamplerConfig { temperature: sampling.0, top_k: sampling.1, seed, ..SamplerConfig::default() };
     let vocab = e.config().vocab;
     let runs = 3000;
     let mut plain = vec![vec![0usize; vocab]; 2];
@@ -356,11 +368,12 @@ fn sampled_mtp_speculation_keeps_the_plain_distribution() {
         d.detach(&mut e, s);
         e.free_session(s).unwrap();
     }
-    // The fixture's MTP block is random: most drafts fall, some stand (both paths of the verification are taken).
+    assert!(drafted >= 2 * runs, "{drafted} drafts");
     assert!(
-        drafted >= 2 * runs && accepted >= 20 && accepted < drafted,
-        "drafts both stood and fell: {accepted}/{drafted}"
+        accepted >= accepted_bounds.0 && (accepted as f64) < accepted_bounds.1 * drafted as f64,
+        "drafts stood: {accepted}/{drafted}"
     );
+    eprintln!("drafts stood: {accepted}/{drafted}");
     for pos in 0..2 {
         let (mut chi2, mut df, mut rest) = (0.0f64, 0usize, (0usize, 0usize));
         for (a, b) in plain[pos].iter().zip(&spec[pos]) {
