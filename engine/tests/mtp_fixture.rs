@@ -6,8 +6,10 @@
 //!
 //! Checks here: the converter writes the MTP block under the names the reference C engine binds, with reversed dims,
 //! identical f32 bytes and the types a trunk layer's tensors get; a copy without the block converts exactly as before
-//! (no `mtp.*`, no `nextn_predict_layers`); and the engine's trunk logits equal the JAX trunk logits within 1e-4 —
-//! which ties the training script's model to the engine's. (The MTP logits are for the engine's MTP path.)
+//! (no `mtp.*`, no `nextn_predict_layers`); the engine's trunk logits and its MTP drafter's logits
+//! (`Model::load_mtp`) equal the JAX ones within 1e-4 — which ties the training script's model to the engine's; and
+//! speculation with the drafter is lossless (greedy: token-identical; sampled: a chi-square against plain sampling,
+//! also on the trained demo model).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
