@@ -11,6 +11,8 @@
 //! speculation with the drafter is lossless (greedy: token-identical; sampled: a chi-square against plain sampling,
 //! also on the trained demo model).
 
+mod common;
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -45,29 +47,9 @@ fn mtp_gguf_name(official: &str) -> String {
         ("hc_head_fn", "hc_head_fn.weight"),
         ("hc_head_base", "hc_head_base.weight"),
         ("hc_head_scale", "hc_head_scale.weight"),
-        ("hc_attn_fn", "hc_attn_fn.weight"),
-        ("hc_attn_base", "hc_attn_base.weight"),
-        ("hc_attn_scale", "hc_attn_scale.weight"),
-        ("hc_ffn_fn", "hc_ffn_fn.weight"),
-        ("hc_ffn_base", "hc_ffn_base.weight"),
-        ("hc_ffn_scale", "hc_ffn_scale.weight"),
-        ("attn_norm.weight", "attn_norm.weight"),
-        ("attn.wq_a.weight", "attn_q_a.weight"),
-        ("attn.q_norm.weight", "attn_q_a_norm.weight"),
-        ("attn.wq_b.weight", "attn_q_b.weight"),
-        ("attn.wkv.weight", "attn_kv.weight"),
-        ("attn.kv_norm.weight", "attn_kv_a_norm.weight"),
-        ("attn.attn_sink", "attn_sinks.weight"),
-        ("attn.wo_a.weight", "attn_output_a.weight"),
-        ("attn.wo_b.weight", "attn_output_b.weight"),
-        ("ffn_norm.weight", "ffn_norm.weight"),
-        ("ffn.gate.weight", "ffn_gate_inp.weight"),
-        ("ffn.gate.bias", "exp_probs_b.bias"),
-        ("ffn.shared_experts.w1.weight", "ffn_gate_shexp.weight"),
-        ("ffn.shared_experts.w3.weight", "ffn_up_shexp.weight"),
-        ("ffn.shared_experts.w2.weight", "ffn_down_shexp.weight"),
     ];
-    if let Some((_, g)) = own.iter().find(|(o, _)| *o == x) {
+    // The block's own tensors, then those it has as any trunk layer has them.
+    if let Some((_, g)) = own.iter().chain(common::LAYER_NAMES).find(|(o, _)| *o == x) {
         return format!("mtp.0.{g}");
     }
     let e = x.strip_prefix("ffn.experts.").expect("an expert tensor");

@@ -346,13 +346,7 @@ fn shutdown_drains_in_flight_streams() {
     let client = std::thread::spawn(move || {
         let body = json!({"max_tokens": 60, "stream": true,
             "messages": [{"role": "user", "content": "a long answer"}]});
-        common::request(
-            addr,
-            "POST",
-            "/v1/messages",
-            &[("content-type", "application/json")],
-            body.to_string().as_bytes(),
-        )
+        common::post_json(addr, "/v1/messages", &body)
     });
     // Bounded wait until the request is generating.
     let mut admitted = false;
@@ -380,13 +374,7 @@ fn concurrent_streams_equal_solo_runs() {
     let ask = move |i: usize, j: usize| {
         let body = json!({"messages": [{"role": "user", "content": format!("client {i} request {j}")}],
             "temperature": 0, "stream": true});
-        let r = common::request(
-            addr,
-            "POST",
-            "/v1/chat/completions",
-            &[("content-type", "application/json")],
-            body.to_string().as_bytes(),
-        );
+        let r = common::post_json(addr, "/v1/chat/completions", &body);
         r.event_json()
             .iter()
             .filter_map(|(_, c)| c["choices"][0]["delta"]["content"].as_str().map(String::from))

@@ -62,13 +62,7 @@ fn demo_model_serves_every_api_reproducibly() {
             std::thread::spawn(move || {
                 let body = json!({"messages": [{"role": "user", "content": p}], "max_tokens": 6, "temperature": 0,
                     "stream": true});
-                let r = common::request(
-                    addr,
-                    "POST",
-                    "/v1/chat/completions",
-                    &[("content-type", "application/json")],
-                    body.to_string().as_bytes(),
-                );
+                let r = common::post_json(addr, "/v1/chat/completions", &body);
                 let chunks = r.event_json();
                 let reasoning_or_text: String = chunks
                     .iter()

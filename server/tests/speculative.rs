@@ -147,13 +147,7 @@ fn speculation_gives_the_plain_answers_on_every_api_alone_and_batched() {
         .flat_map(|(i, p)| requests(p).into_iter().enumerate().map(move |(j, r)| (i, j, r)))
         .map(|(i, j, (path, body))| {
             std::thread::spawn(move || {
-                let r = common::request(
-                    addr,
-                    "POST",
-                    path,
-                    &[("content-type", "application/json")],
-                    body.to_string().as_bytes(),
-                );
+                let r = common::post_json(addr, path, &body);
                 (i, j, answer(path, &r))
             })
         })
@@ -200,13 +194,7 @@ fn the_default_server_serves_the_trained_demo_model_and_speculates() {
     let ask = |q: &str| {
         let body = json!({"messages": [{"role": "user", "content": q}], "max_tokens": 48, "temperature": 0,
             "reasoning_effort": "none"});
-        let r = common::request(
-            addr,
-            "POST",
-            "/v1/chat/completions",
-            &[("content-type", "application/json")],
-            body.to_string().as_bytes(),
-        );
+        let r = common::post_json(addr, "/v1/chat/completions", &body);
         assert_eq!(r.status, 200, "{}", r.body);
         let v = r.json();
         let msg = &v["choices"][0]["message"];

@@ -171,6 +171,11 @@ fn dechunk(mut raw: &[u8]) -> Vec<u8> {
     out
 }
 
+/// `POST path` with a JSON body to the server at `addr` (a server started some other way than [`TestServer`]).
+pub fn post_json(addr: SocketAddr, path: &str, body: &Value) -> Reply {
+    request(addr, "POST", path, &[("content-type", "application/json")], body.to_string().as_bytes())
+}
+
 /// One request on a fresh connection (`connection: close`), read to the end.
 pub fn request(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Reply {
     let mut s = TcpStream::connect(addr).unwrap();
