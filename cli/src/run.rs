@@ -21,6 +21,7 @@ use ds4_engine::chat::{
 use ds4_engine::engine::{BackendKind, Engine, EngineOptions};
 use ds4_engine::gguf::GgufFile;
 use ds4_engine::sampler::{Sampler, SamplerConfig, StopChecker, StopStatus};
+use ds4_engine::speculative::auto::{AutoPause, TickCost};
 use ds4_engine::speculative::{Cycle, Drafter, MtpDrafter, SpecStats};
 use ds4_engine::tables::SessionId;
 use ds4_engine::tokenizer::{Tokenizer, EOS_TOKEN};
@@ -75,7 +76,8 @@ pub struct GenArgs {
     #[arg(long, default_value_t = 0)]
     pub ctx: usize,
     /// Speculative decoding: off, mtp (the model's MTP block drafts; an error without one) or auto (mtp when the
-    /// model has the block). The answer is the one plain decoding gives.
+    /// model has the block, paused while its drafts do not pay for their measured cost). The answer is the one plain
+    /// decoding gives.
     #[arg(long, default_value = "auto")]
     pub speculative: SpecChoice,
     /// Drafted tokens per verify run at most.
@@ -177,11 +179,14 @@ pub struct TurnOptions<'a> {
     pub cancel: Option<&'a AtomicBool>,
 }
 
-/// Speculative decoding for [`generate`]: the MTP drafter and the most tokens it drafts per verify run.
+/// Speculative decoding for [`generate`]: the MTP drafter, the most tokens it drafts per verify run, and with
+/// `auto` the measured cost that pauses drafting while it does not pay (`ds4_engine::speculative::auto`).
 pub struct Speculation<'a> {
     pub drafter: &'a mut MtpDrafter,
     pub draft_len: usize,
     pub stats: SpecStats,
+    /// `--speculative auto`: the turn's drafting pauses while its drafts do not pay; `None` (`mtp`): always drafts.
+    pub auto: Option<(AutoPause, TickCost)>,
 }
 
 /// Whether a token ends the turn.
@@ -264,8 +269,10 @@ pub fn generate(
             break;
         }
         let room = max_tokens.saturating_sub(generated + 1);
+        let t0 = std::time::Instant::now();
+        let paused = spec.as_ref().and_then(|sp| sp.auto.as_ref()).is_some_and(|(a, _)| !a.drafting(generated));
         let draft = match spec.as_deref_mut() {
-            Some(sp) if room > 0 && !parser.in_tool_syntax() => {
+            Some(sp) if room > 0 && !parser.in_tool_syntax() && !paused => {
                 let mut ctx = engine.history(sess)?.to_vec();
                 ctx.push(id);
                 let mut d = sp.drafter.draft(engine, sess, &ctx, sp.draft_len.min(room))?;
@@ -277,6 +284,9 @@ pub fn generate(
         if draft.is_empty() {
             engine.feed(sess, &[id])?;
             engine.run_until_idle()?;
+            if let Some((_, cost)) = spec.as_deref_mut().and_then(|sp| sp.auto.as_mut()) {
+                cost.plain_tick(t0.elapsed().as_secs_f64());
+            }
             continue;
         }
         let base = engine.position(sess)?;
@@ -286,6 +296,12 @@ pub fn generate(
             sp.stats.cycles += 1;
             sp.stats.drafted += draft.len();
             sp.stats.accepted += v.accepted;
+            if let Some((pause, cost)) = &mut sp.auto {
+                cost.spec_tick(t0.elapsed().as_secs_f64());
+                if pause.record(v.accepted, generated + v.accepted, cost.ratio()) {
+                    tracing::debug!(cost = cost.ratio(), "speculation paused: its drafts do not pay");
+                }
+            }
         }
         forced = Some(v.next);
         let mut end = false;
@@ -367,10 +383,12 @@ pub fn run(a: RunArgs) -> anyhow::Result<i32> {
     if let Some(d) = &mut drafter {
         d.attach(&mut l.engine, sess)?;
     }
+    let auto = (a.gen.speculative == SpecChoice::Auto).then(|| (AutoPause::default(), TickCost::default()));
     let mut spec = drafter.as_mut().map(|d| Speculation {
         drafter: d,
         draft_len: a.gen.draft_len as usize,
         stats: SpecStats::default(),
+        auto,
     });
     let mut on_event = printer();
     let opt = TurnOptions {
@@ -520,10 +538,12 @@ pub fn chat(a: ChatArgs) -> anyhow::Result<i32> {
         };
         cancel.store(false, Ordering::SeqCst);
         generating.store(true, Ordering::SeqCst);
+        let auto = (a.gen.speculative == SpecChoice::Auto).then(|| (AutoPause::default(), TickCost::default()));
         let mut spec = drafter.as_mut().map(|d| Speculation {
             drafter: d,
             draft_len: a.gen.draft_len as usize,
             stats: SpecStats::default(),
+            auto,
         });
         let parsed = generate(&mut l.engine, sess, &l.tok, new, &opt, spec.as_mut(), &mut on_event);
         if let Some(sp) = spec {
@@ -648,6 +668,7 @@ mod tests {
         drafter: Option<&mut MtpDrafter>,
         stops: &[String],
         max_tokens: usize,
+        auto: bool,
     ) -> (ParsedMessage, String, Vec<u32>, Vec<f32>, SpecStats) {
         let text =
             render(&RenderInput { messages: vec![Message::new(Role::User, "Hi")] }, Mode::Chat, ReasoningEffort::High)
@@ -659,7 +680,8 @@ mod tests {
         let mut events = String::new();
         let mut spec = drafter.map(|d| {
             d.attach(engine, sess).unwrap();
-            Speculation { drafter: d, draft_len: 3, stats: SpecStats::default() }
+            let auto = auto.then(|| (AutoPause::default(), TickCost::default()));
+            Speculation { drafter: d, draft_len: 3, stats: SpecStats::default(), auto }
         });
         let p = generate(engine, sess, tok, &ids, &opt, spec.as_mut(), &mut |e| events += &format!("{e:?}")).unwrap();
         let hist = engine.history(sess).unwrap().to_vec();
@@ -678,7 +700,7 @@ mod tests {
         let (mut engine, tok, plain) = (1..20)
             .map(|seed| {
                 let (mut e, tok) = with_mtp(seed);
-                let p = spec_turn(&mut e, &tok, None, &[], 40);
+                let p = spec_turn(&mut e, &tok, None, &[], 40, false);
                 (e, tok, p)
             })
             .find(|(_, _, p)| p.0.content.chars().count() > 20)
@@ -686,9 +708,10 @@ mod tests {
         let mut dr = drafter_for(&engine, SpecChoice::Mtp, 2).unwrap().unwrap();
         // A stop string taken from the plain answer's middle: the turn ends there either way.
         let stop: String = plain.0.content.chars().skip(5).take(3).collect();
-        for (stops, max) in [(vec![], 40), (vec![], 7), (vec![stop], 40)] {
-            let want = spec_turn(&mut engine, &tok, None, &stops, max);
-            let got = spec_turn(&mut engine, &tok, Some(&mut dr), &stops, max);
+        for (stops, max, auto) in [(vec![], 40, false), (vec![], 7, false), (vec![stop], 40, false), (vec![], 40, true)]
+        {
+            let want = spec_turn(&mut engine, &tok, None, &stops, max, false);
+            let got = spec_turn(&mut engine, &tok, Some(&mut dr), &stops, max, auto);
             assert_eq!((&got.0, &got.1, &got.2), (&want.0, &want.1, &want.2), "stops {stops:?}, max {max}");
             assert_eq!(got.3, want.3, "the session's logits");
             assert!(got.4.cycles > 0, "drafts were verified: {:?}", got.4);

@@ -34,6 +34,7 @@
 //!   by one (the roll back is exact; where a draft is longer than the roll-back log reaches, the session is
 //!   truncated and recomputed instead, with the same result).
 
+pub mod auto;
 pub mod mtp;
 #[cfg(test)]
 mod mtp_tests;

@@ -57,48 +57,7 @@ impl Default for SpecConfig {
     }
 }
 
-/// Verify runs `auto` judges a session on.
-pub const AUTO_WINDOW: usize = 8;
-/// The cost of a verify run in plain decode ticks before it has been measured (about what `ds4-bench speculate`
-/// finds for 3 drafts on the Flash shapes, drafter excluded).
-pub const DEFAULT_COST: f64 = 1.5;
-/// Tokens a paused session decodes plainly before it drafts again.
-pub const AUTO_PAUSE: usize = 64;
-
-/// Running means (exponential, weight 1/16) of what a plain decode tick and a speculative cycle (drafting plus its
-/// verify tick) take; their ratio is what a verify run costs in plain ticks.
-#[derive(Debug, Default, Clone, Copy)]
-pub struct TickCost {
-    plain: Option<f64>,
-    spec: Option<f64>,
-}
-
-impl TickCost {
-    fn update(v: &mut Option<f64>, secs: f64) {
-        *v = Some(match *v {
-            None => secs,
-            Some(m) => m + (secs - m) / 16.0,
-        });
-    }
-
-    /// A tick that only decoded (no verify run) took `secs`.
-    pub fn plain_tick(&mut self, secs: f64) {
-        Self::update(&mut self.plain, secs);
-    }
-
-    /// A tick with verify runs took `secs`, drafting included.
-    pub fn spec_tick(&mut self, secs: f64) {
-        Self::update(&mut self.spec, secs);
-    }
-
-    /// A verify run's cost in plain decode ticks ([`DEFAULT_COST`] until both kinds of tick were measured).
-    pub fn ratio(&self) -> f64 {
-        match (self.plain, self.spec) {
-            (Some(p), Some(s)) if p > 0.0 => s / p,
-            _ => DEFAULT_COST,
-        }
-    }
-}
+pub use ds4_engine::speculative::auto::{AutoPause, TickCost, AUTO_PAUSE, AUTO_WINDOW, DEFAULT_COST};
 
 /// One session's speculation state.
 #[derive(Debug, Default)]
@@ -107,10 +66,8 @@ pub struct SpecState {
     pub draft: Vec<u32>,
     /// The next token, already drawn by a rejected verification (the scheduler emits it instead of sampling).
     pub forced: Option<u32>,
-    /// Accepted drafted tokens of the recent verify runs (at most [`AUTO_WINDOW`]).
-    recent: Vec<usize>,
-    /// Generated-token count until which `auto` keeps the session plain.
-    paused_until: usize,
+    /// `auto`'s judgement of the session's recent verify runs.
+    auto: AutoPause,
 }
 
 impl SpecState {
@@ -119,25 +76,19 @@ impl SpecState {
         match mode {
             SpecMode::Off => false,
             SpecMode::Mtp => true,
-            SpecMode::Auto => generated >= self.paused_until,
+            SpecMode::Auto => self.auto.drafting(generated),
         }
     }
 
     /// Records a verify run that accepted `accepted` drafted tokens, verify runs costing `cost` plain ticks; returns
     /// true when `auto` pauses the session.
     pub fn record(&mut self, mode: SpecMode, accepted: usize, generated: usize, cost: f64) -> bool {
-        self.recent.push(accepted);
-        if self.recent.len() > AUTO_WINDOW {
-            self.recent.remove(0);
+        let paused = self.auto.record(accepted, generated, cost);
+        if mode != SpecMode::Auto {
+            self.auto = AutoPause::default();
+            return false;
         }
-        let mean = self.recent.iter().sum::<usize>() as f64 / self.recent.len() as f64;
-        let poor = self.recent.len() == AUTO_WINDOW && 1.0 + mean < cost;
-        if mode == SpecMode::Auto && poor {
-            self.paused_until = generated + AUTO_PAUSE;
-            self.recent.clear();
-            return true;
-        }
-        false
+        paused
     }
 }
 
