@@ -189,6 +189,14 @@ pub struct Speculation<'a> {
     pub auto: Option<(AutoPause, TickCost)>,
 }
 
+impl<'a> Speculation<'a> {
+    /// One turn's speculation with `drafter` as `g`'s `--speculative` and `--draft-len` ask.
+    pub fn new(drafter: &'a mut MtpDrafter, g: &GenArgs) -> Self {
+        let auto = (g.speculative == SpecChoice::Auto).then(|| (AutoPause::default(), TickCost::default()));
+        Speculation { drafter, draft_len: g.draft_len as usize, stats: SpecStats::default(), auto }
+    }
+}
+
 /// Whether a token ends the turn.
 #[derive(PartialEq)]
 enum Next {
@@ -383,13 +391,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<i32> {
     if let Some(d) = &mut drafter {
         d.attach(&mut l.engine, sess)?;
     }
-    let auto = (a.gen.speculative == SpecChoice::Auto).then(|| (AutoPause::default(), TickCost::default()));
-    let mut spec = drafter.as_mut().map(|d| Speculation {
-        drafter: d,
-        draft_len: a.gen.draft_len as usize,
-        stats: SpecStats::default(),
-        auto,
-    });
+    let mut spec = drafter.as_mut().map(|d| Speculation::new(d, &a.gen));
     let mut on_event = printer();
     let opt = TurnOptions {
         mode: l.mode,
@@ -538,13 +540,7 @@ pub fn chat(a: ChatArgs) -> anyhow::Result<i32> {
         };
         cancel.store(false, Ordering::SeqCst);
         generating.store(true, Ordering::SeqCst);
-        let auto = (a.gen.speculative == SpecChoice::Auto).then(|| (AutoPause::default(), TickCost::default()));
-        let mut spec = drafter.as_mut().map(|d| Speculation {
-            drafter: d,
-            draft_len: a.gen.draft_len as usize,
-            stats: SpecStats::default(),
-            auto,
-        });
+        let mut spec = drafter.as_mut().map(|d| Speculation::new(d, &a.gen));
         let parsed = generate(&mut l.engine, sess, &l.tok, new, &opt, spec.as_mut(), &mut on_event);
         if let Some(sp) = spec {
             stats.cycles += sp.stats.cycles;

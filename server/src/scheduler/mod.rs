@@ -655,6 +655,8 @@ impl Worker {
             let draft = std::mem::take(&mut a.spec.draft);
             let rows = self.runner.take_verify_logits(a.session);
             if rows.len() != (draft.len() + 1) * vocab {
+                // Drop the verify run's drafts, so the session parks with exactly the tokens it records.
+                self.runner.truncate(a.session, a.fed);
                 finished.push((i, JobEvent::Error("the model returned no verify logits".into())));
                 continue;
             }
