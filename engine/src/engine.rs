@@ -115,6 +115,8 @@ pub struct Engine {
     kv_tmp: Vec<SessionKv>,
     /// Accounting of every session's KV pages (live pages, bytes copied by forks and copy on write).
     pages: PageLedger,
+    /// Layers whose streams' means are the kept rows instead of the final streams ([`Engine::set_tap_layers`]).
+    taps: Vec<usize>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -166,6 +168,7 @@ impl Engine {
             batch: Batch::default(),
             kv_tmp: Vec::new(),
             pages: PageLedger::new(),
+            taps: Vec::new(),
         })
     }
 
@@ -282,13 +285,47 @@ impl Engine {
         Ok(())
     }
 
-    /// Takes the final streams kept since the last call ([`Engine::set_keep_hidden`]): the position of the first
-    /// row and the rows (`[n, hc·d]`). Rows of positions a roll back removed are gone.
+    /// Makes the kept rows ([`Engine::set_keep_hidden`]) the target features a DSpark drafter reads instead of the
+    /// final streams: per position, for each layer of `layers` (strictly increasing) the mean of its `hc` streams
+    /// after that layer (`layers.len() · d` values; [`crate::graph::Op::TapStreams`]). Empty: the final streams
+    /// again. Kept rows of the old kind are dropped.
+    pub fn set_tap_layers(&mut self, layers: &[usize]) -> Result<()> {
+        let n = self.model.config.n_layers;
+        if layers.iter().any(|&l| l >= n) || layers.windows(2).any(|w| w[0] >= w[1]) {
+            return Err(Error::InvalidArgument(format!(
+                "tap layers {layers:?}: need strictly increasing layers of the model's 0..{n}"
+            )));
+        }
+        self.taps = layers.to_vec();
+        for h in &mut self.sessions.hidden {
+            h.1.clear();
+        }
+        Ok(())
+    }
+
+    /// The tap layers ([`Engine::set_tap_layers`]; empty: the final streams are kept).
+    pub fn tap_layers(&self) -> &[usize] {
+        &self.taps
+    }
+
+    /// Values per kept row: `taps · d` with tap layers set, else the final streams' `hc · d`.
+    pub fn kept_width(&self) -> usize {
+        let c = &self.model.config;
+        if self.taps.is_empty() {
+            c.hc_dim()
+        } else {
+            self.taps.len() * c.d_model
+        }
+    }
+
+    /// Takes the rows kept since the last call ([`Engine::set_keep_hidden`]): the position of the first row and the
+    /// rows (`[n, kept_width]`: final streams, or tap features with [`Engine::set_tap_layers`]). Rows of positions
+    /// a roll back removed are gone.
     pub fn take_hidden(&mut self, id: SessionId) -> Result<(usize, Vec<f32>)> {
         let s = self.slot(id)?;
         let pos = self.sessions.pos[s];
         let rows = std::mem::take(&mut self.sessions.hidden[s].1);
-        let hcd = self.model.config.hc_dim();
+        let hcd = self.kept_width();
         let from = pos - rows.len() / hcd;
         self.sessions.hidden[s].0 = pos;
         Ok((from, rows))
@@ -394,7 +431,15 @@ impl Engine {
             }
         }
         let keep_hidden = self.batch.runs.iter().any(|r| self.sessions.keep_hidden[r.slot] > 0);
+        let taps: &[usize] = if keep_hidden { &self.taps } else { &[] };
+        let kept_width = self.kept_width();
         let mut hidden_out = std::mem::take(&mut self.act.hidden_out);
+        if !taps.is_empty() {
+            // The tap nodes write the tick's rows in place.
+            hidden_out.clear();
+            hidden_out.resize(self.batch.rows.len() * kept_width, 0.0);
+            self.act.hidden_out = std::mem::take(&mut hidden_out);
+        }
         self.kv_tmp.clear();
         for run in &self.batch.runs {
             self.kv_tmp.push(std::mem::take(&mut self.sessions.kv[run.slot]));
@@ -407,9 +452,11 @@ impl Engine {
             act: &mut self.act,
             sim: !self.opts.exact,
         };
-        crate::model::recipe::build(&mut self.graph, &self.model, &self.batch, !self.opts.exact);
+        crate::model::recipe::build_with_taps(&mut self.graph, &self.model, &self.batch, !self.opts.exact, taps);
         let mut r = self.exec.run(&self.graph, self.backend.as_ref(), &mut cx);
-        if r.is_ok() && keep_hidden {
+        if !taps.is_empty() {
+            hidden_out = std::mem::take(&mut cx.act.hidden_out);
+        } else if r.is_ok() && keep_hidden {
             // The streams after the last layer are still in place (the head reads them, writes elsewhere).
             hidden_out.resize(self.batch.rows.len() * hcd, 0.0);
             r = self.backend.download(BufId::Streams, &mut cx, &mut hidden_out);
@@ -456,6 +503,7 @@ impl Engine {
             }
             let cap = self.sessions.keep_hidden[s];
             if cap > 0 {
+                let hcd = kept_width;
                 let rows = &self.act.hidden_out[run.start * hcd..(run.start + run.len) * hcd];
                 let h = &mut self.sessions.hidden[s];
                 if h.1.is_empty() {
@@ -566,7 +614,7 @@ impl Engine {
 
     /// Drops the kept final streams of positions `len..`.
     fn cut_hidden(&mut self, s: usize, len: usize) {
-        let hcd = self.model.config.hc_dim();
+        let hcd = self.kept_width();
         let h = &mut self.sessions.hidden[s];
         if h.0 >= len {
             h.1.clear();

@@ -76,11 +76,12 @@ pub enum OpKind {
     Logits,
     Readback,
     MtpInput,
+    TapStreams,
 }
 
 impl OpKind {
     /// Every kind, indexed by its discriminant.
-    pub const ALL: [OpKind; 23] = [
+    pub const ALL: [OpKind; 24] = [
         OpKind::Embed,
         OpKind::RmsNorm,
         OpKind::MatMul,
@@ -104,6 +105,7 @@ impl OpKind {
         OpKind::Logits,
         OpKind::Readback,
         OpKind::MtpInput,
+        OpKind::TapStreams,
     ];
 
     /// The kind's snake-case name (what op timings and placement reports print).
@@ -133,6 +135,7 @@ impl OpKind {
             Logits => "logits",
             Readback => "readback",
             MtpInput => "mtp_input",
+            TapStreams => "tap_streams",
         }
     }
 }

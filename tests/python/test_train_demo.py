@@ -3,6 +3,8 @@ come from it:
 
 - `--fixture DIR` rebuilds `engine/tests/data/mtp-tiny` byte for byte (the reference the engine's MTP and trunk
   forward are checked against in `engine/tests/mtp_fixture.rs`);
+- `dspark_ref.py --dspark-fixture DIR` rebuilds `engine/tests/data/dspark-tiny` byte for byte (the reference for the
+  engine's DSpark drafter: a tiny random 0731-style checkpoint and the drafter's outputs at five anchors);
 - a 2-step training run writes a checkpoint in the official layout that `ds4 convert` turns into a GGUF with the MTP
   block, which `ds4 generate` runs with MTP speculation, giving the same ids as without.
 
@@ -21,6 +23,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "tools", "train_demo", "train.py")
 FIXTURE = os.path.join(ROOT, "engine", "tests", "data", "mtp-tiny")
+DSPARK_SCRIPT = os.path.join(ROOT, "tools", "train_demo", "dspark_ref.py")
+DSPARK_FIXTURE = os.path.join(ROOT, "engine", "tests", "data", "dspark-tiny")
 DS4 = os.environ.get("DS4_BIN", os.path.join(ROOT, "target", "debug", "ds4"))
 
 
@@ -47,6 +51,22 @@ def test_the_fixture_is_what_the_script_writes(tmp_path):
     for name in ["model.safetensors", "trunk_logits.f32", "mtp_logits.f32", "config.json", "fixture.json"]:
         with open(out / name, "rb") as a, open(os.path.join(FIXTURE, name), "rb") as b:
             assert a.read() == b.read(), f"{name} differs from the committed fixture"
+
+
+DSPARK_FILES = ["model.safetensors", "config.json", "fixture.json", "trunk_logits.f32", "features.f32",
+                "base_logits.f32", "markov_logits.f32", "confidence.f32", "x_post.f32"]
+
+
+def test_the_dspark_fixture_is_what_the_script_writes(tmp_path):
+    need_jax()
+    out = tmp_path / "dspark"
+    run([sys.executable, DSPARK_SCRIPT, "--dspark-fixture", str(out)], 900)
+    assert sorted(os.listdir(out)) == sorted(os.listdir(DSPARK_FIXTURE)) == sorted(DSPARK_FILES)
+    for name in DSPARK_FILES:
+        with open(out / name, "rb") as a, open(os.path.join(DSPARK_FIXTURE, name), "rb") as b:
+            assert a.read() == b.read(), f"{name} differs from the committed DSpark fixture"
+    meta = json.loads((out / "fixture.json").read_text())
+    assert meta["router_margin_min"] > 1e-3 and meta["z_gap_min"] > 1e-3
 
 
 def test_a_short_training_run_converts_and_speculates(tmp_path):

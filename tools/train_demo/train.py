@@ -432,6 +432,9 @@ def make_forward(c, jnp, jax):
         loads["mtp.0."] = load.reshape(-1, E).mean(0)
         return trunk, head(P, "mtp.0.", Y), loads
 
+    # The building blocks, for other forwards of the same architecture (tools/train_demo/dspark_ref.py).
+    forward.parts = {"rms": rms, "hc_pre": hc_pre, "hc_post": hc_post, "rope": rope, "attention": attention,
+                     "swiglu": swiglu, "moe": moe, "block": block, "head": head}
     return forward
 
 

@@ -46,7 +46,7 @@ pub mod plan;
 pub(crate) mod recipe;
 pub mod synth_tokenizer;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::fs::File;
 use std::io::BufWriter;
 use std::path::{Path, PathBuf};
@@ -302,10 +302,11 @@ fn is_scale_companion(ckpt: &Checkpoint, name: &str) -> bool {
     base.is_some_and(|b| ckpt.get(&format!("{b}.weight")).is_some() || ckpt.get(b).is_some())
 }
 
-/// The drafter tensors (`mtp.*`) of a 0731 checkpoint, in name order. See the module docs for names and types.
-fn drafter_plan(ckpt: &Checkpoint, recipe: Recipe) -> Result<Vec<DrafterTensor>> {
+/// The drafter tensors (`mtp.*`) of a 0731 checkpoint that the plan does not convert (`planned`: the official names
+/// it reads), in name order. See the module docs for names and types.
+fn drafter_plan(ckpt: &Checkpoint, recipe: Recipe, planned: &HashSet<&str>) -> Result<Vec<DrafterTensor>> {
     use safetensors::tensor::Dtype;
-    let mut names: Vec<&str> = ckpt.names().filter(|n| n.starts_with("mtp.")).collect();
+    let mut names: Vec<&str> = ckpt.names().filter(|n| n.starts_with("mtp.") && !planned.contains(n)).collect();
     names.sort_unstable();
     let mut out = Vec::new();
     for name in names {
@@ -382,6 +383,15 @@ fn convert_to(opts: &ConvertOptions, tmp: &Path, progress: &dyn Progress) -> Res
             cfg.n_nextn_layers
         );
     }
+    // A 0731 checkpoint with a whole DSpark drafter (its first stage's `main_proj`): its stages are converted like
+    // the trunk (names and types of the recipe); any other `mtp.*` tensor is kept under its official name.
+    let dspark = match &cfg.dspark {
+        Some(ds) if cfg.revision == config::Revision::V0731 && ckpt.get("mtp.0.main_proj.weight").is_some() => {
+            plan.extend(plan::dspark_plan(&cfg, ds.target_layer_ids.len(), ds.markov_rank as usize));
+            true
+        }
+        _ => false,
+    };
     check_plan(&ckpt, &plan)?;
     let mut decls: Vec<TensorDecl> = plan
         .iter()
@@ -391,11 +401,16 @@ fn convert_to(opts: &ConvertOptions, tmp: &Path, progress: &dyn Progress) -> Res
             dims: t.dims.clone(),
         })
         .collect();
-    let drafter = if cfg.revision == config::Revision::V0731 { drafter_plan(&ckpt, opts.recipe)? } else { Vec::new() };
+    let planned: HashSet<&str> = plan.iter().flat_map(|t| t.source.names()).collect();
+    let drafter =
+        if cfg.revision == config::Revision::V0731 { drafter_plan(&ckpt, opts.recipe, &planned)? } else { Vec::new() };
     decls.extend(drafter.iter().map(|d| d.decl.clone()));
     let mut meta = build_metadata(&cfg, opts)?;
     if mtp {
         meta.push(("deepseek4.nextn_predict_layers".into(), MetaValue::U32(1)));
+    }
+    if dspark {
+        tracing::info!("DSpark drafter: stages converted with the recipe");
     }
     let im = match &opts.imatrix {
         Some(p) => {

@@ -14,6 +14,12 @@
 //! ...), and the MTP-only tensors are `mtp.0.e_proj.weight`, `mtp.0.h_proj.weight`, `mtp.0.enorm.weight`,
 //! `mtp.0.hnorm.weight`, `mtp.0.norm.weight`, `mtp.0.hc_head_fn.weight`, `mtp.0.hc_head_base.weight`,
 //! `mtp.0.hc_head_scale.weight` (the names the reference C engine binds).
+//!
+//! [`dspark_plan`] does the same for a 0731 checkpoint's DSpark drafter: stage `s` (one per target layer id) is a
+//! block of compress ratio 0 with learned routing, official `mtp.{s}.<x>` → GGUF `mtp.{s}.<y>` with a trunk layer's
+//! suffixes; stage 0 adds `mtp.0.main_proj.weight` and `mtp.0.main_norm.weight`, the last stage `S−1` its
+//! `norm.weight`, `hc_head_{fn,base,scale}.weight` (as the MTP block's), `markov_w1.weight` and `markov_w2.weight`
+//! (official `markov_head.markov_w{1,2}.weight`) and `confidence.weight` (official `confidence_head.proj.weight`).
 
 use super::config::CheckpointConfig;
 
@@ -211,5 +217,34 @@ pub fn mtp_plan(c: &CheckpointConfig) -> Vec<Planned> {
     b.one(m("hc_head_base.weight"), m("hc_head_base"), &[hc], Vector);
     b.one(m("hc_head_scale.weight"), m("hc_head_scale"), &[1], Vector);
     b.one(m("norm.weight"), m("norm.weight"), &[d], Vector);
+    b.out
+}
+
+/// The plan of a 0731 checkpoint's DSpark drafter (`stages` stages, written after the trunk; see the module docs):
+/// GGUF names, classes and official shapes. The Markov head's `[vocab, rank]` matrices are [`Class::Output`] (a
+/// product over the vocabulary, and rows read per token), the confidence head a vector.
+pub fn dspark_plan(c: &CheckpointConfig, stages: usize, rank: usize) -> Vec<Planned> {
+    use Class::*;
+    let mut b = Builder { out: Vec::new() };
+    let d = c.hidden_size;
+    let hc = c.hc_mult;
+    for s in 0..stages {
+        let p = format!("mtp.{s}.");
+        let m = |x: &str| format!("{p}{x}");
+        if s == 0 {
+            b.one(m("main_proj.weight"), m("main_proj.weight"), &[d, stages * d], Attn);
+            b.one(m("main_norm.weight"), m("main_norm.weight"), &[d], Vector);
+        }
+        block(&mut b, c, &p, &p, 0, false);
+        if s + 1 == stages {
+            b.one(m("hc_head_fn.weight"), m("hc_head_fn"), &[hc, hc * d], HcFn);
+            b.one(m("hc_head_base.weight"), m("hc_head_base"), &[hc], Vector);
+            b.one(m("hc_head_scale.weight"), m("hc_head_scale"), &[1], Vector);
+            b.one(m("norm.weight"), m("norm.weight"), &[d], Vector);
+            b.one(m("markov_w1.weight"), m("markov_head.markov_w1.weight"), &[c.vocab_size, rank], Output);
+            b.one(m("markov_w2.weight"), m("markov_head.markov_w2.weight"), &[c.vocab_size, rank], Output);
+            b.one(m("confidence.weight"), m("confidence_head.proj.weight"), &[1, d + rank], Vector);
+        }
+    }
     b.out
 }

@@ -285,6 +285,11 @@ pub enum Op {
     /// input streams ([`crate::backend::Activations::hidden_in`]: the target's final streams of the previous
     /// position, or the drafter's own when it drafts on).
     MtpInput,
+    /// The per-row mean over the `hc` mHC streams of [`BufId::Streams`] as they are after layer `layer` (the node
+    /// follows that layer's FFN post-mix), written as feature block `tap` of the row in
+    /// [`crate::backend::Activations::hidden_out`] (`[rows, taps·d]`): the target features a DSpark drafter reads
+    /// ([`crate::engine::Engine::set_tap_layers`]). Only in ticks where a session keeps them.
+    TapStreams { layer: usize, tap: usize },
 }
 
 /// How an MoE layer lays out its routed rows — the two algorithms of the expert FFN; the recipe picks one per
@@ -348,6 +353,7 @@ impl Op {
             Op::Logits => OpKind::Logits,
             Op::Readback { .. } => OpKind::Readback,
             Op::MtpInput => OpKind::MtpInput,
+            Op::TapStreams { .. } => OpKind::TapStreams,
         }
     }
 
@@ -451,6 +457,8 @@ impl Op {
             }
             // The tensor gains a host copy: later readers of it order after the readback.
             Op::Readback { buf } => write(buf),
+            // Writes host memory only (the kept rows), which no node reads.
+            Op::TapStreams { .. } => read(Streams),
         }
     }
 

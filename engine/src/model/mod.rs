@@ -4,6 +4,7 @@
 //! ([`crate::backend`]).
 
 pub mod config;
+pub mod dspark;
 pub(crate) mod mat;
 pub(crate) mod recipe;
 pub(crate) mod rope;
@@ -11,6 +12,7 @@ pub(crate) mod sim;
 pub(crate) mod weights;
 
 pub use config::{LayerKind, ModelConfig, RopeSpec};
+pub use dspark::{DsparkConfig, DsparkModel, DsparkWeights};
 pub use mat::Mat;
 pub use rope::RopeFreqs;
 pub use weights::{packing_on, CompressorWeights, Model, MtpInputWeights, WeightId, WeightTable};

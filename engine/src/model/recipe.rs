@@ -31,6 +31,12 @@ use crate::model::{LayerKind, Model};
 /// Rebuilds `g` as the graph of one tick over `batch` (see the module docs); `sim` adds the activation
 /// simulation nodes. Reuses `g`'s vectors.
 pub fn build(g: &mut Graph, model: &Model, batch: &Batch, sim: bool) {
+    build_with_taps(g, model, batch, sim, &[]);
+}
+
+/// [`build`], with an [`Op::TapStreams`] after the FFN post-mix of each layer in `taps` (strictly increasing; the
+/// `j`-th is feature block `j` of each row): the target features a DSpark drafter reads.
+pub fn build_with_taps(g: &mut Graph, model: &Model, batch: &Batch, sim: bool, taps: &[usize]) {
     let c = &model.config;
     g.clear(c.n_layers);
     g.stage(Stage::Embed);
@@ -44,6 +50,9 @@ pub fn build(g: &mut Graph, model: &Model, batch: &Batch, sim: bool) {
         moe(g, model, layer, batch.rows.len());
         g.stage(Stage::HcPost { layer, sub: Sub::Ffn });
         g.push(Op::HcPost);
+        if let Some(tap) = taps.iter().position(|&t| t == layer) {
+            g.push(Op::TapStreams { layer, tap });
+        }
     }
     let gw = &model.global;
     g.stage(Stage::HcHead);

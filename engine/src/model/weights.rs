@@ -134,22 +134,22 @@ impl std::fmt::Debug for Model {
 
 /// How a tensor is held.
 #[derive(Clone, Copy, PartialEq)]
-enum Hold {
+pub(super) enum Hold {
     /// f32 copy (F32/F16/BF16 only).
     Dense,
     /// Matrix in the map (any computable type).
     Map,
 }
 
-struct Loader<'a> {
-    f: &'a GgufFile,
-    t: WeightTable,
+pub(super) struct Loader<'a> {
+    pub(super) f: &'a GgufFile,
+    pub(super) t: WeightTable,
 }
 
 impl Loader<'_> {
     /// Binds tensor `name`, which must have `dims` (GGUF order); each dim comes with the hyperparameter(s) it
     /// follows, named in the error when the file disagrees.
-    fn add(&mut self, name: &str, dims: &[(usize, &str)], hold: Hold) -> Result<WeightId> {
+    pub(super) fn add(&mut self, name: &str, dims: &[(usize, &str)], hold: Hold) -> Result<WeightId> {
         let idx = self.f.tensor_index(name).ok_or_else(|| Error::MissingTensor(name.into()))?;
         let info = &self.f.tensors()[idx];
         let want: Vec<u64> = dims.iter().map(|&(d, _)| d as u64).collect();
@@ -329,6 +329,18 @@ impl Model {
         Ok(Some(Model { config, file, table, global, layers: vec![block], mtp_input: Some(mtp_input), packed }))
     }
 
+    /// A model over `file` from a finished table (the DSpark drafter's stages, [`crate::model::dspark`]).
+    pub(super) fn from_parts(
+        config: ModelConfig,
+        file: GgufFile,
+        table: WeightTable,
+        global: GlobalWeights,
+        layers: Vec<LayerWeights>,
+    ) -> Model {
+        let packed = (0..table.names.len()).map(|_| OnceLock::new()).collect();
+        Model { config, file, table, global, layers, mtp_input: None, packed }
+    }
+
     /// The f32 copy of a small tensor. Panics if `id` was loaded as a matrix (see module docs).
     pub fn dense(&self, id: WeightId) -> &[f32] {
         let v = &self.table.dense[id.0 as usize];
@@ -411,16 +423,16 @@ impl Model {
 }
 
 /// The dims the tensors follow, each with the metadata key(s) it comes from (named when a tensor disagrees).
-struct Dims {
-    dk: (usize, &'static str),
-    vk: (usize, &'static str),
-    hck: (usize, &'static str),
-    hcd: (usize, &'static str),
-    mixk: (usize, &'static str),
+pub(super) struct Dims {
+    pub(super) dk: (usize, &'static str),
+    pub(super) vk: (usize, &'static str),
+    pub(super) hck: (usize, &'static str),
+    pub(super) hcd: (usize, &'static str),
+    pub(super) mixk: (usize, &'static str),
 }
 
 impl Dims {
-    fn of(c: &ModelConfig) -> Dims {
+    pub(super) fn of(c: &ModelConfig) -> Dims {
         Dims {
             dk: (c.d_model, "deepseek4.embedding_length"),
             vk: (c.vocab, "deepseek4.vocab_size"),
@@ -433,7 +445,7 @@ impl Dims {
 
 /// Binds the head's tensors: the embedding and output matrix, the final norm `norm` and the mHC head
 /// `{hc}fn.weight`, `{hc}base.weight`, `{hc}scale.weight` (the target's `output_hc_`, the MTP block's `mtp.0.hc_head_`).
-fn load_global(ld: &mut Loader, c: &ModelConfig, norm: &str, hc: &str) -> Result<GlobalWeights> {
+pub(super) fn load_global(ld: &mut Loader, c: &ModelConfig, norm: &str, hc: &str) -> Result<GlobalWeights> {
     use Hold::*;
     let Dims { dk, vk, hck, hcd, .. } = Dims::of(c);
     Ok(GlobalWeights {
@@ -455,7 +467,7 @@ pub fn packing_on() -> bool {
 
 /// Binds the tensors of layer `l`, named `{prefix}<suffix>` (see [`Model::load`], [`Model::load_mtp`]).
 #[allow(clippy::too_many_arguments)]
-fn load_layer(
+pub(super) fn load_layer(
     ld: &mut Loader,
     c: &ModelConfig,
     l: usize,

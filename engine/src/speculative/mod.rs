@@ -35,12 +35,14 @@
 //!   truncated and recomputed instead, with the same result).
 
 pub mod auto;
+pub mod dspark;
 pub mod mtp;
 #[cfg(test)]
 mod mtp_tests;
 #[cfg(test)]
 mod tests;
 
+pub use dspark::{DsparkDrafter, DsparkOptions, Proposal};
 pub use mtp::{MtpDrafter, MtpOptions};
 
 use crate::engine::Engine;

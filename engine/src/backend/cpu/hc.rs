@@ -92,6 +92,22 @@ pub fn post_mix(x: &mut [f32], f: &[f32], post: &[f32], comb: &[f32], hc: usize,
     }
 }
 
+/// Writes, for each of `rows` rows of `hc` streams of `d` (`streams`), the mean of its streams into block `tap` of
+/// the row in `out` (rows of `out.len() / rows` values, whole blocks of `d`): [`crate::graph::Op::TapStreams`].
+pub fn tap_means(streams: &[f32], rows: usize, hc: usize, d: usize, tap: usize, out: &mut [f32]) {
+    let width = out.len().checked_div(rows).unwrap_or(0);
+    for r in 0..rows {
+        let o = &mut out[r * width + tap * d..r * width + (tap + 1) * d];
+        o.fill(0.0);
+        for j in 0..hc {
+            for (a, &v) in o.iter_mut().zip(&streams[(r * hc + j) * d..(r * hc + j + 1) * d]) {
+                *a += v;
+            }
+        }
+        o.iter_mut().for_each(|a| *a /= hc as f32);
+    }
+}
+
 /// Head weights: `pre_j = σ(mix_j · scale + base_j) + eps`.
 pub fn head_weights(mix: &[f32], base: &[f32], scale: f32, eps: f32, pre: &mut [f32]) {
     for (j, p) in pre.iter_mut().enumerate() {

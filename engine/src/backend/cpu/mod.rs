@@ -260,6 +260,7 @@ impl Backend for CpuBackend {
         match *op {
             Op::Embed => rowops::embed(pool, cx, &mut sc.streams),
             Op::MtpInput => rowops::mtp_input(pool, sc, cx),
+            Op::TapStreams { tap, .. } => rowops::tap_streams(sc, cx, tap),
             Op::RmsNorm { x, y, w, width, heads } => rowops::rms_norm(pool, sc, cx, x, y, w, width * heads, width),
             Op::MatMul { w, x, y } => {
                 let n = cx.batch.rows.len();

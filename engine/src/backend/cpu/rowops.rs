@@ -229,6 +229,21 @@ pub fn hc_sinkhorn(sc: &mut Scratch, cx: &StepCtx<'_>, layer: usize, sub: Sub) -
     Ok(())
 }
 
+/// [`crate::graph::Op::TapStreams`]: the mean of each row's streams into its kept tap features.
+pub fn tap_streams(sc: &Scratch, cx: &mut StepCtx<'_>, tap: usize) -> Result<()> {
+    let c = &cx.model.config;
+    let (n, hc, d) = (cx.batch.rows.len(), c.hc_mult, c.d_model);
+    let out = &mut cx.act.hidden_out;
+    if n == 0 || out.len() < n * (tap + 1) * d || out.len() % (n * d) != 0 {
+        return Err(crate::Error::Backend {
+            backend: "cpu",
+            what: format!("TapStreams: {} kept values for {n} rows of tap {tap}", out.len()),
+        });
+    }
+    hc::tap_means(&sc.streams[..n * hc * d], n, hc, d, tap, out);
+    Ok(())
+}
+
 /// [`crate::graph::Op::HcHeadWeights`].
 pub fn hc_head_weights(sc: &mut Scratch, cx: &StepCtx<'_>) -> Result<()> {
     let model = cx.model;

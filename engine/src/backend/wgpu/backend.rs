@@ -354,6 +354,23 @@ impl Backend for WgpuBackend {
         match *op {
             Op::Embed => rows::embed(self, t, cx),
             Op::MtpInput => Err(backend_err("no kernel for the MTP input stage (the drafter runs on the CPU)")),
+            Op::TapStreams { tap, .. } => {
+                // A host sync (only in ticks where a DSpark drafter's target keeps its features): the tick so far
+                // is submitted and the streams read back; the means are taken on the host.
+                let c = &cx.model.config;
+                let (n, hc, d) = (cx.batch.rows.len(), c.hc_mult, c.d_model);
+                let out = &mut cx.act.hidden_out;
+                if n == 0 || out.len() < n * (tap + 1) * d || out.len() % (n * d) != 0 {
+                    return Err(backend_err(format!(
+                        "TapStreams: {} kept values for {n} rows of tap {tap}",
+                        out.len()
+                    )));
+                }
+                let buf = self.buf(t, cx.model, BufId::Streams)?;
+                let streams = self.ctx.submit_read_f32(t.take_enc(&self.ctx), &buf, 0, n * hc * d)?;
+                crate::backend::cpu::hc::tap_means(&streams, n, hc, d, tap, out);
+                Ok(())
+            }
             Op::RmsNorm { x, y, w, width, heads } => rows::rms_norm(self, t, cx, x, y, w, width, heads),
             Op::MatMul { w, x, y } => rows::matmul(self, t, cx, w, x, y),
             Op::GroupedMatMul { w, x, y, groups, rank } => rows::grouped_matmul(self, t, cx, w, x, y, groups, rank),
