@@ -64,15 +64,16 @@ pub struct Args {
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=65_536))]
     pub kv_remote_queue: u64,
     /// Speculative decoding: `off`; `mtp` (the model file's MTP block drafts, the target verifies each draft in one
-    /// batched tick; output identical to plain decoding at temperature 0, the same distribution otherwise); `auto`
-    /// (mtp where the model has the block, paused per session while its drafts do not pay). `dspark` is refused
-    /// (not implemented yet).
+    /// batched tick; output identical to plain decoding at temperature 0, the same distribution otherwise);
+    /// `dspark` (the V4-Flash-0731 DSpark drafter: a block of drafts per forward); `auto` (the model's drafter —
+    /// MTP, else DSpark — paused per session while its drafts do not pay).
     #[arg(long, default_value = "auto", value_parser = parse_spec_mode)]
     pub speculative: crate::scheduler::SpecMode,
     /// Drafted tokens per verify run at most (1..=16).
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=16))]
     pub draft_len: u64,
-    /// The drafter stops a draft at a token it gives less than this probability (0: full length).
+    /// The drafter stops a draft at a token it trusts less than this (MTP: the token's probability; DSpark: the
+    /// product of its confidences so far; 0: full length).
     #[arg(long, default_value_t = 0.0)]
     pub draft_min_confidence: f32,
     /// Compute backend: cpu or wgpu.

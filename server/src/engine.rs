@@ -45,9 +45,9 @@ pub struct EngineRunner {
     disk: Option<crate::kvdisk::DiskTier>,
     /// Tokens of roll-back log per session (`EngineOptions::rollback`), for [`Runner::session_bytes`].
     rollback: usize,
-    /// The MTP drafter (`--speculative mtp|auto` on a model file with an MTP block); every engine session is
-    /// attached to it.
-    drafter: Option<ds4_engine::speculative::MtpDrafter>,
+    /// The drafter (`--speculative mtp|dspark|auto` on a model file with one); every engine session is attached
+    /// to it.
+    drafter: Option<ds4_engine::speculative::AnyDrafter>,
 }
 
 impl EngineRunner {
@@ -68,31 +68,44 @@ impl EngineRunner {
         self.disk.as_mut()
     }
 
-    /// Turns on the MTP drafter; an error when the model file has no MTP block.
-    pub fn enable_mtp(&mut self, min_confidence: f32) -> Result<(), BackendError> {
-        use ds4_engine::speculative::{MtpDrafter, MtpOptions};
-        let opts = MtpOptions { min_confidence, threads: self.engine.options().threads };
-        let d = MtpDrafter::new(self.engine.model(), opts).map_err(be)?.ok_or_else(|| {
-            BackendError("the model file has no MTP block (mtp.0.*): --speculative mtp needs one".into())
+    /// Turns on the model file's drafter of `kind`; an error when the file has none. Returns its name.
+    pub fn enable_drafter(
+        &mut self,
+        kind: ds4_engine::speculative::DrafterKind,
+        min_confidence: f32,
+    ) -> Result<&'static str, BackendError> {
+        use ds4_engine::speculative::{AnyDrafter, DrafterKind};
+        let threads = self.engine.options().threads;
+        let d = AnyDrafter::load(self.engine.model(), kind, min_confidence, threads).map_err(be)?.ok_or_else(|| {
+            BackendError(match kind {
+                DrafterKind::Mtp => "the model file has no MTP block (mtp.0.*): --speculative mtp needs one".into(),
+                DrafterKind::Dspark => {
+                    "the model file has no DSpark drafter (deepseek4.dspark.*, mtp.0.main_proj): --speculative \
+                     dspark needs a V4-Flash-0731 conversion"
+                        .into()
+                }
+                DrafterKind::Any => "the model file has no drafter".into(),
+            })
         })?;
+        let name = d.name();
         self.drafter = Some(d);
         let sids: Vec<_> = self.ids.values().copied().collect();
         for sid in sids {
             self.attach(sid);
         }
-        Ok(())
+        Ok(name)
     }
 
-    /// Whether the model file holds an MTP block.
-    pub fn has_mtp(&self) -> bool {
-        self.engine.model().has_mtp()
+    /// Whether the model file holds a drafter of `kind`.
+    pub fn has_drafter(&self, kind: ds4_engine::speculative::DrafterKind) -> bool {
+        ds4_engine::speculative::AnyDrafter::present(self.engine.model(), kind)
     }
 
     fn attach(&mut self, sid: ds4_engine::tables::SessionId) {
         use ds4_engine::speculative::Drafter;
         if let Some(d) = &mut self.drafter {
             if let Err(e) = d.attach(&mut self.engine, sid) {
-                tracing::warn!(error = %e, "MTP drafter could not attach a session");
+                tracing::warn!(error = %e, "the drafter could not attach a session");
             }
         }
     }
@@ -173,7 +186,7 @@ impl Runner for EngineRunner {
             Ok(v) => v,
             Err(e) => {
                 // Drafting is an optimisation: a failure costs the drafts, never the output.
-                tracing::warn!(error = %e, "MTP drafting failed; decoding these sessions plainly this tick");
+                tracing::warn!(error = %e, "drafting failed; decoding these sessions plainly this tick");
                 vec![Vec::new(); reqs.len()]
             }
         }

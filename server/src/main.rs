@@ -102,14 +102,16 @@ pub fn main() -> anyhow::Result<()> {
         let (mut runner, codec, info) =
             ds4_server::engine::load(args.model.as_deref(), &opts).map_err(|e| anyhow::anyhow!("{e}"))?;
         use ds4_server::scheduler::SpecMode;
-        match args.speculative {
-            SpecMode::Off => {}
-            SpecMode::Auto if !runner.has_mtp() => {
-                tracing::info!("--speculative auto: the model has no MTP block; plain decoding")
+        match args.speculative.drafter() {
+            None => {}
+            Some(kind) if args.speculative == SpecMode::Auto && !runner.has_drafter(kind) => {
+                tracing::info!("--speculative auto: the model has no drafter (MTP block or DSpark); plain decoding")
             }
-            _ => {
-                runner.enable_mtp(args.draft_min_confidence).map_err(|e| anyhow::anyhow!("--speculative: {e}"))?;
-                tracing::info!(mode = ?args.speculative, draft_len = args.draft_len, "speculative decoding with the MTP block");
+            Some(kind) => {
+                let name = runner
+                    .enable_drafter(kind, args.draft_min_confidence)
+                    .map_err(|e| anyhow::anyhow!("--speculative: {e}"))?;
+                tracing::info!(mode = ?args.speculative, drafter = name, draft_len = args.draft_len, "speculative decoding");
             }
         }
         let dir = if args.no_kv_disk {

@@ -1,6 +1,6 @@
-//! Speculative decoding in the server (`--speculative mtp`): on a model with an MTP block, temperature-0 answers of
-//! every API, streamed or not, alone or batched with other requests, are token for token the answers without
-//! speculation; the drafts are verified (the metrics count them); a grammar-constrained request decodes plainly.
+//! Speculative decoding in the server (`--speculative mtp|dspark`): on a model with an MTP block or a DSpark
+//! drafter, temperature-0 answers of every API, streamed or not, alone or batched with other requests, are token for
+//! token the answers without speculation; the drafts are verified (the metrics count them); a grammar-constrained request decodes plainly.
 
 mod common;
 
@@ -27,12 +27,39 @@ fn model_file() -> &'static std::path::Path {
     })
 }
 
+/// The same model with a DSpark drafter (V4-Flash-0731 layout: three stages fed by the three trunk layers) instead
+/// of the MTP block.
+fn dspark_model_file() -> &'static std::path::Path {
+    static FILE: std::sync::OnceLock<tempfile::TempPath> = std::sync::OnceLock::new();
+    FILE.get_or_init(|| {
+        let mut cfg = ds4_engine::convert::demo_config();
+        cfg.revision = ds4_engine::convert::Revision::V0731;
+        cfg.dspark = Some(ds4_engine::convert::DsparkConfig {
+            block_size: 4,
+            noise_token_id: 7,
+            target_layer_ids: vec![0, 1, 2],
+            markov_rank: 8,
+        });
+        let tok = ds4_engine::tokenizer::bundled_tokenizer_json();
+        let meta = ds4_engine::tokenizer::gguf_metadata_from_tokenizer_json_bytes(tok).unwrap();
+        let bytes = ds4_engine::convert::random_model_gguf(&cfg, 3, meta).unwrap();
+        let f = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(f.path(), bytes).unwrap();
+        f.into_temp_path()
+    })
+}
+
 fn server(mode: SpecMode) -> TestServer {
     server_on_disk(mode, None)
 }
 
 /// [`server`] with the disk KV tier in `disk`.
 fn server_on_disk(mode: SpecMode, disk: Option<&std::path::Path>) -> TestServer {
+    server_with(model_file(), mode, disk)
+}
+
+/// A server of `file` with speculation `mode` (and the disk KV tier in `disk`).
+fn server_with(file: &std::path::Path, mode: SpecMode, disk: Option<&std::path::Path>) -> TestServer {
     let opts = LoadOptions {
         backend: ds4_engine::engine::BackendKind::Cpu,
         ctx: 1024,
@@ -41,10 +68,10 @@ fn server_on_disk(mode: SpecMode, disk: Option<&std::path::Path>) -> TestServer 
         active_sessions: 4,
         demo_seed: Some(1),
     };
-    let (mut runner, codec, info) = load(Some(model_file()), &opts).expect("model with an MTP block");
-    assert!(runner.has_mtp());
+    let (mut runner, codec, info) = load(Some(file), &opts).expect("model with a drafter");
+    assert!(runner.has_drafter(ds4_engine::speculative::DrafterKind::Any));
     if mode != SpecMode::Off {
-        runner.enable_mtp(0.0).unwrap();
+        runner.enable_drafter(mode.drafter().unwrap(), 0.0).unwrap();
     }
     if let Some(dir) = disk {
         runner.enable_disk(dir.to_path_buf(), 1 << 30).unwrap();
@@ -122,15 +149,42 @@ fn answer(path: &str, r: &common::Reply) -> String {
 
 #[test]
 fn speculation_gives_the_plain_answers_on_every_api_alone_and_batched() {
+    same_answers(model_file(), SpecMode::Mtp);
+}
+
+/// The same with the DSpark drafter (its blocks verified in the shared ticks).
+#[test]
+fn dspark_speculation_gives_the_plain_answers_on_every_api_alone_and_batched() {
+    same_answers(dspark_model_file(), SpecMode::Dspark);
+    // `auto` picks the file's drafter: DSpark here.
+    let opts = LoadOptions {
+        backend: ds4_engine::engine::BackendKind::Cpu,
+        ctx: 512,
+        max_batch_tokens: 64,
+        max_sessions: 4,
+        active_sessions: 2,
+        demo_seed: Some(1),
+    };
+    let (mut runner, ..) = load(Some(dspark_model_file()), &opts).expect("model with a DSpark drafter");
+    assert!(!runner.has_drafter(ds4_engine::speculative::DrafterKind::Mtp));
+    assert_eq!(runner.enable_drafter(SpecMode::Auto.drafter().unwrap(), 0.0).unwrap(), "dspark");
+    // And `mtp` on it is a clear error.
+    let e = runner.enable_drafter(SpecMode::Mtp.drafter().unwrap(), 0.0).unwrap_err();
+    assert!(e.to_string().contains("no MTP block"), "{e}");
+}
+
+/// Temperature-0 answers of every API with speculation `mode` on `file` equal those without, alone and batched;
+/// drafts were verified; a grammar-constrained request decodes plainly.
+fn same_answers(file: &std::path::Path, mode: SpecMode) {
     let prompts = ["Write a haiku about caches.", "def fibonacci(n):", "List three colours"];
-    let mut plain = server(SpecMode::Off);
+    let mut plain = server_with(file, SpecMode::Off, None);
     let want: Vec<Vec<String>> = prompts
         .iter()
         .map(|p| requests(p).iter().map(|(path, body)| answer(path, &plain.post(path, body))).collect())
         .collect();
     plain.stop();
     assert!(want.iter().flatten().any(|t| !t.is_empty()), "the plain answers have text");
-    let mut spec = server(SpecMode::Mtp);
+    let mut spec = server_with(file, mode, None);
     for (p, want) in prompts.iter().zip(&want) {
         let got: Vec<String> = requests(p).iter().map(|(path, body)| answer(path, &spec.post(path, body))).collect();
         assert_eq!(&got, want, "alone: {p}");

@@ -130,6 +130,10 @@ pub fn random_model_gguf(cfg: &CheckpointConfig, seed: u64, extra: Vec<(String, 
         // The MTP block, as the converter writes an April checkpoint's.
         tensors.extend(super::plan::mtp_plan(cfg));
     }
+    if let (Some(ds), super::config::Revision::V0731) = (&cfg.dspark, cfg.revision) {
+        // The DSpark drafter's stages, as the converter writes a 0731 checkpoint's.
+        tensors.extend(super::plan::dspark_plan(cfg, ds.target_layer_ids.len(), ds.markov_rank as usize));
+    }
     let decls: Vec<TensorDecl> = tensors
         .iter()
         .map(|t| TensorDecl {

@@ -14,7 +14,7 @@ use crate::{Error, Result};
 
 /// `deepseek4.dspark.*`.
 #[derive(Clone, Debug, PartialEq)]
-pub struct DsparkConfig {
+pub struct DsparkParams {
     /// Draft tokens per block (the block is the anchor and `block_size − 1` noise tokens).
     pub block_size: usize,
     /// The noise (mask) token filling the block after the anchor.
@@ -40,11 +40,11 @@ pub struct DsparkWeights {
 }
 
 /// The drafter: its stages as a [`Model`] (layers = stages; the global weights are the target's embedding and
-/// output matrix with the last stage's norm and mHC head), plus [`DsparkWeights`] and [`DsparkConfig`].
+/// output matrix with the last stage's norm and mHC head), plus [`DsparkWeights`] and [`DsparkParams`].
 pub struct DsparkModel {
     pub model: Model,
     pub weights: DsparkWeights,
-    pub config: DsparkConfig,
+    pub config: DsparkParams,
 }
 
 impl std::fmt::Debug for DsparkModel {
@@ -139,7 +139,7 @@ impl DsparkModel {
         Ok(Some(DsparkModel {
             model,
             weights,
-            config: DsparkConfig { block_size, noise_token: noise as u32, target_layers, markov_rank },
+            config: DsparkParams { block_size, noise_token: noise as u32, target_layers, markov_rank },
         }))
     }
 }

@@ -12,7 +12,7 @@ pub(crate) mod sim;
 pub(crate) mod weights;
 
 pub use config::{LayerKind, ModelConfig, RopeSpec};
-pub use dspark::{DsparkConfig, DsparkModel, DsparkWeights};
+pub use dspark::{DsparkModel, DsparkParams, DsparkWeights};
 pub use mat::Mat;
 pub use rope::RopeFreqs;
 pub use weights::{packing_on, CompressorWeights, Model, MtpInputWeights, WeightId, WeightTable};

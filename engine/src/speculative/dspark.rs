@@ -217,6 +217,21 @@ impl DsparkDrafter {
         Ok(out)
     }
 
+    /// [`DsparkDrafter::propose_many`] with each session's drafts cut by confidence and to its most tokens wanted
+    /// (`reqs`: session, context, k; [`MAX_DRAFT`] at most): what a scheduler drafting for many sessions asks.
+    pub fn draft_many(&mut self, target: &mut Engine, reqs: &[(SessionId, &[u32], usize)]) -> Result<Vec<Vec<u32>>> {
+        let asks: Vec<(SessionId, &[u32])> = reqs.iter().map(|&(s, c, _)| (s, c)).collect();
+        let min = self.opts.min_confidence;
+        let props = self.propose_many(target, &asks)?;
+        Ok(props
+            .into_iter()
+            .zip(reqs)
+            .map(|(p, &(_, _, k))| {
+                p.map_or_else(Vec::new, |p| p.cut(min).iter().copied().take(k.min(MAX_DRAFT)).collect())
+            })
+            .collect())
+    }
+
     /// Context key rows (per stage, `[n, head_dim]`) of `n` target feature rows (`[n, taps·d]`) of positions
     /// `from..`.
     pub fn context_keys(&self, features: &[f32], from: usize) -> Result<Vec<Vec<f32>>> {
@@ -548,8 +563,6 @@ impl Drafter for DsparkDrafter {
     }
 
     fn draft(&mut self, target: &mut Engine, session: SessionId, context: &[u32], k: usize) -> Result<Vec<u32>> {
-        let min = self.opts.min_confidence;
-        let p = self.propose_many(target, &[(session, context)])?.pop().flatten();
-        Ok(p.map(|p| p.cut(min).iter().copied().take(k.min(MAX_DRAFT)).collect()).unwrap_or_default())
+        Ok(self.draft_many(target, &[(session, context, k)])?.pop().unwrap_or_default())
     }
 }

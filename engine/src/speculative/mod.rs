@@ -66,6 +66,104 @@ pub trait Drafter {
     fn draft(&mut self, target: &mut Engine, session: SessionId, context: &[u32], k: usize) -> Result<Vec<u32>>;
 }
 
+/// Which drafter of the model file ([`AnyDrafter::load`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DrafterKind {
+    /// The April release's MTP block (`mtp.0.*`).
+    Mtp,
+    /// The 0731 release's DSpark drafter (`deepseek4.dspark.*`).
+    Dspark,
+    /// The MTP block where the file has one, else the DSpark drafter where it has one.
+    Any,
+}
+
+/// One of the model file's drafters, behind one face for schedulers (the server, `ds4 run/chat`).
+#[derive(Debug)]
+pub enum AnyDrafter {
+    Mtp(MtpDrafter),
+    Dspark(DsparkDrafter),
+}
+
+impl AnyDrafter {
+    /// The drafter of `kind` in `target`'s file (`None` when it has none), with a confidence cut-off and CPU
+    /// threads (0: all cores).
+    pub fn load(
+        target: &crate::model::Model,
+        kind: DrafterKind,
+        min_confidence: f32,
+        threads: usize,
+    ) -> Result<Option<Self>> {
+        let mtp = || MtpDrafter::new(target, MtpOptions { min_confidence, threads }).map(|d| d.map(AnyDrafter::Mtp));
+        let dspark =
+            || DsparkDrafter::new(target, DsparkOptions { min_confidence, threads }).map(|d| d.map(AnyDrafter::Dspark));
+        match kind {
+            DrafterKind::Mtp => mtp(),
+            DrafterKind::Dspark => dspark(),
+            DrafterKind::Any => match mtp()? {
+                Some(d) => Ok(Some(d)),
+                None => dspark(),
+            },
+        }
+    }
+
+    /// Whether `target`'s file holds a drafter of `kind`.
+    pub fn present(target: &crate::model::Model, kind: DrafterKind) -> bool {
+        let (m, d) = (target.has_mtp(), crate::model::DsparkModel::present(target));
+        match kind {
+            DrafterKind::Mtp => m,
+            DrafterKind::Dspark => d,
+            DrafterKind::Any => m || d,
+        }
+    }
+
+    /// `"mtp"` or `"dspark"`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            AnyDrafter::Mtp(_) => "mtp",
+            AnyDrafter::Dspark(_) => "dspark",
+        }
+    }
+
+    /// Drafts for several sessions at once (see [`MtpDrafter::draft_many`], [`DsparkDrafter::draft_many`]).
+    pub fn draft_many(&mut self, target: &mut Engine, reqs: &[(SessionId, &[u32], usize)]) -> Result<Vec<Vec<u32>>> {
+        match self {
+            AnyDrafter::Mtp(d) => d.draft_many(target, reqs),
+            AnyDrafter::Dspark(d) => d.draft_many(target, reqs),
+        }
+    }
+
+    /// Sets the confidence cut-off.
+    pub fn set_min_confidence(&mut self, p: f32) {
+        match self {
+            AnyDrafter::Mtp(d) => d.set_min_confidence(p),
+            AnyDrafter::Dspark(d) => d.set_min_confidence(p),
+        }
+    }
+}
+
+impl Drafter for AnyDrafter {
+    fn attach(&mut self, target: &mut Engine, session: SessionId) -> Result<()> {
+        match self {
+            AnyDrafter::Mtp(d) => d.attach(target, session),
+            AnyDrafter::Dspark(d) => d.attach(target, session),
+        }
+    }
+
+    fn detach(&mut self, target: &mut Engine, session: SessionId) {
+        match self {
+            AnyDrafter::Mtp(d) => d.detach(target, session),
+            AnyDrafter::Dspark(d) => d.detach(target, session),
+        }
+    }
+
+    fn draft(&mut self, target: &mut Engine, session: SessionId, context: &[u32], k: usize) -> Result<Vec<u32>> {
+        match self {
+            AnyDrafter::Mtp(d) => d.draft(target, session, context, k),
+            AnyDrafter::Dspark(d) => d.draft(target, session, context, k),
+        }
+    }
+}
+
 /// The oracle drafter: proposes a known continuation (the target's own greedy output, computed beforehand), so
 /// every draft is accepted under greedy decoding. It measures the best speed-up the verify path can give.
 #[derive(Clone, Debug)]

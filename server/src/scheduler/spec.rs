@@ -26,8 +26,24 @@ pub enum SpecMode {
     Off,
     /// Draft every eligible token with the model's MTP block.
     Mtp,
-    /// The MTP block where the model has one, paused per session while its drafts do not pay.
+    /// Draft every eligible token with the model's DSpark drafter (V4-Flash-0731).
+    Dspark,
+    /// The model's drafter (the MTP block, else the DSpark drafter) where it has one, paused per session while
+    /// its drafts do not pay.
     Auto,
+}
+
+impl SpecMode {
+    /// The drafter this mode loads (`None` for [`SpecMode::Off`]).
+    pub fn drafter(self) -> Option<ds4_engine::speculative::DrafterKind> {
+        use ds4_engine::speculative::DrafterKind;
+        match self {
+            SpecMode::Off => None,
+            SpecMode::Mtp => Some(DrafterKind::Mtp),
+            SpecMode::Dspark => Some(DrafterKind::Dspark),
+            SpecMode::Auto => Some(DrafterKind::Any),
+        }
+    }
 }
 
 impl std::str::FromStr for SpecMode {
@@ -37,8 +53,8 @@ impl std::str::FromStr for SpecMode {
             "off" => Ok(SpecMode::Off),
             "mtp" => Ok(SpecMode::Mtp),
             "auto" => Ok(SpecMode::Auto),
-            "dspark" => Err("--speculative dspark: the DSpark drafter is not implemented yet (use mtp or auto)".into()),
-            _ => Err(format!("--speculative {s:?}: expected off, mtp or auto")),
+            "dspark" => Ok(SpecMode::Dspark),
+            _ => Err(format!("--speculative {s:?}: expected off, mtp, dspark or auto")),
         }
     }
 }
@@ -75,7 +91,7 @@ impl SpecState {
     pub fn drafting(&self, mode: SpecMode, generated: usize) -> bool {
         match mode {
             SpecMode::Off => false,
-            SpecMode::Mtp => true,
+            SpecMode::Mtp | SpecMode::Dspark => true,
             SpecMode::Auto => self.auto.drafting(generated),
         }
     }
@@ -118,7 +134,8 @@ mod tests {
         }
         assert!(m.drafting(SpecMode::Mtp, 1000));
         assert!(!m.drafting(SpecMode::Off, 0));
-        assert!("dspark".parse::<SpecMode>().is_err());
+        assert_eq!("dspark".parse::<SpecMode>(), Ok(SpecMode::Dspark));
+        assert!("medusa".parse::<SpecMode>().is_err());
         let mut c = TickCost::default();
         assert_eq!(c.ratio(), DEFAULT_COST);
         c.plain_tick(0.010);
