@@ -1,5 +1,5 @@
 //! `ds4 generate -m FILE --tokens 0,5,17 -n N --temperature 0 --print-ids [--exact] [--f32-acts] [--backend cpu]
-//! [--threads N] [--speculative off|mtp|auto --draft-len K]`:
+//! [--threads N] [--speculative off|mtp|dspark|auto --draft-len K]`:
 //! continuation of a token prompt (greedy at temperature 0, else sampled with [`ds4_engine::sampler::Sampler`]), printed
 //! as comma-separated ids on one line.
 
@@ -52,8 +52,8 @@ pub struct GenerateArgs {
     /// Worker threads (0 = all cores).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
-    /// Speculative decoding with the model's MTP block: off, mtp or auto (same ids either way; the counters are
-    /// logged).
+    /// Speculative decoding with one of the model's drafters: off, mtp, dspark or auto (same ids either way; the
+    /// counters are logged).
     #[arg(long, default_value = "off")]
     pub speculative: crate::run::SpecChoice,
     /// Drafted tokens per verify run at most.

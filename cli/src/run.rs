@@ -22,7 +22,7 @@ use ds4_engine::engine::{BackendKind, Engine, EngineOptions};
 use ds4_engine::gguf::GgufFile;
 use ds4_engine::sampler::{Sampler, SamplerConfig, StopChecker, StopStatus};
 use ds4_engine::speculative::auto::{AutoPause, TickCost};
-use ds4_engine::speculative::{Cycle, Drafter, MtpDrafter, SpecStats};
+use ds4_engine::speculative::{AnyDrafter, Cycle, Drafter, DrafterKind, SpecStats};
 use ds4_engine::tables::SessionId;
 use ds4_engine::tokenizer::{Tokenizer, EOS_TOKEN};
 
@@ -75,9 +75,9 @@ pub struct GenArgs {
     /// Context length (0 = the model's).
     #[arg(long, default_value_t = 0)]
     pub ctx: usize,
-    /// Speculative decoding: off, mtp (the model's MTP block drafts; an error without one) or auto (mtp when the
-    /// model has the block, paused while its drafts do not pay for their measured cost). The answer is the one plain
-    /// decoding gives.
+    /// Speculative decoding: off, mtp (the model's MTP block drafts; an error without one), dspark (the V4-Flash-0731
+    /// DSpark drafter; an error without one) or auto (the model's drafter — MTP, else DSpark — paused while its
+    /// drafts do not pay for their measured cost). The answer is the one plain decoding gives.
     #[arg(long, default_value = "auto")]
     pub speculative: SpecChoice,
     /// Drafted tokens per verify run at most.
@@ -90,21 +90,26 @@ pub struct GenArgs {
 pub enum SpecChoice {
     Off,
     Mtp,
+    Dspark,
     Auto,
 }
 
-/// The MTP drafter `choice` asks for on `engine`'s model (`None`: plain decoding).
-pub fn drafter_for(engine: &Engine, choice: SpecChoice, threads: usize) -> anyhow::Result<Option<MtpDrafter>> {
-    if choice == SpecChoice::Off {
-        return Ok(None);
-    }
-    let opts = ds4_engine::speculative::MtpOptions { min_confidence: 0.0, threads };
-    let d = MtpDrafter::new(engine.model(), opts)?;
-    if d.is_none() && choice == SpecChoice::Mtp {
-        anyhow::bail!("--speculative mtp: the model has no MTP block (mtp.0.*)");
-    }
-    if d.is_some() {
-        tracing::info!("speculative decoding with the model's MTP block");
+/// The drafter `choice` asks for on `engine`'s model (`None`: plain decoding).
+pub fn drafter_for(engine: &Engine, choice: SpecChoice, threads: usize) -> anyhow::Result<Option<AnyDrafter>> {
+    let kind = match choice {
+        SpecChoice::Off => return Ok(None),
+        SpecChoice::Mtp => DrafterKind::Mtp,
+        SpecChoice::Dspark => DrafterKind::Dspark,
+        SpecChoice::Auto => DrafterKind::Any,
+    };
+    let d = AnyDrafter::load(engine.model(), kind, 0.0, threads)?;
+    match (&d, choice) {
+        (None, SpecChoice::Mtp) => anyhow::bail!("--speculative mtp: the model has no MTP block (mtp.0.*)"),
+        (None, SpecChoice::Dspark) => {
+            anyhow::bail!("--speculative dspark: the model has no DSpark drafter (a V4-Flash-0731 conversion has one)")
+        }
+        (Some(d), _) => tracing::info!(drafter = d.name(), "speculative decoding"),
+        _ => {}
     }
     Ok(d)
 }
@@ -179,10 +184,10 @@ pub struct TurnOptions<'a> {
     pub cancel: Option<&'a AtomicBool>,
 }
 
-/// Speculative decoding for [`generate`]: the MTP drafter, the most tokens it drafts per verify run, and with
+/// Speculative decoding for [`generate`]: the drafter, the most tokens it drafts per verify run, and with
 /// `auto` the measured cost that pauses drafting while it does not pay (`ds4_engine::speculative::auto`).
 pub struct Speculation<'a> {
-    pub drafter: &'a mut MtpDrafter,
+    pub drafter: &'a mut AnyDrafter,
     pub draft_len: usize,
     pub stats: SpecStats,
     /// `--speculative auto`: the turn's drafting pauses while its drafts do not pay; `None` (`mtp`): always drafts.
@@ -191,7 +196,7 @@ pub struct Speculation<'a> {
 
 impl<'a> Speculation<'a> {
     /// One turn's speculation with `drafter` as `g`'s `--speculative` and `--draft-len` ask.
-    pub fn new(drafter: &'a mut MtpDrafter, g: &GenArgs) -> Self {
+    pub fn new(drafter: &'a mut AnyDrafter, g: &GenArgs) -> Self {
         let auto = (g.speculative == SpecChoice::Auto).then(|| (AutoPause::default(), TickCost::default()));
         Speculation { drafter, draft_len: g.draft_len as usize, stats: SpecStats::default(), auto }
     }
@@ -560,7 +565,7 @@ pub fn chat(a: ChatArgs) -> anyhow::Result<i32> {
 }
 
 /// Frees `sess` and makes a new session (attached to the drafter, when there is one).
-fn renew_session(engine: &mut Engine, drafter: Option<&mut MtpDrafter>, sess: SessionId) -> anyhow::Result<SessionId> {
+fn renew_session(engine: &mut Engine, drafter: Option<&mut AnyDrafter>, sess: SessionId) -> anyhow::Result<SessionId> {
     let s = engine.create_session();
     if let Some(d) = drafter {
         d.detach(engine, sess);
@@ -661,7 +666,7 @@ mod tests {
     fn spec_turn(
         engine: &mut Engine,
         tok: &Tokenizer,
-        drafter: Option<&mut MtpDrafter>,
+        drafter: Option<&mut AnyDrafter>,
         stops: &[String],
         max_tokens: usize,
         auto: bool,

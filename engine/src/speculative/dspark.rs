@@ -239,7 +239,7 @@ impl DsparkDrafter {
         let c = &m.config;
         let (d, hd, eps) = (c.d_model, c.head_dim, c.rms_eps);
         let fw = self.dm.config.target_layers.len() * d;
-        if features.len() % fw != 0 {
+        if !features.len().is_multiple_of(fw) {
             return Err(Error::InvalidArgument(format!("DSpark features: {} values, rows of {fw}", features.len())));
         }
         let n = features.len() / fw;

@@ -80,8 +80,8 @@ pub enum DrafterKind {
 /// One of the model file's drafters, behind one face for schedulers (the server, `ds4 run/chat`).
 #[derive(Debug)]
 pub enum AnyDrafter {
-    Mtp(MtpDrafter),
-    Dspark(DsparkDrafter),
+    Mtp(Box<MtpDrafter>),
+    Dspark(Box<DsparkDrafter>),
 }
 
 impl AnyDrafter {
@@ -93,9 +93,14 @@ impl AnyDrafter {
         min_confidence: f32,
         threads: usize,
     ) -> Result<Option<Self>> {
-        let mtp = || MtpDrafter::new(target, MtpOptions { min_confidence, threads }).map(|d| d.map(AnyDrafter::Mtp));
-        let dspark =
-            || DsparkDrafter::new(target, DsparkOptions { min_confidence, threads }).map(|d| d.map(AnyDrafter::Dspark));
+        let mtp = || {
+            MtpDrafter::new(target, MtpOptions { min_confidence, threads })
+                .map(|d| d.map(|d| AnyDrafter::Mtp(Box::new(d))))
+        };
+        let dspark = || {
+            DsparkDrafter::new(target, DsparkOptions { min_confidence, threads })
+                .map(|d| d.map(|d| AnyDrafter::Dspark(Box::new(d))))
+        };
         match kind {
             DrafterKind::Mtp => mtp(),
             DrafterKind::Dspark => dspark(),

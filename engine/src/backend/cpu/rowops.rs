@@ -234,7 +234,7 @@ pub fn tap_streams(sc: &Scratch, cx: &mut StepCtx<'_>, tap: usize) -> Result<()>
     let c = &cx.model.config;
     let (n, hc, d) = (cx.batch.rows.len(), c.hc_mult, c.d_model);
     let out = &mut cx.act.hidden_out;
-    if n == 0 || out.len() < n * (tap + 1) * d || out.len() % (n * d) != 0 {
+    if n == 0 || out.len() < n * (tap + 1) * d || !out.len().is_multiple_of(n * d) {
         return Err(crate::Error::Backend {
             backend: "cpu",
             what: format!("TapStreams: {} kept values for {n} rows of tap {tap}", out.len()),
