@@ -146,9 +146,9 @@ struct SpeculateArgs {
     /// Draft lengths to measure.
     #[arg(long, value_delimiter = ',', default_values_t = [2usize, 3, 5])]
     drafts: Vec<usize>,
-    /// The drafter: oracle (the target's own continuation) or mtp (the model's MTP block).
+    /// The drafter: oracle (the target's own continuation), mtp (the model's MTP block) or dspark (its DSpark drafter).
     #[arg(long, value_enum, default_value = "oracle")]
-    drafter: speculate::DrafterKind,
+    drafter: speculate::BenchDrafter,
     /// Chat prompts (repeatable), rendered with the model's template and tokenizer, in place of random token ids.
     #[arg(long = "prompt-text")]
     prompt_text: Vec<String>,

@@ -6,8 +6,9 @@
 //! the model's real shapes (the Flash shapes with `--synthetic flash…`), with no drafter to train. A real drafter's
 //! speed-up is this one scaled by its acceptance.
 //!
-//! With `--drafter mtp` the drafts come from the model file's MTP block ([`MtpDrafter`]) instead: the real
-//! speed-up on a model that has one (the built-in demo model, trained with its MTP block), with its acceptance.
+//! With `--drafter mtp` the drafts come from the model file's MTP block, with `--drafter dspark` from its DSpark
+//! drafter (V4-Flash-0731) ([`AnyDrafter`]) instead: the real speed-up on a model that has one (the built-in demo
+//! model is trained with an MTP block), with its acceptance.
 //!
 //! Rows (CSV): `mode,draft_len,tokens,secs,tps,speedup,cycles,mean_accepted,acceptance,tick_cost` — `speedup` is
 //! plain time / this time; `acceptance` drafted tokens accepted / drafted; `tick_cost` is the mean tick's time
@@ -20,7 +21,7 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use ds4_engine::engine::Engine;
 use ds4_engine::sampler::{Sampler, SamplerConfig};
-use ds4_engine::speculative::{Drafter, MtpDrafter, MtpOptions, OracleDrafter, SpecStats};
+use ds4_engine::speculative::{AnyDrafter, Drafter, OracleDrafter, SpecStats};
 use indicatif::ProgressBar;
 
 /// The CSV header.
@@ -28,11 +29,13 @@ pub const CSV_HEADER: &str = "mode,draft_len,tokens,secs,tps,speedup,cycles,mean
 
 /// Which drafter the speculative runs use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum DrafterKind {
+pub enum BenchDrafter {
     /// The target's own greedy continuation: every draft stands (the verify path's best case).
     Oracle,
     /// The model file's MTP block (`mtp.0.*`).
     Mtp,
+    /// The model file's DSpark drafter (V4-Flash-0731, `deepseek4.dspark.*`).
+    Dspark,
 }
 
 /// One row of the report (what the tests read back).
@@ -52,7 +55,7 @@ pub fn run(
     prompts: &[Vec<u32>],
     tokens: usize,
     drafts: &[usize],
-    kind: DrafterKind,
+    kind: BenchDrafter,
     out: &mut dyn Write,
     pb: &ProgressBar,
 ) -> Result<Vec<SpecRow>> {
@@ -65,12 +68,16 @@ pub fn run(
     if prompts.is_empty() || prompts.iter().any(|p| p.is_empty()) {
         bail!("no prompt");
     }
-    let mut mtp = match kind {
-        DrafterKind::Oracle => None,
-        DrafterKind::Mtp => Some(
-            MtpDrafter::new(engine.model(), MtpOptions { min_confidence: 0.0, threads: engine.options().threads })?
-                .ok_or_else(|| anyhow::anyhow!("--drafter mtp: the model has no MTP block (mtp.0.*)"))?,
-        ),
+    let threads = engine.options().threads;
+    let load = |k, what| {
+        AnyDrafter::load(engine.model(), k, 0.0, threads)?.ok_or_else(|| anyhow::anyhow!("the model has no {what}"))
+    };
+    let mut real = match kind {
+        BenchDrafter::Oracle => None,
+        BenchDrafter::Mtp => Some(load(ds4_engine::speculative::DrafterKind::Mtp, "MTP block (mtp.0.*)")?),
+        BenchDrafter::Dspark => {
+            Some(load(ds4_engine::speculative::DrafterKind::Dspark, "DSpark drafter (deepseek4.dspark.*)")?)
+        }
     };
     // Warm-up (first touch of weights and scratch), as the throughput run does.
     let w = engine.create_session();
@@ -98,8 +105,9 @@ pub fn run(
     pb.inc(1);
 
     let mode = match kind {
-        DrafterKind::Oracle => "oracle",
-        DrafterKind::Mtp => "mtp",
+        BenchDrafter::Oracle => "oracle",
+        BenchDrafter::Mtp => "mtp",
+        BenchDrafter::Dspark => "dspark",
     };
     let mut rows =
         vec![SpecRow { draft_len: 0, secs: plain, cycles: plain_ticks, mean_accepted: 1.0, acceptance: 0.0 }];
@@ -109,7 +117,7 @@ pub fn run(
         for (p, want) in prompts.iter().zip(&want) {
             let s = engine.create_session();
             let mut oracle = OracleDrafter::new(p.iter().chain(want).copied().collect());
-            let drafter: &mut dyn Drafter = match &mut mtp {
+            let drafter: &mut dyn Drafter = match &mut real {
                 Some(m) => m,
                 None => &mut oracle,
             };
@@ -180,7 +188,7 @@ mod tests {
         let mut e = Engine::from_gguf(GgufFile::from_bytes(bytes).unwrap(), opts).unwrap();
         let mut out = Vec::new();
         let rows =
-            run(&mut e, &[vec![1, 2, 3, 4, 5]], 12, &[2, 4], DrafterKind::Oracle, &mut out, &ProgressBar::hidden())
+            run(&mut e, &[vec![1, 2, 3, 4, 5]], 12, &[2, 4], BenchDrafter::Oracle, &mut out, &ProgressBar::hidden())
                 .unwrap();
         let text = String::from_utf8(out).unwrap();
         assert_eq!(text.lines().next(), Some(CSV_HEADER));
@@ -193,12 +201,16 @@ mod tests {
         assert_eq!(rows[2].cycles, 2, "k = 4: {rows:?}");
         assert_eq!(rows[1].mean_accepted, 2.75, "{rows:?}");
         assert_eq!(rows[2].mean_accepted, 5.0, "{rows:?}");
+        assert!(run(&mut e, &[vec![1, 2]], 12, &[0], BenchDrafter::Oracle, &mut Vec::new(), &ProgressBar::hidden())
+            .is_err());
         assert!(
-            run(&mut e, &[vec![1, 2]], 12, &[0], DrafterKind::Oracle, &mut Vec::new(), &ProgressBar::hidden()).is_err()
+            run(&mut e, &[vec![1, 2]], 12, &[2], BenchDrafter::Mtp, &mut Vec::new(), &ProgressBar::hidden()).is_err(),
+            "no MTP block"
         );
         assert!(
-            run(&mut e, &[vec![1, 2]], 12, &[2], DrafterKind::Mtp, &mut Vec::new(), &ProgressBar::hidden()).is_err(),
-            "no MTP block"
+            run(&mut e, &[vec![1, 2]], 12, &[2], BenchDrafter::Dspark, &mut Vec::new(), &ProgressBar::hidden())
+                .is_err(),
+            "no DSpark drafter"
         );
     }
 
@@ -211,9 +223,33 @@ mod tests {
         let mut e = Engine::from_gguf(GgufFile::from_bytes(bytes).unwrap(), opts).unwrap();
         let mut out = Vec::new();
         let prompts = [vec![1, 2, 3, 4, 5], vec![9, 8, 7]];
-        let rows = run(&mut e, &prompts, 10, &[1, 3], DrafterKind::Mtp, &mut out, &ProgressBar::hidden()).unwrap();
+        let rows = run(&mut e, &prompts, 10, &[1, 3], BenchDrafter::Mtp, &mut out, &ProgressBar::hidden()).unwrap();
         let text = String::from_utf8(out).unwrap();
         assert!(text.lines().nth(2).unwrap().starts_with("mtp,1,20,"), "{text}");
+        for r in &rows[1..] {
+            assert!((0.0..=1.0).contains(&r.acceptance) && r.cycles > 0, "{rows:?}");
+        }
+    }
+
+    #[test]
+    fn dspark_runs_are_lossless_and_report_acceptance() {
+        let mut cfg = demo_config();
+        cfg.revision = ds4_engine::convert::Revision::V0731;
+        cfg.dspark = Some(ds4_engine::convert::DsparkConfig {
+            block_size: 4,
+            noise_token_id: 7,
+            target_layer_ids: vec![0, 1, 2],
+            markov_rank: 8,
+        });
+        let bytes = random_model_gguf(&cfg, 4, Vec::new()).unwrap();
+        let opts = EngineOptions { threads: 2, ctx: 128, ..EngineOptions::default() };
+        let mut e = Engine::from_gguf(GgufFile::from_bytes(bytes).unwrap(), opts).unwrap();
+        let mut out = Vec::new();
+        let rows =
+            run(&mut e, &[vec![1, 2, 3, 4, 5]], 10, &[2, 4], BenchDrafter::Dspark, &mut out, &ProgressBar::hidden())
+                .unwrap();
+        let text = String::from_utf8(out).unwrap();
+        assert!(text.lines().nth(2).unwrap().starts_with("dspark,2,10,"), "{text}");
         for r in &rows[1..] {
             assert!((0.0..=1.0).contains(&r.acceptance) && r.cycles > 0, "{rows:?}");
         }

@@ -8,7 +8,9 @@
 //! Checks here: the converter writes the stages under a trunk layer's names with the recipe's types; the engine's
 //! tap features ([`Engine::set_tap_layers`]) and the drafter's outputs ([`DsparkDrafter::propose_many`]) equal the
 //! JAX ones within 1e-4 (drafts exactly), alone and batched; and greedy speculation with the drafter gives the
-//! plain greedy tokens.
+//! plain greedy tokens, and sampled speculation keeps the plain distribution (chi-square).
+
+mod common;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -195,4 +197,14 @@ fn dspark_speculation_on_the_fixture_is_token_identical_to_plain_greedy() {
         }
         d.detach(&mut e, t);
     }
+}
+
+/// Exact sampling: tokens drawn with DSpark speculation (verified by rejection sampling) have the distribution plain
+/// sampling gives ([`common::chi_square_check`]: a two-sample chi-square over 3000 draws each, bound stated there).
+#[test]
+fn sampled_dspark_speculation_keeps_the_plain_distribution() {
+    let (_tmp, e) = fixture_engine(Recipe::F32);
+    let prompt: Vec<u32> = ints(&fixture_json()["tokens"]).into_iter().take(6).collect();
+    let mut d = DsparkDrafter::new(e.model(), DsparkOptions { min_confidence: 0.0, threads: 1 }).unwrap().unwrap();
+    common::chi_square_check(e, &mut d, &prompt, (0.7, 12), (20, 0.5));
 }

@@ -289,94 +289,19 @@ fn mtp_speculation_on_the_fixture_is_token_identical_to_plain_greedy() {
 }
 
 /// Exact sampling: tokens drawn with MTP speculation (verified by rejection sampling) have the distribution plain
-/// sampling gives. Two-sample chi-square over the histograms of the second and third generated tokens (the ones
-/// verification decides) from 3000 runs each, independent fixed seeds; bins with fewer than 10 draws in both runs
-/// merged. Bound: the 0.999 quantile of chi-square with `df` degrees of freedom (Wilson–Hilferty), so a correct
-/// implementation fails one run in a thousand at most — and these seeds are fixed, so the result is repeatable.
+/// sampling gives ([`common::chi_square_check`]: a two-sample chi-square over 3000 draws each, bound stated there).
 #[test]
 fn sampled_mtp_speculation_keeps_the_plain_distribution() {
+    use ds4_engine::speculative::{MtpDrafter, MtpOptions};
     // The fixture (a random MTP block: drafts mostly fall) and the trained demo model (drafts often stand), so both
     // paths of the verification carry weight.
     let (_tmp, e) = fixture_engine(1);
-    chi_square_check(e, &prompt()[..6], (0.7, 12), (20, 0.5));
+    let mut d = MtpDrafter::new(e.model(), MtpOptions { min_confidence: 0.0, threads: 1 }).unwrap().unwrap();
+    common::chi_square_check(e, &mut d, &prompt()[..6], (0.7, 12), (20, 0.5));
     let file = || GgufFile::from_bytes(ds4_engine::convert::trained_demo_gguf().to_vec()).unwrap();
     let demo = Engine::from_gguf(file(), EngineOptions { threads: 1, ..EngineOptions::default() }).unwrap();
     let tok = ds4_engine::tokenizer::Tokenizer::from_gguf(&file()).unwrap();
     let p = tok.encode("<｜begin▁of▁sentence｜><｜User｜>Return the number of items.<｜Assistant｜></think>").unwrap();
-    chi_square_check(demo, &p, (1.6, 40), (1000, 1.0));
-}
-
-/// The check of [`sampled_mtp_speculation_keeps_the_plain_distribution`] on `e` after `prompt`, sampling at
-/// `(temperature, top_k)`; `accepted_bounds`: at least this many drafts stood, and less than this share of them.
-fn chi_square_check(mut e: Engine, prompt: &[u32], sampling: (f32, usize), accepted_bounds: (usize, f64)) {
-    use ds4_engine::sampler::{Sampler, SamplerConfig};
-    use ds4_engine::speculative::{Drafter, MtpDrafter, MtpOptions};
-    let cfg = |seed| SamplerConfig { temperature: sampling.0, top_k: sampling.1, seed, ..SamplerConfig::default() };
-    let vocab = e.config().vocab;
-    let runs = 3000;
-    let mut plain = vec![vec![0usize; vocab]; 2];
-    let mut spec = vec![vec![0usize; vocab]; 2];
-    let base = e.create_session();
-    e.feed(base, prompt).unwrap();
-    e.run_until_idle().unwrap();
-    for i in 0..runs {
-        let s = e.fork(base).unwrap();
-        let mut smp = Sampler::new(cfg(i as u64)).unwrap();
-        let mut toks = Vec::new();
-        for j in 0..3 {
-            let t = smp.sample(e.logits(s).unwrap()).unwrap();
-            smp.accept(t);
-            toks.push(t);
-            if j < 2 {
-                e.feed(s, &[t]).unwrap();
-                e.run_until_idle().unwrap();
-            }
-        }
-        plain[0][toks[1] as usize] += 1;
-        plain[1][toks[2] as usize] += 1;
-        e.free_session(s).unwrap();
-    }
-    let mut d = MtpDrafter::new(e.model(), MtpOptions { min_confidence: 0.0, threads: 1 }).unwrap().unwrap();
-    let (mut drafted, mut accepted) = (0, 0);
-    for i in 0..runs {
-        let s = e.create_session();
-        d.attach(&mut e, s).unwrap();
-        e.feed(s, prompt).unwrap();
-        e.run_until_idle().unwrap();
-        let mut smp = Sampler::new(cfg(1_000_000 + i as u64)).unwrap();
-        let (toks, st) = e.generate_speculative(s, &mut smp, &mut d, 2, 4).unwrap();
-        drafted += st.drafted;
-        accepted += st.accepted;
-        spec[0][toks[1] as usize] += 1;
-        spec[1][toks[2] as usize] += 1;
-        d.detach(&mut e, s);
-        e.free_session(s).unwrap();
-    }
-    assert!(drafted >= 2 * runs, "{drafted} drafts");
-    assert!(
-        accepted >= accepted_bounds.0 && (accepted as f64) < accepted_bounds.1 * drafted as f64,
-        "drafts stood: {accepted}/{drafted}"
-    );
-    eprintln!("drafts stood: {accepted}/{drafted}");
-    for pos in 0..2 {
-        let (mut chi2, mut df, mut rest) = (0.0f64, 0usize, (0usize, 0usize));
-        for (a, b) in plain[pos].iter().zip(&spec[pos]) {
-            if a + b < 10 {
-                rest = (rest.0 + a, rest.1 + b);
-                continue;
-            }
-            chi2 += ((*a as f64) - (*b as f64)).powi(2) / (a + b) as f64;
-            df += 1;
-        }
-        if rest.0 + rest.1 > 0 {
-            chi2 += ((rest.0 as f64) - (rest.1 as f64)).powi(2) / (rest.0 + rest.1) as f64;
-            df += 1;
-        }
-        let k = (df - 1) as f64;
-        let z = 3.09; // the 0.999 normal quantile
-        let bound = k * (1.0 - 2.0 / (9.0 * k) + z * (2.0 / (9.0 * k)).sqrt()).powi(3);
-        eprintln!("token {}: chi2 {chi2:.1}, df {}, bound {bound:.1}", pos + 2, df - 1);
-        assert!(df >= 5, "the histogram has enough bins ({df})");
-        assert!(chi2 <= bound, "token {}: chi-square {chi2:.1} > {bound:.1} (df {})", pos + 2, df - 1);
-    }
+    let mut d = MtpDrafter::new(demo.model(), MtpOptions { min_confidence: 0.0, threads: 1 }).unwrap().unwrap();
+    common::chi_square_check(demo, &mut d, &p, (1.6, 40), (1000, 1.0));
 }

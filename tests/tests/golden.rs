@@ -1,11 +1,15 @@
 //! Golden checkpoints: the engine (CPU backend) against logits computed by an independent reference
 //! implementation (`../shared/golden`). tiny-a is converted with `ds4 convert --recipe f32` semantics and run in
 //! exact mode; the sim check compares activation-simulation mode with `tiny-a/sim` at its loose tolerances.
+//! Greedy speculation (a drafter that is right and wrong by turns) gives tiny-a's golden tokens and the plain logits.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use ds4_engine::engine::{argmax, Engine, EngineOptions};
+use ds4_engine::sampler::{Sampler, SamplerConfig};
+use ds4_engine::speculative::{Drafter, OracleDrafter};
+use ds4_engine::tables::SessionId;
 use ds4_tests::{ds4_bin, golden_gguf, ids, max_abs_diff, read_f32, read_json, row_argmax, shared};
 
 const TOL: f32 = 1e-3;
@@ -65,6 +69,44 @@ fn tiny_a_exact_prefill_matches_golden() {
     let got = prefill_logits(&g.gguf, &g.prompt, true, 256);
     assert_eq!(got.len(), g.prompt.len() * g.vocab);
     check_against("prefill (one pass)", &got, &g.prefill, g.vocab);
+}
+
+/// Proposes the golden continuation with every third drafted token wrong, so verify runs both accept and reject.
+struct Flawed(OracleDrafter, u32);
+
+impl Drafter for Flawed {
+    fn draft(&mut self, _: &mut Engine, _: SessionId, context: &[u32], k: usize) -> ds4_engine::Result<Vec<u32>> {
+        let mut d = self.0.continuation(context, k);
+        for (i, t) in d.iter_mut().enumerate() {
+            if (context.len() + i) % 3 == 0 {
+                *t = (*t + 1) % self.1;
+            }
+        }
+        Ok(d)
+    }
+}
+
+#[test]
+fn tiny_a_greedy_speculation_gives_the_golden_tokens_and_logits() {
+    let Some(g) = tiny_a() else { return };
+    let mut e = engine(&g.gguf, true, 16);
+    let n = g.greedy.len();
+    let plain = e.create_session();
+    assert_eq!(e.generate_greedy(plain, &g.prompt, n).unwrap(), g.greedy);
+    let want = e.logits(plain).unwrap().to_vec();
+    for k in [1usize, 3, 5] {
+        let all: Vec<u32> = g.prompt.iter().chain(&g.greedy).copied().collect();
+        let mut d = Flawed(OracleDrafter::new(all), g.vocab as u32);
+        let s = e.create_session();
+        e.feed(s, &g.prompt).unwrap();
+        e.run_until_idle().unwrap();
+        let mut sampler = Sampler::new(SamplerConfig::greedy()).unwrap();
+        let (got, st) = e.generate_speculative(s, &mut sampler, &mut d, k, n).unwrap();
+        assert_eq!(got, g.greedy, "draft length {k}: speculation changed the golden greedy tokens");
+        assert!(st.accepted > 0 && st.accepted < st.drafted, "draft length {k}: {st:?}");
+        assert_eq!(e.logits(s).unwrap(), &want[..], "draft length {k}: logits after the last token");
+        e.free_session(s).unwrap();
+    }
 }
 
 #[test]

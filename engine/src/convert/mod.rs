@@ -30,10 +30,13 @@
 //! with the types the recipe gives a trunk layer's tensors of the same class (`e_proj`/`h_proj` as attention
 //! projections), and `deepseek4.nextn_predict_layers` = 1 is written. A checkpoint without it converts as before (no
 //! `mtp.*` tensors, no `nextn_predict_layers` key). A V4-Flash-0731 checkpoint (config.json has
-//! `dspark_*` fields) keeps its DSpark drafter: every `mtp.*` tensor is written to the same GGUF under its official
-//! name (GGUF dims = official shape reversed; F32 for 1-D tensors and under the f32 recipe, else F16; integer
-//! tensors as I32), after the trunk; `deepseek4.dspark.*` records the drafter's config. The engine's trunk ignores
-//! those tensors, so a 0731 file runs the same trunk as an April one.
+//! `dspark_*` fields) keeps its DSpark drafter, after the trunk, and `deepseek4.dspark.*` records its config: when
+//! the checkpoint has the whole drafter (`mtp.0.main_proj.weight` present) its stages are converted like trunk
+//! layers (`mtp.{s}.` + a trunk layer's GGUF suffix, with that layer's types; `main_proj`/`main_norm`, the last
+//! stage's `norm` and `hc_head_*`, the Markov and confidence heads; see [`plan::dspark_plan`]); any other `mtp.*`
+//! tensor is written under its official name (GGUF dims = official shape reversed; F32 for 1-D tensors and under
+//! the f32 recipe, else F16; integer tensors as I32). The trunk ignores them, so a 0731 file runs the same trunk as
+//! an April one; [`crate::model::DsparkModel`] loads the drafter.
 //! Other checkpoint tensors the plan does not use are listed in the report and logged.
 //! [`demo`] builds the small random-weight model that `ds4 run` uses without `-m`.
 
