@@ -78,7 +78,7 @@ impl Drafter for Flawed {
     fn draft(&mut self, _: &mut Engine, _: SessionId, context: &[u32], k: usize) -> ds4_engine::Result<Vec<u32>> {
         let mut d = self.0.continuation(context, k);
         for (i, t) in d.iter_mut().enumerate() {
-            if (context.len() + i) % 3 == 0 {
+            if (context.len() + i).is_multiple_of(3) {
                 *t = (*t + 1) % self.1;
             }
         }
