@@ -52,8 +52,8 @@ pub struct GenerateArgs {
     /// Worker threads (0 = all cores).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
-    /// Speculative decoding with one of the model's drafters: off, mtp, dspark or auto (same ids either way; the
-    /// counters are logged).
+    /// Speculative decoding with one of the model's drafters: off, mtp, dspark or auto (the file's drafter, paused
+    /// while its drafts do not pay for their measured cost); the same ids either way; the counters are logged.
     #[arg(long, default_value = "off")]
     pub speculative: crate::run::SpecChoice,
     /// Drafted tokens per verify run at most.
@@ -85,12 +85,20 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<i32> {
         d.attach(&mut engine, s)?;
         engine.feed(s, &tokens)?;
         engine.run_until_idle()?;
-        let (ids, st) = engine.generate_speculative(s, &mut sampler, &mut d, a.draft_len as usize, a.n)?;
+        let k = a.draft_len as usize;
+        let (ids, st) = if a.speculative == crate::run::SpecChoice::Auto {
+            // `auto`: drafting pauses while its measured cost exceeds what the drafts deliver.
+            let mut pace = Default::default();
+            engine.generate_speculative_auto(s, &mut sampler, &mut d, k, a.n, &mut pace)?
+        } else {
+            engine.generate_speculative(s, &mut sampler, &mut d, k, a.n)?
+        };
         tracing::info!(
             cycles = st.cycles,
             drafted = st.drafted,
             accepted = st.accepted,
             acceptance = format!("{:.2}", st.acceptance_rate()),
+            paused = st.paused,
             "speculative decoding"
         );
         ids

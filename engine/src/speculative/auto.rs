@@ -5,7 +5,7 @@
 //! `c` as the caller runs (running means of both kinds of tick); [`AutoPause`] watches a session's last
 //! [`AUTO_WINDOW`] verify runs and, when they delivered fewer tokens per run than they cost (`1 + a < c`), pauses its
 //! speculation for [`AUTO_PAUSE`] tokens, then tries again. Used by the server's scheduler (per session, one shared
-//! cost) and by `ds4 run/chat` (per turn).
+//! cost), by `ds4 run/chat` (per turn) and by [`crate::engine::Engine::generate_speculative_auto`] (`ds4 generate`).
 
 /// Verify runs `auto` judges a session on.
 pub const AUTO_WINDOW: usize = 8;

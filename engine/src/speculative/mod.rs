@@ -234,6 +234,8 @@ pub struct SpecStats {
     pub accepted: usize,
     /// Plain decode ticks (no draft offered).
     pub plain_steps: usize,
+    /// Times `auto` paused drafting ([`Engine::generate_speculative_auto`]).
+    pub paused: usize,
 }
 
 impl SpecStats {
@@ -360,6 +362,34 @@ impl Engine {
         draft_len: usize,
         n: usize,
     ) -> Result<(Vec<u32>, SpecStats)> {
+        self.generate_paced(id, sampler, drafter, draft_len, n, None)
+    }
+
+    /// [`Engine::generate_speculative`] under `auto`'s rule ([`auto`]): plain decode ticks and cycles (drafting
+    /// and verifying) are timed into `pace`'s [`auto::TickCost`], and its [`auto::AutoPause`] stops drafting for
+    /// [`auto::AUTO_PAUSE`] tokens when the last [`auto::AUTO_WINDOW`] verify runs delivered fewer tokens than they
+    /// cost (counted in [`SpecStats::paused`]). The tokens are those of plain decoding either way.
+    pub fn generate_speculative_auto(
+        &mut self,
+        id: SessionId,
+        sampler: &mut Sampler,
+        drafter: &mut dyn Drafter,
+        draft_len: usize,
+        n: usize,
+        pace: &mut (auto::AutoPause, auto::TickCost),
+    ) -> Result<(Vec<u32>, SpecStats)> {
+        self.generate_paced(id, sampler, drafter, draft_len, n, Some(pace))
+    }
+
+    fn generate_paced(
+        &mut self,
+        id: SessionId,
+        sampler: &mut Sampler,
+        drafter: &mut dyn Drafter,
+        draft_len: usize,
+        n: usize,
+        mut pace: Option<&mut (auto::AutoPause, auto::TickCost)>,
+    ) -> Result<(Vec<u32>, SpecStats)> {
         let mut stats = SpecStats::default();
         let mut out = Vec::with_capacity(n);
         if n == 0 {
@@ -372,13 +402,18 @@ impl Engine {
         while out.len() < n {
             context.push(first);
             // Room for the draft, the cycle's own token and the next one within `n`.
-            let k = draft_len.min(n - out.len() - 1);
+            let drafting = pace.as_ref().is_none_or(|p| p.0.drafting(out.len()));
+            let k = if drafting { draft_len.min(n - out.len() - 1) } else { 0 };
+            let t0 = std::time::Instant::now();
             let mut draft = if k > 0 { drafter.draft(self, id, &context, k)? } else { Vec::new() };
             draft.truncate(k);
             if draft.is_empty() {
                 self.feed(id, &[first])?;
                 self.run_until_idle()?;
                 stats.plain_steps += 1;
+                if let Some(p) = pace.as_mut() {
+                    p.1.plain_tick(t0.elapsed().as_secs_f64());
+                }
                 first = sampler.sample(self.logits(id)?)?;
             } else {
                 let mut cycle = [Cycle { session: id, first, draft: &draft, sampler: &mut *sampler }];
@@ -389,6 +424,12 @@ impl Engine {
                 out.extend_from_slice(&draft[..v.accepted]);
                 context.extend_from_slice(&draft[..v.accepted]);
                 first = v.next;
+                if let Some((pause, cost)) = pace.as_deref_mut() {
+                    cost.spec_tick(t0.elapsed().as_secs_f64());
+                    if pause.record(v.accepted, out.len() + 1, cost.ratio()) {
+                        stats.paused += 1;
+                    }
+                }
             }
             sampler.accept(first);
             out.push(first);

@@ -93,6 +93,35 @@ fn greedy_speculation_gives_the_plain_greedy_tokens_and_state() {
 }
 
 #[test]
+fn auto_pauses_drafts_that_do_not_pay_and_keeps_the_plain_tokens() {
+    let mut e = engine(EngineOptions::DEFAULT_ROLLBACK);
+    let (want, _, want_logits) = plain(&mut e);
+    let mut full = PROMPT.to_vec();
+    full.extend_from_slice(&want);
+    // Every draft wrong: each verify run delivers one token for a cost of more than one tick (the default cost
+    // until a plain tick is measured), so drafting pauses after `AUTO_WINDOW` runs and the rest decodes plainly.
+    let s = prefilled(&mut e);
+    let mut sampler = Sampler::new(SamplerConfig::greedy()).unwrap();
+    let mut wrong = Noisy { oracle: OracleDrafter::new(full.clone()), every: 1, offered: 0 };
+    let mut pace = Default::default();
+    let (got, st) = e.generate_speculative_auto(s, &mut sampler, &mut wrong, 1, N, &mut pace).unwrap();
+    assert_eq!(got, want);
+    assert_eq!(e.logits(s).unwrap(), &want_logits[..]);
+    assert_eq!((st.cycles, st.accepted, st.paused), (auto::AUTO_WINDOW, 0, 1), "{st:?}");
+    assert_eq!(st.plain_steps, N - 1 - auto::AUTO_WINDOW, "{st:?}");
+    e.free_session(s).unwrap();
+    // Drafts that all stand pay: no pause.
+    let s = prefilled(&mut e);
+    let mut sampler = Sampler::new(SamplerConfig::greedy()).unwrap();
+    let mut pace = Default::default();
+    let (got, st) =
+        e.generate_speculative_auto(s, &mut sampler, &mut OracleDrafter::new(full), 3, N, &mut pace).unwrap();
+    assert_eq!(got, want);
+    assert_eq!((st.paused, st.accepted), (0, st.drafted), "{st:?}");
+    e.free_session(s).unwrap();
+}
+
+#[test]
 fn drafts_longer_than_the_rollback_log_recompute_to_the_same_state() {
     let mut e = engine(EngineOptions::DEFAULT_ROLLBACK);
     let (want, want_hist, want_logits) = plain(&mut e);
