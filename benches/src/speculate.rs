@@ -233,14 +233,7 @@ mod tests {
 
     #[test]
     fn dspark_runs_are_lossless_and_report_acceptance() {
-        let mut cfg = demo_config();
-        cfg.revision = ds4_engine::convert::Revision::V0731;
-        cfg.dspark = Some(ds4_engine::convert::DsparkConfig {
-            block_size: 4,
-            noise_token_id: 7,
-            target_layer_ids: vec![0, 1, 2],
-            markov_rank: 8,
-        });
+        let cfg = ds4_engine::convert::demo_dspark_config();
         let bytes = random_model_gguf(&cfg, 4, Vec::new()).unwrap();
         let opts = EngineOptions { threads: 2, ctx: 128, ..EngineOptions::default() };
         let mut e = Engine::from_gguf(GgufFile::from_bytes(bytes).unwrap(), opts).unwrap();

@@ -12,18 +12,21 @@ use ds4_server::scheduler::{SchedulerConfig, SpecConfig, SpecMode};
 use ds4_server::{build_state, Limits};
 use serde_json::{json, Value};
 
+/// `cfg`'s random model with the real tokenizer, as a file.
+fn write_model(cfg: &ds4_engine::convert::CheckpointConfig) -> tempfile::TempPath {
+    let tok = ds4_engine::tokenizer::bundled_tokenizer_json();
+    let meta = ds4_engine::tokenizer::gguf_metadata_from_tokenizer_json_bytes(tok).unwrap();
+    let bytes = ds4_engine::convert::random_model_gguf(cfg, 3, meta).unwrap();
+    let f = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(f.path(), bytes).unwrap();
+    f.into_temp_path()
+}
+
 /// The demo model's shape and real tokenizer with an MTP block (random weights), as a file.
 fn model_file() -> &'static std::path::Path {
     static FILE: std::sync::OnceLock<tempfile::TempPath> = std::sync::OnceLock::new();
     FILE.get_or_init(|| {
-        let mut cfg = ds4_engine::convert::demo_config();
-        cfg.n_nextn_layers = 1;
-        let tok = ds4_engine::tokenizer::bundled_tokenizer_json();
-        let meta = ds4_engine::tokenizer::gguf_metadata_from_tokenizer_json_bytes(tok).unwrap();
-        let bytes = ds4_engine::convert::random_model_gguf(&cfg, 3, meta).unwrap();
-        let f = tempfile::NamedTempFile::new().unwrap();
-        std::fs::write(f.path(), bytes).unwrap();
-        f.into_temp_path()
+        write_model(&ds4_engine::convert::CheckpointConfig { n_nextn_layers: 1, ..ds4_engine::convert::demo_config() })
     })
 }
 
@@ -31,22 +34,7 @@ fn model_file() -> &'static std::path::Path {
 /// of the MTP block.
 fn dspark_model_file() -> &'static std::path::Path {
     static FILE: std::sync::OnceLock<tempfile::TempPath> = std::sync::OnceLock::new();
-    FILE.get_or_init(|| {
-        let mut cfg = ds4_engine::convert::demo_config();
-        cfg.revision = ds4_engine::convert::Revision::V0731;
-        cfg.dspark = Some(ds4_engine::convert::DsparkConfig {
-            block_size: 4,
-            noise_token_id: 7,
-            target_layer_ids: vec![0, 1, 2],
-            markov_rank: 8,
-        });
-        let tok = ds4_engine::tokenizer::bundled_tokenizer_json();
-        let meta = ds4_engine::tokenizer::gguf_metadata_from_tokenizer_json_bytes(tok).unwrap();
-        let bytes = ds4_engine::convert::random_model_gguf(&cfg, 3, meta).unwrap();
-        let f = tempfile::NamedTempFile::new().unwrap();
-        std::fs::write(f.path(), bytes).unwrap();
-        f.into_temp_path()
-    })
+    FILE.get_or_init(|| write_model(&ds4_engine::convert::demo_dspark_config()))
 }
 
 fn server(mode: SpecMode) -> TestServer {

@@ -76,6 +76,21 @@ pub fn demo_config() -> CheckpointConfig {
     }
 }
 
+/// [`demo_config`] as a V4-Flash-0731 checkpoint with a small DSpark drafter: three stages fed by the three trunk
+/// layers, blocks of 4, noise token 7, Markov rank 8 ([`random_model_gguf`] writes its stages).
+pub fn demo_dspark_config() -> CheckpointConfig {
+    CheckpointConfig {
+        revision: super::config::Revision::V0731,
+        dspark: Some(super::config::DsparkConfig {
+            block_size: 4,
+            noise_token_id: 7,
+            target_layer_ids: vec![0, 1, 2],
+            markov_rank: 8,
+        }),
+        ..demo_config()
+    }
+}
+
 struct SplitMix(u64);
 
 impl SplitMix {

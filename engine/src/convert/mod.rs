@@ -57,7 +57,7 @@ use std::time::Instant;
 
 pub use checkpoint::Checkpoint;
 pub use config::{CheckpointConfig, DsparkConfig, Revision};
-pub use demo::{demo_config, demo_model_gguf, random_model_gguf, trained_demo_gguf};
+pub use demo::{demo_config, demo_dspark_config, demo_model_gguf, random_model_gguf, trained_demo_gguf};
 pub use imatrix::Imatrix;
 pub use plan::{Class, Planned, Source};
 pub use recipe::Recipe;
