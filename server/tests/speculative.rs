@@ -140,6 +140,19 @@ fn speculation_gives_the_plain_answers_on_every_api_alone_and_batched() {
     same_answers(model_file(), SpecMode::Mtp);
 }
 
+/// The same on the trained demo model, whose MTP drafts mostly stand (so accepted runs, not only rejections, carry
+/// the answers).
+#[test]
+fn speculation_on_the_trained_model_gives_the_plain_answers_on_every_api_alone_and_batched() {
+    static FILE: std::sync::OnceLock<tempfile::TempPath> = std::sync::OnceLock::new();
+    let file = FILE.get_or_init(|| {
+        let f = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(f.path(), ds4_engine::convert::trained_demo_gguf()).unwrap();
+        f.into_temp_path()
+    });
+    assert!(same_answers(file, SpecMode::Mtp) > 0.0, "the trained MTP block's drafts stand");
+}
+
 /// The same with the DSpark drafter (its blocks verified in the shared ticks).
 #[test]
 fn dspark_speculation_gives_the_plain_answers_on_every_api_alone_and_batched() {
@@ -162,8 +175,8 @@ fn dspark_speculation_gives_the_plain_answers_on_every_api_alone_and_batched() {
 }
 
 /// Temperature-0 answers of every API with speculation `mode` on `file` equal those without, alone and batched;
-/// drafts were verified; a grammar-constrained request decodes plainly.
-fn same_answers(file: &std::path::Path, mode: SpecMode) {
+/// drafts were verified; a grammar-constrained request decodes plainly. Returns the drafted tokens that stood.
+fn same_answers(file: &std::path::Path, mode: SpecMode) -> f64 {
     let prompts = ["Write a haiku about caches.", "def fibonacci(n):", "List three colours"];
     let mut plain = server_with(file, SpecMode::Off, None);
     let want: Vec<Vec<String>> = prompts
@@ -208,7 +221,9 @@ fn same_answers(file: &std::path::Path, mode: SpecMode) {
     );
     assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(spec.metric("ds4_spec_cycles_total"), before, "no drafts under a grammar");
+    let accepted = spec.metric("ds4_spec_accepted_tokens_total");
     spec.stop();
+    accepted
 }
 
 /// The README's first command: `ds4-server` without `-m` serves the trained demo model, which answers in words and
