@@ -218,9 +218,9 @@ pub struct LayerKv {
     pub log: TokenLog,
 }
 
-/// Slot of position `p` in a raw window ring of `window` rows.
+/// Row of position `p` in a raw window ring of `window` rows.
 #[inline]
-pub fn ring_slot(p: usize, window: usize) -> usize {
+pub fn ring_index(p: usize, window: usize) -> usize {
     p % window
 }
 

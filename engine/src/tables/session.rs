@@ -3,8 +3,12 @@
 //! Per slot: `pos` (tokens processed), `history` (token ids processed), `pending` (queued, not yet processed),
 //! `kv` (the [`SessionKv`]), `logits` (of the last processed position), `all_logits` (every processed position's
 //! logits when prefill logits were requested), `keep_hidden` / `hidden` (final streams kept for an MTP drafter),
-//! `pending_hidden` (a drafter model's per-token input streams), `alive`. A freed slot releases its KV pages and keeps its other
-//! allocations for the next session.
+//! `pending_hidden` (a drafter model's per-token input streams), `alive`. A freed slot releases its KV pages and keeps
+//! its other allocations for the next session.
+//!
+//! "Slot" means this one thing across the engine: a session's row in this table. The graph's runs
+//! ([`crate::graph::Run::slot`]) and the backends' per-session KV calls name sessions by it; window rings, worker
+//! threads and expert groups use other words (ring index, worker index, [`crate::backend::cpu::moe::ExpertGroup`]).
 
 use std::collections::VecDeque;
 

@@ -16,7 +16,7 @@
 use std::sync::{Mutex, MutexGuard};
 
 use super::norm::rms_norm_inplace;
-use super::pool::{par_rows, thread_slot, Pool};
+use super::pool::{par_rows, worker_index, Pool};
 use super::{compressor, fdot, indexer, Scratch};
 use crate::backend::StepCtx;
 use crate::model::sim;
@@ -25,24 +25,24 @@ use crate::tables::LayerKv;
 use crate::Result;
 
 /// Per-thread score buffers: `(scores, selection order)`, one entry per pool thread.
-type ScoreSlots = Vec<Mutex<(Vec<f32>, Vec<u32>)>>;
+type PerWorker = Vec<Mutex<(Vec<f32>, Vec<u32>)>>;
 
-/// Grows `slots` to `threads` entries with room for `scores` scores and `order` indices each. Runs on the calling
+/// Grows `per` to `threads` entries with room for `scores` scores and `order` indices each. Runs on the calling
 /// thread before a dispatch, so the tasks (on whichever thread) never allocate.
-fn grow_slots(slots: &mut ScoreSlots, threads: usize, scores: usize, order: usize) {
-    if slots.len() < threads {
-        slots.resize_with(threads, Default::default);
+fn grow_per_worker(per: &mut PerWorker, threads: usize, scores: usize, order: usize) {
+    if per.len() < threads {
+        per.resize_with(threads, Default::default);
     }
-    for s in slots.iter_mut() {
+    for s in per.iter_mut() {
         let (sc, or) = s.get_mut().unwrap_or_else(|e| e.into_inner());
         reserve_to(sc, scores);
         reserve_to(or, order);
     }
 }
 
-/// The calling thread's entry of `slots` (locked; uncontended unless threads of two pools share a slot number).
-fn slot(slots: &[Mutex<(Vec<f32>, Vec<u32>)>]) -> MutexGuard<'_, (Vec<f32>, Vec<u32>)> {
-    slots[thread_slot() % slots.len()].lock().unwrap_or_else(|e| e.into_inner())
+/// The calling thread's entry of `per` (locked; uncontended unless threads of two pools share a worker index).
+fn mine(per: &[Mutex<(Vec<f32>, Vec<u32>)>]) -> MutexGuard<'_, (Vec<f32>, Vec<u32>)> {
+    per[worker_index() % per.len()].lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Grows `v`'s capacity to at least `n` (no-op when already there).
@@ -55,14 +55,14 @@ fn reserve_to<T>(v: &mut Vec<T>, n: usize) {
 /// The ring row holding position `pos` (of `hd` values, window `window`).
 #[inline]
 pub fn ring_row(lk: &LayerKv, pos: usize, window: usize, hd: usize) -> &[f32] {
-    let s = crate::tables::kv::ring_slot(pos, window);
+    let s = crate::tables::kv::ring_index(pos, window);
     &lk.ring[s * hd..(s + 1) * hd]
 }
 
 /// The ring row holding position `pos`, for writing.
 #[inline]
 pub fn ring_row_mut(lk: &mut LayerKv, pos: usize, window: usize, hd: usize) -> &mut [f32] {
-    let s = crate::tables::kv::ring_slot(pos, window);
+    let s = crate::tables::kv::ring_index(pos, window);
     &mut lk.ring[s * hd..(s + 1) * hd]
 }
 
@@ -144,13 +144,13 @@ pub fn indexer_topk(pool: &Pool, sc: &mut Scratch, cx: &StepCtx<'_>, layer: usiz
     let topk = c.idx_topk.max(1);
     let kvs = &*cx.kv;
     let need = kvs.iter().map(|k| k.layers[layer].idx_rows.capacity_rows()).max().unwrap_or(0);
-    grow_slots(&mut sc.scores, pool.threads(), need, need);
-    let (iq, iwb, slots) = (&sc.iq, &sc.iw, &sc.scores);
+    grow_per_worker(&mut sc.scores, pool.threads(), need, need);
+    let (iq, iwb, per) = (&sc.iq, &sc.iw, &sc.scores);
     par_rows(pool, &mut sc.sel[..n * topk], topk, &|r, out| {
         let row = rows[r];
         let lk = &kvs[row.run].layers[layer];
         let n_vis = crate::graph::visibility::compressed(row.pos, ratio);
-        let mut g = slot(slots);
+        let mut g = mine(per);
         let (scores, order) = &mut *g;
         // Size the scratch for every row this session can hold, once (no growth while decoding).
         reserve_to(scores, lk.idx_rows.capacity_rows());
@@ -214,8 +214,8 @@ pub fn sparse_attention(pool: &Pool, sc: &mut Scratch, cx: &StepCtx<'_>, layer: 
         window + if kind == LayerKind::Csa { comp.min(topk) } else { comp }
     };
     let need = kvs.iter().map(|k| keys_max(&k.layers[layer])).max().unwrap_or(0);
-    grow_slots(&mut sc.scores, pool.threads(), span * need, 0);
-    let (q, kvb, sel, slots) = (&sc.q, &sc.kv, &sc.sel, &sc.scores);
+    grow_per_worker(&mut sc.scores, pool.threads(), span * need, 0);
+    let (q, kvb, sel, per) = (&sc.q, &sc.kv, &sc.sel, &sc.scores);
     par_rows(pool, &mut sc.attn[..n * nh * hd], span * hd, &|i, out| {
         let (r, h0) = (i / spans, (i % spans) * span);
         let row = rows[r];
@@ -247,7 +247,7 @@ pub fn sparse_attention(pool: &Pool, sc: &mut Scratch, cx: &StepCtx<'_>, layer: 
                 comp_row(lk, j - nw, hd)
             }
         };
-        let mut g = slot(slots);
+        let mut g = mine(per);
         let (scores, _) = &mut *g;
         reserve_to(scores, span * keys_max(lk));
         let qs = &q[(r * nh + h0) * hd..(r * nh + h0 + span) * hd];

@@ -82,7 +82,7 @@ pub struct Scratch {
     /// The grouped MoE dispatch's own buffers (grown on first use).
     pub moe: moe::MoeScratch,
     /// Attention and indexer scores and selection order, one entry per pool thread (see
-    /// [`pool::thread_slot`]), grown on the calling thread before the dispatch.
+    /// [`pool::worker_index`]), grown on the calling thread before the dispatch.
     pub scores: Vec<std::sync::Mutex<(Vec<f32>, Vec<u32>)>>,
 }
 

@@ -3,9 +3,9 @@
 //! [`route`]: router scores `s = sqrt(softplus(gate·x))`; selection `topk(s + bias)` (ties to the lower expert
 //! id) or, on hash layers, `tid2eid[token]`; weights `s[sel]` renormalised (`/ (Σ + 1e-20)`) when the model says
 //! so, times the routed scale; and the plan: rows grouped by expert (ascending id), then the shared expert, as
-//! slots of consecutive rows of the expert buffers. [`expert_up`]: every slot's `w1·x` and `w3·x` in one dispatch
+//! groups of consecutive rows of the expert buffers. [`expert_up`]: every group's `w1·x` and `w3·x` in one dispatch
 //! (each expert's weights read once per batch). [`swiglu_rows`]: `silu(min(w1·x, L)) · clamp(w3·x, −L, L)`, times
-//! the row's routing weight (1 for the shared expert). [`expert_down`]: every slot's `w2·h` in one dispatch.
+//! the row's routing weight (1 for the shared expert). [`expert_down`]: every group's `w2·h` in one dispatch.
 //! [`combine`]: the routed (already weighted) outputs added in ascending expert order, then the shared expert —
 //! the meanings [`crate::graph::Op::SwiGlu`] and [`crate::graph::Op::MoeCombine`] document for every backend.
 
@@ -54,7 +54,7 @@ fn shared_expert<'m>(
     })
 }
 
-/// [`crate::graph::Op::MoeRoute`]: selection, weights and the slot plan of every row.
+/// [`crate::graph::Op::MoeRoute`]: selection, weights and the group plan of every row.
 #[allow(clippy::needless_range_loop)]
 pub fn route(sc: &mut Scratch, cx: &StepCtx<'_>, layer: usize, hash: bool) -> Result<()> {
     let model = cx.model;
@@ -128,15 +128,15 @@ pub fn route(sc: &mut Scratch, cx: &StepCtx<'_>, layer: usize, hash: bool) -> Re
         }
     }
 
-    // Routed experts in ascending id, then the shared expert, as slots of consecutive rows of h1/h3/eo.
+    // Routed experts in ascending id, then the shared expert, as groups of consecutive rows of h1/h3/eo.
     let ms = &mut sc.moe;
-    ms.slots.clear();
+    ms.groups.clear();
     sc.idx.clear();
     ms.pick.clear();
     for e in 0..ne {
         let list = &sc.expert_rows[e];
         if !list.is_empty() {
-            ms.slots.push(Slot { expert: Some(e), start: sc.idx.len(), m: list.len() });
+            ms.groups.push(ExpertGroup { expert: Some(e), start: sc.idx.len(), m: list.len() });
             sc.idx.extend(list.iter().map(|&(r, _)| r));
             ms.pick.extend_from_slice(list);
         }
@@ -144,7 +144,7 @@ pub fn route(sc: &mut Scratch, cx: &StepCtx<'_>, layer: usize, hash: bool) -> Re
     ms.routed = sc.idx.len();
     ms.shared = lw.gate_sh.is_some() && lw.up_sh.is_some() && lw.down_sh.is_some();
     if ms.shared {
-        ms.slots.push(Slot { expert: None, start: ms.routed, m: n });
+        ms.groups.push(ExpertGroup { expert: None, start: ms.routed, m: n });
     }
     ms.total = ms.routed + if ms.shared { n } else { 0 };
     grow(&mut sc.h1, ms.total * ffn);
@@ -153,7 +153,7 @@ pub fn route(sc: &mut Scratch, cx: &StepCtx<'_>, layer: usize, hash: bool) -> Re
     Ok(())
 }
 
-/// [`crate::graph::Op::ExpertUp`]: gate and up products of every slot in one dispatch.
+/// [`crate::graph::Op::ExpertUp`]: gate and up products of every group in one dispatch.
 pub fn expert_up(pool: &Pool, sc: &mut Scratch, cx: &StepCtx<'_>, layer: usize) -> Result<()> {
     let model = cx.model;
     let c = &model.config;
@@ -170,17 +170,17 @@ pub fn expert_up(pool: &Pool, sc: &mut Scratch, cx: &StepCtx<'_>, layer: usize) 
     let all_rows = RowAt::Strided { stride: d, off: 0 };
     let mut prepared = [false; 3];
     for k in [kr.gate, kr.up].into_iter().chain(shared.iter().flat_map(|s| [s.3.gate, s.3.up])) {
-        let slot = act_slot(&k);
-        if matches!(k, Kernel::Q { .. }) && !prepared[slot] {
-            ms.xacts[slot].prepare_par(pool, &k, &sc.xn, all_rows, n, d)?;
-            prepared[slot] = true;
+        let a = act_index(&k);
+        if matches!(k, Kernel::Q { .. }) && !prepared[a] {
+            ms.xacts[a].prepare_par(pool, &k, &sc.xn, all_rows, n, d)?;
+            prepared[a] = true;
         }
     }
 
-    let (slots, idx, xacts, xn) = (&ms.slots, &sc.idx, &ms.xacts, &sc.xn);
+    let (groups, idx, xacts, xn) = (&ms.groups, &sc.idx, &ms.xacts, &sc.xn);
     let (o1, o3) = (Out::new(&mut sc.h1, ffn, 0), Out::new(&mut sc.h3, ffn, 0));
     let product = |u: usize| {
-        let s = slots[u / 2];
+        let s = groups[u / 2];
         let (w, k, at) = match (s.expert, shared) {
             (Some(e), _) => {
                 let (w, k) = if u & 1 == 0 { (gate_m, kr.gate) } else { (up_m, kr.up) };
@@ -190,19 +190,19 @@ pub fn expert_up(pool: &Pool, sc: &mut Scratch, cx: &StepCtx<'_>, layer: usize) 
                 let (w, k) = if u & 1 == 0 { (g, ks.gate) } else { (up, ks.up) };
                 (w, k, RowAt::Strided { stride: 1, off: 0 })
             }
-            (None, None) => unreachable!("shared slot without shared weights"),
+            (None, None) => unreachable!("shared group without shared weights"),
         };
         let out = if u & 1 == 0 { o1 } else { o3 };
-        Product { w, k, input: xacts[act_slot(&k)].input(&k, xn, d, at), n: s.m, out: out.shifted(s.start * ffn) }
+        Product { w, k, input: xacts[act_index(&k)].input(&k, xn, d, at), n: s.m, out: out.shifted(s.start * ffn) }
     };
-    // SAFETY: product `u` writes rows `start..start + m` of h1 (even `u`) or h3 (odd `u`) of its own slot; slots
-    // do not overlap (the plan of `route`, which also grew h1/h3 to every slot row); h1/h3 outlive the call and
+    // SAFETY: product `u` writes rows `start..start + m` of h1 (even `u`) or h3 (odd `u`) of its own group; groups
+    // do not overlap (the plan of `route`, which also grew h1/h3 to every group row); h1/h3 outlive the call and
     // are not otherwise used during it.
-    unsafe { run_group(pool, 2 * ms.slots.len(), ffn, grain_rows(gate_m.row_bytes), &product) };
+    unsafe { run_group(pool, 2 * ms.groups.len(), ffn, grain_rows(gate_m.row_bytes), &product) };
     Ok(())
 }
 
-/// [`crate::graph::Op::SwiGlu`] over every slot row with the row kernel `f` (the portable [`swiglu`] or a native
+/// [`crate::graph::Op::SwiGlu`] over every group row with the row kernel `f` (the portable [`swiglu`] or a native
 /// override of the same signature), each routed row then scaled by its routing weight.
 pub fn swiglu_rows(
     pool: &Pool,
@@ -225,7 +225,7 @@ pub fn swiglu_rows(
     Ok(())
 }
 
-/// [`crate::graph::Op::ExpertDown`]: the SwiGLU outputs quantized, then every slot's down product in one dispatch.
+/// [`crate::graph::Op::ExpertDown`]: the SwiGLU outputs quantized, then every group's down product in one dispatch.
 pub fn expert_down(pool: &Pool, sc: &mut Scratch, cx: &StepCtx<'_>, layer: usize) -> Result<()> {
     let model = cx.model;
     let c = &model.config;
@@ -242,21 +242,21 @@ pub fn expert_down(pool: &Pool, sc: &mut Scratch, cx: &StepCtx<'_>, layer: usize
     if let Some((_, _, _, ks)) = &shared {
         ms.hacts[1].prepare_par(pool, &ks.down, &sc.h1, RowAt::Strided { stride: ffn, off: routed * ffn }, n, ffn)?;
     }
-    let (slots, hacts, h1) = (&ms.slots, &ms.hacts, &sc.h1);
+    let (groups, hacts, h1) = (&ms.groups, &ms.hacts, &sc.h1);
     let oe = Out::new(&mut sc.eo, d, 0);
     let product = |u: usize| {
-        let s = slots[u];
+        let s = groups[u];
         let (w, k, base, acts) = match (s.expert, shared) {
             (Some(e), _) => (down_m.rows_slice(e * d, d), kr.down, 0, &hacts[0]),
             (None, Some((_, _, dn, ks))) => (dn, ks.down, routed, &hacts[1]),
-            (None, None) => unreachable!("shared slot without shared weights"),
+            (None, None) => unreachable!("shared group without shared weights"),
         };
         let input = acts.input(&k, &h1[base * ffn..], ffn, RowAt::Strided { stride: 1, off: s.start - base });
         Product { w, k, input, n: s.m, out: oe.shifted(s.start * d) }
     };
-    // SAFETY: product `u` writes rows `start..start + m` of eo for its own slot; slots do not overlap; eo outlives
+    // SAFETY: product `u` writes rows `start..start + m` of eo for its own group; groups do not overlap; eo outlives
     // the call and is not otherwise used during it.
-    unsafe { run_group(pool, ms.slots.len(), d, grain_rows(down_m.row_bytes), &product) };
+    unsafe { run_group(pool, ms.groups.len(), d, grain_rows(down_m.row_bytes), &product) };
     Ok(())
 }
 
@@ -310,7 +310,7 @@ impl Kinds {
 
 /// Which `xacts` buffer holds activations for kernel `k` (one per quantized activation format; float kernels
 /// read the f32 rows and never prepare one).
-fn act_slot(k: &Kernel) -> usize {
+fn act_index(k: &Kernel) -> usize {
     match k.act_type() {
         ActType::Q8_0 => 1,
         ActType::Q8KPairs => 2,
@@ -320,19 +320,19 @@ fn act_slot(k: &Kernel) -> usize {
 
 /// One expert of the grouped dispatch: rows `start..start + m` of h1/h3/eo (`expert: None` = the shared expert).
 #[derive(Clone, Copy, Debug)]
-pub struct Slot {
+pub struct ExpertGroup {
     expert: Option<usize>,
     start: usize,
     m: usize,
 }
 
 /// Buffers of the grouped MoE dispatch, grown to the largest batch seen and then reused (no allocation in decode).
-/// The slot rows themselves live in `Scratch::{idx, h1, h3, eo}` (batch row of every routed row; gate, up and down
-/// outputs of every slot row), grown here past their per-batch-row size to `(n_experts_used + 1) · n` rows.
+/// The group rows themselves live in `Scratch::{idx, h1, h3, eo}` (batch row of every routed row; gate, up and down
+/// outputs of every group row), grown here past their per-batch-row size to `(n_experts_used + 1) · n` rows.
 #[derive(Debug, Default)]
 pub struct MoeScratch {
-    slots: Vec<Slot>,
-    /// Routed slot rows, whether the last slot is the shared expert, and all slot rows.
+    groups: Vec<ExpertGroup>,
+    /// Routed group rows, whether the last group is the shared expert, and all group rows.
     routed: usize,
     shared: bool,
     total: usize,

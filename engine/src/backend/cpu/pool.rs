@@ -42,16 +42,16 @@ const WAIT_SPIN: Duration = Duration::from_micros(100);
 thread_local! {
     /// Set while this thread executes pool tasks (workers always; the caller during its share of a job).
     static IN_TASK: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-    /// This thread's slot: `w` on worker `w`, 0 on any other thread. See [`thread_slot`].
-    static SLOT: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    /// This thread's worker index: `w` on worker `w`, 0 on any other thread. See [`worker_index`].
+    static WORKER: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
-/// The slot of the calling thread in the pool it works for: `w` (`1..threads`) on worker `w`, 0 on any other thread
-/// (the caller of [`Pool::run`]). Ops keep per-thread scratch as one entry per slot (index it modulo the entry
-/// count, and lock it: a thread of another pool may share a slot number), grown on the calling thread before a
+/// The index of the calling thread in the pool it works for: `w` (`1..threads`) on worker `w`, 0 on any other thread
+/// (the caller of [`Pool::run`]). Ops keep per-thread scratch as one entry per worker index (index it modulo the
+/// entry count, and lock it: a thread of another pool may share an index), grown on the calling thread before a
 /// dispatch — so nothing is allocated on a worker, whichever tasks the scheduling hands it.
-pub fn thread_slot() -> usize {
-    SLOT.get()
+pub fn worker_index() -> usize {
+    WORKER.get()
 }
 
 /// Locks `m`, ignoring poisoning (the guarded data is `()`; the pool's state lives in atomics). `std`'s futex-based
@@ -196,7 +196,7 @@ impl Pool {
                 std::thread::Builder::new()
                     .name(format!("ds4-cpu-{w}"))
                     .spawn(move || {
-                        SLOT.set(w);
+                        WORKER.set(w);
                         worker(sh)
                     })
                     .expect("failed to spawn a CPU worker thread")

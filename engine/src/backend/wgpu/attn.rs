@@ -19,7 +19,7 @@
 use super::backend::WgpuBackend;
 use super::context::{backend_err, ScratchBuf, WgpuContext};
 use super::kvdev::{copy_rows, DevKv, FrontDev, LayerDev, LayerPools, LogSources, SlotKv};
-use super::ops::{self, key, ActSim, KeyLists, KeySources, Paged, PoolSlot, RopeShape};
+use super::ops::{self, key, ActSim, KeyLists, KeySources, Paged, PoolInput, RopeShape};
 use super::pagedev::{PagePool, PageTable};
 use super::resident::{rope_table, Tick};
 use crate::backend::StepCtx;
@@ -134,7 +134,7 @@ impl Compress<'_> {
         if w1 > w0 {
             let nw = w1 - w0;
             let spw = coff * ratio;
-            let mut slots: Vec<PoolSlot> = Vec::with_capacity(nw * spw);
+            let mut slots: Vec<PoolInput> = Vec::with_capacity(nw * spw);
             for win in w0..w1 {
                 if coff == 2 {
                     for s in 0..ratio {

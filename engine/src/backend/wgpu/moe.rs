@@ -162,7 +162,7 @@ fn plan_by_expert(
 }
 
 /// The routed slot rows of one MoE layer, laid out as `experts` says.
-struct Slots<'a> {
+struct ExpertGroups<'a> {
     experts: Experts,
     plan: &'a MoePlan,
     /// The selected experts (`[rows, k]`, on the device) and the number of slot rows (`rows · k`).
@@ -170,7 +170,7 @@ struct Slots<'a> {
     n: usize,
 }
 
-impl Slots<'_> {
+impl ExpertGroups<'_> {
     /// Products of expert matrix `w` (`per` rows per expert) for every slot row into row `i` of `y`: per row, slot
     /// `i` reads row `i / x_div` of `x` and picks its expert by the selected id; by expert, slot `i` reads row `i`
     /// of `x` (gathered) and each group of the plan multiplies its expert's rows once.
@@ -219,9 +219,9 @@ pub fn expert_up(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, layer: usize,
             View::new(&packed, d)
         }
     };
-    let slots = Slots { experts, plan, sel: &sel, n: n * k };
-    slots.products(ctx, enc, &gm, ffn, x, k, gv)?;
-    slots.products(ctx, enc, &um, ffn, x, k, gv.at(ffn))?;
+    let groups = ExpertGroups { experts, plan, sel: &sel, n: n * k };
+    groups.products(ctx, enc, &gm, ffn, x, k, gv)?;
+    groups.products(ctx, enc, &um, ffn, x, k, gv.at(ffn))?;
     if let (Some(g), Some(up)) = (lw.gate_sh, lw.up_sh) {
         let (g, up) = (be.mat(model, g)?, be.mat(model, up)?);
         let enc = t.enc(ctx);
@@ -267,8 +267,8 @@ pub fn expert_down(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, layer: usiz
     let dm = be.mat_grouped(model, lw.down_exps, d)?;
     let (sh_gu, sh_out) = t.shared(ctx, model);
     let (enc, plan) = t.enc_moe(ctx);
-    let slots = Slots { experts, plan, sel: &sel, n: n * k };
-    slots.products(ctx, enc, &dm, d, View::new(&gu, 2 * ffn), 1, View::new(&eo, d))?;
+    let groups = ExpertGroups { experts, plan, sel: &sel, n: n * k };
+    groups.products(ctx, enc, &dm, d, View::new(&gu, 2 * ffn), 1, View::new(&eo, d))?;
     if let Some(dn) = lw.down_sh {
         let dn = be.mat(model, dn)?;
         be.mm(t.enc(ctx), &dn, View::new(&sh_gu, 2 * ffn), n, View::new(&sh_out, d))?;

@@ -394,8 +394,8 @@ pub fn hc_post(
     ctx.dispatch_at(enc, &pl, &[(0, xs), (1, f.0), (4, state), (5, out), (6, &ub)], [groups(s.d)?, p.n_tok, 1])
 }
 
-/// One pooling slot: source token row, feature offset within the row, APE row. `None` = empty slot.
-pub type PoolSlot = Option<(u32, u32, u32)>;
+/// One input of a pooling window: source token row, feature offset within the row, APE row. `None` = none.
+pub type PoolInput = Option<(u32, u32, u32)>;
 
 /// Compressor pooling (see `compress.wgsl`): `slots.len()` must be `n_windows * slots_per_window`.
 #[allow(clippy::too_many_arguments)]
@@ -407,7 +407,7 @@ pub fn compress_pool(
     src_stride: usize,
     ape: &Buf,
     ape_stride: usize,
-    slots: &[PoolSlot],
+    slots: &[PoolInput],
     slots_per_window: usize,
     dim: usize,
     out: (&Buf, usize, usize),

@@ -263,7 +263,7 @@ fn compress_pool_matches_cpu() {
     let gate = rand_vec(&mut rng, n_tokens * stride, -2.0, 2.0);
     let ape = rand_vec(&mut rng, m * stride, -1.0, 1.0);
     // Window w: Ca (offset 0) of block w-1 then Cb (offset dim) of block w; block -1 empty.
-    let mut slots: Vec<PoolSlot> = Vec::new();
+    let mut slots: Vec<PoolInput> = Vec::new();
     for w in 0..2u32 {
         for j in 0..m as u32 {
             slots.push((w > 0).then(|| ((w - 1) * m as u32 + j, 0, j)));
