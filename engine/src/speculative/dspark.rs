@@ -34,6 +34,7 @@ use std::collections::HashMap;
 
 use super::mtp::MAX_DRAFT;
 use super::Drafter;
+use crate::backend::cpu::attention::attend;
 use crate::backend::cpu::matmul::matmul;
 use crate::backend::cpu::pool::Pool;
 use crate::backend::cpu::{hc, moe, norm};
@@ -434,23 +435,10 @@ impl DsparkDrafter {
             keys.extend(kv[b * bs * hd..(b + 1) * bs * hd].chunks_exact(hd));
             for i in 0..bs {
                 let r = b * bs + i;
-                for h in 0..nh {
-                    let qh = &q[(r * nh + h) * hd..(r * nh + h + 1) * hd];
-                    sc.clear();
-                    sc.extend(keys.iter().map(|k| qh.iter().zip(*k).map(|(x, y)| x * y).sum::<f32>() * scale));
-                    let mx = sc.iter().fold(sinks[h], |acc, &z| acc.max(z));
-                    let mut den = (sinks[h] - mx).exp();
-                    for z in sc.iter_mut() {
-                        *z = (*z - mx).exp();
-                        den += *z;
-                    }
-                    let oh = &mut o[(r * nh + h) * hd..(r * nh + h + 1) * hd];
-                    for (k, &p) in keys.iter().zip(&sc) {
-                        let p = p / den;
-                        oh.iter_mut().zip(*k).for_each(|(acc, &kv)| *acc += p * kv);
-                    }
-                    self.rope.apply(oh, pos[r], true);
-                }
+                let oh = &mut o[r * nh * hd..(r + 1) * nh * hd];
+                let key = |j: usize| keys[j];
+                attend(&q[r * nh * hd..(r + 1) * nh * hd], &sinks[..nh], keys.len(), &key, scale, &mut sc, oh);
+                oh.chunks_exact_mut(hd).for_each(|h| self.rope.apply(h, pos[r], true));
             }
         }
         // Grouped output projection: group g of the heads' outputs through rows g·rank.. of wo_a.
@@ -490,22 +478,14 @@ impl DsparkDrafter {
         let (gate, up, down) = (m.mat(lw.gate_exps), m.mat(lw.up_exps), m.mat(lw.down_exps));
         let mut out = vec![0f32; n * d];
         let (mut h1, mut h3, mut y) = (vec![0f32; ffn], vec![0f32; ffn], vec![0f32; d]);
+        let (mut sel, mut wts) = (vec![0u32; k], vec![0f32; k]);
         for r in 0..n {
             let x = &xn[r * d..(r + 1) * d];
-            let scores: Vec<f32> = router[r * ne..(r + 1) * ne].iter().map(|&z| softplus(z).sqrt()).collect();
-            let biased = |e: usize| scores[e] + bias.map_or(0.0, |b| b[e]);
-            // Top-k of the biased scores, ties to the lower id.
-            let mut ids: Vec<usize> = (0..ne).collect();
-            ids.sort_by(|&a, &b| biased(b).total_cmp(&biased(a)).then(a.cmp(&b)));
-            ids.truncate(k);
-            let sum: f32 = ids.iter().map(|&e| scores[e]).sum();
-            let mut chosen: Vec<(usize, f32)> = ids
-                .iter()
-                .map(|&e| {
-                    let w = if c.weights_norm { scores[e] / (sum + 1e-20) } else { scores[e] };
-                    (e, w * c.routed_scale)
-                })
-                .collect();
+            let scores = &mut router[r * ne..(r + 1) * ne];
+            moe::router_scores(scores);
+            moe::top_k_biased(scores, bias, &mut sel);
+            moe::routing_weights(scores, &sel, c.weights_norm, c.routed_scale, &mut wts);
+            let mut chosen: Vec<(usize, f32)> = sel.iter().map(|&e| e as usize).zip(wts.iter().copied()).collect();
             chosen.sort_by_key(|&(e, _)| e);
             let o = &mut out[r * d..(r + 1) * d];
             for (e, w) in chosen {
@@ -535,14 +515,6 @@ fn hc_post(x: &mut [f32], f: &[f32], post: &[f32], comb: &[f32], hc: usize, d: u
     let mut tmp = vec![0f32; hc * d];
     for (r, xr) in x.chunks_exact_mut(hc * d).enumerate() {
         hc::post_mix(xr, &f[r * d..(r + 1) * d], &post[r * hc..(r + 1) * hc], &comb[r * hc * hc..], hc, d, &mut tmp);
-    }
-}
-
-fn softplus(x: f32) -> f32 {
-    if x > 20.0 {
-        x
-    } else {
-        x.exp().ln_1p()
     }
 }
 

@@ -273,7 +273,7 @@ fn head_span(nh: usize, n: usize, threads: usize) -> usize {
 /// `key(0..nk)`, as documented on [`sparse_attention`]: scores and weighted sums by tiles of [`KEY_TILE`] keys, each
 /// tile through every group of [`HEAD_GROUP`] heads (single heads where the count is no multiple). `scores` is
 /// scratch (grown to `sinks.len() · nk`; no allocation when its capacity suffices).
-fn attend<'k>(
+pub(crate) fn attend<'k>(
     qs: &[f32],
     sinks: &[f32],
     nk: usize,

@@ -54,6 +54,52 @@ fn shared_expert<'m>(
     })
 }
 
+/// Router logits `z` → scores `sqrt(softplus(z))`, in place (one row).
+pub fn router_scores(z: &mut [f32]) {
+    for v in z.iter_mut() {
+        *v = softplus(*v).sqrt();
+    }
+}
+
+/// The top `sel.len()` experts of one row by `scores + bias`, best first, ties to the lower id.
+pub fn top_k_biased(scores: &[f32], bias: Option<&[f32]>, sel: &mut [u32]) {
+    let k = sel.len();
+    let biased = |e: usize| scores[e] + bias.map_or(0.0, |b| b[e]);
+    // Insertion into a sorted list of k.
+    let mut n_in = 0usize;
+    for e in 0..scores.len() {
+        let v = biased(e);
+        let mut at = n_in;
+        while at > 0 && biased(sel[at - 1] as usize) < v {
+            at -= 1;
+        }
+        if at < k {
+            let end = n_in.min(k - 1);
+            for i in (at..end).rev() {
+                sel[i + 1] = sel[i];
+            }
+            sel[at] = e as u32;
+            n_in = (n_in + 1).min(k);
+        }
+    }
+}
+
+/// The routing weights of one row's selection `sel`: `scores[sel]`, renormalised (`/ (Σ + 1e-20)`) when `norm`,
+/// times `scale`.
+pub fn routing_weights(scores: &[f32], sel: &[u32], norm: bool, scale: f32, w: &mut [f32]) {
+    let mut sum = 0f32;
+    for (wj, &e) in w.iter_mut().zip(sel) {
+        *wj = scores[e as usize];
+        sum += *wj;
+    }
+    for wj in w.iter_mut() {
+        if norm {
+            *wj /= sum + 1e-20;
+        }
+        *wj *= scale;
+    }
+}
+
 /// [`crate::graph::Op::MoeRoute`]: selection, weights and the group plan of every row.
 #[allow(clippy::needless_range_loop)]
 pub fn route(sc: &mut Scratch, cx: &StepCtx<'_>, layer: usize, hash: bool) -> Result<()> {
@@ -79,50 +125,16 @@ pub fn route(sc: &mut Scratch, cx: &StepCtx<'_>, layer: usize, hash: bool) -> Re
     }
     for r in 0..n {
         let logits = &mut sc.router[r * ne..(r + 1) * ne];
-        for v in logits.iter_mut() {
-            *v = softplus(*v).sqrt();
-        }
+        router_scores(logits);
         let sel = &mut sc.sel_e[r * k..(r + 1) * k];
         match table {
             Some(t) => {
                 let tok = rows[r].token as usize;
-                for (j, s) in sel.iter_mut().enumerate() {
-                    *s = t[tok * k + j];
-                }
+                sel.copy_from_slice(&t[tok * k..(tok + 1) * k]);
             }
-            None => {
-                // Top-k of s + bias, ties to the lower id: insertion into a sorted list of k.
-                let mut n_in = 0usize;
-                let biased = |e: usize| logits[e] + bias.map_or(0.0, |b| b[e]);
-                for e in 0..ne {
-                    let v = biased(e);
-                    let mut at = n_in;
-                    while at > 0 && biased(sel[at - 1] as usize) < v {
-                        at -= 1;
-                    }
-                    if at < k {
-                        let end = n_in.min(k - 1);
-                        for i in (at..end).rev() {
-                            sel[i + 1] = sel[i];
-                        }
-                        sel[at] = e as u32;
-                        n_in = (n_in + 1).min(k);
-                    }
-                }
-            }
+            None => top_k_biased(logits, bias, sel),
         }
-        let w = &mut sc.w_e[r * k..(r + 1) * k];
-        let mut sum = 0f32;
-        for (wj, &e) in w.iter_mut().zip(sel.iter()) {
-            *wj = logits[e as usize];
-            sum += *wj;
-        }
-        for wj in w.iter_mut() {
-            if c.weights_norm {
-                *wj /= sum + 1e-20;
-            }
-            *wj *= c.routed_scale;
-        }
+        routing_weights(logits, sel, c.weights_norm, c.routed_scale, &mut sc.w_e[r * k..(r + 1) * k]);
         for (j, &e) in sel.iter().enumerate() {
             sc.expert_rows[e as usize].push((r, j));
         }
