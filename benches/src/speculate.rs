@@ -69,15 +69,11 @@ pub fn run(
         bail!("no prompt");
     }
     let threads = engine.options().threads;
-    let load = |k, what| {
-        AnyDrafter::load(engine.model(), k, 0.0, threads)?.ok_or_else(|| anyhow::anyhow!("the model has no {what}"))
-    };
+    let real = |k| AnyDrafter::require(engine.model(), k, 0.0, threads).map(Some);
     let mut real = match kind {
         BenchDrafter::Oracle => None,
-        BenchDrafter::Mtp => Some(load(ds4_engine::speculative::DrafterKind::Mtp, "MTP block (mtp.0.*)")?),
-        BenchDrafter::Dspark => {
-            Some(load(ds4_engine::speculative::DrafterKind::Dspark, "DSpark drafter (deepseek4.dspark.*)")?)
-        }
+        BenchDrafter::Mtp => real(ds4_engine::speculative::DrafterKind::Mtp)?,
+        BenchDrafter::Dspark => real(ds4_engine::speculative::DrafterKind::Dspark)?,
     };
     // Warm-up (first touch of weights and scratch), as the throughput run does.
     let w = engine.create_session();

@@ -102,14 +102,17 @@ pub fn drafter_for(engine: &Engine, choice: SpecChoice, threads: usize) -> anyho
         SpecChoice::Dspark => DrafterKind::Dspark,
         SpecChoice::Auto => DrafterKind::Any,
     };
-    let d = AnyDrafter::load(engine.model(), kind, 0.0, threads)?;
-    match (&d, choice) {
-        (None, SpecChoice::Mtp) => anyhow::bail!("--speculative mtp: the model has no MTP block (mtp.0.*)"),
-        (None, SpecChoice::Dspark) => {
-            anyhow::bail!("--speculative dspark: the model has no DSpark drafter (a V4-Flash-0731 conversion has one)")
-        }
-        (Some(d), _) => tracing::info!(drafter = d.name(), "speculative decoding"),
-        _ => {}
+    let d = if choice == SpecChoice::Auto {
+        AnyDrafter::load(engine.model(), kind, 0.0, threads)?
+    } else {
+        let name = if kind == DrafterKind::Mtp { "mtp" } else { "dspark" };
+        Some(
+            AnyDrafter::require(engine.model(), kind, 0.0, threads)
+                .map_err(|e| anyhow::anyhow!("--speculative {name}: {e}"))?,
+        )
+    };
+    if let Some(d) = &d {
+        tracing::info!(drafter = d.name(), "speculative decoding");
     }
     Ok(d)
 }

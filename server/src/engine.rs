@@ -74,19 +74,9 @@ impl EngineRunner {
         kind: ds4_engine::speculative::DrafterKind,
         min_confidence: f32,
     ) -> Result<&'static str, BackendError> {
-        use ds4_engine::speculative::{AnyDrafter, DrafterKind};
         let threads = self.engine.options().threads;
-        let d = AnyDrafter::load(self.engine.model(), kind, min_confidence, threads).map_err(be)?.ok_or_else(|| {
-            BackendError(match kind {
-                DrafterKind::Mtp => "the model file has no MTP block (mtp.0.*): --speculative mtp needs one".into(),
-                DrafterKind::Dspark => {
-                    "the model file has no DSpark drafter (deepseek4.dspark.*, mtp.0.main_proj): --speculative \
-                     dspark needs a V4-Flash-0731 conversion"
-                        .into()
-                }
-                DrafterKind::Any => "the model file has no drafter".into(),
-            })
-        })?;
+        let d = ds4_engine::speculative::AnyDrafter::require(self.engine.model(), kind, min_confidence, threads)
+            .map_err(be)?;
         let name = d.name();
         self.drafter = Some(d);
         let sids: Vec<_> = self.ids.values().copied().collect();

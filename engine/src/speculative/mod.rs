@@ -111,6 +111,29 @@ impl AnyDrafter {
         }
     }
 
+    /// [`AnyDrafter::load`] for a caller that needs the drafter: a missing one is an error naming what the file
+    /// lacks.
+    pub fn require(
+        target: &crate::model::Model,
+        kind: DrafterKind,
+        min_confidence: f32,
+        threads: usize,
+    ) -> Result<Self> {
+        Self::load(target, kind, min_confidence, threads)?.ok_or_else(|| {
+            crate::Error::InvalidArgument(
+                match kind {
+                    DrafterKind::Mtp => "the model file has no MTP block (mtp.0.*)",
+                    DrafterKind::Dspark => {
+                        "the model file has no DSpark drafter (deepseek4.dspark.*, mtp.0.main_proj: a V4-Flash-0731 \
+                         conversion has one)"
+                    }
+                    DrafterKind::Any => "the model file has no drafter (an MTP block or a DSpark drafter)",
+                }
+                .into(),
+            )
+        })
+    }
+
     /// Whether `target`'s file holds a drafter of `kind`.
     pub fn present(target: &crate::model::Model, kind: DrafterKind) -> bool {
         let (m, d) = (target.has_mtp(), crate::model::DsparkModel::present(target));
