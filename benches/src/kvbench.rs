@@ -210,7 +210,7 @@ pub fn run(engine: &mut Engine, opts: &KvBenchOptions, out: &mut dyn Write, pb: 
     pb.set_length(opts.lengths.iter().map(|&l| l as u64).sum());
     writeln!(out, "{CSV_HEADER}")?;
     out.flush()?;
-    let kv_opts = persist::kv_options(engine, opts.span, u64::MAX / 4);
+    let kv_opts = persist::kv_options(engine.config(), opts.span, u64::MAX / 4);
     let mut rows = Vec::new();
     for (i, &len) in opts.lengths.iter().enumerate() {
         pb.set_message(format!("recompute {len}"));
@@ -352,7 +352,8 @@ mod tests {
         engine.feed(s, &tokens).unwrap();
         engine.run_until_idle().unwrap();
         let tmp = tempfile::tempdir().unwrap();
-        let store = persist::open_store(&engine, tmp.path(), persist::kv_options(&engine, 8, u64::MAX / 4)).unwrap();
+        let store =
+            persist::open_store(&engine, tmp.path(), persist::kv_options(engine.config(), 8, u64::MAX / 4)).unwrap();
         let saved = persist::save(&store, &engine, s, SaveReason::Cold).unwrap();
         assert_eq!((saved.pages, saved.pages_written, saved.position), (2, 2, 21));
         let (r, matched) = persist::restore_longest(&store, &mut engine, &tokens).unwrap().unwrap();

@@ -374,7 +374,7 @@ pub fn replay(
         );
     }
     let policy = SavePolicy { system_block_min_tokens: opts.system_block_min_tokens, ..SavePolicy::default() };
-    let kv_opts = persist::kv_options(engine, opts.span, u64::MAX / 4);
+    let kv_opts = persist::kv_options(engine.config(), opts.span, u64::MAX / 4);
     std::fs::create_dir_all(&opts.dir).with_context(|| format!("creating {}", opts.dir.display()))?;
     let store = persist::open_store(engine, &opts.dir, kv_opts.clone())?;
     let mut cache = Cache { parked: Vec::new(), store, disk: opts.disk, clock: 0 };

@@ -14,6 +14,7 @@
 //! | [`disk`] | atomic publish (temp, fsync, rename, fsync dir), temp cleanup, directory scan |
 //! | [`policy`] | eviction: pinned and interior entries stay, then lowest `(1+hits+sharers)·decay/bytes` |
 //! | [`triggers`] | when to save: cold, continued, evict, shutdown |
+//! | [`io`] | [`IoWorker`]: tier I/O (saves, restores, remote round trips) in order on a thread of its own |
 //! | [`admin`] | offline `ls` / `gc` of a directory holding any models' files (for `ds4 kv`) |
 //!
 //! A page holds, for one span of `span_tokens` tokens (a multiple of the largest compression ratio), the rows every
@@ -53,6 +54,7 @@ pub mod codec;
 pub mod disk;
 pub mod error;
 pub mod format;
+pub mod io;
 pub mod key;
 pub mod policy;
 pub mod store;
@@ -62,6 +64,7 @@ pub mod triggers;
 pub use codec::Encoding;
 pub use error::{KvError, KvResult};
 pub use format::{BlockDesc, EntryKind, Header, RowBlock, RowsView, SaveReason};
+pub use io::{IoJob, IoWorker};
 pub use key::{checkpoint_key, page_key, Key, ModelIdentity, PrefixHasher};
 pub use store::{DiskStatus, EntryInfo, EntryRef, ExportedEntry, GcReport, KvOptions, KvStore, LoadInfo, PrefixMatch};
 pub use table::{CheckpointId, EntryId, PageId, Tier};

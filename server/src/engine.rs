@@ -42,7 +42,6 @@ pub struct EngineRunner {
     ids: HashMap<RunnerSessionId, ds4_engine::tables::SessionId>,
     next: RunnerSessionId,
     max_sessions: usize,
-    disk: Option<crate::kvdisk::DiskTier>,
     /// Tokens of roll-back log per session (`EngineOptions::rollback`), for [`Runner::session_bytes`].
     rollback: usize,
     /// The drafter (`--speculative mtp|dspark|auto` on a model file with one); every engine session is attached
@@ -51,23 +50,6 @@ pub struct EngineRunner {
 }
 
 impl EngineRunner {
-    /// Turns on the disk KV tier in `dir` (budget `space_bytes`); see [`crate::kvdisk`].
-    pub fn enable_disk(&mut self, dir: std::path::PathBuf, space_bytes: u64) -> Result<(), BackendError> {
-        self.disk = Some(crate::kvdisk::DiskTier::open(&self.engine, dir, space_bytes).map_err(BackendError)?);
-        Ok(())
-    }
-
-    /// Turns on an in-memory local KV tier of `bytes` (no disk: for `--no-kv-disk` with `--kv-remote`).
-    pub fn enable_memory_tier(&mut self, bytes: u64) -> Result<(), BackendError> {
-        self.disk = Some(crate::kvdisk::DiskTier::open_memory(&self.engine, bytes).map_err(BackendError)?);
-        Ok(())
-    }
-
-    /// The disk tier, when on (to adjust its policy).
-    pub fn disk_tier(&mut self) -> Option<&mut crate::kvdisk::DiskTier> {
-        self.disk.as_mut()
-    }
-
     /// Turns on the model file's drafter of `kind`; an error when the file has none. Returns its name.
     pub fn enable_drafter(
         &mut self,
@@ -126,9 +108,6 @@ impl Runner for EngineRunner {
             if let Some(d) = &mut self.drafter {
                 use ds4_engine::speculative::Drafter;
                 d.detach(&mut self.engine, sid);
-            }
-            if let Some(d) = &mut self.disk {
-                d.forget(sid);
             }
             let _ = self.engine.free_session(sid);
         }
@@ -239,7 +218,7 @@ impl Runner for EngineRunner {
             .values()
             .filter_map(|&sid| self.engine.kv_bytes_by_tier(sid).ok())
             .fold((0, 0), |(d, h), (sd, sh)| (d + sd, h + sh));
-        crate::model::KvBytes { device, host, disk: self.disk.as_ref().map_or(0, |d| d.disk_bytes()) }
+        crate::model::KvBytes { device, host }
     }
 
     fn kv_bytes_copied(&self) -> u64 {
@@ -255,30 +234,34 @@ impl Runner for EngineRunner {
         device + host + if pos == 0 { 0 } else { log }
     }
 
-    fn disk_restore(&mut self, prompt: &[u32], better_than: usize) -> Option<(RunnerSessionId, usize)> {
+    fn position(&self, session: RunnerSessionId) -> Option<usize> {
+        self.engine.position(*self.ids.get(&session)?).ok()
+    }
+
+    fn kv_layout(&self) -> Option<ds4_engine::persist::KvLayout> {
+        Some(ds4_engine::persist::KvLayout::of(&self.engine))
+    }
+
+    fn export(
+        &mut self,
+        session: RunnerSessionId,
+        store: &ds4_kv::KvStore,
+        reason: ds4_kv::SaveReason,
+    ) -> Result<ds4_engine::persist::SaveJob, BackendError> {
+        let sid = self.sid(session)?;
+        ds4_engine::persist::SaveJob::prepare(store, &self.engine, sid, reason, &[]).map_err(be)
+    }
+
+    fn import(&mut self, snapshot: ds4_engine::tables::SessionSnapshot) -> Result<RunnerSessionId, BackendError> {
         if self.ids.len() >= self.max_sessions {
-            return None;
+            return Err(BackendError(format!("session table full ({} sessions)", self.max_sessions)));
         }
-        let (sid, n) = self.disk.as_mut()?.restore(&mut self.engine, prompt, better_than)?;
+        let sid = self.engine.restore(snapshot).map_err(be)?;
         self.next += 1;
         self.ids.insert(self.next, sid);
         // The restored positions' final streams are not in the file: the drafter's first window is cold.
         self.attach(sid);
-        Some((self.next, n))
-    }
-
-    fn disk_event(&mut self, session: RunnerSessionId, event: crate::kvdisk::DiskEvent) {
-        if let (Some(d), Some(&sid)) = (self.disk.as_mut(), self.ids.get(&session)) {
-            d.on_event(&self.engine, sid, event);
-        }
-    }
-
-    fn disk_error_counts(&self) -> crate::model::DiskErrors {
-        self.disk.as_ref().map(|d| d.error_counts()).unwrap_or_default()
-    }
-
-    fn disk_system_block(&mut self, prompt: &[u32], block: usize, cached: usize) -> Option<usize> {
-        self.disk.as_mut()?.system_block_save_at(prompt, block, cached)
+        Ok(self.next)
     }
 }
 
@@ -570,7 +553,6 @@ pub fn load(path: Option<&Path>, o: &LoadOptions) -> Result<(EngineRunner, Engin
         ids: HashMap::new(),
         next: 0,
         max_sessions: o.max_sessions.max(1),
-        disk: None,
         rollback: EngineOptions::DEFAULT_ROLLBACK,
         drafter: None,
     };

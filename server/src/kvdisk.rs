@@ -1,11 +1,23 @@
-//! The disk KV tier of the real engine: a `ds4-kv` store plus the save triggers, used by
-//! [`crate::engine::EngineRunner`] through [`crate::model::Runner::disk_restore`] / `disk_event`.
+//! The KV tier store behind the RAM tier: a `ds4-kv` store (on disk, or in memory with `--no-kv-disk` and
+//! `--kv-remote`), the shared tier on Redis behind it ([`crate::kvremote`]), the save triggers, and the I/O worker
+//! that does their reading and writing. The scheduler owns it (the model trait, [`crate::model::Runner`], only
+//! hands out and takes in session state: [`Runner::export`](crate::model::Runner::export),
+//! [`Runner::import`](crate::model::Runner::import)).
 //!
 //! How it works:
 //! * Lookup order for a new prompt: parked RAM sessions first (the scheduler), then this tier — it is asked only
-//!   when it could beat the RAM match. A hit restores the longest token-exact cached prefix that ends at a
-//!   checkpoint (`ds4_engine::persist::restore_longest`) as a new session; only the rest of the prompt is prefilled.
-//!   "Cached tokens" in the usage are the prompt tokens whose KV state came from RAM or disk instead of prefill.
+//!   when it could beat the RAM match ([`DiskTier::could_beat`]: the store's in-memory index, the saves still
+//!   queued, or a remote tier to ask). A hit restores the longest token-exact cached prefix that ends at a
+//!   checkpoint (`ds4_engine::persist::load_longest`); only the rest of the prompt is prefilled. "Cached tokens"
+//!   in the usage are the prompt tokens whose KV state came from RAM or disk instead of prefill.
+//! * Off the decode path: a save takes the session's state on the scheduler thread (a snapshot sharing the
+//!   session's pages; only its tail is copied) and queues the job; a restore queues the lookup. One I/O worker
+//!   ([`ds4_kv::IoWorker`], FIFO) encodes, writes and syncs the files, asks Redis, reads and decodes, and hands a
+//!   restored snapshot back over a channel ([`DiskTier::restored`]); the scheduler installs it at the next tick
+//!   boundary while the job waits and every other session goes on decoding. FIFO order means a restore queued
+//!   after a save finds what that save wrote. The queue is bounded: a save that finds it full is dropped and
+//!   counted (`ds4_kv_disk_saves_dropped_total`), except at shutdown, which waits for room, and the scheduler's
+//!   shutdown waits until everything queued is written.
 //! * Save triggers ([`DiskEvent`]): **cold** — a prompt that missed (at least `cold_min_tokens` prefilled) is saved
 //!   right after its prefill; **continued** — a session that grew `continued_every` tokens since its last save is
 //!   saved when its request ends; **evict** — a parked session dropped from RAM; **shutdown** — every live session
@@ -13,12 +25,13 @@
 //!   tokens before the first user message, [`crate::model::Codec::system_block_len`]) is at least
 //!   `--kv-system-block-min-tokens` long is saved at the last page boundary inside the block
 //!   ([`DiskTier::system_block_save_at`]: the scheduler pauses that session's prefill there for one tick), unless
-//!   the store or the reused prefix has it already, so another conversation of the same agent restores it. Pages are shared by prefix key, so a save writes only new spans plus
-//!   one checkpoint.
+//!   the store or the reused prefix has it already, so another conversation of the same agent restores it. Pages
+//!   are shared by prefix key, so a save writes only new spans plus one checkpoint.
 //! * Restore points: every save also writes one at the last page boundary below the saved position
 //!   (`ds4_engine::persist`), so a prompt that diverges inside the last page restores from there.
-//! * Eviction of disk entries is the store's (budget `--kv-disk-space-mb`): pinned and interior pages stay, then the
-//!   lowest `(1 + hits + sharers) · recency decay / bytes` goes (see `ds4_kv::policy`).
+//! * Eviction of disk entries is the store's (budget `--kv-disk-space-mb`, on the I/O worker as part of a save):
+//!   pinned and interior pages stay, then the lowest `(1 + hits + sharers) · recency decay / bytes` goes (see
+//!   `ds4_kv::policy`).
 //! * Faults: an I/O error switches disk caching off inside the store (reads and saves then miss); serving goes on.
 //!   A directory that cannot be used at all is reported at ERROR (and the tier is off); one that can be read but not
 //!   written (a read-only mount) at WARN, and its entries are still restored (nothing is saved). Every failure is
@@ -28,11 +41,16 @@
 use std::collections::HashMap;
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
-use ds4_engine::engine::Engine;
-use ds4_engine::persist;
-use ds4_engine::tables::SessionId as EngineSession;
-use ds4_kv::{KvStore, SavePolicy, SaveReason};
+use crossbeam::channel::{Receiver, Sender};
+use ds4_engine::persist::{self, KvLayout};
+use ds4_engine::tables::SessionSnapshot;
+use ds4_kv::{IoWorker, KvStore, SavePolicy, SaveReason};
+use parking_lot::Mutex;
+
+use crate::model::{Runner, RunnerSessionId};
 
 /// The disk tier's default directory: `$XDG_CACHE_HOME/ds4/kv` when that variable is an absolute path (the XDG
 /// base directory rule: a relative one is ignored), else `$HOME/.cache/ds4/kv`; `None` when neither is set.
@@ -110,24 +128,86 @@ pub enum DiskEvent {
     Shutdown,
 }
 
-/// The store, the trigger policy and per-session save positions.
+/// Disk KV tier failures by kind (`ds4_kv_disk_errors_total{kind}`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DiskErrors {
+    /// Saves that failed.
+    pub save: u64,
+    /// Restores that failed (the prompt was prefilled instead).
+    pub restore: u64,
+    /// Store write I/O errors (each switches disk caching off).
+    pub write: u64,
+    /// Store read I/O errors that were not corruption.
+    pub read: u64,
+    /// Corrupt, inconsistent or orphaned files removed when the cache was opened.
+    pub corrupt_at_open: u64,
+    /// Entries that failed their checksum or format check while being restored (removed).
+    pub checksum: u64,
+}
+
+impl DiskErrors {
+    /// The `kind` label of each count.
+    pub fn by_kind(&self) -> [(&'static str, u64); 6] {
+        [
+            ("save", self.save),
+            ("restore", self.restore),
+            ("write", self.write),
+            ("read", self.read),
+            ("corrupt_at_open", self.corrupt_at_open),
+            ("checksum", self.checksum),
+        ]
+    }
+
+    pub fn total(&self) -> u64 {
+        self.by_kind().iter().map(|(_, n)| n).sum()
+    }
+}
+
+/// A restore's result, handed back by the I/O worker ([`DiskTier::restored`]).
+pub struct Restored {
+    /// The ticket given to [`DiskTier::start_restore`].
+    pub ticket: u64,
+    /// The longest cached prefix that beat the RAM tier, as a snapshot for [`crate::model::Runner::import`]
+    /// (`None`: a miss).
+    pub snapshot: Option<SessionSnapshot>,
+}
+
+/// Counters the I/O worker updates.
+#[derive(Default)]
+struct Counts {
+    save_errors: AtomicU64,
+    restore_errors: AtomicU64,
+    dropped: AtomicU64,
+}
+
+/// Waiting jobs the I/O worker holds at most (saves beyond it are dropped and counted).
+pub const IO_QUEUE: usize = 16;
+
+/// The store, the trigger policy, per-session save positions and the I/O worker. See the module docs.
 pub struct DiskTier {
-    store: std::sync::Arc<KvStore>,
-    /// The shared tier on Redis (`--kv-remote`), behind this one.
-    remote: Option<crate::kvremote::RemoteTier>,
+    // Declared first so it is dropped first: its queued jobs (which use the remote tier) run before the rest goes.
+    io: IoWorker,
+    store: Arc<KvStore>,
+    layout: KvLayout,
+    /// The shared tier on Redis (`--kv-remote`), behind this one (the I/O worker's: lookups run there).
+    remote: Option<Arc<Mutex<crate::kvremote::RemoteTier>>>,
     policy: SavePolicy,
-    /// Position of the last save of each live engine session.
-    saved_at: HashMap<EngineSession, usize>,
-    save_errors: u64,
-    restore_errors: u64,
+    /// Position of the last save of each live session.
+    saved_at: HashMap<RunnerSessionId, usize>,
+    counts: Arc<Counts>,
+    /// Tokens of each save queued and not written yet, by job number (a lookup counts them).
+    in_flight: Arc<Mutex<HashMap<u64, Arc<[u32]>>>>,
+    next_job: u64,
+    done_tx: Sender<Restored>,
+    done_rx: Receiver<Restored>,
 }
 
 impl DiskTier {
-    /// Opens `dir` for `engine`'s model with a budget of `space_bytes`. A directory that cannot be used does not
-    /// fail: the tier is then off (logged, counted).
-    pub fn open(engine: &Engine, dir: PathBuf, space_bytes: u64) -> Result<DiskTier, String> {
-        let opts = persist::kv_options(engine, 256, space_bytes);
-        let store = persist::open_store(engine, dir, opts).map_err(|e| e.to_string())?;
+    /// Opens `dir` for the model of `layout` with a budget of `space_bytes`. A directory that cannot be used does
+    /// not fail: the tier is then off (logged, counted).
+    pub fn open(layout: KvLayout, dir: PathBuf, space_bytes: u64) -> Result<DiskTier, String> {
+        let opts = persist::kv_options(layout.config(), 256, space_bytes);
+        let store = KvStore::open(dir, layout.identity().clone(), opts).map_err(|e| e.to_string())?;
         let st = store.status();
         let why = st.last_error.as_deref().unwrap_or("unknown error");
         if !st.enabled {
@@ -142,37 +222,48 @@ impl DiskTier {
         if st.corrupt_at_open > 0 {
             tracing::warn!(removed = st.corrupt_at_open, "corrupt KV files removed at start");
         }
-        Ok(DiskTier::over(store))
+        DiskTier::over(store, layout)
     }
 
     /// A tier over `store`, with no remote tier yet and nothing saved.
-    fn over(store: KvStore) -> DiskTier {
-        DiskTier {
-            store: std::sync::Arc::new(store),
+    fn over(store: KvStore, layout: KvLayout) -> Result<DiskTier, String> {
+        let io = IoWorker::start("ds4-kv-io", IO_QUEUE).map_err(|e| format!("starting the KV I/O thread: {e}"))?;
+        let (done_tx, done_rx) = crossbeam::channel::unbounded();
+        Ok(DiskTier {
+            io,
+            store: Arc::new(store),
+            layout,
             remote: None,
             policy: SavePolicy::default(),
             saved_at: HashMap::new(),
-            save_errors: 0,
-            restore_errors: 0,
-        }
+            counts: Arc::default(),
+            in_flight: Arc::default(),
+            next_job: 0,
+            done_tx,
+            done_rx,
+        })
     }
 
     /// A local tier without a disk (`--no-kv-disk` with `--kv-remote`): entries live in memory (`memory_bytes`,
     /// least useful evicted first) and are shared through the remote tier.
-    pub fn open_memory(engine: &Engine, memory_bytes: u64) -> Result<DiskTier, String> {
-        let opts = ds4_kv::KvOptions { host_budget_bytes: memory_bytes.max(1), ..persist::kv_options(engine, 256, 0) };
-        let store = KvStore::in_memory(persist::model_identity(engine), opts).map_err(|e| e.to_string())?;
+    pub fn open_memory(layout: KvLayout, memory_bytes: u64) -> Result<DiskTier, String> {
+        let opts = ds4_kv::KvOptions {
+            host_budget_bytes: memory_bytes.max(1),
+            ..persist::kv_options(layout.config(), 256, 0)
+        };
+        let store = KvStore::in_memory(layout.identity().clone(), opts).map_err(|e| e.to_string())?;
         tracing::info!(budget = memory_bytes, span = store.span_tokens(), "KV memory tier ready (no disk tier)");
-        Ok(DiskTier::over(store))
+        DiskTier::over(store, layout)
     }
 
     /// Adds the shared tier on Redis behind this one (see [`crate::kvremote`]).
     pub fn attach_remote(
         &mut self,
         cfg: &crate::kvremote::RemoteConfig,
-        stats: std::sync::Arc<crate::kvremote::RemoteStats>,
+        stats: Arc<crate::kvremote::RemoteStats>,
     ) -> Result<(), String> {
-        self.remote = Some(crate::kvremote::RemoteTier::start(cfg, self.store.clone(), stats)?);
+        let remote = crate::kvremote::RemoteTier::start(cfg, self.store.clone(), stats)?;
+        self.remote = Some(Arc::new(Mutex::new(remote)));
         Ok(())
     }
 
@@ -192,16 +283,31 @@ impl DiskTier {
     }
 
     /// Failures so far by kind.
-    pub fn error_counts(&self) -> crate::model::DiskErrors {
+    pub fn error_counts(&self) -> DiskErrors {
         let st = self.store.status();
-        crate::model::DiskErrors {
-            save: self.save_errors,
-            restore: self.restore_errors,
+        DiskErrors {
+            save: self.counts.save_errors.load(Ordering::Relaxed),
+            restore: self.counts.restore_errors.load(Ordering::Relaxed),
             write: st.write_errors,
             read: st.read_errors,
             corrupt_at_open: st.corrupt_at_open,
             checksum: st.corrupt_on_load,
         }
+    }
+
+    /// Saves dropped because the I/O queue was full.
+    pub fn saves_dropped(&self) -> u64 {
+        self.counts.dropped.load(Ordering::Relaxed)
+    }
+
+    /// Tier I/O jobs queued or running.
+    pub fn io_pending(&self) -> usize {
+        self.io.pending()
+    }
+
+    /// Waits until every queued save and restore has run.
+    pub fn flush(&self) {
+        self.io.flush();
     }
 
     /// Bytes of KV files on disk (of entries in memory, for an in-memory tier).
@@ -210,54 +316,43 @@ impl DiskTier {
         st.bytes + st.host_bytes
     }
 
-    /// Restores the longest cached prefix of `prompt` when it covers more than `better_than` tokens.
-    pub fn restore(
-        &mut self,
-        engine: &mut Engine,
-        prompt: &[u32],
-        better_than: usize,
-    ) -> Option<(EngineSession, usize)> {
-        if !self.store.serves_entries() {
-            return None;
+    /// Whether a restore of `prompt` could cover more than `better_than` tokens: the store's index has such a
+    /// prefix, a queued save does, or a remote tier may (it is asked when the local tiers do not hold the whole
+    /// prompt). Reads only in-memory state.
+    pub fn could_beat(&self, prompt: &[u32], better_than: usize) -> bool {
+        if !self.store.serves_entries() || prompt.len() <= better_than + 1 {
+            return false;
         }
-        let mut probe = self.store.longest_prefix(prompt);
+        let probe = self.store.longest_prefix(prompt);
         let local = if probe.checkpoint.is_some() { probe.matched_tokens } else { 0 };
-        if let Some(remote) = &mut self.remote {
-            // The shared tier is asked when the local tiers do not hold the whole prompt.
-            if local.max(better_than) + 1 < prompt.len()
-                && remote.fetch_into(&self.store, prompt, local.max(better_than)).is_some()
-            {
-                probe = self.store.longest_prefix(prompt);
-            }
+        if local > better_than {
+            return true;
         }
-        if probe.checkpoint.is_none() || probe.matched_tokens <= better_than {
-            return None;
-        }
-        let mut restored = persist::restore_longest(&self.store, engine, prompt);
-        if let Ok(Some((sid, n))) = restored {
-            if n == prompt.len() && engine.logits(sid).is_err() {
-                // A restore point (no logits) covering the whole prompt: take one token less, to feed it.
-                let _ = engine.free_session(sid);
-                restored = persist::restore_longest(&self.store, engine, &prompt[..prompt.len() - 1]);
-            }
-        }
-        match restored {
-            Ok(Some((sid, n))) if n > better_than => {
-                self.saved_at.insert(sid, n);
-                tracing::debug!(matched = n, "prompt prefix restored from the disk KV tier");
-                Some((sid, n))
-            }
-            Ok(Some((sid, _))) => {
-                let _ = engine.free_session(sid);
-                None
-            }
-            Ok(None) => None,
-            Err(e) => {
-                self.restore_errors += 1;
-                tracing::warn!(error = %e, "KV disk restore failed; prefilling instead");
-                None
-            }
-        }
+        let span = self.store.span_tokens() as usize;
+        let queued = self.in_flight.lock().values().any(|t| common_prefix(t, prompt) >= (better_than + 1).max(span));
+        queued || (self.remote.is_some() && local.max(better_than) + 1 < prompt.len())
+    }
+
+    /// Queues the restore of the longest cached prefix of `prompt` that covers more than `better_than` tokens; its
+    /// result arrives on [`DiskTier::restored`] with `ticket`. `false` (nothing queued) when the I/O queue is full.
+    pub fn start_restore(&mut self, ticket: u64, prompt: Vec<u32>, better_than: usize) -> bool {
+        let (store, layout, remote) = (self.store.clone(), self.layout.clone(), self.remote.clone());
+        let (counts, done) = (self.counts.clone(), self.done_tx.clone());
+        let job = move || {
+            let snapshot = restore_job(&store, &layout, remote.as_deref(), &prompt, better_than, &counts);
+            let _ = done.send(Restored { ticket, snapshot });
+        };
+        self.io.try_submit(Box::new(job)).is_ok()
+    }
+
+    /// Where restores' results arrive (the scheduler waits on it beside its requests).
+    pub fn restored(&self) -> &Receiver<Restored> {
+        &self.done_rx
+    }
+
+    /// Records that `session` was restored holding `tokens` tokens (no save is due before it grows).
+    pub fn note_restored(&mut self, session: RunnerSessionId, tokens: usize) {
+        self.saved_at.insert(session, tokens);
     }
 
     /// Where a session prefilling `prompt` (with `cached` tokens held) should pause for a [`DiskEvent::SystemBlock`]
@@ -275,10 +370,11 @@ impl DiskTier {
         (probe.checkpoint.is_none() || probe.matched_tokens < at).then_some(at)
     }
 
-    /// Applies the save triggers to `event` on `sid`.
-    pub fn on_event(&mut self, engine: &Engine, sid: EngineSession, event: DiskEvent) {
-        let pos = engine.position(sid).unwrap_or(0);
-        let last = self.saved_at.get(&sid).copied();
+    /// Applies the save triggers to `event` on `session`: a save due takes the session's state now and is written
+    /// by the I/O worker.
+    pub fn on_event(&mut self, runner: &mut dyn Runner, session: RunnerSessionId, event: DiskEvent) {
+        let pos = runner.position(session).unwrap_or(0);
+        let last = self.saved_at.get(&session).copied();
         let reason = match event {
             DiskEvent::Prefilled { cached, prompt_len } => self.policy.after_prefill(cached, prompt_len),
             DiskEvent::Finished => self.policy.while_running(last.unwrap_or(0), pos),
@@ -287,32 +383,108 @@ impl DiskTier {
             DiskEvent::Shutdown => Some(SaveReason::Shutdown),
         };
         let Some(reason) = reason else { return };
-        if matches!(event, DiskEvent::Evict | DiskEvent::Shutdown) {
-            self.saved_at.remove(&sid);
+        let leaving = matches!(event, DiskEvent::Evict | DiskEvent::Shutdown);
+        if leaving {
+            self.saved_at.remove(&session);
         }
         if pos == 0 || last == Some(pos) || !self.store.accepts_entries() {
             return;
         }
-        match persist::save(&self.store, engine, sid, reason) {
-            Ok(info) => {
-                if !matches!(event, DiskEvent::Evict | DiskEvent::Shutdown) {
-                    self.saved_at.insert(sid, pos);
-                }
-                tracing::debug!(pos, pages = info.pages, written = info.pages_written, ?reason, "KV saved to disk");
-                if let Some(remote) = &self.remote {
-                    remote.queue_write(info.checkpoint.key);
-                }
-            }
+        let job = match runner.export(session, &self.store, reason) {
+            Ok(j) => j,
             Err(e) => {
-                self.save_errors += 1;
-                tracing::warn!(error = %e, ?reason, "KV disk save failed (serving continues)");
+                self.counts.save_errors.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(error = %e, ?reason, "KV save failed (serving continues)");
+                return;
             }
+        };
+        if !leaving {
+            self.saved_at.insert(session, pos);
+        }
+        self.next_job += 1;
+        let id = self.next_job;
+        self.in_flight.lock().insert(id, job.tokens().into());
+        let (store, remote, counts, in_flight) =
+            (self.store.clone(), self.remote.clone(), self.counts.clone(), self.in_flight.clone());
+        let write = move || {
+            match job.write(&store) {
+                Ok(info) => {
+                    tracing::debug!(
+                        pos = info.position,
+                        pages = info.pages,
+                        written = info.pages_written,
+                        ?reason,
+                        "KV saved to disk"
+                    );
+                    if let Some(remote) = &remote {
+                        remote.lock().queue_write(info.checkpoint.key);
+                    }
+                }
+                Err(e) => {
+                    counts.save_errors.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(error = %e, ?reason, "KV disk save failed (serving continues)");
+                }
+            }
+            in_flight.lock().remove(&id);
+        };
+        let queued = if event == DiskEvent::Shutdown {
+            self.io.submit(Box::new(write))
+        } else {
+            self.io.try_submit(Box::new(write)).is_ok()
+        };
+        if !queued {
+            self.in_flight.lock().remove(&id);
+            self.saved_at.remove(&session);
+            self.counts.dropped.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(pos, ?reason, "KV I/O queue full: save dropped");
         }
     }
 
     /// Forgets a freed session.
-    pub fn forget(&mut self, sid: EngineSession) {
-        self.saved_at.remove(&sid);
+    pub fn forget(&mut self, session: RunnerSessionId) {
+        self.saved_at.remove(&session);
+    }
+}
+
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+/// The I/O worker's side of a restore: the remote tier when the local one does not hold the whole prompt, then the
+/// longest local prefix covering more than `better_than` tokens. A restore point (no logits) that covers the whole
+/// prompt is traded for the longest prefix one token shorter, so the job has a token to feed for its logits.
+fn restore_job(
+    store: &KvStore,
+    layout: &KvLayout,
+    remote: Option<&Mutex<crate::kvremote::RemoteTier>>,
+    prompt: &[u32],
+    better_than: usize,
+    counts: &Counts,
+) -> Option<SessionSnapshot> {
+    let probe = store.longest_prefix(prompt);
+    let local = if probe.checkpoint.is_some() { probe.matched_tokens } else { 0 };
+    if let Some(remote) = remote {
+        if local.max(better_than) + 1 < prompt.len() {
+            remote.lock().fetch_into(store, prompt, local.max(better_than));
+        }
+    }
+    let mut loaded = persist::load_longest(store, layout, prompt);
+    if let Ok(Some(snap)) = &loaded {
+        if snap.pos == prompt.len() && snap.logits.is_empty() {
+            loaded = persist::load_longest(store, layout, &prompt[..prompt.len() - 1]);
+        }
+    }
+    match loaded {
+        Ok(Some(snap)) if snap.pos > better_than => {
+            tracing::debug!(matched = snap.pos, "prompt prefix loaded from the KV tier");
+            Some(snap)
+        }
+        Ok(_) => None,
+        Err(e) => {
+            counts.restore_errors.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(error = %e, "KV restore failed; prefilling instead");
+            None
+        }
     }
 }
 

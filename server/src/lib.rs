@@ -56,9 +56,21 @@ use model::{Codec, ModelInfo, Runner};
 use scheduler::{Scheduler, SchedulerConfig};
 use toolmem::ToolMemory;
 
-/// Start the scheduler on `runner` and assemble the shared state.
+/// Start the scheduler on `runner` (no KV tier behind the RAM tier) and assemble the shared state.
 pub fn build_state(
     runner: Box<dyn Runner>,
+    codec: Arc<dyn Codec>,
+    info: ModelInfo,
+    config: SchedulerConfig,
+    limits: Limits,
+) -> Arc<AppState> {
+    build_state_with_tier(runner, None, codec, info, config, limits)
+}
+
+/// Start the scheduler on `runner` and the KV tier store `tier` ([`kvdisk`]), and assemble the shared state.
+pub fn build_state_with_tier(
+    runner: Box<dyn Runner>,
+    tier: Option<kvdisk::DiskTier>,
     codec: Arc<dyn Codec>,
     info: ModelInfo,
     mut config: SchedulerConfig,
@@ -66,6 +78,6 @@ pub fn build_state(
 ) -> Arc<AppState> {
     let metrics = Arc::new(Metrics::default());
     config.context_size = info.context_size;
-    let scheduler = Scheduler::start(runner, config, metrics.clone());
+    let scheduler = Scheduler::start_with_tier(runner, tier, config, metrics.clone());
     Arc::new(AppState { info, codec, scheduler, metrics, tools: ToolMemory::new(10_000), limits })
 }

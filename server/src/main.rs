@@ -7,9 +7,10 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Parser;
 use ds4_server::cli::Args;
+use ds4_server::kvdisk::DiskTier;
 use ds4_server::model::{Codec, ModelInfo, Runner};
 use ds4_server::scheduler::SchedulerConfig;
-use ds4_server::{build_state, http, Limits};
+use ds4_server::{build_state_with_tier, http, Limits};
 
 pub fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
@@ -114,64 +115,13 @@ pub fn main() -> anyhow::Result<()> {
                 tracing::info!(mode = ?args.speculative, drafter = name, draft_len = args.draft_len, "speculative decoding");
             }
         }
-        let dir = if args.no_kv_disk {
-            None
-        } else if let Some(d) = &args.kv_disk_dir {
-            Some(d.clone())
-        } else {
-            let d = ds4_server::kvdisk::default_dir();
-            if d.is_none() {
-                tracing::warn!("neither XDG_CACHE_HOME nor HOME is set: disk KV tier off (--kv-disk-dir DIR)");
-            }
-            d
-        };
-        if let Some(dir) = &dir {
-            let space = match args.kv_disk_space_mb {
-                Some(mb) => mb.saturating_mul(1 << 20),
-                None => ds4_server::kvdisk::default_space(
-                    ds4_server::kvdisk::free_space(dir),
-                    ds4_server::kvdisk::dir_bytes(dir),
-                ),
-            };
-            if let Err(e) = runner.enable_disk(dir.clone(), space) {
-                tracing::error!(error = %e, "--kv-disk-dir: disk KV tier off");
-            }
-            if let Some(tier) = runner.disk_tier() {
-                let policy = ds4_kv::SavePolicy {
-                    system_block_min_tokens: args.kv_system_block_min_tokens,
-                    ..ds4_kv::SavePolicy::default()
-                };
-                tier.set_policy(policy);
-            }
-        }
-        if let Some((cfg, stats)) = &remote {
-            if runner.disk_tier().is_none() {
-                // No disk tier: the restore points shared through Redis land in memory.
-                let bytes = (max_parked_bytes / 4).max(256 << 20);
-                runner.enable_memory_tier(bytes).map_err(|e| anyhow::anyhow!("--kv-remote: {e}"))?;
-                if let Some(tier) = runner.disk_tier() {
-                    let policy = ds4_kv::SavePolicy {
-                        system_block_min_tokens: args.kv_system_block_min_tokens,
-                        ..ds4_kv::SavePolicy::default()
-                    };
-                    tier.set_policy(policy);
-                }
-            }
-            if let Some(tier) = runner.disk_tier() {
-                tier.attach_remote(cfg, stats.clone()).map_err(|e| anyhow::anyhow!("{e}"))?;
-                // A turn may land on another replica next: a session is saved (and shared) at the end of a request
-                // once it grew REMOTE_CONTINUED_EVERY tokens, not only every 10k.
-                let mut policy = tier.policy();
-                policy.continued_every = policy.continued_every.min(ds4_server::kvremote::REMOTE_CONTINUED_EVERY);
-                tier.set_policy(policy);
-            }
-        }
         (Box::new(runner), Arc::new(codec), info)
     };
     // A body larger than the context could hold as text is refused before it is read.
     let derived = info.context_size.saturating_mul(256).max(8 << 20);
     let limits = Limits { max_body_bytes: limits.max_body_bytes.min(derived), ..limits };
-    let state = build_state(runner, codec, info, config, limits);
+    let tier = open_tiers(&args, runner.as_ref(), remote.as_ref(), max_parked_bytes)?;
+    let state = build_state_with_tier(runner, tier, codec, info, config, limits);
     if let Some((_, stats)) = remote {
         let _ = state.metrics.kv_remote.set(stats);
     }
@@ -193,6 +143,72 @@ pub fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The KV tiers behind the RAM tier for `runner`'s model (none for a runner whose sessions cannot be saved): the
+/// disk tier (on by default under the user's cache directory; `--no-kv-disk` off), else with `--kv-remote` an
+/// in-memory local tier, and the shared tier on Redis behind either.
+fn open_tiers(
+    args: &Args,
+    runner: &dyn Runner,
+    remote: Option<&(ds4_server::kvremote::RemoteConfig, Arc<ds4_server::kvremote::RemoteStats>)>,
+    max_parked_bytes: u64,
+) -> anyhow::Result<Option<DiskTier>> {
+    let Some(layout) = runner.kv_layout() else {
+        if args.kv_remote.is_some() {
+            tracing::warn!("--kv-remote is ignored: this model's sessions cannot be saved");
+        }
+        return Ok(None);
+    };
+    let policy = ds4_kv::SavePolicy {
+        system_block_min_tokens: args.kv_system_block_min_tokens,
+        ..ds4_kv::SavePolicy::default()
+    };
+    let dir = if args.no_kv_disk {
+        None
+    } else if let Some(d) = &args.kv_disk_dir {
+        Some(d.clone())
+    } else {
+        let d = ds4_server::kvdisk::default_dir();
+        if d.is_none() {
+            tracing::warn!("neither XDG_CACHE_HOME nor HOME is set: disk KV tier off (--kv-disk-dir DIR)");
+        }
+        d
+    };
+    let mut tier = None;
+    if let Some(dir) = &dir {
+        let space = match args.kv_disk_space_mb {
+            Some(mb) => mb.saturating_mul(1 << 20),
+            None => ds4_server::kvdisk::default_space(
+                ds4_server::kvdisk::free_space(dir),
+                ds4_server::kvdisk::dir_bytes(dir),
+            ),
+        };
+        match DiskTier::open(layout.clone(), dir.clone(), space) {
+            Ok(t) => tier = Some(t),
+            Err(e) => tracing::error!(error = %e, "--kv-disk-dir: disk KV tier off"),
+        }
+    }
+    if let Some((cfg, stats)) = remote {
+        let mut t = match tier {
+            Some(t) => t,
+            // No disk tier: the restore points shared through Redis land in memory.
+            None => DiskTier::open_memory(layout, (max_parked_bytes / 4).max(256 << 20))
+                .map_err(|e| anyhow::anyhow!("--kv-remote: {e}"))?,
+        };
+        t.attach_remote(cfg, stats.clone()).map_err(|e| anyhow::anyhow!("{e}"))?;
+        // A turn may land on another replica next: a session is saved (and shared) at the end of a request once it
+        // grew REMOTE_CONTINUED_EVERY tokens, not only every 10k.
+        t.set_policy(ds4_kv::SavePolicy {
+            continued_every: policy.continued_every.min(ds4_server::kvremote::REMOTE_CONTINUED_EVERY),
+            ..policy
+        });
+        return Ok(Some(t));
+    }
+    if let Some(t) = &mut tier {
+        t.set_policy(policy);
+    }
+    Ok(tier)
+}
+
 /// What a model choice yields: the runner, the codec and the model facts.
 type Model = (Box<dyn Runner>, Arc<dyn Codec>, ModelInfo);
 
@@ -204,9 +220,6 @@ fn fake_model(args: &Args, config: &SchedulerConfig) -> anyhow::Result<Option<Mo
         return Ok(None);
     }
     tracing::warn!("--fake-model: serving the scripted test model (not a language model)");
-    if args.kv_remote.is_some() {
-        tracing::warn!("--kv-remote is ignored with --fake-model (the scripted model has no KV state)");
-    }
     let info = ModelInfo {
         id: "deepseek-v4-flash".into(),
         context_size: args.ctx.unwrap_or(32768),

@@ -5,7 +5,8 @@
 //! `time_to_first_token_seconds` and `inter_token_latency_seconds` (histograms), `queue_depth`, `active_sessions`,
 //! `parked_sessions`, `kv_bytes{tier}`, `prefix_cache_hit_tokens_total{tier}` (prompt tokens reused),
 //! `prefix_cache_hits_total{tier}` (requests that reused any), `prefix_cache_recomputed_tokens_total` (prompt tokens
-//! prefilled), `kv_disk_errors_total{kind}`, `kv_fork_bytes_copied_total` (KV bytes copied by session forks and
+//! prefilled), `kv_disk_errors_total{kind}`, `kv_disk_saves_dropped_total` (saves dropped on a full tier I/O queue),
+//! `kv_io_pending` (tier I/O jobs queued or running), `kv_restoring` (requests waiting for a restore), `kv_fork_bytes_copied_total` (KV bytes copied by session forks and
 //! copy on write of shared pages; fork shares pages by reference),
 //! `generations_cancelled_total` (generations stopped because their client went away), `keepalives_total` (SSE
 //! keep-alive frames sent), `connections_open`, `connections_closed_total{reason}` (closed by the server:
@@ -185,7 +186,13 @@ pub struct Metrics {
     pub active_sessions: AtomicU64,
     pub parked_sessions: AtomicU64,
     /// Disk KV tier failures by kind.
-    kv_disk_errors: Mutex<crate::model::DiskErrors>,
+    kv_disk_errors: Mutex<crate::kvdisk::DiskErrors>,
+    /// Saves dropped because the tier I/O queue was full.
+    pub kv_saves_dropped: AtomicU64,
+    /// Tier I/O jobs (saves, restores) queued or running.
+    pub kv_io_pending: AtomicU64,
+    /// Requests waiting for a restore from the KV tiers.
+    pub kv_restoring: AtomicU64,
     /// Generations stopped because their client went away.
     pub cancelled: AtomicU64,
     /// SSE keep-alive frames sent.
@@ -221,6 +228,9 @@ impl Default for Metrics {
             active_sessions: AtomicU64::new(0),
             parked_sessions: AtomicU64::new(0),
             kv_disk_errors: Mutex::new(Default::default()),
+            kv_saves_dropped: AtomicU64::new(0),
+            kv_io_pending: AtomicU64::new(0),
+            kv_restoring: AtomicU64::new(0),
             cancelled: AtomicU64::new(0),
             keepalives: AtomicU64::new(0),
             kv_bytes: Default::default(),
@@ -306,7 +316,7 @@ impl Metrics {
         load(&self.recomputed_tokens)
     }
 
-    pub fn set_kv_disk_errors(&self, e: crate::model::DiskErrors) {
+    pub fn set_kv_disk_errors(&self, e: crate::kvdisk::DiskErrors) {
         *self.kv_disk_errors.lock() = e;
     }
 
@@ -382,6 +392,24 @@ impl Metrics {
         for (kind, n) in self.kv_disk_errors.lock().by_kind() {
             let _ = writeln!(out, "ds4_kv_disk_errors_total{{kind=\"{kind}\"}} {n}");
         }
+        counter(
+            &mut out,
+            "ds4_kv_disk_saves_dropped_total",
+            "KV saves dropped because the tier I/O queue was full.",
+            load(&self.kv_saves_dropped),
+        );
+        let _ = writeln!(
+            out,
+            "# HELP ds4_kv_io_pending KV tier I/O jobs (saves, restores) queued or running.\n\
+             # TYPE ds4_kv_io_pending gauge\nds4_kv_io_pending {}",
+            load(&self.kv_io_pending)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP ds4_kv_restoring Requests waiting for a restore from the KV tiers.\n\
+             # TYPE ds4_kv_restoring gauge\nds4_kv_restoring {}",
+            load(&self.kv_restoring)
+        );
         if let Some(r) = self.kv_remote.get() {
             render_remote(r, &mut out);
         }

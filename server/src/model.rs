@@ -30,47 +30,12 @@ impl std::fmt::Display for BackendError {
 
 impl std::error::Error for BackendError {}
 
-/// Bytes of KV state held per storage tier, for `/metrics`.
+/// Bytes of KV state the runner's live sessions hold, per memory, for `/metrics` (the disk tier's are the tier
+/// store's: [`crate::kvdisk::DiskTier::disk_bytes`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct KvBytes {
     pub device: u64,
     pub host: u64,
-    pub disk: u64,
-}
-
-/// Disk KV tier failures by kind (`ds4_kv_disk_errors_total{kind}`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct DiskErrors {
-    /// Saves that failed.
-    pub save: u64,
-    /// Restores that failed (the prompt was prefilled instead).
-    pub restore: u64,
-    /// Store write I/O errors (each switches disk caching off).
-    pub write: u64,
-    /// Store read I/O errors that were not corruption.
-    pub read: u64,
-    /// Corrupt, inconsistent or orphaned files removed when the cache was opened.
-    pub corrupt_at_open: u64,
-    /// Entries that failed their checksum or format check while being restored (removed).
-    pub checksum: u64,
-}
-
-impl DiskErrors {
-    /// The `kind` label of each count.
-    pub fn by_kind(&self) -> [(&'static str, u64); 6] {
-        [
-            ("save", self.save),
-            ("restore", self.restore),
-            ("write", self.write),
-            ("read", self.read),
-            ("corrupt_at_open", self.corrupt_at_open),
-            ("checksum", self.checksum),
-        ]
-    }
-
-    pub fn total(&self) -> u64 {
-        self.by_kind().iter().map(|(_, n)| n).sum()
-    }
 }
 
 /// The model, owned by the scheduler thread.
@@ -125,27 +90,28 @@ pub trait Runner: Send {
     fn kv_bytes_copied(&self) -> u64 {
         0
     }
-    /// Disk KV tier: a new session restored from the longest cached prefix of `prompt`, when it covers more than
-    /// `better_than` tokens (returns the session and the tokens it holds). `None` without a disk tier.
-    fn disk_restore(&mut self, _prompt: &[u32], _better_than: usize) -> Option<(RunnerSessionId, usize)> {
+    /// Tokens `session` has processed (`None`: unknown session, or a runner that does not say).
+    fn position(&self, _session: RunnerSessionId) -> Option<usize> {
         None
     }
-    /// Disk KV tier: `session` went through `event` (the tier applies its save triggers). No-op without one.
-    fn disk_event(&mut self, _session: RunnerSessionId, _event: crate::kvdisk::DiskEvent) {}
-    /// Disk KV tier: the position at which a session prefilling `prompt` (of which `cached` tokens are held
-    /// already) should pause for a [`crate::kvdisk::DiskEvent::SystemBlock`] save, given that its system + tools
-    /// block is `block` tokens long; `None` when nothing is to be saved there (no tier, a short block, already
-    /// stored). The position is a page boundary in `cached + 1..=block`.
-    fn disk_system_block(&mut self, _prompt: &[u32], _block: usize, _cached: usize) -> Option<usize> {
+    /// The KV tiers ([`crate::kvdisk`]): what loading a session needs to know of the model, detached from it.
+    /// `None`: this runner's sessions cannot be saved or restored (the tier store stays off).
+    fn kv_layout(&self) -> Option<ds4_engine::persist::KvLayout> {
         None
     }
-    /// Disk KV tier failures so far (`ds4_kv_disk_errors_total`).
-    fn disk_errors(&self) -> u64 {
-        self.disk_error_counts().total()
+    /// The KV tiers: `session`'s state, taken now for a save to `store` (a snapshot sharing the session's pages,
+    /// plus its restore points); the tier's I/O worker writes it. No I/O happens here.
+    fn export(
+        &mut self,
+        _session: RunnerSessionId,
+        _store: &ds4_kv::KvStore,
+        _reason: ds4_kv::SaveReason,
+    ) -> Result<ds4_engine::persist::SaveJob, BackendError> {
+        Err(BackendError("this runner cannot save sessions".into()))
     }
-    /// The same by kind.
-    fn disk_error_counts(&self) -> DiskErrors {
-        DiskErrors::default()
+    /// The KV tiers: a new session holding `snapshot` (loaded by the tier's I/O worker).
+    fn import(&mut self, _snapshot: ds4_engine::tables::SessionSnapshot) -> Result<RunnerSessionId, BackendError> {
+        Err(BackendError("this runner cannot restore sessions".into()))
     }
     /// Speculative decoding: whether the runner has a drafter (`--speculative`).
     fn can_draft(&self) -> bool {

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use common::TestServer;
 use ds4_server::engine::{load, LoadOptions};
 use ds4_server::scheduler::{SchedulerConfig, SpecConfig, SpecMode};
-use ds4_server::{build_state, Limits};
+use ds4_server::{build_state_with_tier, Limits};
 use serde_json::{json, Value};
 
 /// `cfg`'s random model with the real tokenizer, as a file.
@@ -61,16 +61,17 @@ fn server_with(file: &std::path::Path, mode: SpecMode, disk: Option<&std::path::
     if mode != SpecMode::Off {
         runner.enable_drafter(mode.drafter().unwrap(), 0.0).unwrap();
     }
-    if let Some(dir) = disk {
-        runner.enable_disk(dir.to_path_buf(), 1 << 30).unwrap();
-    }
+    let tier = disk.map(|dir| {
+        use ds4_server::model::Runner;
+        ds4_server::kvdisk::DiskTier::open(runner.kv_layout().unwrap(), dir.to_path_buf(), 1 << 30).unwrap()
+    });
     let config = SchedulerConfig {
         max_active: 4,
         prefill_chunk: 128,
         speculative: SpecConfig { mode, draft_len: 3 },
         ..SchedulerConfig::default()
     };
-    TestServer::on(build_state(Box::new(runner), Arc::new(codec), info, config, Limits::default()))
+    TestServer::on(build_state_with_tier(Box::new(runner), tier, Arc::new(codec), info, config, Limits::default()))
 }
 
 /// One request per API (streamed and not), each answering with the text it generated.

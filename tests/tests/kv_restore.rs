@@ -62,7 +62,7 @@ fn round_trip(m: Model<'_>, exact: bool) {
     let dir = tempfile::tempdir().unwrap();
     let e0 = open(m, exact);
     let vocab = e0.config().vocab;
-    let opts = persist::kv_options(&e0, 32, 64 << 20);
+    let opts = persist::kv_options(e0.config(), 32, 64 << 20);
     let span = opts.span_tokens as usize;
     drop(e0);
 
@@ -137,7 +137,7 @@ fn shared_prefix_stored_once(m: Model<'_>) {
     let dir = tempfile::tempdir().unwrap();
     let mut e = open(m, true);
     let vocab = e.config().vocab;
-    let opts = persist::kv_options(&e, 32, 64 << 20);
+    let opts = persist::kv_options(e.config(), 32, 64 << 20);
     let span = opts.span_tokens as usize;
     let store = persist::open_store(&e, dir.path(), opts).unwrap();
     let system = tokens(3, 2 * span, vocab);
@@ -194,7 +194,7 @@ fn a_mark_at_the_prompt_end_serves_the_next_turn_after_a_restart() {
     let dir = tempfile::tempdir().unwrap();
     let e0 = open(m, false);
     let vocab = e0.config().vocab;
-    let opts = persist::kv_options(&e0, 32, 64 << 20);
+    let opts = persist::kv_options(e0.config(), 32, 64 << 20);
     let span = opts.span_tokens as usize;
     drop(e0);
     let prompt = tokens(3, 2 * span + 7, vocab);

@@ -34,7 +34,8 @@ pub(crate) mod rows;
 use ds4_kv::{EntryRef, KvError, KvOptions, KvStore, SaveReason};
 
 use crate::engine::Engine;
-use crate::tables::SessionId;
+use crate::model::config::ModelConfig;
+use crate::tables::{PageLedger, SessionId, SessionSnapshot};
 use crate::{Error, Result};
 
 pub use identity::{identity_text, model_identity};
@@ -59,10 +60,10 @@ fn kv_err(e: KvError) -> Error {
     Error::Session(format!("kv store: {e}"))
 }
 
-/// Store options fitting `engine`'s model: `span_multiple_of` = the largest compress ratio, `span_tokens` rounded
+/// Store options fitting the model `cfg`: `span_multiple_of` = the largest compress ratio, `span_tokens` rounded
 /// up to a multiple of it.
-pub fn kv_options(engine: &Engine, span_tokens: u32, disk_budget_bytes: u64) -> KvOptions {
-    let m = engine.config().compress_ratios.iter().copied().max().unwrap_or(1).max(1) as u32;
+pub fn kv_options(cfg: &ModelConfig, span_tokens: u32, disk_budget_bytes: u64) -> KvOptions {
+    let m = cfg.compress_ratios.iter().copied().max().unwrap_or(1).max(1) as u32;
     let span = span_tokens.max(1).div_ceil(m) * m;
     KvOptions { span_tokens: span, span_multiple_of: m, disk_budget_bytes, ..KvOptions::default() }
 }
@@ -72,9 +73,9 @@ pub fn open_store(engine: &Engine, dir: impl Into<std::path::PathBuf>, opts: KvO
     KvStore::open(dir, model_identity(engine), opts).map_err(kv_err)
 }
 
-fn check_span(engine: &Engine, store: &KvStore) -> Result<usize> {
+fn check_span(cfg: &ModelConfig, store: &KvStore) -> Result<usize> {
     let span = store.span_tokens() as usize;
-    if let Some(r) = engine.config().compress_ratios.iter().find(|&&r| r > 0 && !span.is_multiple_of(r)) {
+    if let Some(r) = cfg.compress_ratios.iter().find(|&&r| r > 0 && !span.is_multiple_of(r)) {
         return Err(Error::InvalidArgument(format!("kv span {span} is not a multiple of compress ratio {r}")));
     }
     Ok(span)
@@ -96,62 +97,95 @@ pub fn save_marked(
     reason: SaveReason,
     marks: &[usize],
 ) -> Result<SavedInfo> {
-    let span = check_span(engine, store)?;
-    let mut snap = engine.snapshot(id)?;
-    if snap.pos == 0 {
-        return Err(Error::Session("nothing to save: the session has processed no tokens".into()));
+    SaveJob::prepare(store, engine, id, reason, marks)?.write(store)
+}
+
+/// A save detached from the engine: what [`save_marked`] stores, taken on the engine's thread
+/// ([`SaveJob::prepare`]: a snapshot, which shares the session's pages and copies only its tail, plus the restore
+/// points rolled back from it) and written on any thread ([`SaveJob::write`]: encoding, writing and syncing the
+/// files, the slow part). The session may go on (or be freed) meanwhile: the job's pages are immutable.
+pub struct SaveJob {
+    cfg: std::sync::Arc<ModelConfig>,
+    /// The saved state, then the restore points (largest first).
+    snaps: Vec<SessionSnapshot>,
+    reason: SaveReason,
+}
+
+impl SaveJob {
+    /// Takes session `id`'s state and its restore points (see [`save_marked`]) for a later [`SaveJob::write`] to
+    /// `store` (read here for its page span only: no I/O).
+    pub fn prepare(
+        store: &KvStore,
+        engine: &Engine,
+        id: SessionId,
+        reason: SaveReason,
+        marks: &[usize],
+    ) -> Result<SaveJob> {
+        let span = check_span(engine.config(), store)?;
+        let snap = engine.snapshot(id)?;
+        if snap.pos == 0 {
+            return Err(Error::Session("nothing to save: the session has processed no tokens".into()));
+        }
+        let points = restore_points(engine, &snap, span, marks);
+        let mut snaps = vec![snap];
+        snaps.extend(points);
+        Ok(SaveJob { cfg: std::sync::Arc::new(engine.config().clone()), snaps, reason })
     }
-    let (checkpoint, pages, pages_written) = save_snapshot(store, engine, &snap, span, reason)?;
-    let mut info = SavedInfo { position: snap.pos, pages, pages_written, checkpoint, restore_points: Vec::new() };
-    // The restore point at the last page boundary below the position, then those below the marks, when the roll-back
-    // log reaches them (largest first: each roll back continues from the previous one).
+
+    /// The position saved (tokens).
+    pub fn position(&self) -> usize {
+        self.snaps[0].pos
+    }
+
+    /// The saved tokens.
+    pub fn tokens(&self) -> &[u32] {
+        &self.snaps[0].history
+    }
+
+    /// Writes the state's missing pages and its checkpoint, then the restore points' checkpoints.
+    pub fn write(&self, store: &KvStore) -> Result<SavedInfo> {
+        let span = check_span(&self.cfg, store)?;
+        let snap = &self.snaps[0];
+        let (checkpoint, pages, pages_written) = save_snapshot(store, &self.cfg, snap, span, self.reason)?;
+        let mut info = SavedInfo { position: snap.pos, pages, pages_written, checkpoint, restore_points: Vec::new() };
+        for rp in &self.snaps[1..] {
+            save_snapshot(store, &self.cfg, rp, span, self.reason)?;
+            info.restore_points.push(rp.pos);
+        }
+        tracing::debug!(pos = info.position, pages = info.pages, written = info.pages_written,
+            restore_points = ?info.restore_points, reason = ?self.reason, "kv session saved");
+        Ok(info)
+    }
+}
+
+/// The snapshots of `snap`'s restore points: at the last page boundary below its position, then below each mark,
+/// while the roll-back log reaches them (largest first: each roll back continues from the previous one).
+fn restore_points(engine: &Engine, snap: &SessionSnapshot, span: usize, marks: &[usize]) -> Vec<SessionSnapshot> {
     let mut points: Vec<usize> = std::iter::once((snap.pos - 1) / span * span)
         .chain(marks.iter().filter(|&&m| m < snap.pos).map(|&m| m / span * span))
         .filter(|&at| at > 0)
         .collect();
     points.sort_unstable_by(|a, b| b.cmp(a));
     points.dedup();
+    let mut out = Vec::new();
+    let mut cur = snap.clone();
     for at in points {
-        if engine.rollback_snapshot(&mut snap, at).is_err() {
+        if engine.rollback_snapshot(&mut cur, at).is_err() {
             break;
         }
-        save_snapshot(store, engine, &snap, span, reason)?;
-        info.restore_points.push(at);
+        out.push(cur.clone());
     }
-    tracing::debug!(pos = info.position, pages = info.pages, written = info.pages_written,
-        restore_points = ?info.restore_points, ?reason, "kv session saved");
-    Ok(info)
-}
-
-/// Saves a session restore point at position `at` (within the session's roll-back reach; a page boundary keeps it
-/// compact): see the module docs. Returns what was stored.
-pub fn save_restore_point(
-    store: &KvStore,
-    engine: &Engine,
-    id: SessionId,
-    at: usize,
-    reason: SaveReason,
-) -> Result<SavedInfo> {
-    let span = check_span(engine, store)?;
-    let mut snap = engine.snapshot(id)?;
-    engine.rollback_snapshot(&mut snap, at)?;
-    if snap.pos == 0 {
-        return Err(Error::Session("nothing to save at position 0".into()));
-    }
-    let (checkpoint, pages, pages_written) = save_snapshot(store, engine, &snap, span, reason)?;
-    tracing::debug!(pos = at, pages, written = pages_written, ?reason, "kv restore point saved");
-    Ok(SavedInfo { position: at, pages, pages_written, checkpoint, restore_points: Vec::new() })
+    out
 }
 
 /// Writes `snap`'s missing pages and its checkpoint: `(checkpoint, full pages, pages written)`.
 fn save_snapshot(
     store: &KvStore,
-    engine: &Engine,
-    snap: &crate::tables::SessionSnapshot,
+    cfg: &ModelConfig,
+    snap: &SessionSnapshot,
     span: usize,
     reason: SaveReason,
 ) -> Result<(EntryRef, usize, usize)> {
-    let cfg = engine.config();
     let full = snap.pos / span;
     let chain = store.page_chain(&snap.history[..full * span]);
     let mut parent = chain.last().map_or(store.root(), |r| r.key);
@@ -170,14 +204,63 @@ fn save_snapshot(
 /// Restores the longest cached prefix of `tokens` as a new session. Returns the session and the tokens it covers
 /// (`≤ tokens.len()`; feed `tokens[matched..]` next), or `None` when no checkpointed prefix is stored.
 pub fn restore_longest(store: &KvStore, engine: &mut Engine, tokens: &[u32]) -> Result<Option<(SessionId, usize)>> {
-    check_span(engine, store)?;
+    let layout = KvLayout {
+        cfg: std::sync::Arc::new(engine.config().clone()),
+        identity: store.identity().clone(),
+        pool: engine.page_pool().clone(),
+        ctx: engine.ctx(),
+    };
+    let Some(snap) = load_longest(store, &layout, tokens)? else { return Ok(None) };
+    let n = snap.pos;
+    let id = engine.restore(snap)?;
+    Ok(Some((id, n)))
+}
+
+/// What loading a session from a store needs to know of the engine, detached from it (cheap to clone, `Send`):
+/// [`load_longest`] runs on any thread with it, and the engine's thread then only installs the result
+/// ([`Engine::restore`]).
+#[derive(Clone, Debug)]
+pub struct KvLayout {
+    cfg: std::sync::Arc<ModelConfig>,
+    identity: ds4_kv::ModelIdentity,
+    pool: PageLedger,
+    ctx: usize,
+}
+
+impl KvLayout {
+    /// `engine`'s model shapes, page pool (restored pages are accounted with the live ones) and context.
+    pub fn of(engine: &Engine) -> KvLayout {
+        KvLayout {
+            cfg: std::sync::Arc::new(engine.config().clone()),
+            identity: model_identity(engine),
+            pool: engine.page_pool().clone(),
+            ctx: engine.ctx(),
+        }
+    }
+
+    /// The model's shapes.
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    /// The model's identity (what a store's entries must match).
+    pub fn identity(&self) -> &ds4_kv::ModelIdentity {
+        &self.identity
+    }
+}
+
+/// Loads the longest cached prefix of `tokens` from `store` as a snapshot (its `pos` is the tokens it covers; hand
+/// it to [`Engine::restore`], then feed `tokens[pos..]`), or `None` when no checkpointed prefix is stored. Reads,
+/// checks and decodes the files: the slow part of a restore, done off the engine's thread.
+pub fn load_longest(store: &KvStore, layout: &KvLayout, tokens: &[u32]) -> Result<Option<SessionSnapshot>> {
+    check_span(&layout.cfg, store)?;
     for _attempt in 0..4 {
         let m = store.longest_prefix(tokens);
         let Some(ck) = m.checkpoint else { return Ok(None) };
-        if m.matched_tokens == 0 || m.matched_tokens > engine.ctx() {
+        if m.matched_tokens == 0 || m.matched_tokens > layout.ctx {
             return Ok(None);
         }
-        let mut b = rows::SnapshotBuilder::new_in(engine.config(), engine.page_pool());
+        let mut b = rows::SnapshotBuilder::new_in(&layout.cfg, &layout.pool);
         let mut build_err = None;
         let mut load_one = |key| {
             store.load(key, |v| {
@@ -203,10 +286,8 @@ pub fn restore_longest(store: &KvStore, engine: &mut Engine, tokens: &[u32]) -> 
             }
             Some(e) => return Err(build_err.unwrap_or_else(|| kv_err(e))),
         }
-        let snap = b.finish(tokens[..m.matched_tokens].to_vec());
-        let id = engine.restore(snap)?;
-        tracing::debug!(matched = m.matched_tokens, pages = m.pages.len(), "kv session restored");
-        return Ok(Some((id, m.matched_tokens)));
+        tracing::debug!(matched = m.matched_tokens, pages = m.pages.len(), "kv session loaded");
+        return Ok(Some(b.finish(tokens[..m.matched_tokens].to_vec())));
     }
     Ok(None)
 }

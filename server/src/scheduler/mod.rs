@@ -30,7 +30,7 @@ use crossbeam::channel::{self, Receiver, Sender, TryRecvError};
 use parking_lot::Mutex;
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::kvdisk::DiskEvent;
+use crate::kvdisk::{DiskEvent, DiskTier, Restored};
 use crate::metrics::{CacheTier, Metrics};
 use crate::model::{Runner, RunnerSessionId};
 use crate::recent::{Outcome, RequestRecord};
@@ -133,12 +133,23 @@ pub struct Scheduler {
 }
 
 impl Scheduler {
-    /// Start the scheduler thread owning `runner`.
+    /// Start the scheduler thread owning `runner` (no KV tier behind the RAM tier).
     pub fn start(runner: Box<dyn Runner>, config: SchedulerConfig, metrics: Arc<Metrics>) -> Self {
+        Scheduler::start_with_tier(runner, None, config, metrics)
+    }
+
+    /// Start the scheduler thread owning `runner` and the KV tier store `tier` (disk, memory and remote tiers
+    /// behind the RAM tier; see [`crate::kvdisk`]).
+    pub fn start_with_tier(
+        runner: Box<dyn Runner>,
+        tier: Option<DiskTier>,
+        config: SchedulerConfig,
+        metrics: Arc<Metrics>,
+    ) -> Self {
         let (tx, rx) = channel::unbounded();
         let queued = Arc::new(AtomicUsize::new(0));
         let max_queue = config.max_queue;
-        let mut worker = Worker::new(runner, config, metrics, queued.clone());
+        let mut worker = Worker::new(runner, tier, config, metrics, queued.clone());
         // What the runner found at start (e.g. corrupt cache files removed) is visible before this returns, so
         // before the server listens (publishing it from the thread raced the first `/metrics` request).
         worker.publish();
@@ -219,8 +230,21 @@ impl Active {
     }
 }
 
+/// A job waiting for the KV tiers' I/O worker to load its prompt's cached prefix.
+struct Restoring {
+    ticket: u64,
+    job: GenRequest,
+    submitted: Instant,
+    sampler: Sampler,
+}
+
 struct Worker {
     runner: Box<dyn Runner>,
+    /// The KV tiers behind the RAM tier (disk, memory, remote), when on.
+    tier: Option<DiskTier>,
+    /// Jobs whose restore runs on the tier's I/O worker (they count against `max_active`).
+    restoring: Vec<Restoring>,
+    next_ticket: u64,
     config: SchedulerConfig,
     metrics: Arc<Metrics>,
     queued: Arc<AtomicUsize>,
@@ -235,9 +259,18 @@ struct Worker {
 }
 
 impl Worker {
-    fn new(runner: Box<dyn Runner>, config: SchedulerConfig, metrics: Arc<Metrics>, queued: Arc<AtomicUsize>) -> Self {
+    fn new(
+        runner: Box<dyn Runner>,
+        tier: Option<DiskTier>,
+        config: SchedulerConfig,
+        metrics: Arc<Metrics>,
+        queued: Arc<AtomicUsize>,
+    ) -> Self {
         Worker {
             runner,
+            tier,
+            restoring: Vec::new(),
+            next_ticket: 0,
             config,
             metrics,
             queued,
@@ -252,8 +285,24 @@ impl Worker {
 
     fn run(&mut self, rx: Receiver<Msg>) {
         loop {
+            self.take_restored();
             let idle = self.active.is_empty() && self.waiting.is_empty();
-            let msg = if idle {
+            let msg = if idle && !self.restoring.is_empty() {
+                // Only restores in flight: wake for a request or for a restore's result.
+                let restored = self.tier.as_ref().map(|t| t.restored().clone()).unwrap_or_else(channel::never);
+                channel::select! {
+                    recv(rx) -> m => match m {
+                        Ok(m) => Some(m),
+                        Err(_) => break,
+                    },
+                    recv(restored) -> r => {
+                        if let Ok(r) = r {
+                            self.finish_restore(r);
+                        }
+                        continue;
+                    }
+                }
+            } else if idle {
                 match rx.recv() {
                     Ok(m) => Some(m),
                     Err(_) => break,
@@ -281,16 +330,73 @@ impl Worker {
             self.queued.fetch_sub(1, Ordering::SeqCst);
             let _ = job.events.send(JobEvent::Error("server is shutting down".into()));
         }
+        for r in std::mem::take(&mut self.restoring) {
+            let _ = r.job.events.send(JobEvent::Error("server is shutting down".into()));
+        }
         for a in std::mem::take(&mut self.active) {
             let _ = a.job.events.send(JobEvent::Error("server is shutting down".into()));
-            self.runner.disk_event(a.session, DiskEvent::Shutdown);
-            self.runner.free_session(a.session);
+            self.disk_event(a.session, DiskEvent::Shutdown);
+            self.free(a.session);
         }
         for p in std::mem::take(&mut self.parked) {
-            self.runner.disk_event(p.session, DiskEvent::Shutdown);
-            self.runner.free_session(p.session);
+            self.disk_event(p.session, DiskEvent::Shutdown);
+            self.free(p.session);
+        }
+        // Everything queued is written before the thread (and with it the server) ends.
+        if let Some(t) = &self.tier {
+            t.flush();
         }
         self.publish();
+    }
+
+    /// Reports `event` on `session` to the KV tiers (which decide whether to save).
+    fn disk_event(&mut self, session: RunnerSessionId, event: DiskEvent) {
+        if let Some(t) = &mut self.tier {
+            t.on_event(self.runner.as_mut(), session, event);
+        }
+    }
+
+    /// Frees `session` in the runner and the tiers' bookkeeping.
+    fn free(&mut self, session: RunnerSessionId) {
+        self.runner.free_session(session);
+        if let Some(t) = &mut self.tier {
+            t.forget(session);
+        }
+    }
+
+    /// Admits the jobs whose restores have come back.
+    fn take_restored(&mut self) {
+        let done: Vec<Restored> = match &self.tier {
+            Some(t) if !self.restoring.is_empty() => t.restored().try_iter().collect(),
+            _ => return,
+        };
+        for r in done {
+            self.finish_restore(r);
+        }
+    }
+
+    /// Installs a restore's snapshot (when it still beats the RAM tier) and starts its job.
+    fn finish_restore(&mut self, r: Restored) {
+        let Some(i) = self.restoring.iter().position(|x| x.ticket == r.ticket) else { return };
+        let Restoring { job, submitted, sampler, .. } = self.restoring.swap_remove(i);
+        if job.events.is_closed() {
+            self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        let restored = r.snapshot.and_then(|snap| {
+            let n = snap.pos;
+            match self.runner.import(snap) {
+                Ok(s) => Some((s, n)),
+                Err(e) => {
+                    tracing::warn!(error = %e, "a restored KV prefix could not be installed; prefilling instead");
+                    None
+                }
+            }
+        });
+        if let (Some(t), Some((s, n))) = (&mut self.tier, restored) {
+            t.note_restored(s, n);
+        }
+        self.start(job, submitted, sampler, restored);
     }
 
     fn publish(&self) {
@@ -301,14 +407,20 @@ impl Worker {
         let kv = self.runner.kv_bytes();
         m.set_kv_bytes(CacheTier::Device, kv.device);
         m.set_kv_bytes(CacheTier::Host, kv.host);
-        m.set_kv_bytes(CacheTier::Disk, kv.disk);
         m.set_kv_fork_bytes_copied(self.runner.kv_bytes_copied());
-        m.set_kv_disk_errors(self.runner.disk_error_counts());
+        m.kv_restoring.store(self.restoring.len() as u64, Ordering::Relaxed);
+        if let Some(t) = &self.tier {
+            m.set_kv_bytes(CacheTier::Disk, t.disk_bytes());
+            m.set_kv_disk_errors(t.error_counts());
+            m.kv_saves_dropped.store(t.saves_dropped(), Ordering::Relaxed);
+            m.kv_io_pending.store(t.io_pending() as u64, Ordering::Relaxed);
+        }
     }
 
-    /// Move waiting jobs into the active set while there is room.
+    /// Move waiting jobs into the active set while there is room (a job whose prompt the KV tiers may hold waits
+    /// for its restore first, off this thread).
     fn admit(&mut self) {
-        while self.active.len() < self.config.max_active {
+        while self.active.len() + self.restoring.len() < self.config.max_active {
             let Some((job, submitted)) = self.waiting.pop_front() else { break };
             self.queued.fetch_sub(1, Ordering::SeqCst);
             if job.events.is_closed() {
@@ -332,40 +444,65 @@ impl Worker {
                     continue;
                 }
             };
-            let (session, cached, tier) = match self.acquire(&job.prompt) {
-                Ok(x) => x,
-                Err(e) => {
-                    let _ = job.events.send(JobEvent::Error(e));
-                    continue;
+            let ram = self.best_parked(&job.prompt).map_or(0, |(_, n)| n);
+            if let Some(t) = &mut self.tier {
+                if t.could_beat(&job.prompt, ram) {
+                    self.next_ticket += 1;
+                    if t.start_restore(self.next_ticket, job.prompt.clone(), ram) {
+                        self.restoring.push(Restoring { ticket: self.next_ticket, job, submitted, sampler });
+                        continue;
+                    }
                 }
-            };
-            let prompt_len = job.prompt.len();
-            let pause_at = self.runner.disk_system_block(&job.prompt, job.system_block, cached);
-            self.metrics.prompt_tokens.fetch_add(prompt_len as u64, Ordering::Relaxed);
-            if cached > 0 {
-                self.metrics.add_prefix_hit(tier, cached as u64);
             }
-            self.metrics.add_prefill(cached > 0, tier, (prompt_len - cached.min(prompt_len)) as u64);
-            let _ = job.events.send(JobEvent::Started { prompt_tokens: prompt_len, cached_tokens: cached });
-            tracing::debug!(session, prompt_len, cached, "admitted");
-            self.active.push(Active {
-                tokens: job.prompt.clone(),
-                sampler,
-                job,
-                session,
-                fed: cached,
-                prompt_len,
-                cached,
-                tier,
-                pause_at,
-                generated: 0,
-                submitted,
-                admitted: Instant::now(),
-                first_token: None,
-                last_token: None,
-                spec: SpecState::default(),
-            });
+            self.start(job, submitted, sampler, None);
         }
+    }
+
+    /// Starts `job` on a session: `restored` (a session loaded from the KV tiers and the prompt tokens it holds)
+    /// when it beats the RAM tier, else the best parked session or a fresh one.
+    fn start(
+        &mut self,
+        job: GenRequest,
+        submitted: Instant,
+        sampler: Sampler,
+        restored: Option<(RunnerSessionId, usize)>,
+    ) {
+        let (session, cached, tier) = match self.acquire(&job.prompt, restored) {
+            Ok(x) => x,
+            Err(e) => {
+                let _ = job.events.send(JobEvent::Error(e));
+                return;
+            }
+        };
+        let prompt_len = job.prompt.len();
+        let pause_at = match &mut self.tier {
+            Some(t) => t.system_block_save_at(&job.prompt, job.system_block, cached),
+            None => None,
+        };
+        self.metrics.prompt_tokens.fetch_add(prompt_len as u64, Ordering::Relaxed);
+        if cached > 0 {
+            self.metrics.add_prefix_hit(tier, cached as u64);
+        }
+        self.metrics.add_prefill(cached > 0, tier, (prompt_len - cached.min(prompt_len)) as u64);
+        let _ = job.events.send(JobEvent::Started { prompt_tokens: prompt_len, cached_tokens: cached });
+        tracing::debug!(session, prompt_len, cached, "admitted");
+        self.active.push(Active {
+            tokens: job.prompt.clone(),
+            sampler,
+            job,
+            session,
+            fed: cached,
+            prompt_len,
+            cached,
+            tier,
+            pause_at,
+            generated: 0,
+            submitted,
+            admitted: Instant::now(),
+            first_token: None,
+            last_token: None,
+            spec: SpecState::default(),
+        });
     }
 
     /// Finish the job at `idx`: park its session with the tokens the runner has processed.
@@ -381,7 +518,7 @@ impl Worker {
         if let Some(ev) = event {
             let _ = a.job.events.send(ev);
         }
-        self.runner.disk_event(a.session, DiskEvent::Finished);
+        self.disk_event(a.session, DiskEvent::Finished);
         let mut tokens = a.tokens;
         tokens.truncate(a.fed);
         self.park(a.session, tokens);
@@ -485,7 +622,7 @@ impl Worker {
                 for a in std::mem::take(&mut self.active) {
                     self.metrics.recent.record(a.record(Outcome::Error));
                     let _ = a.job.events.send(JobEvent::Error(format!("model step failed: {e}")));
-                    self.runner.free_session(a.session);
+                    self.free(a.session);
                 }
                 return;
             }
@@ -496,7 +633,7 @@ impl Worker {
             if a.pause_at == Some(a.fed) && self.runner.pending(a.session) == 0 {
                 let session = a.session;
                 self.active[i].pause_at = None;
-                self.runner.disk_event(session, DiskEvent::SystemBlock);
+                self.disk_event(session, DiskEvent::SystemBlock);
             }
         }
         let mut finished: Vec<(usize, JobEvent)> = failed.into_iter().map(|(i, e)| (i, JobEvent::Error(e))).collect();
@@ -516,7 +653,7 @@ impl Worker {
             .map(|a| (a.session, a.tokens[..a.prompt_len].to_vec(), a.cached))
             .collect();
         for (session, prompt, cached) in checkpoints {
-            self.runner.disk_event(session, DiskEvent::Prefilled { cached, prompt_len: prompt.len() });
+            self.disk_event(session, DiskEvent::Prefilled { cached, prompt_len: prompt.len() });
             self.checkpoint_prompt(session, &prompt);
         }
         for i in sample_now {

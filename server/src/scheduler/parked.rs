@@ -6,14 +6,14 @@
 //! exactly, recomputing nothing, up to R = 1024 tokens). Runners without unbounded truncation also get a copy of
 //! every freshly prefilled prompt parked ([`Runner::fork`]), so a request that diverges right after the prompt (a
 //! retry, a re-rendered assistant turn) skips it even beyond the roll-back reach. The parked sessions are the
-//! RAM KV tier, bounded by bytes: least-recently-used ones are evicted (saved to the disk tier first, when there is
-//! one) while their [`Runner::session_bytes`] sum exceeds `max_parked_bytes`, beyond `max_parked` sessions (a
+//! RAM KV tier, bounded by bytes: least-recently-used ones are evicted (saved to the KV tiers first, when there
+//! are) while their [`Runner::session_bytes`] sum exceeds `max_parked_bytes`, beyond `max_parked` sessions (a
 //! bound on the runner's session table, not the cache policy), or when the runner's session table is full.
 
 use super::Worker;
 use crate::kvdisk::DiskEvent;
 use crate::metrics::CacheTier;
-use crate::model::{Runner, RunnerSessionId};
+use crate::model::RunnerSessionId;
 
 pub(super) struct Parked {
     pub(super) session: RunnerSessionId,
@@ -28,13 +28,11 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
 }
 
 impl Worker {
-    /// A session for `prompt`: the parked one that lets the most prompt tokens be skipped, else a fresh one.
-    /// Returns the session and the number of prompt tokens it already holds (`== prompt.len()` only when the
-    /// session also holds the logits that follow the prompt).
-    /// A session restored from the disk tier wins when it covers more of the prompt than any parked one.
-    pub(super) fn acquire(&mut self, prompt: &[u32]) -> Result<(RunnerSessionId, usize, CacheTier), String> {
+    /// The parked session that lets the most of `prompt` be skipped, and how many tokens: its index in `parked`.
+    pub(super) fn best_parked(&self, prompt: &[u32]) -> Option<(usize, usize)> {
         let can_truncate = self.runner.can_truncate();
-        let usable = |runner: &dyn Runner, p: &Parked| -> usize {
+        let runner = self.runner.as_ref();
+        let usable = |p: &Parked| -> usize {
             let lcp = common_prefix(&p.tokens, prompt);
             if lcp == p.tokens.len() && (lcp < prompt.len() || runner.logits(p.session).is_some()) {
                 lcp // the prompt extends the parked tokens (or equals them, logits included)
@@ -46,15 +44,31 @@ impl Worker {
                 runner.rollback_floor(p.session).filter(|&f| f <= n).map_or(0, |_| n)
             }
         };
-        let best = self
-            .parked
+        self.parked
             .iter()
             .enumerate()
-            .map(|(i, p)| (i, usable(self.runner.as_ref(), p)))
+            .map(|(i, p)| (i, usable(p)))
             .filter(|&(_, n)| n > 0)
-            .max_by_key(|&(i, n)| (n, self.parked[i].last_used));
-        if let Some((s, n)) = self.runner.disk_restore(prompt, best.map_or(0, |(_, n)| n)) {
-            return Ok((s, n, CacheTier::Disk));
+            .max_by_key(|&(i, n)| (n, self.parked[i].last_used))
+    }
+
+    /// A session for `prompt`: `restored` (a session the KV tiers loaded, and the prompt tokens it holds) when it
+    /// covers more of the prompt than any parked session, else the parked one that lets the most prompt tokens be
+    /// skipped, else a fresh one. Returns the session and the number of prompt tokens it already holds
+    /// (`== prompt.len()` only when the session also holds the logits that follow the prompt).
+    pub(super) fn acquire(
+        &mut self,
+        prompt: &[u32],
+        restored: Option<(RunnerSessionId, usize)>,
+    ) -> Result<(RunnerSessionId, usize, CacheTier), String> {
+        let can_truncate = self.runner.can_truncate();
+        let best = self.best_parked(prompt);
+        if let Some((s, n)) = restored {
+            if n > best.map_or(0, |(_, n)| n) {
+                return Ok((s, n, CacheTier::Disk));
+            }
+            // A parked session overtook it while it loaded.
+            self.free(s);
         }
         if let Some((i, n)) = best {
             let extends = n == self.parked[i].tokens.len();
@@ -67,14 +81,14 @@ impl Worker {
                         self.parked[i].last_used = self.clock;
                         return Ok((copy, n, CacheTier::Host));
                     }
-                    self.runner.free_session(copy);
+                    self.free(copy);
                 }
             }
             let p = self.parked.swap_remove(i);
             if extends || self.runner.truncate(p.session, n) {
                 return Ok((p.session, n, CacheTier::Host));
             }
-            self.runner.free_session(p.session);
+            self.free(p.session);
         }
         loop {
             match self.runner.create_session() {
@@ -94,8 +108,8 @@ impl Worker {
             return false;
         };
         let p = self.parked.swap_remove(lru);
-        self.runner.disk_event(p.session, DiskEvent::Evict);
-        self.runner.free_session(p.session);
+        self.disk_event(p.session, DiskEvent::Evict);
+        self.free(p.session);
         true
     }
 

@@ -163,7 +163,7 @@ fn decoding_gets_a_token_every_tick_during_another_long_prefill() {
     // driven tick by tick here (no thread), so the counts are exact.
     let runner = FakeRunner::new(8).with_batch_tokens(8);
     let queued = Arc::new(AtomicUsize::new(0));
-    let mut w = Worker::new(Box::new(runner), SchedulerConfig::default(), Default::default(), queued.clone());
+    let mut w = Worker::new(Box::new(runner), None, SchedulerConfig::default(), Default::default(), queued.clone());
     let submit = |w: &mut Worker, j: GenRequest| {
         queued.fetch_add(1, Ordering::SeqCst);
         w.waiting.push_back((j, Instant::now()));
@@ -204,7 +204,7 @@ fn the_ram_tier_is_bounded_by_bytes_not_by_count() {
     // The fake model charges 64 bytes per token: a budget of 150 tokens' worth keeps two ~68-token
     // conversations (prompt + reply) parked, not three; the least recently used one is evicted.
     let config = SchedulerConfig { max_parked_bytes: 150 * 64, ..Default::default() };
-    let mut w = Worker::new(Box::new(FakeRunner::new(64)), config, Default::default(), Default::default());
+    let mut w = Worker::new(Box::new(FakeRunner::new(64)), None, config, Default::default(), Default::default());
     let run = |w: &mut Worker, p: Vec<u32>| {
         let (j, mut rx) = job(p, 100);
         w.queued.fetch_add(1, Ordering::SeqCst);
@@ -230,7 +230,7 @@ fn the_ram_tier_is_bounded_by_bytes_not_by_count() {
     assert!(held(&w, &prompts[0]) && held(&w, &prompts[1]) && !held(&w, &prompts[2]));
     // Many small sessions fit where a count bound of 16 would have evicted: 40 sessions of 1 KiB.
     let config = SchedulerConfig { max_parked_bytes: 1 << 20, ..Default::default() };
-    let mut w = Worker::new(Box::new(FakeRunner::new(128)), config, Default::default(), Default::default());
+    let mut w = Worker::new(Box::new(FakeRunner::new(128)), None, config, Default::default(), Default::default());
     for i in 0..40 {
         run(&mut w, prompt(&format!("q{i}")));
     }

@@ -391,7 +391,8 @@ fn engine_snapshot_persist_and_restore_with_device_kv() {
 
     // Disk round trip of the wgpu session (pages + checkpoint read from the synced host mirror).
     let dir = tempfile::tempdir().unwrap();
-    let store = crate::persist::open_store(&g, dir.path(), crate::persist::kv_options(&g, 16, 1 << 30)).unwrap();
+    let store =
+        crate::persist::open_store(&g, dir.path(), crate::persist::kv_options(g.config(), 16, 1 << 30)).unwrap();
     crate::persist::save(&store, &g, sg, Default::default()).unwrap();
 
     // The original continues; the restored copies must produce the same logits bit for bit.
