@@ -111,6 +111,22 @@ impl IoWorker {
     pub fn panics(&self) -> u64 {
         self.shared.panics.load(Ordering::Relaxed)
     }
+
+    /// A handle that reads [`IoWorker::pending`] from anywhere (e.g. a metrics endpoint).
+    pub fn pending_handle(&self) -> IoPending {
+        IoPending(self.shared.clone())
+    }
+}
+
+/// Reads an [`IoWorker`]'s pending count (cheap to clone, `Send + Sync`).
+#[derive(Clone)]
+pub struct IoPending(Arc<Shared>);
+
+impl IoPending {
+    /// Jobs queued or running.
+    pub fn get(&self) -> usize {
+        *self.0.pending.lock()
+    }
 }
 
 impl Drop for IoWorker {
@@ -140,6 +156,7 @@ mod tests {
         }
         w.flush();
         assert_eq!(w.pending(), 0);
+        assert_eq!(w.pending_handle().get(), 0);
         let got: Vec<_> = rx.try_iter().collect();
         assert_eq!(got.iter().map(|g| g.0).collect::<Vec<_>>(), vec![0, 1, 2, 3, 4]);
         assert!(got.iter().all(|g| g.1 != caller));
@@ -167,6 +184,7 @@ mod tests {
         }
         assert!(queued <= 1 && refused >= 2, "queued {queued}, refused {refused}");
         assert_eq!(w.pending(), 1 + queued);
+        assert_eq!(w.pending_handle().get(), 1 + queued);
         *gate.0.lock() = true;
         gate.1.notify_all();
         w.flush();

@@ -64,7 +64,7 @@ pub mod triggers;
 pub use codec::Encoding;
 pub use error::{KvError, KvResult};
 pub use format::{BlockDesc, EntryKind, Header, RowBlock, RowsView, SaveReason};
-pub use io::{IoJob, IoWorker};
+pub use io::{IoJob, IoPending, IoWorker};
 pub use key::{checkpoint_key, page_key, Key, ModelIdentity, PrefixHasher};
 pub use store::{DiskStatus, EntryInfo, EntryRef, ExportedEntry, GcReport, KvOptions, KvStore, LoadInfo, PrefixMatch};
 pub use table::{CheckpointId, EntryId, PageId, Tier};

@@ -163,6 +163,45 @@ impl DiskErrors {
     }
 }
 
+/// The tier's counters, read live (see [`DiskTier::stats`]).
+#[derive(Clone)]
+pub struct TierStats {
+    store: Arc<KvStore>,
+    counts: Arc<Counts>,
+    pending: ds4_kv::IoPending,
+}
+
+impl TierStats {
+    /// Failures so far by kind.
+    pub fn error_counts(&self) -> DiskErrors {
+        let st = self.store.status();
+        DiskErrors {
+            save: self.counts.save_errors.load(Ordering::Relaxed),
+            restore: self.counts.restore_errors.load(Ordering::Relaxed),
+            write: st.write_errors,
+            read: st.read_errors,
+            corrupt_at_open: st.corrupt_at_open,
+            checksum: st.corrupt_on_load,
+        }
+    }
+
+    /// Saves dropped because the I/O queue was full.
+    pub fn saves_dropped(&self) -> u64 {
+        self.counts.dropped.load(Ordering::Relaxed)
+    }
+
+    /// Tier I/O jobs queued or running.
+    pub fn io_pending(&self) -> usize {
+        self.pending.get()
+    }
+
+    /// Bytes of KV files on disk (of entries in memory, for an in-memory tier).
+    pub fn disk_bytes(&self) -> u64 {
+        let st = self.store.status();
+        st.bytes + st.host_bytes
+    }
+}
+
 /// A restore's result, handed back by the I/O worker ([`DiskTier::restored`]).
 pub struct Restored {
     /// The ticket given to [`DiskTier::start_restore`].
@@ -200,6 +239,9 @@ pub struct DiskTier {
     next_job: u64,
     done_tx: Sender<Restored>,
     done_rx: Receiver<Restored>,
+    /// Tests: restores wait until this gate opens (holds the I/O worker as a slow disk would).
+    #[cfg(test)]
+    pub(crate) hold: Option<Arc<(Mutex<bool>, parking_lot::Condvar)>>,
 }
 
 impl DiskTier {
@@ -241,6 +283,8 @@ impl DiskTier {
             next_job: 0,
             done_tx,
             done_rx,
+            #[cfg(test)]
+            hold: None,
         })
     }
 
@@ -279,41 +323,23 @@ impl DiskTier {
 
     /// Failures so far, all kinds.
     pub fn errors(&self) -> u64 {
-        self.error_counts().total()
+        self.stats().error_counts().total()
     }
 
     /// Failures so far by kind.
     pub fn error_counts(&self) -> DiskErrors {
-        let st = self.store.status();
-        DiskErrors {
-            save: self.counts.save_errors.load(Ordering::Relaxed),
-            restore: self.counts.restore_errors.load(Ordering::Relaxed),
-            write: st.write_errors,
-            read: st.read_errors,
-            corrupt_at_open: st.corrupt_at_open,
-            checksum: st.corrupt_on_load,
-        }
+        self.stats().error_counts()
     }
 
-    /// Saves dropped because the I/O queue was full.
-    pub fn saves_dropped(&self) -> u64 {
-        self.counts.dropped.load(Ordering::Relaxed)
-    }
-
-    /// Tier I/O jobs queued or running.
-    pub fn io_pending(&self) -> usize {
-        self.io.pending()
+    /// A live view of the tier's counters for `/metrics` (read when rendered: the I/O worker updates them between
+    /// the scheduler's ticks).
+    pub fn stats(&self) -> TierStats {
+        TierStats { store: self.store.clone(), counts: self.counts.clone(), pending: self.io.pending_handle() }
     }
 
     /// Waits until every queued save and restore has run.
     pub fn flush(&self) {
         self.io.flush();
-    }
-
-    /// Bytes of KV files on disk (of entries in memory, for an in-memory tier).
-    pub fn disk_bytes(&self) -> u64 {
-        let st = self.store.status();
-        st.bytes + st.host_bytes
     }
 
     /// Whether a restore of `prompt` could cover more than `better_than` tokens: the store's index has such a
@@ -338,7 +364,16 @@ impl DiskTier {
     pub fn start_restore(&mut self, ticket: u64, prompt: Vec<u32>, better_than: usize) -> bool {
         let (store, layout, remote) = (self.store.clone(), self.layout.clone(), self.remote.clone());
         let (counts, done) = (self.counts.clone(), self.done_tx.clone());
+        #[cfg(test)]
+        let hold = self.hold.clone();
         let job = move || {
+            #[cfg(test)]
+            if let Some(g) = hold {
+                let mut open = g.0.lock();
+                while !*open {
+                    g.1.wait(&mut open);
+                }
+            }
             let snapshot = restore_job(&store, &layout, remote.as_deref(), &prompt, better_than, &counts);
             let _ = done.send(Restored { ticket, snapshot });
         };

@@ -185,12 +185,8 @@ pub struct Metrics {
     pub queue_depth: AtomicU64,
     pub active_sessions: AtomicU64,
     pub parked_sessions: AtomicU64,
-    /// Disk KV tier failures by kind.
-    kv_disk_errors: Mutex<crate::kvdisk::DiskErrors>,
-    /// Saves dropped because the tier I/O queue was full.
-    pub kv_saves_dropped: AtomicU64,
-    /// Tier I/O jobs (saves, restores) queued or running.
-    pub kv_io_pending: AtomicU64,
+    /// The KV tiers' live counters (disk errors, dropped saves, pending I/O, disk bytes), when a tier is on.
+    pub kv_tier: std::sync::OnceLock<crate::kvdisk::TierStats>,
     /// Requests waiting for a restore from the KV tiers.
     pub kv_restoring: AtomicU64,
     /// Generations stopped because their client went away.
@@ -227,9 +223,7 @@ impl Default for Metrics {
             queue_depth: AtomicU64::new(0),
             active_sessions: AtomicU64::new(0),
             parked_sessions: AtomicU64::new(0),
-            kv_disk_errors: Mutex::new(Default::default()),
-            kv_saves_dropped: AtomicU64::new(0),
-            kv_io_pending: AtomicU64::new(0),
+            kv_tier: std::sync::OnceLock::new(),
             kv_restoring: AtomicU64::new(0),
             cancelled: AtomicU64::new(0),
             keepalives: AtomicU64::new(0),
@@ -316,10 +310,6 @@ impl Metrics {
         load(&self.recomputed_tokens)
     }
 
-    pub fn set_kv_disk_errors(&self, e: crate::kvdisk::DiskErrors) {
-        *self.kv_disk_errors.lock() = e;
-    }
-
     /// Count a connection the server closed.
     pub fn connection_closed(&self, reason: CloseReason) {
         self.closed[reason as usize].fetch_add(1, Ordering::Relaxed);
@@ -337,7 +327,15 @@ impl Metrics {
 
     /// KV bytes held in `tier` now.
     pub fn kv_bytes(&self, tier: CacheTier) -> u64 {
-        load(&self.kv_bytes[tier as usize])
+        self.kv_bytes_at(tier as usize)
+    }
+
+    /// The disk tier's bytes are read live from the tier store; the others are what the scheduler published.
+    fn kv_bytes_at(&self, i: usize) -> u64 {
+        match self.kv_tier.get() {
+            Some(t) if i == CacheTier::Disk as usize => t.disk_bytes(),
+            _ => load(&self.kv_bytes[i]),
+        }
     }
 
     /// Finished requests counted by [`Metrics::request`] on `endpoints`, any status.
@@ -389,20 +387,21 @@ impl Metrics {
             "corrupt_at_open: corrupt files removed at start, checksum: corrupt entries found while restoring).\n",
         );
         out.push_str("# TYPE ds4_kv_disk_errors_total counter\n");
-        for (kind, n) in self.kv_disk_errors.lock().by_kind() {
+        let tier = self.kv_tier.get();
+        for (kind, n) in tier.map(|t| t.error_counts()).unwrap_or_default().by_kind() {
             let _ = writeln!(out, "ds4_kv_disk_errors_total{{kind=\"{kind}\"}} {n}");
         }
         counter(
             &mut out,
             "ds4_kv_disk_saves_dropped_total",
             "KV saves dropped because the tier I/O queue was full.",
-            load(&self.kv_saves_dropped),
+            tier.map_or(0, |t| t.saves_dropped()),
         );
         let _ = writeln!(
             out,
             "# HELP ds4_kv_io_pending KV tier I/O jobs (saves, restores) queued or running.\n\
              # TYPE ds4_kv_io_pending gauge\nds4_kv_io_pending {}",
-            load(&self.kv_io_pending)
+            tier.map_or(0, |t| t.io_pending())
         );
         let _ = writeln!(
             out,
@@ -427,7 +426,7 @@ impl Metrics {
         gauge(&mut out, "ds4_parked_sessions", "Idle sessions kept for prefix reuse.", load(&self.parked_sessions));
         out.push_str("# HELP ds4_kv_bytes KV cache bytes by tier.\n# TYPE ds4_kv_bytes gauge\n");
         for (i, t) in TIERS.iter().enumerate() {
-            let _ = writeln!(out, "ds4_kv_bytes{{tier=\"{t}\"}} {}", load(&self.kv_bytes[i]));
+            let _ = writeln!(out, "ds4_kv_bytes{{tier=\"{t}\"}} {}", self.kv_bytes_at(i));
         }
         counter(
             &mut out,

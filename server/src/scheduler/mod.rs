@@ -149,6 +149,9 @@ impl Scheduler {
         let (tx, rx) = channel::unbounded();
         let queued = Arc::new(AtomicUsize::new(0));
         let max_queue = config.max_queue;
+        if let Some(t) = &tier {
+            let _ = metrics.kv_tier.set(t.stats());
+        }
         let mut worker = Worker::new(runner, tier, config, metrics, queued.clone());
         // What the runner found at start (e.g. corrupt cache files removed) is visible before this returns, so
         // before the server listens (publishing it from the thread raced the first `/metrics` request).
@@ -409,12 +412,6 @@ impl Worker {
         m.set_kv_bytes(CacheTier::Host, kv.host);
         m.set_kv_fork_bytes_copied(self.runner.kv_bytes_copied());
         m.kv_restoring.store(self.restoring.len() as u64, Ordering::Relaxed);
-        if let Some(t) = &self.tier {
-            m.set_kv_bytes(CacheTier::Disk, t.disk_bytes());
-            m.set_kv_disk_errors(t.error_counts());
-            m.kv_saves_dropped.store(t.saves_dropped(), Ordering::Relaxed);
-            m.kv_io_pending.store(t.io_pending() as u64, Ordering::Relaxed);
-        }
     }
 
     /// Move waiting jobs into the active set while there is room (a job whose prompt the KV tiers may hold waits

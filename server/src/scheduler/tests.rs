@@ -257,3 +257,98 @@ fn a_dropped_receiver_cancels_and_frees_the_slot() {
     assert_eq!(collect(&mut rx).1, "Hello! You said: next.");
     s.shutdown();
 }
+
+/// The real engine (the trained demo model, CPU) behind a scheduler with a disk tier whose restores are held: a job
+/// whose prompt the tier holds waits for its restore while another session keeps decoding, then starts from the
+/// restored prefix. The scheduler thread never waits on the tier's I/O.
+#[test]
+fn a_restore_runs_off_the_scheduler_thread_while_others_decode() {
+    use crate::engine::{load, LoadOptions};
+    use crate::model::Runner;
+    let opts = LoadOptions {
+        backend: ds4_engine::engine::BackendKind::Cpu,
+        ctx: 2048,
+        max_batch_tokens: 256,
+        max_sessions: 16,
+        active_sessions: 4,
+        demo_seed: None,
+    };
+    let (runner, _codec, _info) = load(None, &opts).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut tier = DiskTier::open(runner.kv_layout().unwrap(), dir.path().to_path_buf(), 1 << 30).unwrap();
+    let gate = Arc::new((parking_lot::Mutex::new(false), parking_lot::Condvar::new()));
+    tier.hold = Some(gate.clone());
+    let metrics = Arc::new(Metrics::default());
+    // No RAM tier: a finished session goes to the disk tier (an eviction save), so the next prompt must restore.
+    let config =
+        SchedulerConfig { max_parked: 0, context_size: 2048, prefill_chunk: 128, ..SchedulerConfig::default() };
+    let s = Scheduler::start_with_tier(Box::new(runner), Some(tier), config, metrics.clone());
+    let ids =
+        |seed: u32, n: usize| -> Vec<u32> { (0..n as u32).map(|i| 10 + (i * 7919 + seed * 104729) % 250).collect() };
+    let never = u32::MAX; // no end-of-sequence token: jobs run to max_tokens
+    let greedy = |prompt: Vec<u32>, max_tokens: usize| {
+        let (tx, rx) = unbounded_channel();
+        let sampling = SamplerConfig::greedy();
+        (
+            GenRequest {
+                prompt,
+                sampling,
+                max_tokens,
+                eos: vec![never],
+                system_block: 0,
+                events: tx,
+                constraint: None,
+            },
+            rx,
+        )
+    };
+    // A 600-token prompt, saved on its way through (cold save after prefill, eviction save when it ends).
+    let x = ids(1, 600);
+    let (j, mut rx) = greedy(x.clone(), 2);
+    s.submit(j).unwrap();
+    let (ev, _) = collect(&mut rx);
+    assert!(matches!(ev.last(), Some(JobEvent::Done(_))), "{ev:?}");
+    let t0 = Instant::now();
+    while metrics.kv_tier.get().unwrap().io_pending() > 0 || !dir.path().read_dir().unwrap().any(|_| true) {
+        assert!(t0.elapsed().as_secs() < 60, "the saves never finished");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    // A decoding job, then one whose prompt extends the saved one.
+    let (a, mut rx_a) = greedy(ids(2, 40), 400);
+    s.submit(a).unwrap();
+    assert!(matches!(rx_a.blocking_recv(), Some(JobEvent::Started { cached_tokens: 0, .. })));
+    let mut y = x.clone();
+    y.extend(ids(3, 20));
+    let (b, mut rx_b) = greedy(y.clone(), 3);
+    s.submit(b).unwrap();
+    // While the restore is held, the other session keeps getting tokens and the job waits, not started.
+    let (mut decoded, t1) = (0, Instant::now());
+    while decoded < 30 {
+        match rx_a.try_recv() {
+            Ok(JobEvent::Token(_)) => decoded += 1,
+            Ok(other) => panic!("the decoding job stopped: {other:?}"),
+            Err(_) => {
+                assert!(t1.elapsed().as_secs() < 60, "decoding stalled while a restore was held ({decoded} tokens)");
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        }
+    }
+    assert!(rx_b.try_recv().is_err(), "the restoring job started before its restore came back");
+    assert_eq!(metrics.kv_restoring.load(Ordering::Relaxed), 1);
+    *gate.0.lock() = true;
+    gate.1.notify_all();
+    let (ev_b, _) = collect(&mut rx_b);
+    match ev_b[0] {
+        JobEvent::Started { prompt_tokens, cached_tokens } => {
+            assert_eq!(prompt_tokens, y.len());
+            assert!(cached_tokens >= 512 && cached_tokens <= x.len(), "restored {cached_tokens} of {}", x.len());
+        }
+        ref e => panic!("{e:?}"),
+    }
+    assert!(matches!(ev_b.last(), Some(JobEvent::Done(_))), "{ev_b:?}");
+    assert!(metrics.prefix_hit_tokens(CacheTier::Disk) >= 512);
+    // The decoding job was never held up: it finishes with all its tokens.
+    let (ev_a, _) = collect(&mut rx_a);
+    assert!(matches!(ev_a.last(), Some(JobEvent::Done(JobStopReason::Length))), "{ev_a:?}");
+    s.shutdown();
+}
