@@ -286,10 +286,16 @@ pub(crate) fn run_kv(a: &KvArgs) -> Result<()> {
         return run_kv_replay(a, path, file, threads, &mut out);
     }
     let lengths = if quick { vec![5, 16, 27] } else { a.lengths.clone() };
+    let tier_io = a.tier_io.map(|n| tierio::TierIoOptions {
+        tokens: if quick { n.min(300) } else { n },
+        sessions: a.sessions,
+        ticks: if quick { a.ticks.min(8) } else { a.ticks },
+        span: 0,
+    });
     let max = lengths.iter().copied().max().unwrap_or(0);
     let cfg = engine_api::EngineConfig {
         threads,
-        ctx: max.max(a.fork.unwrap_or(0)) + 1,
+        ctx: (max.max(a.fork.unwrap_or(0)) + 1).max(tier_io.as_ref().map_or(0, tierio::ctx_for)),
         batch_tokens: a.batch_tokens,
         backend: a.backend.clone(),
         exact: false,
@@ -308,6 +314,19 @@ pub(crate) fn run_kv(a: &KvArgs) -> Result<()> {
             tmp.path().to_path_buf()
         }
     };
+    if let Some(mut o) = tier_io {
+        o.span = span;
+        writeln!(
+            out,
+            "# tier I/O: {} tokens saved and restored, {} sessions decoding, store {}",
+            o.tokens,
+            o.sessions,
+            dir.display()
+        )?;
+        pb.finish_and_clear();
+        tierio::run(&mut engine, &o, &dir, &mut out)?;
+        return Ok(());
+    }
     writeln!(out, "# store: {} (span {span} tokens)", dir.display())?;
     pb.set_position(0);
     let opts = kvbench::KvBenchOptions { lengths, span, dir };

@@ -47,38 +47,11 @@ pub fn fork(engine: &mut Engine, tokens: usize, out: &mut dyn Write) -> Result<(
     if tokens < 2 || tokens + 1 > engine.ctx() {
         bail!("--fork {tokens} does not fit the engine context {}", engine.ctx());
     }
-    let cfg = engine.config().clone();
     // A device-resident backend gets the state on the device by decoding the last token.
     let device = engine.device_kv_pages().is_some();
     let (filled, decoded) = if device { (tokens - 1, 1) } else { (tokens, 0) };
-    let mut kv = ds4_engine::tables::SessionKv::new_in(&cfg, filled, engine.page_pool());
-    let mut x = 0x9e37_79b9u32;
-    let mut next = move || {
-        x ^= x << 13;
-        x ^= x >> 17;
-        x ^= x << 5;
-        (x >> 8) as f32 / (1u32 << 24) as f32 - 0.5
-    };
-    for (l, lk) in kv.layers.iter_mut().enumerate() {
-        lk.ring.iter_mut().for_each(|v| *v = next() * 0.1);
-        if let Some(rows) = filled.checked_div(cfg.compress_ratios[l]) {
-            for t in [&mut lk.comp_rows, &mut lk.idx_rows] {
-                let mut row = vec![0f32; t.width()];
-                for _ in 0..if t.width() > 0 { rows } else { 0 } {
-                    row.iter_mut().for_each(|v| *v = next() * 0.1);
-                    t.push(&row);
-                }
-            }
-        }
-        for f in [&mut lk.comp, &mut lk.idx].into_iter().flatten() {
-            f.n_pending = filled % f.ratio;
-            f.has_prev = f.coff == 2 && filled >= f.ratio;
-        }
-    }
-    let prompt = throughput::prompt(tokens, cfg.vocab);
-    let logits = vec![0f32; cfg.vocab];
-    let snap = ds4_engine::tables::SessionSnapshot { pos: filled, history: prompt[..filled].to_vec(), kv, logits };
-    let id = engine.restore(snap)?;
+    let prompt = throughput::prompt(tokens, engine.config().vocab);
+    let id = filled_session(engine, &prompt[..filled], 0x9e37_79b9)?;
     if decoded > 0 {
         engine.feed(id, &prompt[filled..])?;
         engine.run_until_idle()?;
@@ -115,6 +88,40 @@ pub fn fork(engine: &mut Engine, tokens: usize, out: &mut dyn Write) -> Result<(
         "{tokens},{kv_bytes},{fork_s:.6},{fork_bytes},{shared},{append_bytes},{deep_copy_s:.6},{deep_bytes}"
     )?;
     Ok(())
+}
+
+/// A session holding `history` whose state is filled directly (pseudo-random rows of the model's shapes from
+/// `seed`, no prefill: 64k tokens of Flash shapes take seconds); its logits are zeros.
+pub fn filled_session(engine: &mut Engine, history: &[u32], seed: u32) -> Result<ds4_engine::tables::SessionId> {
+    let cfg = engine.config().clone();
+    let filled = history.len();
+    let mut kv = ds4_engine::tables::SessionKv::new_in(&cfg, filled, engine.page_pool());
+    let mut x = seed | 1;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        (x >> 8) as f32 / (1u32 << 24) as f32 - 0.5
+    };
+    for (l, lk) in kv.layers.iter_mut().enumerate() {
+        lk.ring.iter_mut().for_each(|v| *v = next() * 0.1);
+        if let Some(rows) = filled.checked_div(cfg.compress_ratios[l]) {
+            for t in [&mut lk.comp_rows, &mut lk.idx_rows] {
+                let mut row = vec![0f32; t.width()];
+                for _ in 0..if t.width() > 0 { rows } else { 0 } {
+                    row.iter_mut().for_each(|v| *v = next() * 0.1);
+                    t.push(&row);
+                }
+            }
+        }
+        for f in [&mut lk.comp, &mut lk.idx].into_iter().flatten() {
+            f.n_pending = filled % f.ratio;
+            f.has_prev = f.coff == 2 && filled >= f.ratio;
+        }
+    }
+    let logits = vec![0f32; cfg.vocab];
+    let snap = ds4_engine::tables::SessionSnapshot { pos: filled, history: history.to_vec(), kv, logits };
+    Ok(engine.restore(snap)?)
 }
 
 /// One row.

@@ -37,6 +37,7 @@ mod roofline;
 mod speculate;
 mod synth;
 mod throughput;
+mod tierio;
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -253,6 +254,16 @@ struct KvArgs {
     /// and bytes copied next to a deep copy (see `kvbench::fork`).
     #[arg(long, value_name = "TOKENS", conflicts_with = "replay")]
     fork: Option<usize>,
+    /// Tier I/O mode: the p99 decode tick of `--sessions` decoding sessions while a session of this many tokens
+    /// is saved and another restored, on the decode thread and on an I/O worker (see `tierio`).
+    #[arg(long, value_name = "TOKENS", conflicts_with_all = ["replay", "fork"])]
+    tier_io: Option<usize>,
+    /// Tier I/O mode: sessions decoding throughout.
+    #[arg(long, default_value_t = 4)]
+    sessions: usize,
+    /// Tier I/O mode: decode ticks per phase (at least).
+    #[arg(long, default_value_t = 64)]
+    ticks: usize,
     /// Fork mode: compute backend, cpu or wgpu (wgpu forks the session's device-resident KV).
     #[arg(long, default_value = "cpu", requires = "fork")]
     backend: String,

@@ -14,7 +14,7 @@
 //!   image, `…:i:{prefix}` a hash from the key of every checkpoint stored after the page chain `{prefix}` (or the
 //!   root) to its tail length. Page and checkpoint keys are the local store's chained prefix hashes. Entries are
 //!   immutable; Redis's own eviction (`maxmemory` + `allkeys-lru`) bounds the tier.
-//! * Lookup, on the scheduler thread when the local tiers do not hold the prompt's longest prefix: one pipelined
+//! * Lookup, on the tier's I/O worker when the local tiers do not hold the prompt's longest prefix: one pipelined
 //!   round trip asks which of the prompt's pages exist and which checkpoints hang on them; the longest token-exact
 //!   candidate that beats the local tiers is fetched (second round trip), validated completely by
 //!   [`ds4_kv::KvStore::import_entry`] (length, checksums, model identity, key, parent, tokens) and imported into the
