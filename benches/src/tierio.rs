@@ -151,12 +151,14 @@ pub fn run(engine: &mut Engine, o: &TierIoOptions, dir: &Path, out: &mut dyn Wri
     let mut ticks = Vec::new();
     let mut started = None;
     let (mut restored, mut saved) = (None, None);
+    let (mut prepare_s, mut install_s) = (0.0, 0.0);
     let mut t = 0;
     while t < o.ticks || (started.is_some() && (restored.is_none() || saved.is_none())) {
         ticks.push(dec.tick(engine, |e| {
             if t == at {
                 started = Some(Instant::now());
                 let job = SaveJob::prepare(&store, e, a, SaveReason::Evict, &[])?;
+                prepare_s = started.map_or(0.0, |s| s.elapsed().as_secs_f64());
                 let (s, saved) = (store.clone(), saved_tx.clone());
                 io.submit(Box::new(move || {
                     if let Err(err) = job.write(&s) {
@@ -171,7 +173,9 @@ pub fn run(engine: &mut Engine, o: &TierIoOptions, dir: &Path, out: &mut dyn Wri
             }
             if let Ok(loaded) = rx.try_recv() {
                 let snap = loaded?.ok_or_else(|| anyhow::anyhow!("the saved session was not found"))?;
+                let t0 = Instant::now();
                 let id = e.restore(snap)?;
+                install_s = t0.elapsed().as_secs_f64();
                 e.free_session(id)?;
                 restored = Some(Instant::now());
             }
@@ -211,6 +215,12 @@ pub fn run(engine: &mut Engine, o: &TierIoOptions, dir: &Path, out: &mut dyn Wri
             r.io_s
         )?;
     }
+    writeln!(
+        out,
+        "# async, on the decode thread: taking the save job {:.1} ms, installing the restored session {:.1} ms",
+        prepare_s * 1e3,
+        install_s * 1e3
+    )?;
     let ratio = |i: usize| rows[i].quantile(0.99) / median.max(f64::MIN_POSITIVE);
     writeln!(
         out,

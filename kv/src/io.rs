@@ -11,6 +11,8 @@
 //! * [`IoWorker::pending`] counts jobs queued or running; [`IoWorker::flush`] returns once it is 0. Dropping the
 //!   worker runs what is queued, then joins the thread.
 //! * A job that panics is counted ([`IoWorker::panics`]) and the worker goes on with the next one.
+//! * The thread runs at a lower CPU priority (nice +10 on Linux): where decoding and tier I/O share CPU cores, the
+//!   decode threads win them and the I/O takes what is left (on a GPU box the cores are mostly idle anyway).
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -59,6 +61,7 @@ impl IoWorker {
         let shared = Arc::new(Shared::default());
         let s = shared.clone();
         let thread = std::thread::Builder::new().name(name.into()).spawn(move || {
+            lower_priority();
             while let Ok(job) = rx.recv() {
                 if catch_unwind(AssertUnwindSafe(job)).is_err() {
                     s.panics.fetch_add(1, Ordering::Relaxed);
@@ -126,6 +129,16 @@ impl IoPending {
     /// Jobs queued or running.
     pub fn get(&self) -> usize {
         *self.0.pending.lock()
+    }
+}
+
+/// Lowers the calling thread's CPU priority (Linux: nice is per thread); best effort.
+fn lower_priority() {
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: setpriority takes plain integers; `who` = 0 with PRIO_PROCESS names the calling thread on Linux.
+        // A failure (e.g. a sandbox refusing it) leaves the priority as it was, which is harmless.
+        let _ = unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, 10) };
     }
 }
 
