@@ -1,8 +1,7 @@
 //! The KV tier store behind the RAM tier: a `ds4-kv` store (on disk, or in memory with `--no-kv-disk` and
 //! `--kv-remote`), the shared tier on Redis behind it ([`crate::kvremote`]), the save triggers, and the I/O worker
 //! that does their reading and writing. The scheduler owns it (the model trait, [`crate::model::Runner`], only
-//! hands out and takes in session state: [`Runner::export`](crate::model::Runner::export),
-//! [`Runner::import`](crate::model::Runner::import)).
+//! hands out and takes in session state: [`Runner::export`], [`Runner::import`]).
 //!
 //! How it works:
 //! * Lookup order for a new prompt: parked RAM sessions first (the scheduler), then this tier — it is asked only

@@ -31,7 +31,7 @@ impl std::fmt::Display for BackendError {
 impl std::error::Error for BackendError {}
 
 /// Bytes of KV state the runner's live sessions hold, per memory, for `/metrics` (the disk tier's are the tier
-/// store's: [`crate::kvdisk::DiskTier::disk_bytes`]).
+/// store's: [`crate::kvdisk::TierStats::disk_bytes`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct KvBytes {
     pub device: u64,
