@@ -8,8 +8,8 @@
 //! holds), then sample for every session whose fed tokens are all processed ([`Runner::pending`] is 0). A decoding
 //! session therefore gets a token every tick, however long another session's prompt is.
 //!
-//! Prefix reuse and the RAM KV tier (parked sessions, their lookup and eviction) live in `parked`; speculative
-//! decoding (a decoding session feeding its token plus a draft, verified after the tick) in [`spec`].
+//! Prefix reuse and the RAM KV tier (parked sessions, their lookup and eviction) live in `parked`; the KV tiers
+//! behind it (save events, restores waiting on the tiers' I/O worker) in `tiers`; speculative decoding (a decoding session feeding its token plus a draft, verified after the tick) in [`spec`].
 //!
 //! Every finished job (done, cancelled or failed) leaves a [`RequestRecord`] — counts and timings, no text — in
 //! the metrics' ring of recent requests, and every tick adds its prompt and generated tokens to the throughput
@@ -30,7 +30,7 @@ use crossbeam::channel::{self, Receiver, Sender, TryRecvError};
 use parking_lot::Mutex;
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::kvdisk::{DiskEvent, DiskTier, Restored};
+use crate::kvdisk::{DiskEvent, DiskTier};
 use crate::metrics::{CacheTier, Metrics};
 use crate::model::{Runner, RunnerSessionId};
 use crate::recent::{Outcome, RequestRecord};
@@ -39,10 +39,12 @@ use ds4_engine::sampler::{Sampler, SamplerConfig};
 
 mod parked;
 pub mod spec;
+mod tiers;
 
 use parked::Parked;
 pub use spec::{SpecConfig, SpecMode};
 use spec::{SpecState, TickCost};
+use tiers::Restoring;
 
 /// Why generation stopped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -233,14 +235,6 @@ impl Active {
     }
 }
 
-/// A job waiting for the KV tiers' I/O worker to load its prompt's cached prefix.
-struct Restoring {
-    ticket: u64,
-    job: GenRequest,
-    submitted: Instant,
-    sampler: Sampler,
-}
-
 struct Worker {
     runner: Box<dyn Runner>,
     /// The KV tiers behind the RAM tier (disk, memory, remote), when on.
@@ -352,56 +346,6 @@ impl Worker {
         self.publish();
     }
 
-    /// Reports `event` on `session` to the KV tiers (which decide whether to save).
-    fn disk_event(&mut self, session: RunnerSessionId, event: DiskEvent) {
-        if let Some(t) = &mut self.tier {
-            t.on_event(self.runner.as_mut(), session, event);
-        }
-    }
-
-    /// Frees `session` in the runner and the tiers' bookkeeping.
-    fn free(&mut self, session: RunnerSessionId) {
-        self.runner.free_session(session);
-        if let Some(t) = &mut self.tier {
-            t.forget(session);
-        }
-    }
-
-    /// Admits the jobs whose restores have come back.
-    fn take_restored(&mut self) {
-        let done: Vec<Restored> = match &self.tier {
-            Some(t) if !self.restoring.is_empty() => t.restored().try_iter().collect(),
-            _ => return,
-        };
-        for r in done {
-            self.finish_restore(r);
-        }
-    }
-
-    /// Installs a restore's snapshot (when it still beats the RAM tier) and starts its job.
-    fn finish_restore(&mut self, r: Restored) {
-        let Some(i) = self.restoring.iter().position(|x| x.ticket == r.ticket) else { return };
-        let Restoring { job, submitted, sampler, .. } = self.restoring.swap_remove(i);
-        if job.events.is_closed() {
-            self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
-            return;
-        }
-        let restored = r.snapshot.and_then(|snap| {
-            let n = snap.pos;
-            match self.runner.import(snap) {
-                Ok(s) => Some((s, n)),
-                Err(e) => {
-                    tracing::warn!(error = %e, "a restored KV prefix could not be installed; prefilling instead");
-                    None
-                }
-            }
-        });
-        if let (Some(t), Some((s, n))) = (&mut self.tier, restored) {
-            t.note_restored(s, n);
-        }
-        self.start(job, submitted, sampler, restored);
-    }
-
     fn publish(&self) {
         let m = &self.metrics;
         m.queue_depth.store(self.queued.load(Ordering::SeqCst) as u64, Ordering::Relaxed);
@@ -441,17 +385,9 @@ impl Worker {
                     continue;
                 }
             };
-            let ram = self.best_parked(&job.prompt).map_or(0, |(_, n)| n);
-            if let Some(t) = &mut self.tier {
-                if t.could_beat(&job.prompt, ram) {
-                    self.next_ticket += 1;
-                    if t.start_restore(self.next_ticket, job.prompt.clone(), ram) {
-                        self.restoring.push(Restoring { ticket: self.next_ticket, job, submitted, sampler });
-                        continue;
-                    }
-                }
+            if let Some((job, submitted, sampler)) = self.try_restore(job, submitted, sampler) {
+                self.start(job, submitted, sampler, None);
             }
-            self.start(job, submitted, sampler, None);
         }
     }
 
