@@ -201,6 +201,20 @@ impl TierStats {
     }
 }
 
+/// A KV tier that several servers share, behind the local store (`--kv-remote`: [`crate::kvremote::RemoteTier`]
+/// on Redis). The local store stays the one every restore reads from: a shared tier imports what it finds into it.
+/// Both methods run on the tier store's I/O worker, never on the scheduler thread.
+pub trait SharedTier: Send {
+    /// A short name for logs.
+    fn name(&self) -> &'static str;
+    /// Imports into `local` the longest restore point of `prompt` that covers more than `better_than` tokens, with
+    /// what it builds on; the tokens it covers, or `None` (a miss: nothing better, the tier unavailable, an entry
+    /// that failed validation).
+    fn fetch_into(&mut self, local: &KvStore, prompt: &[u32], better_than: usize) -> Option<usize>;
+    /// Shares the local restore point `checkpoint` (and the pages it builds on); never blocks on the tier.
+    fn publish(&self, checkpoint: ds4_kv::Key);
+}
+
 /// A restore's result, handed back by the I/O worker ([`DiskTier::restored`]).
 pub struct Restored {
     /// The ticket given to [`DiskTier::start_restore`].
@@ -227,8 +241,8 @@ pub struct DiskTier {
     io: IoWorker,
     store: Arc<KvStore>,
     layout: KvLayout,
-    /// The shared tier on Redis (`--kv-remote`), behind this one (the I/O worker's: lookups run there).
-    remote: Option<Arc<Mutex<crate::kvremote::RemoteTier>>>,
+    /// The shared tier behind this one (`--kv-remote`: Redis), used on the I/O worker only.
+    remote: Option<Arc<Mutex<Box<dyn SharedTier>>>>,
     policy: SavePolicy,
     /// Position of the last save of each live session.
     saved_at: HashMap<RunnerSessionId, usize>,
@@ -306,8 +320,15 @@ impl DiskTier {
         stats: Arc<crate::kvremote::RemoteStats>,
     ) -> Result<(), String> {
         let remote = crate::kvremote::RemoteTier::start(cfg, self.store.clone(), stats)?;
-        self.remote = Some(Arc::new(Mutex::new(remote)));
+        self.attach_shared(Box::new(remote));
         Ok(())
+    }
+
+    /// Puts `tier` behind the local store (replacing any): restores ask it on a local miss, saves are published
+    /// to it. It is called on the I/O worker only.
+    pub fn attach_shared(&mut self, tier: Box<dyn SharedTier>) {
+        tracing::debug!(tier = tier.name(), "shared KV tier attached");
+        self.remote = Some(Arc::new(Mutex::new(tier)));
     }
 
     /// The trigger thresholds.
@@ -451,7 +472,7 @@ impl DiskTier {
                         "KV saved to disk"
                     );
                     if let Some(remote) = &remote {
-                        remote.lock().queue_write(info.checkpoint.key);
+                        remote.lock().publish(info.checkpoint.key);
                     }
                 }
                 Err(e) => {
@@ -490,7 +511,7 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
 fn restore_job(
     store: &KvStore,
     layout: &KvLayout,
-    remote: Option<&Mutex<crate::kvremote::RemoteTier>>,
+    remote: Option<&Mutex<Box<dyn SharedTier>>>,
     prompt: &[u32],
     better_than: usize,
     counts: &Counts,
@@ -557,5 +578,94 @@ mod tests {
         std::fs::write(tmp.path().join("a/b/f"), vec![0u8; 1000]).unwrap();
         std::fs::write(tmp.path().join("a/g"), vec![0u8; 24]).unwrap();
         assert_eq!(dir_bytes(tmp.path()), 1024);
+    }
+
+    /// A shared tier over another store (what a second replica would hold), copying entries with their lineage.
+    struct StoreTier {
+        local: Arc<KvStore>,
+        shared: Arc<KvStore>,
+        published: Arc<Mutex<Vec<ds4_kv::Key>>>,
+        fetches: Arc<AtomicU64>,
+    }
+
+    fn copy(from: &KvStore, to: &KvStore, entries: &[ds4_kv::EntryRef]) {
+        for r in entries {
+            let e = from.export_entry(&r.key).unwrap();
+            to.import_entry(e.kind, &e.parent, &e.tokens, &e.image).unwrap();
+        }
+    }
+
+    impl SharedTier for StoreTier {
+        fn name(&self) -> &'static str {
+            "test-store"
+        }
+
+        fn fetch_into(&mut self, local: &KvStore, prompt: &[u32], better_than: usize) -> Option<usize> {
+            self.fetches.fetch_add(1, Ordering::Relaxed);
+            let m = self.shared.longest_prefix(prompt);
+            let ck = m.checkpoint.filter(|_| m.matched_tokens > better_than)?;
+            let entries: Vec<_> = m.pages.iter().cloned().chain(std::iter::once(ck)).collect();
+            copy(&self.shared, local, &entries);
+            Some(m.matched_tokens)
+        }
+
+        fn publish(&self, checkpoint: ds4_kv::Key) {
+            self.published.lock().push(checkpoint);
+            copy(&self.local, &self.shared, &self.local.lineage(&checkpoint));
+        }
+    }
+
+    /// The seam behind the local store: a restore that misses locally imports from the shared tier on the I/O
+    /// worker, and a save is published to it.
+    #[test]
+    fn a_shared_tier_serves_local_misses_and_receives_saves() {
+        use crate::model::Runner;
+        let opts = crate::engine::LoadOptions {
+            backend: ds4_engine::engine::BackendKind::Cpu,
+            ctx: 2048,
+            max_batch_tokens: 256,
+            max_sessions: 8,
+            active_sessions: 2,
+            demo_seed: None,
+        };
+        let (mut runner, _, _) = crate::engine::load(None, &opts).unwrap();
+        let prompt: Vec<u32> = (0..900u32).map(|i| 10 + (i * 7919) % 250).collect();
+        let run = |runner: &mut crate::engine::EngineRunner, s, tokens: &[u32]| {
+            runner.feed(s, tokens).unwrap();
+            while runner.pending(s) > 0 {
+                runner.step().unwrap();
+            }
+        };
+        let s = runner.create_session().unwrap();
+        run(&mut runner, s, &prompt[..600]);
+        let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let layout = runner.kv_layout().unwrap();
+        let mut tier = DiskTier::open(layout.clone(), a.path().to_path_buf(), 1 << 30).unwrap();
+        let opts = persist::kv_options(layout.config(), 256, 1 << 30);
+        let shared = Arc::new(KvStore::open(b.path(), layout.identity().clone(), opts).unwrap());
+        runner.export(s, &shared, SaveReason::Cold).unwrap().write(&shared).unwrap();
+        let (published, fetches) = (Arc::new(Mutex::new(Vec::new())), Arc::new(AtomicU64::new(0)));
+        tier.attach_shared(Box::new(StoreTier {
+            local: tier.store.clone(),
+            shared: shared.clone(),
+            published: published.clone(),
+            fetches: fetches.clone(),
+        }));
+        // A local miss: the shared tier is asked on the worker and its entries restored.
+        assert!(tier.store.longest_prefix(&prompt[..700]).checkpoint.is_none());
+        assert!(tier.could_beat(&prompt[..700], 0));
+        assert!(tier.start_restore(7, prompt[..700].to_vec(), 0));
+        let r = tier.restored().recv_timeout(std::time::Duration::from_secs(60)).unwrap();
+        assert_eq!(r.ticket, 7);
+        assert_eq!(r.snapshot.map(|s| s.pos), Some(600));
+        assert_eq!(fetches.load(Ordering::Relaxed), 1);
+        // A save is written locally by the worker and published to the shared tier.
+        run(&mut runner, s, &prompt[600..900]);
+        tier.on_event(&mut runner, s, DiskEvent::Evict);
+        tier.flush();
+        assert_eq!(published.lock().len(), 1);
+        assert_eq!(tier.store.longest_prefix(&prompt).matched_tokens, 900);
+        assert_eq!(shared.longest_prefix(&prompt).matched_tokens, 900);
+        assert_eq!(tier.errors(), 0);
     }
 }

@@ -414,6 +414,20 @@ impl RemoteTier {
     }
 }
 
+impl crate::kvdisk::SharedTier for RemoteTier {
+    fn name(&self) -> &'static str {
+        "redis"
+    }
+
+    fn fetch_into(&mut self, local: &KvStore, prompt: &[u32], better_than: usize) -> Option<usize> {
+        RemoteTier::fetch_into(self, local, prompt, better_than)
+    }
+
+    fn publish(&self, checkpoint: Key) {
+        self.queue_write(checkpoint);
+    }
+}
+
 impl Drop for RemoteTier {
     fn drop(&mut self) {
         // Closing the channel lets the I/O thread finish what is queued (each write bounded by the timeout).
