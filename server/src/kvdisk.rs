@@ -668,4 +668,53 @@ mod tests {
         assert_eq!(shared.longest_prefix(&prompt).matched_tokens, 900);
         assert_eq!(tier.errors(), 0);
     }
+
+    /// A busy I/O worker never makes the scheduler wait: saves beyond the queue are dropped and counted, the ones
+    /// queued are written once it is free, and a restore's result comes back with its ticket.
+    #[test]
+    fn saves_beyond_a_full_io_queue_are_dropped_and_counted() {
+        use crate::model::Runner;
+        let opts = crate::engine::LoadOptions {
+            backend: ds4_engine::engine::BackendKind::Cpu,
+            ctx: 1024,
+            max_batch_tokens: 256,
+            max_sessions: 40,
+            active_sessions: 2,
+            demo_seed: None,
+        };
+        let (mut runner, _, _) = crate::engine::load(None, &opts).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let mut tier = DiskTier::open(runner.kv_layout().unwrap(), dir.path().to_path_buf(), 1 << 30).unwrap();
+        let gate = Arc::new((Mutex::new(false), parking_lot::Condvar::new()));
+        tier.hold = Some(gate.clone());
+        // A held restore occupies the worker (a miss: the store is empty).
+        assert!(tier.start_restore(1, vec![5; 40], 0));
+        let n = IO_QUEUE + 6;
+        let t0 = std::time::Instant::now();
+        for i in 0..n {
+            let s = runner.create_session().unwrap();
+            let tokens: Vec<u32> = (0..20u32).map(|j| 10 + (j * 31 + i as u32 * 7) % 250).collect();
+            runner.feed(s, &tokens).unwrap();
+            while runner.pending(s) > 0 {
+                runner.step().unwrap();
+            }
+            tier.on_event(&mut runner, s, DiskEvent::Evict);
+        }
+        // Queuing never waited on the held worker.
+        assert!(t0.elapsed().as_secs() < 30);
+        let dropped = tier.stats().saves_dropped();
+        assert!(dropped >= (n - IO_QUEUE) as u64, "{dropped} of {n} saves dropped with a queue of {IO_QUEUE}");
+        assert_eq!(tier.stats().io_pending() as u64, 1 + n as u64 - dropped);
+        *gate.0.lock() = true;
+        gate.1.notify_all();
+        tier.flush();
+        let r = tier.restored().try_recv().unwrap();
+        assert_eq!((r.ticket, r.snapshot.is_none()), (1, true));
+        let written = std::fs::read_dir(dir.path())
+            .unwrap()
+            .flatten()
+            .filter(|e| e.path().extension().is_some_and(|x| x == "ckpt"));
+        assert_eq!(written.count() as u64, n as u64 - dropped);
+        assert_eq!(tier.errors(), 0);
+    }
 }
