@@ -232,3 +232,45 @@ fn a_mark_at_the_prompt_end_serves_the_next_turn_after_a_restart() {
     let info = persist::save_marked(&store, &e, s, SaveReason::Evict, &[prompt.len()]).unwrap();
     assert!(!info.restore_points.contains(&(2 * span)), "{:?}", info.restore_points);
 }
+
+/// A session loaded from disk next to a live session with the same prefix joins the live session's pages (one copy
+/// in memory) and continues exactly as the live one does.
+#[test]
+fn a_restored_session_joins_the_pages_a_live_session_holds() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut e = open(Model::Demo, false);
+    let vocab = e.config().vocab;
+    let store = persist::open_store(&e, dir.path(), persist::kv_options(e.config(), 256, 64 << 20)).unwrap();
+    let history = tokens(5, 2 * 256 + 40, vocab);
+    let live = e.create_session();
+    e.feed(live, &history).unwrap();
+    e.run_until_idle().unwrap();
+    persist::save(&store, &e, live, SaveReason::Cold).unwrap();
+    let layout = persist::KvLayout::of(&e);
+    let snap = persist::load_longest(&store, &layout, &history).unwrap().expect("saved");
+    assert_eq!(snap.pos, history.len());
+    let before = e.page_pool().live_bytes();
+    let restored = e.restore(snap).unwrap();
+    // The decoded copies of the two full 256-token pages of every compressed table went; the partial page stays.
+    let (a, b) = (e.snapshot(live).unwrap(), e.snapshot(restored).unwrap());
+    let mut joined = 0;
+    for (la, lb) in a.kv.layers.iter().zip(&b.kv.layers) {
+        for (ta, tb) in [(&la.comp_rows, &lb.comp_rows), (&la.idx_rows, &lb.idx_rows)] {
+            if ta.width() > 0 && ta.rows() > 0 {
+                let full = (ta.rows() / ta.rows_per_page()).min(2);
+                assert!((0..full).all(|p| tb.same_page(ta, p)), "a full page was not joined");
+                assert!(!tb.same_page(ta, ta.n_pages() - 1) || ta.rows() % ta.rows_per_page() == 0);
+                joined += full;
+            }
+        }
+    }
+    assert!(joined > 0, "the model has compressed layers with full pages");
+    drop((a, b));
+    assert!(e.page_pool().live_bytes() < before, "the duplicate pages were not released");
+    let t = tokens(6, 3, vocab);
+    for s in [live, restored] {
+        e.feed(s, &t).unwrap();
+    }
+    e.run_until_idle().unwrap();
+    assert_eq!(bits(e.logits(live).unwrap()), bits(e.logits(restored).unwrap()));
+}

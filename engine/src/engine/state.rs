@@ -234,7 +234,9 @@ impl Engine {
     }
 
     /// Creates a session from a snapshot (validated against this model's shapes). Its pages are taken over as
-    /// they are (shared with the snapshot's other holders; they keep reporting to the pool they were made in).
+    /// they are (shared with the snapshot's other holders; they keep reporting to the pool they were made in),
+    /// except full pages equal to those a live session holds for the same token prefix: those are replaced by the
+    /// live session's (a snapshot loaded from disk joins the live pages; its duplicates are released).
     pub fn restore(&mut self, snap: SessionSnapshot) -> Result<SessionId> {
         let fresh = SessionKv::new(&self.model.config, 0);
         let bad = |what: String| Error::Session(format!("snapshot does not fit this model: {what}"));
@@ -289,6 +291,33 @@ impl Engine {
                 "snapshot KV is stale device state: take snapshots with Engine::snapshot".into(),
             ));
         }
-        Ok(self.install(snap.kv, snap.pos, snap.history, snap.logits))
+        let mut kv = snap.kv;
+        self.join_live_pages(&mut kv, &snap.history);
+        Ok(self.install(kv, snap.pos, snap.history, snap.logits))
+    }
+
+    /// Gives `kv` (the state of `history`, e.g. loaded from disk) the pages that the live session sharing the
+    /// longest prefix with it holds for that prefix, where their rows are equal ([`crate::tables::PagedRows::adopt_equal_pages`]):
+    /// a restored session then joins the live pages instead of keeping a second copy. Sessions whose host arrays
+    /// are stale (their state is on a device) are not used. Returns the pages taken over.
+    fn join_live_pages(&self, kv: &mut SessionKv, history: &[u32]) -> usize {
+        let t = &self.sessions;
+        let common = |s: usize| t.history[s].iter().zip(history).take_while(|(a, b)| a == b).count();
+        let best = (0..t.alive.len()).filter(|&s| t.alive[s] && !t.kv[s].sync.host_stale).map(|s| (common(s), s)).max();
+        let Some((lcp, s)) = best.filter(|&(lcp, _)| lcp >= crate::tables::PAGE_TOKENS) else { return 0 };
+        let cfg = &self.model.config;
+        let mut adopted = 0;
+        for (l, (mine, live)) in kv.layers.iter_mut().zip(&t.kv[s].layers).enumerate() {
+            let ratio = cfg.compress_ratios[l];
+            if ratio == 0 {
+                continue;
+            }
+            // Rows up to `lcp / ratio` are a function of the common prefix alone.
+            for (a, b) in [(&mut mine.comp_rows, &live.comp_rows), (&mut mine.idx_rows, &live.idx_rows)] {
+                let pages = (lcp / ratio) / a.rows_per_page().max(1);
+                adopted += a.adopt_equal_pages(b, pages);
+            }
+        }
+        adopted
     }
 }

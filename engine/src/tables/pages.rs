@@ -315,6 +315,26 @@ impl PagedRows {
     pub fn pool(&self) -> &PageLedger {
         &self.pool
     }
+
+    /// Takes over `o`'s pages in place of this table's among the first `pages` full pages of both, where the two
+    /// hold equal rows (a session loaded from disk joining the pages a live session already holds for the same
+    /// prefix: one copy in memory instead of two). Pages that differ, and partial pages, stay. Returns the pages
+    /// taken over.
+    pub fn adopt_equal_pages(&mut self, o: &PagedRows, pages: usize) -> usize {
+        if self.width != o.width || self.shift != o.shift || self.width == 0 {
+            return 0;
+        }
+        let full = (self.rows.min(o.rows) >> self.shift).min(pages);
+        let n = self.rows_per_page() * self.width;
+        let mut adopted = 0;
+        for p in 0..full {
+            if !Arc::ptr_eq(&self.pages[p], &o.pages[p]) && self.pages[p].data[..n] == o.pages[p].data[..n] {
+                self.pages[p] = o.pages[p].clone();
+                adopted += 1;
+            }
+        }
+        adopted
+    }
 }
 
 #[cfg(test)]
@@ -323,6 +343,34 @@ mod tests {
 
     fn rows(t: &PagedRows) -> Vec<f32> {
         t.to_vec()
+    }
+
+    #[test]
+    fn equal_full_pages_are_adopted_and_the_rest_kept() {
+        let pool = PageLedger::new();
+        let fill = |t: &mut PagedRows, n: usize, bump: usize| {
+            for i in 0..n {
+                t.push(&[i as f32 + if i == bump { 0.5 } else { 0.0 }, 1.0]);
+            }
+        };
+        let mut live = PagedRows::new(2, 4, &pool);
+        fill(&mut live, 14, usize::MAX); // pages 0..3 full, page 3 partial
+        let mut loaded = PagedRows::new(2, 4, &pool);
+        fill(&mut loaded, 13, 5); // page 1 differs (row 5), page 3 partial
+        let before = loaded.to_vec();
+        assert_eq!(loaded.adopt_equal_pages(&live, usize::MAX), 2);
+        assert!(loaded.same_page(&live, 0) && !loaded.same_page(&live, 1) && loaded.same_page(&live, 2));
+        assert!(!loaded.same_page(&live, 3));
+        assert_eq!(loaded.to_vec(), before);
+        // A bound on the pages, a different width, and a second call adopt nothing more.
+        let mut other = PagedRows::new(2, 4, &pool);
+        fill(&mut other, 12, usize::MAX);
+        assert_eq!(other.adopt_equal_pages(&live, 1), 1);
+        assert_eq!(loaded.adopt_equal_pages(&live, usize::MAX), 0);
+        assert_eq!(PagedRows::new(3, 4, &pool).adopt_equal_pages(&live, 9), 0);
+        // The duplicates went back to the pool: loaded and other share live's pages 0 and 2 / 0.
+        drop(live);
+        assert_eq!(loaded.to_vec(), before);
     }
 
     #[test]
