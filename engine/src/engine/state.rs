@@ -235,8 +235,8 @@ impl Engine {
 
     /// Creates a session from a snapshot (validated against this model's shapes). Its pages are taken over as
     /// they are (shared with the snapshot's other holders; they keep reporting to the pool they were made in),
-    /// except full pages equal to those a live session holds for the same token prefix: those are replaced by the
-    /// live session's (a snapshot loaded from disk joins the live pages; its duplicates are released).
+    /// except full pages a live session holds for the same token prefix: those are replaced by the live session's
+    /// (a snapshot loaded from disk joins the live pages; its duplicates are released).
     pub fn restore(&mut self, snap: SessionSnapshot) -> Result<SessionId> {
         let fresh = SessionKv::new(&self.model.config, 0);
         let bad = |what: String| Error::Session(format!("snapshot does not fit this model: {what}"));
@@ -296,10 +296,12 @@ impl Engine {
         Ok(self.install(kv, snap.pos, snap.history, snap.logits))
     }
 
-    /// Gives `kv` (the state of `history`, e.g. loaded from disk) the pages that the live session sharing the
-    /// longest prefix with it holds for that prefix, where their rows are equal ([`crate::tables::PagedRows::adopt_equal_pages`]):
-    /// a restored session then joins the live pages instead of keeping a second copy. Sessions whose host arrays
-    /// are stale (their state is on a device) are not used. Returns the pages taken over.
+    /// Gives `kv` (the state of `history`, e.g. loaded from disk) the full pages that the live session sharing the
+    /// longest prefix with it holds for that prefix ([`crate::tables::PagedRows::adopt_pages`]): compressed rows
+    /// are a function of the token prefix, so they are the same rows (for a snapshot from this engine's backend
+    /// and mode, bit for bit), and the restored session joins the live pages instead of keeping a second copy.
+    /// Pointer swaps and one row compared per page, so it is cheap on the engine's thread. Sessions whose host
+    /// arrays are stale (their state is on a device) are not used. Returns the pages taken over.
     fn join_live_pages(&self, kv: &mut SessionKv, history: &[u32]) -> usize {
         let t = &self.sessions;
         let common = |s: usize| t.history[s].iter().zip(history).take_while(|(a, b)| a == b).count();
@@ -315,7 +317,7 @@ impl Engine {
             // Rows up to `lcp / ratio` are a function of the common prefix alone.
             for (a, b) in [(&mut mine.comp_rows, &live.comp_rows), (&mut mine.idx_rows, &live.idx_rows)] {
                 let pages = (lcp / ratio) / a.rows_per_page().max(1);
-                adopted += a.adopt_equal_pages(b, pages);
+                adopted += a.adopt_pages(b, pages);
             }
         }
         adopted

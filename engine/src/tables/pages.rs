@@ -316,19 +316,20 @@ impl PagedRows {
         &self.pool
     }
 
-    /// Takes over `o`'s pages in place of this table's among the first `pages` full pages of both, where the two
-    /// hold equal rows (a session loaded from disk joining the pages a live session already holds for the same
-    /// prefix: one copy in memory instead of two). Pages that differ, and partial pages, stay. Returns the pages
-    /// taken over.
-    pub fn adopt_equal_pages(&mut self, o: &PagedRows, pages: usize) -> usize {
+    /// Takes over `o`'s pages in place of this table's among the first `pages` full pages of both (a session
+    /// loaded from disk joining the pages a live session already holds for the same prefix: one copy in memory
+    /// instead of two). The caller vouches that those pages hold the rows of the same token prefix (rows are a
+    /// function of the prefix); as a guard against a mismatched table, a page whose first row differs is kept, as
+    /// are partial pages. Returns the pages taken over. Cost: one row compared per page.
+    pub fn adopt_pages(&mut self, o: &PagedRows, pages: usize) -> usize {
         if self.width != o.width || self.shift != o.shift || self.width == 0 {
             return 0;
         }
         let full = (self.rows.min(o.rows) >> self.shift).min(pages);
-        let n = self.rows_per_page() * self.width;
+        let w = self.width;
         let mut adopted = 0;
         for p in 0..full {
-            if !Arc::ptr_eq(&self.pages[p], &o.pages[p]) && self.pages[p].data[..n] == o.pages[p].data[..n] {
+            if !Arc::ptr_eq(&self.pages[p], &o.pages[p]) && self.pages[p].data[..w] == o.pages[p].data[..w] {
                 self.pages[p] = o.pages[p].clone();
                 adopted += 1;
             }
@@ -346,7 +347,7 @@ mod tests {
     }
 
     #[test]
-    fn equal_full_pages_are_adopted_and_the_rest_kept() {
+    fn full_pages_are_adopted_and_mismatched_or_partial_ones_kept() {
         let pool = PageLedger::new();
         let fill = |t: &mut PagedRows, n: usize, bump: usize| {
             for i in 0..n {
@@ -356,18 +357,18 @@ mod tests {
         let mut live = PagedRows::new(2, 4, &pool);
         fill(&mut live, 14, usize::MAX); // pages 0..3 full, page 3 partial
         let mut loaded = PagedRows::new(2, 4, &pool);
-        fill(&mut loaded, 13, 5); // page 1 differs (row 5), page 3 partial
+        fill(&mut loaded, 13, 4); // page 1's first row differs, page 3 partial
         let before = loaded.to_vec();
-        assert_eq!(loaded.adopt_equal_pages(&live, usize::MAX), 2);
+        assert_eq!(loaded.adopt_pages(&live, usize::MAX), 2);
         assert!(loaded.same_page(&live, 0) && !loaded.same_page(&live, 1) && loaded.same_page(&live, 2));
         assert!(!loaded.same_page(&live, 3));
         assert_eq!(loaded.to_vec(), before);
         // A bound on the pages, a different width, and a second call adopt nothing more.
         let mut other = PagedRows::new(2, 4, &pool);
         fill(&mut other, 12, usize::MAX);
-        assert_eq!(other.adopt_equal_pages(&live, 1), 1);
-        assert_eq!(loaded.adopt_equal_pages(&live, usize::MAX), 0);
-        assert_eq!(PagedRows::new(3, 4, &pool).adopt_equal_pages(&live, 9), 0);
+        assert_eq!(other.adopt_pages(&live, 1), 1);
+        assert_eq!(loaded.adopt_pages(&live, usize::MAX), 0);
+        assert_eq!(PagedRows::new(3, 4, &pool).adopt_pages(&live, 9), 0);
         // The duplicates went back to the pool: loaded and other share live's pages 0 and 2 / 0.
         drop(live);
         assert_eq!(loaded.to_vec(), before);
