@@ -34,7 +34,7 @@
 //! * Faults: an I/O error switches disk caching off inside the store (reads and saves then miss); serving goes on.
 //!   A directory that cannot be used at all is reported at ERROR (and the tier is off); one that can be read but not
 //!   written (a read-only mount) at WARN, and its entries are still restored (nothing is saved). Every failure is
-//!   logged and counted by kind in [`DiskTier::error_counts`] (`ds4_kv_disk_errors_total{kind}`): failed saves and
+//!   logged and counted by kind in [`TierStats::error_counts`] (`ds4_kv_disk_errors_total{kind}`): failed saves and
 //!   restores, store write/read errors, corrupt files removed at start, checksum failures while restoring.
 
 use std::collections::HashMap;
@@ -331,11 +331,6 @@ impl DiskTier {
         self.remote = Some(Arc::new(Mutex::new(tier)));
     }
 
-    /// The trigger thresholds.
-    pub fn policy(&self) -> SavePolicy {
-        self.policy
-    }
-
     /// Overrides the trigger thresholds.
     pub fn set_policy(&mut self, policy: SavePolicy) {
         self.policy = policy;
@@ -344,11 +339,6 @@ impl DiskTier {
     /// Failures so far, all kinds.
     pub fn errors(&self) -> u64 {
         self.stats().error_counts().total()
-    }
-
-    /// Failures so far by kind.
-    pub fn error_counts(&self) -> DiskErrors {
-        self.stats().error_counts()
     }
 
     /// A live view of the tier's counters for `/metrics` (read when rendered: the I/O worker updates them between

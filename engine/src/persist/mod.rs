@@ -132,11 +132,6 @@ impl SaveJob {
         Ok(SaveJob { cfg: std::sync::Arc::new(engine.config().clone()), snaps, reason })
     }
 
-    /// The position saved (tokens).
-    pub fn position(&self) -> usize {
-        self.snaps[0].pos
-    }
-
     /// The saved tokens.
     pub fn tokens(&self) -> &[u32] {
         &self.snaps[0].history
@@ -204,6 +199,7 @@ fn save_snapshot(
 /// Restores the longest cached prefix of `tokens` as a new session. Returns the session and the tokens it covers
 /// (`≤ tokens.len()`; feed `tokens[matched..]` next), or `None` when no checkpointed prefix is stored.
 pub fn restore_longest(store: &KvStore, engine: &mut Engine, tokens: &[u32]) -> Result<Option<(SessionId, usize)>> {
+    // The store was opened with the model's identity: taking it from there spares hashing the tensors again.
     let layout = KvLayout {
         cfg: std::sync::Arc::new(engine.config().clone()),
         identity: store.identity().clone(),
