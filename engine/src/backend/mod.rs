@@ -175,6 +175,12 @@ pub trait Backend: Send + Sync {
         Ok(None)
     }
 
+    /// Bytes of weights held in the backend's device memory (uploaded on first use), or `None` for a backend that
+    /// reads them from the memory-mapped file. Default: `None`.
+    fn device_weight_bytes(&self) -> Option<u64> {
+        None
+    }
+
     /// `(live, shared)` device KV pages of a paged device tier over all its sessions — row pages and roll-back log
     /// chunks (shared: referenced by more than one session) — or `None` for a backend that keeps KV on the host.
     /// Default: `None`.

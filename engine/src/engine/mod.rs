@@ -58,6 +58,9 @@ pub struct EngineOptions {
     /// [`crate::tables::kv`], which gives the memory it costs per session; a device backend keeps the same log on
     /// the device, `backend::wgpu::kvdev`). 0: no roll-back log (roll back recomputes).
     pub rollback: usize,
+    /// Groups of ops run on a second backend (`experts=cpu`: the MoE layers on the CPU, the rest on a GPU
+    /// backend; [`crate::exec::Placement`]).
+    pub placement: crate::exec::Placement,
 }
 
 impl EngineOptions {
@@ -76,6 +79,7 @@ impl Default for EngineOptions {
             max_batch_tokens: 256,
             prefill_logits: false,
             rollback: Self::DEFAULT_ROLLBACK,
+            placement: crate::exec::Placement::default(),
         }
     }
 }
@@ -107,6 +111,8 @@ pub struct Engine {
     model: Model,
     rope: RopeSet,
     backend: Box<dyn Backend>,
+    /// The second backend of [`EngineOptions::placement`] (the CPU under `experts=cpu`), if any.
+    second: Option<Box<dyn Backend>>,
     opts: EngineOptions,
     ctx: usize,
     sessions: SessionTable,
@@ -154,6 +160,14 @@ impl Engine {
         if matches!(opts.backend, BackendKind::Cpu) && !opts.f32_acts {
             model.pack_dense();
         }
+        let mut exec = Executor::default();
+        let second = match opts.placement.second_backend(opts.backend)? {
+            Some(kind) => Some(crate::backend::registry::create(kind, &backend_opts)?),
+            None => None,
+        };
+        for kind in opts.placement.moved_kinds(opts.backend) {
+            exec.force_fallback(kind, true);
+        }
         let ctx = if opts.ctx == 0 { model.config.ctx_len.max(1) } else { opts.ctx };
         let rope = RopeSet::new(&model);
         let graph = Graph::default();
@@ -161,12 +175,13 @@ impl Engine {
             model,
             rope,
             backend,
+            second,
             opts,
             ctx,
             sessions: SessionTable::default(),
             act: Activations::default(),
             graph,
-            exec: Executor::default(),
+            exec,
             batch: Batch::default(),
             kv_tmp: Vec::new(),
             pages: PageLedger::new(),
@@ -192,6 +207,18 @@ impl Engine {
     /// Options the engine was built with.
     pub fn options(&self) -> &EngineOptions {
         &self.opts
+    }
+
+    /// Bytes copied between the primary and the second backend ([`EngineOptions::placement`]) by the last tick,
+    /// each way; zero with one backend.
+    pub fn copied_bytes(&self) -> crate::exec::CopiedBytes {
+        self.exec.copied_bytes()
+    }
+
+    /// Bytes of weights the primary backend holds in device memory (`None` on the CPU); with
+    /// `experts=cpu` placement the expert tensors are not among them.
+    pub fn device_weight_bytes(&self) -> Option<u64> {
+        self.backend.device_weight_bytes()
     }
 
     /// Turns per-op timing on (from zero) or off; see [`crate::exec::OpTimes`].
@@ -455,7 +482,7 @@ impl Engine {
             sim: !self.opts.exact,
         };
         crate::model::recipe::build_with_taps(&mut self.graph, &self.model, &self.batch, !self.opts.exact, taps);
-        let mut r = self.exec.run(&self.graph, self.backend.as_ref(), &mut cx);
+        let mut r = self.exec.run_on(&self.graph, self.backend.as_ref(), self.second.as_deref(), &mut cx);
         if !taps.is_empty() {
             hidden_out = std::mem::take(&mut cx.act.hidden_out);
         } else if r.is_ok() && keep_hidden {

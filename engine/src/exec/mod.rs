@@ -50,6 +50,7 @@
 //! token). On wgpu, whose nodes record into one encoder submitted by the readback, the readback holds the device
 //! time and every other node its recording time.
 
+mod offload;
 mod place;
 mod residency;
 mod sched;
@@ -57,7 +58,9 @@ mod sched;
 pub(crate) mod tests;
 mod times;
 
+pub use offload::Placement;
 pub use place::{node_key, weight_type, NodePlacement, Place, Placed, PlacementReport};
+pub use residency::CopiedBytes;
 pub use sched::MAX_GROUP;
 pub use times::OpTimes;
 
@@ -217,6 +220,11 @@ impl Executor {
     /// Copies between the backends inserted by the last run (0 without a fallback).
     pub fn copies(&self) -> usize {
         self.res.copies
+    }
+
+    /// Bytes the copies of the last run moved, each way (zero without a fallback).
+    pub fn copied_bytes(&self) -> CopiedBytes {
+        self.res.bytes
     }
 
     /// How many times a placement was computed (a run reuses the last one when its signature is unchanged).

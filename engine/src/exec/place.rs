@@ -110,8 +110,9 @@ impl Executor {
                 let key = node_key(op, model, backend.kind(), rows);
                 self.keys.push(key);
                 let fb = fallback.filter(|f| f.supports(op, model));
-                if fb.is_some() && self.forced & (1 << op.kind()) != 0 {
-                    movable(op, model).map_err(|e| exec_err(format!("node {i} ({}): {e}", op.name())))?;
+                let forced = self.forced & (1 << op.kind()) != 0 || readback_of_fallback(g, &self.places, i);
+                if fb.is_some() && forced {
+                    off_kv(op).map_err(|e| exec_err(format!("node {i} ({}): {e}", op.name())))?;
                     self.places.push(Place::Fallback);
                     continue;
                 }
@@ -143,6 +144,9 @@ impl Executor {
                 }
             }
         }
+        if placed.fallback > 0 {
+            private_on_one_side(g, &self.places, model)?;
+        }
         self.placed = placed;
         Ok(placed)
     }
@@ -165,6 +169,71 @@ impl Executor {
             .collect();
         PlacementReport { primary, fallback, placed: self.placed, nodes }
     }
+}
+
+/// Whether node `i` is a readback ([`Op::Readback`]) of a tensor last written by a node placed on the fallback:
+/// it then runs there too (it reads a tensor in that backend's own layout; on the CPU it is a no-op).
+fn readback_of_fallback(g: &Graph, places: &[Place], i: usize) -> bool {
+    let Op::Readback { buf } = g.nodes[i].op else { return false };
+    let writes = |j: usize| {
+        let mut hit = false;
+        g.nodes[j].op.access(|_| {}, |b| hit |= b == buf);
+        hit
+    };
+    (0..i.min(places.len())).rev().find(|&j| writes(j)).is_some_and(|j| matches!(places[j], Place::Fallback))
+}
+
+/// Whether `op` may be sent to the fallback on purpose: it does not touch a layer's KV pages, which stay where
+/// they live.
+fn off_kv(op: &Op) -> std::result::Result<(), String> {
+    let kv = std::cell::Cell::new(None);
+    let note = |b: BufId| {
+        if matches!(b, BufId::Kv(_)) {
+            kv.set(Some(b));
+        }
+    };
+    op.access(note, note);
+    match kv.get() {
+        Some(BufId::Kv(l)) => Err(format!("it touches layer {l}'s KV pages, which stay with the primary backend")),
+        _ => Ok(()),
+    }
+}
+
+/// Every tensor in a backend's own layout ([`BufId::host_width`] is `None`: the routes, the expert rows) is
+/// touched by nodes of one side only, since the executor cannot copy it: a group of nodes that passes such
+/// tensors between each other (an MoE layer's route, expert products and combine) moves as a whole or not at all.
+fn private_on_one_side(g: &Graph, places: &[Place], model: &Model) -> Result<()> {
+    let mut first: Vec<(BufId, usize)> = Vec::new();
+    for (i, (node, place)) in g.nodes.iter().zip(places).enumerate() {
+        if matches!(place, Place::InStage) {
+            continue;
+        }
+        let side = usize::from(matches!(place, Place::Fallback));
+        let touched = std::cell::RefCell::new(Vec::new());
+        let note = |b: BufId| {
+            if b.host_width(&model.config).is_none() && !matches!(b, BufId::Kv(_)) {
+                touched.borrow_mut().push(b);
+            }
+        };
+        node.op.access(note, note);
+        let mut clash = None;
+        for b in touched.into_inner() {
+            match first.iter().find(|f| f.0 == b) {
+                Some(&(_, j)) if usize::from(matches!(places[j], Place::Fallback)) != side => clash = Some((b, j)),
+                Some(_) => {}
+                None => first.push((b, i)),
+            }
+        }
+        if let Some((b, j)) = clash {
+            return Err(exec_err(format!(
+                "node {i} ({}): {b:?} has a backend-private layout (no host copy), and node {j} ({}) uses it on the \
+                 other backend: place them together",
+                node.op.name(),
+                g.nodes[j].op.name()
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Whether `op` may run away from the primary backend: every tensor it touches has a host layout

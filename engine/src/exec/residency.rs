@@ -16,6 +16,24 @@ pub(super) struct Residency {
     host: Vec<f32>,
     /// Copies inserted by the last run.
     pub(super) copies: usize,
+    /// Bytes those copies moved (f32 values), to the primary and to the fallback.
+    pub(super) bytes: CopiedBytes,
+}
+
+/// Bytes the residency copies of one run moved between the two backends (see [`super::Executor::copied_bytes`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CopiedBytes {
+    /// Into the primary backend (uploads: on a device primary, host to device).
+    pub to_primary: u64,
+    /// Into the fallback backend (downloads from the primary: device to host).
+    pub to_fallback: u64,
+}
+
+impl CopiedBytes {
+    /// Both directions.
+    pub fn total(&self) -> u64 {
+        self.to_primary + self.to_fallback
+    }
 }
 
 /// The two backends of a run (the fallback, if any, as host fallback or forced placement).
@@ -42,6 +60,7 @@ impl Residency {
         self.valid.resize(nbuf, 0);
         self.valid[BufId::FIXED..].fill(1);
         self.copies = 0;
+        self.bytes = CopiedBytes::default();
     }
 
     /// Makes the current value of every input of `op` present on side `s`, copying from the other side where it
@@ -70,6 +89,11 @@ impl Residency {
             be.side(s)?.upload(*b, cx, &self.host)?;
             self.valid[b.index()] |= bit;
             self.copies += 1;
+            let bytes = (self.host.len() * std::mem::size_of::<f32>()) as u64;
+            match s {
+                0 => self.bytes.to_primary += bytes,
+                _ => self.bytes.to_fallback += bytes,
+            }
         }
         Ok(())
     }

@@ -114,6 +114,15 @@ impl WgpuBackend {
         Ok(self.mat(model, id)?.chunks.len())
     }
 
+    /// The weights uploaded so far (ascending ids): a weight is uploaded the first time a node of this backend
+    /// reads it, so the weights of nodes placed elsewhere never are.
+    pub fn resident_weights(&self) -> Vec<WeightId> {
+        let mut v: Vec<WeightId> =
+            self.mats.lock().keys().chain(self.dense.lock().keys()).map(|&i| WeightId(i)).collect();
+        v.sort_unstable_by_key(|w| w.0);
+        v
+    }
+
     /// Drops every cached device weight (they are keyed by weight id, so call this before using another model)
     /// and every device KV mirror (sessions whose host copy is stale can then no longer be synced).
     pub fn clear_weights(&self) {
@@ -285,6 +294,12 @@ impl Backend for WgpuBackend {
         copy.stamp(&mut tag);
         dk.insert(dst, copy);
         Ok(Some((tag, bytes)))
+    }
+
+    fn device_weight_bytes(&self) -> Option<u64> {
+        let mats: u64 = self.mats.lock().values().map(|w| (w.rows * w.row_bytes) as u64).sum();
+        let dense: u64 = self.dense.lock().values().map(|b| b.size()).sum();
+        Some(mats + dense)
     }
 
     fn device_kv_pages(&self) -> Option<(usize, usize)> {
