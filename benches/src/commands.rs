@@ -67,6 +67,7 @@ pub(crate) fn run_throughput(a: &RunArgs) -> Result<()> {
             batch_tokens: a.batch_tokens,
             backend: a.backend.clone(),
             exact: false,
+            placement: Default::default(),
         };
         let engine = engine_api::engine_for(file, &cfg)?;
         print!("{}", engine.decode_graph_dot(a.ctx_start));
@@ -109,6 +110,7 @@ pub(crate) fn run_throughput(a: &RunArgs) -> Result<()> {
         batch_tokens: a.batch_tokens,
         backend: a.backend.clone(),
         exact: false,
+        placement: a.placement,
     };
     let mut engine = engine_api::engine_for(file, &cfg)?;
     let c = engine.config();
@@ -131,6 +133,9 @@ pub(crate) fn run_throughput(a: &RunArgs) -> Result<()> {
         for line in engine.placement_report().to_string().lines() {
             writeln!(out, "# {}", line.trim_start_matches("# "))?;
         }
+    }
+    if a.placement != ds4_engine::exec::Placement::default() {
+        writeln!(out, "{}", bus_line(&a.placement, &engine))?;
     }
     for r in &rows {
         writeln!(
@@ -233,6 +238,7 @@ pub(crate) fn run_mask(a: &MaskArgs) -> Result<()> {
         batch_tokens: 256,
         backend: "cpu".into(),
         exact: false,
+        placement: Default::default(),
     };
     let mut engine = engine_api::engine_for(file, &cfg)?;
     let prompt = throughput::prompt(ctx, engine.config().vocab);
@@ -299,6 +305,7 @@ pub(crate) fn run_kv(a: &KvArgs) -> Result<()> {
         batch_tokens: a.batch_tokens,
         backend: a.backend.clone(),
         exact: false,
+        placement: Default::default(),
     };
     let mut engine = engine_api::engine_for(file, &cfg)?;
     if let Some(n) = a.fork {
@@ -353,6 +360,7 @@ pub(crate) fn run_kv_replay(
         batch_tokens: a.batch_tokens,
         backend: "cpu".into(),
         exact: false,
+        placement: Default::default(),
     };
     // Rendered requests need the model's tokenizer; a trace of token ids does not.
     let tok = ds4_engine::tokenizer::Tokenizer::from_gguf(&file).ok();
@@ -423,6 +431,7 @@ pub(crate) fn run_speculate(a: &SpeculateArgs) -> Result<()> {
         batch_tokens: 256,
         backend: a.backend.clone(),
         exact: false,
+        placement: Default::default(),
     };
     let mut engine = engine_api::engine_for(file, &cfg)?;
     pb.set_position(0);
@@ -451,15 +460,23 @@ pub(crate) fn run_correctness(a: &CorrectnessArgs) -> Result<()> {
         let vocab = file.get_usize("deepseek4.vocab_size")?;
         let tokens = if a.tokens.is_empty() { throughput::prompt(16, vocab) } else { a.tokens.clone() };
         let gen = if a.common.quick { a.gen.min(2) } else { a.gen };
+        let (backend, placement) = match b.split_once(':') {
+            Some((backend, p)) => (backend, p.parse()?),
+            None => (b.as_str(), ds4_engine::exec::Placement::default()),
+        };
         let cfg = engine_api::EngineConfig {
             threads,
             ctx: tokens.len() + gen + 1,
             batch_tokens: 256,
-            backend: b.clone(),
+            backend: backend.to_string(),
             exact: a.exact,
+            placement,
         };
         let mut engine = engine_api::engine_with_acts(file, &cfg, a.f32_acts)?;
         outs.push(correctness::collect(&mut engine, b, &tokens, gen)?);
+        if placement != ds4_engine::exec::Placement::default() {
+            writeln!(out, "{} ({b})", bus_line(&placement, &engine))?;
+        }
         pb.inc(1);
     }
     pb.finish_and_clear();
@@ -476,4 +493,21 @@ pub(crate) fn run_correctness(a: &CorrectnessArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// One `# placement` line: what the last tick (a decode tick after a run) moved between the two backends per token,
+/// and the weight bytes the primary holds on its device.
+pub(crate) fn bus_line(p: &ds4_engine::exec::Placement, engine: &ds4_engine::Engine) -> String {
+    let b = engine.copied_bytes();
+    let (up, down) = b.per_row();
+    let device = engine.device_weight_bytes().map_or("-".to_string(), |w| format!("{:.1} MB", w as f64 / 1e6));
+    format!(
+        "# placement {p}: {:.1} KiB per token crossed (device to host {:.1} KiB, host to device {:.1} KiB; last tick, \
+         {} rows); weights on the device {device} of {:.1} MB in the file",
+        (up + down) / 1024.0,
+        down / 1024.0,
+        up / 1024.0,
+        b.rows,
+        engine.model().file.file_size() as f64 / 1e6
+    )
 }

@@ -217,6 +217,7 @@ mod tests {
                 batch_tokens: 5,
                 backend: "cpu".into(),
                 exact: false,
+                placement: Default::default(),
             };
             let mut e = crate::engine_api::engine_for(file, &cfg).unwrap();
             let toks = crate::throughput::prompt(12, e.config().vocab);

@@ -35,6 +35,8 @@ pub struct EngineConfig {
     pub backend: String,
     /// Activation simulation off, cached state in f32 (the golden-comparison mode).
     pub exact: bool,
+    /// Groups of ops on a second backend (`--placement experts=cpu`).
+    pub placement: ds4_engine::exec::Placement,
 }
 
 /// An engine on an opened (file-backed or in-memory) model.
@@ -53,6 +55,7 @@ pub fn engine_with_acts(file: GgufFile, c: &EngineConfig, f32_acts: bool) -> Res
         max_batch_tokens: c.batch_tokens,
         exact: c.exact,
         f32_acts,
+        placement: c.placement,
         ..EngineOptions::default()
     };
     Ok(Engine::from_gguf(file, opts)?)

@@ -282,6 +282,7 @@ mod tests {
             batch_tokens: 16,
             backend: "cpu".into(),
             exact: false,
+            placement: Default::default(),
         };
         let mut engine = crate::engine_api::engine_for(file, &cfg).unwrap();
         let tmp = tempfile::tempdir().unwrap();
@@ -330,6 +331,7 @@ mod tests {
             batch_tokens: 16,
             backend: "wgpu".into(),
             exact: false,
+            placement: Default::default(),
         };
         let mut engine = crate::engine_api::engine_for(file, &cfg).unwrap();
         let mut out = Vec::new();
@@ -351,6 +353,7 @@ mod tests {
             batch_tokens: 16,
             backend: "cpu".into(),
             exact: false,
+            placement: Default::default(),
         };
         let mut engine = crate::engine_api::engine_for(file, &cfg).unwrap();
         let mcfg = engine.config().clone();

@@ -518,6 +518,7 @@ mod tests {
             batch_tokens: 64,
             backend: "cpu".into(),
             exact: false,
+            placement: Default::default(),
         };
         let mut engine = crate::engine_api::engine_for(file, &cfg).unwrap();
         let trace: Vec<TraceRequest> = agent_trace(engine.config().vocab)
@@ -590,6 +591,7 @@ mod tests {
             batch_tokens: 128,
             backend: "cpu".into(),
             exact: false,
+            placement: Default::default(),
         };
         (crate::engine_api::engine_for(file, &cfg).unwrap(), tok)
     }

@@ -95,6 +95,10 @@ struct RunArgs {
     /// Compute backend: cpu or wgpu.
     #[arg(long, default_value = "cpu")]
     backend: String,
+    /// Groups of ops on a second backend: `experts=cpu` runs the MoE layers on the CPU beside a GPU --backend (the
+    /// report then says what crosses the bus per token and what the device holds).
+    #[arg(long, default_value = "default")]
+    placement: ds4_engine::exec::Placement,
     /// Also draw the report as an SVG chart to this file.
     #[arg(long, value_name = "FILE.svg")]
     plot: Option<std::path::PathBuf>,
@@ -170,7 +174,8 @@ struct SpeculateArgs {
 struct CorrectnessArgs {
     #[command(flatten)]
     common: Common,
-    /// Comma-separated backends to compare pairwise (cpu, wgpu).
+    /// Comma-separated backends to compare pairwise (cpu, wgpu); `BACKEND:PLACEMENT` runs a backend with a
+    /// placement (`wgpu:experts=cpu`: the MoE layers on the CPU, the rest on wgpu).
     #[arg(long, value_delimiter = ',', default_values_t = ["cpu".to_string(), "wgpu".to_string()])]
     backends: Vec<String>,
     /// A DS4 GGUF model file.

@@ -259,6 +259,7 @@ mod tests {
                 batch_tokens: 16,
                 backend: "cpu".into(),
                 exact: false,
+                placement: Default::default(),
             },
         )
         .unwrap();
@@ -308,6 +309,7 @@ mod tests {
             batch_tokens: 16,
             backend: "cpu".into(),
             exact: false,
+            placement: Default::default(),
         };
         let file = crate::synth::build(&spec, 1, &ProgressBar::hidden()).unwrap().file;
         let mut engine = crate::engine_api::engine_for(file, &cfg).unwrap();

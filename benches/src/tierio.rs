@@ -262,6 +262,7 @@ mod tests {
             batch_tokens: 64,
             backend: "cpu".into(),
             exact: false,
+            placement: Default::default(),
         };
         let mut engine = crate::engine_api::engine_for(file, &cfg).unwrap();
         let dir = tempfile::tempdir().unwrap();

@@ -32,6 +32,10 @@ pub struct LogitsArgs {
     /// Backend: cpu or wgpu.
     #[arg(long, default_value = "cpu")]
     pub backend: String,
+    /// Where groups of ops run besides --backend: `experts=cpu` runs every MoE layer's experts on the CPU and the
+    /// rest on the GPU backend (a model bigger than GPU memory); `default`: everything on --backend.
+    #[arg(long, default_value = "default")]
+    pub placement: ds4_engine::exec::Placement,
     /// Worker threads (0 = all cores).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
@@ -76,6 +80,7 @@ pub fn run(a: LogitsArgs) -> anyhow::Result<i32> {
     let opts = EngineOptions {
         prefill_logits: true,
         f32_acts: a.f32_acts,
+        placement: a.placement,
         ..engine_options(&a.backend, a.exact, a.threads, a.chunk, 0)?
     };
     let mut engine = Engine::open(&a.model, opts)?;

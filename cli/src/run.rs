@@ -65,6 +65,10 @@ pub struct GenArgs {
     /// cpu or wgpu.
     #[arg(long, default_value = "cpu")]
     pub backend: BackendKind,
+    /// Where groups of ops run besides --backend: `experts=cpu` runs every MoE layer's experts on the CPU and the
+    /// rest on the GPU backend (a model bigger than GPU memory); `default`: everything on --backend.
+    #[arg(long, default_value = "default")]
+    pub placement: ds4_engine::exec::Placement,
     /// At exit, print to stderr which backend and kernel ran each node kind of the last tick (the executor's
     /// placement report).
     #[arg(long)]
@@ -169,7 +173,7 @@ fn load(g: &GenArgs) -> anyhow::Result<Loaded> {
     };
     let name = g.model.as_ref().map_or_else(|| "the demo model".to_string(), |p| p.display().to_string());
     let tok = Tokenizer::from_gguf(&file).with_context(|| format!("tokenizer of {name}"))?;
-    let opts = EngineOptions { backend, threads: g.threads, ctx: g.ctx, ..Default::default() };
+    let opts = EngineOptions { backend, threads: g.threads, ctx: g.ctx, placement: g.placement, ..Default::default() };
     let engine = Engine::from_gguf(file, opts)?;
     let mode = if g.nothink { Mode::Chat } else { Mode::Thinking };
     Ok(Loaded { engine, tok, mode, effort, sampler })

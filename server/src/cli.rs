@@ -79,6 +79,10 @@ pub struct Args {
     /// Compute backend: cpu or wgpu.
     #[arg(long, default_value = "cpu")]
     pub backend: BackendKind,
+    /// Where groups of ops run besides --backend: `experts=cpu` runs every MoE layer's experts on the CPU and the
+    /// rest on the GPU backend (a model bigger than GPU memory); `default`: everything on --backend.
+    #[arg(long, default_value = "default")]
+    pub placement: ds4_engine::exec::Placement,
     /// Sessions decoding at once (continuous batch width).
     #[arg(long, default_value_t = 32)]
     pub max_active: usize,

@@ -493,6 +493,8 @@ impl OutputParser for DsmlParser {
 #[derive(Debug, Clone)]
 pub struct LoadOptions {
     pub backend: BackendKind,
+    /// Groups of ops on a second backend (`--placement experts=cpu`).
+    pub placement: ds4_engine::exec::Placement,
     /// Context per session (0: the largest that fits the memory, see [`crate::context`]).
     pub ctx: usize,
     /// Engine rows per tick.
@@ -538,8 +540,13 @@ pub fn load(path: Option<&Path>, o: &LoadOptions) -> Result<(EngineRunner, Engin
     } else {
         o.ctx
     };
-    let opts =
-        EngineOptions { backend: o.backend, ctx, max_batch_tokens: o.max_batch_tokens.max(1), ..Default::default() };
+    let opts = EngineOptions {
+        backend: o.backend,
+        placement: o.placement,
+        ctx,
+        max_batch_tokens: o.max_batch_tokens.max(1),
+        ..Default::default()
+    };
     let engine = Engine::from_gguf(file, opts).map_err(be)?;
     let info = ModelInfo {
         id: "deepseek-v4-flash".into(),
@@ -567,6 +574,7 @@ mod tests {
     fn a_step_is_one_engine_tick_and_decode_goes_first() {
         let opts = LoadOptions {
             backend: BackendKind::Cpu,
+            placement: Default::default(),
             ctx: 128,
             max_batch_tokens: 8,
             max_sessions: 4,

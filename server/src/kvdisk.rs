@@ -611,6 +611,7 @@ mod tests {
     fn a_shared_tier_serves_local_misses_and_receives_saves() {
         use crate::model::Runner;
         let opts = crate::engine::LoadOptions {
+            placement: Default::default(),
             backend: ds4_engine::engine::BackendKind::Cpu,
             ctx: 2048,
             max_batch_tokens: 256,
@@ -665,6 +666,7 @@ mod tests {
     fn saves_beyond_a_full_io_queue_are_dropped_and_counted() {
         use crate::model::Runner;
         let opts = crate::engine::LoadOptions {
+            placement: Default::default(),
             backend: ds4_engine::engine::BackendKind::Cpu,
             ctx: 1024,
             max_batch_tokens: 256,

@@ -94,6 +94,7 @@ pub fn main() -> anyhow::Result<()> {
         let backend = args.backend;
         let opts = ds4_server::engine::LoadOptions {
             backend,
+            placement: args.placement,
             ctx: args.ctx.unwrap_or(0),
             max_batch_tokens: config.prefill_chunk + config.max_active,
             max_sessions: config.max_active + config.max_parked + 8,

@@ -27,28 +27,85 @@ fn wgpu_cli_reproduces_golden_logits_and_greedy_tokens() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("logits.f32");
 
-    let st = Command::new(ds4_bin())
-        .args(["logits", "--backend", "wgpu", "--exact", "--chunk", "32", "-m"])
-        .arg(&gguf)
-        .args(["--tokens", &join(&prompt), "--out"])
-        .arg(&out)
-        .status()
-        .unwrap();
-    assert!(st.success(), "ds4 logits --backend wgpu failed");
-    let got = read_f32(&out);
-    let want = read_f32(&dir.join("prefill_logits.f32"));
-    let d = max_abs_diff(&got, &want);
-    assert!(d <= 1e-3, "wgpu logits differ from golden by {d}");
-    assert_eq!(row_argmax(&got, vocab), row_argmax(&want, vocab), "argmax differs from golden");
+    // All on wgpu, and the MoE layers on the CPU beside it (CPU + GPU placement).
+    for placement in ["default", "experts=cpu"] {
+        let st = Command::new(ds4_bin())
+            .args(["logits", "--backend", "wgpu", "--placement", placement, "--exact", "--chunk", "32", "-m"])
+            .arg(&gguf)
+            .args(["--tokens", &join(&prompt), "--out"])
+            .arg(&out)
+            .status()
+            .unwrap();
+        assert!(st.success(), "ds4 logits --backend wgpu --placement {placement} failed");
+        let got = read_f32(&out);
+        let want = read_f32(&dir.join("prefill_logits.f32"));
+        let d = max_abs_diff(&got, &want);
+        assert!(d <= 1e-3, "wgpu ({placement}) logits differ from golden by {d}");
+        assert_eq!(row_argmax(&got, vocab), row_argmax(&want, vocab), "argmax differs from golden ({placement})");
 
+        let o = Command::new(ds4_bin())
+            .args(["generate", "--backend", "wgpu", "--placement", placement, "--exact", "--temperature", "0"])
+            .args(["--print-ids", "-m"])
+            .arg(&gguf)
+            .args(["--tokens", &join(&prompt), "-n", &greedy.len().to_string()])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.success(), "ds4 generate --backend wgpu --placement {placement} failed: {err}");
+        assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), join(&greedy), "{placement}");
+    }
     let o = Command::new(ds4_bin())
-        .args(["generate", "--backend", "wgpu", "--exact", "--temperature", "0", "--print-ids", "-m"])
+        .args(["generate", "--backend", "wgpu", "--placement", "attention=cpu", "-m"])
         .arg(&gguf)
-        .args(["--tokens", &join(&prompt), "-n", &greedy.len().to_string()])
+        .args(["--tokens", "1,2", "-n", "1"])
         .output()
         .unwrap();
-    assert!(o.status.success(), "ds4 generate --backend wgpu failed: {}", String::from_utf8_lossy(&o.stderr));
-    assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), join(&greedy));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("experts=cpu"), "a bad placement is refused clearly: {err}");
+}
+
+/// CPU + GPU placement through the runner: `wgpu:experts=cpu` (the MoE layers on the CPU, the rest on wgpu) agrees
+/// with the CPU and with all-wgpu within the documented cross-backend tolerance on the quantized tiny-a recipes, and
+/// reports what crossed per token — exactly each layer's normed input and router scores down and its output up —
+/// and that the device holds fewer weight bytes than the file.
+#[test]
+fn experts_on_the_cpu_agree_across_backends_and_report_the_bus() {
+    let Some(sh) = shared() else { return };
+    if !wgpu_available() {
+        return;
+    }
+    let g = read_json(&sh.join("golden/tiny-a/golden.json"));
+    let prompt = ids(&g["prompt_tokens"]);
+    for recipe in ["q2", "q4"] {
+        let gguf = golden_gguf(&sh, "tiny-a", recipe);
+        let file = ds4_engine::gguf::GgufFile::open(&gguf).unwrap();
+        let c = ds4_engine::model::Model::load(file).unwrap().config.clone();
+        let o = Command::new(ds4_bench_bin())
+            .args(["correctness", "--backends", "cpu,wgpu,wgpu:experts=cpu", "--quiet", "--gen", "8", "-m"])
+            .arg(&gguf)
+            .args(F32_ACTS)
+            .args(["--tokens", &join(&prompt[..32])])
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&o.stdout);
+        assert!(o.status.success(), "{recipe}:\n{stdout}\n{}", String::from_utf8_lossy(&o.stderr));
+        for pair in ["cpu,wgpu,", "cpu,wgpu:experts=cpu,", "wgpu,wgpu:experts=cpu,"] {
+            let row = stdout.lines().find(|l| l.starts_with(pair)).unwrap_or_else(|| panic!("{pair}:\n{stdout}"));
+            assert!(row.ends_with(",true"), "{recipe}: {row}");
+        }
+        let bus = stdout.lines().find(|l| l.starts_with("# placement experts=cpu:")).expect("the bus line");
+        let kib = |after: &str| -> f64 {
+            let rest = &bus[bus.find(after).unwrap_or_else(|| panic!("{after:?} in {bus}")) + after.len()..];
+            rest.split_whitespace().next().unwrap().parse().unwrap()
+        };
+        let per_layer_down = (c.d_model + c.n_experts) * 4;
+        let want_down = (c.n_layers * per_layer_down) as f64 / 1024.0;
+        let want_up = (c.n_layers * c.d_model * 4) as f64 / 1024.0;
+        assert!((kib("device to host ") - want_down).abs() < 0.06, "{bus} vs {want_down:.1}");
+        assert!((kib("host to device ") - want_up).abs() < 0.06, "{bus} vs {want_up:.1}");
+        let mb = |after: &str| kib(after);
+        assert!(mb("weights on the device ") < 0.7 * mb("MB of "), "{recipe}: the experts stay off the device: {bus}");
+    }
 }
 
 #[test]

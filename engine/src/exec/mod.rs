@@ -142,7 +142,7 @@ impl Executor {
         let be = Pair { primary, fallback };
         let two = fallback.is_some();
         if two {
-            self.res.begin(BufId::FIXED + cx.model.config.n_layers);
+            self.res.begin(BufId::FIXED + cx.model.config.n_layers, rows);
         }
         primary.begin_tick(cx)?;
         if let Some(f) = fallback {

@@ -27,12 +27,20 @@ pub struct CopiedBytes {
     pub to_primary: u64,
     /// Into the fallback backend (downloads from the primary: device to host).
     pub to_fallback: u64,
+    /// Rows of the tick (tokens): the copies scale with them.
+    pub rows: usize,
 }
 
 impl CopiedBytes {
     /// Both directions.
     pub fn total(&self) -> u64 {
         self.to_primary + self.to_fallback
+    }
+
+    /// `(to_primary, to_fallback)` per row (token) of the tick.
+    pub fn per_row(&self) -> (f64, f64) {
+        let r = self.rows.max(1) as f64;
+        (self.to_primary as f64 / r, self.to_fallback as f64 / r)
     }
 }
 
@@ -55,12 +63,12 @@ impl Pair<'_> {
 
 impl Residency {
     /// Starts a tick over `nbuf` tensors: only the KV pages have a value, and they live with the primary backend.
-    pub(super) fn begin(&mut self, nbuf: usize) {
+    pub(super) fn begin(&mut self, nbuf: usize, rows: usize) {
         self.valid.clear();
         self.valid.resize(nbuf, 0);
         self.valid[BufId::FIXED..].fill(1);
         self.copies = 0;
-        self.bytes = CopiedBytes::default();
+        self.bytes = CopiedBytes { rows, ..CopiedBytes::default() };
     }
 
     /// Makes the current value of every input of `op` present on side `s`, copying from the other side where it

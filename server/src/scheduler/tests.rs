@@ -266,6 +266,7 @@ fn a_restore_runs_off_the_scheduler_thread_while_others_decode() {
     use crate::engine::{load, LoadOptions};
     use crate::model::Runner;
     let opts = LoadOptions {
+        placement: Default::default(),
         backend: ds4_engine::engine::BackendKind::Cpu,
         ctx: 2048,
         max_batch_tokens: 256,
