@@ -137,6 +137,11 @@ pub(crate) fn run_throughput(a: &RunArgs) -> Result<()> {
     if a.placement != ds4_engine::exec::Placement::default() {
         writeln!(out, "{}", bus_line(&a.placement, &engine))?;
     }
+    if let Some([prefill, decode]) = crate::account::prefill_and_decode(&mut engine, a.batch_tokens)? {
+        let layers = engine.config().n_layers;
+        writeln!(out, "{}", crate::account::line("prefill chunk", &prefill, layers))?;
+        writeln!(out, "{}", crate::account::line("decode tick", &decode, layers))?;
+    }
     for r in &rows {
         writeln!(
             out,

@@ -18,6 +18,7 @@
 //! Every run is short by default (seconds); flags make it longer. `--quick` shrinks everything for smoke tests.
 //! `--plot FILE.svg` (throughput, `kv`, `kernels`) also draws the report as an SVG chart ([`plot`]).
 
+mod account;
 mod blocks;
 mod commands;
 mod correctness;

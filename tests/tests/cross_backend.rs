@@ -66,7 +66,7 @@ fn wgpu_cli_reproduces_golden_logits_and_greedy_tokens() {
 
 /// CPU + GPU placement through the runner: `wgpu:experts=cpu` (the MoE layers on the CPU, the rest on wgpu) agrees
 /// with the CPU and with all-wgpu within the documented cross-backend tolerance on the quantized tiny-a recipes, and
-/// reports what crossed per token — exactly each layer's normed input and router scores down and its output up —
+/// reports what crossed per token — exactly each layer's normed input down and its output up —
 /// and that the device holds fewer weight bytes than the file.
 #[test]
 fn experts_on_the_cpu_agree_across_backends_and_report_the_bus() {
@@ -98,7 +98,7 @@ fn experts_on_the_cpu_agree_across_backends_and_report_the_bus() {
             let rest = &bus[bus.find(after).unwrap_or_else(|| panic!("{after:?} in {bus}")) + after.len()..];
             rest.split_whitespace().next().unwrap().parse().unwrap()
         };
-        let per_layer_down = (c.d_model + c.n_experts) * 4;
+        let per_layer_down = c.d_model * 4;
         let want_down = (c.n_layers * per_layer_down) as f64 / 1024.0;
         let want_up = (c.n_layers * c.d_model * 4) as f64 / 1024.0;
         assert!((kib("device to host ") - want_down).abs() < 0.06, "{bus} vs {want_down:.1}");
@@ -250,4 +250,54 @@ fn cli_f32_acts_matches_wgpu_on_a_quantized_model() {
         String::from_utf8_lossy(&o.stdout).trim().to_string()
     };
     assert_eq!(greedy(&["--f32-acts"]), greedy(&["--backend", "wgpu"]));
+}
+
+/// Device accounting in `ds4-bench --backend wgpu` (counted by the backend, so lavapipe gives a GPU's figures): one
+/// decode tick of one session is one submission and one readback — the logits, nothing else — and fetches every
+/// weight row exactly once; a prefill chunk's line says how far today's kernels are from reading each weight once
+/// per chunk. With the experts on the CPU each layer adds one readback (its input going down).
+#[test]
+fn bench_accounts_for_a_wgpu_tick() {
+    let Some(sh) = shared() else { return };
+    if !wgpu_available() {
+        return;
+    }
+    let g = read_json(&sh.join("golden/tiny-a/golden.json"));
+    let vocab = g["vocab_size"].as_u64().unwrap() as f64;
+    let gguf = golden_gguf(&sh, "tiny-a", "q4");
+    let layers =
+        ds4_engine::model::Model::load(ds4_engine::gguf::GgufFile::open(&gguf).unwrap()).unwrap().config.n_layers;
+    let run = |placement: &str| {
+        let o = Command::new(ds4_bench_bin())
+            .args(["--backend", "wgpu", "--placement", placement, "--quiet", "--ctx-start", "24", "--ctx-max", "24"])
+            .args(["--gen-tokens", "2", "--batch-tokens", "16", "--threads", "2", "-m"])
+            .arg(&gguf)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&o.stdout).to_string();
+        assert!(o.status.success(), "{placement}:\n{stdout}\n{}", String::from_utf8_lossy(&o.stderr));
+        stdout
+    };
+    let field = |line: &str, before: &str| -> f64 {
+        let i = line.find(before).unwrap_or_else(|| panic!("{before:?} in {line}"));
+        line[..i].split_whitespace().last().unwrap().trim_start_matches('(').parse().unwrap()
+    };
+    let after = |line: &str, what: &str| -> f64 {
+        let i = line.find(what).unwrap_or_else(|| panic!("{what:?} in {line}")) + what.len();
+        line[i..].split_whitespace().next().unwrap().trim_end_matches('x').parse().unwrap()
+    };
+    let out = run("default");
+    let decode = out.lines().find(|l| l.starts_with("# device decode tick (1 tokens)")).expect("decode line");
+    assert_eq!((field(decode, " submissions"), field(decode, " readbacks")), (1.0, 1.0), "{decode}");
+    assert!((after(decode, "device to host ") - 4.0 * vocab / 1e3).abs() < 0.06, "only the logits: {decode}");
+    assert_eq!(after(decode, "MB = "), 1.0, "each weight row once per decode token: {decode}");
+    assert!(field(decode, " dispatches") >= layers as f64, "{decode}");
+    let prefill = out.lines().find(|l| l.starts_with("# device prefill chunk (16 tokens)")).expect("prefill line");
+    let ratio = after(prefill, "MB = ");
+    assert!(ratio >= 1.0 && ratio <= 16.0, "{prefill}");
+
+    let out = run("experts=cpu");
+    let decode = out.lines().find(|l| l.starts_with("# device decode tick (1 tokens)")).expect("decode line");
+    assert_eq!(field(decode, " readbacks"), 1.0 + layers as f64, "one download per MoE layer: {decode}");
+    assert!(out.lines().any(|l| l.starts_with("# placement experts=cpu:")), "{out}");
 }

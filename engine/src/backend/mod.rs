@@ -175,6 +175,12 @@ pub trait Backend: Send + Sync {
         Ok(None)
     }
 
+    /// What the backend's device has done so far (dispatches, host syncs, bytes each way, weight bytes fetched
+    /// against the least possible), monotonic; `None` for a host backend. Default: `None`.
+    fn device_counters(&self) -> Option<device::DeviceCounters> {
+        None
+    }
+
     /// Bytes of weights held in the backend's device memory (uploaded on first use), or `None` for a backend that
     /// reads them from the memory-mapped file. Default: `None`.
     fn device_weight_bytes(&self) -> Option<u64> {

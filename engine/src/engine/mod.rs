@@ -168,6 +168,9 @@ impl Engine {
         for kind in opts.placement.moved_kinds(opts.backend) {
             exec.force_fallback(kind, true);
         }
+        for &buf in opts.placement.moved_writers(opts.backend) {
+            exec.force_writers_of(buf, true);
+        }
         let ctx = if opts.ctx == 0 { model.config.ctx_len.max(1) } else { opts.ctx };
         let rope = RopeSet::new(&model);
         let graph = Graph::default();
@@ -213,6 +216,11 @@ impl Engine {
     /// each way; zero with one backend.
     pub fn copied_bytes(&self) -> crate::exec::CopiedBytes {
         self.exec.copied_bytes()
+    }
+
+    /// The primary backend's device counters ([`crate::backend::device::DeviceCounters`]; `None` on the CPU).
+    pub fn device_counters(&self) -> Option<crate::backend::device::DeviceCounters> {
+        self.backend.device_counters()
     }
 
     /// Bytes of weights the primary backend holds in device memory (`None` on the CPU); with

@@ -10,10 +10,12 @@
 //! kernel ([`Backend::supports`]), else — when the run has a fallback backend (the CPU as host fallback,
 //! [`Executor::run_on`]) that can take it — to the fallback's portable kernel. Op kinds can also be sent to the
 //! fallback on purpose ([`Executor::force_fallback`]: tests, and the seam a device backend without some kernel
-//! uses). A node that touches a layer's KV pages, or a tensor whose layout is a backend's own
-//! ([`BufId::host_width`] is `None`: the routes, the expert slot rows, the selection, the logits), stays with the
-//! primary backend: forcing it elsewhere is an error. A stage containing a node nobody can run is placed whole on
-//! [`Backend::run_stage`] (the layer-level path). A run reuses the last placement when its signature (the
+//! uses; [`Placement`] — `--placement experts=cpu` — is the user's form). A node that touches a layer's KV pages
+//! stays with the primary backend: forcing it elsewhere is an error. A tensor whose layout is a backend's own
+//! ([`BufId::host_width`] is `None`: the routes, the expert slot rows, the selection, the logits) is never copied,
+//! so every node that uses it must run on one side (an MoE layer's route, expert products and combine move
+//! together; placement fails otherwise), and a [`Op::Readback`] runs where its tensor was written. A stage
+//! containing a node nobody can run is placed whole on [`Backend::run_stage`] (the layer-level path). A run reuses the last placement when its signature (the
 //! backends, the model, the batch size, the options, each node's kind, weight and width) is unchanged, so a
 //! steady decode loop places once ([`Executor::placements`]). [`Executor::placement_report`] says which backend
 //! and kernel runs each node (`--placement-report` on `ds4` and `ds4-bench`).
@@ -83,6 +85,9 @@ pub struct Executor {
     group: bool,
     /// Op kinds ([`Op::kind`]) sent to the fallback backend whenever one is given, as a bit set.
     forced: u32,
+    /// Nodes writing these tensors are sent to the fallback too ([`Executor::force_writers_of`]), as a bit set of
+    /// [`BufId::index`] below 64.
+    forced_writes: u64,
     /// Signature of the inputs of the last placement, and how many placements were computed.
     sig: Option<u64>,
     placements: u64,
@@ -102,6 +107,7 @@ impl Default for Executor {
             native: true,
             group,
             forced: 0,
+            forced_writes: 0,
             sig: None,
             placements: 0,
             res: Residency::default(),
@@ -217,6 +223,16 @@ impl Executor {
         }
     }
 
+    /// Sends every node that writes tensor `buf` (one of the first 64 [`BufId`]s: the per-tick activations) to the
+    /// fallback backend when a run has one (`on`) — e.g. the router's product, whose scores only the MoE route
+    /// reads — or stops doing so.
+    pub fn force_writers_of(&mut self, buf: BufId, on: bool) {
+        if buf.index() < 64 {
+            let bit = 1u64 << buf.index();
+            self.forced_writes = if on { self.forced_writes | bit } else { self.forced_writes & !bit };
+        }
+    }
+
     /// Copies between the backends inserted by the last run (0 without a fallback).
     pub fn copies(&self) -> usize {
         self.res.copies
@@ -255,6 +271,7 @@ impl Executor {
         mix(model as *const Model as u64);
         mix(rows as u64);
         mix(u64::from(self.forced) << 2 | u64::from(self.native) << 1 | u64::from(self.group));
+        mix(self.forced_writes);
         mix(g.nodes.len() as u64);
         for n in &g.nodes {
             let w = match n.op {

@@ -1,16 +1,18 @@
 //! Offload: which parts of the model run on a second backend — the user's placement option
 //! (`--placement experts=cpu`), for a GPU smaller than the model.
 //!
-//! A [`Placement`] names groups of op kinds and the backend each group runs on. The one group today is
-//! `experts`: an MoE layer's routing, routed and shared expert products, SwiGLU and combine
-//! ([`Placement::EXPERT_OPS`]). With `experts=cpu` on a device primary (wgpu), the engine creates a CPU backend as
-//! the run's second backend and forces those kinds there ([`crate::exec::Executor::force_fallback`]); everything
-//! else — embeddings, attention and its KV pages, mHC, the router's product, the head — stays on the GPU. The
-//! executor's residency copies ([`crate::exec`]) then move per MoE layer, per row: the normed input and the router
-//! scores down (`d_model + n_experts` floats), the layer's output up (`d_model` floats); the routes and expert rows
-//! never cross (they are used on one side only, which placement checks). A device backend uploads a weight the
-//! first time one of its own nodes reads it, so the expert tensors — about 90 % of a Flash file — are never
-//! uploaded: the GPU holds attention, shared weights and KV; the CPU reads the experts from the memory-mapped file.
+//! A [`Placement`] names groups of ops and the backend each group runs on. The one group today is `experts`: an
+//! MoE layer's router product, routing, routed and shared expert products, SwiGLU and combine
+//! ([`Placement::EXPERT_OPS`] and the writer of the router scores, [`Placement::moved_writers`]). With
+//! `experts=cpu` on a device primary (wgpu), the engine creates a CPU backend as the run's second backend and
+//! forces those nodes there ([`crate::exec::Executor::force_fallback`], [`crate::exec::Executor::force_writers_of`]);
+//! everything else — embeddings, attention and its KV pages, mHC, the head — stays on the GPU. The executor's
+//! residency copies ([`crate::exec`]) then move, per MoE layer and row, the normed input down and the layer's
+//! output up (`d_model` floats each way, one device sync); the router scores, routes and expert rows never cross
+//! (each is used on one side only, which placement checks). A device backend uploads a weight the first time one
+//! of its own nodes reads it, so the expert tensors — about 96 % of the 2-bit Flash file — are never uploaded: the
+//! GPU holds attention, the embeddings, the head and the KV cache; the CPU reads the experts from the memory-mapped
+//! file.
 //!
 //! Each layer's MoE half waits for its attention half and the next attention for the MoE output (one device
 //! sync per layer); the CPU's expert work does not yet overlap the GPU's work of another row group.
@@ -20,6 +22,7 @@ use std::str::FromStr;
 
 use ds4_kernels_native::{BackendKind, OpKind};
 
+use crate::graph::BufId;
 use crate::{Error, Result};
 
 /// Where groups of ops run besides the primary backend (see the module docs). The default runs everything on
@@ -49,6 +52,15 @@ impl Placement {
                 "placement experts={k} with the {primary} backend: only experts=cpu (routed experts on the CPU, the \
                  rest on a GPU backend) is supported"
             ))),
+        }
+    }
+
+    /// The tensors whose writers go to the second backend too: the router's scores (only the route reads them,
+    /// so computing them beside it sends one tensor down per layer instead of two).
+    pub fn moved_writers(&self, primary: BackendKind) -> &'static [BufId] {
+        match self.experts {
+            Some(k) if k != primary => &[BufId::Router],
+            _ => &[],
         }
     }
 

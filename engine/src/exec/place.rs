@@ -110,7 +110,9 @@ impl Executor {
                 let key = node_key(op, model, backend.kind(), rows);
                 self.keys.push(key);
                 let fb = fallback.filter(|f| f.supports(op, model));
-                let forced = self.forced & (1 << op.kind()) != 0 || readback_of_fallback(g, &self.places, i);
+                let forced = self.forced & (1 << op.kind()) != 0
+                    || writes_any(op, self.forced_writes)
+                    || readback_of_fallback(g, &self.places, i);
                 if fb.is_some() && forced {
                     off_kv(op).map_err(|e| exec_err(format!("node {i} ({}): {e}", op.name())))?;
                     self.places.push(Place::Fallback);
@@ -169,6 +171,15 @@ impl Executor {
             .collect();
         PlacementReport { primary, fallback, placed: self.placed, nodes }
     }
+}
+
+/// Whether `op` writes a tensor of the bit set `bufs` ([`BufId::index`] below 64).
+fn writes_any(op: &Op, bufs: u64) -> bool {
+    let mut hit = false;
+    if bufs != 0 {
+        op.access(|_| {}, |b| hit |= b.index() < 64 && bufs & (1 << b.index()) != 0);
+    }
+    hit
 }
 
 /// Whether node `i` is a readback ([`Op::Readback`]) of a tensor last written by a node placed on the fallback:

@@ -108,3 +108,44 @@ pub fn copy_rows<D: DeviceMem>(
     let b = (width * 4) as u64;
     row_runs(pairs, |s, d, n| dev.copy(enc, src, s as u64 * b, dst, d as u64 * b, n as u64 * b));
 }
+
+/// What a device backend has done so far ([`crate::backend::Backend::device_counters`]; subtract two reads for one
+/// tick's): the host
+/// syncs, the dispatches and the objects made for them, the bytes crossing the bus, and the weight bytes the
+/// product kernels fetch against the least they could.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DeviceCounters {
+    pub submits: u64,
+    pub readbacks: u64,
+    /// Compute dispatches recorded.
+    pub dispatches: u64,
+    /// Bind groups created (one per dispatch today).
+    pub bind_groups: u64,
+    /// Bytes written from the host: buffers created with contents (weights on first use, uniform blocks, id and
+    /// key lists, tables) and queue writes.
+    pub host_to_device: u64,
+    /// Bytes read back to the host.
+    pub device_to_host: u64,
+    /// Weight bytes the product and row-gather kernels fetch, from their access pattern (a matmul workgroup reads
+    /// its weight row once per token it multiplies).
+    pub weights_fetched: u64,
+    /// The least those kernels could fetch: every weight row a product touches once (for expert products whose
+    /// ids stay on the device, `min(pairs, experts)` experts: exact for one token, an upper bound beyond).
+    pub weights_min: u64,
+}
+
+impl std::ops::Sub for DeviceCounters {
+    type Output = DeviceCounters;
+    fn sub(self, o: DeviceCounters) -> DeviceCounters {
+        DeviceCounters {
+            submits: self.submits - o.submits,
+            readbacks: self.readbacks - o.readbacks,
+            dispatches: self.dispatches - o.dispatches,
+            bind_groups: self.bind_groups - o.bind_groups,
+            host_to_device: self.host_to_device - o.host_to_device,
+            device_to_host: self.device_to_host - o.device_to_host,
+            weights_fetched: self.weights_fetched - o.weights_fetched,
+            weights_min: self.weights_min - o.weights_min,
+        }
+    }
+}

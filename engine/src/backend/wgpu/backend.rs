@@ -296,6 +296,10 @@ impl Backend for WgpuBackend {
         Ok(Some((tag, bytes)))
     }
 
+    fn device_counters(&self) -> Option<crate::backend::device::DeviceCounters> {
+        Some(self.ctx.counters())
+    }
+
     fn device_weight_bytes(&self) -> Option<u64> {
         let mats: u64 = self.mats.lock().values().map(|w| (w.rows * w.row_bytes) as u64).sum();
         let dense: u64 = self.dense.lock().values().map(|b| b.size()).sum();

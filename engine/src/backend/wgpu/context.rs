@@ -7,7 +7,7 @@
 //! splitting on tiny tensors.
 //!
 //! ScratchBuf buffers come from a pool keyed by size class ([`WgpuContext::scratch`]: power-of-two sizes, returned
-//! on drop, contents undefined); the context counts queue submissions and host readbacks ([`Counters`]) so tests
+//! on drop, contents undefined); the context counts queue submissions and host readbacks ([`DeviceCounters`]) so tests
 //! can pin how often a tick syncs with the host.
 //!
 //! Pipelines are compiled once per (kernel name) and cached; shader compile and validation errors are captured with
@@ -23,6 +23,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use wgpu::util::DeviceExt;
 
+use crate::backend::device::DeviceCounters;
 use crate::error::{Error, Result};
 
 /// Options for [`WgpuContext::with_options`].
@@ -46,26 +47,11 @@ pub struct WgpuContext {
     submits: AtomicU64,
     readbacks: AtomicU64,
     dispatches: AtomicU64,
-}
-
-/// Queue submissions and host readbacks a context has made (see [`WgpuContext::counters`]).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Counters {
-    pub submits: u64,
-    pub readbacks: u64,
-    /// Compute dispatches recorded.
-    pub dispatches: u64,
-}
-
-impl std::ops::Sub for Counters {
-    type Output = Counters;
-    fn sub(self, o: Counters) -> Counters {
-        Counters {
-            submits: self.submits - o.submits,
-            readbacks: self.readbacks - o.readbacks,
-            dispatches: self.dispatches - o.dispatches,
-        }
-    }
+    bind_groups: AtomicU64,
+    host_to_device: AtomicU64,
+    device_to_host: AtomicU64,
+    weights_fetched: AtomicU64,
+    weights_min: AtomicU64,
 }
 
 /// A pooled scratch buffer: returned to its context's pool when dropped. Its contents are undefined when handed
@@ -156,16 +142,32 @@ impl WgpuContext {
             submits: AtomicU64::new(0),
             readbacks: AtomicU64::new(0),
             dispatches: AtomicU64::new(0),
+            bind_groups: AtomicU64::new(0),
+            host_to_device: AtomicU64::new(0),
+            device_to_host: AtomicU64::new(0),
+            weights_fetched: AtomicU64::new(0),
+            weights_min: AtomicU64::new(0),
         })
     }
 
-    /// Submissions and readbacks so far (monotonic; compare two reads to count a tick's).
-    pub fn counters(&self) -> Counters {
-        Counters {
+    /// Everything counted so far (monotonic; subtract two reads to count a tick's).
+    pub fn counters(&self) -> DeviceCounters {
+        DeviceCounters {
             submits: self.submits.load(Ordering::Relaxed),
             readbacks: self.readbacks.load(Ordering::Relaxed),
             dispatches: self.dispatches.load(Ordering::Relaxed),
+            bind_groups: self.bind_groups.load(Ordering::Relaxed),
+            host_to_device: self.host_to_device.load(Ordering::Relaxed),
+            device_to_host: self.device_to_host.load(Ordering::Relaxed),
+            weights_fetched: self.weights_fetched.load(Ordering::Relaxed),
+            weights_min: self.weights_min.load(Ordering::Relaxed),
         }
+    }
+
+    /// Counts a weight product's fetched bytes and the least it could fetch (see [`DeviceCounters::weights_fetched`]).
+    pub(crate) fn note_weights(&self, fetched: u64, min: u64) {
+        self.weights_fetched.fetch_add(fetched, Ordering::Relaxed);
+        self.weights_min.fetch_add(min, Ordering::Relaxed);
     }
 
     /// A pooled storage buffer of at least `len` f32 values (size class: the next power of two, at least 256
@@ -242,6 +244,7 @@ impl WgpuContext {
         } else {
             data
         };
+        self.host_to_device.fetch_add(bytes.len() as u64, Ordering::Relaxed);
         self.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
             label: Some(label),
             contents: bytes,
@@ -271,6 +274,7 @@ impl WgpuContext {
 
     /// A uniform buffer holding one `Params` struct.
     pub fn uniform<T: bytemuck::Pod>(&self, label: &str, params: &T) -> wgpu::Buffer {
+        self.host_to_device.fetch_add(std::mem::size_of::<T>() as u64, Ordering::Relaxed);
         self.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
             label: Some(label),
             contents: bytemuck::bytes_of(params),
@@ -316,6 +320,7 @@ impl WgpuContext {
             entries: &entries,
         });
         self.dispatches.fetch_add(1, Ordering::Relaxed);
+        self.bind_groups.fetch_add(1, Ordering::Relaxed);
         let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: None });
         pass.set_pipeline(pipeline);
         pass.set_bind_group(0, &bind, &[]);
@@ -396,6 +401,7 @@ impl WgpuContext {
             return Err(backend_err(format!("read: {len} words at {offset} exceed a buffer of {} bytes", buf.size())));
         }
         self.readbacks.fetch_add(1, Ordering::Relaxed);
+        self.device_to_host.fetch_add(bytes, Ordering::Relaxed);
         let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("readback"),
             size: bytes,
@@ -424,6 +430,7 @@ impl WgpuContext {
 
     /// Writes f32 values into `buf` at element `offset`.
     pub fn write_f32(&self, buf: &wgpu::Buffer, offset: usize, data: &[f32]) {
+        self.host_to_device.fetch_add(std::mem::size_of_val(data) as u64, Ordering::Relaxed);
         self.queue.write_buffer(buf, (offset * 4) as u64, bytemuck::cast_slice(data));
     }
 }

@@ -68,6 +68,8 @@ pub fn matmul(
     if n_tok > max {
         return Err(backend_err(format!("matmul {}: {n_tok} tokens exceed one dispatch", w.name)));
     }
+    let bytes = (rows.len() * w.row_bytes) as u64;
+    ctx.note_weights(bytes * n_tok as u64, bytes);
     for (chunk, local, out_off) in w.pieces(rows) {
         let n = local.len();
         let grid_x = n.min(max.min(32768));
@@ -101,6 +103,8 @@ pub fn get_rows(
     y: View<'_>,
 ) -> Result<()> {
     let pipeline = ctx.pipeline(&name("get_rows", w.format), w.format.get_rows_source())?;
+    let bytes = (ids.len() * w.row_bytes) as u64;
+    ctx.note_weights(bytes, bytes);
     for (ci, chunk) in w.chunks.iter().enumerate() {
         let mut pairs = Vec::new();
         for &(row, out) in ids {

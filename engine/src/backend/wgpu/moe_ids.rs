@@ -40,6 +40,9 @@ pub fn matmul_ids(
     }
     let pl = ctx.pipeline(&format!("matmul_ids_{:?}", w.format), sh::matmul_ids_source(w.format))?;
     let grid_x = expert_rows.min(max.min(32768));
+    let expert_bytes = (expert_rows * w.row_bytes) as u64;
+    let experts = n_pairs.min(w.rows / expert_rows) as u64;
+    ctx.note_weights(n_pairs as u64 * expert_bytes, experts * expert_bytes);
     for chunk in &w.chunks {
         let p = IdsParams {
             expert_rows: u32_of(expert_rows, "expert rows")?,

@@ -1,0 +1,59 @@
+//! Device accounting (`ds4-bench --backend wgpu`): what one prefill chunk and one decode tick cost a device
+//! backend in dispatches, host syncs, bytes across the bus and weight bytes fetched against the least possible
+//! (each weight row a product touches read once). Counted by the backend, not timed, so the figures are the same
+//! on lavapipe as on a GPU.
+
+use anyhow::Result;
+use ds4_engine::backend::device::DeviceCounters;
+use ds4_engine::Engine;
+
+/// One measured tick.
+#[derive(Clone, Copy, Debug)]
+pub struct TickCost {
+    /// Tokens (rows) in the tick.
+    pub tokens: usize,
+    pub cost: DeviceCounters,
+}
+
+/// Runs a fresh session's prefill of `chunk` tokens as one tick, then one decode tick, on a warmed engine (weights
+/// already uploaded, so the uploads counted are the ticks' own), and returns `[prefill, decode]`; `None` on a host
+/// backend.
+pub fn prefill_and_decode(engine: &mut Engine, chunk: usize) -> Result<Option<[TickCost; 2]>> {
+    let Some(_) = engine.device_counters() else { return Ok(None) };
+    let chunk = chunk.min(engine.options().max_batch_tokens).min(engine.ctx().saturating_sub(2)).max(1);
+    let prompt = crate::throughput::prompt(chunk + 1, engine.config().vocab);
+    let s = engine.create_session();
+    let mut tick = |tokens: &[u32]| -> Result<TickCost> {
+        engine.feed(s, tokens)?;
+        let before = engine.device_counters().unwrap_or_default();
+        engine.step()?;
+        let after = engine.device_counters().unwrap_or_default();
+        Ok(TickCost { tokens: tokens.len(), cost: after - before })
+    };
+    let prefill = tick(&prompt[..chunk]);
+    let decode = prefill.is_ok().then(|| tick(&prompt[chunk..]));
+    engine.free_session(s)?;
+    Ok(Some([prefill?, decode.expect("run after a prefill")?]))
+}
+
+/// The `#` line of one measured tick.
+pub fn line(what: &str, t: &TickCost, layers: usize) -> String {
+    let c = &t.cost;
+    let mb = |b: u64| b as f64 / 1e6;
+    format!(
+        "# device {what} ({} tokens): {} dispatches ({:.1} per layer), {} bind groups, {} submissions, {} readbacks; \
+         host to device {:.1} KB, device to host {:.1} KB; weights fetched {:.2} MB = {:.2}x the least ({:.2} MB, \
+         each weight row once)",
+        t.tokens,
+        c.dispatches,
+        c.dispatches as f64 / layers.max(1) as f64,
+        c.bind_groups,
+        c.submits,
+        c.readbacks,
+        c.host_to_device as f64 / 1e3,
+        c.device_to_host as f64 / 1e3,
+        mb(c.weights_fetched),
+        c.weights_fetched as f64 / c.weights_min.max(1) as f64,
+        mb(c.weights_min)
+    )
+}
