@@ -9,7 +9,7 @@ use ds4_engine::Engine;
 
 /// One measured tick.
 #[derive(Clone, Copy, Debug)]
-pub struct TickCost {
+pub struct DeviceTick {
     /// Tokens (rows) in the tick.
     pub tokens: usize,
     pub cost: DeviceCounters,
@@ -18,17 +18,17 @@ pub struct TickCost {
 /// Runs a fresh session's prefill of `chunk` tokens as one tick, then one decode tick, on a warmed engine (weights
 /// already uploaded, so the uploads counted are the ticks' own), and returns `[prefill, decode]`; `None` on a host
 /// backend.
-pub fn prefill_and_decode(engine: &mut Engine, chunk: usize) -> Result<Option<[TickCost; 2]>> {
+pub fn prefill_and_decode(engine: &mut Engine, chunk: usize) -> Result<Option<[DeviceTick; 2]>> {
     let Some(_) = engine.device_counters() else { return Ok(None) };
     let chunk = chunk.min(engine.options().max_batch_tokens).min(engine.ctx().saturating_sub(2)).max(1);
     let prompt = crate::throughput::prompt(chunk + 1, engine.config().vocab);
     let s = engine.create_session();
-    let mut tick = |tokens: &[u32]| -> Result<TickCost> {
+    let mut tick = |tokens: &[u32]| -> Result<DeviceTick> {
         engine.feed(s, tokens)?;
         let before = engine.device_counters().unwrap_or_default();
         engine.step()?;
         let after = engine.device_counters().unwrap_or_default();
-        Ok(TickCost { tokens: tokens.len(), cost: after - before })
+        Ok(DeviceTick { tokens: tokens.len(), cost: after - before })
     };
     let prefill = tick(&prompt[..chunk]);
     let decode = prefill.is_ok().then(|| tick(&prompt[chunk..]));
@@ -37,7 +37,7 @@ pub fn prefill_and_decode(engine: &mut Engine, chunk: usize) -> Result<Option<[T
 }
 
 /// The `#` line of one measured tick.
-pub fn line(what: &str, t: &TickCost, layers: usize) -> String {
+pub fn line(what: &str, t: &DeviceTick, layers: usize) -> String {
     let c = &t.cost;
     let mb = |b: u64| b as f64 / 1e6;
     format!(

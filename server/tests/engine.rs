@@ -14,6 +14,7 @@ use serde_json::json;
 
 fn demo_server() -> TestServer {
     let opts = LoadOptions {
+        placement: Default::default(),
         backend: ds4_engine::engine::BackendKind::Cpu,
         ctx: 2048,
         max_batch_tokens: 256,

@@ -49,6 +49,7 @@ fn server_on_disk(mode: SpecMode, disk: Option<&std::path::Path>) -> TestServer 
 /// A server of `file` with speculation `mode` (and the disk KV tier in `disk`).
 fn server_with(file: &std::path::Path, mode: SpecMode, disk: Option<&std::path::Path>) -> TestServer {
     let opts = LoadOptions {
+        placement: Default::default(),
         backend: ds4_engine::engine::BackendKind::Cpu,
         ctx: 1024,
         max_batch_tokens: 256,
@@ -160,6 +161,7 @@ fn dspark_speculation_gives_the_plain_answers_on_every_api_alone_and_batched() {
     same_answers(dspark_model_file(), SpecMode::Dspark);
     // `auto` picks the file's drafter: DSpark here.
     let opts = LoadOptions {
+        placement: Default::default(),
         backend: ds4_engine::engine::BackendKind::Cpu,
         ctx: 512,
         max_batch_tokens: 64,

@@ -294,7 +294,7 @@ fn bench_accounts_for_a_wgpu_tick() {
     assert!(field(decode, " dispatches") >= layers as f64, "{decode}");
     let prefill = out.lines().find(|l| l.starts_with("# device prefill chunk (16 tokens)")).expect("prefill line");
     let ratio = after(prefill, "MB = ");
-    assert!(ratio >= 1.0 && ratio <= 16.0, "{prefill}");
+    assert!((1.0..=16.0).contains(&ratio), "{prefill}");
 
     let out = run("experts=cpu");
     let decode = out.lines().find(|l| l.starts_with("# device decode tick (1 tokens)")).expect("decode line");

@@ -242,6 +242,7 @@ pub fn replay(server: &TestServer, fixture: &Value) -> Reply {
 /// noise, so whatever structure comes back was made by a constraint.
 pub fn demo_server() -> TestServer {
     let opts = ds4_server::engine::LoadOptions {
+        placement: Default::default(),
         backend: ds4_engine::engine::BackendKind::Cpu,
         ctx: 2048,
         max_batch_tokens: 256,
