@@ -1,7 +1,9 @@
 //! Quantized matrix products and row gathers on [`GpuWeight`]s, across chunk boundaries.
 //!
 //! [`matmul`] computes `y[t, r] (+)= W[rows.start + r, :] · x[t, :]` for every token `t < n_tok`, issuing one dispatch
-//! per weight chunk the row range touches. [`get_rows`] copies (dequantizes) rows of a weight into an f32 buffer —
+//! per weight chunk the row range touches; a workgroup takes one row for a tile of [`MATMUL_TILE`] tokens, so a
+//! prefill chunk streams each weight row once per tile, with every token's result bit-identical to a one-token
+//! product. [`get_rows`] copies (dequantizes) rows of a weight into an f32 buffer —
 //! the embedding lookup. Both only record commands; the caller submits.
 //!
 //! Layout conventions: activations are f32, token-major: element `(t, c)` of `x` is `x[x.offset + t * x.stride + c]`,
@@ -45,6 +47,9 @@ pub(crate) fn u32_of(v: usize, what: &str) -> Result<u32> {
     u32::try_from(v).map_err(|_| backend_err(format!("{what} = {v} does not fit in u32")))
 }
 
+/// Tokens per workgroup of the matmul kernel (`TILE` in `matmul.wgsl`): a weight row is streamed once per tile.
+pub const MATMUL_TILE: usize = 8;
+
 /// Records `y[t, r] (+)= W[rows.start + r] · x[t]` for `r < rows.len()`, `t < n_tok` (see module docs).
 #[allow(clippy::too_many_arguments)]
 pub fn matmul(
@@ -65,11 +70,13 @@ pub fn matmul(
     }
     let pipeline = ctx.pipeline(&name("matmul", w.format), w.format.matmul_source())?;
     let max = ctx.limits.max_compute_workgroups_per_dimension as usize;
-    if n_tok > max {
+    let tiles = n_tok.div_ceil(MATMUL_TILE);
+    if tiles > max {
         return Err(backend_err(format!("matmul {}: {n_tok} tokens exceed one dispatch", w.name)));
     }
+    // Each workgroup streams its row once per tile of tokens.
     let bytes = (rows.len() * w.row_bytes) as u64;
-    ctx.note_weights(bytes * n_tok as u64, bytes);
+    ctx.note_weights(bytes * tiles as u64, bytes);
     for (chunk, local, out_off) in w.pieces(rows) {
         let n = local.len();
         let grid_x = n.min(max.min(32768));
@@ -88,7 +95,7 @@ pub fn matmul(
             _pad: 0,
         };
         let u = ctx.uniform("matmul params", &params);
-        let groups = [grid_x as u32, n.div_ceil(grid_x) as u32, n_tok as u32];
+        let groups = [grid_x as u32, n.div_ceil(grid_x) as u32, tiles as u32];
         ctx.dispatch(enc, &pipeline, &[&chunk.buffer, x.buf, y.buf, &u], groups)?;
     }
     Ok(())
@@ -309,6 +316,32 @@ mod accuracy_tests {
                 let (bad_want, _) = reference(&bad, &magnitudes(ty, &data, rows, cols), &x, rows, cols, n_tok);
                 let got = gpu_product(&ctx, &w, 0..rows, &x, n_tok);
                 assert!(first_beyond(&got, &bad_want, &mag, chain).is_some(), "{ty} cols {cols}: bound too loose");
+            }
+        }
+    }
+
+    /// Tokens multiplied together in tiles of [`MATMUL_TILE`] (13: one full tile and a partial one) give bit for bit
+    /// what each token multiplied alone gives, in every format: a prefill and one-token decode ticks agree exactly;
+    /// and the device counts the weight streamed once per tile.
+    #[test]
+    fn tiles_of_tokens_give_each_token_alone_bit_for_bit() {
+        let Some(ctx) = ctx_with(None) else { return };
+        let (rows, n_tok) = (9usize, 2 * MATMUL_TILE - 3);
+        for ty in TYPES {
+            let cols = if ty.block_values() > 32 { 512 } else { 96 };
+            let mut rng = StdRng::seed_from_u64(ty.id() as u64 + 77);
+            let data = random_weight(&mut rng, ty, rows, cols);
+            let w = GpuWeight::upload(&ctx, "w", ty, cols, rows, &data, 1).unwrap();
+            let x = activations(&mut rng, n_tok, cols);
+            let before = ctx.counters();
+            let together = gpu_product(&ctx, &w, 0..rows, &x, n_tok);
+            let d = ctx.counters() - before;
+            assert_eq!(d.weights_fetched, 2 * d.weights_min, "{ty}: two tiles stream the weight twice");
+            assert_eq!(d.weights_min, (rows * w.row_bytes) as u64);
+            for t in 0..n_tok {
+                let alone = gpu_product(&ctx, &w, 0..rows, &x[t * cols..(t + 1) * cols], 1);
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&together[t * rows..(t + 1) * rows]), bits(&alone), "{ty}: token {t}");
             }
         }
     }

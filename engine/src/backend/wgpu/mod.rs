@@ -27,8 +27,11 @@
 //! storage binding limit: ~128 MiB on lavapipe), so very long contexts or many sessions need a pool split across
 //! bindings (the roll-back log's chunk pools too: one buffer per layer and input); uniform blocks, bind
 //! groups, key and row lists are small fresh objects per dispatch and the RoPE tables one fresh buffer per tick and
-//! flavour (the tensor buffers are reused, grown only when the batch grows); kernels are written for correctness
-//! (one workgroup per output row, scalar decode) and are untuned.
+//! flavour (the tensor buffers are reused, grown only when the batch grows); a product is one workgroup per
+//! output row (and per tile of 8 tokens: a prefill streams each weight row once per tile) with a shared-memory
+//! reduction — no subgroup operations, several rows per workgroup or fused MoE kernels yet. The context counts
+//! what a tick costs ([`crate::backend::device::DeviceCounters`]: dispatches, syncs, bytes each way, weight bytes
+//! fetched against each row once), printed by `ds4-bench --backend wgpu`.
 
 mod attn;
 pub(crate) mod backend;
