@@ -59,7 +59,8 @@ pub struct CombineParams {
     pub n: u32,
     pub rows: u32,
     pub k: u32,
-    pub _p: u32,
+    /// 1: add the shared expert's output (binding 4) after the routed ones.
+    pub has_shared: u32,
 }
 
 /// `Params` of `norm.wgsl` ([`crate::RMS_NORM`]).
@@ -266,7 +267,7 @@ pub fn all() -> Vec<ParamsLayout> {
                 grid_x
             ]
         ),
-        layout!(CombineParams, MOE_IDS, [n, rows, k, _p]),
+        layout!(CombineParams, MOE_IDS, [n, rows, k, has_shared]),
         layout!(NormParams, RMS_NORM, [n, rows, x_offset, x_stride, y_offset, y_stride, has_weight, grid_x, eps, _pad]),
         layout!(RopeParams, ROPE, [n_tok, heads, head_dim, rope_dim, offset, tok_stride, head_stride, inverse]),
         layout!(

@@ -297,8 +297,7 @@ pub enum Op {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Experts {
     /// Slot row `r·k + j` is row `r`'s `j`-th choice and each product picks its expert's weights by the selected
-    /// ids where they are (no host sync; each expert's weights read once per row that chose it): small batches
-    /// with learned routing.
+    /// ids where they are (no host sync; each expert's weights read once per row that chose it): small batches.
     PerRow,
     /// Slot rows gathered by expert (ascending id, rows ascending within an expert) and scattered back by the
     /// combine, so each expert's weights are read once per tick. The host must know the experts: from the token

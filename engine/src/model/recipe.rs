@@ -20,9 +20,9 @@
 //!
 //! MoE FFN: `Normed = RMSNorm(Collapsed)·ffn_norm`; router scores; routing; gate/up of every routed row and the
 //! shared expert; SwiGLU; down; the weighted sum back into `SublayerOut`. The routed rows' layout ([`Experts`],
-//! [`experts_layout`]) is the batch's choice, visible in the nodes: per row (decode with learned routing: every
-//! product picks its expert by the selected ids, no host sync), or gathered by expert and scattered back (prefill,
-//! and hash routing), where a learned-routing layer first reads its selection back ([`Op::Readback`] of
+//! [`experts_layout`]) is the batch's choice, visible in the nodes: per row (decode: every product picks its
+//! expert by the selected ids, no host sync), or gathered by expert and scattered back (prefill), where a
+//! learned-routing layer first reads its selection back ([`Op::Readback`] of
 //! [`BufId::Routes`]) — the one host sync of a tick besides the logits, and a node like every other.
 
 use crate::graph::{Batch, BufId, Experts, Graph, Op, SimKind, Stage, Sub};
@@ -150,13 +150,14 @@ fn moe(g: &mut Graph, model: &Model, layer: usize, rows: usize) {
     g.push(Op::MoeCombine { experts });
 }
 
-/// The routed-row layout of an MoE layer for a batch of `rows` rows (see [`Experts`]): per row for learned
-/// routing while the batch's choices (`rows · k`) do not outnumber the experts — decode, where grouping would read
-/// every chosen expert once anyway and would cost a host sync — else gathered by expert (hash routing knows the
-/// experts from the tokens, so it never needs the sync).
-pub fn experts_layout(model: &Model, hash: bool, rows: usize) -> Experts {
+/// The routed-row layout of an MoE layer for a batch of `rows` rows (see [`Experts`]): per row while the batch's
+/// choices (`rows · k`) do not outnumber the experts — decode, where grouping would read every chosen expert once
+/// anyway, and would cost learned routing a host sync and every layer a dispatch per expert — else gathered by
+/// expert (hash routing knows the experts from the tokens, so only learned routing needs the sync). `hash` does
+/// not change the choice; it is taken so the rule can.
+pub fn experts_layout(model: &Model, _hash: bool, rows: usize) -> Experts {
     let c = &model.config;
-    if !hash && rows * c.n_experts_used <= c.n_experts {
+    if rows * c.n_experts_used <= c.n_experts {
         Experts::PerRow
     } else {
         Experts::ByExpert
@@ -211,8 +212,9 @@ mod tests {
         let mut g = Graph::default();
         build(&mut g, &model, &decode_batch(), false);
         for l in 0..model.config.n_layers {
+            // A decode tick lays out every layer's expert rows per row, hash-routed or not.
             let hash = model.layers[l].tid2eid.is_some();
-            let experts = if hash { Experts::ByExpert } else { Experts::PerRow };
+            let experts = Experts::PerRow;
             assert!(g.nodes.iter().any(|n| n.op == Op::MoeRoute { layer: l, hash, experts }), "layer {l}");
         }
         let n = g.nodes.len();
@@ -253,7 +255,7 @@ mod tests {
             let grouped = rows > per_row_max;
             for l in 0..c.n_layers {
                 let hash = model.layers[l].tid2eid.is_some();
-                let want = if hash || grouped { Experts::ByExpert } else { Experts::PerRow };
+                let want = if grouped { Experts::ByExpert } else { Experts::PerRow };
                 assert_eq!(experts_layout(&model, hash, rows), want);
                 let &(_, a, e) = g.stages.iter().find(|s| s.0 == Stage::Moe { layer: l }).unwrap();
                 let ops: Vec<Op> = g.nodes[a..e].iter().map(|n| n.op).collect();

@@ -49,6 +49,11 @@ pub struct WgpuBackend {
     ctx: WgpuContext,
     mats: Mutex<HashMap<u32, Arc<GpuWeight>>>,
     dense: Mutex<HashMap<u32, Arc<Buf>>>,
+    /// Pairs of weights uploaded interleaved by group ([`GpuWeight::upload_interleaved`]: the MoE gate and up
+    /// matrices), by the two ids.
+    pairs: Mutex<HashMap<(u32, u32), Arc<GpuWeight>>>,
+    /// Hash-routing tables (`tid2eid`) by layer, uploaded on first use like the weights.
+    hash_tables: Mutex<HashMap<usize, Arc<Buf>>>,
     tick: Mutex<Tick>,
     /// Device KV mirrors by batch slot and their page pools (see [`super::kvdev`]).
     kv: Mutex<DevKv>,
@@ -74,6 +79,8 @@ impl WgpuBackend {
             ctx,
             mats: Mutex::new(HashMap::new()),
             dense: Mutex::new(HashMap::new()),
+            pairs: Mutex::new(HashMap::new()),
+            hash_tables: Mutex::new(HashMap::new()),
             tick: Mutex::new(Tick::default()),
             kv: Mutex::new(DevKv::default()),
             rollback: AtomicUsize::new(0),
@@ -117,8 +124,9 @@ impl WgpuBackend {
     /// The weights uploaded so far (ascending ids): a weight is uploaded the first time a node of this backend
     /// reads it, so the weights of nodes placed elsewhere never are.
     pub fn resident_weights(&self) -> Vec<WeightId> {
+        let pairs: Vec<u32> = self.pairs.lock().keys().flat_map(|&(a, b)| [a, b]).collect();
         let mut v: Vec<WeightId> =
-            self.mats.lock().keys().chain(self.dense.lock().keys()).map(|&i| WeightId(i)).collect();
+            self.mats.lock().keys().chain(self.dense.lock().keys()).chain(&pairs).map(|&i| WeightId(i)).collect();
         v.sort_unstable_by_key(|w| w.0);
         v
     }
@@ -128,6 +136,8 @@ impl WgpuBackend {
     pub fn clear_weights(&self) {
         self.mats.lock().clear();
         self.dense.lock().clear();
+        self.hash_tables.lock().clear();
+        self.pairs.lock().clear();
         self.kv.lock().clear();
     }
 
@@ -188,6 +198,35 @@ impl WgpuBackend {
         let w = Arc::new(GpuWeight::upload(&self.ctx, model.name(id), m.ty, m.cols, m.rows, m.data, group)?);
         self.mats.lock().insert(id.0, w.clone());
         Ok(w)
+    }
+
+    /// Weights `a` and `b` as one matrix interleaved by groups of `group` rows ([`GpuWeight::upload_interleaved`]),
+    /// or `None` when they differ in type or shape (the caller then multiplies them apart).
+    pub(super) fn mat_pair(
+        &self,
+        model: &Model,
+        a: WeightId,
+        b: WeightId,
+        group: usize,
+    ) -> Result<Option<Arc<GpuWeight>>> {
+        if let Some(w) = self.pairs.lock().get(&(a.0, b.0)) {
+            return Ok(Some(w.clone()));
+        }
+        let (ma, mb) = (model.mat(a), model.mat(b));
+        if ma.ty != mb.ty || ma.cols != mb.cols || ma.rows != mb.rows || group == 0 || !ma.rows.is_multiple_of(group) {
+            return Ok(None);
+        }
+        let name = format!("{}+{}", model.name(a), model.name(b));
+        let w = GpuWeight::upload_interleaved(&self.ctx, &name, ma.ty, ma.cols, ma.rows, ma.data, mb.data, group)?;
+        let w = Arc::new(w);
+        self.pairs.lock().insert((a.0, b.0), w.clone());
+        Ok(Some(w))
+    }
+
+    /// Layer `layer`'s hash-routing table (`tid2eid`, `[vocab, k]`) on the device, uploaded once.
+    pub(super) fn hash_table(&self, layer: usize, table: &[u32]) -> Arc<Buf> {
+        let mut tables = self.hash_tables.lock();
+        tables.entry(layer).or_insert_with(|| Arc::new(self.ctx.storage_u32("tid2eid", table))).clone()
     }
 
     pub(super) fn dense(&self, model: &Model, id: WeightId) -> Arc<Buf> {
@@ -301,7 +340,9 @@ impl Backend for WgpuBackend {
     }
 
     fn device_weight_bytes(&self) -> Option<u64> {
-        let mats: u64 = self.mats.lock().values().map(|w| (w.rows * w.row_bytes) as u64).sum();
+        let size = |w: &Arc<GpuWeight>| (w.rows * w.row_bytes) as u64;
+        let mats: u64 =
+            self.mats.lock().values().map(size).sum::<u64>() + self.pairs.lock().values().map(size).sum::<u64>();
         let dense: u64 = self.dense.lock().values().map(|b| b.size()).sum();
         Some(mats + dense)
     }

@@ -51,7 +51,7 @@ pub fn route(
     let (tid, toks);
     let routing = match (tid2eid, lw.gate_bias) {
         (Some(tt), _) => {
-            tid = ctx.storage_u32("tid2eid", tt);
+            tid = be.hash_table(layer, tt);
             toks = ctx.storage_u32("tokens", &rows.iter().map(|r| r.token).collect::<Vec<_>>());
             Routing::Hash { tid2eid: &tid, tokens: &toks }
         }
@@ -206,7 +206,16 @@ pub fn expert_up(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, layer: usize,
     let ctx = be.context();
     let (xn, gu, sel) =
         (be.buf(t, model, BufId::Normed)?, be.buf(t, model, BufId::ExpertGate)?, be.buf(t, model, BufId::Routes)?);
-    let (gm, um) = (be.mat_grouped(model, lw.gate_exps, ffn)?, be.mat_grouped(model, lw.up_exps, ffn)?);
+    // Gate and up interleaved per expert: one product per expert (group) computes both halves of its rows.
+    let pair = be.mat_pair(model, lw.gate_exps, lw.up_exps, ffn)?;
+    let apart = match pair {
+        Some(_) => None,
+        None => Some((be.mat_grouped(model, lw.gate_exps, ffn)?, be.mat_grouped(model, lw.up_exps, ffn)?)),
+    };
+    let sh_pair = match (lw.gate_sh, lw.up_sh) {
+        (Some(g), Some(u)) => be.mat_pair(model, g, u, model.mat(g).rows)?,
+        _ => None,
+    };
     let (sh_gu, _) = t.shared(ctx, model);
     let gv = View::new(&gu, 2 * ffn);
     let (enc, plan) = t.enc_moe(ctx);
@@ -220,14 +229,24 @@ pub fn expert_up(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, layer: usize,
         }
     };
     let groups = ExpertGroups { experts, plan, sel: &sel, n: n * k };
-    groups.products(ctx, enc, &gm, ffn, x, k, gv)?;
-    groups.products(ctx, enc, &um, ffn, x, k, gv.at(ffn))?;
-    if let (Some(g), Some(up)) = (lw.gate_sh, lw.up_sh) {
-        let (g, up) = (be.mat(model, g)?, be.mat(model, up)?);
-        let enc = t.enc(ctx);
-        let (xv, sv) = (View::new(&xn, d), View::new(&sh_gu, 2 * ffn));
-        be.mm(enc, &g, xv, n, sv)?;
-        be.mm(enc, &up, xv, n, sv.at(ffn))?;
+    match (&pair, &apart) {
+        (Some(gu_w), _) => groups.products(ctx, enc, gu_w, 2 * ffn, x, k, gv)?,
+        (None, Some((gm, um))) => {
+            groups.products(ctx, enc, gm, ffn, x, k, gv)?;
+            groups.products(ctx, enc, um, ffn, x, k, gv.at(ffn))?;
+        }
+        (None, None) => return Err(backend_err(format!("moe layer {layer}: expert weights neither paired nor apart"))),
+    }
+    let (xv, sv) = (View::new(&xn, d), View::new(&sh_gu, 2 * ffn));
+    match (sh_pair, lw.gate_sh, lw.up_sh) {
+        (Some(gu_w), ..) => be.mm(t.enc(ctx), &gu_w, xv, n, sv)?,
+        (None, Some(g), Some(up)) => {
+            let (g, up) = (be.mat(model, g)?, be.mat(model, up)?);
+            let enc = t.enc(ctx);
+            be.mm(enc, &g, xv, n, sv)?;
+            be.mm(enc, &up, xv, n, sv.at(ffn))?;
+        }
+        _ => {}
     }
     Ok(())
 }
@@ -290,12 +309,12 @@ pub fn combine(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, experts: Expert
     let (_, sh_out) = t.shared(ctx, model);
     let (enc, plan) = t.enc_moe(ctx);
     if experts == Experts::PerRow {
-        moe_ids::combine(ctx, enc, &eo, &sel, &out, d, n, k)?;
-    } else {
-        enc.clear_buffer(&out, 0, Some((n * d * 4) as u64));
-        for &(_, off, m) in &plan.groups {
-            ops::scatter_add_rows_from(ctx, enc, &eo, off * d, &out, &plan.rows[off..off + m], d, d)?;
-        }
+        let shared = plan.shared.then_some(&sh_out);
+        return moe_ids::combine(ctx, enc, &eo, &sel, &out, shared, d, n, k);
+    }
+    enc.clear_buffer(&out, 0, Some((n * d * 4) as u64));
+    for &(_, off, m) in &plan.groups {
+        ops::scatter_add_rows_from(ctx, enc, &eo, off * d, &out, &plan.rows[off..off + m], d, d)?;
     }
     if plan.shared {
         let all: Vec<u32> = (0..n as u32).collect();

@@ -65,8 +65,9 @@ pub fn matmul_ids(
     Ok(())
 }
 
-/// `out[r] = Σ_j eo[r·k + j]` over the k slots of row r in ascending (expert, slot) order (`sel`: u32 `[rows, k]`,
-/// `eo`: `[rows·k, n]`, `out`: `[rows, n]`).
+/// `out[r] = Σ_j eo[r·k + j]` over the k slots of row r in ascending (expert, slot) order, then `+ shared[r]` when
+/// the shared expert's output is given (`sel`: u32 `[rows, k]`, `eo`: `[rows·k, n]`, `out` and `shared`:
+/// `[rows, n]`): the whole combine in one dispatch.
 #[allow(clippy::too_many_arguments)]
 pub fn combine(
     ctx: &WgpuContext,
@@ -74,6 +75,7 @@ pub fn combine(
     eo: &Buf,
     sel: &Buf,
     out: &Buf,
+    shared: Option<&Buf>,
     n: usize,
     rows: usize,
     k: usize,
@@ -81,8 +83,15 @@ pub fn combine(
     if n == 0 || rows == 0 || k == 0 {
         return Ok(());
     }
-    let p = CombineParams { n: u32_of(n, "n")?, rows: u32_of(rows, "rows")?, k: u32_of(k, "k")?, _p: 0 };
+    let p = CombineParams {
+        n: u32_of(n, "n")?,
+        rows: u32_of(rows, "rows")?,
+        k: u32_of(k, "k")?,
+        has_shared: shared.is_some() as u32,
+    };
     let pl = ctx.pipeline_entry("moe_ids", sh::MOE_IDS, "combine")?;
     let u = ctx.uniform("moe combine", &p);
-    ctx.dispatch(enc, &pl, &[eo, sel, out, &u], [u32_of(n.div_ceil(64), "groups")?, p.rows, 1])
+    // Without a shared expert binding 4 is never read; any buffer fills it.
+    let sh = shared.unwrap_or(eo);
+    ctx.dispatch(enc, &pl, &[eo, sel, out, &u, sh], [u32_of(n.div_ceil(64), "groups")?, p.rows, 1])
 }

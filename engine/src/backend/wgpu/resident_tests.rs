@@ -302,7 +302,8 @@ fn decode_tick_submits_once_and_reads_back_once() {
 }
 
 /// The expert-indexed product equals the plain product over the chosen expert's rows, bit for bit (same block
-/// order and reduction), for every format, with experts split across bindings.
+/// order and reduction), for every format, with experts split across bindings; the combine adds them in ascending
+/// expert order (then the shared expert's output); a pair of matrices interleaved per expert gives both products.
 #[test]
 fn matmul_ids_matches_matmul_on_the_chosen_experts() {
     use super::matmul::{matmul, View};
@@ -335,19 +336,48 @@ fn matmul_ids_matches_matmul_on_the_chosen_experts() {
         ctx.submit(enc).unwrap();
         let (g, wv) = (ctx.read_f32(&got, 0, rows * k * er).unwrap(), ctx.read_f32(&want, 0, rows * k * er).unwrap());
         assert_eq!(g, wv, "{ty}");
-        // combine: ascending expert order per row.
-        let out = ctx.storage_zeroed("out", rows * er);
-        let mut enc = ctx.encoder();
-        combine(&ctx, &mut enc, &got, &ib, &out, er, rows, k).unwrap();
-        ctx.submit(enc).unwrap();
-        let o = ctx.read_f32(&out, 0, rows * er).unwrap();
-        for r in 0..rows {
-            let mut order: Vec<usize> = (0..k).collect();
-            order.sort_by_key(|&j| (sel[r * k + j], j));
-            for c in 0..er {
-                let s = order.iter().fold(0f32, |a, &j| a + g[(r * k + j) * er + c]);
-                assert_eq!(o[r * er + c], s, "{ty} combine row {r}");
+        // combine: ascending expert order per row, then the shared expert's output when given.
+        let shared: Vec<f32> = (0..rows * er).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+        let sb = ctx.storage_f32("shared", &shared);
+        for with_shared in [false, true] {
+            let out = ctx.storage_zeroed("out", rows * er);
+            let mut enc = ctx.encoder();
+            combine(&ctx, &mut enc, &got, &ib, &out, with_shared.then_some(&sb), er, rows, k).unwrap();
+            ctx.submit(enc).unwrap();
+            let o = ctx.read_f32(&out, 0, rows * er).unwrap();
+            for r in 0..rows {
+                let mut order: Vec<usize> = (0..k).collect();
+                order.sort_by_key(|&j| (sel[r * k + j], j));
+                for c in 0..er {
+                    let mut s = order.iter().fold(0f32, |a, &j| a + g[(r * k + j) * er + c]);
+                    if with_shared {
+                        s += shared[r * er + c];
+                    }
+                    assert_eq!(o[r * er + c], s, "{ty} combine row {r} (shared: {with_shared})");
+                }
             }
+        }
+
+        // Two matrices interleaved per expert (the MoE gate and up): one expert-indexed product over the pair's
+        // groups of 2·er rows gives each half's own product, bit for bit, with the pairs split across bindings.
+        let data_b = random_weight(&mut rng, ty, experts * er, cols);
+        let (a_bytes, b_bytes) = (&data[..], &data_b[..]);
+        let pair =
+            super::weights::GpuWeight::upload_interleaved(&ctx, "ab", ty, cols, experts * er, a_bytes, b_bytes, er)
+                .unwrap();
+        assert!(pair.chunks.len() > 1 && pair.rows == 2 * experts * er);
+        let wb = super::weights::GpuWeight::upload(&ctx, "b", ty, cols, experts * er, &data_b, 1).unwrap();
+        let (both, only_b) = (ctx.storage_zeroed("ab", rows * k * 2 * er), ctx.storage_zeroed("b", rows * k * er));
+        let mut enc = ctx.encoder();
+        matmul_ids(&ctx, &mut enc, &pair, 2 * er, &ib, rows * k, View::new(&xb, cols), k, View::new(&both, 2 * er))
+            .unwrap();
+        matmul_ids(&ctx, &mut enc, &wb, er, &ib, rows * k, View::new(&xb, cols), k, View::new(&only_b, er)).unwrap();
+        ctx.submit(enc).unwrap();
+        let ab = ctx.read_f32(&both, 0, rows * k * 2 * er).unwrap();
+        let bv = ctx.read_f32(&only_b, 0, rows * k * er).unwrap();
+        for q in 0..rows * k {
+            assert_eq!(ab[q * 2 * er..q * 2 * er + er], g[q * er..(q + 1) * er], "{ty} pair {q}: first half");
+            assert_eq!(ab[q * 2 * er + er..(q + 1) * 2 * er], bv[q * er..(q + 1) * er], "{ty} pair {q}: second half");
         }
     }
     let Some(ctx) = ctx_with(None) else { return };

@@ -112,6 +112,51 @@ impl GpuWeight {
         Ok(Self { name: name.into(), ty, format, cols, rows, row_bytes, chunks })
     }
 
+    /// Two matrices of one type and width, `a` and `b` (`rows` rows each, in groups of `group` rows: one expert's),
+    /// as one matrix whose group `g` is `a`'s group `g` then `b`'s: `2·rows` rows in groups of `2·group`. A product
+    /// over a combined group then computes both halves in one dispatch (the MoE gate and up products). Chunks end on
+    /// combined group boundaries when one fits; each chunk is assembled on the host as it is uploaded.
+    #[allow(clippy::too_many_arguments)]
+    pub fn upload_interleaved(
+        ctx: &WgpuContext,
+        name: &str,
+        ty: GgmlType,
+        cols: usize,
+        rows: usize,
+        a: &[u8],
+        b: &[u8],
+        group: usize,
+    ) -> Result<Self> {
+        let format = weight_format(ty)?;
+        let row_bytes = ty.row_bytes(cols as u64).ok_or_else(|| Error::Tensor {
+            name: name.into(),
+            what: format!("{cols} columns are not a whole number of {ty} blocks"),
+        })? as usize;
+        if group == 0 || !rows.is_multiple_of(group) || a.len() != rows * row_bytes || b.len() != a.len() {
+            return Err(Error::Tensor {
+                name: name.into(),
+                what: format!("{} and {} bytes for two {rows}-row halves in groups of {group}", a.len(), b.len()),
+            });
+        }
+        let plan = plan_chunks(2 * rows, row_bytes, ctx.max_binding(), 2 * group)?;
+        let mut bytes = Vec::new();
+        let chunks = plan
+            .into_iter()
+            .map(|(first_row, n)| {
+                bytes.clear();
+                for r in first_row..first_row + n {
+                    let (g, within) = (r / (2 * group), r % (2 * group));
+                    let (half, src) =
+                        if within < group { (a, g * group + within) } else { (b, g * group + within - group) };
+                    bytes.extend_from_slice(&half[src * row_bytes..(src + 1) * row_bytes]);
+                }
+                WeightChunk { first_row, rows: n, buffer: ctx.storage_init(name, &bytes) }
+            })
+            .collect::<Vec<_>>();
+        tracing::debug!(name, %ty, rows = 2 * rows, cols, chunks = chunks.len(), "uploaded interleaved weights");
+        Ok(Self { name: name.into(), ty, format, cols, rows: 2 * rows, row_bytes, chunks })
+    }
+
     /// The chunks intersecting `rows`, each with the local row range inside the chunk and the offset of its first
     /// row relative to `rows.start`.
     pub fn pieces(&self, rows: Range<usize>) -> impl Iterator<Item = (&WeightChunk, Range<usize>, usize)> {
