@@ -78,8 +78,34 @@ status=0
 timeout "$(left)" "$BENCH" cuda --check --iters 20 >>"$OUT" 2>&1 || status=$?
 say "# ds4-bench cuda exit status: $status"
 
-# 5. Engine-level checks need the CUDA engine Backend (not built yet: docs/cuda.md), so they are not run here.
+# 5. The portable path: wgpu over Vulkan on this card (needs the Vulkan loader; the device machines have none:
+#    carry it as docs/cuda.md says). Agreement with the CPU, CPU + GPU placement, and decode on Flash-shaped layers
+#    with the device accounting, as a fraction of the copy bandwidth measured above.
+wstatus=0
+if ldconfig -p 2>/dev/null | grep -q 'libvulkan\.so'; then
+  say ""
+  say "## wgpu over Vulkan"
+  WGPU_BACKEND=vulkan timeout "$(left)" "$BENCH" correctness --backends cpu,wgpu,wgpu:experts=cpu \
+    --synthetic tiny:layers=3:recipe=q4 --f32-acts --exact --tol 1e-3 --quiet >>"$OUT" 2>&1 || wstatus=$?
+  say "# wgpu correctness exit status: $wstatus"
+  if [ "$(left)" -gt 60 ]; then
+    WGPU_BACKEND=vulkan timeout "$(left)" "$BENCH" --synthetic "flash:layers=${DS4_GPU_CHECK_LAYERS:-4}" \
+      --backend wgpu --ctx-start 512 --ctx-max 512 --gen-tokens 16 --batch-tokens 512 --quiet >>"$OUT" 2>&1 \
+      || wstatus=$?
+    copy=$(sed -n 's/^# copy bandwidth: \([0-9.]*\) GB\/s.*/\1/p' "$OUT" | head -1)
+    got=$(sed -n 's/^# ctx 512: decode .*(\([0-9.]*\) GB\/s of weights).*/\1/p' "$OUT" | head -1)
+    if [ -n "$copy" ] && [ -n "$got" ]; then
+      say "# wgpu decode: $got GB/s of weights = $(awk -v g="$got" -v c="$copy" 'BEGIN{printf "%.1f", 100*g/c}') % of the copy bandwidth ($copy GB/s)"
+    fi
+    grep -q '^# device: .*Cpu' "$OUT" && say "# note: wgpu ran on a CPU adapter (no NVIDIA Vulkan driver found)"
+  fi
+else
+  say "# not run: wgpu over Vulkan (no libvulkan here: carry the loader, docs/cuda.md)"
+fi
+
+# 6. Engine-level CUDA checks need the CUDA engine Backend (not built yet: docs/cuda.md), so they are not run here.
 say "# not run: ds4-bench correctness --backends cpu,cuda and decode/prefill t/s need the engine's CUDA Backend"
 say "# total $(($(date +%s) - START)) s"
 [ "$status" -eq 0 ] || fail "ds4-bench cuda failed (status $status); see $OUT"
+[ "$wstatus" -eq 0 ] || fail "the wgpu checks failed (status $wstatus); see $OUT"
 exit 0

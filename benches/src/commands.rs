@@ -113,6 +113,9 @@ pub(crate) fn run_throughput(a: &RunArgs) -> Result<()> {
         placement: a.placement,
     };
     let mut engine = engine_api::engine_for(file, &cfg)?;
+    if let Some(name) = engine.device_name() {
+        writeln!(out, "# device: {name}")?;
+    }
     let c = engine.config();
     let per_token = roofline::weight_bytes_per_token(&engine.model().file, c.n_experts, c.n_experts_used);
     let roof = roofline::roofline_tps(bw.gbs, per_token);

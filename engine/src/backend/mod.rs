@@ -175,6 +175,12 @@ pub trait Backend: Send + Sync {
         Ok(None)
     }
 
+    /// The device the backend runs on, for reports (`"NVIDIA H100 (Vulkan, DiscreteGpu)"`); `None` for a host
+    /// backend. Default: `None`.
+    fn device_name(&self) -> Option<String> {
+        None
+    }
+
     /// What the backend's device has done so far (dispatches, host syncs, bytes each way, weight bytes fetched
     /// against the least possible), monotonic; `None` for a host backend. Default: `None`.
     fn device_counters(&self) -> Option<device::DeviceCounters> {

@@ -218,6 +218,11 @@ impl Engine {
         self.exec.copied_bytes()
     }
 
+    /// The primary backend's device, for reports (`None` on the CPU).
+    pub fn device_name(&self) -> Option<String> {
+        self.backend.device_name()
+    }
+
     /// The primary backend's device counters ([`crate::backend::device::DeviceCounters`]; `None` on the CPU).
     pub fn device_counters(&self) -> Option<crate::backend::device::DeviceCounters> {
         self.backend.device_counters()

@@ -119,7 +119,7 @@ pub struct DeviceCounters {
     pub readbacks: u64,
     /// Compute dispatches recorded.
     pub dispatches: u64,
-    /// Bind groups created (one per dispatch today).
+    /// Bind groups created (a dispatch reuses the last one made for its pipeline and buffers).
     pub bind_groups: u64,
     /// Bytes written from the host: buffers created with contents (weights on first use, uniform blocks, id and
     /// key lists, tables) and queue writes.

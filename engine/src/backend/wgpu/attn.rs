@@ -352,7 +352,8 @@ pub fn sparse_attention(
         (be.buf(t, model, BufId::Q)?, be.buf(t, model, BufId::KvRows)?, be.buf(t, model, BufId::AttnOut)?);
     let selected = if kind == LayerKind::Csa { Some(be.buf(t, model, BufId::Selected)?) } else { None };
     let sinks = be.dense(model, lw.sinks);
-    let (no_comp, unpaged) = (ctx.storage_zeroed("no comp rows", 1), ops::unpaged_table(ctx));
+    // No compressed rows: `comp` (binding 9) is read-only, so the context's zeros serve.
+    let (no_comp, unpaged) = (ctx.zeros().clone(), ops::unpaged_table(ctx));
     let no_sel = ctx.storage_u32("no selections", &[u32::MAX]);
     let enc = t.enc(ctx);
     let batch = cx.batch;

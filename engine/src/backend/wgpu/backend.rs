@@ -138,6 +138,7 @@ impl WgpuBackend {
         self.dense.lock().clear();
         self.hash_tables.lock().clear();
         self.pairs.lock().clear();
+        self.ctx.forget_bindings();
         self.kv.lock().clear();
     }
 
@@ -333,6 +334,11 @@ impl Backend for WgpuBackend {
         copy.stamp(&mut tag);
         dk.insert(dst, copy);
         Ok(Some((tag, bytes)))
+    }
+
+    fn device_name(&self) -> Option<String> {
+        let i = &self.ctx.info;
+        Some(format!("{} ({:?}, {:?}, driver {})", i.name, i.backend, i.device_type, i.driver))
     }
 
     fn device_counters(&self) -> Option<crate::backend::device::DeviceCounters> {

@@ -44,6 +44,12 @@ pub struct WgpuContext {
     pipelines: Mutex<HashMap<String, Arc<wgpu::ComputePipeline>>>,
     /// ScratchBuf buffers by size class (see [`WgpuContext::scratch`]).
     pool: Arc<Mutex<HashMap<u64, Vec<wgpu::Buffer>>>>,
+    /// Uniform blocks by content, and bind groups by pipeline and bound buffers: made once and reused while the
+    /// buffers live (see [`WgpuContext::forget_bindings`]).
+    uniforms: Mutex<HashMap<Vec<u8>, wgpu::Buffer>>,
+    /// 256 zero bytes, bound where a kernel's optional read-only input is absent ([`WgpuContext::zeros`]).
+    zeros: wgpu::Buffer,
+    binds: Mutex<HashMap<BindKey, wgpu::BindGroup>>,
     submits: AtomicU64,
     readbacks: AtomicU64,
     dispatches: AtomicU64,
@@ -53,6 +59,17 @@ pub struct WgpuContext {
     weights_fetched: AtomicU64,
     weights_min: AtomicU64,
 }
+
+/// A bind group's identity: the pipeline and each `(binding, buffer)`.
+type BindKey = (wgpu::ComputePipeline, Vec<(u32, wgpu::Buffer)>);
+
+/// Cached uniform blocks or bind groups beyond which a cache starts afresh (per-tick buffers, e.g. key lists, make
+/// entries that are never hit again).
+const BIND_CACHE_MAX: usize = 8192;
+
+/// Buffers at least this large, when created, drop the cached bind groups (which keep their buffers alive), so a
+/// replaced tensor or pool buffer is freed.
+const BIG_BUFFER: u64 = 1 << 20;
 
 /// A pooled scratch buffer: returned to its context's pool when dropped. Its contents are undefined when handed
 /// out unless it came from [`WgpuContext::scratch_zeroed`] (zeroed in the encoder). Never `queue.write_buffer`
@@ -131,6 +148,12 @@ impl WgpuContext {
             max_buffer = limits.max_buffer_size,
             "wgpu device ready"
         );
+        let zeros = device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("zeros"),
+            size: 256,
+            usage: wgpu::BufferUsages::STORAGE,
+            mapped_at_creation: false,
+        });
         Ok(Self {
             device,
             queue,
@@ -139,6 +162,9 @@ impl WgpuContext {
             max_binding,
             pipelines: Mutex::new(HashMap::new()),
             pool: Arc::new(Mutex::new(HashMap::new())),
+            uniforms: Mutex::new(HashMap::new()),
+            zeros,
+            binds: Mutex::new(HashMap::new()),
             submits: AtomicU64::new(0),
             readbacks: AtomicU64::new(0),
             dispatches: AtomicU64::new(0),
@@ -245,6 +271,9 @@ impl WgpuContext {
             data
         };
         self.host_to_device.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        if bytes.len() as u64 >= BIG_BUFFER {
+            self.forget_bindings();
+        }
         self.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
             label: Some(label),
             contents: bytes,
@@ -264,6 +293,9 @@ impl WgpuContext {
 
     /// A zeroed storage buffer of `len` f32 values.
     pub fn storage_zeroed(&self, label: &str, len: usize) -> wgpu::Buffer {
+        if (len * 4) as u64 >= BIG_BUFFER {
+            self.forget_bindings();
+        }
         self.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some(label),
             size: (len.max(1) * 4) as u64,
@@ -272,14 +304,38 @@ impl WgpuContext {
         })
     }
 
-    /// A uniform buffer holding one `Params` struct.
+    /// A uniform buffer holding one `Params` struct: made once per distinct content and reused (uniform buffers
+    /// are never written after creation), so a steady decode loop uploads only the blocks that change.
     pub fn uniform<T: bytemuck::Pod>(&self, label: &str, params: &T) -> wgpu::Buffer {
-        self.host_to_device.fetch_add(std::mem::size_of::<T>() as u64, Ordering::Relaxed);
-        self.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+        let bytes = bytemuck::bytes_of(params);
+        let mut cache = self.uniforms.lock();
+        if let Some(b) = cache.get(bytes) {
+            return b.clone();
+        }
+        if cache.len() >= BIND_CACHE_MAX {
+            cache.clear();
+        }
+        self.host_to_device.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        let b = self.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
             label: Some(label),
-            contents: bytemuck::bytes_of(params),
+            contents: bytes,
             usage: wgpu::BufferUsages::UNIFORM,
-        })
+        });
+        cache.insert(bytes.to_vec(), b.clone());
+        b
+    }
+
+    /// A persistent buffer of 256 zero bytes for an absent optional input: bind it only where the kernel reads
+    /// (never writes) that binding, so its bind groups are reused across ticks.
+    pub fn zeros(&self) -> &wgpu::Buffer {
+        &self.zeros
+    }
+
+    /// Drops the cached bind groups (and the buffers only they keep alive); the next dispatches make new ones.
+    /// Called when a large buffer is created (a grown tensor or pool usually replaces one) and when weights are
+    /// dropped.
+    pub fn forget_bindings(&self) {
+        self.binds.lock().clear();
     }
 
     /// Records one dispatch of `pipeline` with `buffers` bound to bindings 0, 1, ... of group 0.
@@ -310,17 +366,30 @@ impl WgpuContext {
         if groups.contains(&0) {
             return Ok(());
         }
-        let entries: Vec<wgpu::BindGroupEntry> = buffers
-            .iter()
-            .map(|(i, b)| wgpu::BindGroupEntry { binding: *i, resource: b.as_entire_binding() })
-            .collect();
-        let bind = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
-            label: None,
-            layout: &pipeline.get_bind_group_layout(0),
-            entries: &entries,
-        });
+        let key: BindKey = (pipeline.clone(), buffers.iter().map(|(i, b)| (*i, (*b).clone())).collect());
+        let mut binds = self.binds.lock();
+        let bind = match binds.get(&key) {
+            Some(b) => b.clone(),
+            None => {
+                let entries: Vec<wgpu::BindGroupEntry> = buffers
+                    .iter()
+                    .map(|(i, b)| wgpu::BindGroupEntry { binding: *i, resource: b.as_entire_binding() })
+                    .collect();
+                let bind = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
+                    label: None,
+                    layout: &pipeline.get_bind_group_layout(0),
+                    entries: &entries,
+                });
+                self.bind_groups.fetch_add(1, Ordering::Relaxed);
+                if binds.len() >= BIND_CACHE_MAX {
+                    binds.clear();
+                }
+                binds.insert(key, bind.clone());
+                bind
+            }
+        };
+        drop(binds);
         self.dispatches.fetch_add(1, Ordering::Relaxed);
-        self.bind_groups.fetch_add(1, Ordering::Relaxed);
         let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: None });
         pass.set_pipeline(pipeline);
         pass.set_bind_group(0, &bind, &[]);

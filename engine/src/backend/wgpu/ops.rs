@@ -60,14 +60,8 @@ pub fn rms_norm(
         _pad: [0; 3],
     };
     let u = ctx.uniform("rms_norm", &p);
-    let dummy;
-    let gb = match g {
-        Some(b) => b,
-        None => {
-            dummy = ctx.storage_zeroed("no weight", 1);
-            &dummy
-        }
-    };
+    // No weight: binding 2 is read-only, so the context's zeros serve.
+    let gb = g.unwrap_or(ctx.zeros());
     if std::ptr::eq(x.0, y.0) {
         // Same buffer: bind it once per binding anyway (both read_write, allowed in one usage scope).
         ctx.dispatch(enc, &pl, &[x.0, x.0, gb, &u], [gx, gy, 1])

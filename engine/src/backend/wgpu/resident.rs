@@ -37,6 +37,8 @@ impl Grown {
         if self.buf.as_ref().is_none_or(|b| b.size() < need) {
             let size = need.next_power_of_two().max(256);
             tracing::debug!(label, size, "wgpu: growing resident buffer");
+            // The old buffer goes: bind groups naming it must not keep it alive.
+            ctx.forget_bindings();
             self.buf = Some(ctx.device.create_buffer(&wgpu::BufferDescriptor {
                 label: Some(label),
                 size,
