@@ -292,6 +292,9 @@ fn bench_accounts_for_a_wgpu_tick() {
     assert!((after(decode, "device to host ") - 4.0 * vocab / 1e3).abs() < 0.06, "only the logits: {decode}");
     assert_eq!(after(decode, "MB = "), 1.0, "each weight row once per decode token: {decode}");
     assert!(field(decode, " dispatches") >= layers as f64, "{decode}");
+    // A steady decode tick reuses the bind groups and uniform blocks of the last one for most dispatches.
+    assert!(2.0 * field(decode, " bind groups") <= field(decode, " dispatches"), "{decode}");
+    eprintln!("{decode}");
     let prefill = out.lines().find(|l| l.starts_with("# device prefill chunk (16 tokens)")).expect("prefill line");
     // Products stream each weight row once per tile of 8 tokens: at most twice for 16 tokens.
     let ratio = after(prefill, "MB = ");
