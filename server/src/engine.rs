@@ -548,6 +548,9 @@ pub fn load(path: Option<&Path>, o: &LoadOptions) -> Result<(EngineRunner, Engin
         ..Default::default()
     };
     let engine = Engine::from_gguf(file, opts).map_err(be)?;
+    if o.placement != ds4_engine::exec::Placement::default() {
+        tracing::info!(backend = %o.backend, placement = %o.placement, "ops placed on a second backend");
+    }
     let info = ModelInfo {
         id: "deepseek-v4-flash".into(),
         context_size: engine.ctx(),

@@ -258,6 +258,7 @@ impl Backend for WgpuBackend {
     }
 
     fn begin_tick(&self, cx: &mut StepCtx<'_>) -> Result<()> {
+        self.ctx.next_tick();
         self.tick.lock().begin(cx);
         Ok(())
     }

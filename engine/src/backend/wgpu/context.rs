@@ -45,11 +45,13 @@ pub struct WgpuContext {
     /// ScratchBuf buffers by size class (see [`WgpuContext::scratch`]).
     pool: Arc<Mutex<HashMap<u64, Vec<wgpu::Buffer>>>>,
     /// Uniform blocks by content, and bind groups by pipeline and bound buffers: made once and reused while the
-    /// buffers live (see [`WgpuContext::forget_bindings`]).
+    /// buffers live and each tick uses them (see [`WgpuContext::next_tick`], [`WgpuContext::forget_bindings`]).
     uniforms: Mutex<HashMap<Vec<u8>, wgpu::Buffer>>,
     /// 256 zero bytes, bound where a kernel's optional read-only input is absent ([`WgpuContext::zeros`]).
     zeros: wgpu::Buffer,
-    binds: Mutex<HashMap<BindKey, wgpu::BindGroup>>,
+    /// Bind groups with the tick ([`WgpuContext::next_tick`]) that last used each.
+    binds: Mutex<HashMap<BindKey, (wgpu::BindGroup, u64)>>,
+    tick: AtomicU64,
     submits: AtomicU64,
     readbacks: AtomicU64,
     dispatches: AtomicU64,
@@ -165,6 +167,7 @@ impl WgpuContext {
             uniforms: Mutex::new(HashMap::new()),
             zeros,
             binds: Mutex::new(HashMap::new()),
+            tick: AtomicU64::new(0),
             submits: AtomicU64::new(0),
             readbacks: AtomicU64::new(0),
             dispatches: AtomicU64::new(0),
@@ -331,6 +334,14 @@ impl WgpuContext {
         &self.zeros
     }
 
+    /// Starts a tick for the bind-group cache: a bind group no dispatch of the last tick or this one used is
+    /// dropped, with the buffers only it keeps alive (a tick's own fresh buffers — key lists, attention scratch —
+    /// are freed a tick later, not when the cache fills).
+    pub fn next_tick(&self) {
+        let tick = self.tick.fetch_add(1, Ordering::Relaxed) + 1;
+        self.binds.lock().retain(|_, (_, used)| *used + 1 >= tick);
+    }
+
     /// Drops the cached bind groups (and the buffers only they keep alive); the next dispatches make new ones.
     /// Called when a large buffer is created (a grown tensor or pool usually replaces one) and when weights are
     /// dropped.
@@ -367,9 +378,13 @@ impl WgpuContext {
             return Ok(());
         }
         let key: BindKey = (pipeline.clone(), buffers.iter().map(|(i, b)| (*i, (*b).clone())).collect());
+        let tick = self.tick.load(Ordering::Relaxed);
         let mut binds = self.binds.lock();
-        let bind = match binds.get(&key) {
-            Some(b) => b.clone(),
+        let bind = match binds.get_mut(&key) {
+            Some((b, used)) => {
+                *used = tick;
+                b.clone()
+            }
             None => {
                 let entries: Vec<wgpu::BindGroupEntry> = buffers
                     .iter()
@@ -384,7 +399,7 @@ impl WgpuContext {
                 if binds.len() >= BIND_CACHE_MAX {
                     binds.clear();
                 }
-                binds.insert(key, bind.clone());
+                binds.insert(key, (bind.clone(), tick));
                 bind
             }
         };

@@ -514,3 +514,40 @@ fn activation_simulation_matches_value_tables() {
     close(&ctx.read_f32(&xb, 0, 2 * n).unwrap(), &want, 0.0, 1e-5, "hadamard");
     assert!(act_sim(&ctx, &mut ctx.encoder(), &xb, ActSim::Hadamard, 1, 12, 12, 0).is_err());
 }
+
+/// Bind groups and uniform blocks are made once and reused by every dispatch of the same pipeline, buffers and
+/// parameters; a bind group no dispatch used in the last tick is dropped at the next (a tick's own fresh buffers
+/// are not kept alive), and the results do not change.
+#[test]
+fn bind_groups_and_uniforms_are_reused_across_ticks() {
+    let Some(ctx) = ctx() else { return };
+    let (n, rows) = (64usize, 3usize);
+    let mut rng = StdRng::seed_from_u64(5);
+    let x = ctx.storage_f32("x", &rand_vec(&mut rng, n * rows, -1.0, 1.0));
+    let y = ctx.storage_zeroed("y", n * rows);
+    let norm = |ctx: &WgpuContext| {
+        let mut enc = ctx.encoder();
+        rms_norm(ctx, &mut enc, (&x, 0, n), (&y, 0, n), None, n, rows, 1e-6).unwrap();
+        ctx.submit(enc).unwrap();
+        ctx.read_f32(&y, 0, n * rows).unwrap()
+    };
+    ctx.next_tick();
+    let before = ctx.counters();
+    let first = norm(&ctx);
+    let made = ctx.counters() - before;
+    assert_eq!((made.dispatches, made.bind_groups), (1, 1));
+    assert!(made.host_to_device > 0, "the first dispatch uploads its uniform block");
+    for _ in 0..3 {
+        ctx.next_tick();
+        let before = ctx.counters();
+        assert_eq!(norm(&ctx), first);
+        let d = ctx.counters() - before;
+        assert_eq!((d.dispatches, d.bind_groups, d.host_to_device), (1, 0, 0), "reused in the next tick");
+    }
+    // Two ticks without it: dropped, made again.
+    ctx.next_tick();
+    ctx.next_tick();
+    let before = ctx.counters();
+    assert_eq!(norm(&ctx), first);
+    assert_eq!((ctx.counters() - before).bind_groups, 1, "made again after a tick unused");
+}
