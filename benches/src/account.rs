@@ -15,13 +15,13 @@ pub struct DeviceTick {
     pub cost: DeviceCounters,
 }
 
-/// Runs a fresh session's prefill of `chunk` tokens as one tick, then one decode tick, on a warmed engine (weights
-/// already uploaded, so the uploads counted are the ticks' own), and returns `[prefill, decode]`; `None` on a host
-/// backend.
+/// Runs a fresh session's prefill of `chunk` tokens as one tick, then two decode ticks, on a warmed engine
+/// (weights already uploaded, so the uploads counted are the ticks' own), and returns `[prefill, decode]` with the
+/// second decode tick (one of a steady decode loop); `None` on a host backend.
 pub fn prefill_and_decode(engine: &mut Engine, chunk: usize) -> Result<Option<[DeviceTick; 2]>> {
     let Some(_) = engine.device_counters() else { return Ok(None) };
-    let chunk = chunk.min(engine.options().max_batch_tokens).min(engine.ctx().saturating_sub(2)).max(1);
-    let prompt = crate::throughput::prompt(chunk + 1, engine.config().vocab);
+    let chunk = chunk.min(engine.options().max_batch_tokens).min(engine.ctx().saturating_sub(3)).max(1);
+    let prompt = crate::throughput::prompt(chunk + 2, engine.config().vocab);
     let s = engine.create_session();
     let mut tick = |tokens: &[u32]| -> Result<DeviceTick> {
         engine.feed(s, tokens)?;
@@ -31,7 +31,12 @@ pub fn prefill_and_decode(engine: &mut Engine, chunk: usize) -> Result<Option<[D
         Ok(DeviceTick { tokens: tokens.len(), cost: after - before })
     };
     let prefill = tick(&prompt[..chunk]);
-    let decode = prefill.is_ok().then(|| tick(&prompt[chunk..]));
+    let warm = prefill.is_ok().then(|| tick(&prompt[chunk..chunk + 1]));
+    let decode = matches!(warm, Some(Ok(_))).then(|| tick(&prompt[chunk + 1..]));
+    if let Some(Err(e)) = warm {
+        engine.free_session(s)?;
+        return Err(e);
+    }
     engine.free_session(s)?;
     Ok(Some([prefill?, decode.expect("run after a prefill")?]))
 }

@@ -69,6 +69,9 @@ type BindKey = (wgpu::ComputePipeline, Vec<(u32, wgpu::Buffer)>);
 /// entries that are never hit again).
 const BIND_CACHE_MAX: usize = 8192;
 
+/// Ticks a cached bind group survives unused ([`WgpuContext::next_tick`]).
+pub const BIND_KEEP_TICKS: u64 = 4;
+
 /// Buffers at least this large, when created, drop the cached bind groups (which keep their buffers alive), so a
 /// replaced tensor or pool buffer is freed.
 const BIG_BUFFER: u64 = 1 << 20;
@@ -334,12 +337,13 @@ impl WgpuContext {
         &self.zeros
     }
 
-    /// Starts a tick for the bind-group cache: a bind group no dispatch of the last tick or this one used is
-    /// dropped, with the buffers only it keeps alive (a tick's own fresh buffers — key lists, attention scratch —
-    /// are freed a tick later, not when the cache fills).
+    /// Starts a tick for the bind-group cache: a bind group no dispatch of the last [`BIND_KEEP_TICKS`] ticks used
+    /// is dropped, with the buffers only it keeps alive (a tick's own fresh buffers — key lists, attention scratch —
+    /// are freed a few ticks later, not when the cache fills), while decode ticks between prefill chunks still find
+    /// theirs.
     pub fn next_tick(&self) {
         let tick = self.tick.fetch_add(1, Ordering::Relaxed) + 1;
-        self.binds.lock().retain(|_, (_, used)| *used + 1 >= tick);
+        self.binds.lock().retain(|_, (_, used)| *used + BIND_KEEP_TICKS >= tick);
     }
 
     /// Drops the cached bind groups (and the buffers only they keep alive); the next dispatches make new ones.

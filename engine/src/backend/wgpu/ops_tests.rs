@@ -516,8 +516,8 @@ fn activation_simulation_matches_value_tables() {
 }
 
 /// Bind groups and uniform blocks are made once and reused by every dispatch of the same pipeline, buffers and
-/// parameters; a bind group no dispatch used in the last tick is dropped at the next (a tick's own fresh buffers
-/// are not kept alive), and the results do not change.
+/// parameters; a bind group unused for more than `BIND_KEEP_TICKS` ticks is dropped (a tick's own fresh buffers
+/// are not kept alive long), and the results do not change.
 #[test]
 fn bind_groups_and_uniforms_are_reused_across_ticks() {
     let Some(ctx) = ctx() else { return };
@@ -544,10 +544,17 @@ fn bind_groups_and_uniforms_are_reused_across_ticks() {
         let d = ctx.counters() - before;
         assert_eq!((d.dispatches, d.bind_groups, d.host_to_device), (1, 0, 0), "reused in the next tick");
     }
-    // Two ticks without it: dropped, made again.
-    ctx.next_tick();
-    ctx.next_tick();
+    // Kept through BIND_KEEP_TICKS ticks without it, dropped after one more, then made again.
+    for _ in 0..super::context::BIND_KEEP_TICKS {
+        ctx.next_tick();
+    }
     let before = ctx.counters();
     assert_eq!(norm(&ctx), first);
-    assert_eq!((ctx.counters() - before).bind_groups, 1, "made again after a tick unused");
+    assert_eq!((ctx.counters() - before).bind_groups, 0, "kept while recently used");
+    for _ in 0..=super::context::BIND_KEEP_TICKS {
+        ctx.next_tick();
+    }
+    let before = ctx.counters();
+    assert_eq!(norm(&ctx), first);
+    assert_eq!((ctx.counters() - before).bind_groups, 1, "made again after ticks unused");
 }

@@ -32,6 +32,16 @@ pub fn weight_format(ty: GgmlType) -> Result<WeightFormat> {
     })
 }
 
+/// The shader format of `ty` and the bytes of one row of `cols` values, or an error naming the tensor.
+fn format_and_row_bytes(name: &str, ty: GgmlType, cols: usize) -> Result<(WeightFormat, usize)> {
+    let format = weight_format(ty)?;
+    let row_bytes = ty.row_bytes(cols as u64).ok_or_else(|| Error::Tensor {
+        name: name.into(),
+        what: format!("{cols} columns are not a whole number of {ty} blocks"),
+    })? as usize;
+    Ok((format, row_bytes))
+}
+
 /// One buffer holding rows `first_row .. first_row + rows` of a weight.
 pub struct WeightChunk {
     pub first_row: usize,
@@ -88,11 +98,7 @@ impl GpuWeight {
         data: &[u8],
         row_group: usize,
     ) -> Result<Self> {
-        let format = weight_format(ty)?;
-        let row_bytes = ty.row_bytes(cols as u64).ok_or_else(|| Error::Tensor {
-            name: name.into(),
-            what: format!("{cols} columns are not a whole number of {ty} blocks"),
-        })? as usize;
+        let (format, row_bytes) = format_and_row_bytes(name, ty, cols)?;
         if data.len() != rows * row_bytes {
             return Err(Error::Tensor {
                 name: name.into(),
@@ -127,11 +133,7 @@ impl GpuWeight {
         b: &[u8],
         group: usize,
     ) -> Result<Self> {
-        let format = weight_format(ty)?;
-        let row_bytes = ty.row_bytes(cols as u64).ok_or_else(|| Error::Tensor {
-            name: name.into(),
-            what: format!("{cols} columns are not a whole number of {ty} blocks"),
-        })? as usize;
+        let (format, row_bytes) = format_and_row_bytes(name, ty, cols)?;
         if group == 0 || !rows.is_multiple_of(group) || a.len() != rows * row_bytes || b.len() != a.len() {
             return Err(Error::Tensor {
                 name: name.into(),
