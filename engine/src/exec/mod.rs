@@ -15,7 +15,8 @@
 //! ([`BufId::host_width`] is `None`: the routes, the expert slot rows, the selection, the logits) is never copied,
 //! so every node that uses it must run on one side (an MoE layer's route, expert products and combine move
 //! together; placement fails otherwise), and a [`Op::Readback`] runs where its tensor was written. A stage
-//! containing a node nobody can run is placed whole on [`Backend::run_stage`] (the layer-level path). A run reuses the last placement when its signature (the
+//! containing a node nobody can run is placed whole on [`Backend::run_stage`] (the layer-level path). A run reuses
+//! the last placement when its signature (the
 //! backends, the model, the batch size, the options, each node's kind, weight and width) is unchanged, so a
 //! steady decode loop places once ([`Executor::placements`]). [`Executor::placement_report`] says which backend
 //! and kernel runs each node (`--placement-report` on `ds4` and `ds4-bench`).

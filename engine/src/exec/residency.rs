@@ -32,11 +32,6 @@ pub struct CopiedBytes {
 }
 
 impl CopiedBytes {
-    /// Both directions.
-    pub fn total(&self) -> u64 {
-        self.to_primary + self.to_fallback
-    }
-
     /// `(to_primary, to_fallback)` per row (token) of the tick.
     pub fn per_row(&self) -> (f64, f64) {
         let r = self.rows.max(1) as f64;

@@ -110,9 +110,8 @@ pub fn copy_rows<D: DeviceMem>(
 }
 
 /// What a device backend has done so far ([`crate::backend::Backend::device_counters`]; subtract two reads for one
-/// tick's): the host
-/// syncs, the dispatches and the objects made for them, the bytes crossing the bus, and the weight bytes the
-/// product kernels fetch against the least they could.
+/// tick's): the host syncs, the dispatches and the objects made for them, the bytes crossing the bus, and the
+/// weight bytes the product kernels fetch against the least they could.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DeviceCounters {
     pub submits: u64,

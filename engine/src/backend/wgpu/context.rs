@@ -7,8 +7,10 @@
 //! splitting on tiny tensors.
 //!
 //! ScratchBuf buffers come from a pool keyed by size class ([`WgpuContext::scratch`]: power-of-two sizes, returned
-//! on drop, contents undefined); the context counts queue submissions and host readbacks ([`DeviceCounters`]) so tests
-//! can pin how often a tick syncs with the host.
+//! on drop, contents undefined). The context counts what it does ([`DeviceCounters`]: submissions, readbacks,
+//! dispatches, bind groups made, bytes each way, weight bytes fetched), so tests and `ds4-bench` can pin what a tick
+//! costs. Uniform blocks are cached by content and bind groups by pipeline and buffers ([`WgpuContext::uniform`],
+//! [`WgpuContext::next_tick`]).
 //!
 //! Pipelines are compiled once per (kernel name) and cached; shader compile and validation errors are captured with
 //! an error scope and returned as [`Error::Backend`] instead of wgpu's default panic.

@@ -208,10 +208,6 @@ pub fn expert_up(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, layer: usize,
         (be.buf(t, model, BufId::Normed)?, be.buf(t, model, BufId::ExpertGate)?, be.buf(t, model, BufId::Routes)?);
     // Gate and up interleaved per expert: one product per expert (group) computes both halves of its rows.
     let pair = be.mat_pair(model, lw.gate_exps, lw.up_exps, ffn)?;
-    let apart = match pair {
-        Some(_) => None,
-        None => Some((be.mat_grouped(model, lw.gate_exps, ffn)?, be.mat_grouped(model, lw.up_exps, ffn)?)),
-    };
     let sh_pair = match (lw.gate_sh, lw.up_sh) {
         (Some(g), Some(u)) => be.mat_pair(model, g, u, model.mat(g).rows)?,
         _ => None,
@@ -229,13 +225,13 @@ pub fn expert_up(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, layer: usize,
         }
     };
     let groups = ExpertGroups { experts, plan, sel: &sel, n: n * k };
-    match (&pair, &apart) {
-        (Some(gu_w), _) => groups.products(ctx, enc, gu_w, 2 * ffn, x, k, gv)?,
-        (None, Some((gm, um))) => {
-            groups.products(ctx, enc, gm, ffn, x, k, gv)?;
-            groups.products(ctx, enc, um, ffn, x, k, gv.at(ffn))?;
+    match &pair {
+        Some(gu_w) => groups.products(ctx, enc, gu_w, 2 * ffn, x, k, gv)?,
+        None => {
+            let (gm, um) = (be.mat_grouped(model, lw.gate_exps, ffn)?, be.mat_grouped(model, lw.up_exps, ffn)?);
+            groups.products(ctx, enc, &gm, ffn, x, k, gv)?;
+            groups.products(ctx, enc, &um, ffn, x, k, gv.at(ffn))?;
         }
-        (None, None) => return Err(backend_err(format!("moe layer {layer}: expert weights neither paired nor apart"))),
     }
     let (xv, sv) = (View::new(&xn, d), View::new(&sh_gu, 2 * ffn));
     match (sh_pair, lw.gate_sh, lw.up_sh) {
