@@ -233,8 +233,9 @@ fn a_mark_at_the_prompt_end_serves_the_next_turn_after_a_restart() {
     assert!(!info.restore_points.contains(&(2 * span)), "{:?}", info.restore_points);
 }
 
-/// A session loaded from disk next to a live session with the same prefix joins the live session's pages (one copy
-/// in memory) and continues exactly as the live one does.
+/// A session loaded from disk next to a live session with the same prefix that the page index does not know (it
+/// was never saved or restored) joins the live session's pages at install (one copy in memory) and continues exactly
+/// as the live one does.
 #[test]
 fn a_restored_session_joins_the_pages_a_live_session_holds() {
     let dir = tempfile::tempdir().unwrap();
@@ -245,7 +246,14 @@ fn a_restored_session_joins_the_pages_a_live_session_holds() {
     let live = e.create_session();
     e.feed(live, &history).unwrap();
     e.run_until_idle().unwrap();
-    persist::save(&store, &e, live, SaveReason::Cold).unwrap();
+    // Saved by another engine (as before a restart), so this engine's page index does not know the live pages:
+    // the restore decodes every page and the install then joins the live ones.
+    let mut other = open(Model::Demo, false);
+    let saved = other.create_session();
+    other.feed(saved, &history).unwrap();
+    other.run_until_idle().unwrap();
+    persist::save(&store, &other, saved, SaveReason::Cold).unwrap();
+    drop(other);
     let layout = persist::KvLayout::of(&e);
     let snap = persist::load_longest(&store, &layout, &history).unwrap().expect("saved");
     assert_eq!(snap.pos, history.len());
@@ -273,4 +281,73 @@ fn a_restored_session_joins_the_pages_a_live_session_holds() {
     }
     e.run_until_idle().unwrap();
     assert_eq!(bits(e.logits(live).unwrap()), bits(e.logits(restored).unwrap()));
+}
+
+/// One page identity over RAM and the store: a restore takes the pages RAM holds under the same key (the engine's
+/// page index) and reads only the rest. With the page files deleted behind the store's back, a prefix whose pages a
+/// restored session still holds restores anyway (nothing but the checkpoint is read), shares that session's pages,
+/// and continues bit for bit like a session that prefilled everything.
+#[test]
+fn a_restore_reads_only_the_pages_ram_does_not_hold() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut e = open(Model::Demo, false);
+    let vocab = e.config().vocab;
+    let store = persist::open_store(&e, dir.path(), persist::kv_options(e.config(), 256, 64 << 20)).unwrap();
+    let history = tokens(11, 3 * 256 + 40, vocab);
+    let s = e.create_session();
+    e.feed(s, &history).unwrap();
+    e.run_until_idle().unwrap();
+    persist::save(&store, &e, s, SaveReason::Cold).unwrap();
+    let pool = e.page_pool().clone();
+    let index = || pool.index().expect("the engine's pool has an index").stats();
+    assert_eq!(index().resident, 3, "a save registers the session's full pages");
+    e.free_session(s).unwrap();
+    assert_eq!(index().resident, 0, "the index keeps no page alive");
+
+    // Nothing in RAM: every page is read and decoded, then registered.
+    let layout = persist::KvLayout::of(&e);
+    let first = e.restore(persist::load_longest(&store, &layout, &history).unwrap().expect("saved")).unwrap();
+    let st = index();
+    assert_eq!((st.joined, st.decoded, st.resident), (0, 3, 3));
+
+    // The page files go; the restored session holds the pages, so only the checkpoint is read.
+    let (pages, _) = files(dir.path(), "page");
+    assert_eq!(pages, 3);
+    for f in std::fs::read_dir(dir.path()).unwrap() {
+        let p = f.unwrap().path();
+        if p.extension().is_some_and(|x| x == "page") {
+            std::fs::remove_file(p).unwrap();
+        }
+    }
+    let pages_before = e.page_pool().live_pages();
+    let snap = persist::load_longest(&store, &layout, &history).unwrap().expect("pages joined from RAM");
+    let st = index();
+    assert_eq!((st.joined, st.decoded), (3, 3), "three spans joined, none decoded again");
+    let second = e.restore(snap).unwrap();
+    let (a, b) = (e.snapshot(first).unwrap(), e.snapshot(second).unwrap());
+    let mut tables = 0;
+    for (la, lb) in a.kv.layers.iter().zip(&b.kv.layers) {
+        for (ta, tb) in [(&la.comp_rows, &lb.comp_rows), (&la.idx_rows, &lb.idx_rows)] {
+            if ta.rows() >= 3 * ta.rows_per_page() {
+                assert!((0..3).all(|p| tb.same_page(ta, p)), "a full page is a second copy");
+                tables += 1;
+            }
+        }
+    }
+    assert!(tables > 0, "the model has compressed layers");
+    drop((a, b));
+    let partial_pages = e.page_pool().live_pages() - pages_before;
+    assert!(partial_pages <= tables as u64, "only the partial pages are new: {partial_pages} for {tables} tables");
+
+    // Both continue exactly as a session that prefilled everything.
+    let cold = e.create_session();
+    e.feed(cold, &history).unwrap();
+    let t = tokens(12, 3, vocab);
+    for s in [first, second, cold] {
+        e.feed(s, &t).unwrap();
+    }
+    e.run_until_idle().unwrap();
+    let want = bits(e.logits(cold).unwrap());
+    assert_eq!(bits(e.logits(first).unwrap()), want);
+    assert_eq!(bits(e.logits(second).unwrap()), want);
 }

@@ -35,7 +35,7 @@ use ds4_kv::{EntryRef, KvError, KvOptions, KvStore, SaveReason};
 
 use crate::engine::Engine;
 use crate::model::config::ModelConfig;
-use crate::tables::{PageLedger, SessionId, SessionSnapshot};
+use crate::tables::{PageIndex, PageLedger, SessionId, SessionSnapshot};
 use crate::{Error, Result};
 
 pub use identity::{identity_text, model_identity};
@@ -173,7 +173,9 @@ fn restore_points(engine: &Engine, snap: &SessionSnapshot, span: usize, marks: &
     out
 }
 
-/// Writes `snap`'s missing pages and its checkpoint: `(checkpoint, full pages, pages written)`.
+/// Writes `snap`'s missing pages and its checkpoint: `(checkpoint, full pages, pages written)`. The snapshot's full
+/// pages are then registered in their pool's index under their keys ([`crate::tables::PageIndex`]): a snapshot taken
+/// from a host session shares that session's pages, so a later restore of this prefix joins them.
 fn save_snapshot(
     store: &KvStore,
     cfg: &ModelConfig,
@@ -183,16 +185,21 @@ fn save_snapshot(
 ) -> Result<(EntryRef, usize, usize)> {
     let full = snap.pos / span;
     let chain = store.page_chain(&snap.history[..full * span]);
-    let mut parent = chain.last().map_or(store.root(), |r| r.key);
+    let mut keys: Vec<ds4_kv::Key> = chain.iter().map(|r| r.key).collect();
+    let mut parent = keys.last().copied().unwrap_or(store.root());
     for p in chain.len()..full {
         let spans = rows::page_spans(cfg, snap, p, span);
         let groups = rows::page_groups(&spans);
         parent = store.put_page(&parent, &snap.history[p * span..(p + 1) * span], &groups, reason).map_err(kv_err)?.key;
+        keys.push(parent);
     }
     let meta = rows::frontier_meta(snap);
     let tail = rows::tail_spans(cfg, snap, full, span);
     let groups = rows::checkpoint_groups(cfg, snap, &tail, &meta);
     let checkpoint = store.put_checkpoint(&parent, &snap.history[full * span..], &groups, reason).map_err(kv_err)?;
+    if let Some(index) = snap.kv.pool.index().filter(|_| PageIndex::aligned(cfg, span)) {
+        index.register(&keys, &snap.history, span, &snap.kv);
+    }
     Ok((checkpoint, full, full - chain.len()))
 }
 
@@ -248,8 +255,14 @@ impl KvLayout {
 /// Loads the longest cached prefix of `tokens` from `store` as a snapshot (its `pos` is the tokens it covers; hand
 /// it to [`Engine::restore`], then feed `tokens[pos..]`), or `None` when no checkpointed prefix is stored. Reads,
 /// checks and decodes the files: the slow part of a restore, done off the engine's thread.
+///
+/// One page identity over the tiers: a page RAM already holds under the same key (the engine's
+/// [`PageIndex`], when the store's span lines up with the live pages) is taken as it is — no read, no decode, no
+/// second copy — and only the other pages and the checkpoint are read; what is decoded is registered, so the next
+/// restore of this prefix shares it.
 pub fn load_longest(store: &KvStore, layout: &KvLayout, tokens: &[u32]) -> Result<Option<SessionSnapshot>> {
-    check_span(&layout.cfg, store)?;
+    let span = check_span(&layout.cfg, store)?;
+    let index = layout.pool.index().filter(|_| PageIndex::aligned(&layout.cfg, span));
     for _attempt in 0..4 {
         let m = store.longest_prefix(tokens);
         let Some(ck) = m.checkpoint else { return Ok(None) };
@@ -258,21 +271,22 @@ pub fn load_longest(store: &KvStore, layout: &KvLayout, tokens: &[u32]) -> Resul
         }
         let mut b = rows::SnapshotBuilder::new_in(&layout.cfg, &layout.pool);
         let mut build_err = None;
-        let mut load_one = |key| {
-            store.load(key, |v| {
-                b.push(v).map_err(|e| {
-                    let msg = e.to_string();
-                    build_err = Some(e);
-                    KvError::Aborted(msg)
-                })
-            })
-        };
         let mut failed = None;
-        for r in m.pages.iter().chain(std::iter::once(&ck)) {
-            if let Err(e) = load_one(&r.key) {
+        let mut joined = 0;
+        for (p, r) in m.pages.iter().enumerate() {
+            let resident = index.and_then(|ix| ix.resident(&r.key, &tokens[p * span..(p + 1) * span]));
+            if let Some(pages) = resident {
+                b.push_pages(pages)?;
+                joined += 1;
+                continue;
+            }
+            if let Err(e) = load_into(store, &r.key, &mut b, &mut build_err) {
                 failed = Some(e);
                 break;
             }
+        }
+        if failed.is_none() {
+            failed = load_into(store, &ck.key, &mut b, &mut build_err).err();
         }
         match failed {
             None => {}
@@ -282,8 +296,32 @@ pub fn load_longest(store: &KvStore, layout: &KvLayout, tokens: &[u32]) -> Resul
             }
             Some(e) => return Err(build_err.unwrap_or_else(|| kv_err(e))),
         }
-        tracing::debug!(matched = m.matched_tokens, pages = m.pages.len(), "kv session loaded");
-        return Ok(Some(b.finish(tokens[..m.matched_tokens].to_vec())));
+        tracing::debug!(matched = m.matched_tokens, pages = m.pages.len(), joined, "kv session loaded");
+        let snap = b.finish(tokens[..m.matched_tokens].to_vec());
+        if let Some(ix) = index {
+            let keys: Vec<ds4_kv::Key> = m.pages.iter().map(|r| r.key).collect();
+            ix.register(&keys, &snap.history, span, &snap.kv);
+            ix.note_restore(joined, m.pages.len() - joined);
+        }
+        return Ok(Some(snap));
     }
     Ok(None)
+}
+
+/// Streams entry `key` into `b`; a block `b` refuses stops the load (its error kept in `build_err`).
+fn load_into(
+    store: &KvStore,
+    key: &ds4_kv::Key,
+    b: &mut rows::SnapshotBuilder<'_>,
+    build_err: &mut Option<Error>,
+) -> std::result::Result<(), KvError> {
+    store
+        .load(key, |v| {
+            b.push(v).map_err(|e| {
+                let msg = e.to_string();
+                *build_err = Some(e);
+                KvError::Aborted(msg)
+            })
+        })
+        .map(|_| ())
 }

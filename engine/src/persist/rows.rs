@@ -219,6 +219,23 @@ impl<'c> SnapshotBuilder<'c> {
         Ok(())
     }
 
+    /// Takes one span as pages RAM already holds (one per row table, in [`crate::tables::page_index`] order) in
+    /// place of a stored page's blocks.
+    pub fn push_pages(&mut self, pages: Vec<std::sync::Arc<crate::tables::Page>>) -> Result<()> {
+        let n = pages.len();
+        let mut it = pages.into_iter();
+        for (i, t) in crate::tables::page_index::tables_mut(&mut self.kv).enumerate() {
+            let ok = it.next().is_some_and(|pg| t.push_page(pg));
+            if !ok {
+                return Err(bad(format!("resident span: table {i} of {n} pages does not take its page")));
+            }
+        }
+        if it.next().is_some() {
+            return Err(bad(format!("resident span: {n} pages for fewer tables")));
+        }
+        Ok(())
+    }
+
     /// The snapshot at `history` (its length is the position). The engine's `restore` validates the row counts.
     pub fn finish(self, history: Vec<u32>) -> SessionSnapshot {
         SessionSnapshot { pos: history.len(), history, kv: self.kv, logits: self.logits }

@@ -6,9 +6,11 @@
 //! partial); the `kv` crate serialises them to disk page by page.
 
 pub(crate) mod kv;
+pub(crate) mod page_index;
 pub(crate) mod pages;
 pub(crate) mod session;
 
 pub use kv::{Frontier, KvSync, LayerKv, SessionKv};
-pub use pages::{PageLedger, PagedRows, PAGE_TOKENS};
+pub use page_index::{PageIndex, PageIndexStats};
+pub use pages::{Page, PageLedger, PagedRows, PAGE_TOKENS};
 pub use session::{SessionId, SessionSnapshot, SessionTable};

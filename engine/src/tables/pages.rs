@@ -25,7 +25,9 @@
 
 use std::borrow::Cow;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
+
+use super::page_index::PageIndex;
 
 /// Tokens per page: the default `ds4-kv` span (`KvOptions::span_tokens`), a multiple of every DeepSeek V4 ratio.
 pub const PAGE_TOKENS: usize = 256;
@@ -37,11 +39,19 @@ pub fn rows_per_page(ratio: usize) -> usize {
     1 << (usize::BITS - 1 - n.leading_zeros())
 }
 
-#[derive(Debug, Default)]
+#[derive(Default)]
 struct PoolStats {
     pages: AtomicU64,
     bytes: AtomicU64,
     copied: AtomicU64,
+    /// The full pages by their store key ([`super::page_index`]).
+    index: PageIndex,
+}
+
+impl std::fmt::Debug for PoolStats {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PoolStats").field("pages", &self.pages).field("bytes", &self.bytes).finish()
+    }
 }
 
 /// Accounting shared by the pages of one engine (cheap to clone: an `Arc`). See the module docs. The default
@@ -96,7 +106,13 @@ impl PageLedger {
         let data = Vec::with_capacity(values);
         self.add(|s| &s.pages, 1);
         self.add(|s| &s.bytes, (data.capacity() * 4) as u64);
-        Page { data, pool: self.clone() }
+        Page { data, pool: self.clone(), id: OnceLock::new() }
+    }
+
+    /// The index of this pool's full pages by store key ([`super::page_index`]); `None` for the default,
+    /// non-counting pool.
+    pub fn index(&self) -> Option<&PageIndex> {
+        self.0.as_deref().map(|s| &s.index)
     }
 
     /// Whether `a` and `b` are the same counting pool.
@@ -116,6 +132,26 @@ impl PartialEq for PageLedger {
 pub struct Page {
     data: Vec<f32>,
     pool: PageLedger,
+    /// The store key of the span this (full) page holds, once registered ([`super::page_index`]).
+    id: OnceLock<ds4_kv::Key>,
+}
+
+impl Page {
+    /// The store key of the span this page holds, when it has been registered in its pool's [`PageIndex`] (only
+    /// full pages are; a registered page is never written again, since the index's reference stops
+    /// `Arc::get_mut`).
+    pub fn id(&self) -> Option<ds4_kv::Key> {
+        self.id.get().copied()
+    }
+
+    pub(crate) fn set_id(&self, key: ds4_kv::Key) {
+        let _ = self.id.set(key);
+    }
+
+    /// The page's values (`rows_per_page × width` for a full page).
+    pub fn values(&self) -> &[f32] {
+        &self.data
+    }
 }
 
 impl Drop for Page {
@@ -294,6 +330,24 @@ impl PagedRows {
             v.extend_from_slice(s);
         }
         v
+    }
+
+    /// Page `p` when it is full (holds `rows_per_page` valid rows).
+    pub fn full_page(&self, p: usize) -> Option<&Arc<Page>> {
+        (p < self.pages.len() && self.valid(p) == self.rows_per_page()).then(|| &self.pages[p])
+    }
+
+    /// Appends a full page (a page RAM already holds for the next span of this table, see
+    /// [`super::page_index`]): `false`, and nothing changes, unless the table ends at a page boundary and `page`
+    /// holds exactly one page of rows of this width.
+    pub fn push_page(&mut self, page: Arc<Page>) -> bool {
+        let rpp = self.rows_per_page();
+        if !self.rows.is_multiple_of(rpp) || self.width == 0 || page.data.len() != rpp * self.width {
+            return false;
+        }
+        self.pages.push(page);
+        self.rows += rpp;
+        true
     }
 
     /// Pages held.
