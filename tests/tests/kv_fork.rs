@@ -9,6 +9,7 @@ use ds4_engine::convert::{demo_config, random_model_gguf};
 use ds4_engine::engine::{BackendKind, Engine, EngineOptions};
 use ds4_engine::gguf::GgufFile;
 use ds4_engine::model::config::LayerKind;
+use ds4_engine::persist;
 use ds4_engine::tables::{SessionId, PAGE_TOKENS};
 use ds4_tests::{bits, continue_with, golden_gguf, shared, tokens, wgpu_available};
 
@@ -261,4 +262,51 @@ fn wgpu_rollback_of_a_fork_into_a_shared_page_copies_on_write() {
         e.free_session(x).unwrap();
     }
     assert_eq!(e.device_kv_pages(), Some((0, 0)));
+}
+
+/// One page identity down to the device tier: two sessions restored on wgpu from the same stored prefix hold one
+/// device copy of its full pages (the restored host pages carry their store keys; the device pool shares a keyed
+/// page it holds instead of uploading it again), and both continue as a cold session does.
+#[test]
+fn wgpu_sessions_restored_from_one_prefix_share_device_pages() {
+    if !wgpu_available() {
+        return;
+    }
+    let bytes = demo_bytes();
+    let mut e = open_wgpu(&bytes, 0);
+    let vocab = e.config().vocab;
+    let dir = tempfile::tempdir().unwrap();
+    let store = persist::open_store(&e, dir.path(), persist::kv_options(e.config(), 256, 64 << 20)).unwrap();
+    let all = tokens(41, 2 * PAGE_TOKENS + 100, vocab);
+    let s = prefill(&mut e, &all);
+    persist::save(&store, &e, s, ds4_kv::SaveReason::Cold).unwrap();
+    e.free_session(s).unwrap();
+    assert_eq!(e.device_kv_pages(), Some((0, 0)));
+    let layout = persist::KvLayout::of(&e);
+    let cont = tokens(42, 6, vocab);
+    let r1 = e.restore(persist::load_longest(&store, &layout, &all).unwrap().expect("saved")).unwrap();
+    let got1 = continue_with(&mut e, r1, &cont);
+    let (live1, shared1) = e.device_kv_pages().unwrap();
+    assert_eq!(shared1, 0);
+    let r2 = e.restore(persist::load_longest(&store, &layout, &all).unwrap().expect("saved")).unwrap();
+    let got2 = continue_with(&mut e, r2, &cont);
+    let (live2, full) = e.device_kv_pages().unwrap();
+    let c = e.config();
+    let tables: usize = (0..c.n_layers)
+        .map(|l| match c.layer_kind(l) {
+            LayerKind::Window => 0,
+            LayerKind::Hca => 1,
+            LayerKind::Csa => 2,
+        })
+        .sum();
+    assert_eq!(full, 2 * tables, "the two full spans of every paged table are shared");
+    assert_eq!(live2 - live1, live1 - full, "the second session adds only what is not a shared full page");
+    let mut cold = open_wgpu(&bytes, 0);
+    let c = prefill(&mut cold, &all);
+    let want = continue_with(&mut cold, c, &cont);
+    assert!(got1 == want && got2 == want, "a restored device session diverged from a cold one");
+    for s in [r1, r2] {
+        e.free_session(s).unwrap();
+    }
+    assert_eq!(e.device_kv_pages(), Some((0, 0)), "freed sessions return every device page");
 }

@@ -23,8 +23,14 @@
 //! Ordering: every write (rows, ids, growth) is a copy recorded into the caller's command encoder, after the
 //! commands that may still read the old contents, never a queue write that would land before them.
 
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use ds4_kv::Key;
+
 use super::{dev_err as backend_err, DeviceMem};
 pub use crate::tables::pages::rows_per_page;
+use crate::tables::{Page, PagedRows};
 use crate::Result;
 
 /// Pages a new pool holds.
@@ -34,6 +40,12 @@ const FIRST_IDS: usize = 16;
 
 /// One layer's pages of one row table, shared by every session's [`PageTable`] (see module docs).
 pub struct PagePool<D: DeviceMem> {
+    /// Full pages by the store key of the span they hold ([`crate::tables::page_index`]): a table uploaded from host
+    /// pages that carry a key shares the device page instead of copying it again. A page loses its key when it is
+    /// freed or written (an append into it after a truncate).
+    keyed: HashMap<Key, u32>,
+    /// The key of each page id (`None`: not keyed).
+    key_of: Vec<Option<Key>>,
     /// The pages, `capacity() × rows_per_page × width` f32 values.
     pub buf: D::Buf,
     /// Values per row.
@@ -66,6 +78,8 @@ impl<D: DeviceMem> PagePool<D> {
             shift: rows_per_page.trailing_zeros(),
             refs: vec![0; pages],
             free: (0..pages as u32).rev().collect(),
+            keyed: HashMap::new(),
+            key_of: vec![None; pages],
         })
     }
 
@@ -123,6 +137,7 @@ impl<D: DeviceMem> PagePool<D> {
         ctx.copy(enc, &self.buf, 0, &buf, 0, ctx.size(&self.buf));
         self.buf = buf;
         self.refs.resize(new, 0);
+        self.key_of.resize(new, None);
         self.free.extend((old as u32..new as u32).rev());
         Ok(())
     }
@@ -135,7 +150,25 @@ impl<D: DeviceMem> PagePool<D> {
         let r = &mut self.refs[id as usize];
         *r -= 1;
         if *r == 0 {
+            self.unkey(id);
             self.free.push(id);
+        }
+    }
+
+    /// Pages that carry a store key.
+    pub fn keyed_pages(&self) -> usize {
+        self.keyed.len()
+    }
+
+    fn key(&mut self, id: u32, key: Key) {
+        self.unkey(id);
+        self.keyed.insert(key, id);
+        self.key_of[id as usize] = Some(key);
+    }
+
+    fn unkey(&mut self, id: u32) {
+        if let Some(k) = self.key_of[id as usize].take() {
+            self.keyed.remove(&k);
         }
     }
 
@@ -198,6 +231,68 @@ impl<D: DeviceMem> PageTable<D> {
         Ok(t)
     }
 
+    /// A table holding the rows of host table `rows` (its width and page size must be the pool's): a full page
+    /// that carries a store key ([`Page::id`]) this pool already holds is shared (refcount + 1, nothing copied),
+    /// every other page is uploaded, and the full keyed ones among them are keyed here for the next table. Returns
+    /// the table and the pages shared.
+    pub fn upload_paged(
+        ctx: &D,
+        enc: &mut D::Enc,
+        pool: &mut PagePool<D>,
+        rows: &PagedRows,
+    ) -> Result<(PageTable<D>, usize)> {
+        if rows.width() != pool.width || rows.rows_per_page() != pool.rows_per_page() {
+            return Ok((PageTable::upload(ctx, enc, pool, &rows.to_vec())?, 0));
+        }
+        let rpp = pool.rows_per_page();
+        let mut t = PageTable::empty(ctx, pool.width, rows.n_pages());
+        let mut shared = 0;
+        // Consecutive pages to upload: their values, and the keys of the full ones (by page index).
+        let mut batch: Vec<f32> = Vec::new();
+        let mut keys: Vec<(usize, Key)> = Vec::new();
+        for (p, values) in rows.page_slices().enumerate() {
+            let key = rows.full_page(p).and_then(|pg: &Arc<Page>| pg.id());
+            match key.and_then(|k| pool.keyed.get(&k).copied()) {
+                Some(id) => {
+                    t.upload_batch(ctx, enc, pool, &mut batch, &mut keys)?;
+                    pool.retain(id);
+                    t.set_id(ctx, enc, p, id);
+                    t.rows += rpp;
+                    shared += 1;
+                }
+                None => {
+                    batch.extend_from_slice(values);
+                    keys.extend(key.map(|k| (p, k)));
+                }
+            }
+        }
+        t.upload_batch(ctx, enc, pool, &mut batch, &mut keys)?;
+        Ok((t, shared))
+    }
+
+    /// Appends the rows of `batch` (emptied) and keys the full pages `keys` names (page index, key) unless another
+    /// page holds that key already.
+    fn upload_batch(
+        &mut self,
+        ctx: &D,
+        enc: &mut D::Enc,
+        pool: &mut PagePool<D>,
+        batch: &mut Vec<f32>,
+        keys: &mut Vec<(usize, Key)>,
+    ) -> Result<()> {
+        if !batch.is_empty() {
+            let src = ctx.upload_f32("kv rows upload", batch);
+            self.append(ctx, enc, pool, &src, 0, batch.len() / pool.width)?;
+            batch.clear();
+        }
+        for (p, k) in keys.drain(..) {
+            if !pool.keyed.contains_key(&k) {
+                pool.key(self.ids[p], k);
+            }
+        }
+        Ok(())
+    }
+
     /// A table sharing every page of this one: refcounts + 1, the ids copied on the device, no row copied (the ids
     /// are not KV bytes, as the host tier's page references are not).
     pub fn share(&self, ctx: &D, enc: &mut D::Enc, pool: &mut PagePool<D>) -> PageTable<D> {
@@ -256,6 +351,9 @@ impl<D: DeviceMem> PageTable<D> {
                 let id = pool.copy_page(ctx, enc, self.ids[page], off)?;
                 self.set_id(ctx, enc, page, id);
                 copied += off as u64 * rb;
+            } else {
+                // Written in place: it no longer holds its span's rows alone.
+                pool.unkey(self.ids[page]);
             }
             let k = (rpp - off).min(n - done);
             let at = pool.at(self.ids[page], off);
@@ -458,6 +556,49 @@ pub(crate) mod tests {
         assert_eq!((pool.live_pages(), pool.shared_pages()), (0, 0));
     }
 
+    /// Host pages carrying a store key are uploaded once: a second table of the same rows shares the keyed full
+    /// pages (copies only the rest), both read back the host rows, a write into a shared keyed page copies it, and
+    /// a page written in place or freed loses its key (the next upload copies it again, with the new rows).
+    pub(crate) fn keyed_pages_are_uploaded_once<D: DeviceMem>(ctx: &D) {
+        let (w, rpp) = (4, 8);
+        let mut pool = PagePool::new(ctx, w, rpp).unwrap();
+        let mut host = PagedRows::new(w, rpp, &crate::tables::PageLedger::new());
+        let data = rows(0.0, 37, w);
+        host.extend_from_slice(&data);
+        for p in 0..4 {
+            host.full_page(p).unwrap().set_id(Key([p as u8 + 1; 20]));
+        }
+        let upload = |pool: &mut PagePool<D>| {
+            let mut enc = ctx.encoder();
+            let out = PageTable::upload_paged(ctx, &mut enc, pool, &host).unwrap();
+            ctx.submit(enc).unwrap();
+            out
+        };
+        let (mut a, shared) = upload(&mut pool);
+        assert_eq!((shared, pool.live_pages(), pool.keyed_pages()), (0, 5, 4));
+        let (mut b, shared) = upload(&mut pool);
+        assert_eq!((shared, pool.live_pages(), pool.shared_pages()), (4, 6, 4), "only the partial page is new");
+        assert_eq!(read(ctx, &a, &pool), data);
+        assert_eq!(read(ctx, &b, &pool), data);
+        // b rolls back into shared keyed page 2 and writes: a copy; a still reads the host rows.
+        b.truncate(&mut pool, 20);
+        append(ctx, &mut b, &mut pool, &rows(100.0, 6, w));
+        assert_eq!(read(ctx, &a, &pool), data);
+        a.release(&mut pool);
+        assert_eq!(pool.keyed_pages(), 2, "pages 2 and 3 were freed with a (b holds its own copy of 2)");
+        // b rolls back into page 1, now b's alone, and writes in place: page 1 loses its key.
+        b.truncate(&mut pool, 12);
+        append(ctx, &mut b, &mut pool, &rows(200.0, 2, w));
+        assert_eq!(pool.keyed_pages(), 1);
+        let (c, shared) = upload(&mut pool);
+        assert_eq!(shared, 1, "only page 0 is still the host's");
+        assert_eq!(read(ctx, &c, &pool), data, "no table reads b's rewritten page");
+        for mut t in [b, c] {
+            t.release(&mut pool);
+        }
+        assert_eq!((pool.live_pages(), pool.keyed_pages()), (0, 0));
+    }
+
     /// Reads slots `slots` of `ring` (through its chunk ids) into host rows.
     fn read_slots<D: DeviceMem>(ctx: &D, ring: &ChunkRing, pool: &PagePool<D>, slots: &[usize]) -> Vec<f32> {
         let pairs: Vec<(usize, usize)> = slots.iter().enumerate().map(|(d, &s)| (s, d)).collect();
@@ -540,6 +681,7 @@ pub(crate) mod tests {
         let dev = crate::backend::device::mock::MockDevice::new(None);
         shared_pages_are_copied_on_write_and_released(&dev);
         log_chunks_are_shared_and_copied_on_write(&dev);
+        keyed_pages_are_uploaded_once(&dev);
         a_full_pool_is_a_clear_error(&crate::backend::device::mock::MockDevice::new(Some(FULL_POOL_BINDING)));
         assert_eq!(dev.pending(), 0, "every recorded command was submitted");
     }

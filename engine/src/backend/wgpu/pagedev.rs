@@ -31,6 +31,14 @@ mod tests {
         checks::log_chunks_are_shared_and_copied_on_write(&ctx);
     }
 
+    /// Host pages carrying a store key are uploaded once and shared by every table of the same rows; a page
+    /// written in place or freed loses its key.
+    #[test]
+    fn keyed_pages_are_uploaded_once() {
+        let Some(ctx) = ctx_with(None) else { return };
+        checks::keyed_pages_are_uploaded_once(&ctx);
+    }
+
     /// A pool never grows past the storage binding limit: the append that would is an error naming it.
     #[test]
     fn a_full_pool_is_a_clear_error() {

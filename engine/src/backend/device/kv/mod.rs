@@ -358,6 +358,9 @@ pub struct LayerDev<D: DeviceMem> {
 pub struct SlotKv<D: DeviceMem> {
     pub epoch: u64,
     pub layers: Vec<LayerDev<D>>,
+    /// Pages the upload shared with other tables instead of copying (pages carrying a store key the pool held:
+    /// [`PageTable::upload_paged`]).
+    pub shared_on_upload: usize,
 }
 
 impl<D: DeviceMem> SlotKv<D> {
@@ -378,10 +381,10 @@ impl<D: DeviceMem> SlotKv<D> {
         if kv.layers.len() != cfg.n_layers || pools.len() != cfg.n_layers {
             return Err(backend_err(format!("device KV: {} layers, model has {}", kv.layers.len(), cfg.n_layers)));
         }
-        let mut m = SlotKv { epoch: 0, layers: Vec::with_capacity(kv.layers.len()) };
+        let mut m = SlotKv { epoch: 0, layers: Vec::with_capacity(kv.layers.len()), shared_on_upload: 0 };
         match m.upload_layers(ctx, enc, cfg, kv, log_tokens, pools) {
             Ok(()) => {
-                tracing::debug!(layers = m.layers.len(), "device: uploaded session KV");
+                tracing::debug!(layers = m.layers.len(), shared = m.shared_on_upload, "device: uploaded session KV");
                 Ok(m)
             }
             Err(e) => {
@@ -444,7 +447,11 @@ impl<D: DeviceMem> SlotKv<D> {
                 [(&mut ld.comp, &mut lp.comp, &lk.comp_rows), (&mut ld.idx, &mut lp.idx, &lk.idx_rows)]
             {
                 match pool {
-                    Some(pool) => *dst = Some(PageTable::upload(ctx, enc, pool, &rows.to_vec())?),
+                    Some(pool) => {
+                        let (t, shared) = PageTable::upload_paged(ctx, enc, pool, rows)?;
+                        self.shared_on_upload += shared;
+                        *dst = Some(t);
+                    }
                     None if rows.rows() == 0 => {}
                     None => return Err(bad("rows for a table the layer does not have")),
                 }
@@ -530,7 +537,7 @@ impl<D: DeviceMem> SlotKv<D> {
             let log = ld.log.as_ref().zip(lp.log.as_mut()).map(|(g, pools)| g.share(pools));
             layers.push(LayerDev { ring, ring_len: ld.ring_len, comp, idx, fcomp, fidx, pos: ld.pos, log });
         }
-        Ok((SlotKv { epoch: 0, layers }, c.bytes))
+        Ok((SlotKv { epoch: 0, layers, shared_on_upload: 0 }, c.bytes))
     }
 
     /// Smallest length this mirror (at `pos` tokens) can be rolled back to in place: the largest of its layers'
