@@ -29,7 +29,7 @@ pub type PageId = EntryId;
 /// An id naming a checkpoint.
 pub type CheckpointId = EntryId;
 
-/// Where an entry's bytes live in the store (device residency is tracked separately, see `on_device`).
+/// Where an entry's bytes live in the store.
 #[derive(Clone, Debug)]
 pub enum Storage {
     /// A file in the cache directory.
@@ -38,11 +38,10 @@ pub enum Storage {
     Host(Arc<Vec<u8>>),
 }
 
-/// The tiers a page can live in.
+/// Where a stored entry lives. (A page's copies in the engine's RAM and device pools are the engine's: they are
+/// found by the same key in `ds4_engine::tables::PageIndex`, not recorded here.)
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
 pub enum Tier {
-    /// Uploaded to the accelerator by the engine (recorded with `KvStore::mark_device`).
-    Device,
     /// In this process's memory.
     Host,
     /// In the cache directory.
@@ -76,7 +75,6 @@ pub struct Table {
     pub tokens: Vec<Box<[u32]>>,
     pub refcount: Vec<u32>,
     pub storage: Vec<Storage>,
-    pub on_device: Vec<Option<u64>>,
     pub bytes: Vec<u64>,
     pub last_use: Vec<SystemTime>,
     pub hits: Vec<u32>,
@@ -134,7 +132,6 @@ impl Table {
                 self.tokens[u] = e.tokens;
                 self.refcount[u] = 0;
                 self.storage[u] = e.storage;
-                self.on_device[u] = None;
                 self.bytes[u] = e.bytes;
                 self.last_use[u] = e.last_use;
                 self.hits[u] = 0;
@@ -153,7 +150,6 @@ impl Table {
                 self.tokens.push(e.tokens);
                 self.refcount.push(0);
                 self.storage.push(e.storage);
-                self.on_device.push(None);
                 self.bytes.push(e.bytes);
                 self.last_use.push(e.last_use);
                 self.hits.push(0);

@@ -305,6 +305,25 @@ fn wgpu_sessions_restored_from_one_prefix_share_device_pages() {
     let c = prefill(&mut cold, &all);
     let want = continue_with(&mut cold, c, &cont);
     assert!(got1 == want && got2 == want, "a restored device session diverged from a cold one");
+    // A snapshot (what a save takes) reads back only what the host does not hold under the same key: the cold
+    // session's snapshot reads every row, the restored one all but its two full spans.
+    let read = |e: &mut Engine, s| {
+        let before = e.device_counters().unwrap().device_to_host;
+        let snap = e.snapshot(s).unwrap();
+        (snap, e.device_counters().unwrap().device_to_host - before)
+    };
+    let (snap_cold, read_cold) = read(&mut cold, c);
+    let (snap_r1, read_r1) = read(&mut e, r1);
+    assert!(snap_r1 == snap_cold, "the snapshot of a restored device session differs from a cold one's");
+    let full_span_bytes: u64 = snap_cold
+        .kv
+        .layers
+        .iter()
+        .flat_map(|l| [&l.comp_rows, &l.idx_rows])
+        .filter(|t| t.rows() > 0)
+        .map(|t| (2 * t.rows_per_page() * t.width() * 4) as u64)
+        .sum();
+    assert_eq!(read_cold - read_r1, full_span_bytes, "the kept full pages are exactly what was not read back");
     for s in [r1, r2] {
         e.free_session(s).unwrap();
     }

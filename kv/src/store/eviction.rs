@@ -1,5 +1,5 @@
 //! Keeping the store within its budgets: removing entries and subtrees, the eviction order over candidates
-//! ([`crate::policy`]), and the pins of live sessions (retain / release) and device locations.
+//! ([`crate::policy`]), and the pins of live sessions (retain / release).
 
 use super::*;
 
@@ -118,17 +118,5 @@ impl KvStore {
         }
         self.enforce_budget(&mut g, false);
         self.enforce_budget(&mut g, true);
-    }
-
-    /// Records that the engine holds (`Some(location)`, engine-defined) or dropped (`None`) a device copy.
-    pub fn mark_device(&self, id: EntryId, location: Option<u64>) -> bool {
-        let mut g = self.inner.lock();
-        match g.t.resolve(id) {
-            Some(i) => {
-                g.t.on_device[i as usize] = location;
-                true
-            }
-            None => false,
-        }
     }
 }

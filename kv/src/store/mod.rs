@@ -620,14 +620,10 @@ impl KvStore {
             g.t.rows()
                 .map(|r| {
                     let u = r as usize;
-                    let mut tiers = Vec::new();
-                    if g.t.on_device[u].is_some() {
-                        tiers.push(Tier::Device);
-                    }
-                    tiers.push(match g.t.storage[u] {
+                    let tiers = vec![match g.t.storage[u] {
                         Storage::Disk => Tier::Disk,
                         Storage::Host(_) => Tier::Host,
-                    });
+                    }];
                     EntryInfo {
                         key: g.t.key[u],
                         kind: g.t.kind[u],

@@ -30,7 +30,7 @@ impl Default for KvOptions {
     }
 }
 
-/// A live entry: id (for `retain`, `mark_device`) and key (for `load`).
+/// A live entry: id (for `retain`) and key (for `load`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct EntryRef {
     /// Table id.

@@ -155,6 +155,11 @@ impl<D: DeviceMem> PagePool<D> {
         }
     }
 
+    /// The store key page `id` carries, if any.
+    pub fn key_of(&self, id: u32) -> Option<Key> {
+        self.key_of.get(id as usize).copied().flatten()
+    }
+
     /// Pages that carry a store key.
     pub fn keyed_pages(&self) -> usize {
         self.keyed.len()

@@ -652,11 +652,23 @@ fn download_layer<D: DeviceMem>(ctx: &D, ld: &LayerDev<D>, lp: &LayerPools<D>, l
     lk.ring = ctx.read_f32(&ld.ring, 0, lk.ring.len())?;
     for (rows, pool, host) in [(&ld.comp, &lp.comp, &mut lk.comp_rows), (&ld.idx, &lp.idx, &mut lk.idx_rows)] {
         if let (Some(r), Some(pool)) = (rows, pool) {
-            host.clear();
-            if r.rows > 0 {
+            // Leading pages the (stale) host table still holds under the device page's key hold the same rows (a
+            // keyed device page is full and never written): kept, not read back.
+            let same = |p: usize| {
+                let dev = r.ids.get(p).and_then(|&id| pool.key_of(id));
+                dev.is_some() && host.full_page(p).and_then(|pg| pg.id()) == dev
+            };
+            let keep = if host.width() == r.width && host.rows_per_page() == pool.rows_per_page() {
+                (0..r.ids.len()).take_while(|&p| same(p)).count()
+            } else {
+                0
+            };
+            let from = (keep * pool.rows_per_page()).min(r.rows);
+            host.truncate(from);
+            if from < r.rows {
                 let mut enc = ctx.encoder();
-                let all = r.gather(ctx, &mut enc, pool, 0..r.rows)?;
-                host.extend_from_slice(&ctx.submit_read_f32(enc, &all, 0, r.rows * r.width)?);
+                let rest = r.gather(ctx, &mut enc, pool, from..r.rows)?;
+                host.extend_from_slice(&ctx.submit_read_f32(enc, &rest, 0, (r.rows - from) * r.width)?);
             }
         }
     }
