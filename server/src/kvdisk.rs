@@ -166,6 +166,7 @@ impl DiskErrors {
 #[derive(Clone)]
 pub struct TierStats {
     store: Arc<KvStore>,
+    layout: KvLayout,
     counts: Arc<Counts>,
     pending: ds4_kv::IoPending,
 }
@@ -187,6 +188,12 @@ impl TierStats {
     /// Saves dropped because the I/O queue was full.
     pub fn saves_dropped(&self) -> u64 {
         self.counts.dropped.load(Ordering::Relaxed)
+    }
+
+    /// The page index: spans resident in RAM under their store keys, spans restores took from RAM (no read, no
+    /// decode) and spans they read and decoded.
+    pub fn pages(&self) -> ds4_engine::tables::PageIndexStats {
+        self.layout.page_stats()
     }
 
     /// Tier I/O jobs queued or running.
@@ -344,7 +351,12 @@ impl DiskTier {
     /// A live view of the tier's counters for `/metrics` (read when rendered: the I/O worker updates them between
     /// the scheduler's ticks).
     pub fn stats(&self) -> TierStats {
-        TierStats { store: self.store.clone(), counts: self.counts.clone(), pending: self.io.pending_handle() }
+        TierStats {
+            store: self.store.clone(),
+            layout: self.layout.clone(),
+            counts: self.counts.clone(),
+            pending: self.io.pending_handle(),
+        }
     }
 
     /// Waits until every queued save and restore has run.

@@ -6,7 +6,9 @@
 //! `parked_sessions`, `kv_bytes{tier}`, `prefix_cache_hit_tokens_total{tier}` (prompt tokens reused),
 //! `prefix_cache_hits_total{tier}` (requests that reused any), `prefix_cache_recomputed_tokens_total` (prompt tokens
 //! prefilled), `kv_disk_errors_total{kind}`, `kv_disk_saves_dropped_total` (saves dropped on a full tier I/O queue),
-//! `kv_io_pending` (tier I/O jobs queued or running), `kv_restoring` (requests waiting for a restore), `kv_fork_bytes_copied_total` (KV bytes copied by session forks and
+//! `kv_io_pending` (tier I/O jobs queued or running), `kv_restoring` (requests waiting for a restore),
+//! `kv_pages_resident` (page spans in RAM under their store keys), `kv_restored_pages_total{from}` (spans restores
+//! took from RAM by key vs read and decoded from the store), `kv_fork_bytes_copied_total` (KV bytes copied by session forks and
 //! copy on write of shared pages; fork shares pages by reference),
 //! `generations_cancelled_total` (generations stopped because their client went away), `keepalives_total` (SSE
 //! keep-alive frames sent), `connections_open`, `connections_closed_total{reason}` (closed by the server:
@@ -403,6 +405,18 @@ impl Metrics {
              # TYPE ds4_kv_io_pending gauge\nds4_kv_io_pending {}",
             tier.map_or(0, |t| t.io_pending())
         );
+        let pages = tier.map(|t| t.pages()).unwrap_or_default();
+        let _ = writeln!(
+            out,
+            "# HELP ds4_kv_pages_resident Page spans held in RAM under their store keys (a restore takes them \
+             without reading or decoding).\n# TYPE ds4_kv_pages_resident gauge\nds4_kv_pages_resident {}",
+            pages.resident
+        );
+        out.push_str("# HELP ds4_kv_restored_pages_total Page spans restores loaded, by where they came from ");
+        out.push_str("(ram: pages already resident, joined by key; store: read and decoded).\n");
+        out.push_str("# TYPE ds4_kv_restored_pages_total counter\n");
+        let _ = writeln!(out, "ds4_kv_restored_pages_total{{from=\"ram\"}} {}", pages.joined);
+        let _ = writeln!(out, "ds4_kv_restored_pages_total{{from=\"store\"}} {}", pages.decoded);
         let _ = writeln!(
             out,
             "# HELP ds4_kv_restoring Requests waiting for a restore from the KV tiers.\n\

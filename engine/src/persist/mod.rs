@@ -246,6 +246,12 @@ impl KvLayout {
         &self.cfg
     }
 
+    /// The engine's page index counters ([`PageIndex::stats`]: spans resident in RAM, spans restores took from
+    /// RAM and spans they decoded); zero for a layout without an index.
+    pub fn page_stats(&self) -> crate::tables::PageIndexStats {
+        self.pool.index().map(PageIndex::stats).unwrap_or_default()
+    }
+
     /// The model's identity (what a store's entries must match).
     pub fn identity(&self) -> &ds4_kv::ModelIdentity {
         &self.identity

@@ -258,11 +258,16 @@ fn a_dropped_receiver_cancels_and_frees_the_slot() {
     s.shutdown();
 }
 
-/// The real engine (the trained demo model, CPU) behind a scheduler with a disk tier whose restores are held: a job
-/// whose prompt the tier holds waits for its restore while another session keeps decoding, then starts from the
-/// restored prefix. The scheduler thread never waits on the tier's I/O.
-#[test]
-fn a_restore_runs_off_the_scheduler_thread_while_others_decode() {
+/// Gates a disk tier's restores (as a slow disk would): they run once the flag is set.
+type Gate = Arc<(parking_lot::Mutex<bool>, parking_lot::Condvar)>;
+
+/// The real engine (CPU; the trained demo model, or with `demo_seed` the random demo model, whose CSA and HCA layers
+/// have paged rows) behind a scheduler with a disk tier in a fresh directory; `hold` gates its restores.
+fn real_scheduler(
+    max_parked: usize,
+    hold: Option<Gate>,
+    demo_seed: Option<u64>,
+) -> (Scheduler, Arc<Metrics>, tempfile::TempDir) {
     use crate::engine::{load, LoadOptions};
     use crate::model::Runner;
     let opts = LoadOptions {
@@ -272,48 +277,57 @@ fn a_restore_runs_off_the_scheduler_thread_while_others_decode() {
         max_batch_tokens: 256,
         max_sessions: 16,
         active_sessions: 4,
-        demo_seed: None,
+        demo_seed,
     };
     let (runner, _codec, _info) = load(None, &opts).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let mut tier = DiskTier::open(runner.kv_layout().unwrap(), dir.path().to_path_buf(), 1 << 30).unwrap();
-    let gate = Arc::new((parking_lot::Mutex::new(false), parking_lot::Condvar::new()));
-    tier.hold = Some(gate.clone());
+    tier.hold = hold;
     let metrics = Arc::new(Metrics::default());
-    // No RAM tier: a finished session goes to the disk tier (an eviction save), so the next prompt must restore.
-    let config =
-        SchedulerConfig { max_parked: 0, context_size: 2048, prefill_chunk: 128, ..SchedulerConfig::default() };
+    let config = SchedulerConfig { max_parked, context_size: 2048, prefill_chunk: 128, ..SchedulerConfig::default() };
     let s = Scheduler::start_with_tier(Box::new(runner), Some(tier), config, metrics.clone());
-    let ids =
-        |seed: u32, n: usize| -> Vec<u32> { (0..n as u32).map(|i| 10 + (i * 7919 + seed * 104729) % 250).collect() };
-    let never = u32::MAX; // no end-of-sequence token: jobs run to max_tokens
-    let greedy = |prompt: Vec<u32>, max_tokens: usize| {
-        let (tx, rx) = unbounded_channel();
-        let sampling = SamplerConfig::greedy();
-        (
-            GenRequest {
-                prompt,
-                sampling,
-                max_tokens,
-                eos: vec![never],
-                system_block: 0,
-                events: tx,
-                constraint: None,
-            },
-            rx,
-        )
-    };
+    (s, metrics, dir)
+}
+
+/// Token ids of the demo model's vocabulary, a different sequence per seed.
+fn ids(seed: u32, n: usize) -> Vec<u32> {
+    (0..n as u32).map(|i| 10 + (i * 7919 + seed * 104729) % 250).collect()
+}
+
+/// A greedy job with no end-of-sequence token (it runs to `max_tokens`).
+fn greedy(prompt: Vec<u32>, max_tokens: usize) -> (GenRequest, UnboundedReceiver<JobEvent>) {
+    let (tx, rx) = unbounded_channel();
+    let sampling = SamplerConfig::greedy();
+    let req =
+        GenRequest { prompt, sampling, max_tokens, eos: vec![u32::MAX], system_block: 0, events: tx, constraint: None };
+    (req, rx)
+}
+
+/// Waits until the tier has nothing queued and has written a checkpoint.
+fn saves_done(metrics: &Metrics, dir: &std::path::Path) {
+    let t0 = Instant::now();
+    let checkpoint = || dir.read_dir().unwrap().any(|f| f.unwrap().path().extension().is_some_and(|x| x == "ckpt"));
+    while metrics.kv_tier.get().unwrap().io_pending() > 0 || !checkpoint() {
+        assert!(t0.elapsed().as_secs() < 60, "the saves never finished");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
+
+/// The real engine behind a scheduler with a disk tier whose restores are held: a job whose prompt the tier holds
+/// waits for its restore while another session keeps decoding, then starts from the restored prefix. The scheduler
+/// thread never waits on the tier's I/O.
+#[test]
+fn a_restore_runs_off_the_scheduler_thread_while_others_decode() {
+    let gate: Gate = Arc::default();
+    // No RAM tier: a finished session goes to the disk tier (an eviction save), so the next prompt must restore.
+    let (s, metrics, dir) = real_scheduler(0, Some(gate.clone()), None);
     // A 600-token prompt, saved on its way through (cold save after prefill, eviction save when it ends).
     let x = ids(1, 600);
     let (j, mut rx) = greedy(x.clone(), 2);
     s.submit(j).unwrap();
     let (ev, _) = collect(&mut rx);
     assert!(matches!(ev.last(), Some(JobEvent::Done(_))), "{ev:?}");
-    let t0 = Instant::now();
-    while metrics.kv_tier.get().unwrap().io_pending() > 0 || !dir.path().read_dir().unwrap().any(|_| true) {
-        assert!(t0.elapsed().as_secs() < 60, "the saves never finished");
-        std::thread::sleep(std::time::Duration::from_millis(10));
-    }
+    saves_done(&metrics, dir.path());
     // A decoding job, then one whose prompt extends the saved one.
     let (a, mut rx_a) = greedy(ids(2, 40), 400);
     s.submit(a).unwrap();
@@ -351,5 +365,39 @@ fn a_restore_runs_off_the_scheduler_thread_while_others_decode() {
     // The decoding job was never held up: it finishes with all its tokens.
     let (ev_a, _) = collect(&mut rx_a);
     assert!(matches!(ev_a.last(), Some(JobEvent::Done(JobStopReason::Length))), "{ev_a:?}");
+    s.shutdown();
+}
+
+/// One page identity at the server: a prompt restored from the disk tier while a live session holds its pages takes
+/// them by key (counted as spans from RAM, none decoded) and starts from the whole saved prefix.
+#[test]
+fn a_restore_takes_the_pages_a_live_session_holds() {
+    let (s, metrics, dir) = real_scheduler(0, None, Some(7));
+    // A 600-token prompt that keeps decoding (its session stays live); its cold save registers its two full spans.
+    let x = ids(4, 600);
+    let (a, mut rx_a) = greedy(x.clone(), 300);
+    s.submit(a).unwrap();
+    assert!(matches!(rx_a.blocking_recv(), Some(JobEvent::Started { cached_tokens: 0, .. })));
+    saves_done(&metrics, dir.path());
+    let tier = metrics.kv_tier.get().unwrap().clone();
+    assert_eq!(tier.pages().resident, 2, "the cold save registered the live session's full spans");
+    // Another conversation with the same 600-token start: no parked session, so the disk tier restores it.
+    let mut y = x.clone();
+    y.extend(ids(5, 20));
+    let (b, mut rx_b) = greedy(y.clone(), 3);
+    s.submit(b).unwrap();
+    let (ev_b, _) = collect(&mut rx_b);
+    assert!(
+        matches!(ev_b[0], JobEvent::Started { cached_tokens: 600, .. }),
+        "the whole saved prefix is restored: {:?}",
+        ev_b[0]
+    );
+    assert!(matches!(ev_b.last(), Some(JobEvent::Done(_))), "{ev_b:?}");
+    let st = tier.pages();
+    assert_eq!((st.joined, st.decoded), (2, 0), "both spans joined from RAM, none read and decoded");
+    let text = metrics.render();
+    assert!(text.contains("ds4_kv_restored_pages_total{from=\"ram\"} 2"), "{text}");
+    let (ev_a, _) = collect(&mut rx_a);
+    assert!(matches!(ev_a.last(), Some(JobEvent::Done(_))), "{ev_a:?}");
     s.shutdown();
 }
