@@ -1,9 +1,11 @@
 //! # ds4-kv
 //!
-//! The KV cache as a first-class, paged, multi-tier store: pages of KV state keyed by a chained hash of the token
-//! prefix, living on device, host or disk, shared between sessions, written to disk crash-safely and evicted by a
-//! policy that keeps widely shared prefixes. The crate does not depend on the engine: it stores typed row blocks
-//! (`rows × width` f32 values with an engine-defined tag) grouped per layer, and hands them back.
+//! The KV cache as a first-class, paged store: pages of KV state keyed by a chained hash of the token prefix, kept on
+//! disk (or in memory, and exchanged as self-validating blobs with a shared tier), shared between sessions, written
+//! crash-safely and evicted by a policy that keeps widely shared prefixes. The key is the page's one identity: the
+//! engine finds the copies of a page it holds in RAM and on the device by the same key (`ds4_engine::tables::
+//! PageIndex`), so a restore reads only what RAM lacks. The crate does not depend on the engine: it stores typed row
+//! blocks (`rows × width` f32 values with an engine-defined tag) grouped per layer, and hands them back.
 //!
 //! | module | what |
 //! | --- | --- |

@@ -18,9 +18,11 @@
 //!   with a common prefix produce the same page keys: [`save`] asks the store which pages exist and writes only the
 //!   missing ones. Each save writes one new checkpoint (unless the same position was saved before).
 //! * [`restore_longest`] asks the store for the longest token-exact prefix that ends at a checkpoint, streams its
-//!   pages and checkpoint into a [`crate::tables::SessionSnapshot`] and hands it to [`Engine::restore`]. The caller
-//!   then feeds only the suffix. Rows round-trip losslessly, so the restored session's logits are bit-identical to
-//!   those of a session that prefilled everything (tested in `tests/tests/kv_restore.rs`).
+//!   pages and checkpoint into a [`crate::tables::SessionSnapshot`] and hands it to [`Engine::restore`]. Pages the
+//!   engine's RAM already holds under the same key ([`crate::tables::PageIndex`]) are taken as they are, not read;
+//!   saved and restored pages are registered there. The caller then feeds only the suffix. Rows round-trip
+//!   losslessly, so the restored session's logits are bit-identical to those of a session that prefilled everything
+//!   (tested in `tests/tests/kv_restore.rs`).
 //! * "Cached tokens" = the `matched_tokens` returned: tokens whose state came from the store and were not
 //!   recomputed.
 //!
