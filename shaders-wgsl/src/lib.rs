@@ -168,10 +168,10 @@ pub fn all_sources() -> Vec<(&'static str, &'static str, &'static [&'static str]
         v.push(("matmul", f.matmul_source(), &["main"]));
         v.push(("get_rows", f.get_rows_source(), &["main"]));
     }
-    v.push(("rms_norm", RMS_NORM, &["main"]));
+    v.push(("rms_norm", RMS_NORM, &["main", "norm_rope"]));
     v.push(("rope", ROPE, &["main"]));
     v.push(("attention", ATTENTION, &["main", "keyed"]));
-    v.push(("hc", HC, &["pre", "post", "weights", "collapse"]));
+    v.push(("hc", HC, &["pre", "post", "weights", "collapse", "weights_collapse"]));
     v.push(("compress", COMPRESS, &["main"]));
     v.push(("indexer", INDEXER, &["scores", "topk"]));
     v.push(("moe", MOE, &["route", "swiglu", "gather", "scatter"]));

@@ -19,7 +19,12 @@ pub struct MatmulParams {
     pub y_stride: u32,
     pub grid_x: u32,
     pub accumulate: u32,
-    pub _pad: u32,
+    /// Rows per group of a grouped product (0: not grouped): row `r` reads the `cols` columns of `x` at
+    /// `((group_row0 + r) / group_rows) · cols`.
+    pub group_rows: u32,
+    /// The weight row of the dispatch's row 0, counted from the first row of group 0.
+    pub group_row0: u32,
+    pub _pad: [u32; 3],
 }
 
 /// `Params` of `get_rows.wgsl` ([`crate::GET_ROWS_F32`]).
@@ -76,7 +81,11 @@ pub struct NormParams {
     pub has_weight: u32,
     pub grid_x: u32,
     pub eps: f32,
-    pub _pad: [u32; 3],
+    /// `norm_rope` only: heads per token (row `r` is head `r % heads` of token `r / heads`).
+    pub heads: u32,
+    /// `norm_rope` only: the rope slice (the last `rope_dim` values of each row).
+    pub rope_dim: u32,
+    pub _pad: u32,
 }
 
 /// `Params` of `rope.wgsl` ([`crate::ROPE`]).
@@ -246,7 +255,10 @@ pub fn all() -> Vec<ParamsLayout> {
         layout!(
             MatmulParams,
             MATMUL_F32,
-            [rows, cols, n_tok, row_bytes, row_base, x_offset, x_stride, y_offset, y_stride, grid_x, accumulate, _pad]
+            [
+                rows, cols, n_tok, row_bytes, row_base, x_offset, x_stride, y_offset, y_stride, grid_x, accumulate,
+                group_rows, group_row0, _pad
+            ]
         ),
         layout!(GetRowsParams, GET_ROWS_F32, [n_ids, cols, row_bytes, y_offset, y_stride, _pad]),
         layout!(
@@ -268,7 +280,11 @@ pub fn all() -> Vec<ParamsLayout> {
             ]
         ),
         layout!(CombineParams, MOE_IDS, [n, rows, k, has_shared]),
-        layout!(NormParams, RMS_NORM, [n, rows, x_offset, x_stride, y_offset, y_stride, has_weight, grid_x, eps, _pad]),
+        layout!(
+            NormParams,
+            RMS_NORM,
+            [n, rows, x_offset, x_stride, y_offset, y_stride, has_weight, grid_x, eps, heads, rope_dim, _pad]
+        ),
         layout!(RopeParams, ROPE, [n_tok, heads, head_dim, rope_dim, offset, tok_stride, head_stride, inverse]),
         layout!(
             AttnParams,

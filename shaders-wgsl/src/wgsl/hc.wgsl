@@ -15,6 +15,10 @@
 //   (mixes of the already normed streams), pre_j written to u at u_offset + t * u_stride + j; state as in `pre`.
 // Entry `collapse` (dispatch (ceil(d / 64), n_tok, 1)): u[t, c] = sum_j pre[t, j] X[t, j, c] with pre in binding 1
 //   at mix_offset + t * mix_stride (the summation order of `pre`).
+// Entry `weights_collapse` (one workgroup of 64 per token, dispatch (n_tok, 1, 1)): `weights` then `collapse` in one
+//   dispatch: the weights of token t from its mixes (binding 1, mix_offset + t * mix_stride; state as in `weights`),
+//   pre written to binding 7 (N per token), and u[t, c] = sum_j pre_j X[t, j, c] at u_offset + t * u_stride. The
+//   same f32 operations as the two entries one after the other: their results bit for bit.
 struct Params {
     n_tok: u32,
     d: u32,
@@ -41,6 +45,7 @@ struct Params {
 @group(0) @binding(4) var<storage, read_write> state: array<f32>;
 @group(0) @binding(5) var<storage, read_write> u: array<f32>;
 @group(0) @binding(6) var<uniform> p: Params;
+@group(0) @binding(7) var<storage, read_write> pre_out: array<f32>;
 
 const MAX_N: u32 = 8u;
 var<workgroup> red: array<f32, 64>;
@@ -200,4 +205,30 @@ fn collapse(@builtin(global_invocation_id) gid: vec3<u32>) {
         acc += mix[mb + j] * xs[xb + j * p.d + c];
     }
     u[p.u_offset + t * p.u_stride + c] = acc;
+}
+
+@compute @workgroup_size(64)
+fn weights_collapse(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let t = wg.x;
+    if (t >= p.n_tok) {
+        return;
+    }
+    let n = min(p.n, MAX_N);
+    if (li == 0u) {
+        let pw = weights_of(t, 1.0);
+        for (var j = 0u; j < n; j++) {
+            pre_w[j] = pw[j];
+            pre_out[t * n + j] = pw[j];
+        }
+    }
+    workgroupBarrier();
+    let xb = t * n * p.d;
+    let ub = p.u_offset + t * p.u_stride;
+    for (var c = li; c < p.d; c += 64u) {
+        var acc = 0.0;
+        for (var j = 0u; j < n; j++) {
+            acc += pre_w[j] * xs[xb + j * p.d + c];
+        }
+        u[ub + c] = acc;
+    }
 }

@@ -6,6 +6,8 @@
 // A token's result does not depend on the tile it is in (the same block order and tree for every token), so a
 // prefill gives bit for bit what one-token decode ticks give.
 // Dispatch: (grid_x, ceil(rows / grid_x), ceil(n_tok / TILE)) workgroups; row = wg.x + wg.y * grid_x.
+// Grouped products (group_rows > 0: o_groups of the attention output) run in the same dispatch: group g's rows
+// read columns g·cols.. of each token's x, so every group is one dispatch instead of one each.
 struct Params {
     rows: u32,
     cols: u32,
@@ -18,7 +20,11 @@ struct Params {
     y_stride: u32,
     grid_x: u32,
     accumulate: u32,
-    _pad: u32,
+    group_rows: u32,
+    group_row0: u32,
+    _pad0: u32,
+    _pad1: u32,
+    _pad2: u32,
 }
 
 @group(0) @binding(0) var<storage, read> w: array<u32>;
@@ -40,7 +46,11 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     let nt = min(TILE, p.n_tok - tok0);
     let nb = p.cols / BLOCK_VALUES;
     let rb = (p.row_base + row) * p.row_bytes;
-    let xb = p.x_offset + tok0 * p.x_stride;
+    var xg = 0u;
+    if (p.group_rows != 0u) {
+        xg = ((p.group_row0 + row) / p.group_rows) * p.cols;
+    }
+    let xb = p.x_offset + tok0 * p.x_stride + xg;
     var acc: array<f32, 8>;
     for (var blk = li; blk < nb; blk += WG) {
         let b = rb + blk * BLOCK_BYTES;

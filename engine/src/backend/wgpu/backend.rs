@@ -35,7 +35,7 @@ use super::kvdev::{DevKv, SlotKv};
 use super::matmul::{matmul, View};
 use super::resident::Tick;
 use super::weights::{weight_format, GpuWeight};
-use super::{attn, moe, rows};
+use super::{attn, fuse, moe, rows};
 use crate::backend::{Backend, StepCtx};
 use crate::graph::{BufId, Op};
 use crate::model::{CompressorWeights, Model, ModelConfig, WeightId};
@@ -59,6 +59,8 @@ pub struct WgpuBackend {
     kv: Mutex<DevKv>,
     /// Tokens of roll-back log (R) each mirror keeps on the device; 0: none ([`Backend::set_device_rollback`]).
     rollback: AtomicUsize,
+    /// Whether consecutive nodes are fused ([`fuse`]; on by default).
+    fusion: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for WgpuBackend {
@@ -84,7 +86,14 @@ impl WgpuBackend {
             tick: Mutex::new(Tick::default()),
             kv: Mutex::new(DevKv::default()),
             rollback: AtomicUsize::new(0),
+            fusion: std::sync::atomic::AtomicBool::new(true),
         }
+    }
+
+    /// Turns the fusion of consecutive nodes ([`fuse`]) on or off (results are the same either way, bit for bit;
+    /// off records one dispatch per node kernel, for comparisons).
+    pub fn set_fusion(&self, on: bool) {
+        self.fusion.store(on, Ordering::Relaxed);
     }
 
     /// Tokens of roll-back log each device mirror keeps (R; 0: none).
@@ -263,7 +272,8 @@ impl Backend for WgpuBackend {
         Ok(())
     }
 
-    fn end_tick(&self, _cx: &mut StepCtx<'_>) -> Result<()> {
+    fn end_tick(&self, cx: &mut StepCtx<'_>) -> Result<()> {
+        self.release_held(&mut self.tick.lock(), cx)?;
         // Normally the readback node has submitted everything already.
         self.flush()
     }
@@ -274,6 +284,7 @@ impl Backend for WgpuBackend {
             return Ok(());
         }
         let mut t = self.tick.lock();
+        self.release_held(&mut t, cx)?;
         let buf = self.buf(&mut t, cx.model, id)?;
         let got = self.ctx.submit_read_f32(t.take_enc(&self.ctx), &buf, 0, out.len())?;
         out.copy_from_slice(&got);
@@ -284,6 +295,7 @@ impl Backend for WgpuBackend {
     /// commands (a host write straight into the tensor would land before them).
     fn upload(&self, id: BufId, cx: &mut StepCtx<'_>, data: &[f32]) -> Result<()> {
         let mut t = self.tick.lock();
+        self.release_held(&mut t, cx)?;
         let buf = self.buf(&mut t, cx.model, id)?;
         let bytes = std::mem::size_of_val(data) as u64;
         if bytes > buf.size() {
@@ -418,6 +430,16 @@ impl Backend for WgpuBackend {
     fn run_node(&self, op: &Op, cx: &mut StepCtx<'_>) -> Result<()> {
         let mut t = self.tick.lock();
         let t = &mut *t;
+        if let Some(h) = t.held.take() {
+            if fuse::fused(self, t, cx, h, op)? {
+                return Ok(());
+            }
+            fuse::run_alone(self, t, cx, h)?;
+        }
+        if let Some(h) = fuse::hold(op).filter(|_| self.fusion.load(Ordering::Relaxed)) {
+            t.held = Some(h);
+            return Ok(());
+        }
         match *op {
             Op::Embed => rows::embed(self, t, cx),
             Op::MtpInput => Err(backend_err("no kernel for the MTP input stage (the drafter runs on the CPU)")),
@@ -467,6 +489,14 @@ impl Backend for WgpuBackend {
 }
 
 impl WgpuBackend {
+    /// Records the node held for fusion, if any ([`fuse`]), before anything else touches the tick.
+    fn release_held(&self, t: &mut Tick, cx: &StepCtx<'_>) -> Result<()> {
+        match t.held.take() {
+            Some(h) => fuse::run_alone(self, t, cx, h),
+            None => Ok(()),
+        }
+    }
+
     /// The device buffer of tensor `id` in tick `t` (an error for the KV pages, which are session mirrors).
     pub(super) fn buf(&self, t: &mut Tick, model: &Model, id: BufId) -> Result<Buf> {
         t.buf(&self.ctx, model, id).ok_or_else(|| backend_err(format!("tensor {id:?} has no tick buffer")))

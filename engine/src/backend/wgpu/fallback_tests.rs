@@ -12,7 +12,7 @@ use crate::graph::{Batch, Graph, Op};
 use crate::model::Model;
 use crate::tables::SessionKv;
 
-fn demo() -> Model {
+pub(super) fn demo() -> Model {
     Model::load(GgufFile::from_bytes(crate::convert::demo::demo_model_gguf(7).unwrap()).unwrap()).unwrap()
 }
 
@@ -23,7 +23,7 @@ fn tok(i: usize, vocab: usize) -> u32 {
 /// A prefill of `n` tokens then `decode` one-token ticks of one session, each tick built by the recipe and run by
 /// `ex` on `be` (with `fallback`); `each(graph, executor)` sees every tick after it ran. Returns every tick's
 /// logits.
-fn ticks(
+pub(super) fn ticks(
     model: &Model,
     be: &dyn Backend,
     fallback: Option<&dyn Backend>,

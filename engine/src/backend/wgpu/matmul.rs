@@ -62,6 +62,39 @@ pub fn matmul(
     y: View<'_>,
     accumulate: bool,
 ) -> Result<()> {
+    product(ctx, enc, w, rows, x, n_tok, y, accumulate, 0)
+}
+
+/// Records the grouped product `y[t, r] = W[r] · x[t, g·cols..(g+1)·cols]` with `g = r / group_rows`, for every
+/// row of `w` and `t < n_tok`, in one dispatch per weight chunk (each row's result bit for bit that of a product
+/// of its group alone).
+pub fn grouped_matmul(
+    ctx: &WgpuContext,
+    enc: &mut wgpu::CommandEncoder,
+    w: &GpuWeight,
+    group_rows: usize,
+    x: View<'_>,
+    n_tok: usize,
+    y: View<'_>,
+) -> Result<()> {
+    if group_rows == 0 || !w.rows.is_multiple_of(group_rows) {
+        return Err(backend_err(format!("grouped matmul {}: {} rows in groups of {group_rows}", w.name, w.rows)));
+    }
+    product(ctx, enc, w, 0..w.rows, x, n_tok, y, false, group_rows)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn product(
+    ctx: &WgpuContext,
+    enc: &mut wgpu::CommandEncoder,
+    w: &GpuWeight,
+    rows: Range<usize>,
+    x: View<'_>,
+    n_tok: usize,
+    y: View<'_>,
+    accumulate: bool,
+    group_rows: usize,
+) -> Result<()> {
     if rows.end > w.rows || rows.start > rows.end {
         return Err(backend_err(format!("matmul {}: rows {rows:?} out of 0..{}", w.name, w.rows)));
     }
@@ -77,6 +110,7 @@ pub fn matmul(
     // Each workgroup streams its row once per tile of tokens.
     let bytes = (rows.len() * w.row_bytes) as u64;
     ctx.note_weights(bytes * tiles as u64, bytes);
+    let first = rows.start;
     for (chunk, local, out_off) in w.pieces(rows) {
         let n = local.len();
         let grid_x = n.min(max.min(32768));
@@ -92,7 +126,9 @@ pub fn matmul(
             y_stride: u32_of(y.stride, "y stride")?,
             grid_x: grid_x as u32,
             accumulate: accumulate as u32,
-            _pad: 0,
+            group_rows: u32_of(group_rows, "group rows")?,
+            group_row0: u32_of(first + out_off, "group row")?,
+            _pad: [0; 3],
         };
         let u = ctx.uniform("matmul params", &params);
         let groups = [grid_x as u32, n.div_ceil(grid_x) as u32, tiles as u32];
@@ -343,6 +379,48 @@ mod accuracy_tests {
                 let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(&together[t * rows..(t + 1) * rows]), bits(&alone), "{ty}: token {t}");
             }
+        }
+    }
+
+    /// A grouped product is one dispatch per weight chunk (not one per group) and gives each group's rows bit for
+    /// bit what a product of that group's rows with its slice of the activations gives, also when a weight is
+    /// split across bindings mid-group.
+    #[test]
+    fn groups_in_one_dispatch_give_each_group_alone_bit_for_bit() {
+        let (groups, rank, n_tok) = (4usize, 3usize, 2usize);
+        for ty in [GgmlType::F32, GgmlType::Q8_0] {
+            let cols = 64usize;
+            let rows = groups * rank;
+            let rb = ty.row_bytes(cols as u64).unwrap();
+            // Five rows per binding: chunks end inside groups.
+            let Some(ctx) = ctx_with(Some((rb * 5).div_ceil(4) * 4)) else { return };
+            let mut rng = StdRng::seed_from_u64(ty.id() as u64 + 5);
+            let data = random_weight(&mut rng, ty, rows, cols);
+            let w = GpuWeight::upload(&ctx, "wo_a", ty, cols, rows, &data, 1).unwrap();
+            assert!(w.chunks.len() >= 3, "{ty}: a split weight");
+            let x = activations(&mut rng, n_tok, groups * cols);
+            let xb = ctx.storage_f32("x", &x);
+            let yb = ctx.storage_zeroed("y", n_tok * rows);
+            let before = ctx.counters();
+            let mut enc = ctx.encoder();
+            grouped_matmul(&ctx, &mut enc, &w, rank, View::new(&xb, groups * cols), n_tok, View::new(&yb, rows))
+                .unwrap();
+            ctx.submit(enc).unwrap();
+            assert_eq!((ctx.counters() - before).dispatches, w.chunks.len() as u64, "{ty}: one dispatch per chunk");
+            let got = ctx.read_f32(&yb, 0, n_tok * rows).unwrap();
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            for g in 0..groups {
+                let slice: Vec<f32> =
+                    (0..n_tok).flat_map(|t| x[(t * groups + g) * cols..(t * groups + g + 1) * cols].to_vec()).collect();
+                let alone = gpu_product(&ctx, &w, g * rank..(g + 1) * rank, &slice, n_tok);
+                for t in 0..n_tok {
+                    let mine = &got[t * rows + g * rank..t * rows + (g + 1) * rank];
+                    assert_eq!(bits(mine), bits(&alone[t * rank..(t + 1) * rank]), "{ty}: group {g} token {t}");
+                }
+            }
+            let mut enc = ctx.encoder();
+            let (xv, yv) = (View::new(&xb, groups * cols), View::new(&yb, rows));
+            assert!(grouped_matmul(&ctx, &mut enc, &w, 5, xv, n_tok, yv).is_err(), "12 rows are not groups of 5");
         }
     }
 

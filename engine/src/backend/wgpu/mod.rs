@@ -37,6 +37,7 @@ mod attn;
 pub(crate) mod backend;
 pub mod context;
 mod devmem;
+mod fuse;
 pub(crate) mod kvdev;
 pub(crate) mod matmul;
 mod moe;

@@ -57,7 +57,9 @@ pub fn rms_norm(
         has_weight: g.is_some() as u32,
         grid_x: gx,
         eps,
-        _pad: [0; 3],
+        heads: 0,
+        rope_dim: 0,
+        _pad: 0,
     };
     let u = ctx.uniform("rms_norm", &p);
     // No weight: binding 2 is read-only, so the context's zeros serve.
@@ -68,6 +70,58 @@ pub fn rms_norm(
     } else {
         ctx.dispatch(enc, &pl, &[x.0, y.0, gb, &u], [gx, gy, 1])
     }
+}
+
+/// Shape of a fused RMSNorm + RoPE ([`norm_rope`]): `rows` rows of `width` values, `heads` rows per token, rope on
+/// the last `rope_dim` values of each row.
+#[derive(Clone, Copy, Debug)]
+pub struct NormRope {
+    pub width: usize,
+    pub rows: usize,
+    pub heads: usize,
+    pub rope_dim: usize,
+    pub eps: f32,
+}
+
+/// Records `norm.wgsl`'s `norm_rope`: [`rms_norm`] of rows of `x` into `y` (contiguous rows), then the forward
+/// [`rope`] of `y` with the tick's table `cs`, in one dispatch (bit for bit the two in turn).
+pub fn norm_rope(
+    ctx: &WgpuContext,
+    enc: &mut Enc,
+    (x, y): (&Buf, &Buf),
+    g: Option<&Buf>,
+    cs: &Buf,
+    s: NormRope,
+) -> Result<()> {
+    if s.rope_dim == 0 || !s.rope_dim.is_multiple_of(2) || s.rope_dim > s.width || s.heads == 0 {
+        return Err(backend_err(format!(
+            "norm_rope: rope_dim {} of rows of {} ({} heads)",
+            s.rope_dim, s.width, s.heads
+        )));
+    }
+    if s.rows == 0 {
+        return Ok(());
+    }
+    let pl = ctx.pipeline_entry("rms_norm", sh::RMS_NORM, "norm_rope")?;
+    let (gx, gy) = grid2(s.rows);
+    let w = u32_of(s.width, "width")?;
+    let p = NormParams {
+        n: w,
+        rows: u32_of(s.rows, "rows")?,
+        x_offset: 0,
+        x_stride: w,
+        y_offset: 0,
+        y_stride: w,
+        has_weight: g.is_some() as u32,
+        grid_x: gx,
+        eps: s.eps,
+        heads: u32_of(s.heads, "heads")?,
+        rope_dim: u32_of(s.rope_dim, "rope_dim")?,
+        _pad: 0,
+    };
+    let u = ctx.uniform("norm_rope", &p);
+    let gb = g.unwrap_or(ctx.zeros());
+    ctx.dispatch_at(enc, &pl, &[(0, x), (1, y), (2, gb), (3, &u), (4, cs)], [gx, gy, 1])
 }
 
 /// Geometry of a RoPE application: `heads` heads of `head_dim` per token, rope on the last `rope_dim`.

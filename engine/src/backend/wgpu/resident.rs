@@ -103,12 +103,15 @@ pub struct Tick {
     /// cos/sin of the batch positions: plain, compressed rope.
     rope: [Option<Buf>; 2],
     pub moe: MoePlan,
+    /// A node waiting for its successor ([`super::fuse`]).
+    pub held: Option<super::fuse::Held>,
 }
 
 impl Tick {
     /// Starts a tick over `cx`'s batch: drops anything left recorded (a failed tick) and the last tick's tables.
     pub fn begin(&mut self, cx: &StepCtx<'_>) {
         self.enc = None;
+        self.held = None;
         self.rows = cx.batch.rows.len();
         self.logit_rows = cx.batch.logit_rows.len();
         self.rope = [None, None];

@@ -8,7 +8,7 @@ use ds4_shaders_wgsl::params::{HcParams, ScaleParams};
 
 use super::backend::WgpuBackend;
 use super::context::backend_err;
-use super::matmul::{get_rows, matmul as record_matmul, u32_of, View};
+use super::matmul::{get_rows, grouped_matmul as grouped_product, u32_of, View};
 use super::ops::{self, ActSim, RopeShape};
 use super::resident::Tick;
 use crate::backend::StepCtx;
@@ -79,16 +79,10 @@ pub fn grouped_matmul(
         return Err(backend_err(format!("grouped matmul {}: {} rows for {groups} groups of {rank}", wm.name, wm.rows)));
     }
     let (xb, yb) = (be.buf(t, model, x)?, be.buf(t, model, y)?);
-    let gs = wm.cols;
     let n = cx.batch.rows.len();
     let ctx = be.context();
-    let enc = t.enc(ctx);
-    for g in 0..groups {
-        let xv = View { buf: &xb, offset: g * gs, stride: groups * gs };
-        let yv = View { buf: &yb, offset: g * rank, stride: groups * rank };
-        record_matmul(ctx, enc, &wm, g * rank..(g + 1) * rank, xv, n, yv, false)?;
-    }
-    Ok(())
+    let (xv, yv) = (View::new(&xb, groups * wm.cols), View::new(&yb, groups * rank));
+    grouped_product(ctx, t.enc(ctx), &wm, rank, xv, n, yv)
 }
 
 /// [`crate::graph::Op::Rope`] at the batch positions (the tick's table of the layer's rope).
@@ -218,6 +212,47 @@ pub fn hc_sinkhorn(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, layer: usiz
         Sub::Ffn => lw.hc_ffn,
     };
     hc_weights(be, t, cx, w.base, w.scale, false)
+}
+
+/// [`crate::graph::Op::HcSinkhorn`] of `of` (`(layer, sub)`; `None`: [`crate::graph::Op::HcHeadWeights`]) and the
+/// [`crate::graph::Op::HcCollapse`] into `out` that follows it, in one dispatch (`hc.wgsl`'s `weights_collapse`;
+/// see [`super::fuse`]).
+pub fn hc_weights_collapse(
+    be: &WgpuBackend,
+    t: &mut Tick,
+    cx: &StepCtx<'_>,
+    of: Option<(usize, Sub)>,
+    out: BufId,
+) -> Result<()> {
+    let model = cx.model;
+    let c = &model.config;
+    let n = cx.batch.rows.len();
+    if n == 0 {
+        return Ok(());
+    }
+    let (base, scale) = match of {
+        Some((layer, sub)) => {
+            let lw = &model.layers[layer];
+            let w = match sub {
+                Sub::Attn => lw.hc_attn,
+                Sub::Ffn => lw.hc_ffn,
+            };
+            (w.base, w.scale)
+        }
+        None => (model.global.hc_base, model.global.hc_scale),
+    };
+    let (xs, mix, state) =
+        (be.buf(t, model, BufId::Streams)?, be.buf(t, model, BufId::Mix)?, be.buf(t, model, BufId::PostComb)?);
+    let (pre, u) = (be.buf(t, model, BufId::Pre)?, be.buf(t, model, out)?);
+    let (bb, sb) = (be.dense(model, base), be.dense(model, scale));
+    let mut p = hc_params(cx, of.is_none())?;
+    p.mix_stride = u32_of(if of.is_none() { c.hc_mult } else { c.hc_mix() }, "mix stride")?;
+    p.u_stride = u32_of(c.d_model, "u stride")?;
+    let ctx = be.context();
+    let pl = ctx.pipeline_entry("hc", sh::HC, "weights_collapse")?;
+    let ub = ctx.uniform("hc weights collapse", &p);
+    let bind = [(0, &xs), (1, &mix), (2, &bb), (3, &sb), (4, &state), (5, &u), (6, &ub), (7, &pre)];
+    ctx.dispatch_at(t.enc(ctx), &pl, &bind, [u32_of(n, "workgroups")?, 1, 1])
 }
 
 /// [`crate::graph::Op::HcHeadWeights`].

@@ -1,0 +1,148 @@
+//! Fusion of consecutive graph nodes into one dispatch (a peephole over the recipe's order; the graph stays fine).
+//!
+//! A dispatch costs tens of microseconds on Vulkan and Metal whatever it computes, so the small nodes of a decode
+//! tick cost more than their work. wgpu sees the tick's nodes one by one in recipe order; a node that can open a
+//! fused pair is *held* ([`hold`]) instead of recorded, and the next node either completes the pair ([`fused`]:
+//! one dispatch for both) or the held node is recorded alone first ([`run_alone`]). Anything else that touches the
+//! tick (a residency copy, the tick's end) records a held node first, so the recorded order of effects is always
+//! the graph's.
+//!
+//! The pairs (each fused kernel does the same f32 operations as the two kernels in turn, so results are theirs bit
+//! for bit — tested in `ops_tests`):
+//! - the mHC weights ([`Op::HcSinkhorn`], [`Op::HcHeadWeights`]) and [`Op::HcCollapse`]: `hc.wgsl`'s
+//!   `weights_collapse`;
+//! - an [`Op::RmsNorm`] and the forward [`Op::Rope`] of the tensor it wrote, with the same row shape (the query
+//!   heads, the KV row): `norm.wgsl`'s `norm_rope`.
+
+use super::backend::WgpuBackend;
+use super::ops;
+use super::resident::Tick;
+use super::rows;
+use crate::backend::StepCtx;
+use crate::graph::{BufId, Op, Sub};
+use crate::model::WeightId;
+use crate::Result;
+
+/// A node waiting for its successor (see the module docs).
+#[derive(Clone, Copy, Debug)]
+pub enum Held {
+    /// The mHC weights of a sublayer (`Some((layer, sub))`, [`Op::HcSinkhorn`]) or of the output head (`None`).
+    Weights(Option<(usize, Sub)>),
+    /// An [`Op::RmsNorm`].
+    Norm { x: BufId, y: BufId, w: Option<WeightId>, width: usize, heads: usize },
+}
+
+/// Whether `op` opens a fused pair: then it is held instead of recorded.
+pub fn hold(op: &Op) -> Option<Held> {
+    match *op {
+        Op::HcSinkhorn { layer, sub } => Some(Held::Weights(Some((layer, sub)))),
+        Op::HcHeadWeights => Some(Held::Weights(None)),
+        Op::RmsNorm { x, y, w, width, heads } => Some(Held::Norm { x, y, w, width, heads }),
+        _ => None,
+    }
+}
+
+/// Records `held` and `next` as one dispatch when they form a pair; `false` (nothing recorded) otherwise.
+pub fn fused(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, held: Held, next: &Op) -> Result<bool> {
+    match (held, *next) {
+        (Held::Weights(of), Op::HcCollapse { out }) => {
+            rows::hc_weights_collapse(be, t, cx, of, out)?;
+            Ok(true)
+        }
+        (Held::Norm { x, y, w, width, heads }, Op::Rope { x: rx, layer, width: rw, heads: rh, inverse: false })
+            if rx == y && rw == width && rh == heads && norm_rope_fits(cx, width) =>
+        {
+            norm_rope(be, t, cx, (x, y), w, width, heads, layer)?;
+            Ok(true)
+        }
+        _ => Ok(false),
+    }
+}
+
+/// Records `held` alone (its successor does not pair with it, or something else needs the tick in order).
+pub fn run_alone(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, held: Held) -> Result<()> {
+    match held {
+        Held::Weights(Some((layer, sub))) => rows::hc_sinkhorn(be, t, cx, layer, sub),
+        Held::Weights(None) => rows::hc_head_weights(be, t, cx),
+        Held::Norm { x, y, w, width, heads } => rows::rms_norm(be, t, cx, x, y, w, width, heads),
+    }
+}
+
+fn norm_rope_fits(cx: &StepCtx<'_>, width: usize) -> bool {
+    let rd = cx.model.config.rope_dim;
+    rd > 0 && rd.is_multiple_of(2) && rd <= width
+}
+
+#[allow(clippy::too_many_arguments)]
+fn norm_rope(
+    be: &WgpuBackend,
+    t: &mut Tick,
+    cx: &StepCtx<'_>,
+    (x, y): (BufId, BufId),
+    w: Option<WeightId>,
+    width: usize,
+    heads: usize,
+    layer: usize,
+) -> Result<()> {
+    let model = cx.model;
+    let ctx = be.context();
+    let (xb, yb) = (be.buf(t, model, x)?, be.buf(t, model, y)?);
+    let g = w.map(|w| be.dense(model, w));
+    let cs = t.rope(ctx, cx, layer);
+    let rows = cx.batch.rows.len() * heads;
+    let shape = ops::NormRope { width, rows, heads, rope_dim: model.config.rope_dim, eps: model.config.rms_eps };
+    ops::norm_rope(ctx, t.enc(ctx), (&xb, &yb), g.as_deref(), &cs, shape)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::context::test_context;
+    use super::super::fallback_tests::{demo, ticks};
+    use super::super::WgpuBackend;
+    use crate::exec::Executor;
+    use crate::graph::Op;
+
+    /// On the demo model (CSA, HCA and window layers, simulation on), a prefill and decode ticks give the same
+    /// logits bit for bit with fusion on and off, and fusion saves exactly one dispatch per pair the recipe holds:
+    /// each sublayer's and the head's mHC weights + collapse, and each norm followed by the rope of what it wrote.
+    #[test]
+    fn fused_pairs_give_the_unfused_results_bit_for_bit_in_fewer_dispatches() {
+        let Some(ctx) = test_context(Default::default()) else { return };
+        let model = demo();
+        let be = WgpuBackend::with_context(ctx);
+        let mut run = |on: bool| {
+            be.set_fusion(on);
+            let mut ex = Executor::default();
+            let (mut dispatches, mut pairs) = (Vec::new(), Vec::new());
+            let mut before = be.context().counters();
+            let logits = ticks(&model, &be, None, &mut ex, 9, 2, |g, _| {
+                let now = be.context().counters();
+                dispatches.push((now - before).dispatches);
+                before = now;
+                let ops: Vec<Op> = g.nodes.iter().map(|n| n.op).collect();
+                let n = ops
+                    .windows(2)
+                    .filter(|w| match (w[0], w[1]) {
+                        (Op::HcSinkhorn { .. } | Op::HcHeadWeights, Op::HcCollapse { .. }) => true,
+                        (Op::RmsNorm { y, width, heads, .. }, Op::Rope { x, width: rw, heads: rh, inverse, .. }) => {
+                            x == y && rw == width && rh == heads && !inverse
+                        }
+                        _ => false,
+                    })
+                    .count();
+                pairs.push(n as u64);
+            })
+            .unwrap();
+            (logits, dispatches, pairs)
+        };
+        let (plain, d_plain, pairs) = run(false);
+        let (fused, d_fused, _) = run(true);
+        let bits =
+            |v: &Vec<Vec<f32>>| v.iter().map(|l| l.iter().map(|f| f.to_bits()).collect::<Vec<_>>()).collect::<Vec<_>>();
+        assert_eq!(bits(&fused), bits(&plain), "fused kernels changed the logits");
+        assert!(pairs.iter().all(|&p| p as usize >= 2 * model.config.n_layers + 1), "pairs per tick: {pairs:?}");
+        for (t, ((a, b), p)) in d_plain.iter().zip(&d_fused).zip(&pairs).enumerate() {
+            assert_eq!(a - b, *p, "tick {t}: {a} dispatches unfused, {b} fused, {p} pairs");
+        }
+    }
+}
