@@ -22,14 +22,18 @@ pub fn embed(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>) -> Result<()> {
     let c = &model.config;
     let (hc, d) = (c.hc_mult, c.d_model);
     let emb = be.mat(model, model.global.embed)?;
-    let ids: Vec<(usize, usize)> = cx.batch.rows.iter().enumerate().map(|(r, row)| (row.token as usize, r)).collect();
+    // Row r's stream j is output row r·hc + j of width d: every copy in one gather.
+    let ids: Vec<(usize, usize)> = cx
+        .batch
+        .rows
+        .iter()
+        .enumerate()
+        .flat_map(|(r, row)| (0..hc).map(move |j| (row.token as usize, r * hc + j)))
+        .collect();
     t.reset_streams();
     let out = be.buf(t, model, BufId::Streams)?;
     let enc = t.enc(be.context());
-    for j in 0..hc {
-        get_rows(be.context(), enc, &emb, &ids, View::new(&out, hc * d).at(j * d))?;
-    }
-    Ok(())
+    get_rows(be.context(), enc, &emb, &ids, View::new(&out, d))
 }
 
 /// [`crate::graph::Op::RmsNorm`].
@@ -302,7 +306,8 @@ pub fn hc_post(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>) -> Result<()> {
     Ok(())
 }
 
-/// [`crate::graph::Op::Logits`]: the logit rows of `HeadOut`, gathered, times the output head, into `Logits`.
+/// [`crate::graph::Op::Logits`]: the logit rows of `HeadOut` (gathered unless they are every row in order), times
+/// the output head, into `Logits`.
 pub fn logits(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>) -> Result<()> {
     let model = cx.model;
     let d = model.config.d_model;
@@ -312,10 +317,14 @@ pub fn logits(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>) -> Result<()> {
     }
     let ctx = be.context();
     let head = be.mat(model, model.global.head)?;
-    let x = ctx.scratch(lr.len() * d);
     let (h, out) = (be.buf(t, model, BufId::HeadOut)?, be.buf(t, model, BufId::Logits)?);
-    let rows: Vec<u32> = lr.iter().map(|&r| r as u32).collect();
     let enc = t.enc(ctx);
+    // Every row a logit row, in order (a decode tick): the head reads HeadOut as it is.
+    if lr.iter().copied().eq(0..cx.batch.rows.len()) {
+        return be.mm(enc, &head, View::new(&h, d), lr.len(), View::new(&out, head.rows));
+    }
+    let rows: Vec<u32> = lr.iter().map(|&r| r as u32).collect();
+    let x = ctx.scratch(lr.len() * d);
     ops::gather_rows(ctx, enc, &h, &x, &rows, d, d)?;
     be.mm(enc, &head, View::new(&x, d), lr.len(), View::new(&out, head.rows))
 }
