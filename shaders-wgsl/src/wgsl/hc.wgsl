@@ -19,6 +19,10 @@
 //   dispatch: the weights of token t from its mixes (binding 1, mix_offset + t * mix_stride; state as in `weights`),
 //   pre written to binding 7 (N per token), and u[t, c] = sum_j pre_j X[t, j, c] at u_offset + t * u_stride. The
 //   same f32 operations as the two entries one after the other: their results bit for bit.
+// Entry `post_norm` (one workgroup of 64 per token, dispatch (n_tok, 1, 1); d a multiple of 64): `post` into u, then
+//   the unweighted RMSNorm of each new row of N*d values (`norm.wgsl`, eps = norm_eps) into binding 7: each
+//   invocation writes the outputs whose index is its own modulo 64, in ascending order, summing their squares as the
+//   norm does, so both results are those of the two kernels in turn, bit for bit.
 struct Params {
     n_tok: u32,
     d: u32,
@@ -45,7 +49,8 @@ struct Params {
 @group(0) @binding(4) var<storage, read_write> state: array<f32>;
 @group(0) @binding(5) var<storage, read_write> u: array<f32>;
 @group(0) @binding(6) var<uniform> p: Params;
-@group(0) @binding(7) var<storage, read_write> pre_out: array<f32>;
+// `weights_collapse`: pre (N per token); `post_norm`: the normed new streams.
+@group(0) @binding(7) var<storage, read_write> aux: array<f32>;
 
 const MAX_N: u32 = 8u;
 var<workgroup> red: array<f32, 64>;
@@ -218,7 +223,7 @@ fn weights_collapse(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocat
         let pw = weights_of(t, 1.0);
         for (var j = 0u; j < n; j++) {
             pre_w[j] = pw[j];
-            pre_out[t * n + j] = pw[j];
+            aux[t * n + j] = pw[j];
         }
     }
     workgroupBarrier();
@@ -230,5 +235,41 @@ fn weights_collapse(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocat
             acc += pre_w[j] * xs[xb + j * p.d + c];
         }
         u[ub + c] = acc;
+    }
+}
+
+@compute @workgroup_size(64)
+fn post_norm(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let t = wg.x;
+    if (t >= p.n_tok) {
+        return;
+    }
+    let n = min(p.n, MAX_N);
+    let xb = t * n * p.d;
+    let sb = t * (n + n * n);
+    var ss = 0.0;
+    for (var k = 0u; k < n; k++) {
+        for (var c = li; c < p.d; c += 64u) {
+            let f = mix[p.f_offset + t * p.f_stride + c];
+            var acc = state[sb + k] * f;
+            for (var j = 0u; j < n; j++) {
+                acc += state[sb + n + j * n + k] * xs[xb + j * p.d + c];
+            }
+            u[xb + k * p.d + c] = acc;
+            ss += acc * acc;
+        }
+    }
+    red[li] = ss;
+    workgroupBarrier();
+    for (var s = 32u; s > 0u; s >>= 1u) {
+        if (li < s) {
+            red[li] += red[li + s];
+        }
+        workgroupBarrier();
+    }
+    let w = n * p.d;
+    let scale = inverseSqrt(red[0] / f32(w) + p.norm_eps);
+    for (var i = li; i < w; i += 64u) {
+        aux[xb + i] = u[xb + i] * scale;
     }
 }

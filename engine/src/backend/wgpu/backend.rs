@@ -469,7 +469,7 @@ impl Backend for WgpuBackend {
             Op::HcSinkhorn { layer, sub } => rows::hc_sinkhorn(self, t, cx, layer, sub),
             Op::HcHeadWeights => rows::hc_head_weights(self, t, cx),
             Op::HcCollapse { out } => rows::hc_collapse(self, t, cx, out),
-            Op::HcPost => rows::hc_post(self, t, cx),
+            Op::HcPost => rows::hc_post(self, t, cx, None),
             Op::Logits => rows::logits(self, t, cx),
             Op::Readback { buf: BufId::Routes } => moe::read_routes(self, t, cx),
             Op::Readback { buf } => rows::readback(self, t, cx, buf),

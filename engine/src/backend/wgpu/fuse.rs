@@ -12,7 +12,9 @@
 //! - the mHC weights ([`Op::HcSinkhorn`], [`Op::HcHeadWeights`]) and [`Op::HcCollapse`]: `hc.wgsl`'s
 //!   `weights_collapse`;
 //! - an [`Op::RmsNorm`] and the forward [`Op::Rope`] of the tensor it wrote, with the same row shape (the query
-//!   heads, the KV row): `norm.wgsl`'s `norm_rope`.
+//!   heads, the KV row): `norm.wgsl`'s `norm_rope`;
+//! - [`Op::HcPost`] and the unweighted [`Op::RmsNorm`] of the new streams that opens the next sublayer (or the
+//!   head): `hc.wgsl`'s `post_norm`.
 
 use super::backend::WgpuBackend;
 use super::ops;
@@ -30,6 +32,8 @@ pub enum Held {
     Weights(Option<(usize, Sub)>),
     /// An [`Op::RmsNorm`].
     Norm { x: BufId, y: BufId, w: Option<WeightId>, width: usize, heads: usize },
+    /// An [`Op::HcPost`].
+    Post,
 }
 
 /// Whether `op` opens a fused pair: then it is held instead of recorded.
@@ -38,6 +42,7 @@ pub fn hold(op: &Op) -> Option<Held> {
         Op::HcSinkhorn { layer, sub } => Some(Held::Weights(Some((layer, sub)))),
         Op::HcHeadWeights => Some(Held::Weights(None)),
         Op::RmsNorm { x, y, w, width, heads } => Some(Held::Norm { x, y, w, width, heads }),
+        Op::HcPost => Some(Held::Post),
         _ => None,
     }
 }
@@ -55,6 +60,14 @@ pub fn fused(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, held: Held, next:
             norm_rope(be, t, cx, (x, y), w, width, heads, layer)?;
             Ok(true)
         }
+        (Held::Post, Op::RmsNorm { x: BufId::Streams, y, w: None, width, heads: 1 })
+            if y != BufId::Streams
+                && width == cx.model.config.hc_dim()
+                && cx.model.config.d_model.is_multiple_of(64) =>
+        {
+            rows::hc_post(be, t, cx, Some(y))?;
+            Ok(true)
+        }
         _ => Ok(false),
     }
 }
@@ -65,6 +78,7 @@ pub fn run_alone(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, held: Held) -
         Held::Weights(Some((layer, sub))) => rows::hc_sinkhorn(be, t, cx, layer, sub),
         Held::Weights(None) => rows::hc_head_weights(be, t, cx),
         Held::Norm { x, y, w, width, heads } => rows::rms_norm(be, t, cx, x, y, w, width, heads),
+        Held::Post => rows::hc_post(be, t, cx, None),
     }
 }
 
@@ -100,7 +114,7 @@ mod tests {
     use super::super::fallback_tests::{demo, ticks};
     use super::super::WgpuBackend;
     use crate::exec::Executor;
-    use crate::graph::Op;
+    use crate::graph::{BufId, Op};
 
     /// On the demo model (CSA, HCA and window layers, simulation on), a prefill and decode ticks give the same
     /// logits bit for bit with fusion on and off, and fusion saves exactly one dispatch per pair the recipe holds:
@@ -127,6 +141,7 @@ mod tests {
                         (Op::RmsNorm { y, width, heads, .. }, Op::Rope { x, width: rw, heads: rh, inverse, .. }) => {
                             x == y && rw == width && rh == heads && !inverse
                         }
+                        (Op::HcPost, Op::RmsNorm { x: BufId::Streams, w: None, .. }) => true,
                         _ => false,
                     })
                     .count();

@@ -284,8 +284,10 @@ pub fn hc_collapse(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, out: BufId)
     ctx.dispatch_at(t.enc(ctx), &pl, &[(0, &xs), (1, &pre), (5, &u), (6, &ub)], groups)
 }
 
-/// [`crate::graph::Op::HcPost`]: writes the other stream buffer, which becomes the current streams.
-pub fn hc_post(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>) -> Result<()> {
+/// [`crate::graph::Op::HcPost`]: writes the other stream buffer, which becomes the current streams; with `norm`
+/// (the [`crate::graph::Op::RmsNorm`] of the new streams that follows it, unweighted, into that tensor) in the same
+/// dispatch (see [`super::fuse`]).
+pub fn hc_post(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, norm: Option<BufId>) -> Result<()> {
     let model = cx.model;
     let c = &model.config;
     let shape = ops::HcShape {
@@ -301,7 +303,13 @@ pub fn hc_post(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>) -> Result<()> {
     let state = be.buf(t, model, BufId::PostComb)?;
     let out = t.next_streams(be.context(), model);
     let ctx = be.context();
-    ops::hc_post(ctx, t.enc(ctx), &shape, &xs, (&f, 0, c.d_model), &state, &out)?;
+    match norm {
+        Some(y) => {
+            let yb = be.buf(t, model, y)?;
+            ops::hc_post_norm(ctx, t.enc(ctx), &shape, &xs, (&f, 0, c.d_model), &state, &out, &yb)?
+        }
+        None => ops::hc_post(ctx, t.enc(ctx), &shape, &xs, (&f, 0, c.d_model), &state, &out)?,
+    }
     t.flip_streams();
     Ok(())
 }
