@@ -171,7 +171,11 @@ pub fn all_sources() -> Vec<(&'static str, &'static str, &'static [&'static str]
     v.push(("rms_norm", RMS_NORM, &["main", "norm_rope"]));
     v.push(("rope", ROPE, &["main"]));
     v.push(("attention", ATTENTION, &["main", "keyed"]));
-    v.push(("hc", HC, &["pre", "post", "weights", "collapse", "weights_collapse", "post_norm"]));
+    v.push((
+        "hc",
+        HC,
+        &["pre", "post", "weights", "collapse", "weights_collapse", "weights_collapse_norm", "post_norm"],
+    ));
     v.push(("compress", COMPRESS, &["main"]));
     v.push(("indexer", INDEXER, &["scores", "topk"]));
     v.push(("moe", MOE, &["route", "swiglu", "gather", "scatter"]));

@@ -148,7 +148,8 @@ pub struct HcParams {
     pub u_stride: u32,
     pub f_offset: u32,
     pub f_stride: u32,
-    pub _p0: u32,
+    /// `weights_collapse_norm`: whether the norm has a weight (binding 8).
+    pub has_weight: u32,
     pub norm_eps: f32,
     pub hc_eps: f32,
     pub _p1: [u32; 2],
@@ -309,7 +310,7 @@ pub fn all() -> Vec<ParamsLayout> {
             HcParams,
             HC,
             [
-                n_tok, d, n, iters, head, mix_offset, mix_stride, u_offset, u_stride, f_offset, f_stride, _p0,
+                n_tok, d, n, iters, head, mix_offset, mix_stride, u_offset, u_stride, f_offset, f_stride, has_weight,
                 norm_eps, hc_eps, _p1
             ]
         ),

@@ -19,6 +19,9 @@
 //   dispatch: the weights of token t from its mixes (binding 1, mix_offset + t * mix_stride; state as in `weights`),
 //   pre written to binding 7 (N per token), and u[t, c] = sum_j pre_j X[t, j, c] at u_offset + t * u_stride. The
 //   same f32 operations as the two entries one after the other: their results bit for bit.
+// Entry `weights_collapse_norm`: `weights_collapse`, then the RMSNorm of each token's u (d values, eps norm_eps,
+//   times binding 8 when has_weight) into binding 9 (row t at t * d); as in `post_norm`, each invocation sums the
+//   squares of its own outputs in the norm's order, so the three results are the three kernels', bit for bit.
 // Entry `post_norm` (one workgroup of 64 per token, dispatch (n_tok, 1, 1); d a multiple of 64): `post` into u, then
 //   the unweighted RMSNorm of each new row of N*d values (`norm.wgsl`, eps = norm_eps) into binding 7: each
 //   invocation writes the outputs whose index is its own modulo 64, in ascending order, summing their squares as the
@@ -35,7 +38,7 @@ struct Params {
     u_stride: u32,
     f_offset: u32,
     f_stride: u32,
-    _p0: u32,
+    has_weight: u32,
     norm_eps: f32,
     hc_eps: f32,
     _p1: u32,
@@ -51,6 +54,8 @@ struct Params {
 @group(0) @binding(6) var<uniform> p: Params;
 // `weights_collapse`: pre (N per token); `post_norm`: the normed new streams.
 @group(0) @binding(7) var<storage, read_write> aux: array<f32>;
+@group(0) @binding(8) var<storage, read> g: array<f32>;
+@group(0) @binding(9) var<storage, read_write> normed: array<f32>;
 
 const MAX_N: u32 = 8u;
 var<workgroup> red: array<f32, 64>;
@@ -212,12 +217,8 @@ fn collapse(@builtin(global_invocation_id) gid: vec3<u32>) {
     u[p.u_offset + t * p.u_stride + c] = acc;
 }
 
-@compute @workgroup_size(64)
-fn weights_collapse(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
-    let t = wg.x;
-    if (t >= p.n_tok) {
-        return;
-    }
+// `weights_collapse` for token t; returns the sum of the squares of the outputs this invocation wrote (in order).
+fn collapse_token(t: u32, li: u32) -> f32 {
     let n = min(p.n, MAX_N);
     if (li == 0u) {
         let pw = weights_of(t, 1.0);
@@ -229,12 +230,49 @@ fn weights_collapse(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocat
     workgroupBarrier();
     let xb = t * n * p.d;
     let ub = p.u_offset + t * p.u_stride;
+    var ss = 0.0;
     for (var c = li; c < p.d; c += 64u) {
         var acc = 0.0;
         for (var j = 0u; j < n; j++) {
             acc += pre_w[j] * xs[xb + j * p.d + c];
         }
         u[ub + c] = acc;
+        ss += acc * acc;
+    }
+    return ss;
+}
+
+@compute @workgroup_size(64)
+fn weights_collapse(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let t = wg.x;
+    if (t >= p.n_tok) {
+        return;
+    }
+    collapse_token(t, li);
+}
+
+@compute @workgroup_size(64)
+fn weights_collapse_norm(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let t = wg.x;
+    if (t >= p.n_tok) {
+        return;
+    }
+    red[li] = collapse_token(t, li);
+    workgroupBarrier();
+    for (var s = 32u; s > 0u; s >>= 1u) {
+        if (li < s) {
+            red[li] += red[li + s];
+        }
+        workgroupBarrier();
+    }
+    let scale = inverseSqrt(red[0] / f32(p.d) + p.norm_eps);
+    let ub = p.u_offset + t * p.u_stride;
+    for (var c = li; c < p.d; c += 64u) {
+        var v = u[ub + c] * scale;
+        if (p.has_weight != 0u) {
+            v *= g[c];
+        }
+        normed[t * p.d + c] = v;
     }
 }
 

@@ -10,7 +10,8 @@
 //! The pairs (each fused kernel does the same f32 operations as the two kernels in turn, so results are theirs bit
 //! for bit — tested in `ops_tests`):
 //! - the mHC weights ([`Op::HcSinkhorn`], [`Op::HcHeadWeights`]) and [`Op::HcCollapse`]: `hc.wgsl`'s
-//!   `weights_collapse`;
+//!   `weights_collapse`; and with the [`Op::RmsNorm`] of what it collapsed that follows (the sublayer's input norm,
+//!   the head's final norm), three nodes in one dispatch: `weights_collapse_norm`;
 //! - an [`Op::RmsNorm`] and the forward [`Op::Rope`] of the tensor it wrote, with the same row shape (the query
 //!   heads, the KV row): `norm.wgsl`'s `norm_rope`;
 //! - [`Op::HcPost`] and the unweighted [`Op::RmsNorm`] of the new streams that opens the next sublayer (or the
@@ -34,6 +35,8 @@ pub enum Held {
     Norm { x: BufId, y: BufId, w: Option<WeightId>, width: usize, heads: usize },
     /// An [`Op::HcPost`].
     Post,
+    /// The mHC weights and the [`Op::HcCollapse`] into `out` (already paired, waiting for a norm of `out`).
+    WeightsCollapse { of: Option<(usize, Sub)>, out: BufId },
 }
 
 /// Whether `op` opens a fused pair: then it is held instead of recorded.
@@ -51,7 +54,14 @@ pub fn hold(op: &Op) -> Option<Held> {
 pub fn fused(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, held: Held, next: &Op) -> Result<bool> {
     match (held, *next) {
         (Held::Weights(of), Op::HcCollapse { out }) => {
-            rows::hc_weights_collapse(be, t, cx, of, out)?;
+            // Held in turn: the norm of what it collapsed usually follows.
+            t.held = Some(Held::WeightsCollapse { of, out });
+            Ok(true)
+        }
+        (Held::WeightsCollapse { of, out }, Op::RmsNorm { x, y, w, width, heads: 1 })
+            if x == out && width == cx.model.config.d_model =>
+        {
+            rows::hc_weights_collapse(be, t, cx, of, out, Some((y, w)))?;
             Ok(true)
         }
         (Held::Norm { x, y, w, width, heads }, Op::Rope { x: rx, layer, width: rw, heads: rh, inverse: false })
@@ -79,6 +89,7 @@ pub fn run_alone(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, held: Held) -
         Held::Weights(None) => rows::hc_head_weights(be, t, cx),
         Held::Norm { x, y, w, width, heads } => rows::rms_norm(be, t, cx, x, y, w, width, heads),
         Held::Post => rows::hc_post(be, t, cx, None),
+        Held::WeightsCollapse { of, out } => rows::hc_weights_collapse(be, t, cx, of, out, None),
     }
 }
 
@@ -118,7 +129,8 @@ mod tests {
 
     /// On the demo model (CSA, HCA and window layers, simulation on), a prefill and decode ticks give the same
     /// logits bit for bit with fusion on and off, and fusion saves exactly one dispatch per pair the recipe holds:
-    /// each sublayer's and the head's mHC weights + collapse, and each norm followed by the rope of what it wrote.
+    /// each sublayer's and the head's mHC weights + collapse + norm (two pairs), each norm followed by the rope of
+    /// what it wrote, and each mHC post followed by the norm of the new streams.
     #[test]
     fn fused_pairs_give_the_unfused_results_bit_for_bit_in_fewer_dispatches() {
         let Some(ctx) = test_context(Default::default()) else { return };
@@ -142,6 +154,7 @@ mod tests {
                             x == y && rw == width && rh == heads && !inverse
                         }
                         (Op::HcPost, Op::RmsNorm { x: BufId::Streams, w: None, .. }) => true,
+                        (Op::HcCollapse { out }, Op::RmsNorm { x, heads: 1, .. }) => x == out,
                         _ => false,
                     })
                     .count();

@@ -379,7 +379,7 @@ fn hc_params(s: &HcShape, head: bool) -> Result<HcParams> {
         u_stride: 0,
         f_offset: 0,
         f_stride: 0,
-        _p0: 0,
+        has_weight: 0,
         norm_eps: s.norm_eps,
         hc_eps: s.hc_eps,
         _p1: [0; 2],

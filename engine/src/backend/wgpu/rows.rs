@@ -173,7 +173,7 @@ fn hc_params(cx: &StepCtx<'_>, head: bool) -> Result<HcParams> {
         u_stride: 0,
         f_offset: 0,
         f_stride: 0,
-        _p0: 0,
+        has_weight: 0,
         norm_eps: c.rms_eps,
         hc_eps: c.hc_eps,
         _p1: [0; 2],
@@ -219,14 +219,16 @@ pub fn hc_sinkhorn(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, layer: usiz
 }
 
 /// [`crate::graph::Op::HcSinkhorn`] of `of` (`(layer, sub)`; `None`: [`crate::graph::Op::HcHeadWeights`]) and the
-/// [`crate::graph::Op::HcCollapse`] into `out` that follows it, in one dispatch (`hc.wgsl`'s `weights_collapse`;
-/// see [`super::fuse`]).
+/// [`crate::graph::Op::HcCollapse`] into `out` that follows it, and with `norm` (`(y, weight)`) the
+/// [`crate::graph::Op::RmsNorm`] of `out` into `y` that follows that, in one dispatch (`hc.wgsl`'s
+/// `weights_collapse` / `weights_collapse_norm`; see [`super::fuse`]).
 pub fn hc_weights_collapse(
     be: &WgpuBackend,
     t: &mut Tick,
     cx: &StepCtx<'_>,
     of: Option<(usize, Sub)>,
     out: BufId,
+    norm: Option<(BufId, Option<WeightId>)>,
 ) -> Result<()> {
     let model = cx.model;
     let c = &model.config;
@@ -253,10 +255,22 @@ pub fn hc_weights_collapse(
     p.mix_stride = u32_of(if of.is_none() { c.hc_mult } else { c.hc_mix() }, "mix stride")?;
     p.u_stride = u32_of(c.d_model, "u stride")?;
     let ctx = be.context();
-    let pl = ctx.pipeline_entry("hc", sh::HC, "weights_collapse")?;
-    let ub = ctx.uniform("hc weights collapse", &p);
-    let bind = [(0, &xs), (1, &mix), (2, &bb), (3, &sb), (4, &state), (5, &u), (6, &ub), (7, &pre)];
-    ctx.dispatch_at(t.enc(ctx), &pl, &bind, [u32_of(n, "workgroups")?, 1, 1])
+    let groups = [u32_of(n, "workgroups")?, 1, 1];
+    let mut bind = vec![(0, &xs), (1, &mix), (2, &bb), (3, &sb), (4, &state), (5, &u), (7, &pre)];
+    let Some((y, w)) = norm else {
+        let pl = ctx.pipeline_entry("hc", sh::HC, "weights_collapse")?;
+        let ub = ctx.uniform("hc weights collapse", &p);
+        bind.push((6, &ub));
+        return ctx.dispatch_at(t.enc(ctx), &pl, &bind, groups);
+    };
+    let yb = be.buf(t, model, y)?;
+    let g = w.map(|w| be.dense(model, w));
+    p.has_weight = g.is_some() as u32;
+    let pl = ctx.pipeline_entry("hc", sh::HC, "weights_collapse_norm")?;
+    let ub = ctx.uniform("hc weights collapse norm", &p);
+    let gb = g.as_deref().unwrap_or(ctx.zeros());
+    bind.extend([(6, &ub), (8, gb), (9, &yb)]);
+    ctx.dispatch_at(t.enc(ctx), &pl, &bind, groups)
 }
 
 /// [`crate::graph::Op::HcHeadWeights`].
