@@ -203,7 +203,8 @@ pub struct MoeParams {
     pub route_scale: f32,
     pub limit: f32,
     pub renorm: u32,
-    pub _p: u32,
+    /// `swiglu_shared`: rows of the shared expert (binding 7) after the `rows` routed ones.
+    pub rows2: u32,
 }
 
 /// `Params` of `act.wgsl` ([`crate::ACT`]).
@@ -335,7 +336,7 @@ pub fn all() -> Vec<ParamsLayout> {
                 route_scale,
                 limit,
                 renorm,
-                _p
+                rows2
             ]
         ),
         layout!(ActParams, ACT, [rows, n, stride, block]),

@@ -6,6 +6,9 @@
 //   w_i = s_sel_i / (sum_i s_sel_i + 1e-20) * route_scale (without the division when renorm == 0). Writes sel[t * k + i] (u32) and rw[t * k + i].
 // Entry `swiglu` (dispatch (ceil(n / 64), rows, 1)): h[r, c] = silu(min(g, L)) * clamp(u, -L, L) * (use_w ? rw[wi[r]] : 1)
 //   with g = gu[r * gu_stride + c], u = gu[r * gu_stride + up_offset + c], h at h_offset + r * h_stride + c.
+// Entry `swiglu_shared` (dispatch (ceil(n / 64), rows + rows2, 1)): `swiglu` for rows < rows, and for the next
+//   rows2 rows the shared expert's, in place in binding 7 (gate half of each gu_stride row, no routing weight): the
+//   routed and the shared expert's SwiGLU in one dispatch, each value as `swiglu` computes it.
 // Entry `gather` (dispatch (ceil(n / 64), rows, 1)): dst[r * n + c] = src[rows_idx[r] * src_stride + c].
 // Entry `scatter` (dispatch (ceil(n / 64), rows, 1)): dst[rows_idx[r] * dst_stride + c] += src[h_offset + r * n + c].
 //   A destination row must appear at most once per dispatch (true for one expert's token list).
@@ -25,7 +28,7 @@ struct Params {
     route_scale: f32,
     limit: f32,
     renorm: u32,
-    _p1: u32,
+    rows2: u32,
 }
 
 @group(0) @binding(0) var<storage, read_write> a: array<f32>;
@@ -35,6 +38,7 @@ struct Params {
 @group(0) @binding(4) var<storage, read_write> sel: array<u32>;
 @group(0) @binding(5) var<storage, read_write> rw: array<f32>;
 @group(0) @binding(6) var<uniform> p: Params;
+@group(0) @binding(7) var<storage, read_write> sh: array<f32>;
 
 fn sqrt_softplus(v: f32) -> f32 {
     // softplus(v) = log(1 + e^v), computed without overflow.
@@ -103,6 +107,31 @@ fn swiglu(@builtin(global_invocation_id) gid: vec3<u32>) {
         h *= rw[ia[r]];
     }
     b[p.h_offset + r * p.h_stride + c] = h;
+}
+
+fn silu_glu(g0: f32, u0: f32) -> f32 {
+    let g = min(g0, p.limit);
+    let u = clamp(u0, -p.limit, p.limit);
+    return g / (1.0 + exp(-g)) * u;
+}
+
+@compute @workgroup_size(64)
+fn swiglu_shared(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let c = gid.x;
+    let r = gid.y;
+    if (c >= p.n) {
+        return;
+    }
+    if (r < p.rows) {
+        var h = silu_glu(a[r * p.gu_stride + c], a[r * p.gu_stride + p.up_offset + c]);
+        if (p.use_w != 0u) {
+            h *= rw[ia[r]];
+        }
+        b[p.h_offset + r * p.h_stride + c] = h;
+    } else if (r < p.rows + p.rows2) {
+        let s = r - p.rows;
+        sh[s * p.gu_stride + c] = silu_glu(sh[s * p.gu_stride + c], sh[s * p.gu_stride + p.up_offset + c]);
+    }
 }
 
 // a = src (stride `stride`), b = dst (packed rows of n), ia = source rows.

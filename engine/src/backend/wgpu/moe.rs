@@ -261,11 +261,10 @@ pub fn swiglu(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, layer: usize) ->
     let (gu, rw) = (be.buf(t, model, BufId::ExpertGate)?, t.route_weights(ctx, model));
     let (sh_gu, _) = t.shared(ctx, model);
     let (enc, plan) = t.enc_moe(ctx);
-    ops::swiglu(ctx, enc, &gu, 2 * ffn, ffn, (&gu, 0, 2 * ffn), ffn, n * k, limit, Some((&rw, &plan.weights)))?;
-    if model.layers[layer].gate_sh.is_some() {
-        ops::swiglu(ctx, t.enc(ctx), &sh_gu, 2 * ffn, ffn, (&sh_gu, 0, 2 * ffn), ffn, n, limit, None)?;
-    }
-    Ok(())
+    // The shared expert's rows in the same dispatch (its gate|up rows have the routed rows' strides).
+    let shared = model.layers[layer].gate_sh.is_some().then_some((&sh_gu, n));
+    let weights = Some((&rw, plan.weights.as_slice()));
+    ops::swiglu(ctx, enc, &gu, 2 * ffn, ffn, (&gu, 0, 2 * ffn), ffn, n * k, limit, weights, shared)
 }
 
 /// [`crate::graph::Op::ExpertDown`]: down products of every slot row and of the shared expert.

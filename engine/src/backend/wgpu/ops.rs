@@ -622,7 +622,8 @@ pub fn moe_route(
 
 /// Clamped SwiGLU: `h[r, c] = silu(min(g, L)) * clamp(u, −L, L) * rw[widx[r]]` over `rows` rows of `n`, where row r
 /// of `gu` holds gate at `r * gu_stride + c` and up at `r * gu_stride + up_offset + c`. `weights = None` skips the
-/// routing weight.
+/// routing weight. `shared = Some((buf, m))` adds, in the same dispatch, the SwiGLU of `m` rows of `buf` (the shared
+/// expert's gate|up rows, same strides) written over their gate halves, without a routing weight.
 #[allow(clippy::too_many_arguments)]
 pub fn swiglu(
     ctx: &WgpuContext,
@@ -635,8 +636,10 @@ pub fn swiglu(
     rows: usize,
     limit: f32,
     weights: Option<(&Buf, &[u32])>,
+    shared: Option<(&Buf, usize)>,
 ) -> Result<()> {
-    if n == 0 || rows == 0 {
+    let rows2 = shared.map_or(0, |s| s.1);
+    if n == 0 || rows + rows2 == 0 {
         return Ok(());
     }
     let mut p = moe_params();
@@ -647,7 +650,7 @@ pub fn swiglu(
     p.h_offset = u32_of(h.1, "h offset")?;
     p.h_stride = u32_of(h.2, "h stride")?;
     p.limit = limit;
-    let pl = ctx.pipeline_entry("moe", sh::MOE, "swiglu")?;
+    p.rows2 = u32_of(rows2, "shared rows")?;
     let dummy_f;
     let (rw, idx) = match weights {
         Some((rw, idx)) => {
@@ -663,7 +666,19 @@ pub fn swiglu(
         }
     };
     let ub = ctx.uniform("swiglu", &p);
-    ctx.dispatch_at(enc, &pl, &[(0, gu), (1, h.0), (2, &idx), (5, rw), (6, &ub)], [groups(n)?, p.rows, 1])
+    let bind = [(0, gu), (1, h.0), (2, &idx), (5, rw), (6, &ub)];
+    match shared {
+        Some((sb, _)) => {
+            let pl = ctx.pipeline_entry("moe", sh::MOE, "swiglu_shared")?;
+            let mut bind = bind.to_vec();
+            bind.push((7, sb));
+            ctx.dispatch_at(enc, &pl, &bind, [groups(n)?, p.rows + p.rows2, 1])
+        }
+        None => {
+            let pl = ctx.pipeline_entry("moe", sh::MOE, "swiglu")?;
+            ctx.dispatch_at(enc, &pl, &bind, [groups(n)?, p.rows, 1])
+        }
+    }
 }
 
 #[allow(clippy::too_many_arguments)]

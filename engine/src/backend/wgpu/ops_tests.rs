@@ -406,7 +406,7 @@ fn moe_route_swiglu_gather_scatter() {
     let widx = [3u32, 0];
     let rwv = ctx.read_f32(&rw, 0, n_tok * k).unwrap();
     let mut enc = ctx.encoder();
-    swiglu(&ctx, &mut enc, &gub, 150, 75, (&hb, 0, n), n, rows, limit, Some((&rw, &widx))).unwrap();
+    swiglu(&ctx, &mut enc, &gub, 150, 75, (&hb, 0, n), n, rows, limit, Some((&rw, &widx)), None).unwrap();
     ctx.submit(enc).unwrap();
     let want: Vec<f64> = (0..rows * n)
         .map(|i| {
@@ -417,6 +417,21 @@ fn moe_route_swiglu_gather_scatter() {
         })
         .collect();
     close(&ctx.read_f32(&hb, 0, rows * n).unwrap(), &want, 1e-5, 1e-6, "swiglu");
+    // With a shared expert's 3 rows in the same dispatch: the routed rows as above, the shared rows as a dispatch
+    // of their own gives them (unweighted, over their gate halves), bit for bit.
+    let sh = rand_vec(&mut rng, 3 * 150, -3.0, 3.0);
+    let (sb_alone, sb_fused) = (ctx.storage_f32("sh", &sh), ctx.storage_f32("sh", &sh));
+    let hb2 = ctx.storage_zeroed("h", rows * n);
+    let mut enc = ctx.encoder();
+    swiglu(&ctx, &mut enc, &sb_alone, 150, 75, (&sb_alone, 0, 150), n, 3, limit, None, None).unwrap();
+    let shared = Some((&sb_fused, 3));
+    swiglu(&ctx, &mut enc, &gub, 150, 75, (&hb2, 0, n), n, rows, limit, Some((&rw, &widx)), shared).unwrap();
+    ctx.submit(enc).unwrap();
+    let bits =
+        |b: &wgpu::Buffer, len: usize| ctx.read_f32(b, 0, len).unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&hb2, rows * n), bits(&hb, rows * n), "routed rows with the shared ones");
+    assert_eq!(bits(&sb_fused, 3 * 150), bits(&sb_alone, 3 * 150), "shared rows in the routed dispatch");
+    assert_ne!(bits(&sb_fused, 3 * 150), sh.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "written");
     // Gather rows {4, 1} of a [5, 9] (stride 10) matrix, scatter-add them back into rows {0, 2}.
     let src = rand_vec(&mut rng, 50, -1.0, 1.0);
     let sbuf = ctx.storage_f32("src", &src);
