@@ -15,6 +15,8 @@
 //!   ([`crate::backend::device`]) with wgpu buffers.
 //! - the node kernels, one function per [`crate::graph::Op`] kind: `rows` (row ops, mHC, logits, readback), `attn`
 //!   (compressor push, indexer top-k, sparse attention, ring store), `moe` (routing and the expert halves).
+//! - `fuse`: consecutive nodes recorded as one dispatch where a kernel does both with the same f32 operations
+//!   (mHC weights + collapse + norm, mHC post + norm, norm + rope), a peephole over the recipe's order.
 //! - [`backend`]: [`WgpuBackend`], the [`crate::backend::Backend`] kernel provider that dispatches nodes to them.
 //!
 //! Every function here only records commands into a `wgpu::CommandEncoder` unless it says otherwise (the readback
@@ -29,7 +31,7 @@
 //! groups, key and row lists are small fresh objects per dispatch and the RoPE tables one fresh buffer per tick and
 //! flavour (the tensor buffers are reused, grown only when the batch grows); a product is one workgroup per
 //! output row (and per tile of 8 tokens: a prefill streams each weight row once per tile) with a shared-memory
-//! reduction — no subgroup operations, several rows per workgroup or fused MoE kernels yet. The context counts
+//! reduction — no subgroup operations, several rows per workgroup or fused MoE products yet. The context counts
 //! what a tick costs ([`crate::backend::device::DeviceCounters`]: dispatches, syncs, bytes each way, weight bytes
 //! fetched against each row once), printed by `ds4-bench --backend wgpu`.
 
