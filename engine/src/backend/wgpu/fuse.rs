@@ -17,8 +17,16 @@
 //! - [`Op::HcPost`] and the unweighted [`Op::RmsNorm`] of the new streams that opens the next sublayer (or the
 //!   head): `hc.wgsl`'s `post_norm`.
 
+use ds4_shaders_wgsl as sh;
+use ds4_shaders_wgsl::params::NormParams;
+
 use super::backend::WgpuBackend;
-use super::ops;
+use super::context::{backend_err, WgpuContext};
+use super::matmul::u32_of;
+use super::ops::{grid2, hc_params, HcShape};
+
+type Enc = wgpu::CommandEncoder;
+type Buf = wgpu::Buffer;
 use super::resident::Tick;
 use super::rows;
 use crate::backend::StepCtx;
@@ -115,8 +123,91 @@ fn norm_rope(
     let g = w.map(|w| be.dense(model, w));
     let cs = t.rope(ctx, cx, layer);
     let rows = cx.batch.rows.len() * heads;
-    let shape = ops::NormRope { width, rows, heads, rope_dim: model.config.rope_dim, eps: model.config.rms_eps };
-    ops::norm_rope(ctx, t.enc(ctx), (&xb, &yb), g.as_deref(), &cs, shape)
+    let shape = NormRope { width, rows, heads, rope_dim: model.config.rope_dim, eps: model.config.rms_eps };
+    norm_rope_kernel(ctx, t.enc(ctx), (&xb, &yb), g.as_deref(), &cs, shape)
+}
+
+// The fused kernels' recorders.
+
+/// Shape of a fused RMSNorm + RoPE ([`norm_rope_kernel`]): `rows` rows of `width` values, `heads` rows per token, rope on
+/// the last `rope_dim` values of each row.
+#[derive(Clone, Copy, Debug)]
+pub struct NormRope {
+    pub width: usize,
+    pub rows: usize,
+    pub heads: usize,
+    pub rope_dim: usize,
+    pub eps: f32,
+}
+
+/// Records `norm.wgsl`'s `norm_rope`: [`super::ops::rms_norm`] of rows of `x` into `y` (contiguous rows), then the forward
+/// [`super::ops::rope`] of `y` with the tick's table `cs`, in one dispatch (bit for bit the two in turn).
+pub fn norm_rope_kernel(
+    ctx: &WgpuContext,
+    enc: &mut Enc,
+    (x, y): (&Buf, &Buf),
+    g: Option<&Buf>,
+    cs: &Buf,
+    s: NormRope,
+) -> Result<()> {
+    if s.rope_dim == 0 || !s.rope_dim.is_multiple_of(2) || s.rope_dim > s.width || s.heads == 0 {
+        return Err(backend_err(format!(
+            "norm_rope: rope_dim {} of rows of {} ({} heads)",
+            s.rope_dim, s.width, s.heads
+        )));
+    }
+    if s.rows == 0 {
+        return Ok(());
+    }
+    let pl = ctx.pipeline_entry("rms_norm", sh::RMS_NORM, "norm_rope")?;
+    let (gx, gy) = grid2(s.rows);
+    let w = u32_of(s.width, "width")?;
+    let p = NormParams {
+        n: w,
+        rows: u32_of(s.rows, "rows")?,
+        x_offset: 0,
+        x_stride: w,
+        y_offset: 0,
+        y_stride: w,
+        has_weight: g.is_some() as u32,
+        grid_x: gx,
+        eps: s.eps,
+        heads: u32_of(s.heads, "heads")?,
+        rope_dim: u32_of(s.rope_dim, "rope_dim")?,
+        _pad: 0,
+    };
+    let u = ctx.uniform("norm_rope", &p);
+    let gb = g.unwrap_or(ctx.zeros());
+    ctx.dispatch_at(enc, &pl, &[(0, x), (1, y), (2, gb), (3, &u), (4, cs)], [gx, gy, 1])
+}
+
+/// [`super::ops::hc_post`] into `out`, then the unweighted RMSNorm of each new row (`N·d` values, eps `s.norm_eps`) into
+/// `normed`, in one dispatch (`hc.wgsl`'s `post_norm`; bit for bit the two kernels in turn). `d` must be a multiple
+/// of 64.
+#[allow(clippy::too_many_arguments)]
+pub fn hc_post_norm(
+    ctx: &WgpuContext,
+    enc: &mut Enc,
+    s: &HcShape,
+    xs: &Buf,
+    f: (&Buf, usize, usize),
+    state: &Buf,
+    out: &Buf,
+    normed: &Buf,
+) -> Result<()> {
+    if s.n_tok == 0 {
+        return Ok(());
+    }
+    if std::ptr::eq(xs, out) || std::ptr::eq(out, normed) || !s.d.is_multiple_of(64) {
+        return Err(backend_err("hc_post_norm: aliased buffers or a width not a multiple of 64"));
+    }
+    let mut p = hc_params(s, false)?;
+    p.f_offset = u32_of(f.1, "f offset")?;
+    p.f_stride = u32_of(f.2, "f stride")?;
+    let pl = ctx.pipeline_entry("hc", sh::HC, "post_norm")?;
+    let ub = ctx.uniform("hc post norm", &p);
+    let bind = [(0, xs), (1, f.0), (4, state), (5, out), (6, &ub), (7, normed)];
+    ctx.dispatch_at(enc, &pl, &bind, [p.n_tok, 1, 1])
 }
 
 #[cfg(test)]

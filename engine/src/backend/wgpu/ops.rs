@@ -19,12 +19,12 @@ use crate::error::Result;
 type Enc = wgpu::CommandEncoder;
 type Buf = wgpu::Buffer;
 
-fn groups(n: usize) -> Result<u32> {
+pub(super) fn groups(n: usize) -> Result<u32> {
     u32_of(n.div_ceil(64), "workgroups")
 }
 
 /// (grid_x, grid_y) for `n` workgroups spread over two dimensions.
-fn grid2(n: usize) -> (u32, u32) {
+pub(super) fn grid2(n: usize) -> (u32, u32) {
     let gx = n.clamp(1, 32768);
     (gx as u32, n.div_ceil(gx) as u32)
 }
@@ -70,58 +70,6 @@ pub fn rms_norm(
     } else {
         ctx.dispatch(enc, &pl, &[x.0, y.0, gb, &u], [gx, gy, 1])
     }
-}
-
-/// Shape of a fused RMSNorm + RoPE ([`norm_rope`]): `rows` rows of `width` values, `heads` rows per token, rope on
-/// the last `rope_dim` values of each row.
-#[derive(Clone, Copy, Debug)]
-pub struct NormRope {
-    pub width: usize,
-    pub rows: usize,
-    pub heads: usize,
-    pub rope_dim: usize,
-    pub eps: f32,
-}
-
-/// Records `norm.wgsl`'s `norm_rope`: [`rms_norm`] of rows of `x` into `y` (contiguous rows), then the forward
-/// [`rope`] of `y` with the tick's table `cs`, in one dispatch (bit for bit the two in turn).
-pub fn norm_rope(
-    ctx: &WgpuContext,
-    enc: &mut Enc,
-    (x, y): (&Buf, &Buf),
-    g: Option<&Buf>,
-    cs: &Buf,
-    s: NormRope,
-) -> Result<()> {
-    if s.rope_dim == 0 || !s.rope_dim.is_multiple_of(2) || s.rope_dim > s.width || s.heads == 0 {
-        return Err(backend_err(format!(
-            "norm_rope: rope_dim {} of rows of {} ({} heads)",
-            s.rope_dim, s.width, s.heads
-        )));
-    }
-    if s.rows == 0 {
-        return Ok(());
-    }
-    let pl = ctx.pipeline_entry("rms_norm", sh::RMS_NORM, "norm_rope")?;
-    let (gx, gy) = grid2(s.rows);
-    let w = u32_of(s.width, "width")?;
-    let p = NormParams {
-        n: w,
-        rows: u32_of(s.rows, "rows")?,
-        x_offset: 0,
-        x_stride: w,
-        y_offset: 0,
-        y_stride: w,
-        has_weight: g.is_some() as u32,
-        grid_x: gx,
-        eps: s.eps,
-        heads: u32_of(s.heads, "heads")?,
-        rope_dim: u32_of(s.rope_dim, "rope_dim")?,
-        _pad: 0,
-    };
-    let u = ctx.uniform("norm_rope", &p);
-    let gb = g.unwrap_or(ctx.zeros());
-    ctx.dispatch_at(enc, &pl, &[(0, x), (1, y), (2, gb), (3, &u), (4, cs)], [gx, gy, 1])
 }
 
 /// Geometry of a RoPE application: `heads` heads of `head_dim` per token, rope on the last `rope_dim`.
@@ -363,7 +311,7 @@ pub struct HcShape {
     pub hc_eps: f32,
 }
 
-fn hc_params(s: &HcShape, head: bool) -> Result<HcParams> {
+pub(super) fn hc_params(s: &HcShape, head: bool) -> Result<HcParams> {
     if s.n == 0 || s.n > 8 {
         return Err(backend_err(format!("hc: {} streams (supported: 1..=8)", s.n)));
     }
@@ -440,35 +388,6 @@ pub fn hc_post(
     let pl = ctx.pipeline_entry("hc", sh::HC, "post")?;
     let ub = ctx.uniform("hc post", &p);
     ctx.dispatch_at(enc, &pl, &[(0, xs), (1, f.0), (4, state), (5, out), (6, &ub)], [groups(s.d)?, p.n_tok, 1])
-}
-
-/// [`hc_post`] into `out`, then the unweighted RMSNorm of each new row (`N·d` values, eps `s.norm_eps`) into
-/// `normed`, in one dispatch (`hc.wgsl`'s `post_norm`; bit for bit the two kernels in turn). `d` must be a multiple
-/// of 64.
-#[allow(clippy::too_many_arguments)]
-pub fn hc_post_norm(
-    ctx: &WgpuContext,
-    enc: &mut Enc,
-    s: &HcShape,
-    xs: &Buf,
-    f: (&Buf, usize, usize),
-    state: &Buf,
-    out: &Buf,
-    normed: &Buf,
-) -> Result<()> {
-    if s.n_tok == 0 {
-        return Ok(());
-    }
-    if std::ptr::eq(xs, out) || std::ptr::eq(out, normed) || !s.d.is_multiple_of(64) {
-        return Err(backend_err("hc_post_norm: aliased buffers or a width not a multiple of 64"));
-    }
-    let mut p = hc_params(s, false)?;
-    p.f_offset = u32_of(f.1, "f offset")?;
-    p.f_stride = u32_of(f.2, "f stride")?;
-    let pl = ctx.pipeline_entry("hc", sh::HC, "post_norm")?;
-    let ub = ctx.uniform("hc post norm", &p);
-    let bind = [(0, xs), (1, f.0), (4, state), (5, out), (6, &ub), (7, normed)];
-    ctx.dispatch_at(enc, &pl, &bind, [p.n_tok, 1, 1])
 }
 
 /// One input of a pooling window: source token row, feature offset within the row, APE row. `None` = none.

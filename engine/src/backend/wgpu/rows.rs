@@ -320,7 +320,7 @@ pub fn hc_post(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, norm: Option<Bu
     match norm {
         Some(y) => {
             let yb = be.buf(t, model, y)?;
-            ops::hc_post_norm(ctx, t.enc(ctx), &shape, &xs, (&f, 0, c.d_model), &state, &out, &yb)?
+            super::fuse::hc_post_norm(ctx, t.enc(ctx), &shape, &xs, (&f, 0, c.d_model), &state, &out, &yb)?
         }
         None => ops::hc_post(ctx, t.enc(ctx), &shape, &xs, (&f, 0, c.d_model), &state, &out)?,
     }
