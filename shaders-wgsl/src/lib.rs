@@ -101,7 +101,7 @@ quant_kernels! {
 }
 
 /// RMSNorm over rows, optional weight (`norm.wgsl`, entry `main`).
-pub const RMS_NORM: &str = include_str!("wgsl/norm.wgsl");
+pub const RMS_NORM: &str = concat!(include_str!("wgsl/round.wgsl"), include_str!("wgsl/norm.wgsl"));
 /// Interleaved RoPE / inverse RoPE on the trailing rope dims, CPU-computed cos/sin (`rope.wgsl`, entry `main`).
 pub const ROPE: &str = include_str!("wgsl/rope.wgsl");
 /// Softmax-with-sink attention over listed key rows, K = V (`attention.wgsl`, entries `main` and `keyed`, the
@@ -118,7 +118,7 @@ pub const INDEXER: &str = concat!(include_str!("wgsl/indexer.wgsl"), include_str
 /// MoE: entries `route`, `swiglu`, `gather`, `scatter`.
 pub const MOE: &str = include_str!("wgsl/moe.wgsl");
 /// Activation simulation: entries `fp8`, `fp4`, `hadamard`.
-pub const ACT: &str = include_str!("wgsl/act.wgsl");
+pub const ACT: &str = concat!(include_str!("wgsl/round.wgsl"), include_str!("wgsl/act.wgsl"));
 /// In-place scaling by a constant (`scale.wgsl`, entry `main`).
 pub const SCALE: &str = include_str!("wgsl/scale.wgsl");
 /// Combine of expert-indexed MoE outputs in ascending expert order (`moe_ids.wgsl`, entry `combine`).

@@ -85,7 +85,9 @@ pub struct NormParams {
     pub heads: u32,
     /// `norm_rope` only: the rope slice (the last `rope_dim` values of each row).
     pub rope_dim: u32,
-    pub _pad: u32,
+    /// `norm_rope` only: when not 0, the FP8 simulation of the values before the rope slice in blocks of this
+    /// many (`act.wgsl`'s `fp8`).
+    pub fp8_block: u32,
 }
 
 /// `Params` of `rope.wgsl` ([`crate::ROPE`]).
@@ -285,7 +287,7 @@ pub fn all() -> Vec<ParamsLayout> {
         layout!(
             NormParams,
             RMS_NORM,
-            [n, rows, x_offset, x_stride, y_offset, y_stride, has_weight, grid_x, eps, heads, rope_dim, _pad]
+            [n, rows, x_offset, x_stride, y_offset, y_stride, has_weight, grid_x, eps, heads, rope_dim, fp8_block]
         ),
         layout!(RopeParams, ROPE, [n_tok, heads, head_dim, rope_dim, offset, tok_stride, head_stride, inverse]),
         layout!(

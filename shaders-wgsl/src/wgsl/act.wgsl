@@ -7,6 +7,7 @@
 // Entry `fp4`: the same with FP4 e2m1 (values 0, 0.5, 1, 1.5, 2, 3, 4, 6; max 6), blocks of `block` (32).
 // Entry `hadamard` (one workgroup of 64 per row, dispatch (rows, 1, 1)): x[r, 0..n) = H x / sqrt(n), H the
 //   Sylvester-Hadamard matrix (n a power of two <= 1024), computed as an in-place fast Walsh-Hadamard transform.
+// (round_even and round_mini come from round.wgsl, composed before this file.)
 struct Params {
     rows: u32,
     n: u32,
@@ -16,30 +17,6 @@ struct Params {
 
 @group(0) @binding(0) var<storage, read_write> x: array<f32>;
 @group(0) @binding(1) var<uniform> p: Params;
-
-fn round_even(v: f32) -> f32 {
-    let f = floor(v);
-    let d = v - f;
-    if (d > 0.5) {
-        return f + 1.0;
-    }
-    if (d < 0.5) {
-        return f;
-    }
-    return select(f + 1.0, f, (f * 0.5) == floor(f * 0.5));
-}
-
-// Round |v| (already scaled) to a float with `mbits` mantissa bits and minimum normal exponent `emin`, saturate at mx.
-fn round_mini(v: f32, mbits: f32, emin: f32, mx: f32) -> f32 {
-    let a = abs(v);
-    if (a == 0.0) {
-        return v;
-    }
-    let e = max(floor(log2(a)), emin);
-    let q = exp2(e - mbits);
-    let r = min(round_even(a / q) * q, mx);
-    return select(r, -r, v < 0.0);
-}
 
 fn block_round(gid: vec3<u32>, mbits: f32, emin: f32, mx: f32) {
     let r = gid.y;

@@ -5,7 +5,9 @@
 // Entry `norm_rope`: the same norm, then the interleaved RoPE of `rope.wgsl` (forward) on the last `rope_dim`
 // values of each row, in one dispatch: row r is head r % heads of token t = r / heads, whose (cos, sin) pairs are
 // cs[(t * rope_dim / 2 + i) * 2 + {0, 1}]. Each rope pair is normed and rotated by one invocation with the same
-// f32 operations as the two kernels one after the other, so the result is theirs bit for bit.
+// f32 operations as the two kernels one after the other, so the result is theirs bit for bit. With fp8_block != 0
+// the values before the rope slice then get `act.wgsl`'s FP8 simulation (blocks of fp8_block, one invocation per
+// block, after a storage barrier), as its `fp8` entry computes it.
 struct Params {
     n: u32,
     rows: u32,
@@ -18,7 +20,7 @@ struct Params {
     eps: f32,
     heads: u32,
     rope_dim: u32,
-    _p2: u32,
+    fp8_block: u32,
 }
 
 @group(0) @binding(0) var<storage, read_write> x: array<f32>;
@@ -96,5 +98,23 @@ fn norm_rope(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
         let s = cs[(t * half + k) * 2u + 1u];
         y[yb + i] = a0 * c - a1 * s;
         y[yb + i + 1u] = a1 * c + a0 * s;
+    }
+    if (p.fp8_block != 0u) {
+        storageBarrier();
+        let nb = (lead + p.fp8_block - 1u) / p.fp8_block;
+        for (var b = li; b < nb; b += 64u) {
+            let b0 = b * p.fp8_block;
+            let end = min(b0 + p.fp8_block, lead);
+            var amax = 0.0;
+            for (var i = b0; i < end; i++) {
+                amax = max(amax, abs(y[yb + i]));
+            }
+            if (amax != 0.0) {
+                let sc = exp2(ceil(log2(amax / 448.0)));
+                for (var i = b0; i < end; i++) {
+                    y[yb + i] = round_mini(y[yb + i] / sc, 3.0, -6.0, 448.0) * sc;
+                }
+            }
+        }
     }
 }

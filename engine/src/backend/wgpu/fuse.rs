@@ -13,7 +13,8 @@
 //!   `weights_collapse`; and with the [`Op::RmsNorm`] of what it collapsed that follows (the sublayer's input norm,
 //!   the head's final norm), three nodes in one dispatch: `weights_collapse_norm`;
 //! - an [`Op::RmsNorm`] and the forward [`Op::Rope`] of the tensor it wrote, with the same row shape (the query
-//!   heads, the KV row): `norm.wgsl`'s `norm_rope`;
+//!   heads, the KV row): `norm.wgsl`'s `norm_rope`; and with the KV row's FP8 simulation ([`Op::ActSim`],
+//!   `Fp8NoRope`) that follows, three nodes in one dispatch;
 //! - [`Op::HcPost`] and the unweighted [`Op::RmsNorm`] of the new streams that opens the next sublayer (or the
 //!   head): `hc.wgsl`'s `post_norm`.
 
@@ -30,7 +31,7 @@ type Buf = wgpu::Buffer;
 use super::resident::Tick;
 use super::rows;
 use crate::backend::StepCtx;
-use crate::graph::{BufId, Op, Sub};
+use crate::graph::{BufId, Op, SimKind, Sub};
 use crate::model::WeightId;
 use crate::Result;
 
@@ -43,6 +44,8 @@ pub enum Held {
     Norm { x: BufId, y: BufId, w: Option<WeightId>, width: usize, heads: usize },
     /// An [`Op::HcPost`].
     Post,
+    /// An [`Op::RmsNorm`] and the forward [`Op::Rope`] of `y` (already paired, waiting for an FP8 simulation of `y`).
+    NormRope { x: BufId, y: BufId, w: Option<WeightId>, width: usize, heads: usize, layer: usize },
     /// The mHC weights and the [`Op::HcCollapse`] into `out` (already paired, waiting for a norm of `out`).
     WeightsCollapse { of: Option<(usize, Sub)>, out: BufId },
 }
@@ -75,7 +78,15 @@ pub fn fused(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, held: Held, next:
         (Held::Norm { x, y, w, width, heads }, Op::Rope { x: rx, layer, width: rw, heads: rh, inverse: false })
             if rx == y && rw == width && rh == heads && norm_rope_fits(cx, width) =>
         {
-            norm_rope(be, t, cx, (x, y), w, width, heads, layer)?;
+            // Held in turn: the KV row's FP8 simulation usually follows.
+            t.held = Some(Held::NormRope { x, y, w, width, heads, layer });
+            Ok(true)
+        }
+        (
+            Held::NormRope { x, y, w, width, heads, layer },
+            Op::ActSim { x: ax, width: aw, heads: ah, kind: SimKind::Fp8NoRope },
+        ) if ax == y && aw == width && ah == heads => {
+            norm_rope(be, t, cx, (x, y), w, width, heads, layer, true)?;
             Ok(true)
         }
         (Held::Post, Op::RmsNorm { x: BufId::Streams, y, w: None, width, heads: 1 })
@@ -96,6 +107,7 @@ pub fn run_alone(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, held: Held) -
         Held::Weights(Some((layer, sub))) => rows::hc_sinkhorn(be, t, cx, layer, sub),
         Held::Weights(None) => rows::hc_head_weights(be, t, cx),
         Held::Norm { x, y, w, width, heads } => rows::rms_norm(be, t, cx, x, y, w, width, heads),
+        Held::NormRope { x, y, w, width, heads, layer } => norm_rope(be, t, cx, (x, y), w, width, heads, layer, false),
         Held::Post => rows::hc_post(be, t, cx, None),
         Held::WeightsCollapse { of, out } => rows::hc_weights_collapse(be, t, cx, of, out, None),
     }
@@ -116,6 +128,7 @@ fn norm_rope(
     width: usize,
     heads: usize,
     layer: usize,
+    fp8: bool,
 ) -> Result<()> {
     let model = cx.model;
     let ctx = be.context();
@@ -123,7 +136,8 @@ fn norm_rope(
     let g = w.map(|w| be.dense(model, w));
     let cs = t.rope(ctx, cx, layer);
     let rows = cx.batch.rows.len() * heads;
-    let shape = NormRope { width, rows, heads, rope_dim: model.config.rope_dim, eps: model.config.rms_eps };
+    let (rope_dim, eps) = (model.config.rope_dim, model.config.rms_eps);
+    let shape = NormRope { width, rows, heads, rope_dim, eps, fp8_block: if fp8 { 64 } else { 0 } };
     norm_rope_kernel(ctx, t.enc(ctx), (&xb, &yb), g.as_deref(), &cs, shape)
 }
 
@@ -138,6 +152,9 @@ pub struct NormRope {
     pub heads: usize,
     pub rope_dim: usize,
     pub eps: f32,
+    /// When not 0: the FP8 simulation (`ActSim::Fp8NoRope`) of the values before the rope slice, in blocks of this
+    /// many.
+    pub fp8_block: usize,
 }
 
 /// Records `norm.wgsl`'s `norm_rope`: [`super::ops::rms_norm`] of rows of `x` into `y` (contiguous rows), then the forward
@@ -174,7 +191,7 @@ pub fn norm_rope_kernel(
         eps: s.eps,
         heads: u32_of(s.heads, "heads")?,
         rope_dim: u32_of(s.rope_dim, "rope_dim")?,
-        _pad: 0,
+        fp8_block: u32_of(s.fp8_block, "fp8 block")?,
     };
     let u = ctx.uniform("norm_rope", &p);
     let gb = g.unwrap_or(ctx.zeros());
@@ -216,7 +233,7 @@ mod tests {
     use super::super::fallback_tests::{demo, ticks};
     use super::super::WgpuBackend;
     use crate::exec::Executor;
-    use crate::graph::{BufId, Op};
+    use crate::graph::{BufId, Op, SimKind};
 
     /// On the demo model (CSA, HCA and window layers, simulation on), a prefill and decode ticks give the same
     /// logits bit for bit with fusion on and off, and fusion saves exactly one dispatch per pair the recipe holds:
@@ -246,6 +263,10 @@ mod tests {
                         }
                         (Op::HcPost, Op::RmsNorm { x: BufId::Streams, w: None, .. }) => true,
                         (Op::HcCollapse { out }, Op::RmsNorm { x, heads: 1, .. }) => x == out,
+                        (
+                            Op::Rope { x, width, heads, inverse: false, .. },
+                            Op::ActSim { x: ax, width: aw, heads: ah, kind: SimKind::Fp8NoRope },
+                        ) => x == ax && width == aw && heads == ah,
                         _ => false,
                     })
                     .count();

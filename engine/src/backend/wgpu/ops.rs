@@ -59,7 +59,7 @@ pub fn rms_norm(
         eps,
         heads: 0,
         rope_dim: 0,
-        _pad: 0,
+        fp8_block: 0,
     };
     let u = ctx.uniform("rms_norm", &p);
     // No weight: binding 2 is read-only, so the context's zeros serve.
