@@ -179,7 +179,7 @@ pub fn all_sources() -> Vec<(&'static str, &'static str, &'static [&'static str]
     v.push(("compress", COMPRESS, &["main"]));
     v.push(("indexer", INDEXER, &["scores", "topk"]));
     v.push(("moe", MOE, &["route", "swiglu", "swiglu_shared", "gather", "scatter"]));
-    v.push(("act", ACT, &["fp8", "fp4", "hadamard"]));
+    v.push(("act", ACT, &["fp8", "fp4", "hadamard", "rope_hadamard_fp4"]));
     v.push(("scale", SCALE, &["main"]));
     v.push(("kvdev", KVDEV, &["add_ape"]));
     v.push(("moe_ids", MOE_IDS, &["combine"]));

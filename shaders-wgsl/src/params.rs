@@ -217,6 +217,12 @@ pub struct ActParams {
     pub n: u32,
     pub stride: u32,
     pub block: u32,
+    /// `rope_hadamard_fp4` only: rows per token (row `r` is head `r % heads` of token `r / heads`).
+    pub heads: u32,
+    /// `rope_hadamard_fp4` only: the rope slice (the last `rope_dim` values of each row).
+    pub rope_dim: u32,
+    pub _p0: u32,
+    pub _p1: u32,
 }
 
 /// `Params` of `scale.wgsl` ([`crate::SCALE`]).
@@ -341,7 +347,7 @@ pub fn all() -> Vec<ParamsLayout> {
                 rows2
             ]
         ),
-        layout!(ActParams, ACT, [rows, n, stride, block]),
+        layout!(ActParams, ACT, [rows, n, stride, block, heads, rope_dim, _p0, _p1]),
         layout!(ScaleParams, SCALE, [n, _p0, _p1, factor]),
     ]
 }

@@ -15,11 +15,13 @@
 //! - an [`Op::RmsNorm`] and the forward [`Op::Rope`] of the tensor it wrote, with the same row shape (the query
 //!   heads, the KV row): `norm.wgsl`'s `norm_rope`; and with the KV row's FP8 simulation ([`Op::ActSim`],
 //!   `Fp8NoRope`) that follows, three nodes in one dispatch;
+//! - a forward [`Op::Rope`] and the Hadamard + FP4 simulation of what it rotated (the indexer queries):
+//!   `act.wgsl`'s `rope_hadamard_fp4`;
 //! - [`Op::HcPost`] and the unweighted [`Op::RmsNorm`] of the new streams that opens the next sublayer (or the
 //!   head): `hc.wgsl`'s `post_norm`.
 
 use ds4_shaders_wgsl as sh;
-use ds4_shaders_wgsl::params::NormParams;
+use ds4_shaders_wgsl::params::{ActParams, NormParams};
 
 use super::backend::WgpuBackend;
 use super::context::{backend_err, WgpuContext};
@@ -44,6 +46,8 @@ pub enum Held {
     Norm { x: BufId, y: BufId, w: Option<WeightId>, width: usize, heads: usize },
     /// An [`Op::HcPost`].
     Post,
+    /// A forward [`Op::Rope`] alone.
+    Rope { x: BufId, layer: usize, width: usize, heads: usize },
     /// An [`Op::RmsNorm`] and the forward [`Op::Rope`] of `y` (already paired, waiting for an FP8 simulation of `y`).
     NormRope { x: BufId, y: BufId, w: Option<WeightId>, width: usize, heads: usize, layer: usize },
     /// The mHC weights and the [`Op::HcCollapse`] into `out` (already paired, waiting for a norm of `out`).
@@ -57,6 +61,7 @@ pub fn hold(op: &Op) -> Option<Held> {
         Op::HcHeadWeights => Some(Held::Weights(None)),
         Op::RmsNorm { x, y, w, width, heads } => Some(Held::Norm { x, y, w, width, heads }),
         Op::HcPost => Some(Held::Post),
+        Op::Rope { x, layer, width, heads, inverse: false } => Some(Held::Rope { x, layer, width, heads }),
         _ => None,
     }
 }
@@ -97,6 +102,13 @@ pub fn fused(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, held: Held, next:
             rows::hc_post(be, t, cx, Some(y))?;
             Ok(true)
         }
+        (
+            Held::Rope { x, layer, width, heads },
+            Op::ActSim { x: ax, width: aw, heads: ah, kind: SimKind::HadamardFp4 },
+        ) if ax == x && aw == width && ah == heads && width.is_power_of_two() && width <= 1024 => {
+            rope_hadamard_fp4(be, t, cx, x, layer, width, heads)?;
+            Ok(true)
+        }
         _ => Ok(false),
     }
 }
@@ -109,6 +121,7 @@ pub fn run_alone(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, held: Held) -
         Held::Norm { x, y, w, width, heads } => rows::rms_norm(be, t, cx, x, y, w, width, heads),
         Held::NormRope { x, y, w, width, heads, layer } => norm_rope(be, t, cx, (x, y), w, width, heads, layer, false),
         Held::Post => rows::hc_post(be, t, cx, None),
+        Held::Rope { x, layer, width, heads } => rows::rope(be, t, cx, x, layer, width, heads, false),
         Held::WeightsCollapse { of, out } => rows::hc_weights_collapse(be, t, cx, of, out, None),
     }
 }
@@ -142,6 +155,43 @@ fn norm_rope(
 }
 
 // The fused kernels' recorders.
+
+/// The forward rope of `x` (`heads` rows of `width` per token) and its Hadamard + FP4 simulation (the indexer
+/// queries) in one dispatch: `act.wgsl`'s `rope_hadamard_fp4`.
+fn rope_hadamard_fp4(
+    be: &WgpuBackend,
+    t: &mut Tick,
+    cx: &StepCtx<'_>,
+    x: BufId,
+    layer: usize,
+    width: usize,
+    heads: usize,
+) -> Result<()> {
+    let rows = cx.batch.rows.len() * heads;
+    let rope_dim = cx.model.config.rope_dim;
+    if !rope_dim.is_multiple_of(2) || rope_dim > width || heads == 0 {
+        return Err(backend_err(format!("rope_hadamard_fp4: rope_dim {rope_dim} of rows of {width} ({heads} heads)")));
+    }
+    if rows == 0 {
+        return Ok(());
+    }
+    let ctx = be.context();
+    let xb = be.buf(t, cx.model, x)?;
+    let cs = t.rope(ctx, cx, layer);
+    let p = ActParams {
+        rows: u32_of(rows, "rows")?,
+        n: u32_of(width, "width")?,
+        stride: u32_of(width, "stride")?,
+        block: 32,
+        heads: u32_of(heads, "heads")?,
+        rope_dim: u32_of(rope_dim, "rope_dim")?,
+        _p0: 0,
+        _p1: 0,
+    };
+    let pl = ctx.pipeline_entry("act", sh::ACT, "rope_hadamard_fp4")?;
+    let ub = ctx.uniform("rope hadamard fp4", &p);
+    ctx.dispatch_at(t.enc(ctx), &pl, &[(0, &xb), (1, &ub), (2, &cs)], [p.rows, 1, 1])
+}
 
 /// Shape of a fused RMSNorm + RoPE ([`norm_rope_kernel`]): `rows` rows of `width` values, `heads` rows per token, rope on
 /// the last `rope_dim` values of each row.
@@ -238,7 +288,8 @@ mod tests {
     /// On the demo model (CSA, HCA and window layers, simulation on), a prefill and decode ticks give the same
     /// logits bit for bit with fusion on and off, and fusion saves exactly one dispatch per pair the recipe holds:
     /// each sublayer's and the head's mHC weights + collapse + norm (two pairs), each norm followed by the rope of
-    /// what it wrote, and each mHC post followed by the norm of the new streams.
+    /// what it wrote and the KV row's FP8 simulation after them, each mHC post followed by the norm of the new
+    /// streams; and two for each indexer query's rope + Hadamard + FP4 (three kernels).
     #[test]
     fn fused_pairs_give_the_unfused_results_bit_for_bit_in_fewer_dispatches() {
         let Some(ctx) = test_context(Default::default()) else { return };
@@ -254,23 +305,28 @@ mod tests {
                 dispatches.push((now - before).dispatches);
                 before = now;
                 let ops: Vec<Op> = g.nodes.iter().map(|n| n.op).collect();
-                let n = ops
+                // Dispatches each adjacent pair saves: one, and two for the indexer query's rope + Hadamard + FP4
+                // (the simulation is two kernels).
+                let n: u64 = ops
                     .windows(2)
-                    .filter(|w| match (w[0], w[1]) {
-                        (Op::HcSinkhorn { .. } | Op::HcHeadWeights, Op::HcCollapse { .. }) => true,
+                    .map(|w| match (w[0], w[1]) {
+                        (Op::HcSinkhorn { .. } | Op::HcHeadWeights, Op::HcCollapse { .. }) => 1,
                         (Op::RmsNorm { y, width, heads, .. }, Op::Rope { x, width: rw, heads: rh, inverse, .. }) => {
-                            x == y && rw == width && rh == heads && !inverse
+                            (x == y && rw == width && rh == heads && !inverse) as u64
                         }
-                        (Op::HcPost, Op::RmsNorm { x: BufId::Streams, w: None, .. }) => true,
-                        (Op::HcCollapse { out }, Op::RmsNorm { x, heads: 1, .. }) => x == out,
+                        (Op::HcPost, Op::RmsNorm { x: BufId::Streams, w: None, .. }) => 1,
+                        (Op::HcCollapse { out }, Op::RmsNorm { x, heads: 1, .. }) => (x == out) as u64,
                         (
                             Op::Rope { x, width, heads, inverse: false, .. },
-                            Op::ActSim { x: ax, width: aw, heads: ah, kind: SimKind::Fp8NoRope },
-                        ) => x == ax && width == aw && heads == ah,
-                        _ => false,
+                            Op::ActSim { x: ax, width: aw, heads: ah, kind },
+                        ) if x == ax && width == aw && heads == ah => match kind {
+                            SimKind::Fp8NoRope => 1,
+                            SimKind::HadamardFp4 => 2,
+                        },
+                        _ => 0,
                     })
-                    .count();
-                pairs.push(n as u64);
+                    .sum();
+                pairs.push(n);
             })
             .unwrap();
             (logits, dispatches, pairs)

@@ -709,6 +709,10 @@ pub fn act_sim(
         n: u32_of(n, "n")?,
         stride: u32_of(stride, "stride")?,
         block: u32_of(block.max(1), "block")?,
+        heads: 0,
+        rope_dim: 0,
+        _p0: 0,
+        _p1: 0,
     };
     let ub = ctx.uniform("act", &p);
     let (entry, g) = match kind {
