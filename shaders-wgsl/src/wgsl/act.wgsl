@@ -59,15 +59,8 @@ fn fp4(@builtin(global_invocation_id) gid: vec3<u32>) {
 
 var<workgroup> buf: array<f32, 1024>;
 
-@compute @workgroup_size(64)
-fn hadamard(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
-    let r = wg.x;
-    let n = min(p.n, 1024u);
-    let base = r * p.stride;
-    for (var i = li; i < n; i += 64u) {
-        buf[i] = x[base + i];
-    }
-    workgroupBarrier();
+// The in-place fast Walsh-Hadamard transform of buf[0..n) by the 64 invocations of a workgroup (no 1/sqrt(n)).
+fn fwht(li: u32, n: u32) {
     for (var h = 1u; h < n; h <<= 1u) {
         for (var i = li; i < n / 2u; i += 64u) {
             let j = (i / h) * 2u * h + (i % h);
@@ -78,6 +71,18 @@ fn hadamard(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_inde
         }
         workgroupBarrier();
     }
+}
+
+@compute @workgroup_size(64)
+fn hadamard(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let r = wg.x;
+    let n = min(p.n, 1024u);
+    let base = r * p.stride;
+    for (var i = li; i < n; i += 64u) {
+        buf[i] = x[base + i];
+    }
+    workgroupBarrier();
+    fwht(li, n);
     let norm = inverseSqrt(f32(n));
     for (var i = li; i < n; i += 64u) {
         x[base + i] = buf[i] * norm;
@@ -105,16 +110,7 @@ fn rope_hadamard_fp4(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invoca
         buf[i + 1u] = a1 * c + a0 * s;
     }
     workgroupBarrier();
-    for (var h = 1u; h < n; h <<= 1u) {
-        for (var i = li; i < n / 2u; i += 64u) {
-            let j = (i / h) * 2u * h + (i % h);
-            let a = buf[j];
-            let b = buf[j + h];
-            buf[j] = a + b;
-            buf[j + h] = a - b;
-        }
-        workgroupBarrier();
-    }
+    fwht(li, n);
     let norm = inverseSqrt(f32(n));
     for (var i = li; i < n; i += 64u) {
         buf[i] = buf[i] * norm;

@@ -61,6 +61,17 @@ const MAX_N: u32 = 8u;
 var<workgroup> red: array<f32, 64>;
 var<workgroup> pre_w: array<f32, 8>;
 
+// Sums red[0..64) into red[0] (a tree, the same for every kernel here); every invocation of the workgroup calls it.
+fn reduce_red(li: u32) {
+    workgroupBarrier();
+    for (var s = 32u; s > 0u; s >>= 1u) {
+        if (li < s) {
+            red[li] += red[li + s];
+        }
+        workgroupBarrier();
+    }
+}
+
 fn sigmoid(v: f32) -> f32 {
     return 1.0 / (1.0 + exp(-v));
 }
@@ -138,13 +149,7 @@ fn pre(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li
         ss += v * v;
     }
     red[li] = ss;
-    workgroupBarrier();
-    for (var s = 32u; s > 0u; s >>= 1u) {
-        if (li < s) {
-            red[li] += red[li + s];
-        }
-        workgroupBarrier();
-    }
+    reduce_red(li);
     if (li == 0u) {
         let r = inverseSqrt(red[0] / f32(w) + p.norm_eps);
         let pw = weights_of(t, r);
@@ -258,13 +263,7 @@ fn weights_collapse_norm(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_in
         return;
     }
     red[li] = collapse_token(t, li);
-    workgroupBarrier();
-    for (var s = 32u; s > 0u; s >>= 1u) {
-        if (li < s) {
-            red[li] += red[li + s];
-        }
-        workgroupBarrier();
-    }
+    reduce_red(li);
     let scale = inverseSqrt(red[0] / f32(p.d) + p.norm_eps);
     let ub = p.u_offset + t * p.u_stride;
     for (var c = li; c < p.d; c += 64u) {
@@ -298,13 +297,7 @@ fn post_norm(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
         }
     }
     red[li] = ss;
-    workgroupBarrier();
-    for (var s = 32u; s > 0u; s >>= 1u) {
-        if (li < s) {
-            red[li] += red[li + s];
-        }
-        workgroupBarrier();
-    }
+    reduce_red(li);
     let w = n * p.d;
     let scale = inverseSqrt(red[0] / f32(w) + p.norm_eps);
     for (var i = li; i < w; i += 64u) {

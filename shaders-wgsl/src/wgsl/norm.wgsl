@@ -67,11 +67,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     let scale = row_scale(xb, li);
     let yb = p.y_offset + r * p.y_stride;
     for (var i = li; i < p.n; i += 64u) {
-        var v = x[xb + i] * scale;
-        if (p.has_weight != 0u) {
-            v *= g[i];
-        }
-        y[yb + i] = v;
+        y[yb + i] = normed(xb, i, scale);
     }
 }
 

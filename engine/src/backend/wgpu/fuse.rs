@@ -26,7 +26,7 @@ use ds4_shaders_wgsl::params::{ActParams, NormParams};
 use super::backend::WgpuBackend;
 use super::context::{backend_err, WgpuContext};
 use super::matmul::u32_of;
-use super::ops::{grid2, hc_params, HcShape};
+use super::ops::grid2;
 
 type Enc = wgpu::CommandEncoder;
 type Buf = wgpu::Buffer;
@@ -246,35 +246,6 @@ pub fn norm_rope_kernel(
     let u = ctx.uniform("norm_rope", &p);
     let gb = g.unwrap_or(ctx.zeros());
     ctx.dispatch_at(enc, &pl, &[(0, x), (1, y), (2, gb), (3, &u), (4, cs)], [gx, gy, 1])
-}
-
-/// [`super::ops::hc_post`] into `out`, then the unweighted RMSNorm of each new row (`N·d` values, eps `s.norm_eps`) into
-/// `normed`, in one dispatch (`hc.wgsl`'s `post_norm`; bit for bit the two kernels in turn). `d` must be a multiple
-/// of 64.
-#[allow(clippy::too_many_arguments)]
-pub fn hc_post_norm(
-    ctx: &WgpuContext,
-    enc: &mut Enc,
-    s: &HcShape,
-    xs: &Buf,
-    f: (&Buf, usize, usize),
-    state: &Buf,
-    out: &Buf,
-    normed: &Buf,
-) -> Result<()> {
-    if s.n_tok == 0 {
-        return Ok(());
-    }
-    if std::ptr::eq(xs, out) || std::ptr::eq(out, normed) || !s.d.is_multiple_of(64) {
-        return Err(backend_err("hc_post_norm: aliased buffers or a width not a multiple of 64"));
-    }
-    let mut p = hc_params(s, false)?;
-    p.f_offset = u32_of(f.1, "f offset")?;
-    p.f_stride = u32_of(f.2, "f stride")?;
-    let pl = ctx.pipeline_entry("hc", sh::HC, "post_norm")?;
-    let ub = ctx.uniform("hc post norm", &p);
-    let bind = [(0, xs), (1, f.0), (4, state), (5, out), (6, &ub), (7, normed)];
-    ctx.dispatch_at(enc, &pl, &bind, [p.n_tok, 1, 1])
 }
 
 #[cfg(test)]

@@ -19,7 +19,7 @@ use crate::error::Result;
 type Enc = wgpu::CommandEncoder;
 type Buf = wgpu::Buffer;
 
-pub(super) fn groups(n: usize) -> Result<u32> {
+fn groups(n: usize) -> Result<u32> {
     u32_of(n.div_ceil(64), "workgroups")
 }
 
@@ -311,7 +311,7 @@ pub struct HcShape {
     pub hc_eps: f32,
 }
 
-pub(super) fn hc_params(s: &HcShape, head: bool) -> Result<HcParams> {
+fn hc_params(s: &HcShape, head: bool) -> Result<HcParams> {
     if s.n == 0 || s.n > 8 {
         return Err(backend_err(format!("hc: {} streams (supported: 1..=8)", s.n)));
     }
@@ -367,6 +367,10 @@ pub fn hc_pre(
 }
 
 /// mHC post: `out[t, k] = post_k f[t] + Σ_j comb[j][k] X[t, j]` with `state` from [`hc_pre`]. `out` ≠ `xs`.
+///
+/// With `normed`, the unweighted RMSNorm of each new row (`N·d` values, eps `s.norm_eps`) goes there in the same
+/// dispatch (`post_norm`; bit for bit the two kernels in turn; `d` a multiple of 64).
+#[allow(clippy::too_many_arguments)]
 pub fn hc_post(
     ctx: &WgpuContext,
     enc: &mut Enc,
@@ -375,19 +379,32 @@ pub fn hc_post(
     f: (&Buf, usize, usize),
     state: &Buf,
     out: &Buf,
+    normed: Option<&Buf>,
 ) -> Result<()> {
     if s.n_tok == 0 {
         return Ok(());
     }
-    if std::ptr::eq(xs, out) {
-        return Err(backend_err("hc_post: output must not alias the input streams"));
+    if std::ptr::eq(xs, out) || normed.is_some_and(|b| std::ptr::eq(b, out)) {
+        return Err(backend_err("hc_post: output must not alias the input streams or the normed output"));
     }
     let mut p = hc_params(s, false)?;
     p.f_offset = u32_of(f.1, "f offset")?;
     p.f_stride = u32_of(f.2, "f stride")?;
-    let pl = ctx.pipeline_entry("hc", sh::HC, "post")?;
+    let mut bind = vec![(0, xs), (1, f.0), (4, state), (5, out)];
+    let (entry, groups) = match normed {
+        Some(nb) => {
+            if !s.d.is_multiple_of(64) {
+                return Err(backend_err(format!("hc_post with the norm: width {} is not a multiple of 64", s.d)));
+            }
+            bind.push((7, nb));
+            ("post_norm", [p.n_tok, 1, 1])
+        }
+        None => ("post", [groups(s.d)?, p.n_tok, 1]),
+    };
+    let pl = ctx.pipeline_entry("hc", sh::HC, entry)?;
     let ub = ctx.uniform("hc post", &p);
-    ctx.dispatch_at(enc, &pl, &[(0, xs), (1, f.0), (4, state), (5, out), (6, &ub)], [groups(s.d)?, p.n_tok, 1])
+    bind.push((6, &ub));
+    ctx.dispatch_at(enc, &pl, &bind, groups)
 }
 
 /// One input of a pooling window: source token row, feature offset within the row, APE row. `None` = none.

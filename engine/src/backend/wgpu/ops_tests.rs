@@ -219,7 +219,7 @@ fn hc_pre_post_match_reference() {
         let mut enc = ctx.encoder();
         hc_pre(&ctx, &mut enc, &shape, &xb, (&mb, 0, nm), &bb, &sb, &state, (&ub, 0, d), head).unwrap();
         if !head {
-            hc_post(&ctx, &mut enc, &shape, &xb, (&fb, 0, d), &state, &ob).unwrap();
+            hc_post(&ctx, &mut enc, &shape, &xb, (&fb, 0, d), &state, &ob, None).unwrap();
         }
         ctx.submit(enc).unwrap();
         let u = ctx.read_f32(&ub, 0, n_tok * d).unwrap();
@@ -249,7 +249,7 @@ fn hc_pre_post_match_reference() {
             close(&out[t * n * d..(t + 1) * n * d], &want, 1e-5, 1e-5, "hc post");
         }
     }
-    assert!(hc_post(&ctx, &mut ctx.encoder(), &shape, &xb, (&fb, 0, d), &state, &xb).is_err());
+    assert!(hc_post(&ctx, &mut ctx.encoder(), &shape, &xb, (&fb, 0, d), &state, &xb, None).is_err());
 }
 
 /// Compressor pooling with overlapping (CSA-style) slots and empty slots. Tolerance 1e-5 absolute.

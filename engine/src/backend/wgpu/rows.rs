@@ -180,27 +180,42 @@ fn hc_params(cx: &StepCtx<'_>, head: bool) -> Result<HcParams> {
     })
 }
 
-/// `hc.wgsl`'s `weights` over the mixes of `base`/`scale`: `Pre`, and unless `head` the post/comb `PostComb`.
-fn hc_weights(
-    be: &WgpuBackend,
-    t: &mut Tick,
-    cx: &StepCtx<'_>,
-    base: WeightId,
-    scale: WeightId,
-    head: bool,
-) -> Result<()> {
+/// The base and scale weights of the mHC of `of` (`(layer, sub)`; `None`: the output head).
+fn hc_weight_ids(cx: &StepCtx<'_>, of: Option<(usize, Sub)>) -> (WeightId, WeightId) {
+    match of {
+        Some((layer, sub)) => {
+            let lw = &cx.model.layers[layer];
+            let w = match sub {
+                Sub::Attn => lw.hc_attn,
+                Sub::Ffn => lw.hc_ffn,
+            };
+            (w.base, w.scale)
+        }
+        None => (cx.model.global.hc_base, cx.model.global.hc_scale),
+    }
+}
+
+/// The parameters of the mHC weights of `of` over the tick's mixes (`u_stride` left to the caller).
+fn hc_weight_params(cx: &StepCtx<'_>, of: Option<(usize, Sub)>) -> Result<HcParams> {
+    let c = &cx.model.config;
+    let mut p = hc_params(cx, of.is_none())?;
+    p.mix_stride = u32_of(if of.is_none() { c.hc_mult } else { c.hc_mix() }, "mix stride")?;
+    Ok(p)
+}
+
+/// `hc.wgsl`'s `weights` of `of` (see [`hc_weight_ids`]): `Pre`, and unless the head the post/comb `PostComb`.
+fn hc_weights(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, of: Option<(usize, Sub)>) -> Result<()> {
     let model = cx.model;
-    let c = &model.config;
     let n = cx.batch.rows.len();
     if n == 0 {
         return Ok(());
     }
     let (mix, pre, state) =
         (be.buf(t, model, BufId::Mix)?, be.buf(t, model, BufId::Pre)?, be.buf(t, model, BufId::PostComb)?);
+    let (base, scale) = hc_weight_ids(cx, of);
     let (bb, sb) = (be.dense(model, base), be.dense(model, scale));
-    let mut p = hc_params(cx, head)?;
-    p.mix_stride = u32_of(if head { c.hc_mult } else { c.hc_mix() }, "mix stride")?;
-    p.u_stride = c.hc_mult as u32;
+    let mut p = hc_weight_params(cx, of)?;
+    p.u_stride = model.config.hc_mult as u32;
     let ctx = be.context();
     let pl = ctx.pipeline_entry("hc", sh::HC, "weights")?;
     let ub = ctx.uniform("hc weights", &p);
@@ -210,12 +225,7 @@ fn hc_weights(
 
 /// [`crate::graph::Op::HcSinkhorn`]: `pre`, `post` and the Sinkhorn `comb` of a sublayer from its mixes.
 pub fn hc_sinkhorn(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, layer: usize, sub: Sub) -> Result<()> {
-    let lw = &cx.model.layers[layer];
-    let w = match sub {
-        Sub::Attn => lw.hc_attn,
-        Sub::Ffn => lw.hc_ffn,
-    };
-    hc_weights(be, t, cx, w.base, w.scale, false)
+    hc_weights(be, t, cx, Some((layer, sub)))
 }
 
 /// [`crate::graph::Op::HcSinkhorn`] of `of` (`(layer, sub)`; `None`: [`crate::graph::Op::HcHeadWeights`]) and the
@@ -231,29 +241,17 @@ pub fn hc_weights_collapse(
     norm: Option<(BufId, Option<WeightId>)>,
 ) -> Result<()> {
     let model = cx.model;
-    let c = &model.config;
     let n = cx.batch.rows.len();
     if n == 0 {
         return Ok(());
     }
-    let (base, scale) = match of {
-        Some((layer, sub)) => {
-            let lw = &model.layers[layer];
-            let w = match sub {
-                Sub::Attn => lw.hc_attn,
-                Sub::Ffn => lw.hc_ffn,
-            };
-            (w.base, w.scale)
-        }
-        None => (model.global.hc_base, model.global.hc_scale),
-    };
     let (xs, mix, state) =
         (be.buf(t, model, BufId::Streams)?, be.buf(t, model, BufId::Mix)?, be.buf(t, model, BufId::PostComb)?);
     let (pre, u) = (be.buf(t, model, BufId::Pre)?, be.buf(t, model, out)?);
+    let (base, scale) = hc_weight_ids(cx, of);
     let (bb, sb) = (be.dense(model, base), be.dense(model, scale));
-    let mut p = hc_params(cx, of.is_none())?;
-    p.mix_stride = u32_of(if of.is_none() { c.hc_mult } else { c.hc_mix() }, "mix stride")?;
-    p.u_stride = u32_of(c.d_model, "u stride")?;
+    let mut p = hc_weight_params(cx, of)?;
+    p.u_stride = u32_of(model.config.d_model, "u stride")?;
     let ctx = be.context();
     let groups = [u32_of(n, "workgroups")?, 1, 1];
     let mut bind = vec![(0, &xs), (1, &mix), (2, &bb), (3, &sb), (4, &state), (5, &u), (7, &pre)];
@@ -275,8 +273,7 @@ pub fn hc_weights_collapse(
 
 /// [`crate::graph::Op::HcHeadWeights`].
 pub fn hc_head_weights(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>) -> Result<()> {
-    let g = &cx.model.global;
-    hc_weights(be, t, cx, g.hc_base, g.hc_scale, true)
+    hc_weights(be, t, cx, None)
 }
 
 /// [`crate::graph::Op::HcCollapse`].
@@ -317,13 +314,8 @@ pub fn hc_post(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, norm: Option<Bu
     let state = be.buf(t, model, BufId::PostComb)?;
     let out = t.next_streams(be.context(), model);
     let ctx = be.context();
-    match norm {
-        Some(y) => {
-            let yb = be.buf(t, model, y)?;
-            super::fuse::hc_post_norm(ctx, t.enc(ctx), &shape, &xs, (&f, 0, c.d_model), &state, &out, &yb)?
-        }
-        None => ops::hc_post(ctx, t.enc(ctx), &shape, &xs, (&f, 0, c.d_model), &state, &out)?,
-    }
+    let yb = norm.map(|y| be.buf(t, model, y)).transpose()?;
+    ops::hc_post(ctx, t.enc(ctx), &shape, &xs, (&f, 0, c.d_model), &state, &out, yb.as_ref())?;
     t.flip_streams();
     Ok(())
 }
