@@ -120,7 +120,13 @@ pub struct AttnParams {
     pub topk: u32,
     /// log2 of the rows per KV page (`pages.wgsl`).
     pub page_shift: u32,
-    pub _pad: u32,
+    /// `keyed` only: when not 0, the inverse RoPE of the last `rope_dim` values of each output head (binding 12).
+    pub rope_dim: u32,
+    /// `keyed` only: the batch row of the dispatch's token 0 (its row in the rope table).
+    pub rope_row0: u32,
+    pub _p0: u32,
+    pub _p1: u32,
+    pub _p2: u32,
 }
 
 /// `Params` of `kvdev.wgsl` ([`crate::KVDEV`]).
@@ -311,7 +317,11 @@ pub fn all() -> Vec<ParamsLayout> {
                 scale,
                 topk,
                 page_shift,
-                _pad
+                rope_dim,
+                rope_row0,
+                _p0,
+                _p1,
+                _p2
             ]
         ),
         layout!(ApeParams, KVDEV, [rows, w, pos0, ratio, off, _p]),

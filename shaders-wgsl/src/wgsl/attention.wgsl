@@ -8,7 +8,10 @@
 // rows), 1 = row of `ring` (the session's window ring), 2 = row of `comp` (its compressed rows), 3 = selection
 // `low` of token t: row sel[t * topk + low] of `comp`, skipped (weight exactly 0) when it is 0xffffffff. Results
 // equal `main` over the same keys with the skipped ones left out. `comp` is the layer's page pool: compressed row w
-// is pool row page_row(w) through the session's page table `ptab` (`pages.wgsl`).
+// is pool row page_row(w) through the session's page table `ptab` (`pages.wgsl`). With rope_dim != 0 it also applies
+// `rope.wgsl`'s inverse rotation to the last rope_dim values of each output head (token t's pairs at batch row
+// rope_row0 + t of cs), each pair's two values accumulated in the same order as the others: the attention and the
+// rope kernel in turn, bit for bit.
 struct Params {
     n_tok: u32,
     heads: u32,
@@ -21,6 +24,10 @@ struct Params {
     scale: f32,
     topk: u32,
     page_shift: u32,
+    rope_dim: u32,
+    rope_row0: u32,
+    _p0: u32,
+    _p1: u32,
     _p2: u32,
 }
 
@@ -36,6 +43,7 @@ struct Params {
 @group(0) @binding(9) var<storage, read> comp: array<f32>;
 @group(0) @binding(10) var<storage, read> sel: array<u32>;
 @group(0) @binding(11) var<storage, read> ptab: array<u32>;
+@group(0) @binding(12) var<storage, read> cs: array<f32>;
 
 var<workgroup> red: array<f32, 64>;
 
@@ -171,7 +179,8 @@ fn keyed(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) 
     storageBarrier();
     let denom = reduce_sum(li, l) + exp(sink[h] - m);
     let ob = p.o_offset + t * p.o_tok_stride + h * p.dim;
-    for (var c = li; c < p.dim; c += 64u) {
+    let lead = p.dim - p.rope_dim;
+    for (var c = li; c < lead; c += 64u) {
         var acc = 0.0;
         for (var j = 0u; j < nk; j++) {
             let s = key_src(t, kidx[k0 + j]);
@@ -180,5 +189,25 @@ fn keyed(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) 
             }
         }
         o[ob + c] = acc / denom;
+    }
+    let half = p.rope_dim / 2u;
+    let rt = p.rope_row0 + t;
+    for (var k = li; k < half; k += 64u) {
+        let c0 = lead + 2u * k;
+        var a0 = 0.0;
+        var a1 = 0.0;
+        for (var j = 0u; j < nk; j++) {
+            let s = key_src(t, kidx[k0 + j]);
+            if (s.x != SKIP) {
+                a0 += scratch[sb + j] * key_val(s, c0);
+                a1 += scratch[sb + j] * key_val(s, c0 + 1u);
+            }
+        }
+        let v0 = a0 / denom;
+        let v1 = a1 / denom;
+        let cr = cs[(rt * half + k) * 2u];
+        let sr = -cs[(rt * half + k) * 2u + 1u];
+        o[ob + c0] = v0 * cr - v1 * sr;
+        o[ob + c0 + 1u] = v1 * cr + v0 * sr;
     }
 }

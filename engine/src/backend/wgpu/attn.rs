@@ -333,12 +333,16 @@ pub fn indexer_topk(be: &WgpuBackend, t: &mut Tick, dk: &mut DevKv, cx: &mut Ste
 
 /// [`crate::graph::Op::SparseAttention`]: per run, each row's window (batch rows and ring) plus its compressed
 /// rows (HCA: all visible; CSA: its selections), with sinks, into `AttnOut`.
+///
+/// With `inverse_rope`, the [`crate::graph::Op::Rope`] (inverse) of `AttnOut` that follows it runs in the same
+/// dispatch ([`super::fuse`]).
 pub fn sparse_attention(
     be: &WgpuBackend,
     t: &mut Tick,
     dk: &mut DevKv,
     cx: &mut StepCtx<'_>,
     layer: usize,
+    inverse_rope: bool,
 ) -> Result<()> {
     let ctx = be.context();
     let model = cx.model;
@@ -355,6 +359,8 @@ pub fn sparse_attention(
     // No compressed rows: `comp` (binding 9) is read-only, so the context's zeros serve.
     let (no_comp, unpaged) = (ctx.zeros().clone(), ops::unpaged_table(ctx));
     let no_sel = ctx.storage_u32("no selections", &[u32::MAX]);
+    let cs = inverse_rope.then(|| t.rope(ctx, cx, layer));
+    let rope_dim = c.rope_dim;
     let enc = t.enc(ctx);
     let batch = cx.batch;
     let rows = &batch.rows;
@@ -401,7 +407,8 @@ pub fn sparse_attention(
         let src = KeySources { batch: &kv, ring: &ld.ring, comp, sel, topk };
         let scale = 1.0 / (hd as f32).sqrt();
         let (qv, ov) = ((&q, start * nh * hd, nh * hd), (&attn, start * nh * hd, nh * hd));
-        ops::attention_keyed(ctx, enc, qv, &src, &keys, &sinks, ov, nh, hd, scale)?;
+        let rope = cs.as_ref().map(|cs| (cs, rope_dim, start));
+        ops::attention_keyed(ctx, enc, qv, &src, &keys, &sinks, ov, nh, hd, scale, rope)?;
         Ok(0)
     })
 }

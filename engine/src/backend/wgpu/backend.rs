@@ -477,7 +477,7 @@ impl Backend for WgpuBackend {
                 attn::compress_push(self, t, &mut self.kv.lock(), cx, layer, indexer, sim)
             }
             Op::IndexerTopK { layer } => attn::indexer_topk(self, t, &mut self.kv.lock(), cx, layer),
-            Op::SparseAttention { layer } => attn::sparse_attention(self, t, &mut self.kv.lock(), cx, layer),
+            Op::SparseAttention { layer } => attn::sparse_attention(self, t, &mut self.kv.lock(), cx, layer, false),
             Op::WindowStore { layer } => attn::kv_store(self, t, &mut self.kv.lock(), cx, layer),
             Op::MoeRoute { layer, hash, experts } => moe::route(self, t, cx, layer, hash, experts),
             Op::ExpertUp { layer, experts } => moe::expert_up(self, t, cx, layer, experts),
@@ -489,8 +489,13 @@ impl Backend for WgpuBackend {
 }
 
 impl WgpuBackend {
+    /// The device KV mirrors and their pools (locked).
+    pub(super) fn device_kv(&self) -> parking_lot::MutexGuard<'_, DevKv> {
+        self.kv.lock()
+    }
+
     /// Records the node held for fusion, if any ([`fuse`]), before anything else touches the tick.
-    fn release_held(&self, t: &mut Tick, cx: &StepCtx<'_>) -> Result<()> {
+    fn release_held(&self, t: &mut Tick, cx: &mut StepCtx<'_>) -> Result<()> {
         match t.held.take() {
             Some(h) => fuse::run_alone(self, t, cx, h),
             None => Ok(()),

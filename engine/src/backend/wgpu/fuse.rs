@@ -17,6 +17,8 @@
 //!   `Fp8NoRope`) that follows, three nodes in one dispatch;
 //! - a forward [`Op::Rope`] and the Hadamard + FP4 simulation of what it rotated (the indexer queries):
 //!   `act.wgsl`'s `rope_hadamard_fp4`;
+//! - [`Op::SparseAttention`] and the inverse [`Op::Rope`] of its output: `attention.wgsl`'s `keyed` with the
+//!   rotation in its output loop;
 //! - [`Op::HcPost`] and the unweighted [`Op::RmsNorm`] of the new streams that opens the next sublayer (or the
 //!   head): `hc.wgsl`'s `post_norm`.
 
@@ -31,7 +33,7 @@ use super::ops::grid2;
 type Enc = wgpu::CommandEncoder;
 type Buf = wgpu::Buffer;
 use super::resident::Tick;
-use super::rows;
+use super::{attn, rows};
 use crate::backend::StepCtx;
 use crate::graph::{BufId, Op, SimKind, Sub};
 use crate::model::WeightId;
@@ -46,6 +48,8 @@ pub enum Held {
     Norm { x: BufId, y: BufId, w: Option<WeightId>, width: usize, heads: usize },
     /// An [`Op::HcPost`].
     Post,
+    /// An [`Op::SparseAttention`].
+    Attention { layer: usize },
     /// A forward [`Op::Rope`] alone.
     Rope { x: BufId, layer: usize, width: usize, heads: usize },
     /// An [`Op::RmsNorm`] and the forward [`Op::Rope`] of `y` (already paired, waiting for an FP8 simulation of `y`).
@@ -61,13 +65,14 @@ pub fn hold(op: &Op) -> Option<Held> {
         Op::HcHeadWeights => Some(Held::Weights(None)),
         Op::RmsNorm { x, y, w, width, heads } => Some(Held::Norm { x, y, w, width, heads }),
         Op::HcPost => Some(Held::Post),
+        Op::SparseAttention { layer } => Some(Held::Attention { layer }),
         Op::Rope { x, layer, width, heads, inverse: false } => Some(Held::Rope { x, layer, width, heads }),
         _ => None,
     }
 }
 
 /// Records `held` and `next` as one dispatch when they form a pair; `false` (nothing recorded) otherwise.
-pub fn fused(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, held: Held, next: &Op) -> Result<bool> {
+pub fn fused(be: &WgpuBackend, t: &mut Tick, cx: &mut StepCtx<'_>, held: Held, next: &Op) -> Result<bool> {
     match (held, *next) {
         (Held::Weights(of), Op::HcCollapse { out }) => {
             // Held in turn: the norm of what it collapsed usually follows.
@@ -109,18 +114,25 @@ pub fn fused(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, held: Held, next:
             rope_hadamard_fp4(be, t, cx, x, layer, width, heads)?;
             Ok(true)
         }
+        (Held::Attention { layer }, Op::Rope { x: BufId::AttnOut, layer: rl, width, heads, inverse: true })
+            if rl == layer && width == cx.model.config.head_dim && heads == cx.model.config.n_heads =>
+        {
+            attn::sparse_attention(be, t, &mut be.device_kv(), cx, layer, true)?;
+            Ok(true)
+        }
         _ => Ok(false),
     }
 }
 
 /// Records `held` alone (its successor does not pair with it, or something else needs the tick in order).
-pub fn run_alone(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, held: Held) -> Result<()> {
+pub fn run_alone(be: &WgpuBackend, t: &mut Tick, cx: &mut StepCtx<'_>, held: Held) -> Result<()> {
     match held {
         Held::Weights(Some((layer, sub))) => rows::hc_sinkhorn(be, t, cx, layer, sub),
         Held::Weights(None) => rows::hc_head_weights(be, t, cx),
         Held::Norm { x, y, w, width, heads } => rows::rms_norm(be, t, cx, x, y, w, width, heads),
         Held::NormRope { x, y, w, width, heads, layer } => norm_rope(be, t, cx, (x, y), w, width, heads, layer, false),
         Held::Post => rows::hc_post(be, t, cx, None),
+        Held::Attention { layer } => attn::sparse_attention(be, t, &mut be.device_kv(), cx, layer, false),
         Held::Rope { x, layer, width, heads } => rows::rope(be, t, cx, x, layer, width, heads, false),
         Held::WeightsCollapse { of, out } => rows::hc_weights_collapse(be, t, cx, of, out, None),
     }
@@ -286,6 +298,7 @@ mod tests {
                             (x == y && rw == width && rh == heads && !inverse) as u64
                         }
                         (Op::HcPost, Op::RmsNorm { x: BufId::Streams, w: None, .. }) => 1,
+                        (Op::SparseAttention { .. }, Op::Rope { x: BufId::AttnOut, inverse: true, .. }) => 1,
                         (Op::HcCollapse { out }, Op::RmsNorm { x, heads: 1, .. }) => (x == out) as u64,
                         (
                             Op::Rope { x, width, heads, inverse: false, .. },

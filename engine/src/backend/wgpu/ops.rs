@@ -156,7 +156,11 @@ fn attn_params_for_keys(
         scale,
         topk: u32_of(topk, "topk")?,
         page_shift: UNPAGED_SHIFT,
-        _pad: 0,
+        rope_dim: 0,
+        rope_row0: 0,
+        _p0: 0,
+        _p1: 0,
+        _p2: 0,
     }))
 }
 
@@ -226,7 +230,9 @@ pub struct KeySources<'a> {
 }
 
 /// Like [`attention`], with key entries tagged by source (see [`key`] and `attention.wgsl`, entry `keyed`). The
-/// four source buffers must be distinct from each other and from `q`/`o`.
+/// four source buffers must be distinct from each other and from `q`/`o`. `inverse_rope = Some((cs, rope_dim,
+/// row0))` also rotates the last `rope_dim` values of every output head back (the inverse of [`rope`] with the
+/// table `cs`, token t at its row `row0 + t`), in the same dispatch.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_keyed(
     ctx: &WgpuContext,
@@ -239,11 +245,20 @@ pub fn attention_keyed(
     heads: usize,
     dim: usize,
     scale: f32,
+    inverse_rope: Option<(&Buf, usize, usize)>,
 ) -> Result<()> {
     let Some(mut p) = attn_params_for_keys(keys, (q.1, q.2), (o.1, o.2), heads, dim, scale, src.topk)? else {
         return Ok(());
     };
     p.page_shift = src.comp.shift;
+    if let Some((_, rd, row0)) = inverse_rope {
+        if rd == 0 || !rd.is_multiple_of(2) || rd > dim {
+            return Err(backend_err(format!("attention: rope_dim {rd} of heads of {dim}")));
+        }
+        p.rope_dim = u32_of(rd, "rope_dim")?;
+        p.rope_row0 = u32_of(row0, "rope row")?;
+    }
+    let cs = inverse_rope.map_or(ctx.zeros(), |r| r.0);
     let (n_tok, max_keys) = (p.n_tok as usize, p.max_keys as usize);
     let pl = ctx.pipeline_entry("attention", sh::ATTENTION, "keyed")?;
     let u = ctx.uniform("attention", &p);
@@ -262,6 +277,7 @@ pub fn attention_keyed(
         (9, src.comp.rows),
         (10, src.sel),
         (11, src.comp.table),
+        (12, cs),
     ];
     ctx.dispatch_at(enc, &pl, &bound, [u32_of(heads, "heads")?, p.n_tok, 1])
 }
