@@ -411,12 +411,16 @@ def test_codex_output_schema(schema_server, tmp_path):
     structured_server = schema_server
     codex = client("codex")
     home, repo = scratch(tmp_path, "codex-schema")
-    proxy = RecordingProxy(structured_server.port)
+    demo = getattr(structured_server, "model_kind", "scripted") == "demo"
+    # The demo model's tool calls are noise too, and a free-text parameter (a shell command, a patch) need not end
+    # before the context does: for it the proxy passes each request on with `tool_choice: "none"` (the server then
+    # offers no tools), so the answer is the schema alone. The scripted model keeps the tools.
+    proxy = RecordingProxy(structured_server.port, rewrite=(lambda r: {**r, "tool_choice": "none"}) if demo else None)
     env = codex_home(home, proxy.base)
     schema_file = tmp_path / "schema.json"
     schema_file.write_text(json.dumps(OUTPUT_SCHEMA))
     flags = ["--json", "--skip-git-repo-check", "--sandbox", "read-only", "--output-schema", str(schema_file)]
-    if getattr(structured_server, "model_kind", "scripted") == "demo":
+    if demo:
         # The demo model's free reasoning is noise that need not end: ask for none, so the answer starts at once.
         flags += ["-c", 'model_reasoning_effort="none"']
     try:
@@ -442,9 +446,10 @@ def test_codex_output_schema(schema_server, tmp_path):
 
 class RecordingProxy:
     """A proxy on 127.0.0.1 in front of the server that records every request body and the whole answer to it (a
-    stream is read to its end, then passed on)."""
+    stream is read to its end, then passed on). `rewrite`, when given, changes each JSON request before it goes on
+    (the record keeps the request as the client sent it)."""
 
-    def __init__(self, upstream_port):
+    def __init__(self, upstream_port, rewrite=None):
         self.records = []
         lock = threading.Lock()
         records = self.records
@@ -456,8 +461,14 @@ class RecordingProxy:
                 body = self.rfile.read(int(self.headers.get("content-length", 0)))
                 skip = {"host", "content-length", "connection", "accept-encoding"}
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in skip}
+                sent = body
+                if rewrite is not None:
+                    try:
+                        sent = json.dumps(rewrite(json.loads(body))).encode()
+                    except ValueError:
+                        pass
                 conn = http.client.HTTPConnection("127.0.0.1", upstream_port, timeout=300)
-                conn.request("POST", self.path, body=body, headers=headers)
+                conn.request("POST", self.path, body=sent, headers=headers)
                 r = conn.getresponse()
                 data = r.read()
                 conn.close()
