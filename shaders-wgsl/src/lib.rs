@@ -165,8 +165,8 @@ pub const KVDEV: &str = include_str!("wgsl/kvdev.wgsl");
 pub fn all_sources() -> Vec<(&'static str, &'static str, &'static [&'static str])> {
     let mut v: Vec<(&'static str, &'static str, &'static [&'static str])> = Vec::new();
     for f in WeightFormat::ALL {
-        v.push(("matmul", f.matmul_source(), &["main"]));
-        v.push(("get_rows", f.get_rows_source(), &["main"]));
+        v.push(("matmul", f.matmul_source(), &["main", "multi", "swiglu_pair"]));
+        v.push(("get_rows", f.get_rows_source(), &["main", "embed_norm"]));
     }
     v.push(("rms_norm", RMS_NORM, &["main", "norm_rope"]));
     v.push(("rope", ROPE, &["main"]));
@@ -184,7 +184,7 @@ pub fn all_sources() -> Vec<(&'static str, &'static str, &'static [&'static str]
     v.push(("kvdev", KVDEV, &["add_ape"]));
     v.push(("moe_ids", MOE_IDS, &["combine"]));
     for f in WeightFormat::ALL {
-        v.push(("matmul_ids", matmul_ids_source(f), &["main"]));
+        v.push(("matmul_ids", matmul_ids_source(f), &["main", "gate_up_swiglu", "down_combine"]));
     }
     v
 }

@@ -24,7 +24,15 @@ pub struct MatmulParams {
     pub group_rows: u32,
     /// The weight row of the dispatch's row 0, counted from the first row of group 0.
     pub group_row0: u32,
-    pub _pad: [u32; 3],
+    /// Entry `multi` only: the number of products (1..=6) and where products 0..4 end (the last ends at `rows`).
+    pub outputs: u32,
+    pub end1: u32,
+    pub end2: u32,
+    pub end3: u32,
+    pub end4: u32,
+    pub end5: u32,
+    /// Entry `swiglu_pair` only: the SwiGLU clamp L.
+    pub limit: f32,
 }
 
 /// `Params` of `get_rows.wgsl` ([`crate::GET_ROWS_F32`]).
@@ -36,7 +44,10 @@ pub struct GetRowsParams {
     pub row_bytes: u32,
     pub y_offset: u32,
     pub y_stride: u32,
-    pub _pad: [u32; 3],
+    /// Entry `embed_norm` only: the streams per row and the norm's epsilon.
+    pub copies: u32,
+    pub eps: f32,
+    pub _pad: [u32; 1],
 }
 
 /// `Params` of `matmul_ids.wgsl` ([`crate::MATMUL_IDS_F32`]).
@@ -55,6 +66,13 @@ pub struct IdsParams {
     pub y_offset: u32,
     pub y_stride: u32,
     pub grid_x: u32,
+    /// `gate_up_swiglu`: the SwiGLU clamp L.
+    pub limit: f32,
+    /// `gate_up_swiglu`: multiply by the pair's routing weight (binding 5).
+    pub route_weighted: u32,
+    pub _p0: u32,
+    /// `down_combine`: add the shared expert's output (binding 5).
+    pub has_shared: u32,
 }
 
 /// `Params` of `moe_ids.wgsl` ([`crate::MOE_IDS`]).
@@ -188,7 +206,8 @@ pub struct IndexerParams {
     pub k: u32,
     /// log2 of the rows per KV page (`pages.wgsl`).
     pub page_shift: u32,
-    pub _p: u32,
+    /// Multiplies each head weight as it is read (1: none), the f32 product a `Scale` of the weights would store.
+    pub w_scale: f32,
     pub scale: f32,
 }
 
@@ -273,10 +292,10 @@ pub fn all() -> Vec<ParamsLayout> {
             MATMUL_F32,
             [
                 rows, cols, n_tok, row_bytes, row_base, x_offset, x_stride, y_offset, y_stride, grid_x, accumulate,
-                group_rows, group_row0, _pad
+                group_rows, group_row0, outputs, end1, end2, end3, end4, end5, limit
             ]
         ),
-        layout!(GetRowsParams, GET_ROWS_F32, [n_ids, cols, row_bytes, y_offset, y_stride, _pad]),
+        layout!(GetRowsParams, GET_ROWS_F32, [n_ids, cols, row_bytes, y_offset, y_stride, copies, eps, _pad]),
         layout!(
             IdsParams,
             MATMUL_IDS_F32,
@@ -292,7 +311,11 @@ pub fn all() -> Vec<ParamsLayout> {
                 x_div,
                 y_offset,
                 y_stride,
-                grid_x
+                grid_x,
+                limit,
+                route_weighted,
+                _p0,
+                has_shared
             ]
         ),
         layout!(CombineParams, MOE_IDS, [n, rows, k, has_shared]),
@@ -334,7 +357,7 @@ pub fn all() -> Vec<ParamsLayout> {
             ]
         ),
         layout!(CompressParams, COMPRESS, [n_windows, slots, dim, src_stride, ape_stride, out_offset, out_stride, _p0]),
-        layout!(IndexerParams, INDEXER, [n_tok, n_keys, heads, dim, k, page_shift, _p, scale]),
+        layout!(IndexerParams, INDEXER, [n_tok, n_keys, heads, dim, k, page_shift, w_scale, scale]),
         layout!(
             MoeParams,
             MOE,

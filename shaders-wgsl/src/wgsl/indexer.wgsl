@@ -1,7 +1,8 @@
 // Lightning-indexer scores and top-k selection.
 //
 // Entry `scores` (dispatch (ceil(n_keys / 64), n_tok, 1)): for token t and key row s < n_keys,
-//   I(t, s) = sum_h w[t, h] * relu(q[t, h, :] . k[s, :]) * scale        if s < limit[t], else -inf,
+//   I(t, s) = sum_h (w[t, h] * w_scale) * relu(q[t, h, :] . k[s, :]) * scale   if s < limit[t], else -inf,
+//   (w_scale: a scaling of the head weights done as they are read, bit for bit a `Scale` of them first; 1: none),
 //   q[t, h, :] at t * heads * dim + h * dim, w[t, h] at t * heads + h, k[s, :] at page_row(s) * dim (`kr` is the
 //   layer's page pool, `ptab` the session's page table: `pages.wgsl`),
 //   out sc[t * n_keys + s].
@@ -17,7 +18,7 @@ struct Params {
     dim: u32,
     k: u32,
     page_shift: u32,
-    _p1: u32,
+    w_scale: f32,
     scale: f32,
 }
 
@@ -49,7 +50,7 @@ fn scores(@builtin(global_invocation_id) gid: vec3<u32>) {
             for (var c = 0u; c < p.dim; c++) {
                 d += q[qb + c] * kr[kb + c];
             }
-            acc += wt[t * p.heads + h] * max(d, 0.0) * p.scale;
+            acc += (wt[t * p.heads + h] * p.w_scale) * max(d, 0.0) * p.scale;
         }
     }
     sc[t * p.n_keys + s] = acc;

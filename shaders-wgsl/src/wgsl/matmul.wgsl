@@ -8,6 +8,15 @@
 // Dispatch: (grid_x, ceil(rows / grid_x), ceil(n_tok / TILE)) workgroups; row = wg.x + wg.y * grid_x.
 // Grouped products (group_rows > 0: o_groups of the attention output) run in the same dispatch: group g's rows
 // read columns g·cols.. of each token's x, so every group is one dispatch instead of one each.
+// Entry `multi`: the products of one input by several weights of one format and width, uploaded as one matrix
+// (rows 0 .. end1 the first product's, end1 .. end2 the second's, …; `outputs` products, at most 6): the row's
+// product k writes y_k (bindings 2, 4 .. 8; unused ones bound to any buffer) at (tok · rows_k + row − start_k),
+// row_base 0, no accumulation, no groups. Each value is bit for bit what `main` gives for that
+// product alone (the same tile_dots).
+// Entry `swiglu_pair` (a dense expert's gate + up + SwiGLU: the shared expert): W is the gate rows then the up rows
+// (2 · rows rows, one chunk, row_base 0); for r < rows, with g and u the dots of gate row r and up row rows + r (as
+// `main` computes each), y[y_offset + t * y_stride + r] = silu(min(g, L)) * clamp(u, -L, L) (moe.wgsl's
+// `swiglu`, the same f32 operations). Same dispatch as `main` over `rows`.
 struct Params {
     rows: u32,
     cols: u32,
@@ -22,35 +31,34 @@ struct Params {
     accumulate: u32,
     group_rows: u32,
     group_row0: u32,
-    _pad0: u32,
-    _pad1: u32,
-    _pad2: u32,
+    outputs: u32,
+    end1: u32,
+    end2: u32,
+    end3: u32,
+    end4: u32,
+    end5: u32,
+    limit: f32,
 }
 
 @group(0) @binding(0) var<storage, read> w: array<u32>;
 @group(0) @binding(1) var<storage, read> x: array<f32>;
 @group(0) @binding(2) var<storage, read_write> y: array<f32>;
 @group(0) @binding(3) var<uniform> p: Params;
+@group(0) @binding(4) var<storage, read_write> y1: array<f32>;
+@group(0) @binding(5) var<storage, read_write> y2: array<f32>;
+@group(0) @binding(6) var<storage, read_write> y3: array<f32>;
+@group(0) @binding(7) var<storage, read_write> y4: array<f32>;
+@group(0) @binding(8) var<storage, read_write> y5: array<f32>;
 
 const WG: u32 = 64u;
 const TILE: u32 = 8u;
 var<workgroup> partial: array<f32, 512>;
 
-@compute @workgroup_size(64)
-fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
-    let row = wg.x + wg.y * p.grid_x;
-    let tok0 = wg.z * TILE;
-    if (row >= p.rows || tok0 >= p.n_tok) {
-        return;
-    }
-    let nt = min(TILE, p.n_tok - tok0);
+// partial[t · WG] = dot(W row at byte rb, x[xb + t · x_stride ..]) for t < nt: invocations stride over the row's
+// blocks, taking each block's product with every token of the tile, then one tree reduction per token. Called by
+// every invocation of the workgroup.
+fn tile_dots(li: u32, rb: u32, xb: u32, nt: u32) {
     let nb = p.cols / BLOCK_VALUES;
-    let rb = (p.row_base + row) * p.row_bytes;
-    var xg = 0u;
-    if (p.group_rows != 0u) {
-        xg = ((p.group_row0 + row) / p.group_rows) * p.cols;
-    }
-    let xb = p.x_offset + tok0 * p.x_stride + xg;
     var acc: array<f32, 8>;
     for (var blk = li; blk < nb; blk += WG) {
         let b = rb + blk * BLOCK_BYTES;
@@ -70,6 +78,21 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         }
         workgroupBarrier();
     }
+}
+
+@compute @workgroup_size(64)
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let row = wg.x + wg.y * p.grid_x;
+    let tok0 = wg.z * TILE;
+    if (row >= p.rows || tok0 >= p.n_tok) {
+        return;
+    }
+    let nt = min(TILE, p.n_tok - tok0);
+    var xg = 0u;
+    if (p.group_rows != 0u) {
+        xg = ((p.group_row0 + row) / p.group_rows) * p.cols;
+    }
+    tile_dots(li, (p.row_base + row) * p.row_bytes, p.x_offset + tok0 * p.x_stride + xg, nt);
     if (li < nt) {
         let yi = p.y_offset + (tok0 + li) * p.y_stride + row;
         if (p.accumulate != 0u) {
@@ -77,5 +100,71 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         } else {
             y[yi] = partial[li * WG];
         }
+    }
+}
+
+// The first row after product k (the last product's ends at `rows`).
+fn product_end(k: u32) -> u32 {
+    switch k {
+        case 0u: { return p.end1; }
+        case 1u: { return p.end2; }
+        case 2u: { return p.end3; }
+        case 3u: { return p.end4; }
+        case 4u: { return p.end5; }
+        default: { return p.rows; }
+    }
+}
+
+fn put(k: u32, i: u32, v: f32) {
+    switch k {
+        case 0u: { y[i] = v; }
+        case 1u: { y1[i] = v; }
+        case 2u: { y2[i] = v; }
+        case 3u: { y3[i] = v; }
+        case 4u: { y4[i] = v; }
+        default: { y5[i] = v; }
+    }
+}
+
+@compute @workgroup_size(64)
+fn multi(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let row = wg.x + wg.y * p.grid_x;
+    let tok0 = wg.z * TILE;
+    if (row >= p.rows || tok0 >= p.n_tok) {
+        return;
+    }
+    let nt = min(TILE, p.n_tok - tok0);
+    tile_dots(li, row * p.row_bytes, p.x_offset + tok0 * p.x_stride, nt);
+    if (li < nt) {
+        var k = 0u;
+        var start = 0u;
+        while (k + 1u < p.outputs && row >= product_end(k)) {
+            start = product_end(k);
+            k++;
+        }
+        let rows_k = min(product_end(k), p.rows) - start;
+        put(k, (tok0 + li) * rows_k + row - start, partial[li * WG]);
+    }
+}
+
+@compute @workgroup_size(64)
+fn swiglu_pair(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let row = wg.x + wg.y * p.grid_x;
+    let tok0 = wg.z * TILE;
+    if (row >= p.rows || tok0 >= p.n_tok) {
+        return;
+    }
+    let nt = min(TILE, p.n_tok - tok0);
+    let xb = p.x_offset + tok0 * p.x_stride;
+    tile_dots(li, row * p.row_bytes, xb, nt);
+    var gate = 0.0;
+    if (li < nt) {
+        gate = min(partial[li * WG], p.limit);
+    }
+    workgroupBarrier();
+    tile_dots(li, (p.rows + row) * p.row_bytes, xb, nt);
+    if (li < nt) {
+        let up = clamp(partial[li * WG], -p.limit, p.limit);
+        y[p.y_offset + (tok0 + li) * p.y_stride + row] = gate / (1.0 + exp(-gate)) * up;
     }
 }

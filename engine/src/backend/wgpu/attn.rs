@@ -296,8 +296,16 @@ pub fn compress_push(
 }
 
 /// [`crate::graph::Op::IndexerTopK`]: per run, the indexer scores of its queries against the session's indexer
-/// rows (this tick's included) and their top-k into the run's rows of `Selected`.
-pub fn indexer_topk(be: &WgpuBackend, t: &mut Tick, dk: &mut DevKv, cx: &mut StepCtx<'_>, layer: usize) -> Result<()> {
+/// rows (this tick's included) and their top-k into the run's rows of `Selected`. `w_scale` multiplies the head
+/// weights as they are read: the [`crate::graph::Op::Scale`] of them fused in ([`super::fuse`]; 1 when it ran).
+pub fn indexer_topk(
+    be: &WgpuBackend,
+    t: &mut Tick,
+    dk: &mut DevKv,
+    cx: &mut StepCtx<'_>,
+    layer: usize,
+    w_scale: f32,
+) -> Result<()> {
     let ctx = be.context();
     let model = cx.model;
     let c = &model.config;
@@ -322,10 +330,10 @@ pub fn indexer_topk(be: &WgpuBackend, t: &mut Tick, dk: &mut DevKv, cx: &mut Ste
             (p0..p0 + len).map(|pos| crate::graph::visibility::compressed(pos, ratio).min(n_keys) as u32).collect();
         let (qrun, wrun) = (run_rows(ctx, enc, &iq, start, len, ih * ihd), run_rows(ctx, enc, &iw, start, len, ih));
         let (sc, s) = (ctx.scratch(len * n_keys.max(1)), ctx.scratch(len * topk));
-        // The head weights carry 1/sqrt(heads) already (the recipe's Scale node).
+        // The head weights carry 1/sqrt(heads) (the recipe's Scale node, or `w_scale`).
         let scale = 1.0 / (ihd as f32).sqrt();
         let keys = Paged { rows: &pool.buf, table: &idx_rows.buf, shift: pool.shift };
-        ops::indexer_topk(ctx, enc, &qrun, &keys, &wrun, &limit, n_keys, ih, ihd, topk, scale, &sc, &s)?;
+        ops::indexer_topk(ctx, enc, &qrun, &keys, &wrun, &limit, n_keys, ih, ihd, topk, (w_scale, scale), &sc, &s)?;
         enc.copy_buffer_to_buffer(&s, 0, &selected, (start * topk) as u64 * f4, (len * topk) as u64 * f4);
         Ok(0)
     })

@@ -52,6 +52,9 @@ pub struct WgpuBackend {
     /// Pairs of weights uploaded interleaved by group ([`GpuWeight::upload_interleaved`]: the MoE gate and up
     /// matrices), by the two ids.
     pairs: Mutex<HashMap<(u32, u32), Arc<GpuWeight>>>,
+    /// Weights multiplied by one input in one dispatch, uploaded as one matrix ([`fuse::products`]), by their ids
+    /// (`None`: they do not fit one binding, and are multiplied apart).
+    multis: Mutex<HashMap<Vec<u32>, Option<Arc<GpuWeight>>>>,
     /// Hash-routing tables (`tid2eid`) by layer, uploaded on first use like the weights.
     hash_tables: Mutex<HashMap<usize, Arc<Buf>>>,
     tick: Mutex<Tick>,
@@ -82,6 +85,7 @@ impl WgpuBackend {
             mats: Mutex::new(HashMap::new()),
             dense: Mutex::new(HashMap::new()),
             pairs: Mutex::new(HashMap::new()),
+            multis: Mutex::new(HashMap::new()),
             hash_tables: Mutex::new(HashMap::new()),
             tick: Mutex::new(Tick::default()),
             kv: Mutex::new(DevKv::default()),
@@ -133,10 +137,12 @@ impl WgpuBackend {
     /// The weights uploaded so far (ascending ids): a weight is uploaded the first time a node of this backend
     /// reads it, so the weights of nodes placed elsewhere never are.
     pub fn resident_weights(&self) -> Vec<WeightId> {
-        let pairs: Vec<u32> = self.pairs.lock().keys().flat_map(|&(a, b)| [a, b]).collect();
+        let mut ids: Vec<u32> = self.pairs.lock().keys().flat_map(|&(a, b)| [a, b]).collect();
+        ids.extend(self.multis.lock().iter().filter(|(_, w)| w.is_some()).flat_map(|(k, _)| k.iter().copied()));
         let mut v: Vec<WeightId> =
-            self.mats.lock().keys().chain(self.dense.lock().keys()).chain(&pairs).map(|&i| WeightId(i)).collect();
+            self.mats.lock().keys().chain(self.dense.lock().keys()).chain(&ids).map(|&i| WeightId(i)).collect();
         v.sort_unstable_by_key(|w| w.0);
+        v.dedup();
         v
     }
 
@@ -147,6 +153,7 @@ impl WgpuBackend {
         self.dense.lock().clear();
         self.hash_tables.lock().clear();
         self.pairs.lock().clear();
+        self.multis.lock().clear();
         self.ctx.forget_bindings();
         self.kv.lock().clear();
     }
@@ -231,6 +238,30 @@ impl WgpuBackend {
         let w = Arc::new(w);
         self.pairs.lock().insert((a.0, b.0), w.clone());
         Ok(Some(w))
+    }
+
+    /// Weights `ids` (one type and width) as one matrix, their rows one after another, for [`fuse::products`];
+    /// `None` when they differ in type or width or do not fit one binding.
+    pub(super) fn mat_multi(&self, model: &Model, ids: &[WeightId]) -> Result<Option<Arc<GpuWeight>>> {
+        let key: Vec<u32> = ids.iter().map(|w| w.0).collect();
+        if let Some(w) = self.multis.lock().get(&key) {
+            return Ok(w.clone());
+        }
+        let mats: Vec<_> = ids.iter().map(|&w| model.mat(w)).collect();
+        let (ty, cols) = (mats[0].ty, mats[0].cols);
+        let bytes: usize = mats.iter().map(|m| m.data.len()).sum();
+        let w = if mats.iter().all(|m| m.ty == ty && m.cols == cols) && bytes as u64 <= self.ctx.max_binding() {
+            let mut data = Vec::with_capacity(bytes);
+            mats.iter().for_each(|m| data.extend_from_slice(m.data));
+            let rows = mats.iter().map(|m| m.rows).sum();
+            let name = ids.iter().map(|&w| model.name(w)).collect::<Vec<_>>().join("+");
+            Some(Arc::new(GpuWeight::upload(&self.ctx, &name, ty, cols, rows, &data, 1)?))
+                .filter(|w| w.chunks.len() == 1)
+        } else {
+            None
+        };
+        self.multis.lock().insert(key, w.clone());
+        Ok(w)
     }
 
     /// Layer `layer`'s hash-routing table (`tid2eid`, `[vocab, k]`) on the device, uploaded once.
@@ -360,8 +391,9 @@ impl Backend for WgpuBackend {
 
     fn device_weight_bytes(&self) -> Option<u64> {
         let size = |w: &Arc<GpuWeight>| (w.rows * w.row_bytes) as u64;
-        let mats: u64 =
-            self.mats.lock().values().map(size).sum::<u64>() + self.pairs.lock().values().map(size).sum::<u64>();
+        let mats: u64 = self.mats.lock().values().map(size).sum::<u64>()
+            + self.pairs.lock().values().map(size).sum::<u64>()
+            + self.multis.lock().values().flatten().map(size).sum::<u64>();
         let dense: u64 = self.dense.lock().values().map(|b| b.size()).sum();
         Some(mats + dense)
     }
@@ -427,6 +459,19 @@ impl Backend for WgpuBackend {
         }
     }
 
+    fn runs_groups(&self) -> bool {
+        self.fusion.load(Ordering::Relaxed)
+    }
+
+    fn run_group(&self, ops: &[Op], cx: &mut StepCtx<'_>) -> Result<()> {
+        let singles = {
+            let mut t = self.tick.lock();
+            self.release_held(&mut t, cx)?;
+            fuse::products(self, &mut t, cx, ops)?
+        };
+        singles.into_iter().try_for_each(|op| self.run_node(&op, cx))
+    }
+
     fn run_node(&self, op: &Op, cx: &mut StepCtx<'_>) -> Result<()> {
         let mut t = self.tick.lock();
         let t = &mut *t;
@@ -434,14 +479,26 @@ impl Backend for WgpuBackend {
             if fuse::fused(self, t, cx, h, op)? {
                 return Ok(());
             }
+            if fuse::waits(&h, op) {
+                // Recorded alone; the held node keeps waiting for its pair.
+                t.held = Some(h);
+                return self.record(t, op, cx);
+            }
             fuse::run_alone(self, t, cx, h)?;
         }
         if let Some(h) = fuse::hold(op).filter(|_| self.fusion.load(Ordering::Relaxed)) {
             t.held = Some(h);
             return Ok(());
         }
+        self.record(t, op, cx)
+    }
+}
+
+impl WgpuBackend {
+    /// Records `op`'s own kernels (no fusion).
+    fn record(&self, t: &mut Tick, op: &Op, cx: &mut StepCtx<'_>) -> Result<()> {
         match *op {
-            Op::Embed => rows::embed(self, t, cx),
+            Op::Embed => rows::embed(self, t, cx, None),
             Op::MtpInput => Err(backend_err("no kernel for the MTP input stage (the drafter runs on the CPU)")),
             Op::TapStreams { tap, .. } => {
                 // A host sync (only in ticks where a DSpark drafter's target keeps its features): the tick so far
@@ -476,7 +533,7 @@ impl Backend for WgpuBackend {
             Op::CompressPush { layer, indexer, sim } => {
                 attn::compress_push(self, t, &mut self.kv.lock(), cx, layer, indexer, sim)
             }
-            Op::IndexerTopK { layer } => attn::indexer_topk(self, t, &mut self.kv.lock(), cx, layer),
+            Op::IndexerTopK { layer } => attn::indexer_topk(self, t, &mut self.kv.lock(), cx, layer, 1.0),
             Op::SparseAttention { layer } => attn::sparse_attention(self, t, &mut self.kv.lock(), cx, layer, false),
             Op::WindowStore { layer } => attn::kv_store(self, t, &mut self.kv.lock(), cx, layer),
             Op::MoeRoute { layer, hash, experts } => moe::route(self, t, cx, layer, hash, experts),
@@ -486,9 +543,7 @@ impl Backend for WgpuBackend {
             Op::MoeCombine { experts } => moe::combine(self, t, cx, experts),
         }
     }
-}
 
-impl WgpuBackend {
     /// The device KV mirrors and their pools (locked).
     pub(super) fn device_kv(&self) -> parking_lot::MutexGuard<'_, DevKv> {
         self.kv.lock()

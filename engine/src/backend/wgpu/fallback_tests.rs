@@ -30,7 +30,7 @@ pub(super) fn ticks(
     ex: &mut Executor,
     n: usize,
     decode: usize,
-    mut each: impl FnMut(&Graph, &Executor),
+    mut each: impl FnMut(&Graph, &mut Executor),
 ) -> crate::Result<Vec<Vec<f32>>> {
     let rope = RopeSet::new(model);
     let vocab = model.config.vocab;

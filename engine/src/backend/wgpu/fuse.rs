@@ -20,22 +20,37 @@
 //! - [`Op::SparseAttention`] and the inverse [`Op::Rope`] of its output: `attention.wgsl`'s `keyed` with the
 //!   rotation in its output loop;
 //! - [`Op::HcPost`] and the unweighted [`Op::RmsNorm`] of the new streams that opens the next sublayer (or the
-//!   head): `hc.wgsl`'s `post_norm`.
+//!   head): `hc.wgsl`'s `post_norm`;
+//! - in decode (experts laid out per row), [`Op::ExpertUp`] and [`Op::SwiGlu`]: the routed experts' gate + up +
+//!   SwiGLU × routing weight in one dispatch (`matmul_ids.wgsl`'s `gate_up_swiglu`), the shared expert's in one
+//!   (`matmul.wgsl`'s `swiglu_pair`); and [`Op::ExpertDown`] and [`Op::MoeCombine`]: the shared down product, then
+//!   the routed down products summed over each row's experts in one dispatch (`down_combine`, no atomics);
+//! - [`Op::Embed`] and the unweighted [`Op::RmsNorm`] of the new streams: `get_rows.wgsl`'s `embed_norm`;
+//! - the [`Op::Scale`] of the indexer's head weights and the [`Op::IndexerTopK`] that reads them: the scores kernel
+//!   multiplies each weight as it reads it (the f32 product the scale would have stored). The scale is not
+//!   adjacent to its pair (the compressor pushes come between), so it *waits* ([`waits`]) over nodes that neither
+//!   read nor write the weights, each recorded alone meanwhile.
+//!
+//! Apart from pairs, the weight products the executor finds ready together ([`crate::backend::Backend::run_group`]:
+//! the projections of one normed input — `wq_a`, `wkv`, the compressor's and the indexer's) go through
+//! [`products`]: those of one input whose weights share a type and width are one dispatch
+//! ([`super::matmul::multi_product`], their weights uploaded as one matrix), each value bit for bit its own
+//! product's.
 
 use ds4_shaders_wgsl as sh;
 use ds4_shaders_wgsl::params::{ActParams, NormParams};
 
 use super::backend::WgpuBackend;
 use super::context::{backend_err, WgpuContext};
-use super::matmul::u32_of;
+use super::matmul::{multi_product, u32_of, View, MULTI_OUTPUTS};
 use super::ops::grid2;
 
 type Enc = wgpu::CommandEncoder;
 type Buf = wgpu::Buffer;
 use super::resident::Tick;
-use super::{attn, rows};
+use super::{attn, moe, rows};
 use crate::backend::StepCtx;
-use crate::graph::{BufId, Op, SimKind, Sub};
+use crate::graph::{BufId, Experts, Op, SimKind, Sub};
 use crate::model::WeightId;
 use crate::Result;
 
@@ -56,6 +71,14 @@ pub enum Held {
     NormRope { x: BufId, y: BufId, w: Option<WeightId>, width: usize, heads: usize, layer: usize },
     /// The mHC weights and the [`Op::HcCollapse`] into `out` (already paired, waiting for a norm of `out`).
     WeightsCollapse { of: Option<(usize, Sub)>, out: BufId },
+    /// An [`Op::ExpertUp`] laid out per row (decode).
+    Up { layer: usize },
+    /// An [`Op::ExpertDown`] laid out per row (decode).
+    Down { layer: usize },
+    /// An [`Op::Embed`].
+    Embed,
+    /// An [`Op::Scale`] of the indexer's head weights (it waits for the [`Op::IndexerTopK`] that reads them).
+    IdxScale { width: usize, factor: f32 },
 }
 
 /// Whether `op` opens a fused pair: then it is held instead of recorded.
@@ -67,6 +90,10 @@ pub fn hold(op: &Op) -> Option<Held> {
         Op::HcPost => Some(Held::Post),
         Op::SparseAttention { layer } => Some(Held::Attention { layer }),
         Op::Rope { x, layer, width, heads, inverse: false } => Some(Held::Rope { x, layer, width, heads }),
+        Op::ExpertUp { layer, experts: Experts::PerRow } => Some(Held::Up { layer }),
+        Op::ExpertDown { layer, experts: Experts::PerRow } => Some(Held::Down { layer }),
+        Op::Scale { x: BufId::IdxW, width, factor } => Some(Held::IdxScale { width, factor }),
+        Op::Embed => Some(Held::Embed),
         _ => None,
     }
 }
@@ -120,6 +147,24 @@ pub fn fused(be: &WgpuBackend, t: &mut Tick, cx: &mut StepCtx<'_>, held: Held, n
             attn::sparse_attention(be, t, &mut be.device_kv(), cx, layer, true)?;
             Ok(true)
         }
+        (Held::Up { layer }, Op::SwiGlu { layer: l }) if l == layer => {
+            moe::expert_up_swiglu(be, t, cx, layer)?;
+            Ok(true)
+        }
+        (Held::Down { layer }, Op::MoeCombine { experts: Experts::PerRow }) => {
+            moe::expert_down_combine(be, t, cx, layer)?;
+            Ok(true)
+        }
+        (Held::Embed, Op::RmsNorm { x: BufId::Streams, y, w: None, width, heads: 1 })
+            if y != BufId::Streams && width == cx.model.config.hc_dim() =>
+        {
+            rows::embed(be, t, cx, Some(y))?;
+            Ok(true)
+        }
+        (Held::IdxScale { width, factor }, Op::IndexerTopK { layer }) if width == cx.model.config.idx_heads => {
+            attn::indexer_topk(be, t, &mut be.device_kv(), cx, layer, factor)?;
+            Ok(true)
+        }
         _ => Ok(false),
     }
 }
@@ -135,7 +180,78 @@ pub fn run_alone(be: &WgpuBackend, t: &mut Tick, cx: &mut StepCtx<'_>, held: Hel
         Held::Attention { layer } => attn::sparse_attention(be, t, &mut be.device_kv(), cx, layer, false),
         Held::Rope { x, layer, width, heads } => rows::rope(be, t, cx, x, layer, width, heads, false),
         Held::WeightsCollapse { of, out } => rows::hc_weights_collapse(be, t, cx, of, out, None),
+        Held::Up { layer } => moe::expert_up(be, t, cx, layer, Experts::PerRow),
+        Held::Down { layer } => moe::expert_down(be, t, cx, layer, Experts::PerRow),
+        Held::IdxScale { width, factor } => rows::scale(be, t, cx, BufId::IdxW, width, factor),
+        Held::Embed => rows::embed(be, t, cx, None),
     }
+}
+
+/// Products that can share a dispatch: one input, one weight type, one width.
+type ProductClass = (BufId, crate::quant::GgmlType, usize);
+
+/// The weight products of a group ready together ([`crate::backend::Backend::run_group`]): products of one input by
+/// weights of one type and width are recorded as one dispatch each [`MULTI_OUTPUTS`] (see the module docs). Returns
+/// the ops left to run one by one (other ops, lone products, weights that do not fit one binding together).
+pub fn products(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, ops: &[Op]) -> Result<Vec<Op>> {
+    let model = cx.model;
+    let mut singles = Vec::new();
+    // By (input, weight type, width), in the order first seen.
+    let mut classes: Vec<(ProductClass, Vec<(WeightId, BufId)>)> = Vec::new();
+    for op in ops {
+        let Op::MatMul { w, x, y } = *op else {
+            singles.push(*op);
+            continue;
+        };
+        let m = model.mat(w);
+        let key = (x, m.ty, m.cols);
+        match classes.iter_mut().find(|c| c.0 == key) {
+            Some(c) => c.1.push((w, y)),
+            None => classes.push((key, vec![(w, y)])),
+        }
+    }
+    for ((x, ..), list) in classes {
+        for part in list.chunks(MULTI_OUTPUTS) {
+            if part.len() == 1 || !multi(be, t, cx, x, part)? {
+                singles.extend(part.iter().map(|&(w, y)| Op::MatMul { w, x, y }));
+            }
+        }
+    }
+    Ok(singles)
+}
+
+/// Records the products `x · w → y` of `part` as one dispatch; `false` (nothing recorded) when their weights do not
+/// fit one binding together.
+fn multi(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, x: BufId, part: &[(WeightId, BufId)]) -> Result<bool> {
+    let model = cx.model;
+    let ids: Vec<WeightId> = part.iter().map(|p| p.0).collect();
+    let Some(w) = be.mat_multi(model, &ids)? else { return Ok(false) };
+    let ends: Vec<usize> = ids
+        .iter()
+        .scan(0, |end, &id| {
+            *end += model.mat(id).rows;
+            Some(*end)
+        })
+        .collect();
+    let xb = be.buf(t, model, x)?;
+    let ys = part.iter().map(|&(_, y)| be.buf(t, model, y)).collect::<Result<Vec<_>>>()?;
+    let ys: Vec<&Buf> = ys.iter().collect();
+    let ctx = be.context();
+    multi_product(ctx, t.enc(ctx), &w, &ends, View::new(&xb, w.cols), cx.batch.rows.len(), &ys)?;
+    Ok(true)
+}
+
+/// Whether `held` keeps waiting while `next` is recorded alone: the indexer weights' scale waits over the nodes
+/// between it and the indexer (the compressor pushes), which neither read nor write the weights and hold nothing
+/// themselves. Host syncs (readbacks, taps) record it first.
+pub fn waits(held: &Held, next: &Op) -> bool {
+    let Held::IdxScale { .. } = held else { return false };
+    if hold(next).is_some() || matches!(next, Op::Readback { .. } | Op::TapStreams { .. } | Op::IndexerTopK { .. }) {
+        return false;
+    }
+    let (mut reads, mut writes) = (false, false);
+    next.access(|b| reads |= b == BufId::IdxW, |b| writes |= b == BufId::IdxW);
+    !reads && !writes
 }
 
 fn norm_rope_fits(cx: &StepCtx<'_>, width: usize) -> bool {
@@ -265,14 +381,17 @@ mod tests {
     use super::super::context::test_context;
     use super::super::fallback_tests::{demo, ticks};
     use super::super::WgpuBackend;
+    use super::MULTI_OUTPUTS;
     use crate::exec::Executor;
-    use crate::graph::{BufId, Op, SimKind};
+    use crate::graph::{BufId, Experts, Op, SimKind};
 
     /// On the demo model (CSA, HCA and window layers, simulation on), a prefill and decode ticks give the same
     /// logits bit for bit with fusion on and off, and fusion saves exactly one dispatch per pair the recipe holds:
     /// each sublayer's and the head's mHC weights + collapse + norm (two pairs), each norm followed by the rope of
     /// what it wrote and the KV row's FP8 simulation after them, each mHC post followed by the norm of the new
-    /// streams; and two for each indexer query's rope + Hadamard + FP4 (three kernels).
+    /// streams (and the embedding followed by it), each decode MoE's up + SwiGLU and down + combine, each indexer weights' scale + the indexer; and two
+    /// for each indexer query's rope + Hadamard + FP4 (three kernels). The weight products ready
+    /// together (the executor's groups) take one dispatch per input, weight type and width, not one each.
     #[test]
     fn fused_pairs_give_the_unfused_results_bit_for_bit_in_fewer_dispatches() {
         let Some(ctx) = test_context(Default::default()) else { return };
@@ -281,9 +400,9 @@ mod tests {
         let run = |on: bool| {
             be.set_fusion(on);
             let mut ex = Executor::default();
-            let (mut dispatches, mut pairs) = (Vec::new(), Vec::new());
+            let (mut dispatches, mut pairs, mut groups) = (Vec::new(), Vec::new(), Vec::new());
             let mut before = be.context().counters();
-            let logits = ticks(&model, &be, None, &mut ex, 9, 2, |g, _| {
+            let logits = ticks(&model, &be, None, &mut ex, 9, 2, |g, ex| {
                 let now = be.context().counters();
                 dispatches.push((now - before).dispatches);
                 before = now;
@@ -297,8 +416,10 @@ mod tests {
                         (Op::RmsNorm { y, width, heads, .. }, Op::Rope { x, width: rw, heads: rh, inverse, .. }) => {
                             (x == y && rw == width && rh == heads && !inverse) as u64
                         }
-                        (Op::HcPost, Op::RmsNorm { x: BufId::Streams, w: None, .. }) => 1,
+                        (Op::HcPost | Op::Embed, Op::RmsNorm { x: BufId::Streams, w: None, .. }) => 1,
                         (Op::SparseAttention { .. }, Op::Rope { x: BufId::AttnOut, inverse: true, .. }) => 1,
+                        (Op::ExpertUp { experts: Experts::PerRow, .. }, Op::SwiGlu { .. }) => 1,
+                        (Op::ExpertDown { experts: Experts::PerRow, .. }, Op::MoeCombine { .. }) => 1,
                         (Op::HcCollapse { out }, Op::RmsNorm { x, heads: 1, .. }) => (x == out) as u64,
                         (
                             Op::Rope { x, width, heads, inverse: false, .. },
@@ -309,20 +430,41 @@ mod tests {
                         },
                         _ => 0,
                     })
-                    .sum();
+                    .sum::<u64>()
+                    // The indexer weights' scale, fused into the indexer that reads them.
+                    + ops.iter().filter(|o| matches!(o, Op::Scale { x: BufId::IdxW, .. })).count() as u64;
+                // Products of one input, type and width ready together: one dispatch each MULTI_OUTPUTS.
+                let mut grouped = 0;
+                ex.run_groups_with(g, |_, ops| {
+                    let mut classes: Vec<(BufId, crate::quant::GgmlType, usize, usize)> = Vec::new();
+                    for op in ops {
+                        let &Op::MatMul { w, x, .. } = op else { continue };
+                        let m = model.mat(w);
+                        match classes.iter_mut().find(|c| (c.0, c.1, c.2) == (x, m.ty, m.cols)) {
+                            Some(c) => c.3 += 1,
+                            None => classes.push((x, m.ty, m.cols, 1)),
+                        }
+                    }
+                    grouped += classes.iter().map(|c| c.3 - c.3.div_ceil(MULTI_OUTPUTS)).sum::<usize>() as u64;
+                    Ok(())
+                })
+                .unwrap();
                 pairs.push(n);
+                groups.push(grouped);
             })
             .unwrap();
-            (logits, dispatches, pairs)
+            (logits, dispatches, pairs, groups)
         };
-        let (plain, d_plain, pairs) = run(false);
-        let (fused, d_fused, _) = run(true);
+        let (plain, d_plain, ..) = run(false);
+        let (fused, d_fused, pairs, groups) = run(true);
         let bits =
             |v: &Vec<Vec<f32>>| v.iter().map(|l| l.iter().map(|f| f.to_bits()).collect::<Vec<_>>()).collect::<Vec<_>>();
         assert_eq!(bits(&fused), bits(&plain), "fused kernels changed the logits");
         assert!(pairs.iter().all(|&p| p as usize > 2 * model.config.n_layers), "pairs per tick: {pairs:?}");
-        for (t, ((a, b), p)) in d_plain.iter().zip(&d_fused).zip(&pairs).enumerate() {
-            assert_eq!(a - b, *p, "tick {t}: {a} dispatches unfused, {b} fused, {p} pairs");
+        // The demo's attention projections of the normed input share a type: some group saves dispatches.
+        assert!(groups.iter().all(|&g| g > 0), "grouped products saved nothing: {groups:?}");
+        for (t, ((a, b), (p, g))) in d_plain.iter().zip(&d_fused).zip(pairs.iter().zip(&groups)).enumerate() {
+            assert_eq!(a - b, p + g, "tick {t}: {a} dispatches unfused, {b} fused, {p} pairs, {g} by grouping");
         }
     }
 }

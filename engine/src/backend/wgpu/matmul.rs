@@ -128,11 +128,168 @@ fn product(
             accumulate: accumulate as u32,
             group_rows: u32_of(group_rows, "group rows")?,
             group_row0: u32_of(first + out_off, "group row")?,
-            _pad: [0; 3],
+            ..Default::default()
         };
         let u = ctx.uniform("matmul params", &params);
         let groups = [grid_x as u32, n.div_ceil(grid_x) as u32, tiles as u32];
         ctx.dispatch(enc, &pipeline, &[&chunk.buffer, x.buf, y.buf, &u], groups)?;
+    }
+    Ok(())
+}
+
+/// Most products one [`multi_product`] dispatch takes (`matmul.wgsl`'s entry `multi`).
+pub const MULTI_OUTPUTS: usize = 6;
+
+/// Records the products of one input by several weights in one dispatch: `w` is their rows one after another in
+/// one chunk (product `k`'s rows end at `ends[k]`, the last at `w.rows`), and product `k`'s `[n_tok, rows_k]`
+/// result goes to `ys[k]` (offset 0, stride `rows_k`). Each value is bit for bit what [`matmul`] gives for that
+/// product alone.
+pub fn multi_product(
+    ctx: &WgpuContext,
+    enc: &mut wgpu::CommandEncoder,
+    w: &GpuWeight,
+    ends: &[usize],
+    x: View<'_>,
+    n_tok: usize,
+    ys: &[&wgpu::Buffer],
+) -> Result<()> {
+    let k = ys.len();
+    let ordered = ends.windows(2).all(|e| e[0] <= e[1]);
+    if k == 0 || k > MULTI_OUTPUTS || ends.len() != k || ends.last() != Some(&w.rows) || !ordered {
+        return Err(backend_err(format!("multi product {}: ends {ends:?} of {} rows for {k} outputs", w.name, w.rows)));
+    }
+    let [chunk] = w.chunks.as_slice() else {
+        return Err(backend_err(format!("multi product {}: {} chunks (one expected)", w.name, w.chunks.len())));
+    };
+    if n_tok == 0 || w.rows == 0 {
+        return Ok(());
+    }
+    let pipeline = ctx.pipeline_entry(&name("matmul", w.format), w.format.matmul_source(), "multi")?;
+    let max = ctx.limits.max_compute_workgroups_per_dimension as usize;
+    let tiles = n_tok.div_ceil(MATMUL_TILE);
+    if tiles > max {
+        return Err(backend_err(format!("multi product {}: {n_tok} tokens exceed one dispatch", w.name)));
+    }
+    let bytes = (w.rows * w.row_bytes) as u64;
+    ctx.note_weights(bytes * tiles as u64, bytes);
+    let end = |i: usize| u32_of(ends.get(i).copied().unwrap_or(w.rows), "product end");
+    let grid_x = w.rows.min(max.min(32768));
+    let params = MatmulParams {
+        rows: u32_of(w.rows, "rows")?,
+        cols: u32_of(w.cols, "cols")?,
+        n_tok: u32_of(n_tok, "n_tok")?,
+        row_bytes: u32_of(w.row_bytes, "row_bytes")?,
+        x_offset: u32_of(x.offset, "x offset")?,
+        x_stride: u32_of(x.stride, "x stride")?,
+        grid_x: grid_x as u32,
+        outputs: k as u32,
+        end1: end(0)?,
+        end2: end(1)?,
+        end3: end(2)?,
+        end4: end(3)?,
+        end5: end(4)?,
+        ..Default::default()
+    };
+    let u = ctx.uniform("multi product params", &params);
+    // Outputs past the last are never written; they are bound to the first.
+    let y = |i: usize| ys.get(i).copied().unwrap_or(ys[0]);
+    let bindings =
+        [(0, &chunk.buffer), (1, x.buf), (2, y(0)), (3, &u), (4, y(1)), (5, y(2)), (6, y(3)), (7, y(4)), (8, y(5))];
+    let groups = [grid_x as u32, w.rows.div_ceil(grid_x) as u32, tiles as u32];
+    ctx.dispatch_at(enc, &pipeline, &bindings, groups)
+}
+
+/// Records a dense expert's gate + up + SwiGLU in one dispatch (`matmul.wgsl`'s `swiglu_pair`): `w` is the gate
+/// rows then the up rows (one chunk; [`GpuWeight::upload_interleaved`] with one group), and `y[t, r]` for
+/// `r < w.rows / 2` is the clamped SwiGLU of the two dots — bit for bit [`matmul`] then `moe.wgsl`'s `swiglu`.
+pub fn swiglu_pair(
+    ctx: &WgpuContext,
+    enc: &mut wgpu::CommandEncoder,
+    w: &GpuWeight,
+    x: View<'_>,
+    n_tok: usize,
+    y: View<'_>,
+    limit: f32,
+) -> Result<()> {
+    let [chunk] = w.chunks.as_slice() else {
+        return Err(backend_err(format!("swiglu pair {}: {} chunks (one expected)", w.name, w.chunks.len())));
+    };
+    if !w.rows.is_multiple_of(2) {
+        return Err(backend_err(format!("swiglu pair {}: {} rows (gate and up halves expected)", w.name, w.rows)));
+    }
+    let rows = w.rows / 2;
+    if n_tok == 0 || rows == 0 {
+        return Ok(());
+    }
+    let pipeline = ctx.pipeline_entry(&name("matmul", w.format), w.format.matmul_source(), "swiglu_pair")?;
+    let max = ctx.limits.max_compute_workgroups_per_dimension as usize;
+    let tiles = n_tok.div_ceil(MATMUL_TILE);
+    if tiles > max {
+        return Err(backend_err(format!("swiglu pair {}: {n_tok} tokens exceed one dispatch", w.name)));
+    }
+    let bytes = (w.rows * w.row_bytes) as u64;
+    ctx.note_weights(bytes * tiles as u64, bytes);
+    let grid_x = rows.min(max.min(32768));
+    let params = MatmulParams {
+        rows: u32_of(rows, "rows")?,
+        cols: u32_of(w.cols, "cols")?,
+        n_tok: u32_of(n_tok, "n_tok")?,
+        row_bytes: u32_of(w.row_bytes, "row_bytes")?,
+        x_offset: u32_of(x.offset, "x offset")?,
+        x_stride: u32_of(x.stride, "x stride")?,
+        y_offset: u32_of(y.offset, "y offset")?,
+        y_stride: u32_of(y.stride, "y stride")?,
+        grid_x: grid_x as u32,
+        limit,
+        ..Default::default()
+    };
+    let u = ctx.uniform("swiglu pair params", &params);
+    let groups = [grid_x as u32, rows.div_ceil(grid_x) as u32, tiles as u32];
+    ctx.dispatch(enc, &pipeline, &[&chunk.buffer, x.buf, y.buf, &u], groups)
+}
+
+/// Records the embedding of a tick's rows into the mHC streams and the streams' unweighted RMSNorm
+/// (`get_rows.wgsl`'s `embed_norm`, one dispatch per weight chunk holding one of the tokens): row `r` of `streams`
+/// is `copies` copies of `w`'s row `tokens[r]`, row `r` of `normed` its RMSNorm over all `copies · w.cols` values —
+/// bit for bit [`get_rows`] then `norm.wgsl`'s `main` without weight.
+pub fn embed_norm(
+    ctx: &WgpuContext,
+    enc: &mut wgpu::CommandEncoder,
+    w: &GpuWeight,
+    tokens: &[usize],
+    copies: usize,
+    (streams, normed): (&wgpu::Buffer, &wgpu::Buffer),
+    eps: f32,
+) -> Result<()> {
+    let pipeline = ctx.pipeline_entry(&name("get_rows", w.format), w.format.get_rows_source(), "embed_norm")?;
+    let bytes = (tokens.len() * w.row_bytes) as u64;
+    ctx.note_weights(bytes, bytes);
+    for (ci, chunk) in w.chunks.iter().enumerate() {
+        let mut pairs = Vec::new();
+        for (r, &row) in tokens.iter().enumerate() {
+            let (c, local) = w
+                .locate(row)
+                .ok_or_else(|| backend_err(format!("embed {}: row {row} out of 0..{}", w.name, w.rows)))?;
+            if c == ci {
+                pairs.push(u32_of(local, "row")?);
+                pairs.push(u32_of(r, "out")?);
+            }
+        }
+        if pairs.is_empty() {
+            continue;
+        }
+        let params = GetRowsParams {
+            n_ids: u32_of(pairs.len() / 2, "ids")?,
+            cols: u32_of(w.cols, "cols")?,
+            row_bytes: u32_of(w.row_bytes, "row_bytes")?,
+            copies: u32_of(copies, "copies")?,
+            eps,
+            ..Default::default()
+        };
+        let idb = ctx.storage_init("embed ids", bytemuck::cast_slice(&pairs));
+        let u = ctx.uniform("embed_norm params", &params);
+        let bindings = [(0, &chunk.buffer), (1, &idb), (2, streams), (3, &u), (5, normed)];
+        ctx.dispatch_at(enc, &pipeline, &bindings, [params.n_ids, 1, 1])?;
     }
     Ok(())
 }
@@ -169,7 +326,7 @@ pub fn get_rows(
             row_bytes: u32_of(w.row_bytes, "row_bytes")?,
             y_offset: u32_of(y.offset, "y offset")?,
             y_stride: u32_of(y.stride, "y stride")?,
-            _pad: [0; 3],
+            ..Default::default()
         };
         let idb = ctx.storage_init("get_rows ids", bytemuck::cast_slice(&pairs));
         let u = ctx.uniform("get_rows params", &params);

@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use super::backend::WgpuBackend;
 use super::context::backend_err;
-use super::matmul::{matmul, View};
+use super::matmul::{matmul, swiglu_pair, View};
 use super::moe_ids;
 use super::ops::{self, Routing};
 use super::resident::{MoePlan, Tick};
@@ -315,5 +315,76 @@ pub fn combine(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, experts: Expert
         let all: Vec<u32> = (0..n as u32).collect();
         ops::scatter_add_rows(ctx, enc, &sh_out, &out, &all, d, d)?;
     }
+    Ok(())
+}
+
+/// [`crate::graph::Op::ExpertUp`] and [`crate::graph::Op::SwiGlu`] of a decode layout ([`Experts::PerRow`]) in one
+/// step ([`super::fuse`]): the routed experts' gate + up + SwiGLU (times the routing weight) in one dispatch per
+/// weight chunk (`gate_up_swiglu`), the shared expert's in one (`swiglu_pair`); bit for bit the two nodes. Where a
+/// weight is not in the fused kernels' layout (gate and up of different types, a shared pair over one binding), the
+/// two nodes run in turn.
+pub fn expert_up_swiglu(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, layer: usize) -> Result<()> {
+    planned(t, Experts::PerRow, layer)?;
+    let model = cx.model;
+    let c = &model.config;
+    let lw = &model.layers[layer];
+    let n = cx.batch.rows.len();
+    let (d, k, ffn) = (c.d_model, c.n_experts_used, c.expert_ffn);
+    let pair = be.mat_pair(model, lw.gate_exps, lw.up_exps, ffn)?;
+    let shared = match (lw.gate_sh, lw.up_sh, lw.down_sh) {
+        (None, None, None) => Some(None),
+        (Some(g), Some(u), Some(_)) => {
+            be.mat_pair(model, g, u, model.mat(g).rows)?.filter(|w| w.chunks.len() == 1 && w.rows == 2 * ffn).map(Some)
+        }
+        _ => None,
+    };
+    let (Some(pair), Some(shared)) = (pair, shared) else {
+        expert_up(be, t, cx, layer, Experts::PerRow)?;
+        return swiglu(be, t, cx, layer);
+    };
+    let ctx = be.context();
+    let (xn, gu, sel) =
+        (be.buf(t, model, BufId::Normed)?, be.buf(t, model, BufId::ExpertGate)?, be.buf(t, model, BufId::Routes)?);
+    let rw = t.route_weights(ctx, model);
+    let (sh_gu, _) = t.shared(ctx, model);
+    let limit = c.swiglu_limit[layer];
+    let (x, enc) = (View::new(&xn, d), t.enc(ctx));
+    moe_ids::gate_up_swiglu(ctx, enc, &pair, ffn, (&sel, &rw), n * k, x, k, View::new(&gu, 2 * ffn), limit)?;
+    match shared {
+        Some(sw) => swiglu_pair(ctx, enc, &sw, x, n, View::new(&sh_gu, 2 * ffn), limit),
+        None => Ok(()),
+    }
+}
+
+/// [`crate::graph::Op::ExpertDown`] and [`crate::graph::Op::MoeCombine`] of a decode layout ([`Experts::PerRow`])
+/// in one step ([`super::fuse`]): the shared expert's down product, then the routed down products and the sum over
+/// each row's experts in one dispatch (`down_combine`, no atomics); bit for bit the two nodes. A down matrix over one
+/// binding runs the two nodes in turn.
+pub fn expert_down_combine(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, layer: usize) -> Result<()> {
+    planned(t, Experts::PerRow, layer)?;
+    let model = cx.model;
+    let c = &model.config;
+    let lw = &model.layers[layer];
+    let n = cx.batch.rows.len();
+    let (d, k, ffn) = (c.d_model, c.n_experts_used, c.expert_ffn);
+    let dm = be.mat_grouped(model, lw.down_exps, d)?;
+    if dm.chunks.len() != 1 {
+        expert_down(be, t, cx, layer, Experts::PerRow)?;
+        return combine(be, t, cx, Experts::PerRow);
+    }
+    let ctx = be.context();
+    let (gu, sel, out) =
+        (be.buf(t, model, BufId::ExpertGate)?, be.buf(t, model, BufId::Routes)?, be.buf(t, model, BufId::SublayerOut)?);
+    let (sh_gu, sh_out) = t.shared(ctx, model);
+    let shared = match lw.down_sh.filter(|_| t.moe.shared) {
+        Some(dn) => {
+            let dn = be.mat(model, dn)?;
+            be.mm(t.enc(ctx), &dn, View::new(&sh_gu, 2 * ffn), n, View::new(&sh_out, d))?;
+            Some(&sh_out)
+        }
+        None => None,
+    };
+    let h = View::new(&gu, 2 * ffn);
+    moe_ids::down_combine(ctx, t.enc(ctx), &dm, d, &sel, (n, k), h, &out, shared)?;
     Ok(())
 }

@@ -57,10 +57,121 @@ pub fn matmul_ids(
             y_offset: u32_of(y.offset, "y offset")?,
             y_stride: u32_of(y.stride, "y stride")?,
             grid_x: grid_x as u32,
+            ..Default::default()
         };
         let u = ctx.uniform("matmul_ids", &p);
         let groups = [grid_x as u32, expert_rows.div_ceil(grid_x) as u32, p.n_pairs];
         ctx.dispatch(enc, &pl, &[&chunk.buffer, x.buf, y.buf, &u, ids], groups)?;
+    }
+    Ok(())
+}
+
+/// The decode MoE's gate + up + SwiGLU in one dispatch per weight chunk (`matmul_ids.wgsl`'s `gate_up_swiglu`):
+/// `w` is the interleaved gate|up pair (experts of `2·ffn` rows, [`GpuWeight::upload_interleaved`]); for pair
+/// `q < n_pairs` (expert `ids[q]`, input row `q / x_div`) and `r < ffn`, `y[q, r]` = the clamped SwiGLU of its gate
+/// and up dots times `rw[q]` — bit for bit [`matmul_ids`] then `moe.wgsl`'s `swiglu`.
+#[allow(clippy::too_many_arguments)]
+pub fn gate_up_swiglu(
+    ctx: &WgpuContext,
+    enc: &mut wgpu::CommandEncoder,
+    w: &GpuWeight,
+    ffn: usize,
+    (ids, rw): (&Buf, &Buf),
+    n_pairs: usize,
+    x: View<'_>,
+    x_div: usize,
+    y: View<'_>,
+    limit: f32,
+) -> Result<()> {
+    ids_dispatch(ctx, enc, w, "gate_up_swiglu", 2 * ffn, ffn, n_pairs, (x, x_div, y), (ids, rw), |p| {
+        p.limit = limit;
+        p.route_weighted = 1;
+    })
+}
+
+/// The decode MoE's down product and the sum over each row's experts in one dispatch (`matmul_ids.wgsl`'s
+/// `down_combine`, no atomics): `out[t, r]` = the down dots of token `t`'s `k` slots (slot `t·k + j` of `h`, expert
+/// `ids[t·k + j]`) summed in ascending (expert, slot) order, plus `shared[t, r]` — bit for bit [`matmul_ids`] then
+/// [`combine`]. `w` (experts of `d` rows) must be one chunk; `None` when it is not (nothing recorded).
+#[allow(clippy::too_many_arguments)]
+pub fn down_combine(
+    ctx: &WgpuContext,
+    enc: &mut wgpu::CommandEncoder,
+    w: &GpuWeight,
+    d: usize,
+    ids: &Buf,
+    (rows, k): (usize, usize),
+    h: View<'_>,
+    out: &Buf,
+    shared: Option<&Buf>,
+) -> Result<Option<()>> {
+    if w.chunks.len() != 1 || k == 0 {
+        return Ok(None);
+    }
+    let aux = shared.unwrap_or(h.buf);
+    let y = View::new(out, d);
+    ids_dispatch(ctx, enc, w, "down_combine", d, d, rows * k, (h, k, y), (ids, aux), |p| {
+        p.has_shared = shared.is_some() as u32;
+    })?;
+    Ok(Some(()))
+}
+
+/// One dispatch per chunk of a `matmul_ids.wgsl` entry: experts of `expert_rows` rows, `out_rows` outputs per pair
+/// (per token for `down_combine`, whose workgroups cover `n_pairs / x_div` tokens), `set` fills the entry's own
+/// parameters.
+#[allow(clippy::too_many_arguments)]
+fn ids_dispatch(
+    ctx: &WgpuContext,
+    enc: &mut wgpu::CommandEncoder,
+    w: &GpuWeight,
+    entry: &str,
+    expert_rows: usize,
+    out_rows: usize,
+    n_pairs: usize,
+    (x, x_div, y): (View<'_>, usize, View<'_>),
+    (ids, aux): (&Buf, &Buf),
+    set: impl Fn(&mut IdsParams),
+) -> Result<()> {
+    if expert_rows == 0 || x_div == 0 || !w.rows.is_multiple_of(expert_rows) || !n_pairs.is_multiple_of(x_div) {
+        return Err(backend_err(format!(
+            "{entry} {}: {} rows in experts of {expert_rows}, {n_pairs} pairs by {x_div}",
+            w.name, w.rows
+        )));
+    }
+    if n_pairs == 0 {
+        return Ok(());
+    }
+    let max = ctx.limits.max_compute_workgroups_per_dimension as usize;
+    let z = if entry == "down_combine" { n_pairs / x_div } else { n_pairs };
+    if z > max {
+        return Err(backend_err(format!("{entry} {}: {n_pairs} pairs exceed one dispatch", w.name)));
+    }
+    let pl = ctx.pipeline_entry(&format!("matmul_ids_{:?}", w.format), sh::matmul_ids_source(w.format), entry)?;
+    let grid_x = out_rows.min(max.min(32768));
+    let expert_bytes = (expert_rows * w.row_bytes) as u64;
+    let experts = n_pairs.min(w.rows / expert_rows) as u64;
+    ctx.note_weights(n_pairs as u64 * expert_bytes, experts * expert_bytes);
+    for chunk in &w.chunks {
+        let mut p = IdsParams {
+            expert_rows: u32_of(out_rows, "expert rows")?,
+            cols: u32_of(w.cols, "cols")?,
+            n_pairs: u32_of(n_pairs, "pairs")?,
+            row_bytes: u32_of(w.row_bytes, "row_bytes")?,
+            chunk_first: u32_of(chunk.first_row, "chunk first row")?,
+            chunk_rows: u32_of(chunk.rows, "chunk rows")?,
+            x_offset: u32_of(x.offset, "x offset")?,
+            x_stride: u32_of(x.stride, "x stride")?,
+            x_div: u32_of(x_div, "x div")?,
+            y_offset: u32_of(y.offset, "y offset")?,
+            y_stride: u32_of(y.stride, "y stride")?,
+            grid_x: grid_x as u32,
+            ..Default::default()
+        };
+        set(&mut p);
+        let u = ctx.uniform(entry, &p);
+        let groups = [grid_x as u32, out_rows.div_ceil(grid_x) as u32, z as u32];
+        let bindings = [(0, &chunk.buffer), (1, x.buf), (2, y.buf), (3, &u), (4, ids), (5, aux)];
+        ctx.dispatch_at(enc, &pl, &bindings, groups)?;
     }
     Ok(())
 }

@@ -466,7 +466,8 @@ pub fn compress_pool(
 }
 
 /// Indexer scores then top-k (see `indexer.wgsl`). `q`: `[n_tok, heads, dim]`, `keys`: `[n_keys, dim]` (paged),
-/// `w`: `[n_tok, heads]` head weights, `limit[t]`: visible key rows of token t. Writes `scores`
+/// `w`: `[n_tok, heads]` head weights (each multiplied by `w_scale` as it is read), `limit[t]`: visible key rows
+/// of token t, `scale` the scores' scale. Writes `scores`
 /// (`n_tok * n_keys`) and `sel` (u32, `n_tok * k`, ascending row ids padded with `u32::MAX`).
 #[allow(clippy::too_many_arguments)]
 pub fn indexer_topk(
@@ -480,7 +481,7 @@ pub fn indexer_topk(
     heads: usize,
     dim: usize,
     k: usize,
-    scale: f32,
+    (w_scale, scale): (f32, f32),
     scores: &Buf,
     sel: &Buf,
 ) -> Result<()> {
@@ -495,7 +496,7 @@ pub fn indexer_topk(
         dim: u32_of(dim, "dim")?,
         k: u32_of(k, "k")?,
         page_shift: keys.shift,
-        _p: 0,
+        w_scale,
         scale,
     };
     let lb = ctx.storage_u32("indexer limits", limit);

@@ -8,7 +8,7 @@ use ds4_shaders_wgsl::params::{HcParams, ScaleParams};
 
 use super::backend::WgpuBackend;
 use super::context::backend_err;
-use super::matmul::{get_rows, grouped_matmul as grouped_product, u32_of, View};
+use super::matmul::{embed_norm, get_rows, grouped_matmul as grouped_product, u32_of, View};
 use super::ops::{self, ActSim, RopeShape};
 use super::resident::Tick;
 use crate::backend::StepCtx;
@@ -17,11 +17,21 @@ use crate::model::WeightId;
 use crate::Result;
 
 /// [`crate::graph::Op::Embed`]: the token's embedding row into every stream.
-pub fn embed(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>) -> Result<()> {
+///
+/// With `normed`, the unweighted [`crate::graph::Op::RmsNorm`] of the new streams into it that follows runs in the
+/// same dispatch ([`super::fuse`]).
+pub fn embed(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, normed: Option<BufId>) -> Result<()> {
     let model = cx.model;
     let c = &model.config;
     let (hc, d) = (c.hc_mult, c.d_model);
     let emb = be.mat(model, model.global.embed)?;
+    if let Some(normed) = normed {
+        let tokens: Vec<usize> = cx.batch.rows.iter().map(|r| r.token as usize).collect();
+        t.reset_streams();
+        let (out, nb) = (be.buf(t, model, BufId::Streams)?, be.buf(t, model, normed)?);
+        let ctx = be.context();
+        return embed_norm(ctx, t.enc(ctx), &emb, &tokens, hc, (&out, &nb), c.rms_eps);
+    }
     // Row r's stream j is output row r·hc + j of width d: every copy in one gather.
     let ids: Vec<(usize, usize)> = cx
         .batch

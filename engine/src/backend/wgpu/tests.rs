@@ -151,3 +151,59 @@ fn get_rows_all_formats_split() {
         assert!(get_rows(&ctx, &mut enc, &w, &[(rows, 0)], View::new(&yb, cols)).is_err());
     }
 }
+
+/// The products of one input by several weights in one dispatch (`multi_product`, every output count up to
+/// MULTI_OUTPUTS, products of different heights, a prefill of two token tiles) give each product's values bit for bit
+/// as `matmul` of that weight alone.
+#[test]
+fn multi_product_equals_each_product_alone_bit_for_bit() {
+    use super::matmul::{multi_product, MULTI_OUTPUTS};
+    let Some(ctx) = ctx_with(None) else { return };
+    let (cols, n_tok) = (256usize, 11usize);
+    for ty in [GgmlType::F16, GgmlType::Q8_0, GgmlType::Q4K] {
+        let mut rng = StdRng::seed_from_u64(300 + ty.id() as u64);
+        let heights: Vec<usize> = (0..MULTI_OUTPUTS).map(|k| 3 + 5 * k % 7).collect();
+        let parts: Vec<Vec<u8>> = heights.iter().map(|&h| random_weight(&mut rng, ty, h, cols)).collect();
+        let x: Vec<f32> = (0..n_tok * cols).map(|_| rng.gen_range(-1.0..1.0)).collect();
+        let xb = ctx.storage_f32("x", &x);
+        for k in 1..=MULTI_OUTPUTS {
+            let (hs, ps) = (&heights[..k], &parts[..k]);
+            let alone: Vec<Vec<f32>> = hs
+                .iter()
+                .zip(ps)
+                .map(|(&h, p)| {
+                    let w = GpuWeight::upload(&ctx, "w", ty, cols, h, p, 1).unwrap();
+                    let yb = ctx.storage_zeroed("y", n_tok * h);
+                    let mut enc = ctx.encoder();
+                    matmul(&ctx, &mut enc, &w, 0..h, View::new(&xb, cols), n_tok, View::new(&yb, h), false).unwrap();
+                    ctx.submit(enc).unwrap();
+                    ctx.read_f32(&yb, 0, n_tok * h).unwrap()
+                })
+                .collect();
+            let all: Vec<u8> = ps.concat();
+            let w = GpuWeight::upload(&ctx, "all", ty, cols, hs.iter().sum(), &all, 1).unwrap();
+            let ends: Vec<usize> = hs
+                .iter()
+                .scan(0, |e, &h| {
+                    Some({
+                        *e += h;
+                        *e
+                    })
+                })
+                .collect();
+            let ys: Vec<wgpu::Buffer> = hs.iter().map(|&h| ctx.storage_zeroed("y", n_tok * h)).collect();
+            let yr: Vec<&wgpu::Buffer> = ys.iter().collect();
+            let mut enc = ctx.encoder();
+            multi_product(&ctx, &mut enc, &w, &ends, View::new(&xb, cols), n_tok, &yr).unwrap();
+            ctx.submit(enc).unwrap();
+            for (i, (yb, want)) in ys.iter().zip(&alone).enumerate() {
+                let got = ctx.read_f32(yb, 0, want.len()).unwrap();
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(want), "{ty}: product {i} of {k}");
+            }
+            // Ends that do not cover the weight are refused.
+            let short: Vec<usize> = ends.iter().map(|e| e - 1).collect();
+            assert!(multi_product(&ctx, &mut ctx.encoder(), &w, &short, View::new(&xb, cols), n_tok, &yr).is_err());
+        }
+    }
+}
