@@ -70,7 +70,8 @@ pub struct IdsParams {
     pub limit: f32,
     /// `gate_up_swiglu`: multiply by the pair's routing weight (binding 5).
     pub route_weighted: u32,
-    pub _p0: u32,
+    /// `down_combine`: add to the output as a previous chunk's dispatch left it.
+    pub accumulate: u32,
     /// `down_combine`: add the shared expert's output (binding 5).
     pub has_shared: u32,
 }
@@ -314,7 +315,7 @@ pub fn all() -> Vec<ParamsLayout> {
                 grid_x,
                 limit,
                 route_weighted,
-                _p0,
+                accumulate,
                 has_shared
             ]
         ),

@@ -15,7 +15,10 @@
 // r < expert_rows, out[y_offset + t * y_stride + r] = sum over its k = x_div slots j in ascending (ids[t·k + j], j)
 // order of dot(W[ids[t·k + j] · expert_rows + r], x[x_offset + (t·k + j) · x_stride ..]), then + aux[t · y_stride
 // + r] (the shared expert's output, when has_shared): bit for bit `main` per slot then moe_ids.wgsl's `combine`.
-// W must be one chunk (chunk_first 0). Dispatch (grid_x, ceil(expert_rows / grid_x), n_pairs / k).
+// Over several chunks, one dispatch each in row order: a dispatch adds the slots whose row is in its chunk to the
+// sum so far (`accumulate`: out as the previous chunk left it; the rows of one output grow with the expert, so the
+// additions keep ascending expert order), and the last one (has_shared) adds the shared expert's.
+// Dispatch (grid_x, ceil(expert_rows / grid_x), n_pairs / k).
 struct Params {
     expert_rows: u32,
     cols: u32,
@@ -31,7 +34,7 @@ struct Params {
     grid_x: u32,
     limit: f32,
     route_weighted: u32,
-    _p0: u32,
+    accumulate: u32,
     has_shared: u32,
 }
 
@@ -115,6 +118,9 @@ fn down_combine(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_
         return;
     }
     var acc = 0.0;
+    if (p.accumulate != 0u) {
+        acc = y[p.y_offset + t * p.y_stride + row];
+    }
     var last = 0u;
     for (var i = 0u; i < k; i++) {
         // The smallest key (expert * k + slot) above the previous one (keys are distinct).
@@ -127,7 +133,10 @@ fn down_combine(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_
         }
         last = best;
         let q = t * k + best % k;
-        acc += row_dot(li, (ids[q] * p.expert_rows + row) * p.row_bytes, p.x_offset + q * p.x_stride);
+        let g = ids[q] * p.expert_rows + row;
+        if (g >= p.chunk_first && g < p.chunk_first + p.chunk_rows) {
+            acc += row_dot(li, (g - p.chunk_first) * p.row_bytes, p.x_offset + q * p.x_stride);
+        }
     }
     if (p.has_shared != 0u) {
         acc += aux[t * p.y_stride + row];

@@ -358,8 +358,7 @@ pub fn expert_up_swiglu(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, layer:
 
 /// [`crate::graph::Op::ExpertDown`] and [`crate::graph::Op::MoeCombine`] of a decode layout ([`Experts::PerRow`])
 /// in one step ([`super::fuse`]): the shared expert's down product, then the routed down products and the sum over
-/// each row's experts in one dispatch (`down_combine`, no atomics); bit for bit the two nodes. A down matrix over one
-/// binding runs the two nodes in turn.
+/// each row's experts in one dispatch per weight chunk (`down_combine`, no atomics); bit for bit the two nodes.
 pub fn expert_down_combine(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, layer: usize) -> Result<()> {
     planned(t, Experts::PerRow, layer)?;
     let model = cx.model;
@@ -368,10 +367,6 @@ pub fn expert_down_combine(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, lay
     let n = cx.batch.rows.len();
     let (d, k, ffn) = (c.d_model, c.n_experts_used, c.expert_ffn);
     let dm = be.mat_grouped(model, lw.down_exps, d)?;
-    if dm.chunks.len() != 1 {
-        expert_down(be, t, cx, layer, Experts::PerRow)?;
-        return combine(be, t, cx, Experts::PerRow);
-    }
     let ctx = be.context();
     let (gu, sel, out) =
         (be.buf(t, model, BufId::ExpertGate)?, be.buf(t, model, BufId::Routes)?, be.buf(t, model, BufId::SublayerOut)?);
@@ -385,6 +380,5 @@ pub fn expert_down_combine(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, lay
         None => None,
     };
     let h = View::new(&gu, 2 * ffn);
-    moe_ids::down_combine(ctx, t.enc(ctx), &dm, d, &sel, (n, k), h, &out, shared)?;
-    Ok(())
+    moe_ids::down_combine(ctx, t.enc(ctx), &dm, d, &sel, (n, k), h, &out, shared)
 }

@@ -83,7 +83,7 @@ pub fn gate_up_swiglu(
     y: View<'_>,
     limit: f32,
 ) -> Result<()> {
-    ids_dispatch(ctx, enc, w, "gate_up_swiglu", 2 * ffn, ffn, n_pairs, (x, x_div, y), (ids, rw), |p| {
+    ids_dispatch(ctx, enc, w, "gate_up_swiglu", 2 * ffn, ffn, n_pairs, (x, x_div, y), (ids, rw), |p, _| {
         p.limit = limit;
         p.route_weighted = 1;
     })
@@ -92,7 +92,8 @@ pub fn gate_up_swiglu(
 /// The decode MoE's down product and the sum over each row's experts in one dispatch (`matmul_ids.wgsl`'s
 /// `down_combine`, no atomics): `out[t, r]` = the down dots of token `t`'s `k` slots (slot `t·k + j` of `h`, expert
 /// `ids[t·k + j]`) summed in ascending (expert, slot) order, plus `shared[t, r]` — bit for bit [`matmul_ids`] then
-/// [`combine`]. `w` (experts of `d` rows) must be one chunk; `None` when it is not (nothing recorded).
+/// [`combine`]. One dispatch per weight chunk of `w` (experts of `d` rows), each adding the slots whose rows it
+/// holds, in order (so the sum keeps ascending expert order).
 #[allow(clippy::too_many_arguments)]
 pub fn down_combine(
     ctx: &WgpuContext,
@@ -104,21 +105,22 @@ pub fn down_combine(
     h: View<'_>,
     out: &Buf,
     shared: Option<&Buf>,
-) -> Result<Option<()>> {
-    if w.chunks.len() != 1 || k == 0 {
-        return Ok(None);
+) -> Result<()> {
+    if k == 0 {
+        return Err(backend_err(format!("down_combine {}: no slots per row", w.name)));
     }
     let aux = shared.unwrap_or(h.buf);
     let y = View::new(out, d);
-    ids_dispatch(ctx, enc, w, "down_combine", d, d, rows * k, (h, k, y), (ids, aux), |p| {
-        p.has_shared = shared.is_some() as u32;
-    })?;
-    Ok(Some(()))
+    let last = w.chunks.len().saturating_sub(1);
+    ids_dispatch(ctx, enc, w, "down_combine", d, d, rows * k, (h, k, y), (ids, aux), |p, chunk| {
+        p.accumulate = (chunk > 0) as u32;
+        p.has_shared = (shared.is_some() && chunk == last) as u32;
+    })
 }
 
 /// One dispatch per chunk of a `matmul_ids.wgsl` entry: experts of `expert_rows` rows, `out_rows` outputs per pair
 /// (per token for `down_combine`, whose workgroups cover `n_pairs / x_div` tokens), `set` fills the entry's own
-/// parameters.
+/// parameters (given the chunk's index).
 #[allow(clippy::too_many_arguments)]
 fn ids_dispatch(
     ctx: &WgpuContext,
@@ -130,7 +132,7 @@ fn ids_dispatch(
     n_pairs: usize,
     (x, x_div, y): (View<'_>, usize, View<'_>),
     (ids, aux): (&Buf, &Buf),
-    set: impl Fn(&mut IdsParams),
+    set: impl Fn(&mut IdsParams, usize),
 ) -> Result<()> {
     if expert_rows == 0 || x_div == 0 || !w.rows.is_multiple_of(expert_rows) || !n_pairs.is_multiple_of(x_div) {
         return Err(backend_err(format!(
@@ -151,7 +153,7 @@ fn ids_dispatch(
     let expert_bytes = (expert_rows * w.row_bytes) as u64;
     let experts = n_pairs.min(w.rows / expert_rows) as u64;
     ctx.note_weights(n_pairs as u64 * expert_bytes, experts * expert_bytes);
-    for chunk in &w.chunks {
+    for (ci, chunk) in w.chunks.iter().enumerate() {
         let mut p = IdsParams {
             expert_rows: u32_of(out_rows, "expert rows")?,
             cols: u32_of(w.cols, "cols")?,
@@ -167,7 +169,7 @@ fn ids_dispatch(
             grid_x: grid_x as u32,
             ..Default::default()
         };
-        set(&mut p);
+        set(&mut p, ci);
         let u = ctx.uniform(entry, &p);
         let groups = [grid_x as u32, out_rows.div_ceil(grid_x) as u32, z as u32];
         let bindings = [(0, &chunk.buffer), (1, x.buf), (2, y.buf), (3, &u), (4, ids), (5, aux)];

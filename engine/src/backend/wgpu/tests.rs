@@ -207,3 +207,72 @@ fn multi_product_equals_each_product_alone_bit_for_bit() {
         }
     }
 }
+
+/// The decode MoE's fused kernels give bit for bit what the separate kernels give, with the expert matrices split
+/// over several bindings (two experts per chunk): `gate_up_swiglu` = `matmul_ids` + `swiglu` (× routing weight),
+/// `down_combine` = `matmul_ids` + `combine` (+ the shared expert's output), `swiglu_pair` = `matmul` + `swiglu`.
+#[test]
+fn fused_moe_kernels_equal_the_separate_kernels_across_chunks() {
+    use super::matmul::swiglu_pair;
+    use super::moe_ids::{combine, down_combine, gate_up_swiglu, matmul_ids};
+    use super::ops::swiglu;
+    let (ne, k, n, cols, ffn, d) = (5usize, 3usize, 2usize, 256usize, 8usize, 8usize);
+    let limit = 1.5f32;
+    for ty in [GgmlType::Q8_0, GgmlType::Q4K] {
+        let rb = ty.row_bytes(cols as u64).unwrap() as usize;
+        // Two experts' gate|up rows (or down rows) per binding.
+        let Some(ctx) = ctx_with(Some((2 * 2 * ffn * rb).div_ceil(4) as u64 * 4)) else { return };
+        let mut rng = StdRng::seed_from_u64(400 + ty.id() as u64);
+        let (gate, up) = (random_weight(&mut rng, ty, ne * ffn, cols), random_weight(&mut rng, ty, ne * ffn, cols));
+        let pair = GpuWeight::upload_interleaved(&ctx, "gu", ty, cols, ne * ffn, &gate, &up, ffn).unwrap();
+        assert!(pair.chunks.len() > 1, "{ty}: the pair is split");
+        let down =
+            GpuWeight::upload(&ctx, "down", ty, cols, ne * d, &random_weight(&mut rng, ty, ne * d, cols), d).unwrap();
+        assert!(down.chunks.len() > 1, "{ty}: down is split");
+        // Distinct experts per row, not sorted.
+        let ids: Vec<u32> = vec![4, 0, 2, 1, 3, 0];
+        let sel = ctx.storage_u32("sel", &ids);
+        let rw = ctx.storage_f32("rw", &(0..n * k).map(|_| rng.gen_range(0.1..1.0)).collect::<Vec<f32>>());
+        let x = ctx.storage_f32("x", &(0..n * cols).map(|_| rng.gen_range(-1.0..1.0)).collect::<Vec<f32>>());
+        let bits = |b: &wgpu::Buffer, len: usize| {
+            ctx.read_f32(b, 0, len).unwrap().iter().map(|f| f.to_bits()).collect::<Vec<_>>()
+        };
+        // Gate + up + SwiGLU.
+        let (gu_a, gu_b) = (ctx.storage_zeroed("gu a", n * k * 2 * ffn), ctx.storage_zeroed("gu b", n * k * 2 * ffn));
+        let mut enc = ctx.encoder();
+        matmul_ids(&ctx, &mut enc, &pair, 2 * ffn, &sel, n * k, View::new(&x, cols), k, View::new(&gu_a, 2 * ffn))
+            .unwrap();
+        let idx: Vec<u32> = (0..(n * k) as u32).collect();
+        swiglu(&ctx, &mut enc, &gu_a, 2 * ffn, ffn, (&gu_a, 0, 2 * ffn), ffn, n * k, limit, Some((&rw, &idx)), None)
+            .unwrap();
+        let (xv, gv) = (View::new(&x, cols), View::new(&gu_b, 2 * ffn));
+        gate_up_swiglu(&ctx, &mut enc, &pair, ffn, (&sel, &rw), n * k, xv, k, gv, limit).unwrap();
+        ctx.submit(enc).unwrap();
+        let gate_half = |v: Vec<u32>| v.chunks(2 * ffn).flat_map(|r| r[..ffn].to_vec()).collect::<Vec<_>>();
+        assert_eq!(gate_half(bits(&gu_b, n * k * 2 * ffn)), gate_half(bits(&gu_a, n * k * 2 * ffn)), "{ty}: up");
+        // Down + the sum over experts (+ shared).
+        let shared = ctx.storage_f32("shared", &(0..n * d).map(|_| rng.gen_range(-1.0..1.0)).collect::<Vec<f32>>());
+        let (eo, out_a, out_b) = (
+            ctx.storage_zeroed("eo", n * k * d),
+            ctx.storage_zeroed("out a", n * d),
+            ctx.storage_zeroed("out b", n * d),
+        );
+        let mut enc = ctx.encoder();
+        let h = View::new(&gu_a, 2 * ffn);
+        matmul_ids(&ctx, &mut enc, &down, d, &sel, n * k, h, 1, View::new(&eo, d)).unwrap();
+        combine(&ctx, &mut enc, &eo, &sel, &out_a, Some(&shared), d, n, k).unwrap();
+        down_combine(&ctx, &mut enc, &down, d, &sel, (n, k), h, &out_b, Some(&shared)).unwrap();
+        ctx.submit(enc).unwrap();
+        assert_eq!(bits(&out_b, n * d), bits(&out_a, n * d), "{ty}: down");
+        // A dense expert's pair (one chunk).
+        let sh =
+            GpuWeight::upload_interleaved(&ctx, "sh", ty, cols, ffn, &gate[..ffn * rb], &up[..ffn * rb], ffn).unwrap();
+        let (sa, sb) = (ctx.storage_zeroed("sa", n * 2 * ffn), ctx.storage_zeroed("sb", n * 2 * ffn));
+        let mut enc = ctx.encoder();
+        matmul(&ctx, &mut enc, &sh, 0..2 * ffn, View::new(&x, cols), n, View::new(&sa, 2 * ffn), false).unwrap();
+        swiglu(&ctx, &mut enc, &sa, 2 * ffn, ffn, (&sa, 0, 2 * ffn), ffn, n, limit, None, None).unwrap();
+        swiglu_pair(&ctx, &mut enc, &sh, View::new(&x, cols), n, View::new(&sb, 2 * ffn), limit).unwrap();
+        ctx.submit(enc).unwrap();
+        assert_eq!(gate_half(bits(&sb, n * 2 * ffn)), gate_half(bits(&sa, n * 2 * ffn)), "{ty}: shared");
+    }
+}
