@@ -46,12 +46,14 @@ pub fn line(what: &str, t: &DeviceTick, layers: usize) -> String {
     let c = &t.cost;
     let mb = |b: u64| b as f64 / 1e6;
     format!(
-        "# device {what} ({} tokens): {} dispatches ({:.1} per layer), {} bind groups, {} submissions, {} readbacks; \
+        "# device {what} ({} tokens): {} dispatches ({:.1} per layer; {} of them over further chunks of weights split at \
+         this adapter's binding limit), {} bind groups, {} submissions, {} readbacks; \
          host to device {:.1} KB, device to host {:.1} KB; weights fetched {:.2} MB = {:.2}x the least ({:.2} MB, \
          each weight row once)",
         t.tokens,
         c.dispatches,
         c.dispatches as f64 / layers.max(1) as f64,
+        c.split_dispatches,
         c.bind_groups,
         c.submits,
         c.readbacks,

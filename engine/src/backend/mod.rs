@@ -121,7 +121,7 @@ pub trait Backend: Send + Sync {
     }
 
     /// Whether the executor should hand this backend groups of independent nodes ([`Backend::run_group`]).
-    /// Default: no (a backend that records in order, like wgpu, sees every node alone, in recipe order).
+    /// Default: no (the backend sees every node alone, in recipe order).
     fn runs_groups(&self) -> bool {
         false
     }

@@ -40,12 +40,13 @@
 //! index first (so a tick runs in recipe order); the parallelism lives inside the kernels (the CPU worker pool
 //! splits each product over every core). Its vectors are reused across ticks (no allocation in the decode loop).
 //!
-//! Grouping: on a backend that [`Backend::runs_groups`] (the CPU), when the next node is a weight product placed
+//! Grouping: on a backend that [`Backend::runs_groups`] (the CPU: the group's products share its worker pool;
+//! wgpu with fusion on: products of one input, weight type and width become one dispatch), when the next node is a weight product placed
 //! on the portable kernel, every other such product ready at that moment (up to [`MAX_GROUP`]) joins it and they
 //! go to [`Backend::run_group`] together — the projections of one normed input (`wq_a`, `wkv`, the compressor's
 //! and the indexer's), then `wq_b` with the indexer's query. Ready nodes are independent by construction (a
-//! conflict on a tensor is an edge), so only the scheduling changes, never a kernel's inputs. Other backends (wgpu,
-//! recording into one encoder) see every node alone, in order. `DS4_EXEC_GROUP=0` (environment, read by
+//! conflict on a tensor is an edge), so only the scheduling changes, never a kernel's inputs. Other backends see
+//! every node alone, in order. `DS4_EXEC_GROUP=0` (environment, read by
 //! [`Executor::default`]) or [`Executor::group_nodes`] turns grouping off.
 //!
 //! Op timing ([`Executor::time_ops`]) adds up the wall time of each op kind ([`Op::KINDS`]; a stage run whole

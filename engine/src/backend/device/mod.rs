@@ -131,6 +131,9 @@ pub struct DeviceCounters {
     /// The least those kernels could fetch: every weight row a product touches once (for expert products whose
     /// ids stay on the device, `min(pairs, experts)` experts: exact for one token, an upper bound beyond).
     pub weights_min: u64,
+    /// Of `dispatches`, those beyond the first of a kernel whose weight is split across bindings (one per further
+    /// chunk the kernel runs over): what a device binding the whole weight would not need.
+    pub split_dispatches: u64,
 }
 
 impl std::ops::Sub for DeviceCounters {
@@ -145,6 +148,7 @@ impl std::ops::Sub for DeviceCounters {
             device_to_host: self.device_to_host - o.device_to_host,
             weights_fetched: self.weights_fetched - o.weights_fetched,
             weights_min: self.weights_min - o.weights_min,
+            split_dispatches: self.split_dispatches - o.split_dispatches,
         }
     }
 }

@@ -62,6 +62,7 @@ pub struct WgpuContext {
     device_to_host: AtomicU64,
     weights_fetched: AtomicU64,
     weights_min: AtomicU64,
+    split_dispatches: AtomicU64,
 }
 
 /// A bind group's identity: the pipeline and each `(binding, buffer)`.
@@ -181,6 +182,7 @@ impl WgpuContext {
             device_to_host: AtomicU64::new(0),
             weights_fetched: AtomicU64::new(0),
             weights_min: AtomicU64::new(0),
+            split_dispatches: AtomicU64::new(0),
         })
     }
 
@@ -195,6 +197,7 @@ impl WgpuContext {
             device_to_host: self.device_to_host.load(Ordering::Relaxed),
             weights_fetched: self.weights_fetched.load(Ordering::Relaxed),
             weights_min: self.weights_min.load(Ordering::Relaxed),
+            split_dispatches: self.split_dispatches.load(Ordering::Relaxed),
         }
     }
 
@@ -202,6 +205,12 @@ impl WgpuContext {
     pub(crate) fn note_weights(&self, fetched: u64, min: u64) {
         self.weights_fetched.fetch_add(fetched, Ordering::Relaxed);
         self.weights_min.fetch_add(min, Ordering::Relaxed);
+    }
+
+    /// Counts a dispatch over a further chunk of a split weight ([`DeviceCounters::split_dispatches`]); recorders
+    /// call it for each chunk after the first they dispatch over.
+    pub(crate) fn note_split(&self) {
+        self.split_dispatches.fetch_add(1, Ordering::Relaxed);
     }
 
     /// A pooled storage buffer of at least `len` f32 values (size class: the next power of two, at least 256

@@ -111,7 +111,10 @@ fn product(
     let bytes = (rows.len() * w.row_bytes) as u64;
     ctx.note_weights(bytes * tiles as u64, bytes);
     let first = rows.start;
-    for (chunk, local, out_off) in w.pieces(rows) {
+    for (i, (chunk, local, out_off)) in w.pieces(rows).enumerate() {
+        if i > 0 {
+            ctx.note_split();
+        }
         let n = local.len();
         let grid_x = n.min(max.min(32768));
         let params = MatmulParams {
@@ -264,6 +267,7 @@ pub fn embed_norm(
     let pipeline = ctx.pipeline_entry(&name("get_rows", w.format), w.format.get_rows_source(), "embed_norm")?;
     let bytes = (tokens.len() * w.row_bytes) as u64;
     ctx.note_weights(bytes, bytes);
+    let mut dispatched = false;
     for (ci, chunk) in w.chunks.iter().enumerate() {
         let mut pairs = Vec::new();
         for (r, &row) in tokens.iter().enumerate() {
@@ -277,6 +281,9 @@ pub fn embed_norm(
         }
         if pairs.is_empty() {
             continue;
+        }
+        if std::mem::replace(&mut dispatched, true) {
+            ctx.note_split();
         }
         let params = GetRowsParams {
             n_ids: u32_of(pairs.len() / 2, "ids")?,
@@ -305,6 +312,7 @@ pub fn get_rows(
     let pipeline = ctx.pipeline(&name("get_rows", w.format), w.format.get_rows_source())?;
     let bytes = (ids.len() * w.row_bytes) as u64;
     ctx.note_weights(bytes, bytes);
+    let mut dispatched = false;
     for (ci, chunk) in w.chunks.iter().enumerate() {
         let mut pairs = Vec::new();
         for &(row, out) in ids {
@@ -318,6 +326,9 @@ pub fn get_rows(
         }
         if pairs.is_empty() {
             continue;
+        }
+        if std::mem::replace(&mut dispatched, true) {
+            ctx.note_split();
         }
         let n_ids = pairs.len() / 2;
         let params = GetRowsParams {

@@ -16,7 +16,9 @@
 //! - the node kernels, one function per [`crate::graph::Op`] kind: `rows` (row ops, mHC, logits, readback), `attn`
 //!   (compressor push, indexer top-k, sparse attention, ring store), `moe` (routing and the expert halves).
 //! - `fuse`: consecutive nodes recorded as one dispatch where a kernel does both with the same f32 operations
-//!   (mHC weights + collapse + norm, mHC post + norm, norm + rope), a peephole over the recipe's order.
+//!   (mHC weights + collapse + norm, mHC post + norm, norm + rope, the decode MoE's up + SwiGLU and down + sum over
+//!   experts, …), a peephole over the recipe's order; and the weight products the executor finds ready together,
+//!   one dispatch per input, weight type and width.
 //! - [`backend`]: [`WgpuBackend`], the [`crate::backend::Backend`] kernel provider that dispatches nodes to them.
 //!
 //! Every function here only records commands into a `wgpu::CommandEncoder` unless it says otherwise (the readback
@@ -27,11 +29,11 @@
 //! recipe's `Readback` of `Routes`) to group rows by expert (an indirect, expert-indexed grouped matmul would remove
 //! the last mid-tick readback); a layer's device KV page pool is one binding shared by all sessions (at most the
 //! storage binding limit: ~128 MiB on lavapipe), so very long contexts or many sessions need a pool split across
-//! bindings (the roll-back log's chunk pools too: one buffer per layer and input); uniform blocks, bind
-//! groups, key and row lists are small fresh objects per dispatch and the RoPE tables one fresh buffer per tick and
-//! flavour (the tensor buffers are reused, grown only when the batch grows); a product is one workgroup per
-//! output row (and per tile of 8 tokens: a prefill streams each weight row once per tile) with a shared-memory
-//! reduction — no subgroup operations, several rows per workgroup or fused MoE products yet. The context counts
+//! bindings (the roll-back log's chunk pools too: one buffer per layer and input); key and row lists are small
+//! fresh buffers per dispatch and the RoPE tables one per tick and flavour (uniform blocks and bind groups are
+//! cached; the tensor buffers are reused, grown only when the batch grows); a product is one workgroup per output
+//! row (and per tile of 8 tokens: a prefill streams each weight row once per tile) with a shared-memory
+//! reduction — no subgroup operations or several rows per workgroup yet. The context counts
 //! what a tick costs ([`crate::backend::device::DeviceCounters`]: dispatches, syncs, bytes each way, weight bytes
 //! fetched against each row once), printed by `ds4-bench --backend wgpu`.
 

@@ -43,7 +43,10 @@ pub fn matmul_ids(
     let expert_bytes = (expert_rows * w.row_bytes) as u64;
     let experts = n_pairs.min(w.rows / expert_rows) as u64;
     ctx.note_weights(n_pairs as u64 * expert_bytes, experts * expert_bytes);
-    for chunk in &w.chunks {
+    for (ci, chunk) in w.chunks.iter().enumerate() {
+        if ci > 0 {
+            ctx.note_split();
+        }
         let p = IdsParams {
             expert_rows: u32_of(expert_rows, "expert rows")?,
             cols: u32_of(w.cols, "cols")?,
@@ -154,6 +157,9 @@ fn ids_dispatch(
     let experts = n_pairs.min(w.rows / expert_rows) as u64;
     ctx.note_weights(n_pairs as u64 * expert_bytes, experts * expert_bytes);
     for (ci, chunk) in w.chunks.iter().enumerate() {
+        if ci > 0 {
+            ctx.note_split();
+        }
         let mut p = IdsParams {
             expert_rows: u32_of(out_rows, "expert rows")?,
             cols: u32_of(w.cols, "cols")?,

@@ -246,7 +246,11 @@ fn fused_moe_kernels_equal_the_separate_kernels_across_chunks() {
         swiglu(&ctx, &mut enc, &gu_a, 2 * ffn, ffn, (&gu_a, 0, 2 * ffn), ffn, n * k, limit, Some((&rw, &idx)), None)
             .unwrap();
         let (xv, gv) = (View::new(&x, cols), View::new(&gu_b, 2 * ffn));
+        let before = ctx.counters();
         gate_up_swiglu(&ctx, &mut enc, &pair, ffn, (&sel, &rw), n * k, xv, k, gv, limit).unwrap();
+        let cost = ctx.counters() - before;
+        // One dispatch per chunk; all but the first counted as due to the split.
+        assert_eq!((cost.dispatches, cost.split_dispatches), (pair.chunks.len() as u64, pair.chunks.len() as u64 - 1));
         ctx.submit(enc).unwrap();
         let gate_half = |v: Vec<u32>| v.chunks(2 * ffn).flat_map(|r| r[..ffn].to_vec()).collect::<Vec<_>>();
         assert_eq!(gate_half(bits(&gu_b, n * k * 2 * ffn)), gate_half(bits(&gu_a, n * k * 2 * ffn)), "{ty}: up");
