@@ -267,24 +267,8 @@ pub fn embed_norm(
     let pipeline = ctx.pipeline_entry(&name("get_rows", w.format), w.format.get_rows_source(), "embed_norm")?;
     let bytes = (tokens.len() * w.row_bytes) as u64;
     ctx.note_weights(bytes, bytes);
-    let mut dispatched = false;
-    for (ci, chunk) in w.chunks.iter().enumerate() {
-        let mut pairs = Vec::new();
-        for (r, &row) in tokens.iter().enumerate() {
-            let (c, local) = w
-                .locate(row)
-                .ok_or_else(|| backend_err(format!("embed {}: row {row} out of 0..{}", w.name, w.rows)))?;
-            if c == ci {
-                pairs.push(u32_of(local, "row")?);
-                pairs.push(u32_of(r, "out")?);
-            }
-        }
-        if pairs.is_empty() {
-            continue;
-        }
-        if std::mem::replace(&mut dispatched, true) {
-            ctx.note_split();
-        }
+    let ids: Vec<(usize, usize)> = tokens.iter().copied().zip(0..).collect();
+    for (chunk, pairs) in chunk_pairs(ctx, w, &ids, "embed")? {
         let params = GetRowsParams {
             n_ids: u32_of(pairs.len() / 2, "ids")?,
             cols: u32_of(w.cols, "cols")?,
@@ -301,6 +285,25 @@ pub fn embed_norm(
     Ok(())
 }
 
+/// The `(row, out)` pairs of `ids` by the chunk of `w` holding the row, as (local row, out) u32 pairs, for the chunks
+/// holding any (each after the first counted as a split dispatch); an error names a row outside `w`.
+fn chunk_pairs<'w>(
+    ctx: &WgpuContext,
+    w: &'w GpuWeight,
+    ids: &[(usize, usize)],
+    what: &str,
+) -> Result<Vec<(&'w super::weights::WeightChunk, Vec<u32>)>> {
+    let mut by_chunk: Vec<Vec<u32>> = vec![Vec::new(); w.chunks.len()];
+    for &(row, out) in ids {
+        let (c, local) =
+            w.locate(row).ok_or_else(|| backend_err(format!("{what} {}: row {row} out of 0..{}", w.name, w.rows)))?;
+        by_chunk[c].extend([u32_of(local, "row")?, u32_of(out, "out")?]);
+    }
+    let used: Vec<_> = w.chunks.iter().zip(by_chunk).filter(|(_, p)| !p.is_empty()).collect();
+    (1..used.len()).for_each(|_| ctx.note_split());
+    Ok(used)
+}
+
 /// Records `y[out_k] = W[row_k]` (dequantized) for each `(row_k, out_k)` in `ids` (see module docs).
 pub fn get_rows(
     ctx: &WgpuContext,
@@ -312,24 +315,7 @@ pub fn get_rows(
     let pipeline = ctx.pipeline(&name("get_rows", w.format), w.format.get_rows_source())?;
     let bytes = (ids.len() * w.row_bytes) as u64;
     ctx.note_weights(bytes, bytes);
-    let mut dispatched = false;
-    for (ci, chunk) in w.chunks.iter().enumerate() {
-        let mut pairs = Vec::new();
-        for &(row, out) in ids {
-            let (c, local) = w
-                .locate(row)
-                .ok_or_else(|| backend_err(format!("get_rows {}: row {row} out of 0..{}", w.name, w.rows)))?;
-            if c == ci {
-                pairs.push(u32_of(local, "row")?);
-                pairs.push(u32_of(out, "out")?);
-            }
-        }
-        if pairs.is_empty() {
-            continue;
-        }
-        if std::mem::replace(&mut dispatched, true) {
-            ctx.note_split();
-        }
+    for (chunk, pairs) in chunk_pairs(ctx, w, ids, "get_rows")? {
         let n_ids = pairs.len() / 2;
         let params = GetRowsParams {
             n_ids: n_ids as u32,

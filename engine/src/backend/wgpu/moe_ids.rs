@@ -28,45 +28,7 @@ pub fn matmul_ids(
     x_div: usize,
     y: View<'_>,
 ) -> Result<()> {
-    if expert_rows == 0 || x_div == 0 || !w.rows.is_multiple_of(expert_rows) {
-        return Err(backend_err(format!("matmul_ids {}: {} rows in experts of {expert_rows}", w.name, w.rows)));
-    }
-    if n_pairs == 0 {
-        return Ok(());
-    }
-    let max = ctx.limits.max_compute_workgroups_per_dimension as usize;
-    if n_pairs > max {
-        return Err(backend_err(format!("matmul_ids {}: {n_pairs} pairs exceed one dispatch", w.name)));
-    }
-    let pl = ctx.pipeline(&format!("matmul_ids_{:?}", w.format), sh::matmul_ids_source(w.format))?;
-    let grid_x = expert_rows.min(max.min(32768));
-    let expert_bytes = (expert_rows * w.row_bytes) as u64;
-    let experts = n_pairs.min(w.rows / expert_rows) as u64;
-    ctx.note_weights(n_pairs as u64 * expert_bytes, experts * expert_bytes);
-    for (ci, chunk) in w.chunks.iter().enumerate() {
-        if ci > 0 {
-            ctx.note_split();
-        }
-        let p = IdsParams {
-            expert_rows: u32_of(expert_rows, "expert rows")?,
-            cols: u32_of(w.cols, "cols")?,
-            n_pairs: u32_of(n_pairs, "pairs")?,
-            row_bytes: u32_of(w.row_bytes, "row_bytes")?,
-            chunk_first: u32_of(chunk.first_row, "chunk first row")?,
-            chunk_rows: u32_of(chunk.rows, "chunk rows")?,
-            x_offset: u32_of(x.offset, "x offset")?,
-            x_stride: u32_of(x.stride, "x stride")?,
-            x_div: u32_of(x_div, "x div")?,
-            y_offset: u32_of(y.offset, "y offset")?,
-            y_stride: u32_of(y.stride, "y stride")?,
-            grid_x: grid_x as u32,
-            ..Default::default()
-        };
-        let u = ctx.uniform("matmul_ids", &p);
-        let groups = [grid_x as u32, expert_rows.div_ceil(grid_x) as u32, p.n_pairs];
-        ctx.dispatch(enc, &pl, &[&chunk.buffer, x.buf, y.buf, &u, ids], groups)?;
-    }
-    Ok(())
+    ids_dispatch(ctx, enc, w, "main", expert_rows, expert_rows, n_pairs, (x, x_div, y), (ids, None), |_, _| {})
 }
 
 /// The decode MoE's gate + up + SwiGLU in one dispatch per weight chunk (`matmul_ids.wgsl`'s `gate_up_swiglu`):
@@ -86,7 +48,7 @@ pub fn gate_up_swiglu(
     y: View<'_>,
     limit: f32,
 ) -> Result<()> {
-    ids_dispatch(ctx, enc, w, "gate_up_swiglu", 2 * ffn, ffn, n_pairs, (x, x_div, y), (ids, rw), |p, _| {
+    ids_dispatch(ctx, enc, w, "gate_up_swiglu", 2 * ffn, ffn, n_pairs, (x, x_div, y), (ids, Some(rw)), |p, _| {
         p.limit = limit;
         p.route_weighted = 1;
     })
@@ -112,7 +74,7 @@ pub fn down_combine(
     if k == 0 {
         return Err(backend_err(format!("down_combine {}: no slots per row", w.name)));
     }
-    let aux = shared.unwrap_or(h.buf);
+    let aux = Some(shared.unwrap_or(h.buf));
     let y = View::new(out, d);
     let last = w.chunks.len().saturating_sub(1);
     ids_dispatch(ctx, enc, w, "down_combine", d, d, rows * k, (h, k, y), (ids, aux), |p, chunk| {
@@ -122,8 +84,8 @@ pub fn down_combine(
 }
 
 /// One dispatch per chunk of a `matmul_ids.wgsl` entry: experts of `expert_rows` rows, `out_rows` outputs per pair
-/// (per token for `down_combine`, whose workgroups cover `n_pairs / x_div` tokens), `set` fills the entry's own
-/// parameters (given the chunk's index).
+/// (per token for `down_combine`, whose workgroups cover `n_pairs / x_div` tokens), `aux` binding 5 for the entries
+/// that read it, `set` fills the entry's own parameters (given the chunk's index).
 #[allow(clippy::too_many_arguments)]
 fn ids_dispatch(
     ctx: &WgpuContext,
@@ -134,12 +96,18 @@ fn ids_dispatch(
     out_rows: usize,
     n_pairs: usize,
     (x, x_div, y): (View<'_>, usize, View<'_>),
-    (ids, aux): (&Buf, &Buf),
+    (ids, aux): (&Buf, Option<&Buf>),
     set: impl Fn(&mut IdsParams, usize),
 ) -> Result<()> {
-    if expert_rows == 0 || x_div == 0 || !w.rows.is_multiple_of(expert_rows) || !n_pairs.is_multiple_of(x_div) {
+    let per_token = entry == "down_combine";
+    let what = if entry == "main" { "matmul_ids" } else { entry };
+    if expert_rows == 0
+        || x_div == 0
+        || !w.rows.is_multiple_of(expert_rows)
+        || per_token && !n_pairs.is_multiple_of(x_div)
+    {
         return Err(backend_err(format!(
-            "{entry} {}: {} rows in experts of {expert_rows}, {n_pairs} pairs by {x_div}",
+            "{what} {}: {} rows in experts of {expert_rows}, {n_pairs} pairs by {x_div}",
             w.name, w.rows
         )));
     }
@@ -147,9 +115,9 @@ fn ids_dispatch(
         return Ok(());
     }
     let max = ctx.limits.max_compute_workgroups_per_dimension as usize;
-    let z = if entry == "down_combine" { n_pairs / x_div } else { n_pairs };
+    let z = if per_token { n_pairs / x_div } else { n_pairs };
     if z > max {
-        return Err(backend_err(format!("{entry} {}: {n_pairs} pairs exceed one dispatch", w.name)));
+        return Err(backend_err(format!("{what} {}: {n_pairs} pairs exceed one dispatch", w.name)));
     }
     let pl = ctx.pipeline_entry(&format!("matmul_ids_{:?}", w.format), sh::matmul_ids_source(w.format), entry)?;
     let grid_x = out_rows.min(max.min(32768));
@@ -178,7 +146,8 @@ fn ids_dispatch(
         set(&mut p, ci);
         let u = ctx.uniform(entry, &p);
         let groups = [grid_x as u32, out_rows.div_ceil(grid_x) as u32, z as u32];
-        let bindings = [(0, &chunk.buffer), (1, x.buf), (2, y.buf), (3, &u), (4, ids), (5, aux)];
+        let mut bindings = vec![(0, &chunk.buffer), (1, x.buf), (2, y.buf), (3, &u), (4, ids)];
+        bindings.extend(aux.map(|a| (5, a)));
         ctx.dispatch_at(enc, &pl, &bindings, groups)?;
     }
     Ok(())
