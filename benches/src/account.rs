@@ -8,11 +8,14 @@ use ds4_engine::backend::device::DeviceCounters;
 use ds4_engine::Engine;
 
 /// One measured tick.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct DeviceTick {
     /// Tokens (rows) in the tick.
     pub tokens: usize,
     pub cost: DeviceCounters,
+    /// GPU seconds per kernel (`kernel`, seconds, dispatches; largest first) where the device has timestamp
+    /// queries.
+    pub kernels: Option<Vec<(String, f64, usize)>>,
 }
 
 /// Runs a fresh session's prefill of `chunk` tokens as one tick, then two decode ticks, on a warmed engine
@@ -25,10 +28,13 @@ pub fn prefill_and_decode(engine: &mut Engine, chunk: usize) -> Result<Option<[D
     let s = engine.create_session();
     let mut tick = |tokens: &[u32]| -> Result<DeviceTick> {
         engine.feed(s, tokens)?;
+        let timed = engine.start_kernel_timing();
         let before = engine.device_counters().unwrap_or_default();
         engine.step()?;
         let after = engine.device_counters().unwrap_or_default();
-        Ok(DeviceTick { tokens: tokens.len(), cost: after - before })
+        let times = engine.kernel_times()?.filter(|_| timed);
+        let kernels = times.map(|t| ds4_engine::backend::wgpu::timing::by_label(&t));
+        Ok(DeviceTick { tokens: tokens.len(), cost: after - before, kernels })
     };
     let prefill = tick(&prompt[..chunk]);
     let warm = prefill.is_ok().then(|| tick(&prompt[chunk..chunk + 1]));
@@ -39,6 +45,21 @@ pub fn prefill_and_decode(engine: &mut Engine, chunk: usize) -> Result<Option<[D
     }
     engine.free_session(s)?;
     Ok(Some([prefill?, decode.expect("run after a prefill")?]))
+}
+
+/// The `#` line of a tick's GPU time by kernel (the `top` largest), or why there is none.
+pub fn kernel_line(what: &str, t: &DeviceTick, top: usize) -> String {
+    let Some(k) = &t.kernels else {
+        return format!("# device {what}: no GPU times (the adapter has no timestamp queries)");
+    };
+    let total: f64 = k.iter().map(|x| x.1).sum();
+    let n: usize = k.iter().map(|x| x.2).sum();
+    let each: Vec<String> = k.iter().take(top).map(|(name, s, c)| format!("{name} {:.1} us ({c})", s * 1e6)).collect();
+    format!(
+        "# device {what}: {:.1} us of GPU time over {n} timed dispatches; by kernel: {}",
+        total * 1e6,
+        each.join(", ")
+    )
 }
 
 /// The `#` line of one measured tick.

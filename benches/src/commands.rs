@@ -144,6 +144,7 @@ pub(crate) fn run_throughput(a: &RunArgs) -> Result<()> {
         let layers = engine.config().n_layers;
         writeln!(out, "{}", crate::account::line("prefill chunk", &prefill, layers))?;
         writeln!(out, "{}", crate::account::line("decode tick", &decode, layers))?;
+        writeln!(out, "{}", crate::account::kernel_line("decode tick GPU time", &decode, 8))?;
     }
     for r in &rows {
         writeln!(

@@ -187,6 +187,18 @@ pub trait Backend: Send + Sync {
         None
     }
 
+    /// Starts timing each kernel dispatch on the device (timestamp queries); `false` when the backend cannot (a
+    /// host backend, a device without timestamps). Default: `false`.
+    fn start_kernel_timing(&self) -> bool {
+        false
+    }
+
+    /// Stops timing and returns each timed dispatch's kernel and GPU seconds, in order (`None`: no timing was
+    /// started). Default: `None`.
+    fn kernel_times(&self) -> crate::Result<Option<Vec<(String, f64)>>> {
+        Ok(None)
+    }
+
     /// Bytes of weights held in the backend's device memory (uploaded on first use), or `None` for a backend that
     /// reads them from the memory-mapped file. Default: `None`.
     fn device_weight_bytes(&self) -> Option<u64> {

@@ -228,6 +228,17 @@ impl Engine {
         self.backend.device_counters()
     }
 
+    /// Starts timing each kernel dispatch of the primary backend (GPU timestamps; [`Backend::start_kernel_timing`]);
+    /// `false` where it cannot.
+    pub fn start_kernel_timing(&self) -> bool {
+        self.backend.start_kernel_timing()
+    }
+
+    /// Stops kernel timing: each timed dispatch's kernel and GPU seconds, in order (`None`: none was started).
+    pub fn kernel_times(&self) -> Result<Option<Vec<(String, f64)>>> {
+        self.backend.kernel_times()
+    }
+
     /// Bytes of weights the primary backend holds in device memory (`None` on the CPU); with
     /// `experts=cpu` placement the expert tensors are not among them.
     pub fn device_weight_bytes(&self) -> Option<u64> {

@@ -389,6 +389,14 @@ impl Backend for WgpuBackend {
         Some(self.ctx.counters())
     }
 
+    fn start_kernel_timing(&self) -> bool {
+        self.ctx.start_timing()
+    }
+
+    fn kernel_times(&self) -> Result<Option<Vec<(String, f64)>>> {
+        self.ctx.finish_timing()
+    }
+
     fn device_weight_bytes(&self) -> Option<u64> {
         let size = |w: &Arc<GpuWeight>| (w.rows * w.row_bytes) as u64;
         let mats: u64 = self.mats.lock().values().map(size).sum::<u64>()

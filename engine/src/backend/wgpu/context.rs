@@ -44,6 +44,10 @@ pub struct WgpuContext {
     pub limits: wgpu::Limits,
     max_binding: u64,
     pipelines: Mutex<HashMap<String, Arc<wgpu::ComputePipeline>>>,
+    /// Each pipeline's `name::entry`, for the timing labels.
+    pipeline_names: Mutex<HashMap<wgpu::ComputePipeline, String>>,
+    /// The open timing window, if any ([`super::timing`]).
+    timing: Mutex<Option<super::timing::Timing>>,
     /// ScratchBuf buffers by size class (see [`WgpuContext::scratch`]).
     pool: Arc<Mutex<HashMap<u64, Vec<wgpu::Buffer>>>>,
     /// Uniform blocks by content, and bind groups by pipeline and bound buffers: made once and reused while the
@@ -132,7 +136,8 @@ impl WgpuContext {
         let limits = adapter.limits();
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("ds4"),
-            required_features: wgpu::Features::empty(),
+            // Timestamp queries where the adapter has them (per-dispatch GPU times, `timing`).
+            required_features: adapter.features() & wgpu::Features::TIMESTAMP_QUERY,
             required_limits: limits.clone(),
             experimental_features: wgpu::ExperimentalFeatures::disabled(),
             memory_hints: wgpu::MemoryHints::Performance,
@@ -169,6 +174,8 @@ impl WgpuContext {
             limits,
             max_binding,
             pipelines: Mutex::new(HashMap::new()),
+            pipeline_names: Mutex::new(HashMap::new()),
+            timing: Mutex::new(None),
             pool: Arc::new(Mutex::new(HashMap::new())),
             uniforms: Mutex::new(HashMap::new()),
             zeros,
@@ -273,6 +280,7 @@ impl WgpuContext {
             return Err(backend_err(format!("pipeline {key}: {e}")));
         }
         let p = Arc::new(pipeline);
+        self.pipeline_names.lock().insert((*p).clone(), key.clone());
         self.pipelines.lock().insert(key, p.clone());
         Ok(p)
     }
@@ -420,11 +428,50 @@ impl WgpuContext {
         };
         drop(binds);
         self.dispatches.fetch_add(1, Ordering::Relaxed);
-        let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: None });
+        let mut timing = self.timing.lock();
+        let timestamp_writes = match timing.as_mut() {
+            Some(t) => {
+                let names = self.pipeline_names.lock();
+                t.next(names.get(pipeline).map_or("?", |s| s.as_str()))
+            }
+            None => None,
+        };
+        let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes });
         pass.set_pipeline(pipeline);
         pass.set_bind_group(0, &bind, &[]);
         pass.dispatch_workgroups(groups[0], groups[1], groups[2]);
         Ok(())
+    }
+
+    /// Whether the device takes timestamp queries ([`super::timing`]).
+    pub fn has_timestamps(&self) -> bool {
+        self.device.features().contains(wgpu::Features::TIMESTAMP_QUERY)
+    }
+
+    /// Opens a timing window ([`super::timing`]): the dispatches recorded from now on are timed. `false` (nothing
+    /// changes) when the device has no timestamp queries.
+    pub fn start_timing(&self) -> bool {
+        if !self.has_timestamps() {
+            return false;
+        }
+        *self.timing.lock() = Some(super::timing::Timing::new(&self.device));
+        true
+    }
+
+    /// Closes the timing window and returns each timed dispatch's pipeline and GPU seconds, in recording order
+    /// (one submission and readback of its own); `None` when no window was open. Call after the timed work was
+    /// submitted.
+    pub fn finish_timing(&self) -> Result<Option<Vec<(String, f64)>>> {
+        let Some(t) = self.timing.lock().take() else { return Ok(None) };
+        let n = t.labels.len() as u32;
+        if n == 0 {
+            return Ok(Some(Vec::new()));
+        }
+        let mut enc = self.encoder();
+        enc.resolve_query_set(&t.set, 0..2 * n, &t.resolve, 0);
+        let words = self.submit_read_u32(enc, &t.resolve, 0, 4 * n as usize)?;
+        let secs = super::timing::durations(&words, self.queue.get_timestamp_period());
+        Ok(Some(t.labels.into_iter().zip(secs).collect()))
     }
 
     /// A new command encoder.

@@ -19,6 +19,7 @@
 //!   (mHC weights + collapse + norm, mHC post + norm, norm + rope, the decode MoE's up + SwiGLU and down + sum over
 //!   experts, …), a peephole over the recipe's order; and the weight products the executor finds ready together,
 //!   one dispatch per input, weight type and width.
+//! - [`timing`]: per-dispatch GPU times from timestamp queries, where the adapter has them.
 //! - [`backend`]: [`WgpuBackend`], the [`crate::backend::Backend`] kernel provider that dispatches nodes to them.
 //!
 //! Every function here only records commands into a `wgpu::CommandEncoder` unless it says otherwise (the readback
@@ -50,6 +51,7 @@ pub(crate) mod ops;
 pub(crate) mod pagedev;
 mod resident;
 mod rows;
+pub mod timing;
 pub(crate) mod weights;
 
 #[cfg(test)]

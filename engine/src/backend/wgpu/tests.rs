@@ -280,3 +280,48 @@ fn fused_moe_kernels_equal_the_separate_kernels_across_chunks() {
         assert_eq!(gate_half(bits(&sb, n * 2 * ffn)), gate_half(bits(&sa, n * 2 * ffn)), "{ty}: shared");
     }
 }
+
+/// Kernel timing: every dispatch of the window is timed, labelled with its kernel in recording order, with a
+/// non-negative GPU time (and some time in all); nothing is timed outside a window. Lavapipe has timestamp queries
+/// (CI runs this on it); an adapter without them reports that timing cannot start.
+#[test]
+fn dispatches_are_timed_in_a_timing_window() {
+    let Some(ctx) = ctx_with(None) else { return };
+    if !ctx.has_timestamps() {
+        assert!(!ctx.start_timing());
+        assert!(ctx.finish_timing().unwrap().is_none());
+        crate::testdata::skip_or_fail("this adapter has no timestamp queries");
+        return;
+    }
+    let (rows, cols) = (64usize, 256usize);
+    let mut rng = StdRng::seed_from_u64(7);
+    let w = GpuWeight::upload(
+        &ctx,
+        "w",
+        GgmlType::Q8_0,
+        cols,
+        rows,
+        &random_weight(&mut rng, GgmlType::Q8_0, rows, cols),
+        1,
+    )
+    .unwrap();
+    let xb = ctx.storage_f32("x", &(0..cols).map(|_| rng.gen_range(-1.0..1.0)).collect::<Vec<f32>>());
+    let yb = ctx.storage_zeroed("y", rows);
+    let record = |n: usize| {
+        let mut enc = ctx.encoder();
+        for _ in 0..n {
+            matmul(&ctx, &mut enc, &w, 0..rows, View::new(&xb, cols), 1, View::new(&yb, rows), false).unwrap();
+        }
+        get_rows(&ctx, &mut enc, &w, &[(3, 0)], View::new(&yb, cols)).unwrap();
+        ctx.submit(enc).unwrap();
+    };
+    record(1);
+    assert!(ctx.finish_timing().unwrap().is_none(), "no window was open");
+    assert!(ctx.start_timing());
+    record(3);
+    let times = ctx.finish_timing().unwrap().expect("a window was open");
+    let labels: Vec<&str> = times.iter().map(|t| t.0.as_str()).collect();
+    assert_eq!(labels, ["matmul_Q8_0::main", "matmul_Q8_0::main", "matmul_Q8_0::main", "get_rows_Q8_0::main"]);
+    assert!(times.iter().all(|t| t.1 >= 0.0) && times.iter().map(|t| t.1).sum::<f64>() > 0.0, "{times:?}");
+    assert!(ctx.finish_timing().unwrap().is_none(), "the window closed");
+}
