@@ -18,33 +18,49 @@ pub struct DeviceTick {
     pub kernels: Option<Vec<(String, f64, usize)>>,
 }
 
-/// Runs a fresh session's prefill of `chunk` tokens as one tick, then two decode ticks, on a warmed engine
-/// (weights already uploaded, so the uploads counted are the ticks' own), and returns `[prefill, decode]` with the
-/// second decode tick (one of a steady decode loop); `None` on a host backend.
-pub fn prefill_and_decode(engine: &mut Engine, chunk: usize) -> Result<Option<[DeviceTick; 2]>> {
+/// The measured ticks of [`prefill_and_decode`].
+pub struct Ticks {
+    pub prefill: DeviceTick,
+    /// A steady decode tick that reads back the whole logits row.
+    pub decode_whole: DeviceTick,
+    /// A steady decode tick of a greedy sampler, which reads back only the best logit
+    /// (`Engine::set_logit_candidates`): what a decode loop costs.
+    pub decode: DeviceTick,
+}
+
+/// Runs a fresh session's prefill of `chunk` tokens as one tick, then decode ticks, on a warmed engine (weights
+/// already uploaded, so the uploads counted are the ticks' own): two reading back whole logits rows, then (the
+/// session asking for one candidate, as a greedy sampler does) three reading back the best logit only; the last
+/// of each is reported (one of a steady decode loop). `None` on a host backend.
+pub fn prefill_and_decode(engine: &mut Engine, chunk: usize) -> Result<Option<Ticks>> {
     let Some(_) = engine.device_counters() else { return Ok(None) };
-    let chunk = chunk.min(engine.options().max_batch_tokens).min(engine.ctx().saturating_sub(3)).max(1);
-    let prompt = crate::throughput::prompt(chunk + 2, engine.config().vocab);
+    let chunk = chunk.min(engine.options().max_batch_tokens).min(engine.ctx().saturating_sub(6)).max(1);
+    let prompt = crate::throughput::prompt(chunk + 5, engine.config().vocab);
     let s = engine.create_session();
-    let mut tick = |tokens: &[u32]| -> Result<DeviceTick> {
-        engine.feed(s, tokens)?;
-        let timed = engine.start_kernel_timing();
-        let before = engine.device_counters().unwrap_or_default();
-        engine.step()?;
-        let after = engine.device_counters().unwrap_or_default();
-        let times = engine.kernel_times()?.filter(|_| timed);
-        let kernels = times.map(|t| ds4_engine::backend::wgpu::timing::by_label(&t));
-        Ok(DeviceTick { tokens: tokens.len(), cost: after - before, kernels })
+    let run = |engine: &mut Engine| -> Result<Ticks> {
+        let tick = |engine: &mut Engine, tokens: &[u32]| -> Result<DeviceTick> {
+            engine.feed(s, tokens)?;
+            let timed = engine.start_kernel_timing();
+            let before = engine.device_counters().unwrap_or_default();
+            engine.step()?;
+            let after = engine.device_counters().unwrap_or_default();
+            let times = engine.kernel_times()?.filter(|_| timed);
+            let kernels = times.map(|t| ds4_engine::backend::wgpu::timing::by_label(&t));
+            Ok(DeviceTick { tokens: tokens.len(), cost: after - before, kernels })
+        };
+        let prefill = tick(engine, &prompt[..chunk])?;
+        tick(engine, &prompt[chunk..chunk + 1])?;
+        let decode_whole = tick(engine, &prompt[chunk + 1..chunk + 2])?;
+        engine.set_logit_candidates(s, 1)?;
+        // Two warm-up ticks: the first makes the candidates' buffer, which drops the bind groups made before it.
+        tick(engine, &prompt[chunk + 2..chunk + 3])?;
+        tick(engine, &prompt[chunk + 3..chunk + 4])?;
+        let decode = tick(engine, &prompt[chunk + 4..chunk + 5])?;
+        Ok(Ticks { prefill, decode_whole, decode })
     };
-    let prefill = tick(&prompt[..chunk]);
-    let warm = prefill.is_ok().then(|| tick(&prompt[chunk..chunk + 1]));
-    let decode = matches!(warm, Some(Ok(_))).then(|| tick(&prompt[chunk + 1..]));
-    if let Some(Err(e)) = warm {
-        engine.free_session(s)?;
-        return Err(e);
-    }
+    let ticks = run(engine);
     engine.free_session(s)?;
-    Ok(Some([prefill?, decode.expect("run after a prefill")?]))
+    Ok(Some(ticks?))
 }
 
 /// The `#` line of a tick's GPU time by kernel (the `top` largest), or why there is none.
@@ -62,6 +78,20 @@ pub fn kernel_line(what: &str, t: &DeviceTick, top: usize) -> String {
     )
 }
 
+/// The `#` line comparing a greedy decode tick's readback (the best logit) with a whole-row tick's, side by side.
+pub fn readback_line(t: &Ticks) -> String {
+    let (c, w) = (&t.decode.cost, &t.decode_whole.cost);
+    format!(
+        "# device decode tick readback: {} B (the sampled row's best logit: id and value) vs {} B reading back the \
+         whole logits row ({:.0}x less); {} vs {} dispatches",
+        c.device_to_host,
+        w.device_to_host,
+        w.device_to_host as f64 / c.device_to_host.max(1) as f64,
+        c.dispatches,
+        w.dispatches
+    )
+}
+
 /// The `#` line of one measured tick.
 pub fn line(what: &str, t: &DeviceTick, layers: usize) -> String {
     let c = &t.cost;
@@ -69,7 +99,7 @@ pub fn line(what: &str, t: &DeviceTick, layers: usize) -> String {
     format!(
         "# device {what} ({} tokens): {} dispatches ({:.1} per layer; {} of them over further chunks of weights split at \
          this adapter's binding limit), {} bind groups, {} submissions, {} readbacks; \
-         host to device {:.1} KB, device to host {:.1} KB; weights fetched {:.2} MB = {:.2}x the least ({:.2} MB, \
+         host to device {:.1} KB, device to host {} B; weights fetched {:.2} MB = {:.2}x the least ({:.2} MB, \
          each weight row once)",
         t.tokens,
         c.dispatches,
@@ -79,7 +109,7 @@ pub fn line(what: &str, t: &DeviceTick, layers: usize) -> String {
         c.submits,
         c.readbacks,
         c.host_to_device as f64 / 1e3,
-        c.device_to_host as f64 / 1e3,
+        c.device_to_host,
         mb(c.weights_fetched),
         c.weights_fetched as f64 / c.weights_min.max(1) as f64,
         mb(c.weights_min)

@@ -140,11 +140,12 @@ pub(crate) fn run_throughput(a: &RunArgs) -> Result<()> {
     if a.placement != ds4_engine::exec::Placement::default() {
         writeln!(out, "{}", bus_line(&a.placement, &engine))?;
     }
-    if let Some([prefill, decode]) = crate::account::prefill_and_decode(&mut engine, a.batch_tokens)? {
+    if let Some(t) = crate::account::prefill_and_decode(&mut engine, a.batch_tokens)? {
         let layers = engine.config().n_layers;
-        writeln!(out, "{}", crate::account::line("prefill chunk", &prefill, layers))?;
-        writeln!(out, "{}", crate::account::line("decode tick", &decode, layers))?;
-        writeln!(out, "{}", crate::account::kernel_line("decode tick GPU time", &decode, 8))?;
+        writeln!(out, "{}", crate::account::line("prefill chunk", &t.prefill, layers))?;
+        writeln!(out, "{}", crate::account::line("decode tick", &t.decode, layers))?;
+        writeln!(out, "{}", crate::account::readback_line(&t))?;
+        writeln!(out, "{}", crate::account::kernel_line("decode tick GPU time", &t.decode, 8))?;
     }
     for r in &rows {
         writeln!(

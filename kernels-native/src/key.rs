@@ -77,11 +77,12 @@ pub enum OpKind {
     Readback,
     MtpInput,
     TapStreams,
+    LogitCandidates,
 }
 
 impl OpKind {
     /// Every kind, indexed by its discriminant.
-    pub const ALL: [OpKind; 24] = [
+    pub const ALL: [OpKind; 25] = [
         OpKind::Embed,
         OpKind::RmsNorm,
         OpKind::MatMul,
@@ -106,6 +107,7 @@ impl OpKind {
         OpKind::Readback,
         OpKind::MtpInput,
         OpKind::TapStreams,
+        OpKind::LogitCandidates,
     ];
 
     /// The kind's snake-case name (what op timings and placement reports print).
@@ -136,6 +138,7 @@ impl OpKind {
             Readback => "readback",
             MtpInput => "mtp_input",
             TapStreams => "tap_streams",
+            LogitCandidates => "logit_candidates",
         }
     }
 }

@@ -211,6 +211,14 @@ impl Runner for EngineRunner {
         self.engine.logits(*self.ids.get(&session)?).ok()
     }
 
+    fn set_logit_candidates(&mut self, session: RunnerSessionId, k: usize) {
+        if let Some(&sid) = self.ids.get(&session) {
+            if let Err(e) = self.engine.set_logit_candidates(sid, k) {
+                tracing::warn!(error = %e, "logit candidates not set; whole rows come back");
+            }
+        }
+    }
+
     fn kv_bytes(&self) -> crate::model::KvBytes {
         // The CPU backend's KV is host memory; wgpu keeps it on the device with a lazily synced host mirror.
         let (device, host) = self

@@ -76,6 +76,11 @@ pub trait Runner: Send {
     }
     /// Logits after the last token fed to `session`, once a step has processed it (and `pending` is 0).
     fn logits(&self, session: RunnerSessionId) -> Option<&[f32]>;
+    /// From the next step on, `session`'s sampler reads no more than the `k` best logits of a row (`k` > 0), so
+    /// a device runner may bring back only those (the rest of [`Runner::logits`]'s row is then −∞); 0 asks for
+    /// whole rows again and drops a row that holds only candidates. Runners that always return whole rows ignore
+    /// it.
+    fn set_logit_candidates(&mut self, _session: RunnerSessionId, _k: usize) {}
     /// KV bytes per tier.
     fn kv_bytes(&self) -> KvBytes {
         KvBytes::default()

@@ -261,6 +261,17 @@ pub struct ScaleParams {
     pub factor: f32,
 }
 
+/// `Params` of `candidates.wgsl` ([`crate::CANDIDATES`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct CandParams {
+    pub vocab: u32,
+    /// Candidates per row (rounds).
+    pub k: u32,
+    pub rows: u32,
+    pub _p: u32,
+}
+
 /// One parameter block's Rust layout.
 #[derive(Clone, Debug)]
 pub struct ParamsLayout {
@@ -383,5 +394,6 @@ pub fn all() -> Vec<ParamsLayout> {
         ),
         layout!(ActParams, ACT, [rows, n, stride, block, heads, rope_dim, _p0, _p1]),
         layout!(ScaleParams, SCALE, [n, _p0, _p1, factor]),
+        layout!(CandParams, CANDIDATES, [vocab, k, rows, _p]),
     ]
 }

@@ -34,8 +34,12 @@ use crate::Result;
 /// The host outputs of a tick, sized for the batch by [`Activations::ensure`].
 #[derive(Debug, Default)]
 pub struct Activations {
-    /// `[logit_rows, vocab]`.
+    /// `[logit_rows, vocab]` (not filled in a tick whose batch asks for candidates).
     pub logits: Vec<f32>,
+    /// `[logit_rows, k]` ids and values of each logit row's `k` best logits in a tick whose batch asks for `k`
+    /// candidates ([`crate::graph::Op::LogitCandidates`]).
+    pub cand_ids: Vec<u32>,
+    pub cand_vals: Vec<f32>,
     /// Host input of [`crate::graph::Op::MtpInput`]: `[rows, hc·d]`, each row's input streams (filled by the
     /// engine from what its caller queued; empty for the target model).
     pub hidden_in: Vec<f32>,
@@ -50,6 +54,11 @@ impl Activations {
         let n = logit_rows * model.config.vocab;
         if self.logits.len() < n {
             self.logits.resize(n, 0.0);
+        }
+        let k = logit_rows * crate::graph::MAX_LOGIT_CANDIDATES;
+        if self.cand_ids.len() < k {
+            self.cand_ids.resize(k, u32::MAX);
+            self.cand_vals.resize(k, f32::NEG_INFINITY);
         }
     }
 }

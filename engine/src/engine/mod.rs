@@ -25,7 +25,7 @@ use std::path::Path;
 use crate::backend::{Activations, Backend, RopeSet, StepCtx};
 use crate::exec::Executor;
 use crate::gguf::GgufFile;
-use crate::graph::{Batch, BufId, Graph};
+use crate::graph::{Batch, BufId, Graph, MAX_LOGIT_CANDIDATES};
 use crate::model::{Model, ModelConfig};
 use crate::tables::{PageLedger, SessionId, SessionKv, SessionTable};
 use crate::{Error, Result};
@@ -457,6 +457,7 @@ impl Engine {
         let budget = self.opts.max_batch_tokens;
         self.batch.clear();
         let mut used = 0usize;
+        let mut candidates = Some(0usize);
         // Decode sessions first, then prefill chunks.
         for pass in 0..2 {
             for s in 0..self.sessions.alive.len() {
@@ -469,11 +470,15 @@ impl Engine {
                 let all = self.sessions.want_all_logits[s];
                 self.batch.push_run(s, pos0, p.iter().copied().take(take), all);
                 used += take;
+                // Candidates only when every session of the tick asks for no more than them.
+                let k = self.sessions.logit_candidates[s];
+                candidates = candidates.filter(|_| k > 0 && !all).map(|c| c.max(k));
             }
         }
         if self.batch.rows.is_empty() {
             return Ok(false);
         }
+        self.batch.candidates = candidates.unwrap_or(0);
         tracing::debug!(rows = self.batch.rows.len(), runs = self.batch.runs.len(), "tick");
         self.act.ensure(&self.model, self.batch.rows.len(), self.batch.logit_rows.len());
         let hcd = self.model.config.hc_dim();
@@ -538,6 +543,7 @@ impl Engine {
                     self.sessions.pending_hidden[s].clear();
                 }
                 self.sessions.logits[s].clear();
+                self.sessions.logits_partial[s] = false;
                 self.sessions.all_logits[s].clear();
             }
             tracing::warn!(error = %e, sessions = self.batch.runs.len(), "tick failed; its sessions were reset");
@@ -570,6 +576,15 @@ impl Engine {
                 }
             }
             self.sessions.pos[s] += run.len;
+            let k = self.batch.candidates;
+            self.sessions.logits_partial[s] = k > 0;
+            if k > 0 {
+                let (ids, vals) = (&self.act.cand_ids[out_row * k..][..k], &self.act.cand_vals[out_row * k..][..k]);
+                self.sessions.logits[s].resize(vocab, 0.0);
+                crate::sampler::expand_candidates(ids, vals, &mut self.sessions.logits[s]);
+                out_row += 1;
+                continue;
+            }
             let n_out = if run.all_logits { run.len } else { 1 };
             let block = &self.act.logits[out_row * vocab..(out_row + n_out) * vocab];
             if run.all_logits {
@@ -598,6 +613,33 @@ impl Engine {
         Ok(&self.sessions.logits[s])
     }
 
+    /// How many of each next-token logits row of session `id` come back from the backend: 0 (the default) the
+    /// whole row; `k` in `1..=`[`MAX_LOGIT_CANDIDATES`] only its `k` best ([`crate::sampler::top_candidates`]),
+    /// for a sampler whose [`crate::sampler::SamplerConfig::candidates`] is at most `k` — it draws the same ids
+    /// from them. A tick in which every session asks for candidates (and none for prefill logits) reads back only
+    /// those (a device backend then copies `k` pairs per session instead of `vocab` values); the session's
+    /// [`Engine::logits`] row then holds them, every other value −∞ ([`Engine::logits_partial`]). Setting 0 while
+    /// the row is partial drops it (so no later reader takes it for a whole row); snapshots and forks never
+    /// carry a partial row.
+    pub fn set_logit_candidates(&mut self, id: SessionId, k: usize) -> Result<()> {
+        let s = self.slot(id)?;
+        if k > MAX_LOGIT_CANDIDATES {
+            return Err(Error::InvalidArgument(format!("{k} logit candidates (at most {MAX_LOGIT_CANDIDATES})")));
+        }
+        self.sessions.logit_candidates[s] = k;
+        if k == 0 && self.sessions.logits_partial[s] {
+            self.sessions.logits[s].clear();
+            self.sessions.logits_partial[s] = false;
+        }
+        Ok(())
+    }
+
+    /// Whether session `id`'s [`Engine::logits`] row holds only the candidates of its last tick
+    /// ([`Engine::set_logit_candidates`]).
+    pub fn logits_partial(&self, id: SessionId) -> Result<bool> {
+        Ok(self.sessions.logits_partial[self.slot(id)?])
+    }
+
     /// Whether session `id` keeps every processed position's logits ([`Engine::set_prefill_logits`]).
     pub(crate) fn prefill_logits_on(&self, id: SessionId) -> Result<bool> {
         Ok(self.sessions.want_all_logits[self.slot(id)?])
@@ -617,6 +659,7 @@ impl Engine {
         }
         self.sessions.logits[s].clear();
         self.sessions.logits[s].extend_from_slice(logits);
+        self.sessions.logits_partial[s] = false;
         Ok(())
     }
 

@@ -144,7 +144,7 @@ impl Engine {
             pos: self.sessions.pos[s],
             history: self.sessions.history[s].clone(),
             kv,
-            logits: self.sessions.logits[s].clone(),
+            logits: self.whole_logits(s),
         })
     }
 
@@ -177,8 +177,7 @@ impl Engine {
     /// and the device's copy on write count too); the fork's host arrays start stale too.
     pub fn fork(&mut self, id: SessionId) -> Result<SessionId> {
         let s = self.slot(id)?;
-        let (pos, history, logits) =
-            (self.sessions.pos[s], self.sessions.history[s].clone(), self.sessions.logits[s].clone());
+        let (pos, history, logits) = (self.sessions.pos[s], self.sessions.history[s].clone(), self.whole_logits(s));
         if self.sessions.kv[s].sync.host_stale {
             let placeholder = SessionKv::new_in(&self.model.config, 0, &self.pages);
             let new = self.install(placeholder, pos, history.clone(), logits.clone());
@@ -193,6 +192,16 @@ impl Engine {
         self.backend.sync_kv(s, &mut self.sessions.kv[s])?;
         let kv = self.sessions.kv[s].fork();
         Ok(self.install(kv, pos, history, logits))
+    }
+
+    /// Slot `s`'s logits row when it is whole; empty when it holds only candidates (a copy of the session must
+    /// not hand another sampler a row it cannot use).
+    fn whole_logits(&self, s: usize) -> Vec<f32> {
+        if self.sessions.logits_partial[s] {
+            Vec::new()
+        } else {
+            self.sessions.logits[s].clone()
+        }
     }
 
     /// KV bytes copied by this engine's sessions so far: private tails of forks and snapshots, copy on write of

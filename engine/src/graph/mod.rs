@@ -111,13 +111,16 @@ pub enum BufId {
     HeadOut,
     /// Output logits `[logit_rows, vocab]` (host memory, [`crate::backend::Activations`]).
     Logits,
+    /// The best logits of each logit row, `[logit_rows, k]` (id, value) pairs ([`Op::LogitCandidates`]; host
+    /// memory: [`crate::backend::Activations::cand_ids`] and `cand_vals`).
+    Candidates,
     /// The per-session KV pages (ring, compressed rows, frontiers) of layer `l`.
     Kv(usize),
 }
 
 impl BufId {
     /// Number of tensors other than [`BufId::Kv`].
-    pub const FIXED: usize = 27;
+    pub const FIXED: usize = 28;
 
     /// A dense index: fixed tensors first, then one per layer's KV.
     pub fn index(self) -> usize {
@@ -150,6 +153,7 @@ impl BufId {
             ExpertOut => 24,
             HeadOut => 25,
             Logits => 26,
+            Candidates => 27,
             Kv(l) => Self::FIXED + l,
         }
     }
@@ -176,7 +180,7 @@ impl BufId {
             IdxW => c.idx_heads,
             OLow => c.o_groups * c.o_lora_rank,
             Router => c.n_experts,
-            Selected | Routes | ExpertGate | ExpertUp | ExpertOut | Logits | Kv(_) => return None,
+            Selected | Routes | ExpertGate | ExpertUp | ExpertOut | Logits | Candidates | Kv(_) => return None,
         })
     }
 }
@@ -275,10 +279,18 @@ pub enum Op {
     MoeCombine { experts: Experts },
     /// Output projection of the rows in [`Batch::logit_rows`] into [`BufId::Logits`].
     Logits,
+    /// The `k` best logits of each logit row (`k` ≤ [`MAX_LOGIT_CANDIDATES`]) into [`BufId::Candidates`], best
+    /// first: larger value first, lower id first among equal values (−0 equals +0), NaN and −∞ never taken; a row
+    /// with fewer such values ends its list with id `u32::MAX`. Exactly [`crate::sampler::top_candidates`]. A
+    /// sampler whose draw depends only on the `k` best logits ([`crate::sampler::SamplerConfig::candidates`]) draws
+    /// the same id from these as from the whole row, so a device backend reads back `k` pairs instead of `vocab`
+    /// values ([`Batch::candidates`]).
+    LogitCandidates { k: usize },
     /// Brings tensor `buf` to the host: the logit rows ([`crate::backend::Activations::logits`]; the tick's last
     /// node), or the selected experts ([`BufId::Routes`]) of a learned-routing layer laid out
     /// [`Experts::ByExpert`], which the host groups by expert. Every host sync of a device backend's tick is one of
-    /// these nodes; on the CPU (host memory already) they do nothing.
+    /// these nodes; on the CPU (host memory already) they do nothing. A tick whose batch asks for candidates reads
+    /// back [`BufId::Candidates`] in place of the logits.
     Readback { buf: BufId },
     /// The MTP drafter's first stage, in place of [`Op::Embed`] ([`crate::model::MtpInputWeights`]): per row,
     /// `streams[r] = e_proj·(RMSNorm(embed[token])·enorm) + h_proj·(RMSNorm(h[r])·hnorm)` with `h` the row's
@@ -350,6 +362,7 @@ impl Op {
             Op::ExpertDown { .. } => OpKind::ExpertDown,
             Op::MoeCombine { .. } => OpKind::MoeCombine,
             Op::Logits => OpKind::Logits,
+            Op::LogitCandidates { .. } => OpKind::LogitCandidates,
             Op::Readback { .. } => OpKind::Readback,
             Op::MtpInput => OpKind::MtpInput,
             Op::TapStreams { .. } => OpKind::TapStreams,
@@ -454,6 +467,10 @@ impl Op {
                 read(HeadOut);
                 write(Logits);
             }
+            Op::LogitCandidates { .. } => {
+                read(Logits);
+                write(Candidates);
+            }
             // The tensor gains a host copy: later readers of it order after the readback.
             Op::Readback { buf } => write(buf),
             // Writes host memory only (the kept rows), which no node reads.
@@ -491,6 +508,7 @@ impl Op {
             Op::ExpertDown { .. } => b == ExpertOut,
             Op::MoeCombine { .. } => b == SublayerOut,
             Op::Logits => b == Logits,
+            Op::LogitCandidates { .. } => b == Candidates,
             _ => false,
         }
     }
@@ -526,7 +544,13 @@ pub struct Batch {
     pub runs: Vec<Run>,
     /// Rows whose logits are computed, in output order.
     pub logit_rows: Vec<usize>,
+    /// 0: the logit rows come back to the host whole. `k` > 0: only each logit row's `k` best
+    /// ([`Op::LogitCandidates`]) come back (the engine sets it when every session of the tick asked for no more).
+    pub candidates: usize,
 }
+
+/// The most candidates [`Op::LogitCandidates`] takes per row (a device keeps room for this many).
+pub const MAX_LOGIT_CANDIDATES: usize = 64;
 
 impl Batch {
     /// Empties the batch, keeping capacity.
@@ -534,6 +558,7 @@ impl Batch {
         self.rows.clear();
         self.runs.clear();
         self.logit_rows.clear();
+        self.candidates = 0;
     }
 
     /// Appends a run of `tokens` for session `slot`, starting at position `pos0`.

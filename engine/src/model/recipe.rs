@@ -9,7 +9,8 @@
 //! visible in the nodes, not hidden in a backend: which layers compress (and which index), hash vs learned
 //! routing ([`Op::MoeRoute`]), the expert FFN's algorithm for this batch size ([`Experts`]), activation
 //! simulation ([`Op::ActSim`]), which rows get logits ([`Op::Logits`] reads [`crate::graph::Batch::logit_rows`])
-//! and every readback to the host ([`Op::Readback`]).
+//! and every readback to the host ([`Op::Readback`]: the logits, or with [`Batch::candidates`] only each logit
+//! row's best, [`Op::LogitCandidates`]).
 //!
 //! Attention of a layer (tensor names are [`BufId`]s): `Normed = RMSNorm(Collapsed)·attn_norm`;
 //! `QLow = RMSNorm(wq_a·Normed)·q_norm`; `Q = wq_b·QLow`, per-head unweighted RMSNorm, RoPE;
@@ -64,7 +65,13 @@ pub fn build_with_taps(g: &mut Graph, model: &Model, batch: &Batch, sim: bool, t
     // Always present (a backend may finish the tick's work there); with no logit rows it computes nothing.
     g.stage(Stage::Logits);
     g.push(Op::Logits);
-    g.push(Op::Readback { buf: BufId::Logits });
+    if batch.candidates > 0 {
+        // Only the best logits of each row come back (the sessions' samplers need no more).
+        g.push(Op::LogitCandidates { k: batch.candidates });
+        g.push(Op::Readback { buf: BufId::Candidates });
+    } else {
+        g.push(Op::Readback { buf: BufId::Logits });
+    }
     g.finish();
 }
 

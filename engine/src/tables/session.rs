@@ -1,7 +1,8 @@
 //! The session table: one slot per session, struct-of-arrays, ids are slot indices reused through a free list.
 //!
 //! Per slot: `pos` (tokens processed), `history` (token ids processed), `pending` (queued, not yet processed),
-//! `kv` (the [`SessionKv`]), `logits` (of the last processed position), `all_logits` (every processed position's
+//! `kv` (the [`SessionKv`]), `logits` (of the last processed position; with `logit_candidates` > 0 only its best
+//! `logit_candidates` values are real, the rest −∞, and `logits_partial` says so), `all_logits` (every processed position's
 //! logits when prefill logits were requested), `keep_hidden` / `hidden` (final streams kept for an MTP drafter),
 //! `pending_hidden` (a drafter model's per-token input streams), `alive`. A freed slot releases its KV pages and keeps
 //! its other allocations for the next session.
@@ -41,6 +42,11 @@ pub struct SessionTable {
     pub logits: Vec<Vec<f32>>,
     pub all_logits: Vec<Vec<f32>>,
     pub want_all_logits: Vec<bool>,
+    /// 0: ticks bring back whole logit rows; k > 0: the session's sampler reads no more than the `k` best logits
+    /// ([`crate::engine::Engine::set_logit_candidates`]).
+    pub logit_candidates: Vec<usize>,
+    /// `logits` holds only the candidates of a tick that read back no more (every other value −∞).
+    pub logits_partial: Vec<bool>,
     /// Final streams of the last this many processed positions are kept (0: none;
     /// [`crate::engine::Engine::set_keep_hidden`]).
     pub keep_hidden: Vec<usize>,
@@ -66,6 +72,8 @@ impl SessionTable {
             self.logits[s].clear();
             self.all_logits[s].clear();
             self.want_all_logits[s] = false;
+            self.logit_candidates[s] = 0;
+            self.logits_partial[s] = false;
             self.keep_hidden[s] = 0;
             self.hidden[s] = (0, Vec::new());
             self.pending_hidden[s].clear();
@@ -81,6 +89,8 @@ impl SessionTable {
         self.logits.push(Vec::new());
         self.all_logits.push(Vec::new());
         self.want_all_logits.push(false);
+        self.logit_candidates.push(0);
+        self.logits_partial.push(false);
         self.keep_hidden.push(0);
         self.hidden.push((0, Vec::new()));
         self.pending_hidden.push(Vec::new());

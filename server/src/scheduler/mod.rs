@@ -451,6 +451,8 @@ impl Worker {
         if let Some(ev) = event {
             let _ = a.job.events.send(ev);
         }
+        // Whole rows again for whoever takes the session next (a candidates-only row is dropped).
+        self.runner.set_logit_candidates(a.session, 0);
         self.disk_event(a.session, DiskEvent::Finished);
         let mut tokens = a.tokens;
         tokens.truncate(a.fed);
@@ -625,6 +627,13 @@ impl Worker {
             sampled += 1;
             if let Some(ev) = emit(a, token, &self.metrics, self.config.context_size) {
                 finished.push((i, ev));
+            } else if a.generated == 1 {
+                // The prompt's row came back whole (a parked or saved session keeps it); from the first generated
+                // token on, a greedy or top-k sampler (no penalties, no grammar) gets only the best logits.
+                let k = a.sampler.config().candidates().filter(|&k| k <= ds4_engine::graph::MAX_LOGIT_CANDIDATES);
+                if let Some(k) = k.filter(|_| a.job.constraint.is_none()) {
+                    self.runner.set_logit_candidates(a.session, k);
+                }
             }
         }
         self.metrics.recent.add_tokens(prefilled, sampled);

@@ -401,3 +401,100 @@ fn a_restore_takes_the_pages_a_live_session_holds() {
     assert!(matches!(ev_a.last(), Some(JobEvent::Done(_))), "{ev_a:?}");
     s.shutdown();
 }
+
+/// The fake model behaving like a device engine asked for logit candidates: after a step, a session that asked
+/// for `k` sees only its row's `k` best logits (the rest −∞); asking for 0 drops such a row. Records the requests.
+struct Candidates {
+    inner: FakeRunner,
+    asked: Arc<Mutex<Vec<(RunnerSessionId, usize)>>>,
+    k: std::collections::HashMap<RunnerSessionId, usize>,
+    rows: std::collections::HashMap<RunnerSessionId, Option<Vec<f32>>>,
+}
+
+impl Runner for Candidates {
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+    fn create_session(&mut self) -> Result<RunnerSessionId, crate::model::BackendError> {
+        self.inner.create_session()
+    }
+    fn free_session(&mut self, session: RunnerSessionId) {
+        self.k.remove(&session);
+        self.rows.remove(&session);
+        self.inner.free_session(session)
+    }
+    fn truncate(&mut self, session: RunnerSessionId, len: usize) -> bool {
+        self.rows.remove(&session);
+        self.inner.truncate(session, len)
+    }
+    fn can_truncate(&self) -> bool {
+        self.inner.can_truncate()
+    }
+    fn fork(&mut self, session: RunnerSessionId) -> Option<RunnerSessionId> {
+        assert!(self.rows.get(&session).is_none_or(|r| r.is_none()), "a partial row must not be forked");
+        self.inner.fork(session)
+    }
+    fn feed(&mut self, session: RunnerSessionId, tokens: &[u32]) -> Result<(), crate::model::BackendError> {
+        self.inner.feed(session, tokens)
+    }
+    fn step(&mut self) -> Result<(), crate::model::BackendError> {
+        self.inner.step()?;
+        self.rows.clear();
+        for (&s, &k) in &self.k {
+            if let Some(row) = self.inner.logits(s) {
+                let (mut ids, mut vals) = (vec![0; k], vec![0.0; k]);
+                ds4_engine::sampler::top_candidates(row, &mut ids, &mut vals);
+                let mut part = vec![0.0; row.len()];
+                ds4_engine::sampler::expand_candidates(&ids, &vals, &mut part);
+                self.rows.insert(s, Some(part));
+            }
+        }
+        Ok(())
+    }
+    fn logits(&self, session: RunnerSessionId) -> Option<&[f32]> {
+        match self.rows.get(&session) {
+            Some(row) => row.as_deref(),
+            None => self.inner.logits(session),
+        }
+    }
+    fn set_logit_candidates(&mut self, session: RunnerSessionId, k: usize) {
+        self.asked.lock().push((session, k));
+        if k > 0 {
+            self.k.insert(session, k);
+        } else {
+            self.k.remove(&session);
+            if self.rows.contains_key(&session) {
+                self.rows.insert(session, None);
+            }
+        }
+    }
+}
+
+#[test]
+fn greedy_and_top_k_jobs_ask_for_candidates_after_their_first_token_only() {
+    let asked = Arc::new(Mutex::new(Vec::new()));
+    let runner =
+        Candidates { inner: FakeRunner::new(8), asked: asked.clone(), k: Default::default(), rows: Default::default() };
+    let s = Scheduler::start(Box::new(runner), Default::default(), Default::default());
+    let p = prompt("hello");
+    let (j, mut rx) = job(p.clone(), 100);
+    s.submit(j).unwrap();
+    let (_, text) = collect(&mut rx);
+    assert_eq!(text, "Hello! You said: hello.", "the same text from the best logit alone");
+    let calls = asked.lock().clone();
+    assert_eq!(calls.iter().map(|c| c.1).collect::<Vec<_>>(), [1, 0], "k = 1 after the first token, 0 at the end");
+    // Top-k sampling asks for k; top-p without top-k reads whole rows.
+    for (sampling, want) in [
+        (SamplerConfig { top_k: 5, temperature: 0.7, ..Default::default() }, Some(5)),
+        (SamplerConfig { top_p: 0.9, temperature: 0.7, ..Default::default() }, None),
+    ] {
+        asked.lock().clear();
+        let (mut j, mut rx) = job(prompt("again"), 100);
+        j.sampling = sampling;
+        s.submit(j).unwrap();
+        collect(&mut rx);
+        let ks: Vec<usize> = asked.lock().iter().map(|c| c.1).filter(|&k| k > 0).collect();
+        assert_eq!(ks.first().copied(), want);
+    }
+    s.shutdown();
+}

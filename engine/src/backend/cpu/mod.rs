@@ -161,7 +161,7 @@ impl Scratch {
             ExpertUp => &mut self.h3,
             ExpertOut => &mut self.eo,
             HeadOut => &mut self.head_out,
-            PostComb | Selected | Routes | Logits | Kv(_) => return None,
+            PostComb | Selected | Routes | Logits | Candidates | Kv(_) => return None,
         })
     }
 
@@ -292,6 +292,7 @@ impl Backend for CpuBackend {
             Op::ExpertDown { layer, .. } => moe::expert_down(pool, sc, cx, layer),
             Op::MoeCombine { .. } => moe::combine(sc, cx),
             Op::Logits => rowops::logits(pool, sc, cx),
+            Op::LogitCandidates { k } => rowops::logit_candidates(pool, cx, k),
             // Every tensor is host memory (the logits are written to the host buffer directly).
             Op::Readback { .. } => Ok(()),
         }

@@ -308,3 +308,29 @@ pub fn logits(pool: &Pool, sc: &mut Scratch, cx: &mut StepCtx<'_>) -> Result<()>
         &mut cx.act.logits,
     )
 }
+
+/// [`crate::graph::Op::LogitCandidates`]: each logit row's `k` best logits ([`crate::sampler::top_candidates`]).
+pub fn logit_candidates(pool: &Pool, cx: &mut StepCtx<'_>, k: usize) -> Result<()> {
+    let (n, vocab) = (cx.batch.logit_rows.len(), cx.model.config.vocab);
+    let act = &mut *cx.act;
+    if k == 0 || k > crate::graph::MAX_LOGIT_CANDIDATES || act.cand_ids.len() < n * k || act.logits.len() < n * vocab {
+        return Err(crate::Error::Backend {
+            backend: "cpu",
+            what: format!("LogitCandidates: {k} candidates of {n} rows (room for {})", act.cand_ids.len()),
+        });
+    }
+    let logits = &act.logits;
+    let mut pairs = vec![(0u32, 0f32); n * k];
+    par_rows(pool, &mut pairs, k, &|r, out| {
+        let (mut ids, mut vals) = (vec![0u32; k], vec![0f32; k]);
+        crate::sampler::top_candidates(&logits[r * vocab..(r + 1) * vocab], &mut ids, &mut vals);
+        for (o, (i, v)) in out.iter_mut().zip(ids.into_iter().zip(vals)) {
+            *o = (i, v);
+        }
+    });
+    for (j, (i, v)) in pairs.into_iter().enumerate() {
+        act.cand_ids[j] = i;
+        act.cand_vals[j] = v;
+    }
+    Ok(())
+}

@@ -536,6 +536,7 @@ impl WgpuBackend {
             Op::HcCollapse { out } => rows::hc_collapse(self, t, cx, out),
             Op::HcPost => rows::hc_post(self, t, cx, None),
             Op::Logits => rows::logits(self, t, cx),
+            Op::LogitCandidates { k } => rows::logit_candidates(self, t, cx, k),
             Op::Readback { buf: BufId::Routes } => moe::read_routes(self, t, cx),
             Op::Readback { buf } => rows::readback(self, t, cx, buf),
             Op::CompressPush { layer, indexer, sim } => {

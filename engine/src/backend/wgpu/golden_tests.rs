@@ -39,6 +39,7 @@ fn run_chunk(
         rows: tokens.iter().enumerate().map(|(i, &t)| Row { run: 0, pos: pos0 + i, token: t }).collect(),
         runs: vec![Run { slot: 0, start: 0, len: n, all_logits: true }],
         logit_rows: (0..n).collect(),
+        candidates: 0,
     };
     act.ensure(model, n, n);
     let mut graph = Graph::default();
@@ -101,6 +102,7 @@ fn prefill_with(be: &dyn crate::backend::Backend, model: &Model, prompt: &[u32])
         rows: prompt.iter().enumerate().map(|(i, &t)| Row { run: 0, pos: i, token: t }).collect(),
         runs: vec![Run { slot: 0, start: 0, len: n, all_logits: true }],
         logit_rows: (0..n).collect(),
+        candidates: 0,
     };
     act.ensure(model, n, n);
     let mut graph = Graph::default();

@@ -55,6 +55,8 @@ pub mod timing;
 pub(crate) mod weights;
 
 #[cfg(test)]
+mod candidates_tests;
+#[cfg(test)]
 mod fallback_tests;
 #[cfg(test)]
 mod golden_tests;

@@ -573,3 +573,44 @@ fn bind_groups_and_uniforms_are_reused_across_ticks() {
     assert_eq!(norm(&ctx), first);
     assert_eq!((ctx.counters() - before).bind_groups, 1, "made again after ticks unused");
 }
+
+/// `candidates.wgsl` gives exactly [`crate::sampler::top_candidates`]: ids, and values bit for bit, over rows
+/// with ties, NaN, ±∞ and ±0, rows shorter than k, and a width that is no multiple of the workgroup.
+#[test]
+fn logit_candidates_equal_the_host_definition() {
+    let Some(ctx) = ctx() else { return };
+    let mut rng = StdRng::seed_from_u64(5);
+    let (vocab, rows) = (1000usize, 4usize);
+    let mut x: Vec<f32> = (0..rows * vocab)
+        .map(|_| match rng.gen_range(0..16) {
+            0 => f32::NAN,
+            1 => f32::NEG_INFINITY,
+            2 => -0.0,
+            3 => 0.0,
+            4 => f32::INFINITY,
+            5..=9 => rng.gen_range(0..4) as f32,
+            _ => rng.gen_range(-10.0..10.0),
+        })
+        .collect();
+    // Row 3 has three eligible values only.
+    x[3 * vocab..].fill(f32::NAN);
+    x[3 * vocab + 7] = 2.0;
+    x[3 * vocab + 900] = -0.0;
+    x[3 * vocab + 5] = 0.0;
+    let xb = ctx.storage_f32("logits", &x);
+    for k in [1usize, 7, 64] {
+        let out = ctx.storage_zeroed("candidates", rows * k * 2);
+        let mut enc = ctx.encoder();
+        super::rows::candidates(&ctx, &mut enc, &xb, &out, vocab, k, rows).unwrap();
+        ctx.submit(enc).unwrap();
+        let got = ctx.read_u32(&out, 0, rows * k * 2).unwrap();
+        for r in 0..rows {
+            let (mut ids, mut vals) = (vec![0u32; k], vec![0f32; k]);
+            crate::sampler::top_candidates(&x[r * vocab..(r + 1) * vocab], &mut ids, &mut vals);
+            for j in 0..k {
+                let (id, bits) = (got[(r * k + j) * 2], got[(r * k + j) * 2 + 1]);
+                assert_eq!((id, bits), (ids[j], vals[j].to_bits()), "k {k} row {r} slot {j}");
+            }
+        }
+    }
+}

@@ -63,6 +63,8 @@ pub fn len_of(id: BufId, model: &Model, rows: usize, logit_rows: usize) -> Optio
         ExpertGate | ExpertUp => c.n_experts_used * 2 * c.expert_ffn,
         ExpertOut => c.n_experts_used * c.d_model,
         Logits => return Some(logit_rows * c.vocab),
+        // (id, value bits) pairs, room for the most candidates.
+        Candidates => return Some(logit_rows * 2 * crate::graph::MAX_LOGIT_CANDIDATES),
         Kv(_) => return None,
         _ => id.host_width(c)?,
     };
@@ -201,6 +203,7 @@ fn label(id: BufId) -> &'static str {
     match id {
         BufId::Streams => "streams",
         BufId::Logits => "logits",
+        BufId::Candidates => "candidates",
         BufId::Selected => "selected",
         BufId::Routes => "routes",
         _ => "tensor",

@@ -4,10 +4,10 @@
 //! [`readback`] submits.
 
 use ds4_shaders_wgsl as sh;
-use ds4_shaders_wgsl::params::{HcParams, ScaleParams};
+use ds4_shaders_wgsl::params::{CandParams, HcParams, ScaleParams};
 
 use super::backend::WgpuBackend;
-use super::context::backend_err;
+use super::context::{backend_err, WgpuContext};
 use super::matmul::{embed_norm, get_rows, grouped_matmul as grouped_product, u32_of, View};
 use super::ops::{self, ActSim, RopeShape};
 use super::resident::Tick;
@@ -353,24 +353,79 @@ pub fn logits(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>) -> Result<()> {
     be.mm(enc, &head, View::new(&x, d), lr.len(), View::new(&out, head.rows))
 }
 
-/// [`crate::graph::Op::Readback`] of the logits: submits the tick with a copy of the logit rows to the host (the
-/// tick's submission and its one readback; with no logit rows, just the submission).
-pub fn readback(be: &WgpuBackend, t: &mut Tick, cx: &mut StepCtx<'_>, buf: BufId) -> Result<()> {
-    if buf != BufId::Logits {
-        return Err(backend_err(format!("readback of {buf:?}: only the logits come back to the host")));
+/// [`crate::graph::Op::LogitCandidates`]: each logit row's `k` best logits into `Candidates` (`candidates.wgsl`,
+/// one workgroup per row).
+pub fn logit_candidates(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, k: usize) -> Result<()> {
+    let rows = cx.batch.logit_rows.len();
+    if rows == 0 {
+        return Ok(());
     }
+    if k == 0 || k > crate::graph::MAX_LOGIT_CANDIDATES {
+        return Err(backend_err(format!(
+            "LogitCandidates: {k} candidates (1..={})",
+            crate::graph::MAX_LOGIT_CANDIDATES
+        )));
+    }
+    let (logits, out) = (be.buf(t, cx.model, BufId::Logits)?, be.buf(t, cx.model, BufId::Candidates)?);
     let ctx = be.context();
-    let n = cx.batch.logit_rows.len() * cx.model.config.vocab;
+    candidates(ctx, t.enc(ctx), &logits, &out, cx.model.config.vocab, k, rows)
+}
+
+/// Records `candidates.wgsl` over `rows` rows of `vocab` logits in `logits`: `(id, value bits)` u32 pairs,
+/// `[rows, k]`, into `out`.
+pub fn candidates(
+    ctx: &WgpuContext,
+    enc: &mut wgpu::CommandEncoder,
+    logits: &wgpu::Buffer,
+    out: &wgpu::Buffer,
+    vocab: usize,
+    k: usize,
+    rows: usize,
+) -> Result<()> {
+    let p = CandParams { vocab: u32_of(vocab, "vocab")?, k: u32_of(k, "k")?, rows: u32_of(rows, "logit rows")?, _p: 0 };
+    let ub = ctx.uniform("candidates", &p);
+    let pl = ctx.pipeline("candidates", sh::CANDIDATES)?;
+    ctx.dispatch(enc, &pl, &[logits, out, &ub], [p.rows, 1, 1])
+}
+
+/// [`crate::graph::Op::Readback`] of the logits, or of their candidates: submits the tick with a copy of the logit
+/// rows (or of each row's `k` best, `k` = [`crate::graph::Batch::candidates`]) to the host — the tick's submission
+/// and its one readback; with no logit rows, just the submission.
+pub fn readback(be: &WgpuBackend, t: &mut Tick, cx: &mut StepCtx<'_>, buf: BufId) -> Result<()> {
+    let per_row = match buf {
+        BufId::Logits => cx.model.config.vocab,
+        BufId::Candidates => 2 * cx.batch.candidates,
+        _ => return Err(backend_err(format!("readback of {buf:?}: only the logits come back to the host"))),
+    };
+    let ctx = be.context();
+    let rows = cx.batch.logit_rows.len();
+    let n = rows * per_row;
     if n == 0 {
         if t.pending() {
             ctx.submit(t.take_enc(ctx))?;
         }
         return Ok(());
     }
+    let out = be.buf(t, cx.model, buf)?;
+    if buf == BufId::Candidates {
+        let k = cx.batch.candidates;
+        if cx.act.cand_ids.len() < rows * k {
+            return Err(backend_err(format!(
+                "readback: room for {} candidates, {} needed",
+                cx.act.cand_ids.len(),
+                rows * k
+            )));
+        }
+        let got = ctx.submit_read_u32(t.take_enc(ctx), &out, 0, n)?;
+        for (j, pair) in got.chunks_exact(2).enumerate() {
+            cx.act.cand_ids[j] = pair[0];
+            cx.act.cand_vals[j] = f32::from_bits(pair[1]);
+        }
+        return Ok(());
+    }
     if cx.act.logits.len() < n {
         return Err(backend_err(format!("readback: {} host logits for {n}", cx.act.logits.len())));
     }
-    let out = be.buf(t, cx.model, BufId::Logits)?;
     let got = ctx.submit_read_f32(t.take_enc(ctx), &out, 0, n)?;
     cx.act.logits[..n].copy_from_slice(&got);
     Ok(())
