@@ -448,11 +448,11 @@ impl Worker {
             Some(_) => Outcome::Stop,
         };
         self.metrics.recent.record(a.record(outcome));
+        // Whole rows again for whoever takes the session next (a candidates-only row is dropped).
+        self.runner.set_logit_candidates(a.session, 0);
         if let Some(ev) = event {
             let _ = a.job.events.send(ev);
         }
-        // Whole rows again for whoever takes the session next (a candidates-only row is dropped).
-        self.runner.set_logit_candidates(a.session, 0);
         self.disk_event(a.session, DiskEvent::Finished);
         let mut tokens = a.tokens;
         tokens.truncate(a.fed);
