@@ -14,7 +14,7 @@ pub struct DeviceTick {
     pub tokens: usize,
     pub cost: DeviceCounters,
     /// GPU seconds per kernel (`kernel`, seconds, dispatches; largest first) where the device has timestamp
-    /// queries.
+    /// queries (of the next tick, timed apart: timing changes the pass count).
     pub kernels: Option<Vec<(String, f64, usize)>>,
 }
 
@@ -34,13 +34,14 @@ pub struct Ticks {
 /// of each is reported (one of a steady decode loop). `None` on a host backend.
 pub fn prefill_and_decode(engine: &mut Engine, chunk: usize) -> Result<Option<Ticks>> {
     let Some(_) = engine.device_counters() else { return Ok(None) };
-    let chunk = chunk.min(engine.options().max_batch_tokens).min(engine.ctx().saturating_sub(6)).max(1);
-    let prompt = crate::throughput::prompt(chunk + 5, engine.config().vocab);
+    let chunk = chunk.min(engine.options().max_batch_tokens).min(engine.ctx().saturating_sub(7)).max(1);
+    let prompt = crate::throughput::prompt(chunk + 6, engine.config().vocab);
     let s = engine.create_session();
     let run = |engine: &mut Engine| -> Result<Ticks> {
-        let tick = |engine: &mut Engine, tokens: &[u32]| -> Result<DeviceTick> {
+        // Counted untimed (a timed dispatch is a compute pass of its own); `timed` ticks only read GPU times.
+        let tick = |engine: &mut Engine, tokens: &[u32], timed: bool| -> Result<DeviceTick> {
             engine.feed(s, tokens)?;
-            let timed = engine.start_kernel_timing();
+            let timed = timed && engine.start_kernel_timing();
             let before = engine.device_counters().unwrap_or_default();
             engine.step()?;
             let after = engine.device_counters().unwrap_or_default();
@@ -48,14 +49,15 @@ pub fn prefill_and_decode(engine: &mut Engine, chunk: usize) -> Result<Option<Ti
             let kernels = times.map(|t| ds4_engine::backend::wgpu::timing::by_label(&t));
             Ok(DeviceTick { tokens: tokens.len(), cost: after - before, kernels })
         };
-        let prefill = tick(engine, &prompt[..chunk])?;
-        tick(engine, &prompt[chunk..chunk + 1])?;
-        let decode_whole = tick(engine, &prompt[chunk + 1..chunk + 2])?;
+        let prefill = tick(engine, &prompt[..chunk], false)?;
+        tick(engine, &prompt[chunk..chunk + 1], false)?;
+        let decode_whole = tick(engine, &prompt[chunk + 1..chunk + 2], false)?;
         engine.set_logit_candidates(s, 1)?;
         // Two warm-up ticks: the first makes the candidates' buffer, which drops the bind groups made before it.
-        tick(engine, &prompt[chunk + 2..chunk + 3])?;
-        tick(engine, &prompt[chunk + 3..chunk + 4])?;
-        let decode = tick(engine, &prompt[chunk + 4..chunk + 5])?;
+        tick(engine, &prompt[chunk + 2..chunk + 3], false)?;
+        tick(engine, &prompt[chunk + 3..chunk + 4], false)?;
+        let mut decode = tick(engine, &prompt[chunk + 4..chunk + 5], false)?;
+        decode.kernels = tick(engine, &prompt[chunk + 5..chunk + 6], true)?.kernels;
         Ok(Ticks { prefill, decode_whole, decode })
     };
     let ticks = run(engine);
@@ -97,14 +99,18 @@ pub fn line(what: &str, t: &DeviceTick, layers: usize) -> String {
     let c = &t.cost;
     let mb = |b: u64| b as f64 / 1e6;
     format!(
-        "# device {what} ({} tokens): {} dispatches ({:.1} per layer; {} of them over further chunks of weights split at \
-         this adapter's binding limit), {} bind groups, {} submissions, {} readbacks; \
+        "# device {what} ({} tokens): {} dispatches ({:.1} per layer; {} of them copies and clears, so {:.1} compute \
+         kernels per layer; {} over further chunks of weights split at this adapter's binding limit), {} compute \
+         passes, {} bind groups, {} submissions, {} readbacks; \
          host to device {:.1} KB, device to host {} B; weights fetched {:.2} MB = {:.2}x the least ({:.2} MB, \
          each weight row once)",
         t.tokens,
         c.dispatches,
         c.dispatches as f64 / layers.max(1) as f64,
+        c.copy_kernels,
+        (c.dispatches - c.copy_kernels) as f64 / layers.max(1) as f64,
         c.split_dispatches,
+        c.passes,
         c.bind_groups,
         c.submits,
         c.readbacks,

@@ -161,6 +161,9 @@ pub fn matmul_ids_source(f: WeightFormat) -> &'static str {
 /// The best logits of each row, best first (`candidates.wgsl`, entry `main`).
 pub const CANDIDATES: &str = include_str!("wgsl/candidates.wgsl");
 
+/// Word copies and zero fills as kernels, inside a compute pass (`copy.wgsl`, entries `main` and `zero`).
+pub const COPY: &str = include_str!("wgsl/copy.wgsl");
+
 /// Device-resident KV helpers (`kvdev.wgsl`, entry `add_ape`).
 pub const KVDEV: &str = include_str!("wgsl/kvdev.wgsl");
 
@@ -187,6 +190,7 @@ pub fn all_sources() -> Vec<(&'static str, &'static str, &'static [&'static str]
     v.push(("kvdev", KVDEV, &["add_ape"]));
     v.push(("moe_ids", MOE_IDS, &["combine"]));
     v.push(("candidates", CANDIDATES, &["main"]));
+    v.push(("copy", COPY, &["main", "zero"]));
     for f in WeightFormat::ALL {
         v.push(("matmul_ids", matmul_ids_source(f), &["main", "gate_up_swiglu", "down_combine"]));
     }

@@ -272,6 +272,17 @@ pub struct CandParams {
     pub _p: u32,
 }
 
+/// `Params` of `copy.wgsl` ([`crate::COPY`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct CopyParams {
+    /// Words.
+    pub n: u32,
+    pub src_off: u32,
+    pub dst_off: u32,
+    pub _p: u32,
+}
+
 /// One parameter block's Rust layout.
 #[derive(Clone, Debug)]
 pub struct ParamsLayout {
@@ -395,5 +406,6 @@ pub fn all() -> Vec<ParamsLayout> {
         layout!(ActParams, ACT, [rows, n, stride, block, heads, rope_dim, _p0, _p1]),
         layout!(ScaleParams, SCALE, [n, _p0, _p1, factor]),
         layout!(CandParams, CANDIDATES, [vocab, k, rows, _p]),
+        layout!(CopyParams, COPY, [n, src_off, dst_off, _p]),
     ]
 }

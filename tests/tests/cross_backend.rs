@@ -254,7 +254,8 @@ fn cli_f32_acts_matches_wgpu_on_a_quantized_model() {
 
 /// Device accounting in `ds4-bench --backend wgpu` (counted by the backend, so lavapipe gives a GPU's figures): one
 /// decode tick of one session is one submission and one readback — of a greedy sampler's one candidate (id and
-/// value: 8 bytes; a whole-row tick beside it reads the `vocab` logits), nothing else — and fetches every
+/// value: 8 bytes; a whole-row tick beside it reads the `vocab` logits), nothing else — in one compute pass, and
+/// fetches every
 /// weight row exactly once; a prefill chunk streams each weight row once per tile of 8 tokens (at most twice for
 /// 16 tokens). With the experts on the CPU each layer adds one readback (its input going down).
 #[test]
@@ -290,6 +291,8 @@ fn bench_accounts_for_a_wgpu_tick() {
     let out = run("default");
     let decode = out.lines().find(|l| l.starts_with("# device decode tick (1 tokens)")).expect("decode line");
     assert_eq!((field(decode, " submissions"), field(decode, " readbacks")), (1.0, 1.0), "{decode}");
+    // One compute pass: the tick's KV row copies run as kernels inside it.
+    assert_eq!(field(decode, " compute passes"), 1.0, "{decode}");
     assert_eq!(after(decode, "device to host "), 8.0, "only the best logit: {decode}");
     let rb = out.lines().find(|l| l.starts_with("# device decode tick readback:")).expect("readback line");
     assert_eq!((after(rb, "readback: "), after(rb, "vs ")), (8.0, 4.0 * vocab), "{rb}");

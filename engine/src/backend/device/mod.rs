@@ -120,6 +120,12 @@ pub struct DeviceCounters {
     pub dispatches: u64,
     /// Bind groups created (a dispatch reuses the last one made for its pipeline and buffers).
     pub bind_groups: u64,
+    /// Compute passes begun: one per run of dispatches between two other encoder commands (copies, clears), and
+    /// one per dispatch while a timing window is open.
+    pub passes: u64,
+    /// Of `dispatches`, the copies and zero fills recorded as kernels so the pass goes on (a tick's KV row copies:
+    /// ring, roll-back log, compressor frontiers); `dispatches − copy_kernels` are the compute kernels.
+    pub copy_kernels: u64,
     /// Bytes written from the host: buffers created with contents (weights on first use, uniform blocks, id and
     /// key lists, tables) and queue writes.
     pub host_to_device: u64,
@@ -144,6 +150,8 @@ impl std::ops::Sub for DeviceCounters {
             readbacks: self.readbacks - o.readbacks,
             dispatches: self.dispatches - o.dispatches,
             bind_groups: self.bind_groups - o.bind_groups,
+            passes: self.passes - o.passes,
+            copy_kernels: self.copy_kernels - o.copy_kernels,
             host_to_device: self.host_to_device - o.host_to_device,
             device_to_host: self.device_to_host - o.device_to_host,
             weights_fetched: self.weights_fetched - o.weights_fetched,

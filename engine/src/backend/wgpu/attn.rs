@@ -29,7 +29,7 @@ use crate::tables::SessionKv;
 use crate::Result;
 
 type Buf = wgpu::Buffer;
-type Enc = wgpu::CommandEncoder;
+use super::context::Enc;
 
 /// The mirror of `slot` for session state `kv`, uploading (copies recorded into `enc`) or taking over another
 /// slot's mirror as needed (see [`super::kvdev`] on identity).
@@ -115,8 +115,8 @@ impl Compress<'_> {
         let (ek, eg) = (ctx.scratch(ext_rows * w), ctx.scratch(ext_rows * w));
         let (fb, rb) = ((2 * ratio * w * 4) as u64, (w * 4) as u64);
         for (front, src, ext) in [(&f.kv, self.src_kv, &ek), (&f.gate, self.src_gate, &eg)] {
-            enc.copy_buffer_to_buffer(front, 0, ext, 0, fb);
-            enc.copy_buffer_to_buffer(src, self.start as u64 * rb, ext, fb, len as u64 * rb);
+            ctx.copy(enc, front, 0, ext, 0, fb);
+            ctx.copy(enc, src, self.start as u64 * rb, ext, fb, len as u64 * rb);
         }
         ops::add_ape(ctx, enc, &eg, 2 * ratio * w, len, w, self.ape, p0, ratio)?;
         // ext row of position q: the run's rows, else the pending block, else the carried block.
@@ -173,15 +173,15 @@ impl Compress<'_> {
             if coff == 2 {
                 let b = w1 - 1;
                 let pairs: Vec<(usize, usize)> = (0..ratio).map(|s| (row(b * ratio + s), s)).collect();
-                copy_rows(enc, &ek, &f.kv, &pairs, w);
-                copy_rows(enc, &eg, &f.gate, &pairs, w);
+                copy_rows(ctx, enc, &ek, &f.kv, &pairs, w);
+                copy_rows(ctx, enc, &eg, &f.gate, &pairs, w);
             }
         }
         // Pending slots: the last position of the run that maps to each slot (as the host push leaves them).
         let first = p0.max((p0 + len).saturating_sub(ratio));
         let pairs: Vec<(usize, usize)> = (first..p0 + len).map(|q| (2 * ratio + q - p0, ratio + q % ratio)).collect();
-        copy_rows(enc, &ek, &f.kv, &pairs, w);
-        copy_rows(enc, &eg, &f.gate, &pairs, w);
+        copy_rows(ctx, enc, &ek, &f.kv, &pairs, w);
+        copy_rows(ctx, enc, &eg, &f.gate, &pairs, w);
         Ok(copied)
     }
 }
@@ -235,7 +235,7 @@ fn for_each_run(
 /// rows from 0.
 fn run_rows(ctx: &WgpuContext, enc: &mut Enc, src: &Buf, start: usize, len: usize, width: usize) -> ScratchBuf {
     let out = ctx.scratch(len * width);
-    enc.copy_buffer_to_buffer(src, (start * width * 4) as u64, &out, 0, (len * width * 4) as u64);
+    ctx.copy(enc, src, (start * width * 4) as u64, &out, 0, (len * width * 4) as u64);
     out
 }
 
@@ -334,7 +334,7 @@ pub fn indexer_topk(
         let scale = 1.0 / (ihd as f32).sqrt();
         let keys = Paged { rows: &pool.buf, table: &idx_rows.buf, shift: pool.shift };
         ops::indexer_topk(ctx, enc, &qrun, &keys, &wrun, &limit, n_keys, ih, ihd, topk, (w_scale, scale), &sc, &s)?;
-        enc.copy_buffer_to_buffer(&s, 0, &selected, (start * topk) as u64 * f4, (len * topk) as u64 * f4);
+        ctx.copy(enc, &s, 0, &selected, (start * topk) as u64 * f4, (len * topk) as u64 * f4);
         Ok(0)
     })
 }
@@ -440,7 +440,7 @@ pub fn kv_store(be: &WgpuBackend, t: &mut Tick, dk: &mut DevKv, cx: &mut StepCtx
         let (start, len) = (run.start, run.len);
         let pairs: Vec<(usize, usize)> =
             (len.saturating_sub(window)..len).map(|j| (start + j, (p0 + j) % window)).collect();
-        copy_rows(enc, &kv, &ld.ring, &pairs, hd);
+        copy_rows(ctx, enc, &kv, &ld.ring, &pairs, hd);
         let mut copied = 0;
         if let Some(log) = ld.log.as_mut() {
             let pools = lp.log.as_mut().ok_or_else(|| backend_err("device KV: a roll-back log without its pools"))?;

@@ -30,7 +30,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::context::{backend_err, WgpuContext};
+use super::context::{backend_err, Enc, WgpuContext};
 use super::kvdev::{DevKv, SlotKv};
 use super::matmul::{matmul, View};
 use super::resident::Tick;
@@ -280,14 +280,7 @@ impl WgpuBackend {
     }
 
     /// `y[t] = W x[t]` over all rows of `w`.
-    pub(super) fn mm(
-        &self,
-        enc: &mut wgpu::CommandEncoder,
-        w: &GpuWeight,
-        x: View<'_>,
-        n: usize,
-        y: View<'_>,
-    ) -> Result<()> {
+    pub(super) fn mm(&self, enc: &mut Enc, w: &GpuWeight, x: View<'_>, n: usize, y: View<'_>) -> Result<()> {
         matmul(&self.ctx, enc, w, 0..w.rows, x, n, y, false)
     }
 }
@@ -334,7 +327,7 @@ impl Backend for WgpuBackend {
         }
         if bytes > 0 {
             let src = self.ctx.storage_f32("upload", data);
-            t.enc(&self.ctx).copy_buffer_to_buffer(&src, 0, &buf, 0, bytes);
+            self.ctx.copy(t.enc(&self.ctx), &src, 0, &buf, 0, bytes);
         }
         Ok(())
     }
@@ -367,7 +360,7 @@ impl Backend for WgpuBackend {
         self.flush()?;
         let mut dk = self.kv.lock();
         let Some(at) = Self::mirror_slot(&dk.slots, slot, kv) else { return Ok(None) };
-        let mut enc = self.ctx.device.create_command_encoder(&Default::default());
+        let mut enc = self.ctx.encoder();
         let DevKv { slots, pools } = &mut *dk;
         let (mut copy, bytes) = match slots.get(&at) {
             Some(m) => m.duplicate(&self.ctx, &mut enc, pools)?,
@@ -436,7 +429,7 @@ impl Backend for WgpuBackend {
         let Some(at) = Self::mirror_slot(&dk.slots, slot, kv) else { return Ok(false) };
         let DevKv { slots, pools } = &mut *dk;
         let Some(m) = slots.get_mut(&at) else { return Ok(false) };
-        let mut enc = self.ctx.device.create_command_encoder(&Default::default());
+        let mut enc = self.ctx.encoder();
         if !m.rollback(&self.ctx, &mut enc, &model.config, &apes, pools, pos, len)? {
             return Ok(false);
         }

@@ -27,6 +27,7 @@ use wgpu::util::DeviceExt;
 
 use crate::backend::device::DeviceCounters;
 use crate::error::{Error, Result};
+use ds4_shaders_wgsl::params::CopyParams;
 
 /// Options for [`WgpuContext::with_options`].
 #[derive(Clone, Debug, Default)]
@@ -62,6 +63,8 @@ pub struct WgpuContext {
     readbacks: AtomicU64,
     dispatches: AtomicU64,
     bind_groups: AtomicU64,
+    passes: AtomicU64,
+    copy_kernels: AtomicU64,
     host_to_device: AtomicU64,
     device_to_host: AtomicU64,
     weights_fetched: AtomicU64,
@@ -69,8 +72,46 @@ pub struct WgpuContext {
     split_dispatches: AtomicU64,
 }
 
-/// A bind group's identity: the pipeline and each `(binding, buffer)`.
-type BindKey = (wgpu::ComputePipeline, Vec<(u32, wgpu::Buffer)>);
+/// A command encoder that keeps one compute pass open across consecutive dispatches
+/// ([`WgpuContext::dispatch_at`]): a tick's kernels between two copies are one pass. Any other use of the encoder
+/// (through `DerefMut`: copies, clears, query resolves) first ends the open pass; [`Enc::finish`] ends it too.
+/// Dispatches within a pass are ordered and see each other's writes (WebGPU's per-dispatch usage scopes), so a pass
+/// boundary is needed only where the encoder itself records something.
+pub struct Enc {
+    /// Declared first: dropped (the pass ended) before the encoder.
+    pass: Option<wgpu::ComputePass<'static>>,
+    enc: wgpu::CommandEncoder,
+}
+
+impl Enc {
+    /// Ends the open pass, if any, and finishes the encoder.
+    pub fn finish(mut self) -> wgpu::CommandBuffer {
+        self.pass = None;
+        self.enc.finish()
+    }
+
+    fn end_pass(&mut self) {
+        self.pass = None;
+    }
+}
+
+impl std::ops::Deref for Enc {
+    type Target = wgpu::CommandEncoder;
+    fn deref(&self) -> &wgpu::CommandEncoder {
+        &self.enc
+    }
+}
+
+impl std::ops::DerefMut for Enc {
+    /// The encoder, for a command outside a compute pass: the open pass ends first.
+    fn deref_mut(&mut self) -> &mut wgpu::CommandEncoder {
+        self.pass = None;
+        &mut self.enc
+    }
+}
+
+/// A bind group's identity: the pipeline and each `(binding, buffer, offset, size)` (size 0: the whole buffer).
+type BindKey = (wgpu::ComputePipeline, Vec<(u32, wgpu::Buffer, u64, u64)>);
 
 /// Cached uniform blocks or bind groups beyond which a cache starts afresh (per-tick buffers, e.g. key lists, make
 /// entries that are never hit again).
@@ -185,6 +226,8 @@ impl WgpuContext {
             readbacks: AtomicU64::new(0),
             dispatches: AtomicU64::new(0),
             bind_groups: AtomicU64::new(0),
+            passes: AtomicU64::new(0),
+            copy_kernels: AtomicU64::new(0),
             host_to_device: AtomicU64::new(0),
             device_to_host: AtomicU64::new(0),
             weights_fetched: AtomicU64::new(0),
@@ -200,6 +243,8 @@ impl WgpuContext {
             readbacks: self.readbacks.load(Ordering::Relaxed),
             dispatches: self.dispatches.load(Ordering::Relaxed),
             bind_groups: self.bind_groups.load(Ordering::Relaxed),
+            passes: self.passes.load(Ordering::Relaxed),
+            copy_kernels: self.copy_kernels.load(Ordering::Relaxed),
             host_to_device: self.host_to_device.load(Ordering::Relaxed),
             device_to_host: self.device_to_host.load(Ordering::Relaxed),
             weights_fetched: self.weights_fetched.load(Ordering::Relaxed),
@@ -236,9 +281,9 @@ impl WgpuContext {
     }
 
     /// Like [`WgpuContext::scratch`], zeroed by a clear recorded into `enc`.
-    pub fn scratch_zeroed(&self, enc: &mut wgpu::CommandEncoder, len: usize) -> ScratchBuf {
+    pub fn scratch_zeroed(&self, enc: &mut Enc, len: usize) -> ScratchBuf {
         let s = self.scratch(len);
-        enc.clear_buffer(&s, 0, None);
+        self.clear(enc, &s, 0, s.size());
         s
     }
 
@@ -375,7 +420,7 @@ impl WgpuContext {
     /// Records one dispatch of `pipeline` with `buffers` bound to bindings 0, 1, ... of group 0.
     pub fn dispatch(
         &self,
-        enc: &mut wgpu::CommandEncoder,
+        enc: &mut Enc,
         pipeline: &wgpu::ComputePipeline,
         buffers: &[&wgpu::Buffer],
         groups: [u32; 3],
@@ -388,9 +433,22 @@ impl WgpuContext {
     /// file's bindings: the derived layout holds only those).
     pub fn dispatch_at(
         &self,
-        enc: &mut wgpu::CommandEncoder,
+        enc: &mut Enc,
         pipeline: &wgpu::ComputePipeline,
         buffers: &[(u32, &wgpu::Buffer)],
+        groups: [u32; 3],
+    ) -> Result<()> {
+        let whole: Vec<(u32, &wgpu::Buffer, u64, u64)> = buffers.iter().map(|&(i, b)| (i, b, 0, 0)).collect();
+        self.dispatch_ranges(enc, pipeline, &whole, groups)
+    }
+
+    /// [`WgpuContext::dispatch_at`] with `(binding, buffer, offset, size)`: a byte range of each buffer bound
+    /// (`size` 0: the whole buffer).
+    pub fn dispatch_ranges(
+        &self,
+        enc: &mut Enc,
+        pipeline: &wgpu::ComputePipeline,
+        buffers: &[(u32, &wgpu::Buffer, u64, u64)],
         groups: [u32; 3],
     ) -> Result<()> {
         let max = self.limits.max_compute_workgroups_per_dimension;
@@ -400,7 +458,7 @@ impl WgpuContext {
         if groups.contains(&0) {
             return Ok(());
         }
-        let key: BindKey = (pipeline.clone(), buffers.iter().map(|(i, b)| (*i, (*b).clone())).collect());
+        let key: BindKey = (pipeline.clone(), buffers.iter().map(|&(i, b, at, n)| (i, b.clone(), at, n)).collect());
         let tick = self.tick.load(Ordering::Relaxed);
         let mut binds = self.binds.lock();
         let bind = match binds.get_mut(&key) {
@@ -411,7 +469,13 @@ impl WgpuContext {
             None => {
                 let entries: Vec<wgpu::BindGroupEntry> = buffers
                     .iter()
-                    .map(|(i, b)| wgpu::BindGroupEntry { binding: *i, resource: b.as_entire_binding() })
+                    .map(|&(binding, buffer, offset, n)| wgpu::BindGroupEntry {
+                        binding,
+                        resource: match std::num::NonZeroU64::new(n) {
+                            None => buffer.as_entire_binding(),
+                            size => wgpu::BindingResource::Buffer(wgpu::BufferBinding { buffer, offset, size }),
+                        },
+                    })
                     .collect();
                 let bind = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
                     label: None,
@@ -436,11 +500,96 @@ impl WgpuContext {
             }
             None => None,
         };
-        let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes });
+        // A timed dispatch is a pass of its own (its timestamps are the pass's); otherwise the open pass goes on.
+        let timed = timestamp_writes.is_some();
+        if timed {
+            enc.end_pass();
+        }
+        let pass = match &mut enc.pass {
+            Some(p) => p,
+            open => {
+                self.passes.fetch_add(1, Ordering::Relaxed);
+                let desc = wgpu::ComputePassDescriptor { label: None, timestamp_writes };
+                open.insert(enc.enc.begin_compute_pass(&desc).forget_lifetime())
+            }
+        };
         pass.set_pipeline(pipeline);
         pass.set_bind_group(0, &bind, &[]);
         pass.dispatch_workgroups(groups[0], groups[1], groups[2]);
+        if timed {
+            enc.end_pass();
+        }
         Ok(())
+    }
+
+    /// Records a copy of `bytes` bytes from `src` at `src_at` to `dst` at `dst_at`: as a kernel (`copy.wgsl`), so
+    /// the tick's compute pass goes on, where the copy is whole words, the buffers distinct and each range fits a
+    /// binding; otherwise as a copy command (which ends the pass). Bits are copied exactly either way.
+    pub fn copy(&self, enc: &mut Enc, src: &wgpu::Buffer, src_at: u64, dst: &wgpu::Buffer, dst_at: u64, bytes: u64) {
+        if bytes == 0 {
+            return;
+        }
+        if src == dst || !self.words_by_kernel(enc, "main", Some((src, src_at)), (dst, dst_at), bytes) {
+            enc.copy_buffer_to_buffer(src, src_at, dst, dst_at, bytes);
+        }
+    }
+
+    /// Records zeroing `bytes` bytes of `b` at `at` (as a kernel where it can, like [`WgpuContext::copy`]).
+    pub fn clear(&self, enc: &mut Enc, b: &wgpu::Buffer, at: u64, bytes: u64) {
+        if bytes > 0 && !self.words_by_kernel(enc, "zero", None, (b, at), bytes) {
+            enc.clear_buffer(b, at, Some(bytes));
+        }
+    }
+
+    /// `copy.wgsl`'s `entry` over `bytes` bytes; `false` (nothing recorded) where a copy command must do it.
+    fn words_by_kernel(
+        &self,
+        enc: &mut Enc,
+        entry: &str,
+        src: Option<(&wgpu::Buffer, u64)>,
+        (dst, dst_at): (&wgpu::Buffer, u64),
+        bytes: u64,
+    ) -> bool {
+        let n = bytes / 4;
+        let aligned =
+            bytes.is_multiple_of(4) && dst_at.is_multiple_of(4) && src.is_none_or(|(_, at)| at.is_multiple_of(4));
+        if !aligned || n.div_ceil(64) > self.limits.max_compute_workgroups_per_dimension as u64 {
+            return false;
+        }
+        let (Some(d), s) = (self.window(dst, dst_at, bytes), src.map(|(b, at)| self.window(b, at, bytes))) else {
+            return false;
+        };
+        if s == Some(None) {
+            return false;
+        }
+        let s = s.flatten();
+        let p = CopyParams { n: n as u32, src_off: s.map_or(0, |w| w.2), dst_off: d.2, _p: 0 };
+        let Ok(pl) = self.pipeline_entry("copy", ds4_shaders_wgsl::COPY, entry) else { return false };
+        let ub = self.uniform("copy", &p);
+        let mut bound = vec![(1, dst, d.0, d.1), (2, &ub, 0, 0)];
+        if let (Some((b, _)), Some(w)) = (src, s) {
+            bound.push((0, b, w.0, w.1));
+        }
+        let ok = self.dispatch_ranges(enc, &pl, &bound, [n.div_ceil(64) as u32, 1, 1]).is_ok();
+        if ok {
+            self.copy_kernels.fetch_add(1, Ordering::Relaxed);
+        }
+        ok
+    }
+
+    /// The binding of `bytes` bytes of `b` at `at`: `(offset, size, first word within it)`, size 0 for the whole
+    /// buffer (when it fits a binding); `None` when the range does not fit one or its word offset overflows u32.
+    fn window(&self, b: &wgpu::Buffer, at: u64, bytes: u64) -> Option<(u64, u64, u32)> {
+        if !b.usage().contains(wgpu::BufferUsages::STORAGE) {
+            return None;
+        }
+        if b.size() <= self.max_binding {
+            return u32::try_from(at / 4).ok().map(|w| (0, 0, w));
+        }
+        let align = u64::from(self.limits.min_storage_buffer_offset_alignment.max(4));
+        let start = at / align * align;
+        let size = (at - start + bytes).next_multiple_of(4);
+        (size <= self.max_binding && start + size <= b.size()).then_some((start, size, ((at - start) / 4) as u32))
     }
 
     /// Whether the device takes timestamp queries ([`super::timing`]).
@@ -475,12 +624,12 @@ impl WgpuContext {
     }
 
     /// A new command encoder.
-    pub fn encoder(&self) -> wgpu::CommandEncoder {
-        self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None })
+    pub fn encoder(&self) -> Enc {
+        Enc { pass: None, enc: self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None }) }
     }
 
     /// Submits `enc` and waits for the device to finish, reporting validation errors raised meanwhile.
-    pub fn submit(&self, enc: wgpu::CommandEncoder) -> Result<()> {
+    pub fn submit(&self, enc: Enc) -> Result<()> {
         self.submits.fetch_add(1, Ordering::Relaxed);
         self.queue.submit([enc.finish()]);
         self.device
@@ -508,36 +657,18 @@ impl WgpuContext {
 
     /// Records a copy of `len` f32 values at element `offset` of `buf` to the host at the end of `enc`, submits
     /// `enc` and returns the values: one submission, one readback.
-    pub fn submit_read_f32(
-        &self,
-        enc: wgpu::CommandEncoder,
-        buf: &wgpu::Buffer,
-        offset: usize,
-        len: usize,
-    ) -> Result<Vec<f32>> {
+    pub fn submit_read_f32(&self, enc: Enc, buf: &wgpu::Buffer, offset: usize, len: usize) -> Result<Vec<f32>> {
         let bytes = self.submit_read_words(enc, buf, offset, len)?;
         Ok(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
     }
 
     /// [`WgpuContext::submit_read_f32`] for u32 values.
-    pub fn submit_read_u32(
-        &self,
-        enc: wgpu::CommandEncoder,
-        buf: &wgpu::Buffer,
-        offset: usize,
-        len: usize,
-    ) -> Result<Vec<u32>> {
+    pub fn submit_read_u32(&self, enc: Enc, buf: &wgpu::Buffer, offset: usize, len: usize) -> Result<Vec<u32>> {
         let bytes = self.submit_read_words(enc, buf, offset, len)?;
         Ok(bytes.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
     }
 
-    fn submit_read_words(
-        &self,
-        mut enc: wgpu::CommandEncoder,
-        buf: &wgpu::Buffer,
-        offset: usize,
-        len: usize,
-    ) -> Result<Vec<u8>> {
+    fn submit_read_words(&self, mut enc: Enc, buf: &wgpu::Buffer, offset: usize, len: usize) -> Result<Vec<u8>> {
         if len == 0 {
             self.submit(enc)?;
             return Ok(Vec::new());

@@ -1,15 +1,15 @@
-//! [`DeviceMem`] on wgpu: the device layer ([`crate::backend::device`]) records its copies and clears into a
-//! `wgpu::CommandEncoder`, allocates storage buffers, borrows pooled scratch buffers as temporaries, and launches
+//! [`DeviceMem`] on wgpu: the device layer ([`crate::backend::device`]) records its copies and clears into the
+//! tick's encoder ([`Enc`]), allocates storage buffers, borrows pooled scratch buffers as temporaries, and launches
 //! `kvdev.wgsl`'s `add_ape` as its one kernel.
 
-use super::context::{ScratchBuf, WgpuContext};
+use super::context::{Enc, ScratchBuf, WgpuContext};
 use crate::backend::device::DeviceMem;
 use crate::Result;
 
 impl DeviceMem for WgpuContext {
     type Buf = wgpu::Buffer;
     type Temp = ScratchBuf;
-    type Enc = wgpu::CommandEncoder;
+    type Enc = Enc;
 
     fn max_binding(&self) -> u64 {
         WgpuContext::max_binding(self)
@@ -35,16 +35,16 @@ impl DeviceMem for WgpuContext {
         b.size()
     }
 
-    fn encoder(&self) -> wgpu::CommandEncoder {
+    fn encoder(&self) -> Enc {
         WgpuContext::encoder(self)
     }
 
     fn copy(&self, enc: &mut Self::Enc, src: &wgpu::Buffer, src_at: u64, dst: &wgpu::Buffer, dst_at: u64, bytes: u64) {
-        enc.copy_buffer_to_buffer(src, src_at, dst, dst_at, bytes);
+        WgpuContext::copy(self, enc, src, src_at, dst, dst_at, bytes);
     }
 
     fn clear(&self, enc: &mut Self::Enc, b: &wgpu::Buffer, at: u64, bytes: u64) {
-        enc.clear_buffer(b, at, Some(bytes));
+        WgpuContext::clear(self, enc, b, at, bytes);
     }
 
     fn add_ape(

@@ -45,7 +45,7 @@ use super::context::{backend_err, WgpuContext};
 use super::matmul::{multi_product, u32_of, View, MULTI_OUTPUTS};
 use super::ops::grid2;
 
-type Enc = wgpu::CommandEncoder;
+use super::context::Enc;
 type Buf = wgpu::Buffer;
 use super::resident::Tick;
 use super::{attn, moe, rows};

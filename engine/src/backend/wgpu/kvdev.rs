@@ -1,9 +1,10 @@
 //! Device-resident session KV on wgpu: the shared device layer's mirrors ([`crate::backend::device::kv`]) with
-//! wgpu buffers, plus the row copies the attention kernels record directly into the tick's encoder.
+//! wgpu buffers, plus the row copies the attention kernels record into the tick's encoder (as kernels where they can,
+//! [`WgpuContext::copy`]).
 
 pub use crate::backend::device::kv::RowTable;
 
-use super::context::WgpuContext;
+use super::context::{Enc, WgpuContext};
 
 /// A compressor frontier on wgpu.
 pub type FrontDev = crate::backend::device::kv::FrontDev<WgpuContext>;
@@ -21,7 +22,8 @@ pub type SlotKv = crate::backend::device::kv::SlotKv<WgpuContext>;
 /// Records copies of rows `(src_row, dst_row)` of `width` values from `src` to `dst`, merging consecutive runs
 /// ([`crate::backend::device::row_runs`]).
 pub fn copy_rows(
-    enc: &mut wgpu::CommandEncoder,
+    ctx: &WgpuContext,
+    enc: &mut Enc,
     src: &wgpu::Buffer,
     dst: &wgpu::Buffer,
     pairs: &[(usize, usize)],
@@ -29,6 +31,6 @@ pub fn copy_rows(
 ) {
     let b = (width * 4) as u64;
     crate::backend::device::row_runs(pairs, |s, d, n| {
-        enc.copy_buffer_to_buffer(src, s as u64 * b, dst, d as u64 * b, n as u64 * b)
+        ctx.copy(enc, src, s as u64 * b, dst, d as u64 * b, n as u64 * b)
     });
 }

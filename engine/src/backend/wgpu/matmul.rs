@@ -15,7 +15,7 @@ use std::ops::Range;
 
 use ds4_shaders_wgsl::WeightFormat;
 
-use super::context::{backend_err, WgpuContext};
+use super::context::{backend_err, Enc, WgpuContext};
 use super::weights::GpuWeight;
 use crate::error::Result;
 
@@ -54,7 +54,7 @@ pub const MATMUL_TILE: usize = 8;
 #[allow(clippy::too_many_arguments)]
 pub fn matmul(
     ctx: &WgpuContext,
-    enc: &mut wgpu::CommandEncoder,
+    enc: &mut Enc,
     w: &GpuWeight,
     rows: Range<usize>,
     x: View<'_>,
@@ -70,7 +70,7 @@ pub fn matmul(
 /// of its group alone).
 pub fn grouped_matmul(
     ctx: &WgpuContext,
-    enc: &mut wgpu::CommandEncoder,
+    enc: &mut Enc,
     w: &GpuWeight,
     group_rows: usize,
     x: View<'_>,
@@ -86,7 +86,7 @@ pub fn grouped_matmul(
 #[allow(clippy::too_many_arguments)]
 fn product(
     ctx: &WgpuContext,
-    enc: &mut wgpu::CommandEncoder,
+    enc: &mut Enc,
     w: &GpuWeight,
     rows: Range<usize>,
     x: View<'_>,
@@ -149,7 +149,7 @@ pub const MULTI_OUTPUTS: usize = 6;
 /// product alone.
 pub fn multi_product(
     ctx: &WgpuContext,
-    enc: &mut wgpu::CommandEncoder,
+    enc: &mut Enc,
     w: &GpuWeight,
     ends: &[usize],
     x: View<'_>,
@@ -207,7 +207,7 @@ pub fn multi_product(
 /// `r < w.rows / 2` is the clamped SwiGLU of the two dots — bit for bit [`matmul`] then `moe.wgsl`'s `swiglu`.
 pub fn swiglu_pair(
     ctx: &WgpuContext,
-    enc: &mut wgpu::CommandEncoder,
+    enc: &mut Enc,
     w: &GpuWeight,
     x: View<'_>,
     n_tok: usize,
@@ -257,7 +257,7 @@ pub fn swiglu_pair(
 /// bit for bit [`get_rows`] then `norm.wgsl`'s `main` without weight.
 pub fn embed_norm(
     ctx: &WgpuContext,
-    enc: &mut wgpu::CommandEncoder,
+    enc: &mut Enc,
     w: &GpuWeight,
     tokens: &[usize],
     copies: usize,
@@ -305,13 +305,7 @@ fn chunk_pairs<'w>(
 }
 
 /// Records `y[out_k] = W[row_k]` (dequantized) for each `(row_k, out_k)` in `ids` (see module docs).
-pub fn get_rows(
-    ctx: &WgpuContext,
-    enc: &mut wgpu::CommandEncoder,
-    w: &GpuWeight,
-    ids: &[(usize, usize)],
-    y: View<'_>,
-) -> Result<()> {
+pub fn get_rows(ctx: &WgpuContext, enc: &mut Enc, w: &GpuWeight, ids: &[(usize, usize)], y: View<'_>) -> Result<()> {
     let pipeline = ctx.pipeline(&name("get_rows", w.format), w.format.get_rows_source())?;
     let bytes = (ids.len() * w.row_bytes) as u64;
     ctx.note_weights(bytes, bytes);

@@ -68,7 +68,7 @@ mod resident_tests;
 mod tests;
 
 pub use backend::WgpuBackend;
-pub use context::{ContextOptions, WgpuContext};
+pub use context::{ContextOptions, Enc, WgpuContext};
 pub use matmul::{get_rows, matmul, View};
 pub use pagedev::LOG_CHUNK_TOKENS;
 pub use weights::{plan_chunks, GpuWeight};

@@ -15,7 +15,7 @@
 use std::sync::Arc;
 
 use super::backend::WgpuBackend;
-use super::context::backend_err;
+use super::context::{backend_err, Enc};
 use super::matmul::{matmul, swiglu_pair, View};
 use super::moe_ids;
 use super::ops::{self, Routing};
@@ -178,7 +178,7 @@ impl ExpertGroups<'_> {
     fn products(
         &self,
         ctx: &super::context::WgpuContext,
-        enc: &mut wgpu::CommandEncoder,
+        enc: &mut Enc,
         w: &super::weights::GpuWeight,
         per: usize,
         x: View<'_>,
@@ -307,7 +307,7 @@ pub fn combine(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, experts: Expert
         let shared = plan.shared.then_some(&sh_out);
         return moe_ids::combine(ctx, enc, &eo, &sel, &out, shared, d, n, k);
     }
-    enc.clear_buffer(&out, 0, Some((n * d * 4) as u64));
+    ctx.clear(enc, &out, 0, (n * d * 4) as u64);
     for &(_, off, m) in &plan.groups {
         ops::scatter_add_rows_from(ctx, enc, &eo, off * d, &out, &plan.rows[off..off + m], d, d)?;
     }

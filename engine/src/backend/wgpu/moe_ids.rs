@@ -7,7 +7,7 @@
 use ds4_shaders_wgsl as sh;
 use ds4_shaders_wgsl::params::{CombineParams, IdsParams};
 
-use super::context::{backend_err, WgpuContext};
+use super::context::{backend_err, Enc, WgpuContext};
 use super::matmul::{u32_of, View};
 use super::weights::GpuWeight;
 use crate::error::Result;
@@ -19,7 +19,7 @@ type Buf = wgpu::Buffer;
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_ids(
     ctx: &WgpuContext,
-    enc: &mut wgpu::CommandEncoder,
+    enc: &mut Enc,
     w: &GpuWeight,
     expert_rows: usize,
     ids: &Buf,
@@ -38,7 +38,7 @@ pub fn matmul_ids(
 #[allow(clippy::too_many_arguments)]
 pub fn gate_up_swiglu(
     ctx: &WgpuContext,
-    enc: &mut wgpu::CommandEncoder,
+    enc: &mut Enc,
     w: &GpuWeight,
     ffn: usize,
     (ids, rw): (&Buf, &Buf),
@@ -62,7 +62,7 @@ pub fn gate_up_swiglu(
 #[allow(clippy::too_many_arguments)]
 pub fn down_combine(
     ctx: &WgpuContext,
-    enc: &mut wgpu::CommandEncoder,
+    enc: &mut Enc,
     w: &GpuWeight,
     d: usize,
     ids: &Buf,
@@ -89,7 +89,7 @@ pub fn down_combine(
 #[allow(clippy::too_many_arguments)]
 fn ids_dispatch(
     ctx: &WgpuContext,
-    enc: &mut wgpu::CommandEncoder,
+    enc: &mut Enc,
     w: &GpuWeight,
     entry: &str,
     expert_rows: usize,
@@ -159,7 +159,7 @@ fn ids_dispatch(
 #[allow(clippy::too_many_arguments)]
 pub fn combine(
     ctx: &WgpuContext,
-    enc: &mut wgpu::CommandEncoder,
+    enc: &mut Enc,
     eo: &Buf,
     sel: &Buf,
     out: &Buf,

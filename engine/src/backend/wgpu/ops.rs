@@ -16,7 +16,7 @@ use super::context::{backend_err, WgpuContext};
 use super::matmul::u32_of;
 use crate::error::Result;
 
-type Enc = wgpu::CommandEncoder;
+use super::context::Enc;
 type Buf = wgpu::Buffer;
 
 fn groups(n: usize) -> Result<u32> {

@@ -17,7 +17,7 @@
 //! Invariant: no host write (`queue.write_buffer`) ever targets these buffers or pooled scratch while commands are
 //! recorded: writes land at the next submit, before everything recorded earlier. Uploads use fresh buffers.
 
-use super::context::WgpuContext;
+use super::context::{Enc, WgpuContext};
 use crate::backend::StepCtx;
 use crate::graph::BufId;
 use crate::model::{Model, RopeFreqs};
@@ -91,7 +91,7 @@ pub struct MoePlan {
 /// The state of the tick being recorded. See the module docs.
 #[derive(Default)]
 pub struct Tick {
-    enc: Option<wgpu::CommandEncoder>,
+    enc: Option<Enc>,
     bufs: Vec<Grown>,
     /// The other stream buffer and whether it holds the current streams.
     streams_alt: Grown,
@@ -127,17 +127,17 @@ impl Tick {
     }
 
     /// The tick's encoder (opened on first use).
-    pub fn enc(&mut self, ctx: &WgpuContext) -> &mut wgpu::CommandEncoder {
+    pub fn enc(&mut self, ctx: &WgpuContext) -> &mut Enc {
         self.enc.get_or_insert_with(|| ctx.encoder())
     }
 
     /// The tick's encoder and the MoE plan together (kernels record while reading the plan).
-    pub fn enc_moe(&mut self, ctx: &WgpuContext) -> (&mut wgpu::CommandEncoder, &MoePlan) {
+    pub fn enc_moe(&mut self, ctx: &WgpuContext) -> (&mut Enc, &MoePlan) {
         (self.enc.get_or_insert_with(|| ctx.encoder()), &self.moe)
     }
 
     /// Takes the encoder (a fresh one when nothing was recorded), e.g. to submit it with a readback.
-    pub fn take_enc(&mut self, ctx: &WgpuContext) -> wgpu::CommandEncoder {
+    pub fn take_enc(&mut self, ctx: &WgpuContext) -> Enc {
         self.enc.take().unwrap_or_else(|| ctx.encoder())
     }
 

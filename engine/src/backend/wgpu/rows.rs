@@ -7,7 +7,7 @@ use ds4_shaders_wgsl as sh;
 use ds4_shaders_wgsl::params::{CandParams, HcParams, ScaleParams};
 
 use super::backend::WgpuBackend;
-use super::context::{backend_err, WgpuContext};
+use super::context::{backend_err, Enc, WgpuContext};
 use super::matmul::{embed_norm, get_rows, grouped_matmul as grouped_product, u32_of, View};
 use super::ops::{self, ActSim, RopeShape};
 use super::resident::Tick;
@@ -375,7 +375,7 @@ pub fn logit_candidates(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, k: usi
 /// `[rows, k]`, into `out`.
 pub fn candidates(
     ctx: &WgpuContext,
-    enc: &mut wgpu::CommandEncoder,
+    enc: &mut Enc,
     logits: &wgpu::Buffer,
     out: &wgpu::Buffer,
     vocab: usize,

@@ -285,7 +285,7 @@ fn fused_moe_kernels_equal_the_separate_kernels_across_chunks() {
 /// non-negative GPU time (and some time in all); nothing is timed outside a window. Lavapipe has timestamp queries
 /// (CI runs this on it); an adapter without them reports that timing cannot start.
 #[test]
-fn dispatches_are_timed_in_a_timing_window() {
+fn dispatches_share_a_pass_and_are_timed_in_a_timing_window() {
     let Some(ctx) = ctx_with(None) else { return };
     if !ctx.has_timestamps() {
         assert!(!ctx.start_timing());
@@ -315,13 +315,66 @@ fn dispatches_are_timed_in_a_timing_window() {
         get_rows(&ctx, &mut enc, &w, &[(3, 0)], View::new(&yb, cols)).unwrap();
         ctx.submit(enc).unwrap();
     };
+    // Untimed, consecutive dispatches share one compute pass; a copy between them ends it.
+    let before = ctx.counters();
     record(1);
+    assert_eq!((ctx.counters() - before).passes, 1, "two dispatches, one pass");
+    let before = ctx.counters();
+    let mut enc = ctx.encoder();
+    matmul(&ctx, &mut enc, &w, 0..rows, View::new(&xb, cols), 1, View::new(&yb, rows), false).unwrap();
+    enc.copy_buffer_to_buffer(&yb, 0, &xb, 0, 4 * rows as u64);
+    matmul(&ctx, &mut enc, &w, 0..rows, View::new(&xb, cols), 1, View::new(&yb, rows), false).unwrap();
+    ctx.submit(enc).unwrap();
+    assert_eq!((ctx.counters() - before).passes, 2, "a copy ends the pass");
     assert!(ctx.finish_timing().unwrap().is_none(), "no window was open");
     assert!(ctx.start_timing());
+    let before = ctx.counters();
     record(3);
+    assert_eq!((ctx.counters() - before).passes, 4, "a timed dispatch is a pass of its own");
     let times = ctx.finish_timing().unwrap().expect("a window was open");
     let labels: Vec<&str> = times.iter().map(|t| t.0.as_str()).collect();
     assert_eq!(labels, ["matmul_Q8_0::main", "matmul_Q8_0::main", "matmul_Q8_0::main", "get_rows_Q8_0::main"]);
     assert!(times.iter().all(|t| t.1 >= 0.0) && times.iter().map(|t| t.1).sum::<f64>() > 0.0, "{times:?}");
     assert!(ctx.finish_timing().unwrap().is_none(), "the window closed");
+}
+
+/// Copies and clears as kernels: bits exact (NaN payloads included) over ranges of a buffer larger than a binding
+/// (bound through an aligned window), all in the tick's one pass; a copy command between kernels ends the pass.
+#[test]
+fn copies_and_clears_run_as_kernels_inside_the_pass() {
+    let Some(ctx) = ctx_with(Some(1024)) else { return };
+    let mut rng = StdRng::seed_from_u64(3);
+    let words: Vec<u32> = (0..1000).map(|i| if i % 7 == 0 { 0x7fc0_1234 } else { rng.gen() }).collect();
+    let big = ctx.storage_u32("big", &words); // 4000 bytes: larger than the 1024-byte binding limit
+    let small = ctx.storage_zeroed("small", 64);
+    let before = ctx.counters();
+    let mut enc = ctx.encoder();
+    ctx.copy(&mut enc, &big, 4 * 613, &small, 4 * 5, 4 * 50);
+    ctx.clear(&mut enc, &big, 4 * 301, 4 * 9);
+    ctx.copy(&mut enc, &small, 4 * 5, &big, 4 * 901, 4 * 20);
+    ctx.submit(enc).unwrap();
+    let cost = ctx.counters() - before;
+    assert_eq!((cost.dispatches, cost.passes), (3, 1), "three kernels, one pass");
+    let mut want = words.clone();
+    let mut small_want = vec![0u32; 64];
+    small_want[5..55].copy_from_slice(&words[613..663]);
+    want[301..310].fill(0);
+    want[901..921].copy_from_slice(&small_want[5..25]);
+    assert_eq!(ctx.read_u32(&small, 0, 64).unwrap(), small_want);
+    assert_eq!(ctx.read_u32(&big, 0, 1000).unwrap(), want);
+    // A buffer that cannot be bound (no storage use) is copied by a copy command, which ends the pass.
+    let plain = ctx.device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("plain"),
+        size: 256,
+        usage: wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
+        mapped_at_creation: false,
+    });
+    let before = ctx.counters();
+    let mut enc = ctx.encoder();
+    ctx.clear(&mut enc, &small, 0, 4);
+    ctx.copy(&mut enc, &small, 0, &plain, 0, 256);
+    ctx.copy(&mut enc, &plain, 16, &small, 0, 8);
+    ctx.submit(enc).unwrap();
+    assert_eq!(ctx.read_u32(&small, 0, 2).unwrap(), &small_want[4..6]);
+    assert_eq!((ctx.counters() - before).passes, 1, "the clear's pass; the copies are commands");
 }
