@@ -14,6 +14,8 @@
 
 pub mod params;
 
+use std::borrow::Cow;
+
 /// A weight format the WGSL kernels can read directly.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum WeightFormat {
@@ -50,7 +52,53 @@ impl WeightFormat {
         }
     }
 
-    /// The quantized matrix product kernel (`matmul.wgsl`) for this format.
+    /// The block format's WGSL (`quant_*.wgsl`: `BLOCK_VALUES`, `BLOCK_BYTES`, `ROW_LANES`, `block_value`,
+    /// `block_dot`, `quant_setup`).
+    pub fn quant_source(self) -> &'static str {
+        match self {
+            WeightFormat::F32 => include_str!("wgsl/quant_f32.wgsl"),
+            WeightFormat::F16 => include_str!("wgsl/quant_f16.wgsl"),
+            WeightFormat::Bf16 => include_str!("wgsl/quant_bf16.wgsl"),
+            WeightFormat::Q8_0 => include_str!("wgsl/quant_q8_0.wgsl"),
+            WeightFormat::Q2K => include_str!("wgsl/quant_q2_k.wgsl"),
+            WeightFormat::Q4K => include_str!("wgsl/quant_q4_k.wgsl"),
+            WeightFormat::Iq2Xxs => include_str!("wgsl/quant_iq2_xxs.wgsl"),
+        }
+    }
+
+    /// Invocations that share one weight row in a product kernel (`ROW_LANES` of the format's `quant_*.wgsl`): a
+    /// workgroup of 64 takes `64 / row_lanes` rows. Fewer lanes for bigger blocks, so a row's blocks keep every
+    /// lane busy.
+    pub fn row_lanes(self) -> usize {
+        match self {
+            WeightFormat::F32 | WeightFormat::F16 | WeightFormat::Bf16 => 32,
+            WeightFormat::Q8_0 => 16,
+            WeightFormat::Q2K | WeightFormat::Q4K | WeightFormat::Iq2Xxs => 8,
+        }
+    }
+
+    /// Weight rows per workgroup of the product kernels (`ROWS` in `lanes.wgsl`).
+    pub fn rows_per_workgroup(self) -> usize {
+        PRODUCT_WORKGROUP / self.row_lanes()
+    }
+
+    /// The matrix product kernel for this format with the lane sums of `reduce`.
+    pub fn matmul_source_with(self, reduce: Reduce) -> Cow<'static, str> {
+        match reduce {
+            Reduce::Shared => Cow::Borrowed(self.matmul_source()),
+            Reduce::Subgroup { .. } => Cow::Owned(reduce.compose(self, include_str!("wgsl/matmul.wgsl"))),
+        }
+    }
+
+    /// The expert-indexed product kernel for this format with the lane sums of `reduce`.
+    pub fn matmul_ids_source_with(self, reduce: Reduce) -> Cow<'static, str> {
+        match reduce {
+            Reduce::Shared => Cow::Borrowed(matmul_ids_source(self)),
+            Reduce::Subgroup { .. } => Cow::Owned(reduce.compose(self, include_str!("wgsl/matmul_ids.wgsl"))),
+        }
+    }
+
+    /// The quantized matrix product kernel (`matmul.wgsl`) for this format, lane sums through workgroup memory.
     pub fn matmul_source(self) -> &'static str {
         match self {
             WeightFormat::F32 => MATMUL_F32,
@@ -77,12 +125,53 @@ impl WeightFormat {
     }
 }
 
+/// Invocations per workgroup of the product kernels (`WG` in `lanes.wgsl`).
+pub const PRODUCT_WORKGROUP: usize = 64;
+
+/// How the product kernels sum a row's lanes (`lanes.wgsl`). Both give the same bits: the tree is the same, only
+/// where its steps run differs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Reduce {
+    /// Every step through workgroup memory, with a barrier each (any adapter).
+    Shared,
+    /// Steps below `min_size` (the adapter's smallest subgroup size, a power of two) as subgroup shuffles, the
+    /// rest through workgroup memory. Needs the adapter's subgroup feature.
+    Subgroup { min_size: u32 },
+}
+
+impl Reduce {
+    /// The pipeline-name suffix that tells the variants apart.
+    pub fn tag(self) -> String {
+        match self {
+            Reduce::Shared => "wg".into(),
+            Reduce::Subgroup { min_size } => format!("sg{min_size}"),
+        }
+    }
+
+    /// `body` (a product kernel) over format `f`'s blocks with this reduction's prelude.
+    fn compose(self, f: WeightFormat, body: &str) -> String {
+        let (sg_line, prelude) = match self {
+            Reduce::Shared => (String::new(), include_str!("wgsl/reduce_shared.wgsl")),
+            Reduce::Subgroup { min_size } => {
+                (format!("const SG: u32 = {min_size}u;\n"), include_str!("wgsl/reduce_subgroup.wgsl"))
+            }
+        };
+        [&sg_line, include_str!("wgsl/bytes.wgsl"), f.quant_source(), prelude, include_str!("wgsl/lanes.wgsl"), body]
+            .concat()
+    }
+}
+
 macro_rules! quant_kernels {
     ($($matmul:ident, $get_rows:ident, $file:literal;)*) => {
         $(
-            #[doc = concat!("`matmul.wgsl` over `", $file, "` weights.")]
-            pub const $matmul: &str =
-                concat!(include_str!("wgsl/bytes.wgsl"), include_str!($file), include_str!("wgsl/matmul.wgsl"));
+            #[doc = concat!("`matmul.wgsl` over `", $file, "` weights, lane sums through workgroup memory.")]
+            pub const $matmul: &str = concat!(
+                include_str!("wgsl/bytes.wgsl"),
+                include_str!($file),
+                include_str!("wgsl/reduce_shared.wgsl"),
+                include_str!("wgsl/lanes.wgsl"),
+                include_str!("wgsl/matmul.wgsl")
+            );
             #[doc = concat!("`get_rows.wgsl` over `", $file, "` weights.")]
             pub const $get_rows: &str =
                 concat!(include_str!("wgsl/bytes.wgsl"), include_str!($file), include_str!("wgsl/get_rows.wgsl"));
@@ -127,9 +216,14 @@ pub const MOE_IDS: &str = include_str!("wgsl/moe_ids.wgsl");
 macro_rules! ids_kernels {
     ($($name:ident, $file:literal;)*) => {
         $(
-            #[doc = concat!("`matmul_ids.wgsl` over `", $file, "` weights.")]
-            pub const $name: &str =
-                concat!(include_str!("wgsl/bytes.wgsl"), include_str!($file), include_str!("wgsl/matmul_ids.wgsl"));
+            #[doc = concat!("`matmul_ids.wgsl` over `", $file, "` weights, lane sums through workgroup memory.")]
+            pub const $name: &str = concat!(
+                include_str!("wgsl/bytes.wgsl"),
+                include_str!($file),
+                include_str!("wgsl/reduce_shared.wgsl"),
+                include_str!("wgsl/lanes.wgsl"),
+                include_str!("wgsl/matmul_ids.wgsl")
+            );
         )*
     };
 }
@@ -168,32 +262,40 @@ pub const COPY: &str = include_str!("wgsl/copy.wgsl");
 pub const KVDEV: &str = include_str!("wgsl/kvdev.wgsl");
 
 /// Every shader source with a name and its entry points, for validation and pipeline warm-up.
-pub fn all_sources() -> Vec<(&'static str, &'static str, &'static [&'static str])> {
-    let mut v: Vec<(&'static str, &'static str, &'static [&'static str])> = Vec::new();
+/// The product kernels come in their workgroup-memory form and their subgroup forms for smallest subgroup sizes 4
+/// (the least an adapter reports), 32 and 64.
+pub fn all_sources() -> Vec<(&'static str, Cow<'static, str>, &'static [&'static str])> {
+    let mut v: Vec<(&'static str, Cow<'static, str>, &'static [&'static str])> = Vec::new();
+    let reduces = [
+        Reduce::Shared,
+        Reduce::Subgroup { min_size: 4 },
+        Reduce::Subgroup { min_size: 32 },
+        Reduce::Subgroup { min_size: 64 },
+    ];
     for f in WeightFormat::ALL {
-        v.push(("matmul", f.matmul_source(), &["main", "multi", "swiglu_pair"]));
-        v.push(("get_rows", f.get_rows_source(), &["main", "embed_norm"]));
+        for r in reduces {
+            v.push(("matmul", f.matmul_source_with(r), &["main", "multi", "swiglu_pair"]));
+            v.push(("matmul_ids", f.matmul_ids_source_with(r), &["main", "gate_up_swiglu", "down_combine"]));
+        }
+        v.push(("get_rows", f.get_rows_source().into(), &["main", "embed_norm"]));
     }
-    v.push(("rms_norm", RMS_NORM, &["main", "norm_rope"]));
-    v.push(("rope", ROPE, &["main"]));
-    v.push(("attention", ATTENTION, &["main", "keyed"]));
+    v.push(("rms_norm", RMS_NORM.into(), &["main", "norm_rope"]));
+    v.push(("rope", ROPE.into(), &["main"]));
+    v.push(("attention", ATTENTION.into(), &["main", "keyed"]));
     v.push((
         "hc",
-        HC,
+        HC.into(),
         &["pre", "post", "weights", "collapse", "weights_collapse", "weights_collapse_norm", "post_norm"],
     ));
-    v.push(("compress", COMPRESS, &["main"]));
-    v.push(("indexer", INDEXER, &["scores", "topk"]));
-    v.push(("moe", MOE, &["route", "swiglu", "swiglu_shared", "gather", "scatter"]));
-    v.push(("act", ACT, &["fp8", "fp4", "hadamard", "rope_hadamard_fp4"]));
-    v.push(("scale", SCALE, &["main"]));
-    v.push(("kvdev", KVDEV, &["add_ape"]));
-    v.push(("moe_ids", MOE_IDS, &["combine"]));
-    v.push(("candidates", CANDIDATES, &["main"]));
-    v.push(("copy", COPY, &["main", "zero"]));
-    for f in WeightFormat::ALL {
-        v.push(("matmul_ids", matmul_ids_source(f), &["main", "gate_up_swiglu", "down_combine"]));
-    }
+    v.push(("compress", COMPRESS.into(), &["main"]));
+    v.push(("indexer", INDEXER.into(), &["scores", "topk"]));
+    v.push(("moe", MOE.into(), &["route", "swiglu", "swiglu_shared", "gather", "scatter"]));
+    v.push(("act", ACT.into(), &["fp8", "fp4", "hadamard", "rope_hadamard_fp4"]));
+    v.push(("scale", SCALE.into(), &["main"]));
+    v.push(("kvdev", KVDEV.into(), &["add_ape"]));
+    v.push(("moe_ids", MOE_IDS.into(), &["combine"]));
+    v.push(("candidates", CANDIDATES.into(), &["main"]));
+    v.push(("copy", COPY.into(), &["main", "zero"]));
     v
 }
 
@@ -217,7 +319,7 @@ mod tests {
 
     #[test]
     fn every_shader_validates_with_naga() {
-        let errors: Vec<String> = all_sources().into_iter().filter_map(|(n, s, e)| validate(n, s, e).err()).collect();
+        let errors: Vec<String> = all_sources().into_iter().filter_map(|(n, s, e)| validate(n, &s, e).err()).collect();
         assert!(errors.is_empty(), "{}", errors.join("\n\n"));
     }
 
@@ -270,7 +372,7 @@ mod tests {
 
     #[test]
     fn every_shader_translates_to_msl_and_hlsl() {
-        let errors: Vec<String> = all_sources().into_iter().flat_map(|(n, s, e)| translate(n, s, e)).collect();
+        let errors: Vec<String> = all_sources().into_iter().flat_map(|(n, s, e)| translate(n, &s, e)).collect();
         assert!(errors.is_empty(), "{}", errors.join("\n\n"));
     }
 
@@ -280,6 +382,23 @@ mod tests {
         assert!(translate("ok", ok, &["main"]).is_empty());
         assert_eq!(translate("missing", ok, &["other"]).len(), 1);
         assert_eq!(translate("broken", "@compute @workgroup_size(1) fn main() { let a: u32 = 1.5; }", &[]).len(), 1);
+    }
+
+    /// The Rust side's lanes per row (the dispatch geometry) is the WGSL's `ROW_LANES`, a power of two that
+    /// divides the workgroup; a subgroup variant differs from the workgroup-memory one only in its prelude.
+    #[test]
+    fn row_lanes_agree_with_the_shaders() {
+        for f in WeightFormat::ALL {
+            let lanes = f.row_lanes();
+            assert!(lanes.is_power_of_two() && PRODUCT_WORKGROUP.is_multiple_of(lanes), "{f:?}");
+            let line = format!("const ROW_LANES: u32 = {lanes}u;");
+            assert!(f.quant_source().contains(&line), "{f:?}: `{line}` missing");
+            assert_eq!(f.quant_source().matches("const ROW_LANES").count(), 1, "{f:?}");
+            let sg = f.matmul_source_with(Reduce::Subgroup { min_size: 32 });
+            assert!(sg.starts_with("const SG: u32 = 32u;") && sg.contains("subgroupShuffleXor("));
+            assert!(sg.ends_with(include_str!("wgsl/matmul.wgsl")));
+            assert!(!f.matmul_source().contains("subgroupShuffleXor("));
+        }
     }
 
     #[test]

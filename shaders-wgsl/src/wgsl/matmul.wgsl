@@ -1,11 +1,13 @@
 // y[t, r] (+)= dot(W[row_base + r, :], x[t, :]) for r < rows, t < n_tok, reading W in its quant format directly.
-// Composed after bytes.wgsl and one quant_*.wgsl (which define BLOCK_VALUES, BLOCK_BYTES, block_dot).
-// One workgroup of 64 invocations per (row, tile of up to TILE tokens): invocations stride over the row's blocks
-// and take each block's product with every token of the tile while its bytes are at hand, so a prefill chunk
-// streams each weight row once per tile instead of once per token; then one tree reduction per token.
+// Composed after bytes.wgsl, one quant_*.wgsl (BLOCK_VALUES, BLOCK_BYTES, ROW_LANES, block_dot, quant_setup), a
+// reduction prelude and lanes.wgsl (tile_dots: the block order and lane tree of every product).
+// One workgroup of 64 invocations per (ROWS rows, tile of up to TILE tokens): a row's ROW_LANES lanes stride over
+// its blocks and take each block's product with every token of the tile while its bytes are at hand, so a prefill
+// chunk streams each weight row once per tile instead of once per token; then the lane tree per token.
 // A token's result does not depend on the tile it is in (the same block order and tree for every token), so a
 // prefill gives bit for bit what one-token decode ticks give.
-// Dispatch: (grid_x, ceil(rows / grid_x), ceil(n_tok / TILE)) workgroups; row = wg.x + wg.y * grid_x.
+// Dispatch: (grid_x, ceil(ceil(rows / ROWS) / grid_x), ceil(n_tok / TILE)) workgroups; workgroup
+// i = wg.x + wg.y * grid_x takes rows i·ROWS .. i·ROWS + ROWS.
 // Grouped products (group_rows > 0: o_groups of the attention output) run in the same dispatch: group g's rows
 // read columns g·cols.. of each token's x, so every group is one dispatch instead of one each.
 // Entry `multi`: the products of one input by several weights of one format and width, uploaded as one matrix
@@ -50,55 +52,34 @@ struct Params {
 @group(0) @binding(7) var<storage, read_write> y4: array<f32>;
 @group(0) @binding(8) var<storage, read_write> y5: array<f32>;
 
-const WG: u32 = 64u;
-const TILE: u32 = 8u;
-var<workgroup> partial: array<f32, 512>;
-
-// partial[t · WG] = dot(W row at byte rb, x[xb + t · x_stride ..]) for t < nt: invocations stride over the row's
-// blocks, taking each block's product with every token of the tile, then one tree reduction per token. Called by
-// every invocation of the workgroup.
-fn tile_dots(li: u32, rb: u32, xb: u32, nt: u32) {
-    let nb = p.cols / BLOCK_VALUES;
-    var acc: array<f32, 8>;
-    for (var blk = li; blk < nb; blk += WG) {
-        let b = rb + blk * BLOCK_BYTES;
-        for (var t = 0u; t < nt; t++) {
-            acc[t] += block_dot(b, xb + t * p.x_stride + blk * BLOCK_VALUES);
-        }
-    }
-    for (var t = 0u; t < nt; t++) {
-        partial[t * WG + li] = acc[t];
-    }
-    workgroupBarrier();
-    for (var s = WG / 2u; s > 0u; s >>= 1u) {
-        if (li < s) {
-            for (var t = 0u; t < nt; t++) {
-                partial[t * WG + li] += partial[t * WG + li + s];
-            }
-        }
-        workgroupBarrier();
-    }
+// The workgroup's first row: workgroups are numbered wg.x + wg.y · grid_x, ROWS rows each.
+fn first_row(wg: vec3<u32>) -> u32 {
+    return (wg.x + wg.y * p.grid_x) * ROWS;
 }
 
 @compute @workgroup_size(64)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
-    let row = wg.x + wg.y * p.grid_x;
     let tok0 = wg.z * TILE;
-    if (row >= p.rows || tok0 >= p.n_tok) {
+    if (tok0 >= p.n_tok) {
         return;
     }
+    quant_setup(li);
+    let row = first_row(wg) + li / ROW_LANES;
+    let live = row < p.rows;
     let nt = min(TILE, p.n_tok - tok0);
     var xg = 0u;
     if (p.group_rows != 0u) {
         xg = ((p.group_row0 + row) / p.group_rows) * p.cols;
     }
-    tile_dots(li, (p.row_base + row) * p.row_bytes, p.x_offset + tok0 * p.x_stride + xg, nt);
-    if (li < nt) {
-        let yi = p.y_offset + (tok0 + li) * p.y_stride + row;
-        if (p.accumulate != 0u) {
-            y[yi] += partial[li * WG];
-        } else {
-            y[yi] = partial[li * WG];
+    let d = tile_dots(li, (p.row_base + row) * p.row_bytes, p.x_offset + tok0 * p.x_stride + xg, p.x_stride, p.cols, nt, live);
+    if (live && li % ROW_LANES == 0u) {
+        for (var t = 0u; t < nt; t++) {
+            let yi = p.y_offset + (tok0 + t) * p.y_stride + row;
+            if (p.accumulate != 0u) {
+                y[yi] += d[t];
+            } else {
+                y[yi] = d[t];
+            }
         }
     }
 }
@@ -128,14 +109,16 @@ fn put(k: u32, i: u32, v: f32) {
 
 @compute @workgroup_size(64)
 fn multi(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
-    let row = wg.x + wg.y * p.grid_x;
     let tok0 = wg.z * TILE;
-    if (row >= p.rows || tok0 >= p.n_tok) {
+    if (tok0 >= p.n_tok) {
         return;
     }
+    quant_setup(li);
+    let row = first_row(wg) + li / ROW_LANES;
+    let live = row < p.rows;
     let nt = min(TILE, p.n_tok - tok0);
-    tile_dots(li, row * p.row_bytes, p.x_offset + tok0 * p.x_stride, nt);
-    if (li < nt) {
+    let d = tile_dots(li, row * p.row_bytes, p.x_offset + tok0 * p.x_stride, p.x_stride, p.cols, nt, live);
+    if (live && li % ROW_LANES == 0u) {
         var k = 0u;
         var start = 0u;
         while (k + 1u < p.outputs && row >= product_end(k)) {
@@ -143,28 +126,30 @@ fn multi(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) 
             k++;
         }
         let rows_k = min(product_end(k), p.rows) - start;
-        put(k, (tok0 + li) * rows_k + row - start, partial[li * WG]);
+        for (var t = 0u; t < nt; t++) {
+            put(k, (tok0 + t) * rows_k + row - start, d[t]);
+        }
     }
 }
 
 @compute @workgroup_size(64)
 fn swiglu_pair(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
-    let row = wg.x + wg.y * p.grid_x;
     let tok0 = wg.z * TILE;
-    if (row >= p.rows || tok0 >= p.n_tok) {
+    if (tok0 >= p.n_tok) {
         return;
     }
+    quant_setup(li);
+    let row = first_row(wg) + li / ROW_LANES;
+    let live = row < p.rows;
     let nt = min(TILE, p.n_tok - tok0);
     let xb = p.x_offset + tok0 * p.x_stride;
-    tile_dots(li, row * p.row_bytes, xb, nt);
-    var gate = 0.0;
-    if (li < nt) {
-        gate = min(partial[li * WG], p.limit);
-    }
-    workgroupBarrier();
-    tile_dots(li, (p.rows + row) * p.row_bytes, xb, nt);
-    if (li < nt) {
-        let up = clamp(partial[li * WG], -p.limit, p.limit);
-        y[p.y_offset + (tok0 + li) * p.y_stride + row] = gate / (1.0 + exp(-gate)) * up;
+    let g = tile_dots(li, row * p.row_bytes, xb, p.x_stride, p.cols, nt, live);
+    let u = tile_dots(li, (p.rows + row) * p.row_bytes, xb, p.x_stride, p.cols, nt, live);
+    if (live && li % ROW_LANES == 0u) {
+        for (var t = 0u; t < nt; t++) {
+            let gate = min(g[t], p.limit);
+            let up = clamp(u[t], -p.limit, p.limit);
+            y[p.y_offset + (tok0 + t) * p.y_stride + row] = gate / (1.0 + exp(-gate)) * up;
+        }
     }
 }

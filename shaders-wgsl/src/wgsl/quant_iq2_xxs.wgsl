@@ -4,6 +4,9 @@
 // expands to 8 sign bits s | parity(s) << 7. Value = db * grid[j] * (sign bit j ? -1 : 1).
 const BLOCK_VALUES: u32 = 256u;
 const BLOCK_BYTES: u32 = 66u;
+// Invocations that share one weight row in a product (lanes.wgsl): fewer for bigger blocks, so a row's
+// blocks keep every lane busy.
+const ROW_LANES: u32 = 8u;
 
 // The iq2xxs grid (a format constant): entry e is the 16-bit half (e & 1) of word e / 2; magnitude j is the
 // 2-bit code (half >> 2j) & 3 mapped 0 -> 8, 1 -> 25, 2 -> 43.
@@ -25,6 +28,17 @@ const IQ2XXS_GRID = array<u32, 128>(
     0x85008460u, 0x85948546u, 0x86408609u, 0x88028660u, 0x8a118904u, 0x90109004u, 0x90409024u, 0x911690a1u,
     0x92459180u, 0x94229400u, 0x95519444u, 0x99209881u, 0xa050a002u, 0xa109a085u, 0xa418a200u, 0xa904a850u,
 );
+
+// The grid staged in workgroup memory by quant_setup for block_dot (the products' hot loop): a `const` array
+// indexed at run time is copied into every invocation's private memory by some shader compilers (naga's SPIR-V
+// output, wgpu#6390), once per use. Kernels of 64 invocations call quant_setup(li) first, all of them.
+var<workgroup> iq2_grid: array<u32, 128>;
+
+fn quant_setup(li: u32) {
+    iq2_grid[li] = IQ2XXS_GRID[li];
+    iq2_grid[li + 64u] = IQ2XXS_GRID[li + 64u];
+    workgroupBarrier();
+}
 
 fn iq2_mag(code: u32) -> f32 {
     return f32(8u + 17u * code + (code >> 1u));
@@ -57,7 +71,7 @@ fn block_dot(b: u32, x0: u32) -> f32 {
         var sg = 0.0;
         for (var l = 0u; l < 4u; l++) {
             let gi = (a0 >> (8u * l)) & 0xffu;
-            let half = IQ2XXS_GRID[gi >> 1u] >> (16u * (gi & 1u));
+            let half = iq2_grid[gi >> 1u] >> (16u * (gi & 1u));
             let signs = iq2_signs((a1 >> (7u * l)) & 127u);
             let xb = x0 + 32u * g + 8u * l;
             for (var j = 0u; j < 8u; j++) {

@@ -3,6 +3,13 @@
 // sub-block 8n + 2j + h; x = d * (sc & 15) * q - dmin * (sc >> 4).
 const BLOCK_VALUES: u32 = 256u;
 const BLOCK_BYTES: u32 = 84u;
+// Invocations that share one weight row in a product (lanes.wgsl): fewer for bigger blocks, so a row's
+// blocks keep every lane busy.
+const ROW_LANES: u32 = 8u;
+
+// Nothing to stage in workgroup memory (quant_iq2_xxs.wgsl stages its grid); called at every product kernel's
+// start by every invocation.
+fn quant_setup(li: u32) {}
 
 fn block_value(b: u32, i: u32) -> f32 {
     let n = i / 128u;

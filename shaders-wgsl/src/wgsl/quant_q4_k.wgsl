@@ -2,6 +2,13 @@
 // Value i = 64j + 32h + l: q = (qs[32j + l] >> 4h) & 15, sub-block 2j + h; x = d * sc * q - dmin * m.
 const BLOCK_VALUES: u32 = 256u;
 const BLOCK_BYTES: u32 = 144u;
+// Invocations that share one weight row in a product (lanes.wgsl): fewer for bigger blocks, so a row's
+// blocks keep every lane busy.
+const ROW_LANES: u32 = 8u;
+
+// Nothing to stage in workgroup memory (quant_iq2_xxs.wgsl stages its grid); called at every product kernel's
+// start by every invocation.
+fn quant_setup(li: u32) {}
 
 // (scale, min) of sub-block `s` (0..7); the 12 scale bytes start at byte 4 of the block.
 fn q4k_scale_min(b: u32, s: u32) -> vec2<u32> {

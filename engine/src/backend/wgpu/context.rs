@@ -28,6 +28,7 @@ use wgpu::util::DeviceExt;
 use crate::backend::device::DeviceCounters;
 use crate::error::{Error, Result};
 use ds4_shaders_wgsl::params::CopyParams;
+use ds4_shaders_wgsl::Reduce;
 
 /// Options for [`WgpuContext::with_options`].
 #[derive(Clone, Debug, Default)]
@@ -35,6 +36,10 @@ pub struct ContextOptions {
     /// Use at most this many bytes per storage binding (must be a positive multiple of 4), even when the device
     /// allows more. For tests of weight splitting.
     pub max_binding_override: Option<u64>,
+    /// Sum the product kernels' lanes through workgroup memory only, even where the adapter has subgroups (the same
+    /// bits either way; for tests of both paths, and for a driver whose subgroups misbehave). The environment
+    /// variable `DS4_WGPU_SUBGROUPS=0` sets it too.
+    pub no_subgroups: bool,
 }
 
 /// A wgpu device and queue plus the backend's shared caches.
@@ -44,6 +49,7 @@ pub struct WgpuContext {
     pub info: wgpu::AdapterInfo,
     pub limits: wgpu::Limits,
     max_binding: u64,
+    reduce: Reduce,
     pipelines: Mutex<HashMap<String, Arc<wgpu::ComputePipeline>>>,
     /// Each pipeline's `name::entry`, for the timing labels.
     pipeline_names: Mutex<HashMap<wgpu::ComputePipeline, String>>,
@@ -148,6 +154,15 @@ impl Drop for ScratchBuf {
     }
 }
 
+/// The product kernels' lane sums for a device: subgroup shuffles below the adapter's smallest subgroup size when
+/// the device has subgroups and that size is a power of two, else workgroup memory (the same bits either way).
+fn reduce_for(features: wgpu::Features, subgroup_min_size: u32, no_subgroups: bool) -> Reduce {
+    if no_subgroups || !features.contains(wgpu::Features::SUBGROUP) || !subgroup_min_size.is_power_of_two() {
+        return Reduce::Shared;
+    }
+    Reduce::Subgroup { min_size: subgroup_min_size }
+}
+
 pub(crate) fn backend_err(what: impl Into<String>) -> Error {
     Error::Backend { backend: "wgpu", what: what.into() }
 }
@@ -178,13 +193,16 @@ impl WgpuContext {
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("ds4"),
             // Timestamp queries where the adapter has them (per-dispatch GPU times, `timing`).
-            required_features: adapter.features() & wgpu::Features::TIMESTAMP_QUERY,
+            // Subgroups where the adapter has them (the product kernels' lane sums, `reduce`).
+            required_features: adapter.features() & (wgpu::Features::TIMESTAMP_QUERY | wgpu::Features::SUBGROUP),
             required_limits: limits.clone(),
             experimental_features: wgpu::ExperimentalFeatures::disabled(),
             memory_hints: wgpu::MemoryHints::Performance,
             trace: wgpu::Trace::Off,
         }))
         .map_err(|e| backend_err(format!("request_device on {}: {e}", info.name)))?;
+        let no_subgroups = opts.no_subgroups || std::env::var("DS4_WGPU_SUBGROUPS").is_ok_and(|v| v.trim() == "0");
+        let reduce = reduce_for(device.features(), info.subgroup_min_size, no_subgroups);
         let hw = limits.max_storage_buffer_binding_size.min(limits.max_buffer_size) & !3;
         let max_binding = match opts.max_binding_override {
             Some(n) if n == 0 || !n.is_multiple_of(4) => {
@@ -200,6 +218,7 @@ impl WgpuContext {
             backend = ?info.backend,
             max_binding,
             max_buffer = limits.max_buffer_size,
+            lane_sums = %reduce.tag(),
             "wgpu device ready"
         );
         let zeros = device.create_buffer(&wgpu::BufferDescriptor {
@@ -214,6 +233,7 @@ impl WgpuContext {
             info,
             limits,
             max_binding,
+            reduce,
             pipelines: Mutex::new(HashMap::new()),
             pipeline_names: Mutex::new(HashMap::new()),
             timing: Mutex::new(None),
@@ -290,6 +310,11 @@ impl WgpuContext {
     /// Bytes held by idle pooled buffers.
     pub fn pool_bytes(&self) -> u64 {
         self.pool.lock().iter().map(|(k, v)| k * v.len() as u64).sum()
+    }
+
+    /// How the product kernels sum a row's lanes on this device (subgroup shuffles where the adapter has them).
+    pub fn reduce(&self) -> Reduce {
+        self.reduce
     }
 
     /// The largest storage binding (bytes) this context uses; weight tensors larger than this are split.

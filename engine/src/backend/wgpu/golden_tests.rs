@@ -186,7 +186,7 @@ fn quantized_recipes_agree_with_cpu_backend() {
 #[test]
 fn tiny_a_with_split_weights_matches_golden() {
     let Some(dir) = golden_dir() else { return };
-    let opts = super::ContextOptions { max_binding_override: Some(64 * 1024) };
+    let opts = super::ContextOptions { max_binding_override: Some(64 * 1024), ..Default::default() };
     let Some(ctx) = test_context(opts) else { return };
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("tiny-a.gguf");

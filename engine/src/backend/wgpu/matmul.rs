@@ -1,9 +1,11 @@
 //! Quantized matrix products and row gathers on [`GpuWeight`]s, across chunk boundaries.
 //!
 //! [`matmul`] computes `y[t, r] (+)= W[rows.start + r, :] · x[t, :]` for every token `t < n_tok`, issuing one dispatch
-//! per weight chunk the row range touches; a workgroup takes one row for a tile of [`MATMUL_TILE`] tokens, so a
-//! prefill chunk streams each weight row once per tile, with every token's result bit-identical to a one-token
-//! product. [`get_rows`] copies (dequantizes) rows of a weight into an f32 buffer —
+//! per weight chunk the row range touches; a workgroup takes `rows_per_workgroup` rows of the weight's format
+//! ([`ds4_shaders_wgsl::WeightFormat::row_lanes`] lanes each) for a tile of [`MATMUL_TILE`] tokens, so a prefill
+//! chunk streams each weight row once per tile, with every token's result bit-identical to a one-token product.
+//! The lanes of a row are summed by the context's [`ds4_shaders_wgsl::Reduce`] (subgroup shuffles where the
+//! adapter has them; the same bits either way). [`get_rows`] copies (dequantizes) rows of a weight into an f32 buffer —
 //! the embedding lookup. Both only record commands; the caller submits.
 //!
 //! Layout conventions: activations are f32, token-major: element `(t, c)` of `x` is `x[x.offset + t * x.stride + c]`,
@@ -41,6 +43,20 @@ impl<'a> View<'a> {
 
 fn name(kind: &str, f: WeightFormat) -> String {
     format!("{kind}_{f:?}")
+}
+
+/// The pipeline name of a product kernel: kind, format and the device's lane-sum variant.
+fn product_name(ctx: &WgpuContext, kind: &str, f: WeightFormat) -> String {
+    format!("{kind}_{f:?}_{}", ctx.reduce().tag())
+}
+
+/// The dispatch grid for `rows` weight rows of format `f` (`rows_per_workgroup` each) and `z` tiles or pairs:
+/// `(grid_x, grid_y, z)`, grid_x ≤ 32768 (the kernels number workgroups `wg.x + wg.y · grid_x`).
+pub(crate) fn product_grid(ctx: &WgpuContext, f: WeightFormat, rows: usize, z: usize) -> [u32; 3] {
+    let max = ctx.limits.max_compute_workgroups_per_dimension as usize;
+    let n = rows.div_ceil(f.rows_per_workgroup()).max(1);
+    let grid_x = n.min(max.min(32768));
+    [grid_x as u32, n.div_ceil(grid_x) as u32, z as u32]
 }
 
 pub(crate) fn u32_of(v: usize, what: &str) -> Result<u32> {
@@ -101,7 +117,7 @@ fn product(
     if n_tok == 0 || rows.is_empty() {
         return Ok(());
     }
-    let pipeline = ctx.pipeline(&name("matmul", w.format), w.format.matmul_source())?;
+    let pipeline = ctx.pipeline(&product_name(ctx, "matmul", w.format), &w.format.matmul_source_with(ctx.reduce()))?;
     let max = ctx.limits.max_compute_workgroups_per_dimension as usize;
     let tiles = n_tok.div_ceil(MATMUL_TILE);
     if tiles > max {
@@ -116,7 +132,7 @@ fn product(
             ctx.note_split();
         }
         let n = local.len();
-        let grid_x = n.min(max.min(32768));
+        let groups = product_grid(ctx, w.format, n, tiles);
         let params = MatmulParams {
             rows: u32_of(n, "rows")?,
             cols: u32_of(w.cols, "cols")?,
@@ -127,14 +143,13 @@ fn product(
             x_stride: u32_of(x.stride, "x stride")?,
             y_offset: u32_of(y.offset + out_off, "y offset")?,
             y_stride: u32_of(y.stride, "y stride")?,
-            grid_x: grid_x as u32,
+            grid_x: groups[0],
             accumulate: accumulate as u32,
             group_rows: u32_of(group_rows, "group rows")?,
             group_row0: u32_of(first + out_off, "group row")?,
             ..Default::default()
         };
         let u = ctx.uniform("matmul params", &params);
-        let groups = [grid_x as u32, n.div_ceil(grid_x) as u32, tiles as u32];
         ctx.dispatch(enc, &pipeline, &[&chunk.buffer, x.buf, y.buf, &u], groups)?;
     }
     Ok(())
@@ -167,7 +182,8 @@ pub fn multi_product(
     if n_tok == 0 || w.rows == 0 {
         return Ok(());
     }
-    let pipeline = ctx.pipeline_entry(&name("matmul", w.format), w.format.matmul_source(), "multi")?;
+    let src = w.format.matmul_source_with(ctx.reduce());
+    let pipeline = ctx.pipeline_entry(&product_name(ctx, "matmul", w.format), &src, "multi")?;
     let max = ctx.limits.max_compute_workgroups_per_dimension as usize;
     let tiles = n_tok.div_ceil(MATMUL_TILE);
     if tiles > max {
@@ -176,7 +192,7 @@ pub fn multi_product(
     let bytes = (w.rows * w.row_bytes) as u64;
     ctx.note_weights(bytes * tiles as u64, bytes);
     let end = |i: usize| u32_of(ends.get(i).copied().unwrap_or(w.rows), "product end");
-    let grid_x = w.rows.min(max.min(32768));
+    let groups = product_grid(ctx, w.format, w.rows, tiles);
     let params = MatmulParams {
         rows: u32_of(w.rows, "rows")?,
         cols: u32_of(w.cols, "cols")?,
@@ -184,7 +200,7 @@ pub fn multi_product(
         row_bytes: u32_of(w.row_bytes, "row_bytes")?,
         x_offset: u32_of(x.offset, "x offset")?,
         x_stride: u32_of(x.stride, "x stride")?,
-        grid_x: grid_x as u32,
+        grid_x: groups[0],
         outputs: k as u32,
         end1: end(0)?,
         end2: end(1)?,
@@ -198,7 +214,6 @@ pub fn multi_product(
     let y = |i: usize| ys.get(i).copied().unwrap_or(ys[0]);
     let bindings =
         [(0, &chunk.buffer), (1, x.buf), (2, y(0)), (3, &u), (4, y(1)), (5, y(2)), (6, y(3)), (7, y(4)), (8, y(5))];
-    let groups = [grid_x as u32, w.rows.div_ceil(grid_x) as u32, tiles as u32];
     ctx.dispatch_at(enc, &pipeline, &bindings, groups)
 }
 
@@ -224,7 +239,8 @@ pub fn swiglu_pair(
     if n_tok == 0 || rows == 0 {
         return Ok(());
     }
-    let pipeline = ctx.pipeline_entry(&name("matmul", w.format), w.format.matmul_source(), "swiglu_pair")?;
+    let src = w.format.matmul_source_with(ctx.reduce());
+    let pipeline = ctx.pipeline_entry(&product_name(ctx, "matmul", w.format), &src, "swiglu_pair")?;
     let max = ctx.limits.max_compute_workgroups_per_dimension as usize;
     let tiles = n_tok.div_ceil(MATMUL_TILE);
     if tiles > max {
@@ -232,7 +248,7 @@ pub fn swiglu_pair(
     }
     let bytes = (w.rows * w.row_bytes) as u64;
     ctx.note_weights(bytes * tiles as u64, bytes);
-    let grid_x = rows.min(max.min(32768));
+    let groups = product_grid(ctx, w.format, rows, tiles);
     let params = MatmulParams {
         rows: u32_of(rows, "rows")?,
         cols: u32_of(w.cols, "cols")?,
@@ -242,12 +258,11 @@ pub fn swiglu_pair(
         x_stride: u32_of(x.stride, "x stride")?,
         y_offset: u32_of(y.offset, "y offset")?,
         y_stride: u32_of(y.stride, "y stride")?,
-        grid_x: grid_x as u32,
+        grid_x: groups[0],
         limit,
         ..Default::default()
     };
     let u = ctx.uniform("swiglu pair params", &params);
-    let groups = [grid_x as u32, rows.div_ceil(grid_x) as u32, tiles as u32];
     ctx.dispatch(enc, &pipeline, &[&chunk.buffer, x.buf, y.buf, &u], groups)
 }
 
@@ -364,8 +379,8 @@ mod accuracy_tests {
     }
 
     /// Longest chain of roundings one product goes through in the WGSL kernel (see `quant_*.wgsl`, `matmul.wgsl`):
-    /// the in-block products and partial sums, the invocation's loop over its blocks, the 64-lane tree (6), the
-    /// optional accumulate (1), plus 3 for the reference's dequantization.
+    /// the in-block products and partial sums, the lane's loop over its blocks, the lane tree (log2 of the lanes per
+    /// row), the optional accumulate (1), plus 3 for the reference's dequantization.
     fn gpu_chain(ty: GgmlType, cols: usize) -> usize {
         let in_block = match ty {
             GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 => 1,
@@ -379,7 +394,8 @@ mod accuracy_tests {
             GgmlType::Iq2Xxs => 1 + 32 + 3 + 8,
             other => panic!("no WGSL matmul for {other}"),
         };
-        in_block + (cols / ty.block_values()).div_ceil(64) + 6 + 1 + 3
+        let lanes = super::super::weights::weight_format(ty).expect("a WGSL format").row_lanes();
+        in_block + (cols / ty.block_values()).div_ceil(lanes) + lanes.ilog2() as usize + 1 + 3
     }
 
     /// Per row: the magnitudes `(|d·sc·q|, |dmin·m|)` split as the kernels sum them (the second is zero for the

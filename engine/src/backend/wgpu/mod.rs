@@ -32,9 +32,11 @@
 //! storage binding limit: ~128 MiB on lavapipe), so very long contexts or many sessions need a pool split across
 //! bindings (the roll-back log's chunk pools too: one buffer per layer and input); key and row lists are small
 //! fresh buffers per dispatch and the RoPE tables one per tick and flavour (uniform blocks and bind groups are
-//! cached; the tensor buffers are reused, grown only when the batch grows); a product is one workgroup per output
-//! row (and per tile of 8 tokens: a prefill streams each weight row once per tile) with a shared-memory
-//! reduction — no subgroup operations or several rows per workgroup yet. The context counts
+//! cached; the tensor buffers are reused, grown only when the batch grows); a product's workgroup takes several
+//! output rows (`64 / row_lanes` of the weight format) and a tile of 8 tokens (a prefill streams each weight row
+//! once per tile), its lanes summed by subgroup shuffles where the adapter has subgroups (the same bits as the
+//! workgroup-memory tree: `shaders-wgsl/src/wgsl/lanes.wgsl`); no 16-byte loads or integer dot products yet, and
+//! prefill is not tiled through workgroup memory. The context counts
 //! what a tick costs ([`crate::backend::device::DeviceCounters`]: dispatches, syncs, bytes each way, weight bytes
 //! fetched against each row once), printed by `ds4-bench --backend wgpu`.
 
@@ -60,6 +62,8 @@ mod candidates_tests;
 mod fallback_tests;
 #[cfg(test)]
 mod golden_tests;
+#[cfg(test)]
+mod lanes_tests;
 #[cfg(test)]
 mod ops_tests;
 #[cfg(test)]

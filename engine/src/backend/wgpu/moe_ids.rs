@@ -8,7 +8,7 @@ use ds4_shaders_wgsl as sh;
 use ds4_shaders_wgsl::params::{CombineParams, IdsParams};
 
 use super::context::{backend_err, Enc, WgpuContext};
-use super::matmul::{u32_of, View};
+use super::matmul::{product_grid, u32_of, View};
 use super::weights::GpuWeight;
 use crate::error::Result;
 
@@ -119,8 +119,9 @@ fn ids_dispatch(
     if z > max {
         return Err(backend_err(format!("{what} {}: {n_pairs} pairs exceed one dispatch", w.name)));
     }
-    let pl = ctx.pipeline_entry(&format!("matmul_ids_{:?}", w.format), sh::matmul_ids_source(w.format), entry)?;
-    let grid_x = out_rows.min(max.min(32768));
+    let name = format!("matmul_ids_{:?}_{}", w.format, ctx.reduce().tag());
+    let pl = ctx.pipeline_entry(&name, &w.format.matmul_ids_source_with(ctx.reduce()), entry)?;
+    let groups = product_grid(ctx, w.format, out_rows, z);
     let expert_bytes = (expert_rows * w.row_bytes) as u64;
     let experts = n_pairs.min(w.rows / expert_rows) as u64;
     ctx.note_weights(n_pairs as u64 * expert_bytes, experts * expert_bytes);
@@ -140,12 +141,11 @@ fn ids_dispatch(
             x_div: u32_of(x_div, "x div")?,
             y_offset: u32_of(y.offset, "y offset")?,
             y_stride: u32_of(y.stride, "y stride")?,
-            grid_x: grid_x as u32,
+            grid_x: groups[0],
             ..Default::default()
         };
         set(&mut p, ci);
         let u = ctx.uniform(entry, &p);
-        let groups = [grid_x as u32, out_rows.div_ceil(grid_x) as u32, z as u32];
         let mut bindings = vec![(0, &chunk.buffer), (1, x.buf), (2, y.buf), (3, &u), (4, ids)];
         bindings.extend(aux.map(|a| (5, a)));
         ctx.dispatch_at(enc, &pl, &bindings, groups)?;

@@ -3,7 +3,7 @@
 //!
 //! While timing is on ([`super::context::WgpuContext::start_timing`]), every dispatch's compute pass writes a
 //! timestamp at its start and end into a query set (up to [`TIMED_DISPATCHES`] dispatches; later ones are not
-//! timed), labelled with its pipeline (`matmul_Q8_0::multi`, …); [`super::context::WgpuContext::finish_timing`]
+//! timed), labelled with its pipeline (`matmul_Q8_0_sg32::multi`, …); [`super::context::WgpuContext::finish_timing`]
 //! resolves them (one submission and one readback of its own, outside what a tick counts) and returns each timed
 //! dispatch's seconds. A pass per dispatch is what the backend records, so the begin/end pair of a pass is its
 //! dispatch.
