@@ -36,8 +36,8 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
     }
     let row = ids[2u * k];
     let out = ids[2u * k + 1u];
-    let b = row * p.row_bytes + (c / BLOCK_VALUES) * BLOCK_BYTES;
-    y[p.y_offset + out * p.y_stride + c] = block_value(b, c % BLOCK_VALUES);
+    let nb = p.cols / BLOCK_VALUES;
+    y[p.y_offset + out * p.y_stride + c] = block_value(row * p.row_bytes, c / BLOCK_VALUES, nb, c % BLOCK_VALUES);
 }
 
 @compute @workgroup_size(64)
@@ -52,7 +52,7 @@ fn embed_norm(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
     var ss = 0.0;
     for (var i = li; i < n; i += 64u) {
         let c = i % p.cols;
-        let v = block_value(rb + (c / BLOCK_VALUES) * BLOCK_BYTES, c % BLOCK_VALUES);
+        let v = block_value(rb, c / BLOCK_VALUES, p.cols / BLOCK_VALUES, c % BLOCK_VALUES);
         y[r * n + i] = v;
         ss += v * v;
     }
@@ -67,6 +67,6 @@ fn embed_norm(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
     let scale = inverseSqrt(partial[0] / f32(n) + p.eps);
     for (var i = li; i < n; i += 64u) {
         let c = i % p.cols;
-        y2[r * n + i] = block_value(rb + (c / BLOCK_VALUES) * BLOCK_BYTES, c % BLOCK_VALUES) * scale;
+        y2[r * n + i] = block_value(rb, c / BLOCK_VALUES, p.cols / BLOCK_VALUES, c % BLOCK_VALUES) * scale;
     }
 }

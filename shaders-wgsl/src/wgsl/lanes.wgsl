@@ -28,9 +28,8 @@ fn tile_dots(li: u32, rb: u32, xb: u32, x_stride: u32, cols: u32, nt: u32, live:
     var acc: array<f32, 8>;
     if (live) {
         for (var blk = lane; blk < nb; blk += ROW_LANES) {
-            let b = rb + blk * BLOCK_BYTES;
             for (var t = 0u; t < nt; t++) {
-                acc[t] += block_dot(b, xb + t * x_stride + blk * BLOCK_VALUES);
+                acc[t] += block_dot(rb, blk, nb, xb + t * x_stride + blk * BLOCK_VALUES);
             }
         }
     }

@@ -9,10 +9,12 @@ const ROW_LANES: u32 = 32u;
 // start by every invocation.
 fn quant_setup(li: u32) {}
 
-fn block_value(b: u32, i: u32) -> f32 {
+fn block_value(rb: u32, blk: u32, nb: u32, i: u32) -> f32 {
+    let b = rb + blk * BLOCK_BYTES;
     return bitcast<f32>(ld_u16(b) << 16u);
 }
 
-fn block_dot(b: u32, x0: u32) -> f32 {
+fn block_dot(rb: u32, blk: u32, nb: u32, x0: u32) -> f32 {
+    let b = rb + blk * BLOCK_BYTES;
     return bitcast<f32>(ld_u16(b) << 16u) * x[x0];
 }

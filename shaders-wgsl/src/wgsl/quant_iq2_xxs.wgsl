@@ -48,7 +48,8 @@ fn iq2_signs(s7: u32) -> u32 {
     return s7 | ((countOneBits(s7) & 1u) << 7u);
 }
 
-fn block_value(b: u32, i: u32) -> f32 {
+fn block_value(rb: u32, blk: u32, nb: u32, i: u32) -> f32 {
+    let b = rb + blk * BLOCK_BYTES;
     let g = i / 32u;
     let l = (i % 32u) / 8u;
     let j = i % 8u;
@@ -62,7 +63,8 @@ fn block_value(b: u32, i: u32) -> f32 {
     return db * iq2_mag((half >> (2u * j)) & 3u) * sgn;
 }
 
-fn block_dot(b: u32, x0: u32) -> f32 {
+fn block_dot(rb: u32, blk: u32, nb: u32, x0: u32) -> f32 {
+    let b = rb + blk * BLOCK_BYTES;
     let d = ld_f16(b);
     var s = 0.0;
     for (var g = 0u; g < 8u; g++) {

@@ -11,7 +11,8 @@ const ROW_LANES: u32 = 8u;
 // start by every invocation.
 fn quant_setup(li: u32) {}
 
-fn block_value(b: u32, i: u32) -> f32 {
+fn block_value(rb: u32, blk: u32, nb: u32, i: u32) -> f32 {
+    let b = rb + blk * BLOCK_BYTES;
     let n = i / 128u;
     let j = (i % 128u) / 32u;
     let h = (i % 32u) / 16u;
@@ -21,7 +22,8 @@ fn block_value(b: u32, i: u32) -> f32 {
     return ld_f16(b + 80u) * f32(sc & 15u) * f32(q) - ld_f16(b + 82u) * f32(sc >> 4u);
 }
 
-fn block_dot(b: u32, x0: u32) -> f32 {
+fn block_dot(rb: u32, blk: u32, nb: u32, x0: u32) -> f32 {
+    let b = rb + blk * BLOCK_BYTES;
     let d = ld_f16(b + 80u);
     let dmin = ld_f16(b + 82u);
     var s = 0.0;

@@ -21,7 +21,8 @@ fn q4k_scale_min(b: u32, s: u32) -> vec2<u32> {
     return vec2<u32>(sc, m);
 }
 
-fn block_value(b: u32, i: u32) -> f32 {
+fn block_value(rb: u32, blk: u32, nb: u32, i: u32) -> f32 {
+    let b = rb + blk * BLOCK_BYTES;
     let j = i / 64u;
     let h = (i % 64u) / 32u;
     let l = i % 32u;
@@ -30,7 +31,8 @@ fn block_value(b: u32, i: u32) -> f32 {
     return ld_f16(b) * f32(sm.x) * f32(q) - ld_f16(b + 2u) * f32(sm.y);
 }
 
-fn block_dot(b: u32, x0: u32) -> f32 {
+fn block_dot(rb: u32, blk: u32, nb: u32, x0: u32) -> f32 {
+    let b = rb + blk * BLOCK_BYTES;
     let d = ld_f16(b);
     let dmin = ld_f16(b + 2u);
     var s = 0.0;

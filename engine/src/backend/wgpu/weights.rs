@@ -42,6 +42,25 @@ fn format_and_row_bytes(name: &str, ty: GgmlType, cols: usize) -> Result<(Weight
     Ok((format, row_bytes))
 }
 
+/// `bytes` (whole rows of `row_bytes` bytes in file encoding) as the device holds them: Q8_0 rows repacked — the
+/// row's quants first (32 bytes a block), then its f16 scales — so the kernel reads a block's quants as aligned
+/// words (`quant_q8_0.wgsl`); every other format as it is. The same number of bytes.
+pub fn repack_rows(format: WeightFormat, row_bytes: usize, bytes: &[u8]) -> std::borrow::Cow<'_, [u8]> {
+    if format != WeightFormat::Q8_0 || row_bytes == 0 {
+        return std::borrow::Cow::Borrowed(bytes);
+    }
+    let nb = row_bytes / 34;
+    let mut out = vec![0u8; bytes.len()];
+    for (src, dst) in bytes.chunks_exact(row_bytes).zip(out.chunks_exact_mut(row_bytes)) {
+        let (quants, scales) = dst.split_at_mut(32 * nb);
+        for (j, block) in src.chunks_exact(34).enumerate() {
+            scales[2 * j..2 * j + 2].copy_from_slice(&block[..2]);
+            quants[32 * j..32 * j + 32].copy_from_slice(&block[2..]);
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
 /// One buffer holding rows `first_row .. first_row + rows` of a weight.
 pub struct WeightChunk {
     pub first_row: usize,
@@ -111,7 +130,10 @@ impl GpuWeight {
             .map(|(first_row, n)| WeightChunk {
                 first_row,
                 rows: n,
-                buffer: ctx.storage_init(name, &data[first_row * row_bytes..(first_row + n) * row_bytes]),
+                buffer: ctx.storage_init(
+                    name,
+                    &repack_rows(format, row_bytes, &data[first_row * row_bytes..(first_row + n) * row_bytes]),
+                ),
             })
             .collect::<Vec<_>>();
         tracing::debug!(name, %ty, rows, cols, chunks = chunks.len(), "uploaded weight");
@@ -152,7 +174,11 @@ impl GpuWeight {
                         if within < group { (a, g * group + within) } else { (b, g * group + within - group) };
                     bytes.extend_from_slice(&half[src * row_bytes..(src + 1) * row_bytes]);
                 }
-                WeightChunk { first_row, rows: n, buffer: ctx.storage_init(name, &bytes) }
+                WeightChunk {
+                    first_row,
+                    rows: n,
+                    buffer: ctx.storage_init(name, &repack_rows(format, row_bytes, &bytes)),
+                }
             })
             .collect::<Vec<_>>();
         tracing::debug!(name, %ty, rows = 2 * rows, cols, chunks = chunks.len(), "uploaded interleaved weights");
@@ -190,6 +216,24 @@ mod tests {
             next += n;
         }
         assert_eq!(next, rows);
+    }
+
+    /// Q8_0 rows keep their bytes, moved: block j's quants to 32·j, its scale to 32·nb + 2·j; other formats are
+    /// untouched.
+    #[test]
+    fn q8_0_rows_are_repacked_quants_then_scales() {
+        let (nb, rows) = (3usize, 2usize);
+        let data: Vec<u8> = (0..rows * nb * 34).map(|i| (i * 7 % 251) as u8).collect();
+        let out = repack_rows(WeightFormat::Q8_0, nb * 34, &data);
+        assert_eq!(out.len(), data.len());
+        for r in 0..rows {
+            let (src, dst) = (&data[r * nb * 34..(r + 1) * nb * 34], &out[r * nb * 34..(r + 1) * nb * 34]);
+            for j in 0..nb {
+                assert_eq!(dst[32 * j..32 * j + 32], src[34 * j + 2..34 * j + 34], "row {r} block {j} quants");
+                assert_eq!(dst[32 * nb + 2 * j..32 * nb + 2 * j + 2], src[34 * j..34 * j + 2], "row {r} block {j} d");
+            }
+        }
+        assert_eq!(&*repack_rows(WeightFormat::Q4K, 144, &data[..144]), &data[..144]);
     }
 
     #[test]
