@@ -261,6 +261,12 @@ pub const COPY: &str = include_str!("wgsl/copy.wgsl");
 /// Device-resident KV helpers (`kvdev.wgsl`, entry `add_ape`).
 pub const KVDEV: &str = include_str!("wgsl/kvdev.wgsl");
 
+/// The probe of the subgroup layout the product kernels assume (`lane_probe.wgsl`, entry `main`), for an adapter
+/// whose smallest subgroup has `min_size` invocations.
+pub fn lane_probe_source(min_size: u32) -> String {
+    format!("const SG: u32 = {min_size}u;\n{}", include_str!("wgsl/lane_probe.wgsl"))
+}
+
 /// Every shader source with a name and its entry points, for validation and pipeline warm-up.
 /// The product kernels come in their workgroup-memory form and their subgroup forms for smallest subgroup sizes 4
 /// (the least an adapter reports), 32 and 64.
@@ -296,6 +302,7 @@ pub fn all_sources() -> Vec<(&'static str, Cow<'static, str>, &'static [&'static
     v.push(("moe_ids", MOE_IDS.into(), &["combine"]));
     v.push(("candidates", CANDIDATES.into(), &["main"]));
     v.push(("copy", COPY.into(), &["main", "zero"]));
+    v.push(("lane_probe", lane_probe_source(32).into(), &["main"]));
     v
 }
 

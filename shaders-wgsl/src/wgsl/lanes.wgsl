@@ -9,9 +9,10 @@
 // lane l + s). The steps with s ≥ SG go through workgroup memory, the others through subgroup shuffles (a
 // butterfly: lane l adds lane l ^ s, which for the lanes that matter is l + s), so lane 0 ends with the same value
 // bit for bit on every adapter, with or without subgroups. A token's value does not depend on the tile it is in.
-// Subgroups are taken to hold consecutive local invocation indices (true of every Vulkan, Metal and D3D12 driver
-// for a one-dimensional workgroup); SG never exceeds the adapter's smallest subgroup, so the lanes a shuffle pairs
-// lie in one subgroup.
+// Subgroups are taken to hold consecutive local invocation indices, as drivers lay out a one-dimensional
+// workgroup (no API promises it: the engine checks it with lane_probe.wgsl when a device opens and sums through
+// workgroup memory where it does not hold); SG never exceeds the adapter's smallest subgroup, so the lanes a
+// shuffle pairs lie in one subgroup.
 
 const WG: u32 = 64u;
 const ROWS: u32 = WG / ROW_LANES;

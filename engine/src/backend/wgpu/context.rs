@@ -227,7 +227,7 @@ impl WgpuContext {
             usage: wgpu::BufferUsages::STORAGE,
             mapped_at_creation: false,
         });
-        Ok(Self {
+        let mut ctx = Self {
             device,
             queue,
             info,
@@ -253,7 +253,48 @@ impl WgpuContext {
             weights_fetched: AtomicU64::new(0),
             weights_min: AtomicU64::new(0),
             split_dispatches: AtomicU64::new(0),
-        })
+        };
+        ctx.check_subgroups();
+        Ok(ctx)
+    }
+
+    /// Keeps subgroup lane sums only where the probe finds the subgroups holding consecutive local invocation
+    /// indices (what the product kernels' shuffles assume; no API promises it); otherwise, or when the probe cannot
+    /// run, sums through workgroup memory (the same results, more barriers). Leaves the counters at zero.
+    fn check_subgroups(&mut self) {
+        let Reduce::Subgroup { min_size } = self.reduce else { return };
+        let why = match self.subgroups_are_consecutive(min_size) {
+            Ok(true) => None,
+            Ok(false) => Some("subgroups do not hold consecutive invocations".to_string()),
+            Err(e) => Some(format!("the subgroup probe failed: {e}")),
+        };
+        if let Some(why) = why {
+            tracing::warn!(adapter = %self.info.name, "{why}; product lane sums go through workgroup memory");
+            self.reduce = Reduce::Shared;
+        }
+        for c in [
+            &self.submits,
+            &self.readbacks,
+            &self.dispatches,
+            &self.bind_groups,
+            &self.passes,
+            &self.copy_kernels,
+            &self.host_to_device,
+            &self.device_to_host,
+        ] {
+            c.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// Runs `lane_probe.wgsl` for subgroups of at least `min_size`: whether every invocation found its shuffle
+    /// partners at `li ^ s`.
+    pub(crate) fn subgroups_are_consecutive(&self, min_size: u32) -> Result<bool> {
+        let pl = self.pipeline(&format!("lane_probe_sg{min_size}"), &ds4_shaders_wgsl::lane_probe_source(min_size))?;
+        let out = self.storage_zeroed("lane probe", 64);
+        let mut enc = self.encoder();
+        self.dispatch(&mut enc, &pl, &[&out], [1, 1, 1])?;
+        let got = self.submit_read_u32(enc, &out, 0, 64)?;
+        Ok(got.iter().all(|&v| v == 1))
     }
 
     /// Everything counted so far (monotonic; subtract two reads to count a tick's).
