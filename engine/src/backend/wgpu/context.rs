@@ -272,6 +272,11 @@ impl WgpuContext {
             tracing::warn!(adapter = %self.info.name, "{why}; product lane sums go through workgroup memory");
             self.reduce = Reduce::Shared;
         }
+        self.reset_counters();
+    }
+
+    /// Zeroes every counter [`WgpuContext::counters`] reads.
+    fn reset_counters(&self) {
         for c in [
             &self.submits,
             &self.readbacks,
@@ -281,6 +286,9 @@ impl WgpuContext {
             &self.copy_kernels,
             &self.host_to_device,
             &self.device_to_host,
+            &self.weights_fetched,
+            &self.weights_min,
+            &self.split_dispatches,
         ] {
             c.store(0, Ordering::Relaxed);
         }
@@ -370,14 +378,26 @@ impl WgpuContext {
 
     /// The compute pipeline for entry point `entry` of WGSL `source`, compiled once per (`name`, `entry`).
     pub fn pipeline_entry(&self, name: &str, source: &str, entry: &str) -> Result<Arc<wgpu::ComputePipeline>> {
+        self.pipeline_lazy(name, entry, || source.into())
+    }
+
+    /// [`WgpuContext::pipeline_entry`] for a source composed at run time: `source` is called only when the
+    /// pipeline is not compiled yet, so a cached pipeline costs no composition.
+    pub fn pipeline_lazy<'s>(
+        &self,
+        name: &str,
+        entry: &str,
+        source: impl FnOnce() -> std::borrow::Cow<'s, str>,
+    ) -> Result<Arc<wgpu::ComputePipeline>> {
         let key = format!("{name}::{entry}");
         if let Some(p) = self.pipelines.lock().get(&key) {
             return Ok(p.clone());
         }
+        let source = source();
         let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
         let module = self.device.create_shader_module(wgpu::ShaderModuleDescriptor {
             label: Some(name),
-            source: wgpu::ShaderSource::Wgsl(source.into()),
+            source: wgpu::ShaderSource::Wgsl(source),
         });
         let pipeline = self.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
             label: Some(name),

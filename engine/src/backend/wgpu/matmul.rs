@@ -14,6 +14,7 @@
 
 use ds4_shaders_wgsl::params::{GetRowsParams, MatmulParams};
 use std::ops::Range;
+use std::sync::Arc;
 
 use ds4_shaders_wgsl::WeightFormat;
 
@@ -45,9 +46,23 @@ fn name(kind: &str, f: WeightFormat) -> String {
     format!("{kind}_{f:?}")
 }
 
-/// The pipeline name of a product kernel: kind, format and the device's lane-sum variant.
-fn product_name(ctx: &WgpuContext, kind: &str, f: WeightFormat) -> String {
-    format!("{kind}_{f:?}_{}", ctx.reduce().tag())
+/// The compiled entry `entry` of `matmul.wgsl` (`ids` false) or `matmul_ids.wgsl` (`ids` true) over format `f`, in
+/// the device's lane-sum variant (named `{kernel}_{format}_{variant}`; the source is composed only to compile it).
+pub(crate) fn product_pipeline(
+    ctx: &WgpuContext,
+    f: WeightFormat,
+    ids: bool,
+    entry: &str,
+) -> Result<Arc<wgpu::ComputePipeline>> {
+    let r = ctx.reduce();
+    let kernel = if ids { "matmul_ids" } else { "matmul" };
+    ctx.pipeline_lazy(&format!("{kernel}_{f:?}_{}", r.tag()), entry, || {
+        if ids {
+            f.matmul_ids_source_with(r)
+        } else {
+            f.matmul_source_with(r)
+        }
+    })
 }
 
 /// The dispatch grid for `rows` weight rows of format `f` (`rows_per_workgroup` each) and `z` tiles or pairs:
@@ -117,7 +132,7 @@ fn product(
     if n_tok == 0 || rows.is_empty() {
         return Ok(());
     }
-    let pipeline = ctx.pipeline(&product_name(ctx, "matmul", w.format), &w.format.matmul_source_with(ctx.reduce()))?;
+    let pipeline = product_pipeline(ctx, w.format, false, "main")?;
     let max = ctx.limits.max_compute_workgroups_per_dimension as usize;
     let tiles = n_tok.div_ceil(MATMUL_TILE);
     if tiles > max {
@@ -182,8 +197,7 @@ pub fn multi_product(
     if n_tok == 0 || w.rows == 0 {
         return Ok(());
     }
-    let src = w.format.matmul_source_with(ctx.reduce());
-    let pipeline = ctx.pipeline_entry(&product_name(ctx, "matmul", w.format), &src, "multi")?;
+    let pipeline = product_pipeline(ctx, w.format, false, "multi")?;
     let max = ctx.limits.max_compute_workgroups_per_dimension as usize;
     let tiles = n_tok.div_ceil(MATMUL_TILE);
     if tiles > max {
@@ -239,8 +253,7 @@ pub fn swiglu_pair(
     if n_tok == 0 || rows == 0 {
         return Ok(());
     }
-    let src = w.format.matmul_source_with(ctx.reduce());
-    let pipeline = ctx.pipeline_entry(&product_name(ctx, "matmul", w.format), &src, "swiglu_pair")?;
+    let pipeline = product_pipeline(ctx, w.format, false, "swiglu_pair")?;
     let max = ctx.limits.max_compute_workgroups_per_dimension as usize;
     let tiles = n_tok.div_ceil(MATMUL_TILE);
     if tiles > max {

@@ -8,7 +8,7 @@ use ds4_shaders_wgsl as sh;
 use ds4_shaders_wgsl::params::{CombineParams, IdsParams};
 
 use super::context::{backend_err, Enc, WgpuContext};
-use super::matmul::{product_grid, u32_of, View};
+use super::matmul::{product_grid, product_pipeline, u32_of, View};
 use super::weights::GpuWeight;
 use crate::error::Result;
 
@@ -119,8 +119,7 @@ fn ids_dispatch(
     if z > max {
         return Err(backend_err(format!("{what} {}: {n_pairs} pairs exceed one dispatch", w.name)));
     }
-    let name = format!("matmul_ids_{:?}_{}", w.format, ctx.reduce().tag());
-    let pl = ctx.pipeline_entry(&name, &w.format.matmul_ids_source_with(ctx.reduce()), entry)?;
+    let pl = product_pipeline(ctx, w.format, true, entry)?;
     let groups = product_grid(ctx, w.format, out_rows, z);
     let expert_bytes = (expert_rows * w.row_bytes) as u64;
     let experts = n_pairs.min(w.rows / expert_rows) as u64;

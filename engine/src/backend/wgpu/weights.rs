@@ -49,13 +49,15 @@ pub fn repack_rows(format: WeightFormat, row_bytes: usize, bytes: &[u8]) -> std:
     if format != WeightFormat::Q8_0 || row_bytes == 0 {
         return std::borrow::Cow::Borrowed(bytes);
     }
-    let nb = row_bytes / 34;
+    // A block: the f16 scale, then `values` one-byte quants.
+    let (values, block_bytes) = format.block();
+    let nb = row_bytes / block_bytes;
     let mut out = vec![0u8; bytes.len()];
     for (src, dst) in bytes.chunks_exact(row_bytes).zip(out.chunks_exact_mut(row_bytes)) {
-        let (quants, scales) = dst.split_at_mut(32 * nb);
-        for (j, block) in src.chunks_exact(34).enumerate() {
+        let (quants, scales) = dst.split_at_mut(values * nb);
+        for (j, block) in src.chunks_exact(block_bytes).enumerate() {
             scales[2 * j..2 * j + 2].copy_from_slice(&block[..2]);
-            quants[32 * j..32 * j + 32].copy_from_slice(&block[2..]);
+            quants[values * j..values * (j + 1)].copy_from_slice(&block[2..]);
         }
     }
     std::borrow::Cow::Owned(out)
