@@ -210,6 +210,9 @@ pub struct IndexerParams {
     /// Multiplies each head weight as it is read (1: none), the f32 product a `Scale` of the weights would store.
     pub w_scale: f32,
     pub scale: f32,
+    /// The row of token 0 in `q`, `w` and `sel` (a run's first batch row).
+    pub row0: u32,
+    pub _p: [u32; 3],
 }
 
 /// `Params` of `moe.wgsl` ([`crate::MOE`]).
@@ -272,15 +275,29 @@ pub struct CandParams {
     pub _p: u32,
 }
 
-/// `Params` of `copy.wgsl` ([`crate::COPY`]).
+/// `Params` of `copy.wgsl` ([`crate::COPY`]): up to four segments, each `[n, src_off, dst_off, 0]` in u32 words.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct CopyParams {
-    /// Words.
-    pub n: u32,
-    pub src_off: u32,
-    pub dst_off: u32,
-    pub _p: u32,
+    pub s0: [u32; 4],
+    pub s1: [u32; 4],
+    pub s2: [u32; 4],
+    pub s3: [u32; 4],
+}
+
+impl CopyParams {
+    /// The most segments one dispatch copies.
+    pub const SEGMENTS: usize = 4;
+
+    /// Segment `i`'s words (`i < SEGMENTS`).
+    pub fn seg_mut(&mut self, i: usize) -> &mut [u32; 4] {
+        match i {
+            0 => &mut self.s0,
+            1 => &mut self.s1,
+            2 => &mut self.s2,
+            _ => &mut self.s3,
+        }
+    }
 }
 
 /// One parameter block's Rust layout.
@@ -380,7 +397,7 @@ pub fn all() -> Vec<ParamsLayout> {
             ]
         ),
         layout!(CompressParams, COMPRESS, [n_windows, slots, dim, src_stride, ape_stride, out_offset, out_stride, _p0]),
-        layout!(IndexerParams, INDEXER, [n_tok, n_keys, heads, dim, k, page_shift, w_scale, scale]),
+        layout!(IndexerParams, INDEXER, [n_tok, n_keys, heads, dim, k, page_shift, w_scale, scale, row0, _p]),
         layout!(
             MoeParams,
             MOE,
@@ -406,6 +423,6 @@ pub fn all() -> Vec<ParamsLayout> {
         layout!(ActParams, ACT, [rows, n, stride, block, heads, rope_dim, _p0, _p1]),
         layout!(ScaleParams, SCALE, [n, _p0, _p1, factor]),
         layout!(CandParams, CANDIDATES, [vocab, k, rows, _p]),
-        layout!(CopyParams, COPY, [n, src_off, dst_off, _p]),
+        layout!(CopyParams, COPY, [s0, s1, s2, s3]),
     ]
 }

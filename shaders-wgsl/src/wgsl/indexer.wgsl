@@ -3,12 +3,13 @@
 // Entry `scores` (dispatch (ceil(n_keys / 64), n_tok, 1)): for token t and key row s < n_keys,
 //   I(t, s) = sum_h (w[t, h] * w_scale) * relu(q[t, h, :] . k[s, :]) * scale   if s < limit[t], else -inf,
 //   (w_scale: a scaling of the head weights done as they are read, bit for bit a `Scale` of them first; 1: none),
-//   q[t, h, :] at t * heads * dim + h * dim, w[t, h] at t * heads + h, k[s, :] at page_row(s) * dim (`kr` is the
+//   q[t, h, :] at (row0 + t) * heads * dim + h * dim, w[t, h] at (row0 + t) * heads + h (`row0`: the batch row of
+//   token 0, so a run's rows are read in place), k[s, :] at page_row(s) * dim (`kr` is the
 //   layer's page pool, `ptab` the session's page table: `pages.wgsl`),
 //   out sc[t * n_keys + s].
 // Entry `topk` (one workgroup of 64 per token, dispatch (n_tok, 1, 1)): picks kk = min(k, limit[t]) rows of
 //   sc[t, 0 .. n_keys] with the largest scores among s < limit[t], ties broken towards the lowest index, and writes
-//   them in ascending index order to sel[t * k ..], padding with 0xffffffff. A radix select over the scores'
+//   them in ascending index order to sel[(row0 + t) * k ..], padding with 0xffffffff. A radix select over the scores'
 //   order-preserving u32 keys finds the kk-th largest key T, then a stable compaction emits every key > T plus the
 //   first (lowest-index) keys == T.
 struct Params {
@@ -20,6 +21,10 @@ struct Params {
     page_shift: u32,
     w_scale: f32,
     scale: f32,
+    row0: u32,
+    _p0: u32,
+    _p1: u32,
+    _p2: u32,
 }
 
 @group(0) @binding(0) var<storage, read_write> q: array<f32>;
@@ -45,12 +50,12 @@ fn scores(@builtin(global_invocation_id) gid: vec3<u32>) {
         acc = 0.0;
         let kb = page_row(s) * p.dim;
         for (var h = 0u; h < p.heads; h++) {
-            let qb = (t * p.heads + h) * p.dim;
+            let qb = ((p.row0 + t) * p.heads + h) * p.dim;
             var d = 0.0;
             for (var c = 0u; c < p.dim; c++) {
                 d += q[qb + c] * kr[kb + c];
             }
-            acc += (wt[t * p.heads + h] * p.w_scale) * max(d, 0.0) * p.scale;
+            acc += (wt[(p.row0 + t) * p.heads + h] * p.w_scale) * max(d, 0.0) * p.scale;
         }
     }
     sc[t * p.n_keys + s] = acc;
@@ -72,7 +77,7 @@ fn topk(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     let n = min(limit[t], p.n_keys);
     let kk = min(p.k, n);
     let base = t * p.n_keys;
-    let ob = t * p.k;
+    let ob = (p.row0 + t) * p.k;
     for (var i = li; i < p.k; i += 64u) {
         sel[ob + i] = 0xffffffffu;
     }

@@ -8,6 +8,9 @@
 // f32 operations as the two kernels one after the other, so the result is theirs bit for bit. With fp8_block != 0
 // the values before the rope slice then get `act.wgsl`'s FP8 simulation (blocks of fp8_block, one invocation per
 // block, after a storage barrier), as its `fp8` entry computes it.
+// Entry `norm_rope_pair` (source `norm_rope_pair_source()`): two independent `norm_rope`s in one dispatch, the
+// second with its own bindings 5..9 (x, y, g, Params, cs): workgroup (r, 0) is row r of the first, (r, 1) row r of
+// the second; dispatch (max rows, 2, 1), rows below 65536.
 struct Params {
     n: u32,
     rows: u32,
@@ -23,13 +26,14 @@ struct Params {
     fp8_block: u32,
 }
 
+var<workgroup> partial: array<f32, 64>;
+
+// @rows-begin (the bindings and the row functions: `norm_rope_pair` adds a second set, renamed, at bindings 5..9)
 @group(0) @binding(0) var<storage, read_write> x: array<f32>;
 @group(0) @binding(1) var<storage, read_write> y: array<f32>;
 @group(0) @binding(2) var<storage, read> g: array<f32>;
 @group(0) @binding(3) var<uniform> p: Params;
 @group(0) @binding(4) var<storage, read> cs: array<f32>;
-
-var<workgroup> partial: array<f32, 64>;
 
 // The rsqrt scale of row r (every invocation of the workgroup gets it).
 fn row_scale(xb: u32, li: u32) -> f32 {
@@ -57,12 +61,8 @@ fn normed(xb: u32, i: u32, scale: f32) -> f32 {
     return v;
 }
 
-@compute @workgroup_size(64)
-fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
-    let r = wg.x + wg.y * p.grid_x;
-    if (r >= p.rows) {
-        return;
-    }
+// Row r of the plain norm.
+fn norm_row(r: u32, li: u32) {
     let xb = p.x_offset + r * p.x_stride;
     let scale = row_scale(xb, li);
     let yb = p.y_offset + r * p.y_stride;
@@ -71,12 +71,8 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     }
 }
 
-@compute @workgroup_size(64)
-fn norm_rope(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
-    let r = wg.x + wg.y * p.grid_x;
-    if (r >= p.rows) {
-        return;
-    }
+// Row r of `norm_rope`.
+fn norm_rope_row(r: u32, li: u32) {
     let xb = p.x_offset + r * p.x_stride;
     let scale = row_scale(xb, li);
     let yb = p.y_offset + r * p.y_stride;
@@ -112,5 +108,22 @@ fn norm_rope(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
                 }
             }
         }
+    }
+}
+// @rows-end
+
+@compute @workgroup_size(64)
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let r = wg.x + wg.y * p.grid_x;
+    if (r < p.rows) {
+        norm_row(r, li);
+    }
+}
+
+@compute @workgroup_size(64)
+fn norm_rope(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let r = wg.x + wg.y * p.grid_x;
+    if (r < p.rows) {
+        norm_rope_row(r, li);
     }
 }

@@ -111,6 +111,13 @@ impl Compress<'_> {
                 out_rows.rows
             )));
         }
+        let (w0, w1) = (p0 / ratio, (p0 + len) / ratio);
+        if w1 == w0 {
+            // No block completes: the rows only join the pending block.
+            let (src, front) = ((self.src_kv, self.src_gate), (&f.kv, &f.gate));
+            ops::front_push(ctx, enc, src, self.start, len, w, self.ape, front, p0, ratio)?;
+            return Ok(0);
+        }
         let ext_rows = 2 * ratio + len;
         let (ek, eg) = (ctx.scratch(ext_rows * w), ctx.scratch(ext_rows * w));
         let (fb, rb) = ((2 * ratio * w * 4) as u64, (w * 4) as u64);
@@ -129,53 +136,49 @@ impl Compress<'_> {
                 q % ratio
             }
         };
-        let (w0, w1) = (p0 / ratio, (p0 + len) / ratio);
-        let mut copied = 0;
-        if w1 > w0 {
-            let nw = w1 - w0;
-            let spw = coff * ratio;
-            let mut slots: Vec<PoolInput> = Vec::with_capacity(nw * spw);
-            for win in w0..w1 {
-                if coff == 2 {
-                    for s in 0..ratio {
-                        slots.push((win >= 1).then(|| (row((win - 1) * ratio + s) as u32, 0, 0)));
-                    }
-                }
-                let off = if coff == 2 { dim as u32 } else { 0 };
-                for s in 0..ratio {
-                    slots.push(Some((row(win * ratio + s) as u32, off, 0)));
-                }
-            }
-            let zero_ape = ctx.storage_zeroed("zero ape", w);
-            let out = ctx.scratch(nw * dim);
-            ops::compress_pool(ctx, enc, &ek, &eg, w, &zero_ape, 0, &slots, spw, dim, (&out, 0, dim))?;
-            ops::rms_norm(ctx, enc, (&out, 0, dim), (&out, 0, dim), Some(self.norm), dim, nw, self.eps)?;
-            let cs = ctx.storage_f32("rope", &rope_table(self.rope, (w0..w1).map(|x| x * ratio)));
-            let shape = RopeShape {
-                n_tok: nw,
-                heads: 1,
-                head_dim: dim,
-                rope_dim: self.rope_dim,
-                offset: 0,
-                tok_stride: dim,
-                head_stride: dim,
-            };
-            ops::rope(ctx, enc, &out, &cs, shape, false)?;
-            match self.sim {
-                RowSim::None => {}
-                RowSim::Fp8 { rope_dim } => ops::act_sim(ctx, enc, &out, ActSim::Fp8, nw, dim - rope_dim, dim, 64)?,
-                RowSim::Fp4 => {
-                    ops::act_sim(ctx, enc, &out, ActSim::Hadamard, nw, dim, dim, 0)?;
-                    ops::act_sim(ctx, enc, &out, ActSim::Fp4, nw, dim, dim, 32)?;
-                }
-            }
-            copied = out_rows.append(ctx, enc, pool, &out, 0, nw)?;
+        let nw = w1 - w0;
+        let spw = coff * ratio;
+        let mut slots: Vec<PoolInput> = Vec::with_capacity(nw * spw);
+        for win in w0..w1 {
             if coff == 2 {
-                let b = w1 - 1;
-                let pairs: Vec<(usize, usize)> = (0..ratio).map(|s| (row(b * ratio + s), s)).collect();
-                copy_rows(ctx, enc, &ek, &f.kv, &pairs, w);
-                copy_rows(ctx, enc, &eg, &f.gate, &pairs, w);
+                for s in 0..ratio {
+                    slots.push((win >= 1).then(|| (row((win - 1) * ratio + s) as u32, 0, 0)));
+                }
             }
+            let off = if coff == 2 { dim as u32 } else { 0 };
+            for s in 0..ratio {
+                slots.push(Some((row(win * ratio + s) as u32, off, 0)));
+            }
+        }
+        let zero_ape = ctx.storage_zeroed("zero ape", w);
+        let out = ctx.scratch(nw * dim);
+        ops::compress_pool(ctx, enc, &ek, &eg, w, &zero_ape, 0, &slots, spw, dim, (&out, 0, dim))?;
+        ops::rms_norm(ctx, enc, (&out, 0, dim), (&out, 0, dim), Some(self.norm), dim, nw, self.eps)?;
+        let cs = ctx.storage_f32("rope", &rope_table(self.rope, (w0..w1).map(|x| x * ratio)));
+        let shape = RopeShape {
+            n_tok: nw,
+            heads: 1,
+            head_dim: dim,
+            rope_dim: self.rope_dim,
+            offset: 0,
+            tok_stride: dim,
+            head_stride: dim,
+        };
+        ops::rope(ctx, enc, &out, &cs, shape, false)?;
+        match self.sim {
+            RowSim::None => {}
+            RowSim::Fp8 { rope_dim } => ops::act_sim(ctx, enc, &out, ActSim::Fp8, nw, dim - rope_dim, dim, 64)?,
+            RowSim::Fp4 => {
+                ops::act_sim(ctx, enc, &out, ActSim::Hadamard, nw, dim, dim, 0)?;
+                ops::act_sim(ctx, enc, &out, ActSim::Fp4, nw, dim, dim, 32)?;
+            }
+        }
+        let copied = out_rows.append(ctx, enc, pool, &out, 0, nw)?;
+        if coff == 2 {
+            let b = w1 - 1;
+            let pairs: Vec<(usize, usize)> = (0..ratio).map(|s| (row(b * ratio + s), s)).collect();
+            copy_rows(ctx, enc, &ek, &f.kv, &pairs, w);
+            copy_rows(ctx, enc, &eg, &f.gate, &pairs, w);
         }
         // Pending slots: the last position of the run that maps to each slot (as the host push leaves them).
         let first = p0.max((p0 + len).saturating_sub(ratio));
@@ -316,7 +319,6 @@ pub fn indexer_topk(
     if ratio == 0 {
         return Err(backend_err(format!("indexer: layer {layer} does not compress")));
     }
-    let f4 = 4u64;
     let enc = t.enc(ctx);
     for_each_run(be, dk, enc, cx, layer, |run, p0, ld, lp, enc| {
         let (start, len) = (run.start, run.len);
@@ -328,13 +330,27 @@ pub fn indexer_topk(
         let n_keys = idx_rows.rows;
         let limit: Vec<u32> =
             (p0..p0 + len).map(|pos| crate::graph::visibility::compressed(pos, ratio).min(n_keys) as u32).collect();
-        let (qrun, wrun) = (run_rows(ctx, enc, &iq, start, len, ih * ihd), run_rows(ctx, enc, &iw, start, len, ih));
-        let (sc, s) = (ctx.scratch(len * n_keys.max(1)), ctx.scratch(len * topk));
+        let sc = ctx.scratch(len * n_keys.max(1));
         // The head weights carry 1/sqrt(heads) (the recipe's Scale node, or `w_scale`).
         let scale = 1.0 / (ihd as f32).sqrt();
         let keys = Paged { rows: &pool.buf, table: &idx_rows.buf, shift: pool.shift };
-        ops::indexer_topk(ctx, enc, &qrun, &keys, &wrun, &limit, n_keys, ih, ihd, topk, (w_scale, scale), &sc, &s)?;
-        ctx.copy(enc, &s, 0, &selected, (start * topk) as u64 * f4, (len * topk) as u64 * f4);
+        // The run's rows of the queries, weights and selection in place (from batch row `start`).
+        ops::indexer_topk(
+            ctx,
+            enc,
+            &iq,
+            &keys,
+            &iw,
+            start,
+            &limit,
+            n_keys,
+            ih,
+            ihd,
+            topk,
+            (w_scale, scale),
+            &sc,
+            &selected,
+        )?;
         Ok(0)
     })
 }

@@ -27,7 +27,6 @@ use wgpu::util::DeviceExt;
 
 use crate::backend::device::DeviceCounters;
 use crate::error::{Error, Result};
-use ds4_shaders_wgsl::params::CopyParams;
 use ds4_shaders_wgsl::Reduce;
 
 /// Options for [`WgpuContext::with_options`].
@@ -48,7 +47,7 @@ pub struct WgpuContext {
     pub queue: wgpu::Queue,
     pub info: wgpu::AdapterInfo,
     pub limits: wgpu::Limits,
-    max_binding: u64,
+    pub(super) max_binding: u64,
     reduce: Reduce,
     pipelines: Mutex<HashMap<String, Arc<wgpu::ComputePipeline>>>,
     /// Each pipeline's `name::entry`, for the timing labels.
@@ -70,7 +69,7 @@ pub struct WgpuContext {
     dispatches: AtomicU64,
     bind_groups: AtomicU64,
     passes: AtomicU64,
-    copy_kernels: AtomicU64,
+    pub(super) copy_kernels: AtomicU64,
     host_to_device: AtomicU64,
     device_to_host: AtomicU64,
     weights_fetched: AtomicU64,
@@ -79,24 +78,30 @@ pub struct WgpuContext {
 }
 
 /// A command encoder that keeps one compute pass open across consecutive dispatches
-/// ([`WgpuContext::dispatch_at`]): a tick's kernels between two copies are one pass. Any other use of the encoder
-/// (through `DerefMut`: copies, clears, query resolves) first ends the open pass; [`Enc::finish`] ends it too.
-/// Dispatches within a pass are ordered and see each other's writes (WebGPU's per-dispatch usage scopes), so a pass
-/// boundary is needed only where the encoder itself records something.
+/// ([`WgpuContext::dispatch_at`]): a tick's kernels between two copy commands are one pass. Copies recorded as
+/// kernels wait in the encoder ([`super::copies`]) and go out as one dispatch per batch of independent copies
+/// before the next dispatch, the next raw command ([`WgpuContext::raw_encoder`], which also ends the open pass)
+/// or the submission. Dispatches within a pass are ordered and see each other's writes (WebGPU's per-dispatch
+/// usage scopes), so a pass boundary is needed only where the encoder itself records something.
 pub struct Enc {
     /// Declared first: dropped (the pass ended) before the encoder.
-    pass: Option<wgpu::ComputePass<'static>>,
-    enc: wgpu::CommandEncoder,
+    pub(super) pass: Option<wgpu::ComputePass<'static>>,
+    pub(super) enc: wgpu::CommandEncoder,
+    /// Copies recorded but not yet dispatched, in order ([`super::copies`]).
+    pub(super) pending: Vec<super::copies::Segment>,
+    /// A dispatch held to pair with the next one ([`super::pairs`]).
+    pub(super) held: Option<super::pairs::Held>,
 }
 
 impl Enc {
-    /// Ends the open pass, if any, and finishes the encoder.
-    pub fn finish(mut self) -> wgpu::CommandBuffer {
+    /// Ends the open pass, if any, and finishes the encoder (pending copies must have been flushed).
+    fn finish(mut self) -> wgpu::CommandBuffer {
+        debug_assert!(self.pending.is_empty() && self.held.is_none());
         self.pass = None;
         self.enc.finish()
     }
 
-    fn end_pass(&mut self) {
+    pub(super) fn end_pass(&mut self) {
         self.pass = None;
     }
 }
@@ -105,14 +110,6 @@ impl std::ops::Deref for Enc {
     type Target = wgpu::CommandEncoder;
     fn deref(&self) -> &wgpu::CommandEncoder {
         &self.enc
-    }
-}
-
-impl std::ops::DerefMut for Enc {
-    /// The encoder, for a command outside a compute pass: the open pass ends first.
-    fn deref_mut(&mut self) -> &mut wgpu::CommandEncoder {
-        self.pass = None;
-        &mut self.enc
     }
 }
 
@@ -529,8 +526,20 @@ impl WgpuContext {
     }
 
     /// [`WgpuContext::dispatch_at`] with `(binding, buffer, offset, size)`: a byte range of each buffer bound
-    /// (`size` 0: the whole buffer).
+    /// (`size` 0: the whole buffer). Copies still waiting in `enc` go first.
     pub fn dispatch_ranges(
+        &self,
+        enc: &mut Enc,
+        pipeline: &wgpu::ComputePipeline,
+        buffers: &[(u32, &wgpu::Buffer, u64, u64)],
+        groups: [u32; 3],
+    ) -> Result<()> {
+        self.flush_copies(enc);
+        self.record(enc, pipeline, buffers, groups)
+    }
+
+    /// Records one dispatch (nothing waiting in `enc` is flushed: [`WgpuContext::dispatch_ranges`] does that).
+    pub(super) fn record(
         &self,
         enc: &mut Enc,
         pipeline: &wgpu::ComputePipeline,
@@ -608,76 +617,6 @@ impl WgpuContext {
         Ok(())
     }
 
-    /// Records a copy of `bytes` bytes from `src` at `src_at` to `dst` at `dst_at`: as a kernel (`copy.wgsl`), so
-    /// the tick's compute pass goes on, where the copy is whole words, the buffers distinct and each range fits a
-    /// binding; otherwise as a copy command (which ends the pass). Bits are copied exactly either way.
-    pub fn copy(&self, enc: &mut Enc, src: &wgpu::Buffer, src_at: u64, dst: &wgpu::Buffer, dst_at: u64, bytes: u64) {
-        if bytes == 0 {
-            return;
-        }
-        if src == dst || !self.words_by_kernel(enc, "main", Some((src, src_at)), (dst, dst_at), bytes) {
-            enc.copy_buffer_to_buffer(src, src_at, dst, dst_at, bytes);
-        }
-    }
-
-    /// Records zeroing `bytes` bytes of `b` at `at` (as a kernel where it can, like [`WgpuContext::copy`]).
-    pub fn clear(&self, enc: &mut Enc, b: &wgpu::Buffer, at: u64, bytes: u64) {
-        if bytes > 0 && !self.words_by_kernel(enc, "zero", None, (b, at), bytes) {
-            enc.clear_buffer(b, at, Some(bytes));
-        }
-    }
-
-    /// `copy.wgsl`'s `entry` over `bytes` bytes; `false` (nothing recorded) where a copy command must do it.
-    fn words_by_kernel(
-        &self,
-        enc: &mut Enc,
-        entry: &str,
-        src: Option<(&wgpu::Buffer, u64)>,
-        (dst, dst_at): (&wgpu::Buffer, u64),
-        bytes: u64,
-    ) -> bool {
-        let n = bytes / 4;
-        let aligned =
-            bytes.is_multiple_of(4) && dst_at.is_multiple_of(4) && src.is_none_or(|(_, at)| at.is_multiple_of(4));
-        if !aligned || n.div_ceil(64) > self.limits.max_compute_workgroups_per_dimension as u64 {
-            return false;
-        }
-        let (Some(d), s) = (self.window(dst, dst_at, bytes), src.map(|(b, at)| self.window(b, at, bytes))) else {
-            return false;
-        };
-        if s == Some(None) {
-            return false;
-        }
-        let s = s.flatten();
-        let p = CopyParams { n: n as u32, src_off: s.map_or(0, |w| w.2), dst_off: d.2, _p: 0 };
-        let Ok(pl) = self.pipeline_entry("copy", ds4_shaders_wgsl::COPY, entry) else { return false };
-        let ub = self.uniform("copy", &p);
-        let mut bound = vec![(1, dst, d.0, d.1), (2, &ub, 0, 0)];
-        if let (Some((b, _)), Some(w)) = (src, s) {
-            bound.push((0, b, w.0, w.1));
-        }
-        let ok = self.dispatch_ranges(enc, &pl, &bound, [n.div_ceil(64) as u32, 1, 1]).is_ok();
-        if ok {
-            self.copy_kernels.fetch_add(1, Ordering::Relaxed);
-        }
-        ok
-    }
-
-    /// The binding of `bytes` bytes of `b` at `at`: `(offset, size, first word within it)`, size 0 for the whole
-    /// buffer (when it fits a binding); `None` when the range does not fit one or its word offset overflows u32.
-    fn window(&self, b: &wgpu::Buffer, at: u64, bytes: u64) -> Option<(u64, u64, u32)> {
-        if !b.usage().contains(wgpu::BufferUsages::STORAGE) {
-            return None;
-        }
-        if b.size() <= self.max_binding {
-            return u32::try_from(at / 4).ok().map(|w| (0, 0, w));
-        }
-        let align = u64::from(self.limits.min_storage_buffer_offset_alignment.max(4));
-        let start = at / align * align;
-        let size = (at - start + bytes).next_multiple_of(4);
-        (size <= self.max_binding && start + size <= b.size()).then_some((start, size, ((at - start) / 4) as u32))
-    }
-
     /// Whether the device takes timestamp queries ([`super::timing`]).
     pub fn has_timestamps(&self) -> bool {
         self.device.features().contains(wgpu::Features::TIMESTAMP_QUERY)
@@ -703,7 +642,7 @@ impl WgpuContext {
             return Ok(Some(Vec::new()));
         }
         let mut enc = self.encoder();
-        enc.resolve_query_set(&t.set, 0..2 * n, &t.resolve, 0);
+        self.raw_encoder(&mut enc).resolve_query_set(&t.set, 0..2 * n, &t.resolve, 0);
         let words = self.submit_read_u32(enc, &t.resolve, 0, 4 * n as usize)?;
         let secs = super::timing::durations(&words, self.queue.get_timestamp_period());
         Ok(Some(t.labels.into_iter().zip(secs).collect()))
@@ -711,11 +650,17 @@ impl WgpuContext {
 
     /// A new command encoder.
     pub fn encoder(&self) -> Enc {
-        Enc { pass: None, enc: self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None }) }
+        Enc {
+            pass: None,
+            enc: self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None }),
+            pending: Vec::new(),
+            held: None,
+        }
     }
 
     /// Submits `enc` and waits for the device to finish, reporting validation errors raised meanwhile.
-    pub fn submit(&self, enc: Enc) -> Result<()> {
+    pub fn submit(&self, mut enc: Enc) -> Result<()> {
+        self.flush_copies(&mut enc);
         self.submits.fetch_add(1, Ordering::Relaxed);
         self.queue.submit([enc.finish()]);
         self.device
@@ -771,7 +716,7 @@ impl WgpuContext {
             usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
             mapped_at_creation: false,
         });
-        enc.copy_buffer_to_buffer(buf, (offset * 4) as u64, &staging, 0, bytes);
+        self.raw_encoder(&mut enc).copy_buffer_to_buffer(buf, (offset * 4) as u64, &staging, 0, bytes);
         self.submit(enc)?;
         let (tx, rx) = std::sync::mpsc::channel();
         staging.map_async(wgpu::MapMode::Read, .., move |r| {

@@ -354,7 +354,6 @@ pub fn norm_rope_kernel(
     if s.rows == 0 {
         return Ok(());
     }
-    let pl = ctx.pipeline_entry("rms_norm", sh::RMS_NORM, "norm_rope")?;
     let (gx, gy) = grid2(s.rows);
     let w = u32_of(s.width, "width")?;
     let p = NormParams {
@@ -373,7 +372,8 @@ pub fn norm_rope_kernel(
     };
     let u = ctx.uniform("norm_rope", &p);
     let gb = g.unwrap_or(ctx.zeros());
-    ctx.dispatch_at(enc, &pl, &[(0, x), (1, y), (2, gb), (3, &u), (4, cs)], [gx, gy, 1])
+    // Held to pair with an independent norm + rope recorded next (the query heads' and the KV row's).
+    ctx.norm_rope(enc, [x, y, gb, &u, cs], [gx, gy, 1])
 }
 
 #[cfg(test)]
@@ -392,6 +392,18 @@ mod tests {
     /// streams (and the embedding followed by it), each decode MoE's up + SwiGLU and down + combine, each indexer weights' scale + the indexer; and two
     /// for each indexer query's rope + Hadamard + FP4 (three kernels). The weight products ready
     /// together (the executor's groups) take one dispatch per input, weight type and width, not one each.
+    /// The tensor normed and roped in place by `ops[i]` and `ops[i + 1]` when they fuse into one `norm_rope`.
+    fn norm_rope_at(ops: &[Op], i: usize) -> Option<BufId> {
+        match (ops.get(i)?, ops.get(i + 1)?) {
+            (&Op::RmsNorm { y, width, heads, .. }, &Op::Rope { x, width: rw, heads: rh, inverse: false, .. })
+                if x == y && rw == width && rh == heads =>
+            {
+                Some(y)
+            }
+            _ => None,
+        }
+    }
+
     #[test]
     fn fused_pairs_give_the_unfused_results_bit_for_bit_in_fewer_dispatches() {
         let Some(ctx) = test_context(Default::default()) else { return };
@@ -432,7 +444,18 @@ mod tests {
                     })
                     .sum::<u64>()
                     // The indexer weights' scale, fused into the indexer that reads them.
-                    + ops.iter().filter(|o| matches!(o, Op::Scale { x: BufId::IdxW, .. })).count() as u64;
+                    + ops.iter().filter(|o| matches!(o, Op::Scale { x: BufId::IdxW, .. })).count() as u64
+                    // Two independent norm + rope dispatches in a row: one (`pairs.rs`). Products of the normed
+                    // input between them ran earlier, grouped with the first of them (`wkv` with `wq_a`).
+                    + (0..ops.len())
+                        .filter(|&i| {
+                            let mut j = i + 2;
+                            while matches!(ops.get(j), Some(Op::MatMul { x: BufId::Normed, .. })) {
+                                j += 1;
+                            }
+                            matches!((norm_rope_at(&ops, i), norm_rope_at(&ops, j)), (Some(a), Some(b)) if a != b)
+                        })
+                        .count() as u64;
                 // Products of one input, type and width ready together: one dispatch each MULTI_OUTPUTS.
                 let mut grouped = 0;
                 ex.run_groups_with(g, |_, ops| {

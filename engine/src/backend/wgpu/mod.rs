@@ -43,6 +43,7 @@
 mod attn;
 pub(crate) mod backend;
 pub mod context;
+mod copies;
 mod devmem;
 mod fuse;
 pub(crate) mod kvdev;
@@ -51,6 +52,7 @@ mod moe;
 pub(crate) mod moe_ids;
 pub(crate) mod ops;
 pub(crate) mod pagedev;
+mod pairs;
 mod resident;
 mod rows;
 pub mod timing;

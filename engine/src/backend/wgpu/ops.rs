@@ -314,6 +314,42 @@ pub fn add_ape(
     ctx.dispatch(enc, &pl, &[g, ape, &ub], [groups(w)?, p.rows, 1])
 }
 
+/// `kvdev.wgsl`'s `front_push`: rows `start .. start + rows` of `kv` and `gate` (`w` values each, positions
+/// `pos0 ..`) into the pending slots of the frontier `(fkv, fgate)` (`2 · ratio` rows), the gate plus `ape`: a
+/// compressor push that completes no block (`rows <= ratio`), one dispatch.
+#[allow(clippy::too_many_arguments)]
+pub fn front_push(
+    ctx: &WgpuContext,
+    enc: &mut Enc,
+    (kv, gate): (&Buf, &Buf),
+    start: usize,
+    rows: usize,
+    w: usize,
+    ape: &Buf,
+    (fkv, fgate): (&Buf, &Buf),
+    pos0: usize,
+    ratio: usize,
+) -> Result<()> {
+    if rows == 0 || w == 0 {
+        return Ok(());
+    }
+    if ratio == 0 || rows > ratio {
+        return Err(backend_err(format!("front_push: {rows} rows for ratio {ratio}")));
+    }
+    let p = ApeParams {
+        rows: u32_of(rows, "rows")?,
+        w: u32_of(w, "w")?,
+        pos0: u32_of(pos0 % ratio, "pos0")?,
+        ratio: u32_of(ratio, "ratio")?,
+        off: u32_of(start * w, "off")?,
+        _p: [0; 3],
+    };
+    let pl = ctx.pipeline_entry("kvdev", sh::KVDEV, "front_push")?;
+    let ub = ctx.uniform("front_push", &p);
+    let bound = [(1, ape), (2, &ub), (3, kv), (4, gate), (5, fkv), (6, fgate)];
+    ctx.dispatch_at(enc, &pl, &bound, [groups(w)?, p.rows, 1])
+}
+
 /// mHC constants.
 #[derive(Clone, Copy, Debug)]
 pub struct HcShape {
@@ -465,10 +501,10 @@ pub fn compress_pool(
     ctx.dispatch(enc, &pl, &[kv, gate, ape, &sb, out.0, &ub], [groups(dim)?, p.n_windows, 1])
 }
 
-/// Indexer scores then top-k (see `indexer.wgsl`). `q`: `[n_tok, heads, dim]`, `keys`: `[n_keys, dim]` (paged),
-/// `w`: `[n_tok, heads]` head weights (each multiplied by `w_scale` as it is read), `limit[t]`: visible key rows
-/// of token t, `scale` the scores' scale. Writes `scores`
-/// (`n_tok * n_keys`) and `sel` (u32, `n_tok * k`, ascending row ids padded with `u32::MAX`).
+/// Indexer scores then top-k (see `indexer.wgsl`). `q`: `[.., heads, dim]`, `keys`: `[n_keys, dim]` (paged),
+/// `w`: `[.., heads]` head weights (each multiplied by `w_scale` as it is read), token `t` at row `row0 + t` of
+/// both, `limit[t]`: visible key rows of token t, `scale` the scores' scale. Writes `scores` (`n_tok * n_keys`)
+/// and `sel` (u32, rows `row0 ..` of `k`: ascending row ids padded with `u32::MAX`).
 #[allow(clippy::too_many_arguments)]
 pub fn indexer_topk(
     ctx: &WgpuContext,
@@ -476,6 +512,7 @@ pub fn indexer_topk(
     q: &Buf,
     keys: &Paged<'_>,
     w: &Buf,
+    row0: usize,
     limit: &[u32],
     n_keys: usize,
     heads: usize,
@@ -498,6 +535,8 @@ pub fn indexer_topk(
         page_shift: keys.shift,
         w_scale,
         scale,
+        row0: u32_of(row0, "row0")?,
+        _p: [0; 3],
     };
     let lb = ctx.storage_u32("indexer limits", limit);
     let ub = ctx.uniform("indexer", &p);

@@ -330,7 +330,7 @@ fn indexer_scores_and_topk() {
     let sc = ctx.storage_zeroed("scores", n_tok * n_keys);
     let sel = ctx.storage_zeroed("sel", n_tok * k);
     let mut enc = ctx.encoder();
-    indexer_topk(&ctx, &mut enc, &qb, &paged, &wb, &limit, n_keys, heads, dim, k, (1.0, scale), &sc, &sel).unwrap();
+    indexer_topk(&ctx, &mut enc, &qb, &paged, &wb, 0, &limit, n_keys, heads, dim, k, (1.0, scale), &sc, &sel).unwrap();
     ctx.submit(enc).unwrap();
     let got_sc = ctx.read_f32(&sc, 0, n_tok * n_keys).unwrap();
     let got_sel = ctx.read_u32(&sel, 0, n_tok * k).unwrap();

@@ -322,7 +322,7 @@ fn dispatches_share_a_pass_and_are_timed_in_a_timing_window() {
     let before = ctx.counters();
     let mut enc = ctx.encoder();
     matmul(&ctx, &mut enc, &w, 0..rows, View::new(&xb, cols), 1, View::new(&yb, rows), false).unwrap();
-    enc.copy_buffer_to_buffer(&yb, 0, &xb, 0, 4 * rows as u64);
+    ctx.raw_encoder(&mut enc).copy_buffer_to_buffer(&yb, 0, &xb, 0, 4 * rows as u64);
     matmul(&ctx, &mut enc, &w, 0..rows, View::new(&xb, cols), 1, View::new(&yb, rows), false).unwrap();
     ctx.submit(enc).unwrap();
     assert_eq!((ctx.counters() - before).passes, 2, "a copy ends the pass");
@@ -378,4 +378,53 @@ fn copies_and_clears_run_as_kernels_inside_the_pass() {
     ctx.submit(enc).unwrap();
     assert_eq!(ctx.read_u32(&small, 0, 2).unwrap(), &small_want[4..6]);
     assert_eq!((ctx.counters() - before).passes, 1, "the clear's pass; the copies are commands");
+}
+
+/// Batched copies (`copies.rs`): random copies among four buffers (two larger than a binding), some depending on
+/// others (a read of what an earlier copy wrote, a write over what an earlier one reads or writes), give exactly
+/// what running them one by one in order gives; independent copies share a dispatch.
+#[test]
+fn batched_copies_equal_copies_in_order() {
+    let Some(ctx) = ctx_with(Some(1024)) else { return };
+    let mut rng = StdRng::seed_from_u64(11);
+    let sizes = [1000usize, 200, 64, 700];
+    let mut host: Vec<Vec<u32>> = sizes.iter().map(|&n| (0..n).map(|_| rng.gen()).collect()).collect();
+    let bufs: Vec<wgpu::Buffer> = host.iter().map(|h| ctx.storage_u32("buf", h)).collect();
+    let before = ctx.counters();
+    let mut enc = ctx.encoder();
+    let copies = 60;
+    for _ in 0..copies {
+        let (s, d) = loop {
+            let (s, d) = (rng.gen_range(0..4), rng.gen_range(0..4));
+            if s != d {
+                break (s, d);
+            }
+        };
+        let n = rng.gen_range(1..=sizes[s].min(sizes[d]).min(100));
+        let (so, dof) = (rng.gen_range(0..=sizes[s] - n), rng.gen_range(0..=sizes[d] - n));
+        ctx.copy(&mut enc, &bufs[s], 4 * so as u64, &bufs[d], 4 * dof as u64, 4 * n as u64);
+        let v = host[s][so..so + n].to_vec();
+        host[d][dof..dof + n].copy_from_slice(&v);
+    }
+    ctx.submit(enc).unwrap();
+    let cost = ctx.counters() - before;
+    assert_eq!(cost.dispatches, cost.copy_kernels);
+    assert!(cost.dispatches < copies, "{} dispatches for {copies} copies: none batched", cost.dispatches);
+    for (b, h) in bufs.iter().zip(&host) {
+        assert_eq!(&ctx.read_u32(b, 0, h.len()).unwrap(), h);
+    }
+    // Four copies from distinct sources into disjoint rows of one buffer: one dispatch.
+    let before = ctx.counters();
+    let mut enc = ctx.encoder();
+    for (i, b) in bufs[..3].iter().enumerate() {
+        ctx.copy(&mut enc, b, 0, &bufs[3], 4 * 100 * i as u64, 4 * 50);
+    }
+    ctx.copy(&mut enc, &bufs[0], 400, &bufs[3], 4 * 600, 4 * 50);
+    ctx.submit(enc).unwrap();
+    assert_eq!((ctx.counters() - before).dispatches, 1);
+    let got = ctx.read_u32(&bufs[3], 0, 700).unwrap();
+    for (i, h) in host[..3].iter().enumerate() {
+        assert_eq!(&got[100 * i..100 * i + 50], &h[..50]);
+    }
+    assert_eq!(&got[600..650], &host[0][100..150]);
 }
