@@ -12,6 +12,7 @@
 //! file. The uniform `Params` blocks are defined once, in Rust, in [`params`] (checked against naga's layout of each
 //! shader); the engine's wgpu backend fills those types.
 
+pub mod pair;
 pub mod params;
 
 use std::borrow::Cow;
@@ -255,8 +256,36 @@ pub fn matmul_ids_source(f: WeightFormat) -> &'static str {
 /// The best logits of each row, best first (`candidates.wgsl`, entry `main`).
 pub const CANDIDATES: &str = include_str!("wgsl/candidates.wgsl");
 
-/// Word copies and zero fills as kernels, inside a compute pass (`copy.wgsl`, entries `main` and `zero`).
+/// The fixed part of the copy kernels (`copy.wgsl`: its `Params`); [`copy_source`] is the whole module.
 pub const COPY: &str = include_str!("wgsl/copy.wgsl");
+
+/// Word copies and zero fills as kernels, inside a compute pass: `copy.wgsl` plus, per segment, its two bindings
+/// and copy function, and the entries `copy1` .. `copy8` (`m` segments in one dispatch) and `zero`.
+pub fn copy_source() -> String {
+    let n = params::CopyParams::SEGMENTS;
+    let mut s = String::from(COPY);
+    for i in 0..n {
+        s.push_str(&format!(
+            "\n@group(0) @binding({}) var<storage, read> src{i}: array<u32>;\n\
+             @group(0) @binding({}) var<storage, read_write> dst{i}: array<u32>;\n\
+             fn seg{i}(j: u32) {{\n    let q = p.s[{i}];\n    if (j < q.x) {{\n        \
+             dst{i}[q.z + j] = src{i}[q.y + j];\n    }}\n}}\n",
+            1 + 2 * i,
+            2 + 2 * i
+        ));
+    }
+    for m in 1..=n {
+        let calls: String = (0..m).map(|i| format!("    seg{i}(gid.x);\n")).collect();
+        s.push_str(&format!(
+            "\n@compute @workgroup_size(64)\nfn copy{m}(@builtin(global_invocation_id) gid: vec3<u32>) {{\n{calls}}}\n"
+        ));
+    }
+    s.push_str(
+        "\n@compute @workgroup_size(64)\nfn zero(@builtin(global_invocation_id) gid: vec3<u32>) {\n    \
+         if (gid.x < p.s[0].x) {\n        dst0[p.s[0].z + gid.x] = 0u;\n    }\n}\n",
+    );
+    s
+}
 
 /// Device-resident KV helpers (`kvdev.wgsl`, entry `add_ape`).
 pub const KVDEV: &str = include_str!("wgsl/kvdev.wgsl");
@@ -265,62 +294,6 @@ pub const KVDEV: &str = include_str!("wgsl/kvdev.wgsl");
 /// whose smallest subgroup has `min_size` invocations.
 pub fn lane_probe_source(min_size: u32) -> String {
     format!("const SG: u32 = {min_size}u;\n{}", include_str!("wgsl/lane_probe.wgsl"))
-}
-
-/// `norm.wgsl` plus the entry `norm_rope_pair`: two independent `norm_rope`s in one dispatch, the second through its
-/// own bindings 5..9 (the file's bindings and row functions between `@rows-begin` and `@rows-end`, renamed with a
-/// `_b` suffix, so both halves run the same code).
-pub fn norm_rope_pair_source() -> String {
-    let (begin, end) = ("// @rows-begin", "// @rows-end");
-    let rows = RMS_NORM.find(begin).and_then(|a| RMS_NORM[a..].find(end).map(|b| &RMS_NORM[a..a + b]));
-    let second = rename_idents(
-        rows.unwrap_or_default(),
-        &["x", "y", "g", "p", "cs", "row_scale", "normed", "norm_row", "norm_rope_row"],
-        "_b",
-    );
-    let mut second_bound = String::with_capacity(second.len());
-    for line in second.lines() {
-        match line.strip_prefix("@group(0) @binding(").and_then(|r| r.split_once(')')) {
-            Some((n, rest)) => {
-                let n: u32 = n.parse().unwrap_or(0);
-                second_bound.push_str(&format!("@group(0) @binding({}){rest}\n", n + 5));
-            }
-            None => {
-                second_bound.push_str(line);
-                second_bound.push('\n');
-            }
-        }
-    }
-    format!(
-        "{RMS_NORM}\n{second_bound}\n@compute @workgroup_size(64)\nfn norm_rope_pair(@builtin(workgroup_id) wg: \
-         vec3<u32>, @builtin(local_invocation_index) li: u32) {{\n    if (wg.y == 0u) {{\n        if (wg.x < p.rows) \
-         {{\n            norm_rope_row(wg.x, li);\n        }}\n    }} else if (wg.x < p_b.rows) {{\n        \
-         norm_rope_row_b(wg.x, li);\n    }}\n}}\n"
-    )
-}
-
-/// `src` with each identifier in `names` (not after a `.`: members keep their names) given `suffix`.
-fn rename_idents(src: &str, names: &[&str], suffix: &str) -> String {
-    let mut out = String::with_capacity(src.len() + 64);
-    let mut rest = src;
-    let mut prev: Option<char> = None;
-    while let Some(c) = rest.chars().next() {
-        if c.is_ascii_alphabetic() || c == '_' {
-            let len = rest.find(|ch: char| !(ch.is_ascii_alphanumeric() || ch == '_')).unwrap_or(rest.len());
-            let word = &rest[..len];
-            out.push_str(word);
-            if prev != Some('.') && names.contains(&word) {
-                out.push_str(suffix);
-            }
-            prev = word.chars().last();
-            rest = &rest[len..];
-        } else {
-            out.push(c);
-            prev = Some(c);
-            rest = &rest[c.len_utf8()..];
-        }
-    }
-    out
 }
 
 /// Every shader source with a name and its entry points, for validation and pipeline warm-up.
@@ -342,7 +315,10 @@ pub fn all_sources() -> Vec<(&'static str, Cow<'static, str>, &'static [&'static
         v.push(("get_rows", f.get_rows_source().into(), &["main", "embed_norm"]));
     }
     v.push(("rms_norm", RMS_NORM.into(), &["main", "norm_rope"]));
-    v.push(("rms_norm_pair", norm_rope_pair_source().into(), &["norm_rope_pair"]));
+    static PAIRS: [pair::PairKernel; 2] = pair::PairKernel::ALL;
+    for k in &PAIRS {
+        v.push((k.name, k.source().into(), std::slice::from_ref(&k.entry)));
+    }
     v.push(("rope", ROPE.into(), &["main"]));
     v.push(("attention", ATTENTION.into(), &["main", "keyed"]));
     v.push((
@@ -358,7 +334,11 @@ pub fn all_sources() -> Vec<(&'static str, Cow<'static, str>, &'static [&'static
     v.push(("kvdev", KVDEV.into(), &["add_ape", "front_push"]));
     v.push(("moe_ids", MOE_IDS.into(), &["combine"]));
     v.push(("candidates", CANDIDATES.into(), &["main"]));
-    v.push(("copy", COPY.into(), &["copy1", "copy2", "copy3", "copy4", "zero"]));
+    v.push((
+        "copy",
+        copy_source().into(),
+        &["copy1", "copy2", "copy3", "copy4", "copy5", "copy6", "copy7", "copy8", "zero"],
+    ));
     v.push(("lane_probe", lane_probe_source(32).into(), &["main"]));
     v
 }

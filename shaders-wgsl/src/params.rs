@@ -275,29 +275,17 @@ pub struct CandParams {
     pub _p: u32,
 }
 
-/// `Params` of `copy.wgsl` ([`crate::COPY`]): up to four segments, each `[n, src_off, dst_off, 0]` in u32 words.
+/// `Params` of `copy.wgsl` ([`crate::copy_source`]): up to [`CopyParams::SEGMENTS`] segments, each
+/// `[n, src_off, dst_off, 0]` in u32 words.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct CopyParams {
-    pub s0: [u32; 4],
-    pub s1: [u32; 4],
-    pub s2: [u32; 4],
-    pub s3: [u32; 4],
+    pub s: [[u32; 4]; 8],
 }
 
 impl CopyParams {
     /// The most segments one dispatch copies.
-    pub const SEGMENTS: usize = 4;
-
-    /// Segment `i`'s words (`i < SEGMENTS`).
-    pub fn seg_mut(&mut self, i: usize) -> &mut [u32; 4] {
-        match i {
-            0 => &mut self.s0,
-            1 => &mut self.s1,
-            2 => &mut self.s2,
-            _ => &mut self.s3,
-        }
-    }
+    pub const SEGMENTS: usize = 8;
 }
 
 /// One parameter block's Rust layout.
@@ -423,6 +411,6 @@ pub fn all() -> Vec<ParamsLayout> {
         layout!(ActParams, ACT, [rows, n, stride, block, heads, rope_dim, _p0, _p1]),
         layout!(ScaleParams, SCALE, [n, _p0, _p1, factor]),
         layout!(CandParams, CANDIDATES, [vocab, k, rows, _p]),
-        layout!(CopyParams, COPY, [s0, s1, s2, s3]),
+        layout!(CopyParams, COPY, [s]),
     ]
 }

@@ -298,6 +298,9 @@ fn bench_accounts_for_a_wgpu_tick() {
     assert_eq!((after(rb, "readback: "), after(rb, "vs ")), (8.0, 4.0 * vocab), "{rb}");
     assert_eq!(after(decode, "MB = "), 1.0, "each weight row once per decode token: {decode}");
     assert!(field(decode, " dispatches") >= layers as f64, "{decode}");
+    // At most half the 49 dispatches per layer a decode tick took before the dispatch economy (docs/wgpu.md),
+    // row copies included.
+    assert!(field(decode, " per layer") <= 24.5, "{decode}");
     // A steady decode tick reuses the bind groups and uniform blocks of the last one for most dispatches.
     assert!(2.0 * field(decode, " bind groups") <= field(decode, " dispatches"), "{decode}");
     eprintln!("{decode}");

@@ -8,9 +8,8 @@
 // f32 operations as the two kernels one after the other, so the result is theirs bit for bit. With fp8_block != 0
 // the values before the rope slice then get `act.wgsl`'s FP8 simulation (blocks of fp8_block, one invocation per
 // block, after a storage barrier), as its `fp8` entry computes it.
-// Entry `norm_rope_pair` (source `norm_rope_pair_source()`): two independent `norm_rope`s in one dispatch, the
-// second with its own bindings 5..9 (x, y, g, Params, cs): workgroup (r, 0) is row r of the first, (r, 1) row r of
-// the second; dispatch (max rows, 2, 1), rows below 65536.
+// `PairKernel::NORM_ROPE` runs two independent `norm_rope`s in one dispatch (the region between the @rows markers
+// copied, renamed, at bindings 5..9).
 struct Params {
     n: u32,
     rows: u32,
@@ -28,7 +27,7 @@ struct Params {
 
 var<workgroup> partial: array<f32, 64>;
 
-// @rows-begin (the bindings and the row functions: `norm_rope_pair` adds a second set, renamed, at bindings 5..9)
+// @rows-begin
 @group(0) @binding(0) var<storage, read_write> x: array<f32>;
 @group(0) @binding(1) var<storage, read_write> y: array<f32>;
 @group(0) @binding(2) var<storage, read> g: array<f32>;

@@ -18,7 +18,7 @@
 
 use super::backend::WgpuBackend;
 use super::context::{backend_err, ScratchBuf, WgpuContext};
-use super::kvdev::{copy_rows, DevKv, FrontDev, LayerDev, LayerPools, LogSources, SlotKv};
+use super::kvdev::{self, copy_rows, DevKv, FrontDev, LayerDev, LayerPools, LogSources, SlotKv};
 use super::ops::{self, key, ActSim, KeyLists, KeySources, Paged, PoolInput, RopeShape};
 use super::pagedev::{PagePool, PageTable};
 use super::resident::{rope_table, Tick};
@@ -115,7 +115,7 @@ impl Compress<'_> {
         if w1 == w0 {
             // No block completes: the rows only join the pending block.
             let (src, front) = ((self.src_kv, self.src_gate), (&f.kv, &f.gate));
-            ops::front_push(ctx, enc, src, self.start, len, w, self.ape, front, p0, ratio)?;
+            kvdev::front_push(ctx, enc, src, self.start, len, w, self.ape, front, p0, ratio)?;
             return Ok(0);
         }
         let ext_rows = 2 * ratio + len;
@@ -125,7 +125,7 @@ impl Compress<'_> {
             ctx.copy(enc, front, 0, ext, 0, fb);
             ctx.copy(enc, src, self.start as u64 * rb, ext, fb, len as u64 * rb);
         }
-        ops::add_ape(ctx, enc, &eg, 2 * ratio * w, len, w, self.ape, p0, ratio)?;
+        kvdev::add_ape(ctx, enc, &eg, 2 * ratio * w, len, w, self.ape, p0, ratio)?;
         // ext row of position q: the run's rows, else the pending block, else the carried block.
         let row = |q: usize| -> usize {
             if q >= p0 {

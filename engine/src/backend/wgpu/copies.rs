@@ -3,7 +3,7 @@
 //! A tick records many small row copies (the window ring, the roll-back log, the compressor frontiers, scratch
 //! rows for a kernel). A copy command would end the compute pass, and one kernel per copy costs a dispatch each,
 //! so [`WgpuContext::copy`] records a copy as a *segment* waiting in the encoder ([`Enc`]); the waiting segments
-//! go out as one dispatch of `copy.wgsl` (up to [`CopyParams::SEGMENTS`] segments, each bound to its own pair of
+//! go out as one dispatch of `copy.wgsl` (up to [`CopyParams::SEGMENTS`] segments within the adapter's storage-binding limit, each bound to its own pair of
 //! bindings) when the next dispatch is recorded, when the encoder is used for a raw command
 //! ([`WgpuContext::raw_encoder`]) or submitted, or when a new segment would depend on a waiting one.
 //!
@@ -76,7 +76,9 @@ impl WgpuContext {
         let fits = bytes.is_multiple_of(4) && at.is_multiple_of(4) && self.grid(words).is_some();
         let done = fits
             && self.window(b, at, bytes).is_some_and(|w| {
-                let p = CopyParams { s0: [words as u32, 0, w.2, 0], ..Default::default() };
+                let mut s = [[0; 4]; CopyParams::SEGMENTS];
+                s[0] = [words as u32, 0, w.2, 0];
+                let p = CopyParams { s };
                 self.copy_dispatch(enc, "zero", p, &[(2, b, w.0, w.1)], words)
             });
         if !done {
@@ -109,14 +111,13 @@ impl WgpuContext {
         let mut bound = Vec::with_capacity(2 * segs.len());
         let mut widest = 0;
         for (i, s) in segs.iter().enumerate() {
-            *p.seg_mut(i) = [s.words, s.src_bind.2, s.dst_bind.2, 0];
+            p.s[i] = [s.words, s.src_bind.2, s.dst_bind.2, 0];
             let b = 1 + 2 * i as u32;
             bound.push((b, &s.src, s.src_bind.0, s.src_bind.1));
             bound.push((b + 1, &s.dst, s.dst_bind.0, s.dst_bind.1));
             widest = widest.max(u64::from(s.words));
         }
-        let entry = ["copy1", "copy2", "copy3", "copy4"][segs.len() - 1];
-        if !self.copy_dispatch(enc, entry, p, &bound, widest) {
+        if !self.copy_dispatch(enc, &format!("copy{}", segs.len()), p, &bound, widest) {
             // The kernel could not be recorded (its pipeline failed to build): copy commands, in order.
             let raw = self.raw_encoder(enc);
             for s in &segs {
@@ -136,7 +137,7 @@ impl WgpuContext {
         words: u64,
     ) -> bool {
         let Some(groups) = self.grid(words) else { return false };
-        let Ok(pl) = self.pipeline_entry("copy", ds4_shaders_wgsl::COPY, entry) else { return false };
+        let Ok(pl) = self.pipeline_lazy("copy", entry, || ds4_shaders_wgsl::copy_source().into()) else { return false };
         let ub = self.uniform("copy", &p);
         let mut all = vec![(0, &ub, 0, 0)];
         all.extend_from_slice(bound);

@@ -58,7 +58,7 @@ impl DeviceMem for WgpuContext {
         pos0: usize,
         ratio: usize,
     ) -> Result<()> {
-        super::ops::add_ape(self, enc, g, off, rows, w, ape, pos0, ratio)
+        super::kvdev::add_ape(self, enc, g, off, rows, w, ape, pos0, ratio)
     }
 
     fn submit(&self, enc: Self::Enc) -> Result<()> {

@@ -38,12 +38,14 @@
 //! product's.
 
 use ds4_shaders_wgsl as sh;
+use ds4_shaders_wgsl::pair::PairKernel;
 use ds4_shaders_wgsl::params::{ActParams, NormParams};
 
 use super::backend::WgpuBackend;
 use super::context::{backend_err, WgpuContext};
 use super::matmul::{multi_product, u32_of, View, MULTI_OUTPUTS};
 use super::ops::grid2;
+use super::pairs::Use;
 
 use super::context::Enc;
 type Buf = wgpu::Buffer;
@@ -373,7 +375,8 @@ pub fn norm_rope_kernel(
     let u = ctx.uniform("norm_rope", &p);
     let gb = g.unwrap_or(ctx.zeros());
     // Held to pair with an independent norm + rope recorded next (the query heads' and the KV row's).
-    ctx.norm_rope(enc, [x, y, gb, &u, cs], [gx, gy, 1])
+    let bound = [(0, x, Use::ReadInRw), (1, y, Use::Write), (2, gb, Use::Read), (3, &u, Use::Read), (4, cs, Use::Read)];
+    ctx.dispatch_pairable(enc, PairKernel::NORM_ROPE, ("rms_norm", "norm_rope"), &bound, [gx, gy, 1])
 }
 
 #[cfg(test)]

@@ -9,7 +9,7 @@
 
 use ds4_shaders_wgsl as sh;
 use ds4_shaders_wgsl::params::{
-    ActParams, ApeParams, AttnParams, CompressParams, HcParams, IndexerParams, MoeParams, NormParams, RopeParams,
+    ActParams, AttnParams, CompressParams, HcParams, IndexerParams, MoeParams, NormParams, RopeParams,
 };
 
 use super::context::{backend_err, WgpuContext};
@@ -19,7 +19,7 @@ use crate::error::Result;
 use super::context::Enc;
 type Buf = wgpu::Buffer;
 
-fn groups(n: usize) -> Result<u32> {
+pub(crate) fn groups(n: usize) -> Result<u32> {
     u32_of(n.div_ceil(64), "workgroups")
 }
 
@@ -280,74 +280,6 @@ pub fn attention_keyed(
         (12, cs),
     ];
     ctx.dispatch_at(enc, &pl, &bound, [u32_of(heads, "heads")?, p.n_tok, 1])
-}
-
-/// `g[off + r·w + c] += ape[((pos0 + r) % ratio)·w + c]` for `rows` rows of `w` (see `kvdev.wgsl`).
-#[allow(clippy::too_many_arguments)]
-pub fn add_ape(
-    ctx: &WgpuContext,
-    enc: &mut Enc,
-    g: &Buf,
-    off: usize,
-    rows: usize,
-    w: usize,
-    ape: &Buf,
-    pos0: usize,
-    ratio: usize,
-) -> Result<()> {
-    if rows == 0 || w == 0 {
-        return Ok(());
-    }
-    if ratio == 0 {
-        return Err(backend_err("add_ape: ratio 0"));
-    }
-    let p = ApeParams {
-        rows: u32_of(rows, "rows")?,
-        w: u32_of(w, "w")?,
-        pos0: u32_of(pos0 % ratio, "pos0")?,
-        ratio: u32_of(ratio, "ratio")?,
-        off: u32_of(off, "off")?,
-        _p: [0; 3],
-    };
-    let pl = ctx.pipeline_entry("kvdev", sh::KVDEV, "add_ape")?;
-    let ub = ctx.uniform("add_ape", &p);
-    ctx.dispatch(enc, &pl, &[g, ape, &ub], [groups(w)?, p.rows, 1])
-}
-
-/// `kvdev.wgsl`'s `front_push`: rows `start .. start + rows` of `kv` and `gate` (`w` values each, positions
-/// `pos0 ..`) into the pending slots of the frontier `(fkv, fgate)` (`2 · ratio` rows), the gate plus `ape`: a
-/// compressor push that completes no block (`rows <= ratio`), one dispatch.
-#[allow(clippy::too_many_arguments)]
-pub fn front_push(
-    ctx: &WgpuContext,
-    enc: &mut Enc,
-    (kv, gate): (&Buf, &Buf),
-    start: usize,
-    rows: usize,
-    w: usize,
-    ape: &Buf,
-    (fkv, fgate): (&Buf, &Buf),
-    pos0: usize,
-    ratio: usize,
-) -> Result<()> {
-    if rows == 0 || w == 0 {
-        return Ok(());
-    }
-    if ratio == 0 || rows > ratio {
-        return Err(backend_err(format!("front_push: {rows} rows for ratio {ratio}")));
-    }
-    let p = ApeParams {
-        rows: u32_of(rows, "rows")?,
-        w: u32_of(w, "w")?,
-        pos0: u32_of(pos0 % ratio, "pos0")?,
-        ratio: u32_of(ratio, "ratio")?,
-        off: u32_of(start * w, "off")?,
-        _p: [0; 3],
-    };
-    let pl = ctx.pipeline_entry("kvdev", sh::KVDEV, "front_push")?;
-    let ub = ctx.uniform("front_push", &p);
-    let bound = [(1, ape), (2, &ub), (3, kv), (4, gate), (5, fkv), (6, fgate)];
-    ctx.dispatch_at(enc, &pl, &bound, [groups(w)?, p.rows, 1])
 }
 
 /// mHC constants.

@@ -5,6 +5,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use super::context::WgpuContext;
+use super::kvdev::front_push;
 use super::ops::*;
 use super::tests::ctx_with;
 
@@ -613,4 +614,65 @@ fn logit_candidates_equal_the_host_definition() {
             }
         }
     }
+}
+
+/// `front_push` (`kvdev.wgsl`): the pending slots get the rows and the gates plus `ape` (the host's f32 add, bit
+/// for bit), other slots untouched; two independent pushes recorded back to back are one dispatch
+/// (`pairs.rs`), and a push reading what the one before it wrote is not paired and sees its write.
+#[test]
+fn front_push_fills_pending_slots_and_pairs_independent_pushes() {
+    let Some(ctx) = ctx() else { return };
+    let mut rng = StdRng::seed_from_u64(21);
+    let (ratio, w) = (4usize, 70usize);
+    let push = |(kv, gate): (&[f32], &[f32]), ape: &[f32], front: (&mut [f32], &mut [f32]), start, rows, pos0| {
+        for r in 0..rows {
+            let slot = (pos0 + r) % ratio;
+            for c in 0..w {
+                let (s, d) = ((start + r) * w + c, (ratio + slot) * w + c);
+                front.0[d] = kv[s];
+                front.1[d] = gate[s] + ape[slot * w + c];
+            }
+        }
+    };
+    let (src_kv, src_gate, ape) = (
+        rand_vec(&mut rng, 5 * w, -2.0, 2.0),
+        rand_vec(&mut rng, 5 * w, -2.0, 2.0),
+        rand_vec(&mut rng, ratio * w, -1.0, 1.0),
+    );
+    let fronts: Vec<(Vec<f32>, Vec<f32>)> = (0..2)
+        .map(|_| (rand_vec(&mut rng, 2 * ratio * w, -1.0, 1.0), rand_vec(&mut rng, 2 * ratio * w, -1.0, 1.0)))
+        .collect();
+    let (kb, gb, ab) =
+        (ctx.storage_f32("kv", &src_kv), ctx.storage_f32("gate", &src_gate), ctx.storage_f32("ape", &ape));
+    let fb: Vec<(wgpu::Buffer, wgpu::Buffer)> =
+        fronts.iter().map(|(k, g)| (ctx.storage_f32("fkv", k), ctx.storage_f32("fgate", g))).collect();
+    // Two independent pushes (different frontiers, shared sources): one dispatch.
+    let before = ctx.counters();
+    let mut enc = ctx.encoder();
+    front_push(&ctx, &mut enc, (&kb, &gb), 1, 3, w, &ab, (&fb[0].0, &fb[0].1), 5, ratio).unwrap();
+    front_push(&ctx, &mut enc, (&kb, &gb), 4, 1, w, &ab, (&fb[1].0, &fb[1].1), 2, ratio).unwrap();
+    ctx.submit(enc).unwrap();
+    assert_eq!((ctx.counters() - before).dispatches, 1, "independent pushes paired");
+    let mut want = fronts.clone();
+    let (w0, w1) = want.split_at_mut(1);
+    push((&src_kv, &src_gate), &ape, (&mut w0[0].0, &mut w0[0].1), 1, 3, 5);
+    push((&src_kv, &src_gate), &ape, (&mut w1[0].0, &mut w1[0].1), 4, 1, 2);
+    for ((k, g), (wk, wg)) in fb.iter().zip(&want) {
+        let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(ctx.read_f32(k, 0, 2 * ratio * w).unwrap()), bits(wk.clone()));
+        assert_eq!(bits(ctx.read_f32(g, 0, 2 * ratio * w).unwrap()), bits(wg.clone()));
+    }
+    // The second push reads the first's frontier as its source rows: two dispatches, in order.
+    let before = ctx.counters();
+    let mut enc = ctx.encoder();
+    front_push(&ctx, &mut enc, (&kb, &gb), 0, 2, w, &ab, (&fb[0].0, &fb[0].1), 0, ratio).unwrap();
+    front_push(&ctx, &mut enc, (&fb[0].0, &fb[0].1), ratio, 2, w, &ab, (&fb[1].0, &fb[1].1), 1, ratio).unwrap();
+    ctx.submit(enc).unwrap();
+    assert_eq!((ctx.counters() - before).dispatches, 2, "dependent pushes not paired");
+    let (w0, w1) = want.split_at_mut(1);
+    push((&src_kv, &src_gate), &ape, (&mut w0[0].0, &mut w0[0].1), 0, 2, 0);
+    let (k0, g0) = (w0[0].0.clone(), w0[0].1.clone());
+    push((&k0, &g0), &ape, (&mut w1[0].0, &mut w1[0].1), ratio, 2, 1);
+    assert_eq!(ctx.read_f32(&fb[1].0, 0, 2 * ratio * w).unwrap(), want[1].0);
+    assert_eq!(ctx.read_f32(&fb[1].1, 0, 2 * ratio * w).unwrap(), want[1].1);
 }
