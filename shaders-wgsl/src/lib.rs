@@ -213,6 +213,8 @@ pub const ACT: &str = concat!(include_str!("wgsl/round.wgsl"), include_str!("wgs
 pub const SCALE: &str = include_str!("wgsl/scale.wgsl");
 /// Combine of expert-indexed MoE outputs in ascending expert order (`moe_ids.wgsl`, entry `combine`).
 pub const MOE_IDS: &str = include_str!("wgsl/moe_ids.wgsl");
+/// A MoE layer's (row, slot) pairs grouped by expert into tiles on the device (`moe_group.wgsl`, entry `group`).
+pub const MOE_GROUP: &str = include_str!("wgsl/moe_group.wgsl");
 
 macro_rules! ids_kernels {
     ($($name:ident, $file:literal;)*) => {
@@ -310,7 +312,7 @@ pub fn all_sources() -> Vec<(&'static str, Cow<'static, str>, &'static [&'static
     for f in WeightFormat::ALL {
         for r in reduces {
             v.push(("matmul", f.matmul_source_with(r), &["main", "multi", "swiglu_pair"]));
-            v.push(("matmul_ids", f.matmul_ids_source_with(r), &["main", "gate_up_swiglu", "down_combine"]));
+            v.push(("matmul_ids", f.matmul_ids_source_with(r), &["main", "gate_up_swiglu", "down_combine", "tiles"]));
         }
         v.push(("get_rows", f.get_rows_source().into(), &["main", "embed_norm"]));
     }
@@ -328,11 +330,12 @@ pub fn all_sources() -> Vec<(&'static str, Cow<'static, str>, &'static [&'static
     ));
     v.push(("compress", COMPRESS.into(), &["main"]));
     v.push(("indexer", INDEXER.into(), &["scores", "topk"]));
-    v.push(("moe", MOE.into(), &["route", "swiglu", "swiglu_shared", "gather", "scatter"]));
+    v.push(("moe", MOE.into(), &["route", "swiglu", "swiglu_shared", "gather"]));
     v.push(("act", ACT.into(), &["fp8", "fp4", "hadamard", "rope_hadamard_fp4"]));
     v.push(("scale", SCALE.into(), &["main"]));
     v.push(("kvdev", KVDEV.into(), &["add_ape", "front_push"]));
     v.push(("moe_ids", MOE_IDS.into(), &["combine"]));
+    v.push(("moe_group", MOE_GROUP.into(), &["group"]));
     v.push(("candidates", CANDIDATES.into(), &["main"]));
     v.push((
         "copy",

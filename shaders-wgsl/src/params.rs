@@ -74,6 +74,11 @@ pub struct IdsParams {
     pub accumulate: u32,
     /// `down_combine`: add the shared expert's output (binding 5).
     pub has_shared: u32,
+    /// `tiles`: where the pair order starts in the plan (binding 6).
+    pub order_at: u32,
+    /// `tiles`: where this dispatch's first tile index is in the plan.
+    pub base_at: u32,
+    pub _p: [u32; 2],
 }
 
 /// `Params` of `moe_ids.wgsl` ([`crate::MOE_IDS`]).
@@ -85,6 +90,22 @@ pub struct CombineParams {
     pub k: u32,
     /// 1: add the shared expert's output (binding 4) after the routed ones.
     pub has_shared: u32,
+}
+
+/// `Params` of `moe_group.wgsl` ([`crate::MOE_GROUP`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct GroupParams {
+    pub n_pairs: u32,
+    pub n_exp: u32,
+    /// Where the pair order starts in the plan.
+    pub order_at: u32,
+    /// Where the dispatches' first tiles start in the plan.
+    pub base_at: u32,
+    /// The three products' (x, y) workgroup grids, written to the indirect arguments (z = the tile count).
+    pub grid0: [u32; 4],
+    pub grid1: [u32; 4],
+    pub grid2: [u32; 4],
 }
 
 /// `Params` of `norm.wgsl` ([`crate::RMS_NORM`]).
@@ -343,10 +364,14 @@ pub fn all() -> Vec<ParamsLayout> {
                 limit,
                 route_weighted,
                 accumulate,
-                has_shared
+                has_shared,
+                order_at,
+                base_at,
+                _p
             ]
         ),
         layout!(CombineParams, MOE_IDS, [n, rows, k, has_shared]),
+        layout!(GroupParams, MOE_GROUP, [n_pairs, n_exp, order_at, base_at, grid0, grid1, grid2]),
         layout!(
             NormParams,
             RMS_NORM,

@@ -47,7 +47,7 @@ fn check(p: &ParamsLayout) -> Result<(), String> {
 #[test]
 fn every_params_block_matches_its_shader() {
     let all = params::all();
-    assert_eq!(all.len(), 16);
+    assert_eq!(all.len(), 17);
     let errors: Vec<String> =
         all.iter().filter_map(|p| check(p).err().map(|e| format!("{}: {e}", p.rust_name))).collect();
     assert!(errors.is_empty(), "{}", errors.join("\n"));

@@ -32,8 +32,7 @@
 //! inputs ([`Op::inputs`]: what it reads and what it updates in place) that is only on the other side — a
 //! [`Backend::download`] into one reused host buffer, then a [`Backend::upload`] — so copies happen exactly where
 //! residency changes ([`Executor::copies`]); what a node writes then lives on its side only. The host tensors of a
-//! tick come back through the recipe's [`Op::Readback`] nodes (the logits; a device backend's MoE routes), no-ops
-//! on the CPU.
+//! tick come back through the recipe's [`Op::Readback`] nodes (the logits), no-ops on the CPU.
 //!
 //! Running ([`Executor::run`]) is Kahn's algorithm over the graph's precomputed dependency counts and dependents:
 //! a node becomes ready when every node it depends on has finished. Ready nodes run on the calling thread, lowest

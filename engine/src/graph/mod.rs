@@ -311,9 +311,9 @@ pub enum Experts {
     /// Slot row `r·k + j` is row `r`'s `j`-th choice and each product picks its expert's weights by the selected
     /// ids where they are (no host sync; each expert's weights read once per row that chose it): small batches.
     PerRow,
-    /// Slot rows gathered by expert (ascending id, rows ascending within an expert) and scattered back by the
-    /// combine, so each expert's weights are read once per tick. The host must know the experts: from the token
-    /// ids (hash routing) or from an [`Op::Readback`] of [`BufId::Routes`] (learned routing).
+    /// Slot rows grouped by expert (ascending id, rows ascending within an expert), so each expert's weights are
+    /// read once per group of rows (the CPU: once per tick; a device backend: once per tile of 8 rows, grouped on
+    /// the device from the selected ids): large batches.
     ByExpert,
 }
 

@@ -22,9 +22,8 @@
 //! MoE FFN: `Normed = RMSNorm(Collapsed)·ffn_norm`; router scores; routing; gate/up of every routed row and the
 //! shared expert; SwiGLU; down; the weighted sum back into `SublayerOut`. The routed rows' layout ([`Experts`],
 //! [`experts_layout`]) is the batch's choice, visible in the nodes: per row (decode: every product picks its
-//! expert by the selected ids, no host sync), or gathered by expert and scattered back (prefill), where a
-//! learned-routing layer first reads its selection back ([`Op::Readback`] of
-//! [`BufId::Routes`]) — the one host sync of a tick besides the logits, and a node like every other.
+//! expert by the selected ids), or grouped by expert (prefill: each expert's weights read once per group of rows;
+//! a device backend groups them on the device, so the logits stay the one host sync of a tick).
 
 use crate::graph::{Batch, BufId, Experts, Graph, Op, SimKind, Stage, Sub};
 use crate::model::{LayerKind, Model};
@@ -147,10 +146,6 @@ fn moe(g: &mut Graph, model: &Model, layer: usize, rows: usize) {
     let hash = lw.tid2eid.is_some();
     let experts = experts_layout(model, hash, rows);
     g.push(Op::MoeRoute { layer, hash, experts });
-    if experts == Experts::ByExpert && !hash {
-        // The host groups the rows by the router's choice: bring it over.
-        g.push(Op::Readback { buf: Routes });
-    }
     g.push(Op::ExpertUp { layer, experts });
     g.push(Op::SwiGlu { layer });
     g.push(Op::ExpertDown { layer, experts });
@@ -268,19 +263,13 @@ mod tests {
                 let ops: Vec<Op> = g.nodes[a..e].iter().map(|n| n.op).collect();
                 let route = ops.iter().position(|o| matches!(o, Op::MoeRoute { .. })).unwrap();
                 assert_eq!(ops[route], Op::MoeRoute { layer: l, hash, experts: want });
-                let readback = ops[route + 1] == Op::Readback { buf: BufId::Routes };
-                assert_eq!(readback, want == Experts::ByExpert && !hash, "{rows} rows, layer {l}");
                 assert!(ops.contains(&Op::ExpertUp { layer: l, experts: want }));
                 assert!(ops.contains(&Op::ExpertDown { layer: l, experts: want }));
                 assert!(ops.contains(&Op::MoeCombine { experts: want }));
             }
+            // The logits are the one readback, grouped by expert or not.
             let readbacks = g.nodes.iter().filter(|n| matches!(n.op, Op::Readback { .. })).count();
-            assert_eq!(readbacks, 1 + if grouped { learned } else { 0 }, "{rows} rows");
-            // The experts wait for the readback (it writes the routes' host copy).
-            if grouped {
-                let rb = g.nodes.iter().position(|n| n.op == Op::Readback { buf: BufId::Routes }).unwrap();
-                assert!(g.edges.contains(&(rb, rb + 1)), "ExpertUp depends on the readback");
-            }
+            assert_eq!(readbacks, 1, "{rows} rows");
         }
     }
 }

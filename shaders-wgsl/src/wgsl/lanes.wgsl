@@ -34,6 +34,29 @@ fn tile_dots(li: u32, rb: u32, xb: u32, x_stride: u32, cols: u32, nt: u32, live:
             }
         }
     }
+    return lane_sums(li, acc, nt);
+}
+
+// `tile_dots` with each token's vector at its own start: x[xbs[t] ..][..cols] (rows picked by a list). The same
+// additions in the same order, so a token's dot is `tile_dots`'s bit for bit.
+fn tile_dots_at(li: u32, rb: u32, xbs: array<u32, 8>, cols: u32, nt: u32, live: bool) -> array<f32, 8> {
+    let lane = li % ROW_LANES;
+    let nb = cols / BLOCK_VALUES;
+    var acc: array<f32, 8>;
+    if (live) {
+        for (var blk = lane; blk < nb; blk += ROW_LANES) {
+            for (var t = 0u; t < nt; t++) {
+                acc[t] += block_dot(rb, blk, nb, xbs[t] + blk * BLOCK_VALUES);
+            }
+        }
+    }
+    return lane_sums(li, acc, nt);
+}
+
+// The row's lane sums (the fixed tree above), each lane holding its partial dots `acc` of nt tokens.
+fn lane_sums(li: u32, acc_in: array<f32, 8>, nt: u32) -> array<f32, 8> {
+    let lane = li % ROW_LANES;
+    var acc = acc_in;
     if (ROW_LANES > SG) {
         // The previous call's readers are done with `partial`.
         workgroupBarrier();

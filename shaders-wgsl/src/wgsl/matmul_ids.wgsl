@@ -19,6 +19,11 @@
 // sum so far (`accumulate`: out as the previous chunk left it; the rows of one output grow with the expert, so the
 // additions keep ascending expert order), and the last one (has_shared) adds the shared expert's.
 // Dispatch (grid_x, ceil(ceil(expert_rows / ROWS) / grid_x), n_pairs / k).
+// Entry `tiles` (a prefill's products with the pairs grouped by expert on the device, `moe_group.wgsl`): tile i =
+// plan[base_at] + wg.z (this chunk's run of tiles) is (e, first, count) at plan[1 + 3i ..]; for its pairs q = plan[order_at + first + t], t < count,
+// and r < expert_rows, y[y_offset + q * y_stride + r] = dot(W[e * expert_rows + r, :], x[x_offset + (q / x_div) *
+// x_stride + :]): `main`'s values bit for bit (a token's dot does not depend on its tile), each weight row read
+// once per tile. Dispatched indirectly (grid_x, ceil(ceil(expert_rows / ROWS) / grid_x), T), T from the plan.
 struct Params {
     expert_rows: u32,
     cols: u32,
@@ -36,6 +41,10 @@ struct Params {
     route_weighted: u32,
     accumulate: u32,
     has_shared: u32,
+    order_at: u32,
+    base_at: u32,
+    _p1: u32,
+    _p2: u32,
 }
 
 @group(0) @binding(0) var<storage, read> w: array<u32>;
@@ -44,6 +53,13 @@ struct Params {
 @group(0) @binding(3) var<uniform> p: Params;
 @group(0) @binding(4) var<storage, read> ids: array<u32>;
 @group(0) @binding(5) var<storage, read> aux: array<f32>;
+@group(0) @binding(6) var<storage, read> plan: array<u32>;
+
+// Whether some of expert e's `rows` weight rows are in this dispatch's chunk (a workgroup whose expert lies wholly
+// in other chunks returns at once: it would write nothing).
+fn expert_in_chunk(e: u32, rows: u32) -> bool {
+    return e * rows < p.chunk_first + p.chunk_rows && (e + 1u) * rows > p.chunk_first;
+}
 
 // The invocation's row: workgroups are numbered wg.x + wg.y · grid_x, ROWS rows each, ROW_LANES lanes a row.
 fn my_row(wg: vec3<u32>, li: u32) -> u32 {
@@ -53,7 +69,7 @@ fn my_row(wg: vec3<u32>, li: u32) -> u32 {
 @compute @workgroup_size(64)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
     let q = wg.z;
-    if (q >= p.n_pairs) {
+    if (q >= p.n_pairs || !expert_in_chunk(ids[q], p.expert_rows)) {
         return;
     }
     quant_setup(li);
@@ -69,7 +85,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
 @compute @workgroup_size(64)
 fn gate_up_swiglu(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
     let q = wg.z;
-    if (q >= p.n_pairs) {
+    if (q >= p.n_pairs || !expert_in_chunk(ids[q], 2u * p.expert_rows)) {
         return;
     }
     quant_setup(li);
@@ -126,5 +142,31 @@ fn down_combine(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_
     }
     if (in_rows && li % ROW_LANES == 0u) {
         y[p.y_offset + t * p.y_stride + row] = acc;
+    }
+}
+
+@compute @workgroup_size(64)
+fn tiles(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    // This chunk's run of tiles starts at plan[base_at] (`moe_group.wgsl`).
+    let tile = plan[p.base_at] + wg.z;
+    if (tile >= plan[0] || !expert_in_chunk(plan[1u + 3u * tile], p.expert_rows)) {
+        return;
+    }
+    quant_setup(li);
+    let e = plan[1u + 3u * tile];
+    let first = p.order_at + plan[2u + 3u * tile];
+    let nt = min(plan[3u + 3u * tile], TILE);
+    let row = my_row(wg, li);
+    let g = e * p.expert_rows + row;
+    let live = row < p.expert_rows && g >= p.chunk_first && g < p.chunk_first + p.chunk_rows;
+    var xbs: array<u32, 8>;
+    for (var t = 0u; t < nt; t++) {
+        xbs[t] = p.x_offset + (plan[first + t] / p.x_div) * p.x_stride;
+    }
+    let d = tile_dots_at(li, (g - p.chunk_first) * p.row_bytes, xbs, p.cols, nt, live);
+    if (live && li % ROW_LANES == 0u) {
+        for (var t = 0u; t < nt; t++) {
+            y[p.y_offset + plan[first + t] * p.y_stride + row] = d[t];
+        }
     }
 }

@@ -10,7 +10,6 @@
 //   rows2 rows the shared expert's, in place in binding 7 (gate half of each gu_stride row, no routing weight): the
 //   routed and the shared expert's SwiGLU in one dispatch, each value as `swiglu` computes it.
 // Entry `gather` (dispatch (ceil(n / 64), rows, 1)): dst[r * n + c] = src[rows_idx[r] * src_stride + c].
-// Entry `scatter` (dispatch (ceil(n / 64), rows, 1)): dst[rows_idx[r] * dst_stride + c] += src[h_offset + r * n + c].
 //   A destination row must appear at most once per dispatch (true for one expert's token list).
 struct Params {
     n_tok: u32,
@@ -143,16 +142,4 @@ fn gather(@builtin(global_invocation_id) gid: vec3<u32>) {
         return;
     }
     b[r * p.n + c] = a[ia[r] * p.stride + c];
-}
-
-// a = src (packed rows of n from element h_offset), b = dst (stride `stride`), ia = destination rows.
-@compute @workgroup_size(64)
-fn scatter(@builtin(global_invocation_id) gid: vec3<u32>) {
-    let c = gid.x;
-    let r = gid.y;
-    if (c >= p.n || r >= p.rows) {
-        return;
-    }
-    let d = ia[r] * p.stride + c;
-    b[d] = b[d] + a[p.h_offset + r * p.n + c];
 }

@@ -5,10 +5,8 @@
 //! command encoder (the kernels: `rows` for the row ops, mHC and logits, `attn` for the KV ops, `moe` for the
 //! expert ops). The executor records the nodes in recipe order; nothing is submitted until the readback node
 //! ([`crate::graph::Op::Readback`]) sends the tick with the copy of the logit rows to the host — one submission and
-//! one readback per decode tick (counted by [`WgpuContext::counters`]). Every other host sync is a readback node too:
-//! the recipe gathers a learned-routing MoE layer's rows by expert in larger (prefill) batches and reads its
-//! selection back first (`Readback` of `Routes`, see [`super::moe`]); in decode the router's choice stays on the
-//! device (the expert-indexed products of [`super::moe_ids`]).
+//! one readback per tick (counted by [`WgpuContext::counters`]). The router's choice stays on the device in decode
+//! and prefill alike (the expert-indexed and expert-grouped products of [`super::moe_ids`]).
 //!
 //! Weights are uploaded once, lazily on first use, in their file encoding (split across bindings when large) and
 //! cached by weight id; small f32 tensors (norms, sinks, biases, mHC base/scale) likewise. Each tensor
@@ -530,7 +528,6 @@ impl WgpuBackend {
             Op::HcPost => rows::hc_post(self, t, cx, None),
             Op::Logits => rows::logits(self, t, cx),
             Op::LogitCandidates { k } => rows::logit_candidates(self, t, cx, k),
-            Op::Readback { buf: BufId::Routes } => moe::read_routes(self, t, cx),
             Op::Readback { buf } => rows::readback(self, t, cx, buf),
             Op::CompressPush { layer, indexer, sim } => {
                 attn::compress_push(self, t, &mut self.kv.lock(), cx, layer, indexer, sim)

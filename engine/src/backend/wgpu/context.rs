@@ -113,6 +113,13 @@ impl std::ops::Deref for Enc {
     }
 }
 
+/// A dispatch's workgroup counts: given, or read by the device from a buffer at a byte offset.
+#[derive(Clone, Copy)]
+enum Grid<'a> {
+    Direct([u32; 3]),
+    Indirect(&'a wgpu::Buffer, u64),
+}
+
 /// A bind group's identity: the pipeline and each `(binding, buffer, offset, size)` (size 0: the whole buffer).
 type BindKey = (wgpu::ComputePipeline, Vec<(u32, wgpu::Buffer, u64, u64)>);
 
@@ -339,7 +346,10 @@ impl WgpuContext {
             self.device.create_buffer(&wgpu::BufferDescriptor {
                 label: Some("scratch"),
                 size,
-                usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
+                usage: wgpu::BufferUsages::STORAGE
+                    | wgpu::BufferUsages::COPY_SRC
+                    | wgpu::BufferUsages::COPY_DST
+                    | wgpu::BufferUsages::INDIRECT,
                 mapped_at_creation: false,
             })
         });
@@ -538,6 +548,21 @@ impl WgpuContext {
         self.record(enc, pipeline, buffers, groups)
     }
 
+    /// Records one dispatch whose workgroup counts the device reads from `args` at byte `offset` (three u32:
+    /// x, y, z, written by an earlier kernel; `args` made with [`wgpu::BufferUsages::INDIRECT`], as scratch buffers
+    /// are). Copies still waiting in `enc` go first.
+    pub fn dispatch_indirect(
+        &self,
+        enc: &mut Enc,
+        pipeline: &wgpu::ComputePipeline,
+        buffers: &[(u32, &wgpu::Buffer)],
+        (args, offset): (&wgpu::Buffer, u64),
+    ) -> Result<()> {
+        self.flush_copies(enc);
+        let whole: Vec<(u32, &wgpu::Buffer, u64, u64)> = buffers.iter().map(|&(i, b)| (i, b, 0, 0)).collect();
+        self.record_grid(enc, pipeline, &whole, Grid::Indirect(args, offset))
+    }
+
     /// Records one dispatch (nothing waiting in `enc` is flushed: [`WgpuContext::dispatch_ranges`] does that).
     pub(super) fn record(
         &self,
@@ -553,6 +578,16 @@ impl WgpuContext {
         if groups.contains(&0) {
             return Ok(());
         }
+        self.record_grid(enc, pipeline, buffers, Grid::Direct(groups))
+    }
+
+    fn record_grid(
+        &self,
+        enc: &mut Enc,
+        pipeline: &wgpu::ComputePipeline,
+        buffers: &[(u32, &wgpu::Buffer, u64, u64)],
+        grid: Grid<'_>,
+    ) -> Result<()> {
         let key: BindKey = (pipeline.clone(), buffers.iter().map(|&(i, b, at, n)| (i, b.clone(), at, n)).collect());
         let tick = self.tick.load(Ordering::Relaxed);
         let mut binds = self.binds.lock();
@@ -610,7 +645,10 @@ impl WgpuContext {
         };
         pass.set_pipeline(pipeline);
         pass.set_bind_group(0, &bind, &[]);
-        pass.dispatch_workgroups(groups[0], groups[1], groups[2]);
+        match grid {
+            Grid::Direct([x, y, z]) => pass.dispatch_workgroups(x, y, z),
+            Grid::Indirect(args, offset) => pass.dispatch_workgroups_indirect(args, offset),
+        }
         if timed {
             enc.end_pass();
         }

@@ -22,13 +22,12 @@
 //! - [`timing`]: per-dispatch GPU times from timestamp queries, where the adapter has them.
 //! - [`backend`]: [`WgpuBackend`], the [`crate::backend::Backend`] kernel provider that dispatches nodes to them.
 //!
-//! Every function here only records commands into a `wgpu::CommandEncoder` unless it says otherwise (the readback
-//! node submits the tick); call [`context::WgpuContext::submit`] to run them and [`context::WgpuContext::read_f32`]
-//! to read results.
+//! Every function here only records commands into a `wgpu::CommandEncoder` unless it says otherwise; call
+//! [`context::WgpuContext::submit`] to run them and [`context::WgpuContext::read_f32`] to read results. The expert
+//! ids of a MoE layer never leave the device: a prefill groups its rows by expert on the device and dispatches the
+//! expert products indirectly ([`moe_ids`]), so a tick is one submission.
 //!
-//! Known limits (next steps): learned-routing MoE layers in prefill-sized batches read the expert ids back (the
-//! recipe's `Readback` of `Routes`) to group rows by expert (an indirect, expert-indexed grouped matmul would remove
-//! the last mid-tick readback); a layer's device KV page pool is one binding shared by all sessions (at most the
+//! Known limits (next steps): a layer's device KV page pool is one binding shared by all sessions (at most the
 //! storage binding limit: ~128 MiB on lavapipe), so very long contexts or many sessions need a pool split across
 //! bindings (the roll-back log's chunk pools too: one buffer per layer and input); key and row lists are small
 //! fresh buffers per dispatch and the RoPE tables one per tick and flavour (uniform blocks and bind groups are
@@ -66,6 +65,8 @@ mod fallback_tests;
 mod golden_tests;
 #[cfg(test)]
 mod lanes_tests;
+#[cfg(test)]
+mod moe_tiles_tests;
 #[cfg(test)]
 mod ops_tests;
 #[cfg(test)]

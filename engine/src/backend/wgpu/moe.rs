@@ -1,13 +1,12 @@
 //! The MoE kernels of the wgpu backend: [`route`], [`expert_up`], [`swiglu`], [`expert_down`], [`combine`] (the
-//! nodes of [`crate::graph::Op`] of those names) and [`read_routes`] (the readback node of the routes).
+//! nodes of [`crate::graph::Op`] of those names).
 //!
-//! The routed slot rows are laid out as the nodes say ([`Experts`], chosen by the recipe):
-//! - [`Experts::PerRow`]: slot row `r·k + j` is row `r`'s `j`-th choice and every product picks its expert's weight
-//!   rows by the device-side ids ([`super::moe_ids`]); nothing is read back;
-//! - [`Experts::ByExpert`]: the experts are known on the host — from the token ids (hash routing, at the routing
-//!   node), or read back from the router by the recipe's [`crate::graph::Op::Readback`] of the routes
-//!   ([`read_routes`], a submission of its own) — and slot rows are sorted by expert, so each expert's weights are
-//!   read once. An expert node whose layout was not planned (a graph without that readback) is an error.
+//! The routed slot rows are laid out as the nodes say ([`Experts`], chosen by the recipe), and slot row `r·k + j`
+//! is row `r`'s `j`-th choice either way; the expert ids stay on the device ([`super::moe_ids`]):
+//! - [`Experts::PerRow`] (decode): every product picks its expert's weight rows by the device-side ids;
+//! - [`Experts::ByExpert`] (prefill): the slot rows are grouped by expert into tiles on the device
+//!   ([`moe_ids::group`], at the first expert product) and each expert's weights are read once per tile
+//!   ([`moe_ids::matmul_tiles`], dispatched indirectly): nothing is read back.
 //!
 //! The routing weight multiplies the SwiGLU output (so the down product and the combine see weighted rows); the
 //! combine sums each row's experts in ascending expert order, then adds the shared expert.
@@ -16,7 +15,7 @@ use std::sync::Arc;
 
 use super::backend::WgpuBackend;
 use super::context::{backend_err, Enc};
-use super::matmul::{matmul, swiglu_pair, View};
+use super::matmul::{swiglu_pair, View};
 use super::moe_ids;
 use super::ops::{self, Routing};
 use super::resident::{MoePlan, Tick};
@@ -66,99 +65,20 @@ pub fn route(
     };
     ops::moe_route(ctx, t.enc(ctx), &logits, routing, n, ne, k, c.routed_scale, c.weights_norm, &sel, &rw)?;
     t.moe.shared = lw.gate_sh.is_some() && lw.up_sh.is_some() && lw.down_sh.is_some();
-    t.moe.layout = None;
-    match (experts, tid2eid) {
-        (Experts::PerRow, _) => {
-            t.moe.weights.clear();
-            t.moe.weights.extend(0..(n * k) as u32);
-            t.moe.layout = Some(Experts::PerRow);
-            Ok(())
-        }
-        (Experts::ByExpert, Some(tt)) => {
-            let mut chosen = Vec::with_capacity(n * k);
-            for r in rows {
-                let at = r.token as usize * k;
-                let ids = tt
-                    .get(at..at + k)
-                    .ok_or_else(|| backend_err(format!("moe layer {layer}: token {} outside tid2eid", r.token)))?;
-                chosen.extend_from_slice(ids);
-            }
-            plan(t, &chosen, n, k, ne, layer)
-        }
-        // The recipe's readback of the routes plans the rows (`read_routes`).
-        (Experts::ByExpert, None) => Ok(()),
-    }
-}
-
-/// [`crate::graph::Op::Readback`] of [`BufId::Routes`]: submits the tick so far, reads the selected experts back
-/// and groups the slot rows by expert (for the learned-routing layer whose routing node ran last).
-pub fn read_routes(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>) -> Result<()> {
-    let model = cx.model;
-    let c = &model.config;
-    let (n, k, ne) = (cx.batch.rows.len(), c.n_experts_used, c.n_experts);
-    let ctx = be.context();
-    let sel = be.buf(t, model, BufId::Routes)?;
-    let chosen = ctx.submit_read_u32(t.take_enc(ctx), &sel, 0, n * k)?;
-    plan(t, &chosen, n, k, ne, usize::MAX)
-}
-
-/// Groups the slot rows of `chosen` by expert into the tick's plan ([`Experts::ByExpert`]).
-fn plan(t: &mut Tick, chosen: &[u32], n: usize, k: usize, ne: usize, layer: usize) -> Result<()> {
-    plan_by_expert(&mut t.moe, chosen, n, k, ne).map_err(|e| backend_err(format!("moe layer {layer}: {e}")))?;
-    t.moe.layout = Some(Experts::ByExpert);
+    // Slot row q = r·k + j carries routing weight q, in either layout.
+    t.moe.weights.clear();
+    t.moe.weights.extend(0..(n * k) as u32);
+    t.moe.tiles = None;
+    t.moe.layout = Some(experts);
     Ok(())
 }
 
-/// The tick's plan when it is laid out as `experts` (the routing node, and for learned routing gathered by expert,
-/// the readback of its routes, ran), else an error.
+/// The tick's plan when it is laid out as `experts` (the layer's routing node ran), else an error.
 fn planned(t: &Tick, experts: Experts, layer: usize) -> Result<()> {
     if t.moe.layout == Some(experts) {
         return Ok(());
     }
-    Err(backend_err(format!(
-        "moe layer {layer}: expert rows not laid out {experts:?} (routing, or the readback of its routes, missing)"
-    )))
-}
-
-/// Slot rows sorted by expert (ascending), rows ascending within an expert.
-fn plan_by_expert(
-    plan: &mut MoePlan,
-    chosen: &[u32],
-    n: usize,
-    k: usize,
-    ne: usize,
-) -> std::result::Result<(), String> {
-    let mut count = vec![0usize; ne];
-    for &e in chosen {
-        let e = e as usize;
-        if e >= ne {
-            return Err(format!("expert id {e} out of 0..{ne}"));
-        }
-        count[e] += 1;
-    }
-    plan.groups.clear();
-    let mut at = vec![0usize; ne];
-    let mut off = 0;
-    for e in 0..ne {
-        at[e] = off;
-        if count[e] > 0 {
-            plan.groups.push((e, off, count[e]));
-        }
-        off += count[e];
-    }
-    plan.rows.clear();
-    plan.rows.resize(n * k, 0);
-    plan.weights.clear();
-    plan.weights.resize(n * k, 0);
-    for r in 0..n {
-        for j in 0..k {
-            let e = chosen[r * k + j] as usize;
-            plan.rows[at[e]] = r as u32;
-            plan.weights[at[e]] = (r * k + j) as u32;
-            at[e] += 1;
-        }
-    }
-    Ok(())
+    Err(backend_err(format!("moe layer {layer}: expert rows not laid out {experts:?} (its routing node did not run)")))
 }
 
 /// The routed slot rows of one MoE layer, laid out as `experts` says.
@@ -170,10 +90,15 @@ struct ExpertGroups<'a> {
     n: usize,
 }
 
+/// The expert products of a layer, in the order of the grouping's indirect arguments ([`moe_ids::group`]).
+const UP: usize = 0;
+const UP_SECOND: usize = 1;
+const DOWN: usize = 2;
+
 impl ExpertGroups<'_> {
-    /// Products of expert matrix `w` (`per` rows per expert) for every slot row into row `i` of `y`: per row, slot
-    /// `i` reads row `i / x_div` of `x` and picks its expert by the selected id; by expert, slot `i` reads row `i`
-    /// of `x` (gathered) and each group of the plan multiplies its expert's rows once.
+    /// Products of expert matrix `w` (`per` rows per expert) for every slot row `i` (row `i / x_div` of `x`, its
+    /// expert by the selected id) into row `i` of `y`: per row, each slot reads its expert's rows; by expert, the
+    /// tiles of the device grouping read each expert's rows once per tile (product `which` of its arguments).
     #[allow(clippy::too_many_arguments)]
     fn products(
         &self,
@@ -183,15 +108,13 @@ impl ExpertGroups<'_> {
         per: usize,
         x: View<'_>,
         x_div: usize,
-        y: View<'_>,
+        (y, which): (View<'_>, usize),
     ) -> Result<()> {
-        if self.experts == Experts::PerRow {
-            return moe_ids::matmul_ids(ctx, enc, w, per, self.sel, self.n, x, x_div, y);
+        match (self.experts, &self.plan.tiles) {
+            (Experts::PerRow, _) => moe_ids::matmul_ids(ctx, enc, w, per, self.sel, self.n, x, x_div, y),
+            (Experts::ByExpert, Some(tiles)) => moe_ids::matmul_tiles(ctx, enc, w, per, (tiles, which), x, x_div, y),
+            (Experts::ByExpert, None) => Err(backend_err("moe: expert rows not grouped (no expert up product ran)")),
         }
-        for &(e, off, m) in &self.plan.groups {
-            matmul(ctx, enc, w, e * per..(e + 1) * per, x.at(off * x.stride), m, y.at(off * y.stride), false)?;
-        }
-        Ok(())
     }
 }
 
@@ -214,24 +137,32 @@ pub fn expert_up(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, layer: usize,
     };
     let (sh_gu, _) = t.shared(ctx, model);
     let gv = View::new(&gu, 2 * ffn);
-    let (enc, plan) = t.enc_moe(ctx);
-    let packed;
-    let x = match experts {
-        Experts::PerRow => View::new(&xn, d),
-        Experts::ByExpert => {
-            packed = ctx.scratch(n * k * d);
-            ops::gather_rows(ctx, enc, &xn, &packed, &plan.rows, d, d)?;
-            View::new(&packed, d)
-        }
+    let separate = match &pair {
+        Some(_) => None,
+        None => Some((be.mat_grouped(model, lw.gate_exps, ffn)?, be.mat_grouped(model, lw.up_exps, ffn)?)),
     };
+    if experts == Experts::ByExpert {
+        // Group the slot rows by expert on the device, planned for this layer's three expert products.
+        let dm = be.mat_grouped(model, lw.down_exps, d)?;
+        let up: [moe_ids::Product<'_>; 2] = match (&pair, &separate) {
+            (Some(w), _) => [Some((w, 2 * ffn)), None],
+            (None, Some((g, u))) => [Some((g, ffn)), Some((u, ffn))],
+            (None, None) => return Err(backend_err(format!("moe layer {layer}: no gate and up weights"))),
+        };
+        let products = [up[0], up[1], Some((&*dm, d))];
+        let tiles = moe_ids::group(ctx, t.enc(ctx), &sel, (n * k, c.n_experts), products)?;
+        t.moe.tiles = Some(tiles);
+    }
+    let (enc, plan) = t.enc_moe(ctx);
+    let x = View::new(&xn, d);
     let groups = ExpertGroups { experts, plan, sel: &sel, n: n * k };
-    match &pair {
-        Some(gu_w) => groups.products(ctx, enc, gu_w, 2 * ffn, x, k, gv)?,
-        None => {
-            let (gm, um) = (be.mat_grouped(model, lw.gate_exps, ffn)?, be.mat_grouped(model, lw.up_exps, ffn)?);
-            groups.products(ctx, enc, &gm, ffn, x, k, gv)?;
-            groups.products(ctx, enc, &um, ffn, x, k, gv.at(ffn))?;
+    match (&pair, &separate) {
+        (Some(gu_w), _) => groups.products(ctx, enc, gu_w, 2 * ffn, x, k, (gv, UP))?,
+        (None, Some((gm, um))) => {
+            groups.products(ctx, enc, gm, ffn, x, k, (gv, UP))?;
+            groups.products(ctx, enc, um, ffn, x, k, (gv.at(ffn), UP_SECOND))?;
         }
+        (None, None) => {}
     }
     let (xv, sv) = (View::new(&xn, d), View::new(&sh_gu, 2 * ffn));
     match (sh_pair, lw.gate_sh, lw.up_sh) {
@@ -282,7 +213,7 @@ pub fn expert_down(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, layer: usiz
     let (sh_gu, sh_out) = t.shared(ctx, model);
     let (enc, plan) = t.enc_moe(ctx);
     let groups = ExpertGroups { experts, plan, sel: &sel, n: n * k };
-    groups.products(ctx, enc, &dm, d, View::new(&gu, 2 * ffn), 1, View::new(&eo, d))?;
+    groups.products(ctx, enc, &dm, d, View::new(&gu, 2 * ffn), 1, (View::new(&eo, d), DOWN))?;
     if let Some(dn) = lw.down_sh {
         let dn = be.mat(model, dn)?;
         be.mm(t.enc(ctx), &dn, View::new(&sh_gu, 2 * ffn), n, View::new(&sh_out, d))?;
@@ -303,19 +234,9 @@ pub fn combine(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, experts: Expert
         (be.buf(t, model, BufId::ExpertOut)?, be.buf(t, model, BufId::Routes)?, be.buf(t, model, BufId::SublayerOut)?);
     let (_, sh_out) = t.shared(ctx, model);
     let (enc, plan) = t.enc_moe(ctx);
-    if experts == Experts::PerRow {
-        let shared = plan.shared.then_some(&sh_out);
-        return moe_ids::combine(ctx, enc, &eo, &sel, &out, shared, d, n, k);
-    }
-    ctx.clear(enc, &out, 0, (n * d * 4) as u64);
-    for &(_, off, m) in &plan.groups {
-        ops::scatter_add_rows_from(ctx, enc, &eo, off * d, &out, &plan.rows[off..off + m], d, d)?;
-    }
-    if plan.shared {
-        let all: Vec<u32> = (0..n as u32).collect();
-        ops::scatter_add_rows(ctx, enc, &sh_out, &out, &all, d, d)?;
-    }
-    Ok(())
+    // Either layout: slot row r·k + j holds row r's j-th choice.
+    let shared = plan.shared.then_some(&sh_out);
+    moe_ids::combine(ctx, enc, &eo, &sel, &out, shared, d, n, k)
 }
 
 /// [`crate::graph::Op::ExpertUp`] and [`crate::graph::Op::SwiGlu`] of a decode layout ([`Experts::PerRow`]) in one

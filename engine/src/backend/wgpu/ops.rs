@@ -605,33 +605,6 @@ pub fn swiglu(
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn gather_scatter(
-    ctx: &WgpuContext,
-    enc: &mut Enc,
-    entry: &str,
-    src: (&Buf, usize),
-    dst: &Buf,
-    rows: &[u32],
-    n: usize,
-    stride: usize,
-) -> Result<()> {
-    if rows.is_empty() || n == 0 {
-        return Ok(());
-    }
-    let (src, src_offset) = src;
-    let mut p = moe_params();
-    p.n = u32_of(n, "n")?;
-    p.rows = u32_of(rows.len(), "rows")?;
-    p.stride = u32_of(stride, "stride")?;
-    // The scatter's source offset (the gather takes none).
-    p.h_offset = u32_of(src_offset, "source offset")?;
-    let pl = ctx.pipeline_entry("moe", sh::MOE, entry)?;
-    let ib = ctx.storage_u32("moe rows", rows);
-    let ub = ctx.uniform("moe gather/scatter", &p);
-    ctx.dispatch_at(enc, &pl, &[(0, src), (1, dst), (2, &ib), (6, &ub)], [groups(n)?, p.rows, 1])
-}
-
 /// `dst[r] = src[rows[r]]` (rows of `n`; source row stride `stride`, destination packed).
 pub fn gather_rows(
     ctx: &WgpuContext,
@@ -642,39 +615,17 @@ pub fn gather_rows(
     n: usize,
     stride: usize,
 ) -> Result<()> {
-    gather_scatter(ctx, enc, "gather", (src, 0), dst, rows, n, stride)
-}
-
-/// `dst[rows[r]] += src[r]` (source packed rows of `n`; destination row stride `stride`; `rows` distinct).
-pub fn scatter_add_rows(
-    ctx: &WgpuContext,
-    enc: &mut Enc,
-    src: &Buf,
-    dst: &Buf,
-    rows: &[u32],
-    n: usize,
-    stride: usize,
-) -> Result<()> {
-    scatter_add_rows_from(ctx, enc, src, 0, dst, rows, n, stride)
-}
-
-/// [`scatter_add_rows`] with the packed source rows starting at element `src_offset` of `src`.
-#[allow(clippy::too_many_arguments)]
-pub fn scatter_add_rows_from(
-    ctx: &WgpuContext,
-    enc: &mut Enc,
-    src: &Buf,
-    src_offset: usize,
-    dst: &Buf,
-    rows: &[u32],
-    n: usize,
-    stride: usize,
-) -> Result<()> {
-    let mut seen = std::collections::HashSet::new();
-    if !rows.iter().all(|r| seen.insert(*r)) {
-        return Err(backend_err("scatter_add_rows: destination rows must be distinct"));
+    if rows.is_empty() || n == 0 {
+        return Ok(());
     }
-    gather_scatter(ctx, enc, "scatter", (src, src_offset), dst, rows, n, stride)
+    let mut p = moe_params();
+    p.n = u32_of(n, "n")?;
+    p.rows = u32_of(rows.len(), "rows")?;
+    p.stride = u32_of(stride, "stride")?;
+    let pl = ctx.pipeline_entry("moe", sh::MOE, "gather")?;
+    let ib = ctx.storage_u32("moe rows", rows);
+    let ub = ctx.uniform("moe gather", &p);
+    ctx.dispatch_at(enc, &pl, &[(0, src), (1, dst), (2, &ib), (6, &ub)], [groups(n)?, p.rows, 1])
 }
 
 /// Which activation round trip [`act_sim`] applies.

@@ -75,15 +75,13 @@ pub fn len_of(id: BufId, model: &Model, rows: usize, logit_rows: usize) -> Optio
 /// expert nodes of the same layer).
 #[derive(Debug, Default)]
 pub struct MoePlan {
-    /// The layout the rows are planned in for the current layer (`None` until planned: a learned-routing layer
-    /// grouped by expert waits for the readback of its routes).
+    /// The layout the rows are planned in for the current layer (`None` until its routing node ran).
     pub layout: Option<crate::graph::Experts>,
     /// The layer has a shared expert (the combine adds it).
     pub shared: bool,
-    /// `(expert, first slot row, rows)` in ascending expert order (host grouping only).
-    pub groups: Vec<(usize, usize, usize)>,
-    /// Batch row of each slot row (host grouping only).
-    pub rows: Vec<u32>,
+    /// The slot rows grouped by expert on the device ([`Experts::ByExpert`](crate::graph::Experts), made by the
+    /// layer's first expert product).
+    pub tiles: Option<super::moe_ids::Tiles>,
     /// Index of each slot row's routing weight (`row · k + choice`).
     pub weights: Vec<u32>,
 }
@@ -117,8 +115,7 @@ impl Tick {
         self.rows = cx.batch.rows.len();
         self.logit_rows = cx.batch.logit_rows.len();
         self.rope = [None, None];
-        self.moe.groups.clear();
-        self.moe.rows.clear();
+        self.moe.tiles = None;
         self.moe.weights.clear();
         self.moe.layout = None;
         if self.bufs.is_empty() {

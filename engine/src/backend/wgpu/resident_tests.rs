@@ -270,9 +270,9 @@ fn stale_host_kv_without_its_device_copy_is_an_error() {
     }
 }
 
-/// A decode tick records everything into one encoder and submits it once, with the logits as its one readback:
-/// attention, the compressors, the ring and the MoE routing (hash and learned) never wait for the host. A prefill
-/// tick reads back the expert ids of each learned-routing layer (rows are grouped by expert there).
+/// A tick records everything into one encoder and submits it once, with the logits as its one readback:
+/// attention, the compressors, the ring and the MoE routing (hash and learned) never wait for the host, in decode
+/// and in prefill (whose MoE rows are grouped by expert on the device).
 #[test]
 fn decode_tick_submits_once_and_reads_back_once() {
     let Some((model, be)) = setup() else { return };
@@ -284,7 +284,7 @@ fn decode_tick_submits_once_and_reads_back_once() {
     let learned = model.layers.iter().filter(|l| l.tid2eid.is_none()).count() as u64;
     assert!(learned > 0 && learned < c.n_layers as u64, "tiny-a has hash-routed and learned layers");
     let d = be.context().counters() - before;
-    assert_eq!((d.submits, d.readbacks), (learned + 1, learned + 1), "prefill tick");
+    assert_eq!((d.submits, d.readbacks), (1, 1), "prefill tick");
     let before = be.context().counters();
     // Position 19 completes a CSA block (ratio 4): compressor, indexer and ring all advance in this tick.
     tick(&be, &model, std::slice::from_mut(&mut k), &[(0, 19, &toks[19..20])], true);
