@@ -220,21 +220,9 @@ pub fn matmul_tiles(
             ctx.note_split();
         }
         let p = IdsParams {
-            expert_rows: u32_of(expert_rows, "expert rows")?,
-            cols: u32_of(w.cols, "cols")?,
-            n_pairs: u32_of(tiles.n_pairs, "pairs")?,
-            row_bytes: u32_of(w.row_bytes, "row_bytes")?,
-            chunk_first: u32_of(chunk.first_row, "chunk first row")?,
-            chunk_rows: u32_of(chunk.rows, "chunk rows")?,
-            x_offset: u32_of(x.offset, "x offset")?,
-            x_stride: u32_of(x.stride, "x stride")?,
-            x_div: u32_of(x_div, "x div")?,
-            y_offset: u32_of(y.offset, "y offset")?,
-            y_stride: u32_of(y.stride, "y stride")?,
-            grid_x: groups[0],
             order_at: u32_of(tiles.order_at, "order")?,
             base_at: u32_of(tiles.base_at + which * MAX_CHUNKS + ci, "base")?,
-            ..Default::default()
+            ..ids_params(w, chunk, (expert_rows, tiles.n_pairs), (x, x_div, y), groups[0])?
         };
         let u = ctx.uniform("matmul tiles", &p);
         let bindings = [(0, &chunk.buffer), (1, x.buf), (2, y.buf), (3, &u), (6, &*tiles.plan)];
@@ -295,21 +283,7 @@ fn ids_dispatch(
         if ci > 0 {
             ctx.note_split();
         }
-        let mut p = IdsParams {
-            expert_rows: u32_of(out_rows, "expert rows")?,
-            cols: u32_of(w.cols, "cols")?,
-            n_pairs: u32_of(n_pairs, "pairs")?,
-            row_bytes: u32_of(w.row_bytes, "row_bytes")?,
-            chunk_first: u32_of(chunk.first_row, "chunk first row")?,
-            chunk_rows: u32_of(chunk.rows, "chunk rows")?,
-            x_offset: u32_of(x.offset, "x offset")?,
-            x_stride: u32_of(x.stride, "x stride")?,
-            x_div: u32_of(x_div, "x div")?,
-            y_offset: u32_of(y.offset, "y offset")?,
-            y_stride: u32_of(y.stride, "y stride")?,
-            grid_x: groups[0],
-            ..Default::default()
-        };
+        let mut p = ids_params(w, chunk, (out_rows, n_pairs), (x, x_div, y), groups[0])?;
         set(&mut p, ci);
         let u = ctx.uniform(entry, &p);
         let mut bindings = vec![(0, &chunk.buffer), (1, x.buf), (2, y.buf), (3, &u), (4, ids)];
@@ -317,6 +291,31 @@ fn ids_dispatch(
         ctx.dispatch_at(enc, &pl, &bindings, groups)?;
     }
     Ok(())
+}
+
+/// The `matmul_ids.wgsl` parameters every entry shares: `rows` outputs per pair of `n_pairs`, over `chunk` of `w`.
+fn ids_params(
+    w: &GpuWeight,
+    chunk: &super::weights::WeightChunk,
+    (rows, n_pairs): (usize, usize),
+    (x, x_div, y): (View<'_>, usize, View<'_>),
+    grid_x: u32,
+) -> Result<IdsParams> {
+    Ok(IdsParams {
+        expert_rows: u32_of(rows, "expert rows")?,
+        cols: u32_of(w.cols, "cols")?,
+        n_pairs: u32_of(n_pairs, "pairs")?,
+        row_bytes: u32_of(w.row_bytes, "row_bytes")?,
+        chunk_first: u32_of(chunk.first_row, "chunk first row")?,
+        chunk_rows: u32_of(chunk.rows, "chunk rows")?,
+        x_offset: u32_of(x.offset, "x offset")?,
+        x_stride: u32_of(x.stride, "x stride")?,
+        x_div: u32_of(x_div, "x div")?,
+        y_offset: u32_of(y.offset, "y offset")?,
+        y_stride: u32_of(y.stride, "y stride")?,
+        grid_x,
+        ..Default::default()
+    })
 }
 
 /// `out[r] = Σ_j eo[r·k + j]` over the k slots of row r in ascending (expert, slot) order, then `+ shared[r]` when
