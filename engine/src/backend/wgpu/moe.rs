@@ -144,7 +144,7 @@ pub fn expert_up(be: &WgpuBackend, t: &mut Tick, cx: &StepCtx<'_>, layer: usize,
     if experts == Experts::ByExpert {
         // Group the slot rows by expert on the device, planned for this layer's three expert products.
         let dm = be.mat_grouped(model, lw.down_exps, d)?;
-        let up: [moe_ids::Product<'_>; 2] = match (&pair, &separate) {
+        let up: [moe_ids::TiledProduct<'_>; 2] = match (&pair, &separate) {
             (Some(w), _) => [Some((w, 2 * ffn)), None],
             (None, Some((g, u))) => [Some((g, ffn)), Some((u, ffn))],
             (None, None) => return Err(backend_err(format!("moe layer {layer}: no gate and up weights"))),

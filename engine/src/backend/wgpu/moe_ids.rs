@@ -114,7 +114,7 @@ impl std::fmt::Debug for Tiles {
 }
 
 /// An expert product a grouping plans for: the weight (its chunks) and its rows per expert.
-pub type Product<'a> = Option<(&'a GpuWeight, usize)>;
+pub type TiledProduct<'a> = Option<(&'a GpuWeight, usize)>;
 
 /// Records the grouping of the `n_pairs` pairs of `sel` (their experts, `< n_exp`) by expert into tiles
 /// (`moe_group.wgsl`, one workgroup), with the indirect arguments of up to three expert products (`products[i]`,
@@ -125,7 +125,7 @@ pub fn group(
     enc: &mut Enc,
     sel: &Buf,
     (n_pairs, n_exp): (usize, usize),
-    products: [Product<'_>; 3],
+    products: [TiledProduct<'_>; 3],
 ) -> Result<Tiles> {
     let mut grids = [[0u32; 2]; 3];
     let mut bounds = vec![0u32; 2 * 3 * MAX_CHUNKS];
