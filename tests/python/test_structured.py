@@ -146,9 +146,11 @@ def random_schema(seed):
     return root
 
 
+# Digits as [0-9]: the grammar engine's `\d` is Unicode's decimal digits, from newer Unicode tables than Python's
+# `re` has (a random model does emit digits such as U+10D48, which llguidance accepts and Python 3.12 does not know).
 REGEXES = [
     r"[a-z]{1,8}",
-    r"\d{3}-\d{4}",
+    r"[0-9]{3}-[0-9]{4}",
     r"(yes|no|maybe)",
     r"[A-Z][a-z]{0,5}( [A-Z][a-z]{0,5}){0,2}",
     r"#[0-9a-f]{6}",
