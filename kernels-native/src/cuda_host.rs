@@ -68,6 +68,12 @@ pub trait Device {
     fn upload(&mut self, data: &[u8]) -> Result<CudaBufId, DeviceError>;
     /// The buffer's contents.
     fn download(&mut self, buf: CudaBufId) -> Result<Vec<u8>, DeviceError>;
+    /// Copies `data` into the first `data.len()` bytes of `buf` (ordered after every launch queued before).
+    fn write(&mut self, buf: CudaBufId, data: &[u8]) -> Result<(), DeviceError>;
+    /// Fills `out` with the first `out.len()` bytes of `buf`, after every launch queued before (a host sync).
+    fn read(&mut self, buf: CudaBufId, out: &mut [u8]) -> Result<(), DeviceError>;
+    /// Frees `buf` (its id is not reused; later use is an error).
+    fn free(&mut self, buf: CudaBufId);
     /// The buffer's size in bytes (`None` for an unknown buffer).
     fn size(&self, buf: CudaBufId) -> Option<usize>;
     /// Queues one launch of `plan.kernel` with `args` in the kernel's parameter order.
@@ -308,6 +314,23 @@ impl Device for CudaMockDevice {
     }
     fn download(&mut self, buf: CudaBufId) -> Result<Vec<u8>, DeviceError> {
         self.bufs.get(buf.0 as usize).cloned().ok_or_else(|| DeviceError::Buffer(format!("unknown {buf:?}")))
+    }
+    fn write(&mut self, buf: CudaBufId, data: &[u8]) -> Result<(), DeviceError> {
+        match self.bufs.get_mut(buf.0 as usize) {
+            Some(b) if b.len() >= data.len() => Ok(b[..data.len()].copy_from_slice(data)),
+            _ => Err(DeviceError::Buffer(format!("write of {} bytes to {buf:?}", data.len()))),
+        }
+    }
+    fn read(&mut self, buf: CudaBufId, out: &mut [u8]) -> Result<(), DeviceError> {
+        match self.bufs.get(buf.0 as usize) {
+            Some(b) if b.len() >= out.len() => Ok(out.copy_from_slice(&b[..out.len()])),
+            _ => Err(DeviceError::Buffer(format!("read of {} bytes from {buf:?}", out.len()))),
+        }
+    }
+    fn free(&mut self, buf: CudaBufId) {
+        if let Some(b) = self.bufs.get_mut(buf.0 as usize) {
+            *b = Vec::new();
+        }
     }
     fn size(&self, buf: CudaBufId) -> Option<usize> {
         self.bufs.get(buf.0 as usize).map(Vec::len)

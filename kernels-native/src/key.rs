@@ -17,17 +17,21 @@ pub enum BackendKind {
     Cpu,
     /// WGSL compute shaders via wgpu.
     Wgpu,
+    /// CUDA kernels (`kernels-native/cuda`) on an NVIDIA GPU, with the CPU beside it for the ops they do not
+    /// cover yet.
+    Cuda,
 }
 
 impl BackendKind {
     /// Every backend, in the order help texts list them.
-    pub const ALL: [BackendKind; 2] = [BackendKind::Cpu, BackendKind::Wgpu];
+    pub const ALL: [BackendKind; 3] = [BackendKind::Cpu, BackendKind::Wgpu, BackendKind::Cuda];
 
-    /// The backend's short name (`"cpu"`, `"wgpu"`): what command lines accept and reports print.
+    /// The backend's short name (`"cpu"`, `"wgpu"`, `"cuda"`): what command lines accept and reports print.
     pub fn name(self) -> &'static str {
         match self {
             BackendKind::Cpu => "cpu",
             BackendKind::Wgpu => "wgpu",
+            BackendKind::Cuda => "cuda",
         }
     }
 }
@@ -40,7 +44,7 @@ impl fmt::Display for BackendKind {
 
 /// An unknown backend name.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("unknown backend {0:?} (expected one of: cpu, wgpu)")]
+#[error("unknown backend {0:?} (expected one of: cpu, wgpu, cuda)")]
 pub struct UnknownBackend(pub String);
 
 impl std::str::FromStr for BackendKind {

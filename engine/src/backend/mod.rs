@@ -19,6 +19,7 @@
 //! uploads them at the session's next tick.
 
 pub mod cpu;
+pub mod cuda;
 pub mod device;
 pub mod registry;
 #[cfg(feature = "wgpu")]
@@ -237,6 +238,13 @@ pub trait Backend: Send + Sync {
     /// `Ok(false)` (nothing changed) otherwise. Default: `Ok(false)`.
     fn rollback_kv(&self, _slot: usize, _kv: &mut SessionKv, _model: &Model, _pos: usize, _len: usize) -> Result<bool> {
         Ok(false)
+    }
+
+    /// Whether the backend keeps session KV on its device (then the nodes touching KV pages run on it and
+    /// nowhere else). `false`: the KV is the host [`SessionKv`] arrays, and a node the backend has no kernel for
+    /// may run on the host fallback whatever it touches. Default: `false`.
+    fn kv_on_device(&self) -> bool {
+        false
     }
 
     /// Whether this backend's kernels write each session's roll-back log ([`crate::tables::kv`]'s `TokenLog`, by

@@ -1,7 +1,7 @@
 //! The backend registry: the one list of backends ([`BackendKind`], defined next to the override registry in
 //! `ds4_kernels_native` so overrides name their host by it) and the one place that creates them ([`create`]).
 //! The engine, server, CLI, benches and tests all pick a backend through it: by [`BackendKind`], or by name with
-//! [`BackendKind::from_str`](std::str::FromStr) (`"cpu"`, `"wgpu"`).
+//! [`BackendKind::from_str`](std::str::FromStr) (`"cpu"`, `"wgpu"`, `"cuda"`).
 //!
 //! A backend compiled out of this build (the `wgpu` feature off) is still a kind: creating it is a clear error,
 //! so a command line names the same backends in every build.
@@ -26,7 +26,14 @@ pub fn compiled(kind: BackendKind) -> bool {
     match kind {
         BackendKind::Cpu => true,
         BackendKind::Wgpu => cfg!(feature = "wgpu"),
+        BackendKind::Cuda => cfg!(feature = "cuda"),
     }
+}
+
+/// Whether a backend of `kind` runs beside a CPU backend that takes the ops it has no kernel for (the CUDA
+/// backend: its kernels cover part of the graph, see [`super::cuda`]).
+pub fn needs_host_fallback(kind: BackendKind) -> bool {
+    matches!(kind, BackendKind::Cuda)
 }
 
 /// A new backend of `kind`.
@@ -39,6 +46,14 @@ pub fn create(kind: BackendKind, opts: &BackendOptions) -> Result<Box<dyn Backen
         BackendKind::Wgpu => {
             Err(Error::Backend { backend: "wgpu", what: "this build has no wgpu support (feature off)".into() })
         }
+        #[cfg(feature = "cuda")]
+        BackendKind::Cuda => Ok(Box::new(super::cuda::CudaBackend::open()?)),
+        #[cfg(not(feature = "cuda"))]
+        BackendKind::Cuda => Err(Error::Backend {
+            backend: "cuda",
+            what: "this build has no CUDA support: build with `--features cuda` (needs no CUDA installed to build)"
+                .into(),
+        }),
     }
 }
 
@@ -60,6 +75,12 @@ mod tests {
         assert!(compiled(BackendKind::Cpu));
         if !compiled(BackendKind::Wgpu) {
             assert!(create(BackendKind::Wgpu, &BackendOptions::default()).is_err());
+        }
+        assert_eq!(parse("cuda").unwrap(), BackendKind::Cuda);
+        assert!(needs_host_fallback(BackendKind::Cuda) && !needs_host_fallback(BackendKind::Cpu));
+        if !compiled(BackendKind::Cuda) {
+            let e = create(BackendKind::Cuda, &BackendOptions::default()).err().unwrap().to_string();
+            assert!(e.contains("--features cuda"), "{e}");
         }
     }
 }

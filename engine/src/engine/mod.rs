@@ -161,10 +161,13 @@ impl Engine {
             model.pack_dense();
         }
         let mut exec = Executor::default();
+        // The placement's second backend, or the CPU beside a backend whose kernels cover part of the graph.
         let second = match opts.placement.second_backend(opts.backend)? {
-            Some(kind) => Some(crate::backend::registry::create(kind, &backend_opts)?),
+            Some(kind) => Some(kind),
+            None if crate::backend::registry::needs_host_fallback(opts.backend) => Some(BackendKind::Cpu),
             None => None,
         };
+        let second = second.map(|kind| crate::backend::registry::create(kind, &backend_opts)).transpose()?;
         for kind in opts.placement.moved_kinds(opts.backend) {
             exec.force_fallback(kind, true);
         }

@@ -58,6 +58,8 @@ mod place;
 mod residency;
 mod sched;
 #[cfg(test)]
+pub(crate) mod testing;
+#[cfg(test)]
 pub(crate) mod tests;
 mod times;
 
@@ -149,7 +151,7 @@ impl Executor {
         let be = Pair { primary, fallback };
         let two = fallback.is_some();
         if two {
-            self.res.begin(BufId::FIXED + cx.model.config.n_layers, rows);
+            self.res.begin(BufId::FIXED + cx.model.config.n_layers, rows, !primary.kv_on_device());
         }
         primary.begin_tick(cx)?;
         if let Some(f) = fallback {

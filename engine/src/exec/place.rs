@@ -122,7 +122,11 @@ impl Executor {
                 match native {
                     Some(o) => self.places.push(Place::Native(o)),
                     None if backend.supports(op, model) => self.places.push(Place::Portable),
-                    None if fb.is_some() && movable(op, model).is_ok() => self.places.push(Place::Fallback),
+                    // With the KV in host memory (the primary keeps none on its device), a node may go to the
+                    // fallback whatever it touches; the private tensors are checked to stay on one side below.
+                    None if fb.is_some() && (!backend.kv_on_device() || movable(op, model).is_ok()) => {
+                        self.places.push(Place::Fallback)
+                    }
                     None => {
                         whole = true;
                         break;

@@ -12,6 +12,8 @@ pub(super) struct Residency {
     /// Per tensor ([`BufId::index`]): bit 0 set when the primary backend holds the current value, bit 1 the
     /// fallback; 0 before the tick writes it.
     valid: Vec<u8>,
+    /// The KV pages are host memory both sides use (the primary keeps no device KV): always valid on both.
+    host_kv: bool,
     /// Host staging of one copied tensor.
     host: Vec<f32>,
     /// Copies inserted by the last run.
@@ -57,11 +59,13 @@ impl Pair<'_> {
 }
 
 impl Residency {
-    /// Starts a tick over `nbuf` tensors: only the KV pages have a value, and they live with the primary backend.
-    pub(super) fn begin(&mut self, nbuf: usize, rows: usize) {
+    /// Starts a tick over `nbuf` tensors: only the KV pages have a value, and they live with the primary backend
+    /// (`host_kv`: in host memory, where both backends use them).
+    pub(super) fn begin(&mut self, nbuf: usize, rows: usize, host_kv: bool) {
         self.valid.clear();
         self.valid.resize(nbuf, 0);
-        self.valid[BufId::FIXED..].fill(1);
+        self.host_kv = host_kv;
+        self.valid[BufId::FIXED..].fill(if host_kv { 3 } else { 1 });
         self.copies = 0;
         self.bytes = CopiedBytes { rows, ..CopiedBytes::default() };
     }
@@ -103,7 +107,7 @@ impl Residency {
 
     /// Records that `op` ran on side `s`: what it wrote now lives there only.
     pub(super) fn wrote(&mut self, op: &Op, s: usize) {
-        let valid = &mut self.valid;
-        op.access(|_| {}, |b| valid[b.index()] = 1 << s);
+        let (valid, host_kv) = (&mut self.valid, self.host_kv);
+        op.access(|_| {}, |b| valid[b.index()] = if host_kv && matches!(b, BufId::Kv(_)) { 3 } else { 1 << s });
     }
 }

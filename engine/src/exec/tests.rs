@@ -62,10 +62,7 @@ fn op_times_count_every_op_by_kind() {
     assert_eq!(ex.take_op_times(), None);
 }
 
-fn demo() -> Model {
-    let bytes = crate::convert::demo::demo_model_gguf(7).unwrap();
-    Model::load(crate::gguf::GgufFile::from_bytes(bytes).unwrap()).unwrap()
-}
+use super::testing::demo;
 
 /// On the demo model's CSA layer (compressor and indexer), the projections of the normed input form one group
 /// and `wq_b` goes with the indexer's query; the head's and MoE's products run alone.

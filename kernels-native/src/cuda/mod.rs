@@ -211,13 +211,6 @@ impl CudaDevice {
         self.stream.memcpy_dtod(&s.slice(..bytes), &mut d.slice_mut(..bytes)).map_err(drv)
     }
 
-    /// Frees a buffer (its id is not reused).
-    pub fn free(&mut self, buf: CudaBufId) {
-        if let Some(b) = self.bufs.get_mut(buf.0 as usize) {
-            *b = None;
-        }
-    }
-
     fn push(&mut self, s: CudaSlice<u8>) -> CudaBufId {
         let ptr = {
             let (ptr, _sync) = s.device_ptr(&self.stream);
@@ -254,6 +247,37 @@ impl Device for CudaDevice {
         match self.bufs.get(buf.0 as usize) {
             Some(Some((s, _))) => self.stream.clone_dtoh(s).map_err(drv),
             _ => Err(DeviceError::Buffer(format!("unknown or freed {buf:?}"))),
+        }
+    }
+
+    fn write(&mut self, buf: CudaBufId, data: &[u8]) -> Result<(), DeviceError> {
+        match self.bufs.get_mut(buf.0 as usize) {
+            Some(Some((s, _))) if s.len() >= data.len() => {
+                if data.is_empty() {
+                    return Ok(());
+                }
+                self.stream.memcpy_htod(data, &mut s.slice_mut(..data.len())).map_err(drv)
+            }
+            _ => Err(DeviceError::Buffer(format!("write of {} bytes to {buf:?}", data.len()))),
+        }
+    }
+
+    fn read(&mut self, buf: CudaBufId, out: &mut [u8]) -> Result<(), DeviceError> {
+        match self.bufs.get(buf.0 as usize) {
+            Some(Some((s, _))) if s.len() >= out.len() => {
+                if out.is_empty() {
+                    return Ok(());
+                }
+                self.stream.memcpy_dtoh(&s.slice(..out.len()), out).map_err(drv)?;
+                self.stream.synchronize().map_err(drv)
+            }
+            _ => Err(DeviceError::Buffer(format!("read of {} bytes from {buf:?}", out.len()))),
+        }
+    }
+
+    fn free(&mut self, buf: CudaBufId) {
+        if let Some(b) = self.bufs.get_mut(buf.0 as usize) {
+            *b = None;
         }
     }
 

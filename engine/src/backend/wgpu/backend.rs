@@ -401,6 +401,10 @@ impl Backend for WgpuBackend {
         Some(self.kv_pages())
     }
 
+    fn kv_on_device(&self) -> bool {
+        true
+    }
+
     fn set_device_rollback(&self, tokens: usize) {
         self.rollback.store(tokens, Ordering::Relaxed);
     }
