@@ -317,13 +317,19 @@ impl Device for CudaMockDevice {
     }
     fn write(&mut self, buf: CudaBufId, data: &[u8]) -> Result<(), DeviceError> {
         match self.bufs.get_mut(buf.0 as usize) {
-            Some(b) if b.len() >= data.len() => Ok(b[..data.len()].copy_from_slice(data)),
+            Some(b) if b.len() >= data.len() => {
+                b[..data.len()].copy_from_slice(data);
+                Ok(())
+            }
             _ => Err(DeviceError::Buffer(format!("write of {} bytes to {buf:?}", data.len()))),
         }
     }
     fn read(&mut self, buf: CudaBufId, out: &mut [u8]) -> Result<(), DeviceError> {
         match self.bufs.get(buf.0 as usize) {
-            Some(b) if b.len() >= out.len() => Ok(out.copy_from_slice(&b[..out.len()])),
+            Some(b) if b.len() >= out.len() => {
+                out.copy_from_slice(&b[..out.len()]);
+                Ok(())
+            }
             _ => Err(DeviceError::Buffer(format!("read of {} bytes from {buf:?}", out.len()))),
         }
     }

@@ -153,6 +153,15 @@ impl Engine {
     pub fn from_model(model: Model, opts: EngineOptions) -> Result<Engine> {
         let backend_opts = crate::backend::BackendOptions { threads: opts.threads, f32_acts: opts.f32_acts };
         let backend = crate::backend::registry::create(opts.backend, &backend_opts)?;
+        Engine::with_backend(model, opts, backend)
+    }
+
+    /// Builds an engine on `model` with a backend made by the caller (e.g. the CUDA backend over a device of its
+    /// own, [`crate::backend::cuda::CudaBackend::with_device`]); `opts.backend` must name its kind. The second
+    /// backend (placement, host fallback) is made from `opts` as in [`Engine::from_model`].
+    pub fn with_backend(model: Model, mut opts: EngineOptions, backend: Box<dyn Backend>) -> Result<Engine> {
+        opts.backend = backend.kind();
+        let backend_opts = crate::backend::BackendOptions { threads: opts.threads, f32_acts: opts.f32_acts };
         if opts.max_batch_tokens == 0 {
             return Err(Error::InvalidArgument("max_batch_tokens must be > 0".into()));
         }

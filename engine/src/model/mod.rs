@@ -6,7 +6,7 @@
 pub mod config;
 pub mod dspark;
 pub(crate) mod mat;
-pub(crate) mod recipe;
+pub mod recipe;
 pub(crate) mod rope;
 pub(crate) mod sim;
 pub(crate) mod weights;

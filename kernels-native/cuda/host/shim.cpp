@@ -3,11 +3,14 @@
 
 #include "shim.h"
 
-#include <chrono>
-#include <condition_variable>
+#if defined(__x86_64__) && defined(__linux__)
+#define DS4_FIBER_ASM 1
+#else
+#include <ucontext.h>
+#endif
+
 #include <memory>
 #include <mutex>
-#include <thread>
 #include <vector>
 
 namespace ds4shim {
@@ -17,26 +20,66 @@ dim3 g_block_dim = {1, 1, 1}, g_grid_dim = {1, 1, 1};
 
 namespace {
 
+// The CUDA threads of a launch are fibers on the launching OS thread, run in turn by `launch`: a fiber runs
+// until it waits at a barrier or finishes, then the next one runs. A barrier completes when its last participant
+// arrives; its waiters then resume on their next turn. On x86-64 Linux a switch saves the callee-saved registers
+// and swaps stacks (`ds4_fiber_switch`, no system call); elsewhere it is ucontext's swapcontext.
+constexpr size_t kStack = 256 * 1024;
+
+#if DS4_FIBER_ASM
+// Saves rbp, rbx, r12-r15 on the current stack, stores the stack pointer at *from, loads `to` and restores the
+// same registers from it, then returns into that fiber.
+extern "C" void ds4_fiber_switch(void** from, void* to);
+asm(R"(
+    .text
+    .globl ds4_fiber_switch
+    .type ds4_fiber_switch, @function
+ds4_fiber_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size ds4_fiber_switch, .-ds4_fiber_switch
+)");
+struct Context {
+    void* sp = nullptr;
+};
+#else
+using Context = ucontext_t;
+#endif
+
+struct Fiber {
+    Context ctx;
+    dim3 thread, block;
+    unsigned linear = 0, phase = 0;
+    bool done = false;
+};
+
+// Fiber stacks, kept from one launch to the next (launches are serialised by g_launch_mutex).
+std::vector<std::unique_ptr<char[]>> g_stacks;
+
+struct Launch;
+Launch* g_launch = nullptr;
+thread_local unsigned tl_linear = 0;
+thread_local unsigned tl_phase = 0;
+std::mutex g_launch_mutex;
+
 struct Barrier {
-    std::mutex m;
-    std::condition_variable cv;
     unsigned n = 0, count = 0;
     uint64_t gen = 0;
     const char* what = "";
-    void wait() {
-        std::unique_lock<std::mutex> l(m);
-        const uint64_t g = gen;
-        if (++count == n) {
-            count = 0;
-            ++gen;
-            cv.notify_all();
-            return;
-        }
-        if (!cv.wait_for(l, std::chrono::seconds(20), [&] { return gen != g; })) {
-            std::fprintf(stderr, "ds4 host shim: %s barrier timed out: a kernel broke the shim's rules\n", what);
-            std::abort();
-        }
-    }
+    void wait();
 };
 
 struct Warp {
@@ -48,12 +91,62 @@ struct Launch {
     Barrier block_bar;  // __syncthreads
     Barrier cta_bar;    // between CTAs
     std::vector<std::unique_ptr<Warp>> warps;
+    std::vector<Fiber> fibers;
+    Context sched;
+    unsigned cur = 0;
+    uint64_t progress = 0;  // arrivals and finished fibers: a round without any is a deadlock
+    const char* waiting = "";
+    void (*body)(void*) = nullptr;
+    void* ctx = nullptr;
 };
 
-Launch* g_launch = nullptr;
-thread_local unsigned tl_linear = 0;
-thread_local unsigned tl_phase = 0;
-std::mutex g_launch_mutex;
+void switch_to(Context* from, Context* to) {
+#if DS4_FIBER_ASM
+    ds4_fiber_switch(&from->sp, to->sp);
+#else
+    swapcontext(from, to);
+#endif
+}
+
+void yield_to_scheduler() {
+    Launch& l = *g_launch;
+    switch_to(&l.fibers[l.cur].ctx, &l.sched);
+}
+
+void Barrier::wait() {
+    Launch& l = *g_launch;
+    ++l.progress;
+    const uint64_t g = gen;
+    if (++count == n) {
+        count = 0;
+        ++gen;
+        return;
+    }
+    while (gen == g) {
+        l.waiting = what;
+        yield_to_scheduler();
+    }
+}
+
+void fiber_main() {
+    Launch& l = *g_launch;
+    const dim3 grid = g_grid_dim;
+    for (unsigned z = 0; z < grid.z; ++z)
+        for (unsigned y = 0; y < grid.y; ++y)
+            for (unsigned x = 0; x < grid.x; ++x) {
+                tl_block = {x, y, z};
+                l.body(l.ctx);
+                l.cta_bar.wait();
+            }
+    l.fibers[l.cur].done = true;
+    ++l.progress;
+#if DS4_FIBER_ASM
+    // A finished fiber never runs again: switch away for good.
+    yield_to_scheduler();
+    std::abort();
+#endif
+    // (ucontext: returning resumes uc_link, the scheduler.)
+}
 
 }  // namespace
 
@@ -69,6 +162,8 @@ void launch(dim3 grid, dim3 block, void (*body)(void*), void* ctx) {
     const unsigned nt = block.x * block.y * block.z;
     if (nt == 0 || grid.x == 0 || grid.y == 0 || grid.z == 0) return;
     Launch l;
+    l.body = body;
+    l.ctx = ctx;
     l.block_bar.n = nt;
     l.block_bar.what = "__syncthreads";
     l.cta_bar.n = nt;
@@ -81,23 +176,54 @@ void launch(dim3 grid, dim3 block, void (*body)(void*), void* ctx) {
     g_launch = &l;
     g_block_dim = block;
     g_grid_dim = grid;
-    std::vector<std::thread> threads;
-    threads.reserve(nt);
+    l.fibers.resize(nt);
     for (unsigned i = 0; i < nt; ++i) {
-        threads.emplace_back([&, i] {
-            tl_linear = i;
-            tl_phase = 0;
-            tl_thread = {i % block.x, (i / block.x) % block.y, i / (block.x * block.y)};
-            for (unsigned z = 0; z < grid.z; ++z)
-                for (unsigned y = 0; y < grid.y; ++y)
-                    for (unsigned x = 0; x < grid.x; ++x) {
-                        tl_block = {x, y, z};
-                        body(ctx);
-                        l.cta_bar.wait();
-                    }
-        });
+        Fiber& f = l.fibers[i];
+        f.linear = i;
+        f.thread = {i % block.x, (i / block.x) % block.y, i / (block.x * block.y)};
+        if (g_stacks.size() <= i) g_stacks.emplace_back(new char[kStack]);
+#if DS4_FIBER_ASM
+        // The first switch pops six zero registers and returns into fiber_main with the stack pointer at 8 mod
+        // 16, as a call leaves it.
+        uintptr_t top = ((uintptr_t)g_stacks[i].get() + kStack) & ~(uintptr_t)15;
+        void** sp = (void**)top;
+        *--sp = nullptr;  // fiber_main's (never used) return address slot keeps the alignment
+        *--sp = (void*)&fiber_main;
+        for (int r = 0; r < 6; ++r) *--sp = nullptr;
+        f.ctx.sp = sp;
+#else
+        getcontext(&f.ctx);
+        f.ctx.uc_stack.ss_sp = g_stacks[i].get();
+        f.ctx.uc_stack.ss_size = kStack;
+        f.ctx.uc_link = &l.sched;
+        makecontext(&f.ctx, fiber_main, 0);
+#endif
     }
-    for (auto& t : threads) t.join();
+    const dim3 saved_thread = tl_thread, saved_block = tl_block;
+    for (unsigned alive = nt; alive > 0;) {
+        const uint64_t before = l.progress;
+        alive = 0;
+        for (unsigned i = 0; i < nt; ++i) {
+            Fiber& f = l.fibers[i];
+            if (f.done) continue;
+            l.cur = i;
+            tl_thread = f.thread;
+            tl_block = f.block;
+            tl_linear = f.linear;
+            tl_phase = f.phase;
+            switch_to(&l.sched, &f.ctx);
+            f.block = tl_block;
+            f.phase = tl_phase;
+            alive += f.done ? 0 : 1;
+        }
+        if (alive > 0 && l.progress == before) {
+            std::fprintf(stderr, "ds4 host shim: %s barrier can never complete: a kernel broke the shim's rules\n",
+                         l.waiting);
+            std::abort();
+        }
+    }
+    tl_thread = saved_thread;
+    tl_block = saved_block;
     g_launch = nullptr;
 }
 

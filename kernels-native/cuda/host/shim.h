@@ -1,17 +1,18 @@
 // Host shim: the ds4 CUDA kernel sources compiled as plain C++ and run on the CPU, for tests on machines without
 // a GPU. Not a CUDA emulator: only what the kernels use.
 //
-// Model: a launch runs its CTAs one after another on blockDim.x·y·z OS threads (one per CUDA thread, created once
-// per launch); all of them pass a barrier between CTAs, so `__shared__` (a function-local `static`) is private to
-// the running CTA. `__syncthreads` is a barrier over the CTA's threads; warp shuffles exchange values through a
-// per-warp slot array and one barrier over the warp's 32 threads, so every lane of a warp must call each
-// shuffle (the same rule as the device's full-mask shuffles). Launches are serialised by a global mutex (tests run
-// in parallel threads). dp4a, vsub4, popc and the _rn float intrinsics are plain C with the same results; build
-// with -ffp-contract=off so that no a·b + c is fused unless written as fmaf.
+// Model: a launch runs its CTAs one after another on blockDim.x·y·z fibers (one per CUDA thread, ucontext
+// coroutines on the launching OS thread, taking turns: a fiber runs until it waits at a barrier); all of them pass
+// a barrier between CTAs, so `__shared__` (a function-local `static`) is private to the running CTA.
+// `__syncthreads` is a barrier over the CTA's threads; warp shuffles exchange values through a per-warp slot
+// array and one barrier over the warp's 32 threads, so every lane of a warp must call each shuffle (the same rule
+// as the device's full-mask shuffles). Launches are serialised by a global mutex (tests run in parallel threads).
+// dp4a, vsub4, popc and the _rn float intrinsics are plain C with the same results; build with
+// -ffp-contract=off so that no a·b + c is fused unless written as fmaf.
 //
-// A barrier that waits more than 20 s means a kernel broke the rules above (a lane skipped a shuffle, or some
-// threads returned before a __syncthreads): the shim prints the kernel's barrier kind and aborts instead of
-// hanging the test run.
+// A round of turns in which no thread reaches a barrier or finishes means a kernel broke the rules above (a lane
+// skipped a shuffle, or some threads returned before a __syncthreads): the shim prints the barrier kind it waits
+// at and aborts instead of hanging the test run.
 
 #ifndef DS4_SHIM_H
 #define DS4_SHIM_H

@@ -16,7 +16,7 @@
 //! Memory. Weights are uploaded on first use and stay (their file encoding, no dequantized copy; norm vectors as
 //! f32). A tick's tensors live in one device buffer per [`BufId`], grown when a tick needs more and kept across
 //! ticks (a tensor's value is only defined within the tick that wrote it). The batch rows' positions are
-//! uploaded once per tick, at the first rope.
+//! uploaded when a rope finds them changed.
 //!
 //! Invariants: every launch goes through `ds4_kernels_native::cuda_host`'s plans, which check each buffer's size
 //! against the shapes before launching; a shape the kernels cannot take is refused by [`CudaBackend::supports`]
@@ -66,9 +66,9 @@ struct State {
     acts: Option<ActBufs>,
     /// `inv_freq` of the plain and the compressed rope.
     rope: [Option<CudaBufId>; 2],
-    /// The tick's row positions (i32), valid while `pos_fresh`.
+    /// Row positions on the device (i32; buffer and capacity in rows) and the values it holds.
     pos: Option<(CudaBufId, usize)>,
-    pos_fresh: bool,
+    pos_host: Vec<i32>,
     counters: DeviceCounters,
 }
 
@@ -93,21 +93,25 @@ impl CudaBackend {
                 acts: None,
                 rope: [None, None],
                 pos: None,
-                pos_fresh: false,
+                pos_host: Vec::new(),
                 counters: DeviceCounters::default(),
             }),
         }
     }
 
     /// The backend on GPU 0 (feature `cuda`): the driver and NVRTC are looked for first, so a machine without
-    /// them gets this error and nothing else; kernels compiled by NVRTC are cached under `~/.cache/ds4/cuda`.
+    /// them gets this error and nothing else. NVRTC is loaded from `$DS4_CUDA_WHEELS` (the `nvidia-cuda-nvrtc`
+    /// wheel's `nvidia/cu13` folder) when set, else found by soname; the compiled kernels are cached under
+    /// `$DS4_CUDA_CACHE` (default `~/.cache/ds4/cuda`).
     #[cfg(feature = "cuda")]
     pub fn open() -> Result<CudaBackend> {
         use ds4_kernels_native::cuda::{preload_nvrtc, CudaDevice};
-        if let Some(dir) = std::env::var_os("DS4_CUDA_NVRTC") {
+        if let Some(dir) = std::env::var_os("DS4_CUDA_WHEELS") {
             preload_nvrtc(std::path::Path::new(&dir)).map_err(dev_err)?;
         }
-        let cache = std::env::var_os("HOME").map(|h| std::path::PathBuf::from(h).join(".cache/ds4/cuda"));
+        let cache = std::env::var_os("DS4_CUDA_CACHE")
+            .map(std::path::PathBuf::from)
+            .or_else(|| std::env::var_os("HOME").map(|h| std::path::PathBuf::from(h).join(".cache/ds4/cuda")));
         let dev = CudaDevice::open(0, cache.as_deref()).map_err(dev_err)?;
         let i = &dev.info;
         let name = format!("{} (CUDA, sm_{}{})", i.name, i.compute_capability.0, i.compute_capability.1);
@@ -264,14 +268,9 @@ impl State {
         self.launched(r, 1)
     }
 
-    /// The tick's row positions on the device (uploaded at the tick's first use).
+    /// The batch rows' positions on the device, uploaded when they differ from what the buffer holds.
     fn positions(&mut self, cx: &StepCtx<'_>) -> Result<CudaBufId> {
         let n = cx.batch.rows.len();
-        if let (true, Some((b, cap))) = (self.pos_fresh, self.pos) {
-            if cap >= n {
-                return Ok(b);
-            }
-        }
         let pos: Vec<i32> = cx
             .batch
             .rows
@@ -279,7 +278,12 @@ impl State {
             .map(|r| i32::try_from(r.pos).map_err(|_| err(format!("position {} exceeds 32 bits", r.pos))))
             .collect::<Result<_>>()?;
         let b = match self.pos {
-            Some((b, cap)) if cap >= n => b,
+            Some((b, cap)) if cap >= n => {
+                if self.pos_host == pos {
+                    return Ok(b);
+                }
+                b
+            }
             old => {
                 if let Some((b, _)) = old {
                     self.dev.free(b);
@@ -291,7 +295,7 @@ impl State {
         };
         self.dev.write(b, bytemuck::cast_slice(&pos)).map_err(dev_err)?;
         self.counters.host_to_device += 4 * n as u64;
-        self.pos_fresh = true;
+        self.pos_host = pos;
         Ok(b)
     }
 }
@@ -339,9 +343,7 @@ impl Backend for CudaBackend {
     }
 
     fn begin_tick(&self, _cx: &mut StepCtx<'_>) -> Result<()> {
-        let mut st = self.st.lock();
-        st.pos_fresh = false;
-        st.counters.submits += 1;
+        self.st.lock().counters.submits += 1;
         Ok(())
     }
 
