@@ -103,9 +103,23 @@ else
   say "# not run: wgpu over Vulkan (no libvulkan here: carry the loader, docs/cuda.md)"
 fi
 
-# 6. Engine-level CUDA checks need the CUDA engine Backend (not built yet: docs/cuda.md), so they are not run here.
-say "# not run: ds4-bench correctness --backends cpu,cuda and decode/prefill t/s need the engine's CUDA Backend"
+# 6. The engine's CUDA backend (docs/cuda.md: products, norms and ropes on the GPU, the rest on the CPU beside it):
+#    agreement with the CPU on a tiny synthetic q4 model (the tolerance of tests/tests/cuda_backend.rs), then
+#    decode and prefill on Flash-shaped layers with the placement report and the device counters.
+cstatus=0
+say ""
+say "## cuda backend"
+timeout "$(left)" "$BENCH" correctness --backends cpu,cuda --synthetic tiny:layers=3:recipe=q4 --exact \
+  --tol 1 --min-agree 0.9 --quiet >>"$OUT" 2>&1 || cstatus=$?
+say "# cuda correctness exit status: $cstatus"
+if [ "$(left)" -gt 60 ]; then
+  timeout "$(left)" "$BENCH" --synthetic "flash:layers=${DS4_GPU_CHECK_LAYERS:-4}" --backend cuda \
+    --ctx-start 512 --ctx-max 512 --gen-tokens 16 --batch-tokens 512 --placement-report --quiet >>"$OUT" 2>&1 \
+    || cstatus=$?
+  say "# cuda decode/prefill exit status: $cstatus"
+fi
 say "# total $(($(date +%s) - START)) s"
 [ "$status" -eq 0 ] || fail "ds4-bench cuda failed (status $status); see $OUT"
 [ "$wstatus" -eq 0 ] || fail "the wgpu checks failed (status $wstatus); see $OUT"
+[ "$cstatus" -eq 0 ] || fail "the cuda backend checks failed (status $cstatus); see $OUT"
 exit 0

@@ -93,7 +93,7 @@ struct RunArgs {
     /// Rows per engine tick (prefill chunk size).
     #[arg(long, default_value_t = 256)]
     batch_tokens: usize,
-    /// Compute backend: cpu or wgpu.
+    /// Compute backend: cpu, wgpu or cuda (cuda: a build with `--features cuda`).
     #[arg(long, default_value = "cpu")]
     backend: String,
     /// Groups of ops on a second backend: `experts=cpu` runs the MoE layers on the CPU beside a GPU --backend (the
@@ -166,7 +166,7 @@ struct SpeculateArgs {
     /// Prompt tokens before generation.
     #[arg(long, default_value_t = 32)]
     prompt: usize,
-    /// Compute backend: cpu or wgpu.
+    /// Compute backend: cpu, wgpu or cuda (cuda: a build with `--features cuda`).
     #[arg(long, default_value = "cpu")]
     backend: String,
 }
@@ -175,7 +175,7 @@ struct SpeculateArgs {
 struct CorrectnessArgs {
     #[command(flatten)]
     common: Common,
-    /// Comma-separated backends to compare pairwise (cpu, wgpu); `BACKEND:PLACEMENT` runs a backend with a
+    /// Comma-separated backends to compare pairwise (cpu, wgpu, cuda); `BACKEND:PLACEMENT` runs a backend with a
     /// placement (`wgpu:experts=cpu`: the MoE layers on the CPU, the rest on wgpu).
     #[arg(long, value_delimiter = ',', default_values_t = ["cpu".to_string(), "wgpu".to_string()])]
     backends: Vec<String>,

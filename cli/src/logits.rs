@@ -29,7 +29,7 @@ pub struct LogitsArgs {
     /// products the wgpu kernels compute, for cross-backend checks).
     #[arg(long)]
     pub f32_acts: bool,
-    /// Backend: cpu or wgpu.
+    /// Backend: cpu, wgpu or cuda (cuda: a build with `--features cuda`).
     #[arg(long, default_value = "cpu")]
     pub backend: String,
     /// Where groups of ops run besides --backend: `experts=cpu` runs every MoE layer's experts on the CPU and the

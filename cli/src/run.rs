@@ -62,7 +62,7 @@ pub struct GenArgs {
     /// Stop when this text appears (repeatable).
     #[arg(long = "stop")]
     pub stop: Vec<String>,
-    /// cpu or wgpu.
+    /// cpu, wgpu or cuda (cuda: a build with `--features cuda`).
     #[arg(long, default_value = "cpu")]
     pub backend: BackendKind,
     /// Where groups of ops run besides --backend: `experts=cpu` runs every MoE layer's experts on the CPU and the

@@ -76,7 +76,7 @@ pub struct Args {
     /// product of its confidences so far; 0: full length).
     #[arg(long, default_value_t = 0.0)]
     pub draft_min_confidence: f32,
-    /// Compute backend: cpu or wgpu.
+    /// Compute backend: cpu, wgpu or cuda (cuda: a build with `--features cuda`).
     #[arg(long, default_value = "cpu")]
     pub backend: BackendKind,
     /// Where groups of ops run besides --backend: `experts=cpu` runs every MoE layer's experts on the CPU and the
