@@ -86,3 +86,60 @@ __device__ __forceinline__ void ds4_moe_down_sum(const u8* __restrict__ down, i6
 DS4_MOE(iq2_xxs, Ds4BlkIq2xxs)
 DS4_MOE(q2_k, Ds4BlkQ2K)
 DS4_MOE(q4_k, Ds4BlkQ4K)
+
+// Routing of n rows over ne experts, one thread per row (the CPU backend's moe.rs, step for step): scores
+// s = sqrt(softplus(logit)); the row's k experts are the token's fixed ones from `table` (hash routing: table
+// non-null, row r's token tokens[r]) or the top k of s + bias (bias may be null), best first, ties to the lower
+// id; weights w_j = s[e_j], divided by (Σ w + 1e-20) when `norm`, times `scale`. ids and rw are n × k.
+#define DS4_ROUTE_MAX_K 16
+__device__ __forceinline__ float ds4_route_score(float x) {
+    const float sp = x > 20.0f ? x : log1pf(expf(x));
+    return sqrtf(sp);
+}
+
+extern "C" __global__ void __launch_bounds__(256) ds4_moe_route(const float* __restrict__ logits,
+                                                                const float* __restrict__ bias,
+                                                                const i32* __restrict__ table,
+                                                                const i32* __restrict__ tokens, i32* __restrict__ ids,
+                                                                float* __restrict__ rw, int n, int ne, int k, int norm,
+                                                                float scale) {
+    const int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= n || k <= 0 || k > DS4_ROUTE_MAX_K) return;
+    const float* lr = logits + (i64)r * ne;
+    int sel[DS4_ROUTE_MAX_K];
+    float key[DS4_ROUTE_MAX_K];
+    if (table) {
+        for (int j = 0; j < k; ++j) sel[j] = table[(i64)tokens[r] * k + j];
+    } else {
+        int n_in = 0;
+        for (int e = 0; e < ne; ++e) {
+            const float v = __fadd_rn(ds4_route_score(lr[e]), bias ? bias[e] : 0.0f);
+            int at = n_in;
+            while (at > 0 && key[at - 1] < v) --at;
+            if (at < k) {
+                const int end = n_in < k - 1 ? n_in : k - 1;
+                for (int i = end - 1; i >= at; --i) {
+                    sel[i + 1] = sel[i];
+                    key[i + 1] = key[i];
+                }
+                sel[at] = e;
+                key[at] = v;
+                n_in = n_in + 1 < k ? n_in + 1 : k;
+            }
+        }
+    }
+    // The weights: the chosen experts' scores (recomputed rather than kept: fewer live registers), their sum
+    // first, in selection order.
+    float sum = 0.0f;
+    for (int j = 0; j < k; ++j) {
+        const int e = sel[j];
+        sum = __fadd_rn(sum, (e >= 0 && e < ne) ? ds4_route_score(lr[e]) : __int_as_float(0x7fc00000));
+    }
+    for (int j = 0; j < k; ++j) {
+        const int e = sel[j];
+        float v = (e >= 0 && e < ne) ? ds4_route_score(lr[e]) : __int_as_float(0x7fc00000);
+        if (norm) v = v / __fadd_rn(sum, 1e-20f);
+        ids[(i64)r * k + j] = e;
+        rw[(i64)r * k + j] = __fmul_rn(v, scale);
+    }
+}

@@ -59,3 +59,10 @@ extern "C" __global__ void __launch_bounds__(256) ds4_swiglu(float* __restrict__
     if (i >= n) return;
     g[i] = __fmul_rn(ds4_silu(fminf(g[i], limit)), fminf(fmaxf(u[i], -limit), limit));
 }
+
+// y += x over n values (the MoE combine's shared expert added to the routed sum).
+extern "C" __global__ void __launch_bounds__(256) ds4_add(float* __restrict__ y, const float* __restrict__ x, i64 n) {
+    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    y[i] = __fadd_rn(y[i], x[i]);
+}

@@ -205,8 +205,9 @@ pub enum RouteWeightAt {
 }
 
 /// The decode MoE of `ntok` tokens: `out[t] = Σ_j rw[t][j] · down_e(swiglu(gate_e·x_t, up_e·x_t))` over the
-/// `n_used` experts `e = ids[t][j]` (`ids`: i32, `rw`: f32, both `ntok × n_used` on the device), in four launches.
-/// `h` is f32 scratch of `ntok × n_used × ffn`; `acts` must hold `max(d_model, n_used · ffn) · ntok` values.
+/// `n_used` experts `e = ids[t][j]` (`ids`: i32, `rw`: f32, both `ntok × n_used` on the device), in four launches
+/// ([`moe_gate_up`] then [`moe_down_sum`], with Flash's clamp [`SWIGLU_LIMIT`]). `h` is f32 scratch of
+/// `ntok × n_used × ffn`; `acts` must hold `max(d_model, n_used · ffn) · ntok` values.
 #[allow(clippy::too_many_arguments)]
 pub fn moe_decode(
     dev: &mut dyn Device,
@@ -221,27 +222,53 @@ pub fn moe_decode(
     h: CudaBufId,
     out: CudaBufId,
 ) -> Result<(), DeviceError> {
-    let up_plan = Plan::moe_gate_up(ex.up_ty, ex.ffn, ex.d_model, n_used, ntok)?;
-    let down_plan = Plan::moe_down_sum(ex.down_ty, ex.d_model, ex.ffn, ntok)?;
+    let rw_up = (at == RouteWeightAt::SwiGlu).then_some(rw);
+    let rw_down = (at == RouteWeightAt::Sum).then_some(rw);
+    moe_gate_up(dev, ex, x, ids, rw_up, n_used, ntok, SWIGLU_LIMIT, acts, h)?;
+    moe_down_sum(dev, ex, h, ids, rw_down, n_used, ntok, acts, out)
+}
+
+fn check_experts(dev: &dyn Device, ex: &CudaExperts) -> Result<(usize, usize), DeviceError> {
     let (gr, dr) = (ex.up_ty.row_bytes(ex.d_model).unwrap_or(0), ex.down_ty.row_bytes(ex.ffn).unwrap_or(0));
     let (up_bytes, down_bytes) = (ex.ffn * gr, ex.d_model * dr);
     need(dev, ex.gate, ex.n_experts * up_bytes, "gate experts")?;
     need(dev, ex.up, ex.n_experts * up_bytes, "up experts")?;
     need(dev, ex.down, ex.n_experts * down_bytes, "down experts")?;
+    Ok((up_bytes, down_bytes))
+}
+
+fn opt(b: Option<CudaBufId>) -> Arg {
+    b.map_or(Arg::Null, Arg::Buf)
+}
+
+/// `h[t][j] = swiglu(gate_e·x_t, up_e·x_t)` (clamp `limit`; `· rw[t][j]` when `rw` is given) for the `n_used`
+/// experts `e = ids[t][j]` of each of `ntok` tokens: x quantized (Q8_K), then one launch.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_gate_up(
+    dev: &mut dyn Device,
+    ex: &CudaExperts,
+    x: CudaBufId,
+    ids: CudaBufId,
+    rw: Option<CudaBufId>,
+    n_used: usize,
+    ntok: usize,
+    limit: f32,
+    acts: &ActBufs,
+    h: CudaBufId,
+) -> Result<(), DeviceError> {
+    let plan = Plan::moe_gate_up(ex.up_ty, ex.ffn, ex.d_model, n_used, ntok)?;
+    let (up_bytes, _) = check_experts(dev, ex)?;
     need(dev, x, ntok * ex.d_model * 4, "x")?;
     need(dev, ids, ntok * n_used * 4, "expert ids")?;
-    need(dev, rw, ntok * n_used * 4, "route weights")?;
+    if let Some(rw) = rw {
+        need(dev, rw, ntok * n_used * 4, "route weights")?;
+    }
     need(dev, h, ntok * n_used * ex.ffn * 4, "h")?;
-    need(dev, out, ntok * ex.d_model * 4, "out")?;
     let (ne, nu) = (i32v(ex.n_experts, "experts")?, i32v(n_used, "experts used")?);
     let (d, f) = (i32v(ex.d_model, "d_model")?, i32v(ex.ffn, "ffn")?);
-    let (rw_up, rw_down) = match at {
-        RouteWeightAt::SwiGlu => (Arg::Buf(rw), Arg::Null),
-        RouteWeightAt::Sum => (Arg::Null, Arg::Buf(rw)),
-    };
     quantize(dev, ActFormat::Q8K, x, ntok * ex.d_model, acts)?;
     dev.launch(
-        &up_plan,
+        &plan,
         &[
             Arg::Buf(ex.gate),
             Arg::Buf(ex.up),
@@ -251,17 +278,43 @@ pub fn moe_decode(
             Arg::Buf(acts.d),
             Arg::Buf(acts.bs),
             Arg::Buf(ids),
-            rw_up,
+            opt(rw),
             Arg::Buf(h),
             Arg::I32(f),
             Arg::I32(d),
             Arg::I32(nu),
-            Arg::F32(SWIGLU_LIMIT),
+            Arg::F32(limit),
         ],
-    )?;
+    )
+}
+
+/// `out[t] = Σ_j (rw[t][j] ·) down_e·h[t][j]` over the `n_used` experts `e = ids[t][j]` of each of `ntok` tokens,
+/// in slot order: h quantized (Q8_K), then one launch (each output value owned by one warp, no atomics).
+#[allow(clippy::too_many_arguments)]
+pub fn moe_down_sum(
+    dev: &mut dyn Device,
+    ex: &CudaExperts,
+    h: CudaBufId,
+    ids: CudaBufId,
+    rw: Option<CudaBufId>,
+    n_used: usize,
+    ntok: usize,
+    acts: &ActBufs,
+    out: CudaBufId,
+) -> Result<(), DeviceError> {
+    let plan = Plan::moe_down_sum(ex.down_ty, ex.d_model, ex.ffn, ntok)?;
+    let (_, down_bytes) = check_experts(dev, ex)?;
+    need(dev, h, ntok * n_used * ex.ffn * 4, "h")?;
+    need(dev, ids, ntok * n_used * 4, "expert ids")?;
+    if let Some(rw) = rw {
+        need(dev, rw, ntok * n_used * 4, "route weights")?;
+    }
+    need(dev, out, ntok * ex.d_model * 4, "out")?;
+    let (ne, nu) = (i32v(ex.n_experts, "experts")?, i32v(n_used, "experts used")?);
+    let (d, f) = (i32v(ex.d_model, "d_model")?, i32v(ex.ffn, "ffn")?);
     quantize(dev, ActFormat::Q8K, h, ntok * n_used * ex.ffn, acts)?;
     dev.launch(
-        &down_plan,
+        &plan,
         &[
             Arg::Buf(ex.down),
             Arg::I64(down_bytes as i64),
@@ -270,13 +323,74 @@ pub fn moe_decode(
             Arg::Buf(acts.d),
             Arg::Buf(acts.bs),
             Arg::Buf(ids),
-            rw_down,
+            opt(rw),
             Arg::Buf(out),
             Arg::I32(d),
             Arg::I32(f),
             Arg::I32(nu),
         ],
     )
+}
+
+/// Routing of `n` rows (`logits`: `n × ne` router logits): each row's `k` experts and weights into `ids` (i32) and
+/// `rw` (f32), both `n × k` — by `table` (`[vocab][k]` i32, hash routing, with the rows' `tokens`) or by the top k
+/// of the scores + `bias`; weights renormalised when `norm`, times `scale`. One launch.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_route(
+    dev: &mut dyn Device,
+    logits: CudaBufId,
+    bias: Option<CudaBufId>,
+    table: Option<(CudaBufId, CudaBufId)>,
+    n: usize,
+    ne: usize,
+    k: usize,
+    norm: bool,
+    scale: f32,
+    ids: CudaBufId,
+    rw: CudaBufId,
+) -> Result<(), DeviceError> {
+    let plan = Plan::moe_route(n, ne, k)?;
+    need(dev, logits, n * ne * 4, "router logits")?;
+    if let Some(b) = bias {
+        need(dev, b, ne * 4, "router bias")?;
+    }
+    if let Some((_, tokens)) = table {
+        need(dev, tokens, n * 4, "tokens")?;
+    }
+    need(dev, ids, n * k * 4, "expert ids")?;
+    need(dev, rw, n * k * 4, "route weights")?;
+    dev.launch(
+        &plan,
+        &[
+            Arg::Buf(logits),
+            opt(bias),
+            opt(table.map(|t| t.0)),
+            opt(table.map(|t| t.1)),
+            Arg::Buf(ids),
+            Arg::Buf(rw),
+            Arg::I32(i32v(n, "rows")?),
+            Arg::I32(i32v(ne, "experts")?),
+            Arg::I32(i32v(k, "experts per row")?),
+            Arg::I32(i32::from(norm)),
+            Arg::F32(scale),
+        ],
+    )
+}
+
+/// `y += x` over `n` f32 values (one launch).
+pub fn add(dev: &mut dyn Device, y: CudaBufId, x: CudaBufId, n: usize) -> Result<(), DeviceError> {
+    let plan = Plan::add(n)?;
+    need(dev, y, n * 4, "y")?;
+    need(dev, x, n * 4, "x")?;
+    dev.launch(&plan, &[Arg::Buf(y), Arg::Buf(x), Arg::I64(n as i64)])
+}
+
+/// The clamped SwiGLU over `n` values: `g ← silu(min(g, limit)) · clamp(u, −limit, limit)` (one launch).
+pub fn swiglu(dev: &mut dyn Device, g: CudaBufId, u: CudaBufId, n: usize, limit: f32) -> Result<(), DeviceError> {
+    let plan = Plan::swiglu(n)?;
+    need(dev, g, n * 4, "gate")?;
+    need(dev, u, n * 4, "up")?;
+    dev.launch(&plan, &[Arg::Buf(g), Arg::Buf(u), Arg::I64(n as i64), Arg::F32(limit)])
 }
 
 /// DeepSeek V4 Flash's SwiGLU clamp (gate ≤ 10, up in [−10, 10]).

@@ -94,6 +94,8 @@ pub const KERNELS: &[KernelInfo] = &[
     k("ds4_rms_norm", true),
     k("ds4_rope", true),
     k("ds4_swiglu", true),
+    k("ds4_moe_route", true),
+    k("ds4_add", true),
 ];
 
 /// Weight types the kernels multiply.
@@ -202,6 +204,9 @@ pub struct Dims {
     pub grid: [u32; 3],
     pub block: [u32; 3],
 }
+
+/// The most experts a row may route to (`DS4_ROUTE_MAX_K` in `cuda/moe.cu`).
+pub const MAX_ROUTE_K: usize = 16;
 
 /// Threads per CTA of the row-per-warp kernels (8 warps).
 pub const CTA_THREADS: u32 = 256;
@@ -355,6 +360,26 @@ impl Plan {
     pub fn swiglu(n: usize) -> Result<Plan, PlanError> {
         Ok(Plan {
             kernel: kernel("ds4_swiglu"),
+            dims: Dims { grid: [grid_x(n, CTA_THREADS as usize, "values")?, 1, 1], block: [CTA_THREADS, 1, 1] },
+        })
+    }
+
+    /// Routing of `n` rows over `ne` experts, `k` chosen each (one thread per row).
+    pub fn moe_route(n: usize, ne: usize, k: usize) -> Result<Plan, PlanError> {
+        if k == 0 || k > MAX_ROUTE_K || k > ne {
+            return bad(format!("moe_route: {k} experts of {ne} (at most {MAX_ROUTE_K})"));
+        }
+        i32_fits(n.max(ne), "rows/experts")?;
+        Ok(Plan {
+            kernel: kernel("ds4_moe_route"),
+            dims: Dims { grid: [grid_x(n, CTA_THREADS as usize, "rows")?, 1, 1], block: [CTA_THREADS, 1, 1] },
+        })
+    }
+
+    /// `y += x` over `n` values.
+    pub fn add(n: usize) -> Result<Plan, PlanError> {
+        Ok(Plan {
+            kernel: kernel("ds4_add"),
             dims: Dims { grid: [grid_x(n, CTA_THREADS as usize, "values")?, 1, 1], block: [CTA_THREADS, 1, 1] },
         })
     }

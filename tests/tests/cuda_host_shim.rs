@@ -498,3 +498,66 @@ fn rms_norm_rope_and_swiglu_agree_with_the_cpu() {
         assert!((gd[i] - gc[i]).abs() <= 1e-6 * gc[i].abs().max(1e-3), "swiglu {i}: {} vs {}", gd[i], gc[i]);
     }
 }
+
+/// The routing kernel against the CPU's routing rule: learned routing (scores + bias, top k, ties to the lower id:
+/// the logits are coarse so ties occur) and hash routing (the token's fixed experts); ids equal, weights bit for bit
+/// (the shim's expf/log1pf are the host's, as the CPU's).
+#[test]
+fn moe_route_matches_the_cpu_routing() {
+    use ds4_engine::backend::cpu::routing::{router_scores, routing_weights, top_k_biased};
+    let mut rng = Rng(91);
+    let (n, ne, k, vocab) = (37usize, 64usize, 6usize, 50usize);
+    let logits: Vec<f32> = (0..n * ne).map(|_| (rng.f() * 8.0).round() / 4.0).collect();
+    let bias: Vec<f32> = (0..ne).map(|_| (rng.f() * 4.0).round() / 8.0).collect();
+    let table: Vec<i32> = (0..vocab * k).map(|_| (rng.next() % ne as u64) as i32).collect();
+    let tokens: Vec<i32> = (0..n).map(|_| (rng.next() % vocab as u64) as i32).collect();
+    for (hash, with_bias, norm, scale) in
+        [(false, true, true, 1.5f32), (false, false, false, 1.0), (true, false, true, 2.5)]
+    {
+        let p = Plan::moe_route(n, ne, k).unwrap();
+        let (g, b) = dims(&p);
+        let (mut ids, mut rw) = (vec![-1i32; n * k], vec![f32::NAN; n * k]);
+        let bias_p = if with_bias { bias.as_ptr() } else { std::ptr::null() };
+        let (table_p, tokens_p) =
+            if hash { (table.as_ptr(), tokens.as_ptr()) } else { (std::ptr::null(), std::ptr::null()) };
+        // SAFETY: logits n × ne, bias ne, table vocab × k, tokens n, ids and rw n × k.
+        unsafe {
+            shim_ds4_moe_route(
+                &g,
+                &b,
+                logits.as_ptr(),
+                bias_p,
+                table_p,
+                tokens_p,
+                ids.as_mut_ptr(),
+                rw.as_mut_ptr(),
+                n as i32,
+                ne as i32,
+                k as i32,
+                i32::from(norm),
+                scale,
+            )
+        };
+        let mut ties = 0;
+        for r in 0..n {
+            let mut scores = logits[r * ne..(r + 1) * ne].to_vec();
+            router_scores(&mut scores);
+            let mut sel = vec![0u32; k];
+            if hash {
+                let t = tokens[r] as usize;
+                sel.iter_mut().zip(&table[t * k..(t + 1) * k]).for_each(|(s, &e)| *s = e as u32);
+            } else {
+                top_k_biased(&scores, with_bias.then_some(&bias[..]), &mut sel);
+                let biased = |e: u32| scores[e as usize] + if with_bias { bias[e as usize] } else { 0.0 };
+                ties += (0..ne as u32).filter(|e| !sel.contains(e) && biased(*e) == biased(sel[k - 1])).count();
+            }
+            let mut w = vec![0f32; k];
+            routing_weights(&scores, &sel, norm, scale, &mut w);
+            let got: Vec<u32> = ids[r * k..(r + 1) * k].iter().map(|&e| e as u32).collect();
+            assert_eq!(got, sel, "hash {hash} row {r}: ids");
+            let gw: Vec<u32> = rw[r * k..(r + 1) * k].iter().map(|v| v.to_bits()).collect();
+            assert_eq!(gw, w.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "hash {hash} row {r}: weights");
+        }
+        assert!(hash || ties > 0, "the coarse logits make ties at the k-th place, which the lower id wins");
+    }
+}

@@ -292,3 +292,8 @@ SHIM(ds4_rope,
      (float* x, const float* inv_freq, const i32* pos, int width, int heads, int half, int inverse, int nvec),
      (x, inv_freq, pos, width, heads, half, inverse, nvec))
 SHIM(ds4_swiglu, (float* g, const float* u, i64 n, float limit), (g, u, n, limit))
+SHIM(ds4_moe_route,
+     (const float* logits, const float* bias, const i32* table, const i32* tokens, i32* ids, float* rw, int n, int ne,
+      int k, int norm, float scale),
+     (logits, bias, table, tokens, ids, rw, n, ne, k, norm, scale))
+SHIM(ds4_add, (float* y, const float* x, i64 n), (y, x, n))

@@ -1,7 +1,7 @@
 //! [`ShimDevice`]: a `cuda_host::Device` over host memory whose launches run the kernels under the host shim.
 
 use ds4_kernels_native::cuda_host::{Arg, CudaBufId, Device, DeviceError};
-use ds4_kernels_native::cuda_kernels::Plan;
+use ds4_kernels_native::cuda_kernels::{CudaWeight, Plan};
 
 use super::*;
 
@@ -138,6 +138,62 @@ impl Device for ShimDevice {
                     a[7].i(),
                 ),
                 "ds4_swiglu" => shim_ds4_swiglu(&g, &b, a[0].p(), a[1].p(), a[2].l(), a[3].f()),
+                "ds4_add" => shim_ds4_add(&g, &b, a[0].p(), a[1].p(), a[2].l()),
+                "ds4_moe_route" => shim_ds4_moe_route(
+                    &g,
+                    &b,
+                    a[0].p(),
+                    a[1].p(),
+                    a[2].p(),
+                    a[3].p(),
+                    a[4].p(),
+                    a[5].p(),
+                    a[6].i(),
+                    a[7].i(),
+                    a[8].i(),
+                    a[9].i(),
+                    a[10].f(),
+                ),
+                k if k.starts_with("ds4_moe_gate_up_") => {
+                    let (gate_up, _) = moe_fns(moe_type(k)?);
+                    gate_up(
+                        &g,
+                        &b,
+                        a[0].p(),
+                        a[1].p(),
+                        a[2].l(),
+                        a[3].i(),
+                        a[4].p(),
+                        a[5].p(),
+                        a[6].p(),
+                        a[7].p(),
+                        a[8].p(),
+                        a[9].p(),
+                        a[10].i(),
+                        a[11].i(),
+                        a[12].i(),
+                        a[13].f(),
+                    )
+                }
+                k if k.starts_with("ds4_moe_down_sum_") => {
+                    let (_, down_sum) = moe_fns(moe_type(k)?);
+                    down_sum(
+                        &g,
+                        &b,
+                        a[0].p(),
+                        a[1].l(),
+                        a[2].i(),
+                        a[3].p(),
+                        a[4].p(),
+                        a[5].p(),
+                        a[6].p(),
+                        a[7].p(),
+                        a[8].p(),
+                        a[9].i(),
+                        a[10].i(),
+                        a[11].i(),
+                    )
+                }
                 k if k.starts_with("ds4_matvec_f16") => {
                     f16_fn(k)(&g, &b, a[0].p(), a[1].p(), a[2].p(), a[3].i(), a[4].i(), a[5].i())
                 }
@@ -150,4 +206,12 @@ impl Device for ShimDevice {
         self.launches.push(k);
         Ok(())
     }
+}
+
+/// The weight type of a MoE kernel's name.
+fn moe_type(kernel: &str) -> Result<CudaWeight, DeviceError> {
+    [CudaWeight::Iq2Xxs, CudaWeight::Q2K, CudaWeight::Q4K]
+        .into_iter()
+        .find(|t| kernel.ends_with(t.suffix()))
+        .ok_or_else(|| DeviceError::Driver(format!("the shim device has no entry for {kernel}")))
 }

@@ -18,6 +18,12 @@ pub mod matmul;
 #[cfg(not(feature = "bench-internals"))]
 pub(crate) mod matmul;
 pub(crate) mod moe;
+
+/// The MoE routing rule as the CPU computes it (scores, top k with ties to the lower id, weights), for other
+/// kernels' tests to compare against (the CUDA routing kernel's, under the host shim).
+pub mod routing {
+    pub use super::moe::{router_scores, routing_weights, top_k_biased};
+}
 pub(crate) mod norm;
 #[cfg(feature = "bench-internals")]
 pub mod pool;

@@ -5,8 +5,9 @@
 //!
 //! What runs where. The backend has device kernels for the weight products of the supported formats
 //! ([`Op::MatMul`] over Q8_0, F16, IQ2_XXS, Q2_K, Q4_K: activations quantized once per product, exactly the CPU's
-//! Q8_0 / Q8_K rows), [`Op::RmsNorm`] and [`Op::Rope`]; [`Backend::supports`] says no to every other op, and the
-//! engine runs those on a CPU backend beside it (the registry's host fallback,
+//! Q8_0 / Q8_K rows), [`Op::RmsNorm`], [`Op::Rope`] and the MoE layer (routing, routed experts through the fused
+//! kernels, shared expert: [`moe`]) when the model's experts fit its kernels; [`Backend::supports`] says no to every
+//! other op, and the engine runs those on a CPU backend beside it (the registry's host fallback,
 //! [`super::registry::needs_host_fallback`]). The session KV stays in host memory ([`Backend::kv_on_device`] is
 //! false), so the attention ops, whose KV pages never cross, run there too; the executor's residency copies move
 //! the host-layout tensors between the two ([`crate::exec`]), and [`crate::exec::PlacementReport`] shows which
@@ -21,6 +22,8 @@
 //! Invariants: every launch goes through `ds4_kernels_native::cuda_host`'s plans, which check each buffer's size
 //! against the shapes before launching; a shape the kernels cannot take is refused by [`CudaBackend::supports`]
 //! (so it runs on the CPU), never launched; device errors become [`crate::Error::Backend`].
+
+mod moe;
 
 use std::collections::HashMap;
 
@@ -69,6 +72,12 @@ struct State {
     /// Row positions on the device (i32; buffer and capacity in rows) and the values it holds.
     pos: Option<(CudaBufId, usize)>,
     pos_host: Vec<i32>,
+    /// Backend-private buffers by name (route weights, the shared expert's rows, tokens): buffer and bytes.
+    scratch: HashMap<&'static str, (CudaBufId, usize)>,
+    /// Hash-routing tables (i32) by layer.
+    tables: HashMap<usize, CudaBufId>,
+    /// A node waiting for the node it is fused with ([`moe`]).
+    held: Option<moe::Held>,
     counters: DeviceCounters,
 }
 
@@ -94,6 +103,9 @@ impl CudaBackend {
                 rope: [None, None],
                 pos: None,
                 pos_host: Vec::new(),
+                scratch: HashMap::new(),
+                tables: HashMap::new(),
+                held: None,
                 counters: DeviceCounters::default(),
             }),
         }
@@ -190,12 +202,41 @@ impl State {
         r.map_err(dev_err)
     }
 
+    /// A backend-private buffer of at least `bytes` bytes (grown, contents dropped, when too small).
+    fn scratch(&mut self, name: &'static str, bytes: usize) -> Result<CudaBufId> {
+        match self.scratch.get(name) {
+            Some(&(b, size)) if size >= bytes => Ok(b),
+            old => {
+                if let Some(&(b, _)) = old {
+                    self.dev.free(b);
+                }
+                let b = self.dev.alloc(bytes.max(4)).map_err(dev_err)?;
+                self.scratch.insert(name, (b, bytes.max(4)));
+                Ok(b)
+            }
+        }
+    }
+
+    /// A backend-private buffer holding `data`.
+    fn scratch_with(&mut self, name: &'static str, data: &[u8]) -> Result<CudaBufId> {
+        let b = self.scratch(name, data.len())?;
+        self.dev.write(b, data).map_err(dev_err)?;
+        self.counters.host_to_device += data.len() as u64;
+        Ok(b)
+    }
+
     fn matmul(&mut self, model: &Model, w: WeightId, x: BufId, y: BufId, n: usize) -> Result<()> {
+        let m = model.mat(w);
+        let xb = self.input(x, n * m.cols * 4)?;
+        let yb = self.out(y, n * m.rows * 4)?;
+        self.product(model, w, xb, n, yb)
+    }
+
+    /// `y = W·x` for `n` rows of `x` (device buffers of the right sizes).
+    fn product(&mut self, model: &Model, w: WeightId, xb: CudaBufId, n: usize, yb: CudaBufId) -> Result<()> {
         let m = model.mat(w);
         let ty = cuda_weight(m.ty).ok_or_else(|| err(format!("no CUDA kernel multiplies {}", m.ty)))?;
         let mat = Matrix { buf: self.weight(model, w, false)?, ty, rows: m.rows, cols: m.cols };
-        let xb = self.input(x, n * m.cols * 4)?;
-        let yb = self.out(y, n * m.rows * 4)?;
         let acts = self.acts(n * m.cols)?;
         // One launch (a CTA row per group of `matvec_width` tokens), after the quantizer unless F16.
         let groups = n.div_ceil(Plan::matvec_width(ty, n)) as u64;
@@ -310,6 +351,11 @@ impl Backend for CudaBackend {
             Op::MatMul { w, .. } => Self::product_ok(model, w),
             Op::RmsNorm { width, .. } => width > 0,
             Op::Rope { width, .. } => width >= model.config.rope_dim,
+            Op::MoeRoute { .. }
+            | Op::ExpertUp { .. }
+            | Op::SwiGlu { .. }
+            | Op::ExpertDown { .. }
+            | Op::MoeCombine { .. } => moe::moe_ok(model),
             _ => false,
         }
     }
@@ -317,8 +363,28 @@ impl Backend for CudaBackend {
     fn run_node(&self, op: &Op, cx: &mut StepCtx<'_>) -> Result<()> {
         let mut st = self.st.lock();
         let n = cx.batch.rows.len();
+        match (*op, st.held) {
+            (Op::SwiGlu { layer }, Some(moe::Held::Up(l))) if l == layer => {
+                st.held = None;
+                return st.gate_up_swiglu(cx, layer);
+            }
+            (Op::MoeCombine { .. }, Some(moe::Held::Down(layer))) => {
+                st.held = None;
+                return st.down_combine(cx, layer);
+            }
+            _ => st.no_held(op.name())?,
+        }
         match *op {
             Op::MatMul { w, x, y } => st.matmul(cx.model, w, x, y, n),
+            Op::MoeRoute { layer, hash, .. } => st.moe_route(cx, layer, hash),
+            Op::ExpertUp { layer, .. } => {
+                st.held = Some(moe::Held::Up(layer));
+                Ok(())
+            }
+            Op::ExpertDown { layer, .. } => {
+                st.held = Some(moe::Held::Down(layer));
+                Ok(())
+            }
             Op::RmsNorm { x, y, w, width, heads } => st.rms_norm(cx, x, y, w, width, heads),
             Op::Rope { x, layer, width, heads, inverse } => st.rope(cx, x, layer, width, heads, inverse),
             _ => Err(err(format!("no CUDA kernel for {}", op.name()))),
@@ -343,8 +409,14 @@ impl Backend for CudaBackend {
     }
 
     fn begin_tick(&self, _cx: &mut StepCtx<'_>) -> Result<()> {
-        self.st.lock().counters.submits += 1;
+        let mut st = self.st.lock();
+        st.held = None;
+        st.counters.submits += 1;
         Ok(())
+    }
+
+    fn end_tick(&self, _cx: &mut StepCtx<'_>) -> Result<()> {
+        self.st.lock().no_held("the tick's end")
     }
 
     fn device_name(&self) -> Option<String> {

@@ -129,5 +129,13 @@ fn refuses_what_it_cannot_run() {
     assert!(e.contains("Normed") && e.contains("not been written"), "{e}");
     let mut out = vec![0.0; 4];
     assert!(be.download(BufId::Q, &mut cx, &mut out).is_err());
+    // A held MoE node (see `moe.rs`) followed by anything but its partner, or by the tick's end, is an error.
+    be.run_node(&Op::ExpertUp { layer: 0, experts: crate::graph::Experts::PerRow }, &mut cx).unwrap();
+    let e = be.run_node(&Op::Embed, &mut cx).unwrap_err().to_string();
+    assert!(e.contains("Up(0)") && e.contains("not followed"), "{e}");
+    be.begin_tick(&mut cx).unwrap(); // a new tick starts with nothing held
+    be.run_node(&Op::ExpertDown { layer: 1, experts: crate::graph::Experts::PerRow }, &mut cx).unwrap();
+    let e = be.end_tick(&mut cx).unwrap_err().to_string();
+    assert!(e.contains("Down(1)") && e.contains("tick's end"), "{e}");
     assert!(mock.0.lock().launches.is_empty());
 }
