@@ -66,3 +66,91 @@ extern "C" __global__ void __launch_bounds__(256) ds4_add(float* __restrict__ y,
     if (i >= n) return;
     y[i] = __fadd_rn(y[i], x[i]);
 }
+
+// y[r] = x[rows[r]] for n rows of `width` values (the logit rows of a tick gathered for the head product).
+// Grid (ceil(width / 256), n).
+extern "C" __global__ void __launch_bounds__(256) ds4_gather_rows(const float* __restrict__ x,
+                                                                  const i32* __restrict__ rows, float* __restrict__ y,
+                                                                  int width, int n) {
+    const int r = blockIdx.y, c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= n || c >= width) return;
+    y[(i64)r * width + c] = x[(i64)rows[r] * width + c];
+}
+
+// The k best values of each row of `vocab` logits (one CTA of 256 per row), best first: larger value first, lower
+// id among equal values (-0 equals +0), NaN and -inf never taken; when fewer qualify the list ends with id
+// 0xffffffff and value -inf (the CPU's sampler::top_candidates). Round j takes the best entry after round j-1's in
+// that order, so nothing but the previous pick is kept. All threads take part in every barrier and shuffle.
+__device__ __forceinline__ bool ds4_cand_better(float av, u32 ai, float bv, u32 bi) {
+    return ai != 0xffffffffu && (bi == 0xffffffffu || av > bv || (av == bv && ai < bi));
+}
+
+extern "C" __global__ void __launch_bounds__(256) ds4_top_candidates(const float* __restrict__ x, int vocab, int k,
+                                                                     u32* __restrict__ ids,
+                                                                     float* __restrict__ vals) {
+    __shared__ float wv[32];
+    __shared__ u32 wi[32];
+    __shared__ float pick_v;
+    __shared__ u32 pick_i;
+    const float neg_inf = __int_as_float((int)0xff800000u);
+    const float* row = x + (i64)blockIdx.x * vocab;
+    u32* out_i = ids + (i64)blockIdx.x * k;
+    float* out_v = vals + (i64)blockIdx.x * k;
+    float prev_v = 0.0f;
+    u32 prev_i = 0xffffffffu;
+    bool first = true;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
+    for (int j = 0; j < k; ++j) {
+        float bv = neg_inf;
+        u32 bi = 0xffffffffu;
+        for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+            const float v = row[i];
+            if (v != v || v == neg_inf) continue;
+            if (!first && !(v < prev_v || (v == prev_v && (u32)i > prev_i))) continue;
+            if (ds4_cand_better(v, (u32)i, bv, bi)) {
+                bv = v;
+                bi = (u32)i;
+            }
+        }
+#pragma unroll
+        for (int m = 16; m > 0; m >>= 1) {
+            const float ov = __shfl_xor_sync(DS4_FULL, bv, m);
+            const u32 oi = __shfl_xor_sync(DS4_FULL, bi, m);
+            if (ds4_cand_better(ov, oi, bv, bi)) {
+                bv = ov;
+                bi = oi;
+            }
+        }
+        if (lane == 0) {
+            wv[warp] = bv;
+            wi[warp] = bi;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            float v = wv[0];
+            u32 i = wi[0];
+            for (int w = 1; w < nwarps; ++w) {
+                if (ds4_cand_better(wv[w], wi[w], v, i)) {
+                    v = wv[w];
+                    i = wi[w];
+                }
+            }
+            pick_v = v;
+            pick_i = i;
+            out_i[j] = i;
+            out_v[j] = i == 0xffffffffu ? neg_inf : v;
+        }
+        __syncthreads();
+        prev_v = pick_v;
+        prev_i = pick_i;
+        first = false;
+        if (prev_i == 0xffffffffu) {
+            // Nothing qualifies any more: the rest of the list is empty (every thread leaves together).
+            for (int r = j + 1 + threadIdx.x; r < k; r += blockDim.x) {
+                out_i[r] = 0xffffffffu;
+                out_v[r] = neg_inf;
+            }
+            break;
+        }
+    }
+}

@@ -385,6 +385,47 @@ pub fn add(dev: &mut dyn Device, y: CudaBufId, x: CudaBufId, n: usize) -> Result
     dev.launch(&plan, &[Arg::Buf(y), Arg::Buf(x), Arg::I64(n as i64)])
 }
 
+/// `y[r] = x[rows[r]]` for `n` rows of `width` f32 (`rows`: i32 on the device; one launch).
+pub fn gather_rows(
+    dev: &mut dyn Device,
+    x: CudaBufId,
+    rows: CudaBufId,
+    y: CudaBufId,
+    width: usize,
+    n: usize,
+) -> Result<(), DeviceError> {
+    let plan = Plan::gather_rows(width, n)?;
+    need(dev, rows, n * 4, "row list")?;
+    need(dev, y, n * width * 4, "y")?;
+    need(dev, x, width * 4, "x")?;
+    dev.launch(
+        &plan,
+        &[Arg::Buf(x), Arg::Buf(rows), Arg::Buf(y), Arg::I32(i32v(width, "width")?), Arg::I32(i32v(n, "rows")?)],
+    )
+}
+
+/// The `k` best values of each of `n` rows of `vocab` logits into `ids` (u32) and `vals` (f32), `n × k` each, in
+/// the sampler's order (one launch).
+#[allow(clippy::too_many_arguments)]
+pub fn top_candidates(
+    dev: &mut dyn Device,
+    logits: CudaBufId,
+    n: usize,
+    vocab: usize,
+    k: usize,
+    ids: CudaBufId,
+    vals: CudaBufId,
+) -> Result<(), DeviceError> {
+    let plan = Plan::top_candidates(n, vocab, k)?;
+    need(dev, logits, n * vocab * 4, "logits")?;
+    need(dev, ids, n * k * 4, "candidate ids")?;
+    need(dev, vals, n * k * 4, "candidate values")?;
+    dev.launch(
+        &plan,
+        &[Arg::Buf(logits), Arg::I32(i32v(vocab, "vocab")?), Arg::I32(i32v(k, "k")?), Arg::Buf(ids), Arg::Buf(vals)],
+    )
+}
+
 /// The clamped SwiGLU over `n` values: `g ← silu(min(g, limit)) · clamp(u, −limit, limit)` (one launch).
 pub fn swiglu(dev: &mut dyn Device, g: CudaBufId, u: CudaBufId, n: usize, limit: f32) -> Result<(), DeviceError> {
     let plan = Plan::swiglu(n)?;

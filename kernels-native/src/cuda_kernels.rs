@@ -96,6 +96,8 @@ pub const KERNELS: &[KernelInfo] = &[
     k("ds4_swiglu", true),
     k("ds4_moe_route", true),
     k("ds4_add", true),
+    k("ds4_gather_rows", true),
+    k("ds4_top_candidates", true),
 ];
 
 /// Weight types the kernels multiply.
@@ -207,6 +209,9 @@ pub struct Dims {
 
 /// The most experts a row may route to (`DS4_ROUTE_MAX_K` in `cuda/moe.cu`).
 pub const MAX_ROUTE_K: usize = 16;
+
+/// The most candidates a row may ask for (the engine's `graph::MAX_LOGIT_CANDIDATES`).
+pub const MAX_CANDIDATES: usize = 64;
 
 /// Threads per CTA of the row-per-warp kernels (8 warps).
 pub const CTA_THREADS: u32 = 256;
@@ -381,6 +386,30 @@ impl Plan {
         Ok(Plan {
             kernel: kernel("ds4_add"),
             dims: Dims { grid: [grid_x(n, CTA_THREADS as usize, "values")?, 1, 1], block: [CTA_THREADS, 1, 1] },
+        })
+    }
+
+    /// Gathers `n` rows of `width` values (grid: column blocks × rows).
+    pub fn gather_rows(width: usize, n: usize) -> Result<Plan, PlanError> {
+        i32_fits(width, "width")?;
+        Ok(Plan {
+            kernel: kernel("ds4_gather_rows"),
+            dims: Dims {
+                grid: [grid_x(width, CTA_THREADS as usize, "width")?, yz(n, "rows")?, 1],
+                block: [CTA_THREADS, 1, 1],
+            },
+        })
+    }
+
+    /// The `k` best of each of `n` rows of `vocab` values (one CTA per row).
+    pub fn top_candidates(n: usize, vocab: usize, k: usize) -> Result<Plan, PlanError> {
+        if k == 0 || k > MAX_CANDIDATES {
+            return bad(format!("top_candidates: k = {k} outside 1..={MAX_CANDIDATES}"));
+        }
+        i32_fits(vocab, "vocab")?;
+        Ok(Plan {
+            kernel: kernel("ds4_top_candidates"),
+            dims: Dims { grid: [grid_x(n, 1, "rows")?, 1, 1], block: [CTA_THREADS, 1, 1] },
         })
     }
 

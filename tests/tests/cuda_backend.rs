@@ -83,6 +83,8 @@ fn every_cuda_node_matches_the_cpu_kernel_on_its_inputs() {
                 0 => batch.push_run(0, 0, prompt[..12].iter().copied(), true),
                 _ => batch.push_run(0, 11 + t, [prompt[11 + t]], false),
             }
+            // The last two decode ticks read back only each row's 8 best logits (what a top-k sampler needs).
+            batch.candidates = if t >= 2 { 8 } else { 0 };
             let mut act = Activations::default();
             act.ensure(&model, batch.rows.len(), batch.logit_rows.len());
             ds4_engine::model::recipe::build(&mut graph, &model, &batch, false);
@@ -104,6 +106,24 @@ fn every_cuda_node_matches_the_cpu_kernel_on_its_inputs() {
                     }
                 };
                 op.inputs(&mut copy);
+                if let Op::Readback { buf } = op {
+                    // The host outputs: what the CPU's head wrote (its readback is a no-op) against the CUDA
+                    // readback; candidates by value (ids may swap between near-equal logits).
+                    let host = |cx: &StepCtx<'_>| match buf {
+                        ds4_engine::graph::BufId::Candidates => cx.act.cand_vals[..batch.logit_rows.len() * 8].to_vec(),
+                        _ => cx.act.logits[..batch.logit_rows.len() * c.vocab].to_vec(),
+                    };
+                    let want = host(&cx);
+                    cuda.run_node(&op, &mut cx).unwrap();
+                    let got = host(&cx);
+                    let scale = want.iter().filter(|v| v.is_finite()).fold(1f32, |m, v| m.max(v.abs()));
+                    let d = max_abs_diff(&got, &want) / scale;
+                    assert!(d <= 1e-5, "{recipe} tick {t}: readback of {buf:?}: max |Δ| {d} of {scale}");
+                    let e = checked.entry(op.name()).or_insert((0usize, 0f32));
+                    e.0 += 1;
+                    e.1 = e.1.max(d / 1e-5);
+                    continue;
+                }
                 cuda.run_node(&op, &mut cx).unwrap();
                 cpu.run_node(&op, &mut cx).unwrap();
                 let mut outs = Vec::new();
@@ -122,8 +142,11 @@ fn every_cuda_node_matches_the_cpu_kernel_on_its_inputs() {
             }
         }
         eprintln!("{recipe}: (nodes checked, worst |Δ| as a fraction of the tolerance) {checked:?}");
-        let kinds: &[&str] =
-            if moe { &["matmul", "rms_norm", "rope", "moe_combine"] } else { &["matmul", "rms_norm", "rope"] };
+        let kinds: &[&str] = if moe {
+            &["matmul", "rms_norm", "rope", "moe_combine", "readback"]
+        } else {
+            &["matmul", "rms_norm", "rope", "readback"]
+        };
         for kind in kinds {
             assert!(checked.get(kind).map_or(0, |c| c.0) > 0, "{recipe}: no {kind} node ran on cuda");
         }

@@ -561,3 +561,43 @@ fn moe_route_matches_the_cpu_routing() {
         assert!(hash || ties > 0, "the coarse logits make ties at the k-th place, which the lower id wins");
     }
 }
+
+/// The head's candidate selection against the sampler's: coarse values (many ties, broken by the lower id), NaN,
+/// −∞, +∞, −0 next to +0, and rows with fewer eligible values than k (the list ends with `u32::MAX`, −∞).
+#[test]
+fn top_candidates_match_the_sampler() {
+    use ds4_engine::sampler::top_candidates;
+    let mut rng = Rng(7);
+    let vocab = 700usize;
+    let mut rows: Vec<Vec<f32>> = (0..4).map(|_| (0..vocab).map(|_| (rng.f() * 6.0).round() / 2.0).collect()).collect();
+    for (i, v) in rows[1].iter_mut().enumerate() {
+        *v = match i % 7 {
+            0 => f32::NAN,
+            1 => f32::NEG_INFINITY,
+            2 => -0.0,
+            3 => 0.0,
+            _ => *v,
+        };
+    }
+    rows[1][650] = f32::INFINITY;
+    rows[2].iter_mut().enumerate().for_each(|(i, v)| *v = if i % 100 == 9 { i as f32 * -0.5 } else { f32::NAN });
+    rows[3].iter_mut().for_each(|v| *v = f32::NEG_INFINITY);
+    let x: Vec<f32> = rows.concat();
+    for k in [1usize, 5, 64] {
+        let n = rows.len();
+        let p = Plan::top_candidates(n, vocab, k).unwrap();
+        let (g, b) = dims(&p);
+        let (mut ids, mut vals) = (vec![0u32; n * k], vec![0f32; n * k]);
+        // SAFETY: x holds n rows of vocab, ids and vals n × k.
+        unsafe {
+            shim_ds4_top_candidates(&g, &b, x.as_ptr(), vocab as i32, k as i32, ids.as_mut_ptr(), vals.as_mut_ptr())
+        };
+        for (r, row) in rows.iter().enumerate() {
+            let (mut wi, mut wv) = (vec![0u32; k], vec![0f32; k]);
+            top_candidates(row, &mut wi, &mut wv);
+            assert_eq!(&ids[r * k..(r + 1) * k], &wi[..], "k {k} row {r}: ids");
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&vals[r * k..(r + 1) * k]), bits(&wv), "k {k} row {r}: values");
+        }
+    }
+}

@@ -297,3 +297,5 @@ SHIM(ds4_moe_route,
       int k, int norm, float scale),
      (logits, bias, table, tokens, ids, rw, n, ne, k, norm, scale))
 SHIM(ds4_add, (float* y, const float* x, i64 n), (y, x, n))
+SHIM(ds4_gather_rows, (const float* x, const i32* rows, float* y, int width, int n), (x, rows, y, width, n))
+SHIM(ds4_top_candidates, (const float* x, int vocab, int k, u32* ids, float* vals), (x, vocab, k, ids, vals))

@@ -139,6 +139,10 @@ impl Device for ShimDevice {
                 ),
                 "ds4_swiglu" => shim_ds4_swiglu(&g, &b, a[0].p(), a[1].p(), a[2].l(), a[3].f()),
                 "ds4_add" => shim_ds4_add(&g, &b, a[0].p(), a[1].p(), a[2].l()),
+                "ds4_gather_rows" => shim_ds4_gather_rows(&g, &b, a[0].p(), a[1].p(), a[2].p(), a[3].i(), a[4].i()),
+                "ds4_top_candidates" => {
+                    shim_ds4_top_candidates(&g, &b, a[0].p(), a[1].i(), a[2].i(), a[3].p(), a[4].p())
+                }
                 "ds4_moe_route" => shim_ds4_moe_route(
                     &g,
                     &b,

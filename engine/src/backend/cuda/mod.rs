@@ -5,8 +5,9 @@
 //!
 //! What runs where. The backend has device kernels for the weight products of the supported formats
 //! ([`Op::MatMul`] over Q8_0, F16, IQ2_XXS, Q2_K, Q4_K: activations quantized once per product, exactly the CPU's
-//! Q8_0 / Q8_K rows), [`Op::RmsNorm`], [`Op::Rope`] and the MoE layer (routing, routed experts through the fused
-//! kernels, shared expert: [`moe`]) when the model's experts fit its kernels; [`Backend::supports`] says no to every
+//! Q8_0 / Q8_K rows), [`Op::RmsNorm`], [`Op::Rope`], the MoE layer (routing, routed experts through the fused
+//! kernels, shared expert: [`moe`]) when the model's experts fit its kernels, and the head (output projection,
+//! sampling candidates, the tick's readback: [`head`]); [`Backend::supports`] says no to every
 //! other op, and the engine runs those on a CPU backend beside it (the registry's host fallback,
 //! [`super::registry::needs_host_fallback`]). The session KV stays in host memory ([`Backend::kv_on_device`] is
 //! false), so the attention ops, whose KV pages never cross, run there too; the executor's residency copies move
@@ -23,6 +24,7 @@
 //! against the shapes before launching; a shape the kernels cannot take is refused by [`CudaBackend::supports`]
 //! (so it runs on the CPU), never launched; device errors become [`crate::Error::Backend`].
 
+mod head;
 mod moe;
 
 use std::collections::HashMap;
@@ -356,6 +358,8 @@ impl Backend for CudaBackend {
             | Op::SwiGlu { .. }
             | Op::ExpertDown { .. }
             | Op::MoeCombine { .. } => moe::moe_ok(model),
+            Op::Logits | Op::Readback { buf: BufId::Logits | BufId::Candidates } => head::head_ok(model, None),
+            Op::LogitCandidates { k } => head::head_ok(model, Some(k)),
             _ => false,
         }
     }
@@ -385,6 +389,9 @@ impl Backend for CudaBackend {
                 st.held = Some(moe::Held::Down(layer));
                 Ok(())
             }
+            Op::Logits => st.logits(cx),
+            Op::LogitCandidates { k } => st.candidates(cx, k),
+            Op::Readback { buf } => st.readback(cx, buf),
             Op::RmsNorm { x, y, w, width, heads } => st.rms_norm(cx, x, y, w, width, heads),
             Op::Rope { x, layer, width, heads, inverse } => st.rope(cx, x, layer, width, heads, inverse),
             _ => Err(err(format!("no CUDA kernel for {}", op.name()))),
