@@ -426,6 +426,109 @@ pub fn top_candidates(
     )
 }
 
+/// mHC `pre` (`n × hc`) and `post`+`comb` (`n × (hc + hc²)`) of `n` rows of `mix` (row stride `mix_stride`); `base`
+/// (`(2 + hc)·hc`) and `scale` (3) f32 (one launch).
+#[allow(clippy::too_many_arguments)]
+pub fn hc_weights(
+    dev: &mut dyn Device,
+    mix: CudaBufId,
+    mix_stride: usize,
+    base: CudaBufId,
+    scale: CudaBufId,
+    hc: usize,
+    eps: f32,
+    iters: usize,
+    pre: CudaBufId,
+    postcomb: CudaBufId,
+    n: usize,
+) -> Result<(), DeviceError> {
+    let plan = Plan::hc_weights(n, hc)?;
+    let mixn = (2 + hc) * hc;
+    if mix_stride < mixn {
+        return Err(DeviceError::Buffer(format!("mix rows of {mix_stride} values, {mixn} needed")));
+    }
+    need(dev, mix, ((n.max(1) - 1) * mix_stride + mixn) * 4, "mix")?;
+    need(dev, base, mixn * 4, "base")?;
+    need(dev, scale, 3 * 4, "scale")?;
+    need(dev, pre, n * hc * 4, "pre")?;
+    need(dev, postcomb, n * (hc + hc * hc) * 4, "post and comb")?;
+    dev.launch(
+        &plan,
+        &[
+            Arg::Buf(mix),
+            Arg::I32(i32v(mix_stride, "mix stride")?),
+            Arg::Buf(base),
+            Arg::Buf(scale),
+            Arg::I32(i32v(hc, "hc")?),
+            Arg::F32(eps),
+            Arg::I32(i32v(iters, "iterations")?),
+            Arg::Buf(pre),
+            Arg::Buf(postcomb),
+            Arg::I32(i32v(n, "rows")?),
+        ],
+    )
+}
+
+/// The head's mHC `pre` (`n × hc`) from `n` rows of `hc` mix values (one launch).
+#[allow(clippy::too_many_arguments)]
+pub fn hc_head_weights(
+    dev: &mut dyn Device,
+    mix: CudaBufId,
+    base: CudaBufId,
+    scale: f32,
+    hc: usize,
+    eps: f32,
+    pre: CudaBufId,
+    n: usize,
+) -> Result<(), DeviceError> {
+    let plan = Plan::hc_head_weights(n, hc)?;
+    need(dev, mix, n * hc * 4, "mix")?;
+    need(dev, base, hc * 4, "base")?;
+    need(dev, pre, n * hc * 4, "pre")?;
+    let (h, rows) = (i32v(hc, "hc")?, i32v(n, "rows")?);
+    dev.launch(
+        &plan,
+        &[Arg::Buf(mix), Arg::Buf(base), Arg::F32(scale), Arg::I32(h), Arg::F32(eps), Arg::Buf(pre), Arg::I32(rows)],
+    )
+}
+
+/// mHC collapse `u = Σ_j pre_j · X_j` of `n` rows of `hc` streams of `d` (one launch).
+pub fn hc_collapse(
+    dev: &mut dyn Device,
+    x: CudaBufId,
+    pre: CudaBufId,
+    u: CudaBufId,
+    n: usize,
+    hc: usize,
+    d: usize,
+) -> Result<(), DeviceError> {
+    let plan = Plan::hc_rows("ds4_hc_collapse", n, hc, d)?;
+    need(dev, x, n * hc * d * 4, "streams")?;
+    need(dev, pre, n * hc * 4, "pre")?;
+    need(dev, u, n * d * 4, "out")?;
+    dev.launch(&plan, &[Arg::Buf(x), Arg::Buf(pre), Arg::Buf(u), Arg::I32(i32v(hc, "hc")?), Arg::I32(i32v(d, "d")?)])
+}
+
+/// mHC post-mix in place: `X'_k = post_k · f + Σ_j comb[j][k] · X_j` for `n` rows (one launch).
+pub fn hc_post(
+    dev: &mut dyn Device,
+    x: CudaBufId,
+    f: CudaBufId,
+    postcomb: CudaBufId,
+    n: usize,
+    hc: usize,
+    d: usize,
+) -> Result<(), DeviceError> {
+    let plan = Plan::hc_rows("ds4_hc_post", n, hc, d)?;
+    need(dev, x, n * hc * d * 4, "streams")?;
+    need(dev, f, n * d * 4, "sublayer output")?;
+    need(dev, postcomb, n * (hc + hc * hc) * 4, "post and comb")?;
+    dev.launch(
+        &plan,
+        &[Arg::Buf(x), Arg::Buf(f), Arg::Buf(postcomb), Arg::I32(i32v(hc, "hc")?), Arg::I32(i32v(d, "d")?)],
+    )
+}
+
 /// The clamped SwiGLU over `n` values: `g ← silu(min(g, limit)) · clamp(u, −limit, limit)` (one launch).
 pub fn swiglu(dev: &mut dyn Device, g: CudaBufId, u: CudaBufId, n: usize, limit: f32) -> Result<(), DeviceError> {
     let plan = Plan::swiglu(n)?;

@@ -23,6 +23,7 @@ pub const FILES: &[(&str, &str)] = &[
     ("matvec.cu", include_str!("../cuda/matvec.cu")),
     ("moe.cu", include_str!("../cuda/moe.cu")),
     ("rowops.cu", include_str!("../cuda/rowops.cu")),
+    ("hc.cu", include_str!("../cuda/hc.cu")),
 ];
 
 /// The whole program as NVRTC compiles it: every file of [`FILES`] with a `#line` marker before it, so compiler
@@ -98,6 +99,10 @@ pub const KERNELS: &[KernelInfo] = &[
     k("ds4_add", true),
     k("ds4_gather_rows", true),
     k("ds4_top_candidates", true),
+    k("ds4_hc_weights", true),
+    k("ds4_hc_head_weights", true),
+    k("ds4_hc_collapse", true),
+    k("ds4_hc_post", true),
 ];
 
 /// Weight types the kernels multiply.
@@ -209,6 +214,9 @@ pub struct Dims {
 
 /// The most experts a row may route to (`DS4_ROUTE_MAX_K` in `cuda/moe.cu`).
 pub const MAX_ROUTE_K: usize = 16;
+
+/// The most mHC streams the kernels take (`DS4_MAX_HC` in `cuda/hc.cu`; Flash has 4).
+pub const MAX_HC: usize = 4;
 
 /// The most candidates a row may ask for (the engine's `graph::MAX_LOGIT_CANDIDATES`).
 pub const MAX_CANDIDATES: usize = 64;
@@ -411,6 +419,41 @@ impl Plan {
             kernel: kernel("ds4_top_candidates"),
             dims: Dims { grid: [grid_x(n, 1, "rows")?, 1, 1], block: [CTA_THREADS, 1, 1] },
         })
+    }
+
+    /// mHC `pre`, `post`, `comb` of `n` rows (one thread per row; `hc` ≤ [`MAX_HC`]).
+    pub fn hc_weights(n: usize, hc: usize) -> Result<Plan, PlanError> {
+        Self::check_hc(hc)?;
+        Ok(Plan {
+            kernel: kernel("ds4_hc_weights"),
+            dims: Dims { grid: [grid_x(n, CTA_THREADS as usize, "rows")?, 1, 1], block: [CTA_THREADS, 1, 1] },
+        })
+    }
+
+    /// The head's mHC `pre` of `n` rows.
+    pub fn hc_head_weights(n: usize, hc: usize) -> Result<Plan, PlanError> {
+        Self::check_hc(hc)?;
+        Ok(Plan {
+            kernel: kernel("ds4_hc_head_weights"),
+            dims: Dims { grid: [grid_x(n * hc, CTA_THREADS as usize, "values")?, 1, 1], block: [CTA_THREADS, 1, 1] },
+        })
+    }
+
+    /// mHC collapse (`name` = `ds4_hc_collapse`) or post-mix (`ds4_hc_post`) of `n` rows of `hc` streams of `d`.
+    pub fn hc_rows(name: &str, n: usize, hc: usize, d: usize) -> Result<Plan, PlanError> {
+        Self::check_hc(hc)?;
+        i32_fits(d, "d")?;
+        Ok(Plan {
+            kernel: kernel(name),
+            dims: Dims { grid: [grid_x(d, CTA_THREADS as usize, "d")?, yz(n, "rows")?, 1], block: [CTA_THREADS, 1, 1] },
+        })
+    }
+
+    fn check_hc(hc: usize) -> Result<(), PlanError> {
+        if hc == 0 || hc > MAX_HC {
+            return bad(format!("mHC with {hc} streams (the kernels take 1..={MAX_HC})"));
+        }
+        Ok(())
     }
 
     /// The test hook: per-block terms of one row of `nb` blocks (one warp).

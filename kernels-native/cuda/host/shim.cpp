@@ -236,6 +236,7 @@ void launch(dim3 grid, dim3 block, void (*body)(void*), void* ctx) {
 #include "../matvec.cu"
 #include "../moe.cu"
 #include "../rowops.cu"
+#include "../hc.cu"
 
 using ds4shim::dim3;
 
@@ -298,4 +299,12 @@ SHIM(ds4_moe_route,
      (logits, bias, table, tokens, ids, rw, n, ne, k, norm, scale))
 SHIM(ds4_add, (float* y, const float* x, i64 n), (y, x, n))
 SHIM(ds4_gather_rows, (const float* x, const i32* rows, float* y, int width, int n), (x, rows, y, width, n))
+SHIM(ds4_hc_weights,
+     (const float* mix, int mix_stride, const float* base, const float* scale, int hc, float eps, int iters, float* pre,
+      float* postcomb, int n),
+     (mix, mix_stride, base, scale, hc, eps, iters, pre, postcomb, n))
+SHIM(ds4_hc_head_weights, (const float* mix, const float* base, float scale, int hc, float eps, float* pre, int n),
+     (mix, base, scale, hc, eps, pre, n))
+SHIM(ds4_hc_collapse, (const float* x, const float* pre, float* u, int hc, int d), (x, pre, u, hc, d))
+SHIM(ds4_hc_post, (float* x, const float* f, const float* postcomb, int hc, int d), (x, f, postcomb, hc, d))
 SHIM(ds4_top_candidates, (const float* x, int vocab, int k, u32* ids, float* vals), (x, vocab, k, ids, vals))

@@ -140,6 +140,33 @@ impl Device for ShimDevice {
                 "ds4_swiglu" => shim_ds4_swiglu(&g, &b, a[0].p(), a[1].p(), a[2].l(), a[3].f()),
                 "ds4_add" => shim_ds4_add(&g, &b, a[0].p(), a[1].p(), a[2].l()),
                 "ds4_gather_rows" => shim_ds4_gather_rows(&g, &b, a[0].p(), a[1].p(), a[2].p(), a[3].i(), a[4].i()),
+                "ds4_hc_weights" => shim_ds4_hc_weights(
+                    &g,
+                    &b,
+                    a[0].p(),
+                    a[1].i(),
+                    a[2].p(),
+                    a[3].p(),
+                    a[4].i(),
+                    a[5].f(),
+                    a[6].i(),
+                    a[7].p(),
+                    a[8].p(),
+                    a[9].i(),
+                ),
+                "ds4_hc_head_weights" => shim_ds4_hc_head_weights(
+                    &g,
+                    &b,
+                    a[0].p(),
+                    a[1].p(),
+                    a[2].f(),
+                    a[3].i(),
+                    a[4].f(),
+                    a[5].p(),
+                    a[6].i(),
+                ),
+                "ds4_hc_collapse" => shim_ds4_hc_collapse(&g, &b, a[0].p(), a[1].p(), a[2].p(), a[3].i(), a[4].i()),
+                "ds4_hc_post" => shim_ds4_hc_post(&g, &b, a[0].p(), a[1].p(), a[2].p(), a[3].i(), a[4].i()),
                 "ds4_top_candidates" => {
                     shim_ds4_top_candidates(&g, &b, a[0].p(), a[1].i(), a[2].i(), a[3].p(), a[4].p())
                 }

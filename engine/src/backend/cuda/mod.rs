@@ -6,8 +6,8 @@
 //! What runs where. The backend has device kernels for the weight products of the supported formats
 //! ([`Op::MatMul`] over Q8_0, F16, IQ2_XXS, Q2_K, Q4_K: activations quantized once per product, exactly the CPU's
 //! Q8_0 / Q8_K rows), [`Op::RmsNorm`], [`Op::Rope`], the MoE layer (routing, routed experts through the fused
-//! kernels, shared expert: [`moe`]) when the model's experts fit its kernels, and the head (output projection,
-//! sampling candidates, the tick's readback: [`head`]); [`Backend::supports`] says no to every
+//! kernels, shared expert: [`moe`]) when the model's experts fit its kernels, mHC ([`hc`]: the residual streams
+//! stay on the device) and the head (output projection, sampling candidates, the tick's readback: [`head`]); [`Backend::supports`] says no to every
 //! other op, and the engine runs those on a CPU backend beside it (the registry's host fallback,
 //! [`super::registry::needs_host_fallback`]). The session KV stays in host memory ([`Backend::kv_on_device`] is
 //! false), so the attention ops, whose KV pages never cross, run there too; the executor's residency copies move
@@ -24,6 +24,7 @@
 //! against the shapes before launching; a shape the kernels cannot take is refused by [`CudaBackend::supports`]
 //! (so it runs on the CPU), never launched; device errors become [`crate::Error::Backend`].
 
+mod hc;
 mod head;
 mod moe;
 
@@ -360,6 +361,7 @@ impl Backend for CudaBackend {
             | Op::MoeCombine { .. } => moe::moe_ok(model),
             Op::Logits | Op::Readback { buf: BufId::Logits | BufId::Candidates } => head::head_ok(model, None),
             Op::LogitCandidates { k } => head::head_ok(model, Some(k)),
+            Op::HcSinkhorn { .. } | Op::HcHeadWeights | Op::HcCollapse { .. } | Op::HcPost => hc::hc_ok(model),
             _ => false,
         }
     }
@@ -392,6 +394,10 @@ impl Backend for CudaBackend {
             Op::Logits => st.logits(cx),
             Op::LogitCandidates { k } => st.candidates(cx, k),
             Op::Readback { buf } => st.readback(cx, buf),
+            Op::HcSinkhorn { layer, sub } => st.hc_sinkhorn(cx, layer, sub),
+            Op::HcHeadWeights => st.hc_head_weights(cx),
+            Op::HcCollapse { out } => st.hc_collapse(cx, out),
+            Op::HcPost => st.hc_post(cx),
             Op::RmsNorm { x, y, w, width, heads } => st.rms_norm(cx, x, y, w, width, heads),
             Op::Rope { x, layer, width, heads, inverse } => st.rope(cx, x, layer, width, heads, inverse),
             _ => Err(err(format!("no CUDA kernel for {}", op.name()))),

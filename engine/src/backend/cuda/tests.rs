@@ -79,6 +79,20 @@ fn takes_products_norms_and_ropes_and_leaves_the_rest_with_the_kv_to_the_cpu() {
                     true
                 }
                 Op::Rope { .. } => true,
+                Op::HcSinkhorn { layer, sub } => {
+                    let lw = &model.layers[layer];
+                    let w = if sub == crate::graph::Sub::Attn { lw.hc_attn } else { lw.hc_ffn };
+                    for d in [w.base, w.scale] {
+                        weights.insert(d.0, 4 * model.dense(d).len() as u64);
+                    }
+                    true
+                }
+                Op::HcHeadWeights => {
+                    let b = model.global.hc_base;
+                    weights.insert(b.0, 4 * model.dense(b).len() as u64);
+                    true
+                }
+                Op::HcCollapse { .. } | Op::HcPost => true,
                 Op::Logits | Op::LogitCandidates { .. } | Op::Readback { .. } => {
                     let ok = super::head::head_ok(&model, None);
                     if ok {
@@ -99,14 +113,15 @@ fn takes_products_norms_and_ropes_and_leaves_the_rest_with_the_kv_to_the_cpu() {
     })
     .unwrap();
     assert_eq!(ticks_seen, 3);
-    // Launches: products quantize their activations (F16 takes f32) and multiply; nothing else but norms, ropes
-    // and the head's row gather was launched (the demo model's experts do not fit the MoE kernels, and these ticks
+    // Launches: products quantize their activations (F16 takes f32) and multiply; nothing else but norms, ropes,
+    // mHC and the head's row gather was launched (the demo model's experts do not fit the MoE kernels, and these ticks
     // ask for whole logit rows); each weight was uploaded once.
     let dev = mock.0.lock();
     let kinds = |p: &str| dev.launches.iter().filter(|l| l.0.starts_with(p)).count();
     assert!(kinds("ds4_matvec_") > 0 && kinds("ds4_quantize_") > 0 && kinds("ds4_rms_norm") > 0);
     assert!(kinds("ds4_rope") > 0 && kinds("ds4_gather_rows") == 3, "the head's rows gathered once a tick");
-    let known = ["ds4_matvec_", "ds4_quantize_", "ds4_rms_norm", "ds4_rope", "ds4_gather_rows"];
+    assert!(kinds("ds4_hc_weights") > 0 && kinds("ds4_hc_post") > 0 && kinds("ds4_hc_collapse") > 0);
+    let known = ["ds4_matvec_", "ds4_quantize_", "ds4_rms_norm", "ds4_rope", "ds4_gather_rows", "ds4_hc_"];
     assert_eq!(known.iter().map(|k| kinds(k)).sum::<usize>(), dev.launches.len());
     let c = be.device_counters().unwrap();
     assert_eq!(c.dispatches, dev.launches.len() as u64);
