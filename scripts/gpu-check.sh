@@ -104,13 +104,14 @@ else
 fi
 
 # 6. The engine's CUDA backend (docs/cuda.md: products, norms and ropes on the GPU, the rest on the CPU beside it):
-#    agreement with the CPU on a tiny synthetic q4 model (the tolerance of tests/tests/cuda_backend.rs), then
+#    agreement with the CPU on a tiny synthetic q4 model (the tolerance of tests/tests/cuda_backend.rs: a near-tie
+#    may resolve the other way, so 2 leading greedy tokens and 90 % of the argmax must agree), then
 #    decode and prefill on Flash-shaped layers with the placement report and the device counters.
 cstatus=0
 say ""
 say "## cuda backend"
 timeout "$(left)" "$BENCH" correctness --backends cpu,cuda --synthetic tiny:layers=3:recipe=q4 --exact \
-  --tol 1 --min-agree 0.9 --quiet >>"$OUT" 2>&1 || cstatus=$?
+  --tol 1 --min-agree 0.9 --min-greedy 2 --quiet >>"$OUT" 2>&1 || cstatus=$?
 say "# cuda correctness exit status: $cstatus"
 if [ "$(left)" -gt 60 ]; then
   timeout "$(left)" "$BENCH" --synthetic "flash:layers=${DS4_GPU_CHECK_LAYERS:-4}" --backend cuda \

@@ -137,7 +137,7 @@ pub(crate) fn run_throughput(a: &RunArgs) -> Result<()> {
             writeln!(out, "# {}", line.trim_start_matches("# "))?;
         }
     }
-    if a.placement != ds4_engine::exec::Placement::default() {
+    if a.placement != ds4_engine::exec::Placement::default() || host_fallback(&engine) {
         writeln!(out, "{}", bus_line(&a.placement, &engine))?;
     }
     if let Some(t) = crate::account::prefill_and_decode(&mut engine, a.batch_tokens)? {
@@ -484,7 +484,7 @@ pub(crate) fn run_correctness(a: &CorrectnessArgs) -> Result<()> {
         };
         let mut engine = engine_api::engine_with_acts(file, &cfg, a.f32_acts)?;
         outs.push(correctness::collect(&mut engine, b, &tokens, gen)?);
-        if placement != ds4_engine::exec::Placement::default() {
+        if placement != ds4_engine::exec::Placement::default() || host_fallback(&engine) {
             writeln!(out, "{} ({b})", bus_line(&placement, &engine))?;
         }
         pb.inc(1);
@@ -503,6 +503,11 @@ pub(crate) fn run_correctness(a: &CorrectnessArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// Whether the engine's backend runs beside a CPU backend for the ops it has no kernel for (cuda).
+fn host_fallback(engine: &ds4_engine::Engine) -> bool {
+    ds4_engine::backend::registry::needs_host_fallback(engine.options().backend)
 }
 
 /// One `# placement` line: what the last tick (a decode tick after a run) moved between the two backends per token,

@@ -154,3 +154,26 @@ extern "C" __global__ void __launch_bounds__(256) ds4_top_candidates(const float
         }
     }
 }
+
+// The embedding rows of n tokens into every one of the hc streams of their rows: streams[r][j][c] = E[tokens[r]][c]
+// for a table of f32 (ty 0), f16 (ty 1) or Q8_0 (ty 2: 34-byte blocks of an f16 scale and 32 quants, d · q) rows of
+// `row_bytes` bytes, dequantized as the CPU does. Grid (ceil(d / 256), n).
+extern "C" __global__ void __launch_bounds__(256) ds4_embed(const u8* __restrict__ table, int ty, i64 row_bytes,
+                                                            const i32* __restrict__ tokens, float* __restrict__ streams,
+                                                            int d, int hc, int n) {
+    const int r = blockIdx.y, c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= n || c >= d) return;
+    const u8* row = table + (i64)tokens[r] * row_bytes;
+    float v;
+    if (ty == 0) {
+        v = ((const float*)row)[c];
+    } else if (ty == 1) {
+        v = ds4_h2f(((const u16*)row)[c]);
+    } else {
+        const u8* blk = row + (c / 32) * 34;
+        const float scale = ds4_h2f((u16)(blk[0] | (blk[1] << 8)));
+        v = __fmul_rn(scale, (float)(i8)blk[2 + c % 32]);
+    }
+    float* out = streams + (i64)r * hc * d + c;
+    for (int j = 0; j < hc; ++j) out[(i64)j * d] = v;
+}

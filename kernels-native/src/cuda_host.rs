@@ -426,6 +426,60 @@ pub fn top_candidates(
     )
 }
 
+/// The embedding table formats `ds4_embed` reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EmbedFormat {
+    F32 = 0,
+    F16 = 1,
+    Q8_0 = 2,
+}
+
+impl EmbedFormat {
+    /// Bytes of a row of `d` values (`None`: not whole Q8_0 blocks).
+    pub fn row_bytes(self, d: usize) -> Option<usize> {
+        match self {
+            EmbedFormat::F32 => Some(4 * d),
+            EmbedFormat::F16 => Some(2 * d),
+            EmbedFormat::Q8_0 => d.is_multiple_of(32).then_some(d / 32 * 34),
+        }
+    }
+}
+
+/// `streams[r][j] = E[tokens[r]]` (dequantized, `d` values) for every one of the `hc` streams of each of `n` rows;
+/// `table` holds `vocab` rows in `fmt`, `tokens` n i32 below `vocab` (one launch).
+#[allow(clippy::too_many_arguments)]
+pub fn embed(
+    dev: &mut dyn Device,
+    table: CudaBufId,
+    fmt: EmbedFormat,
+    vocab: usize,
+    tokens: CudaBufId,
+    streams: CudaBufId,
+    d: usize,
+    hc: usize,
+    n: usize,
+) -> Result<(), DeviceError> {
+    let plan = Plan::embed(d, n)?;
+    let row =
+        fmt.row_bytes(d).ok_or_else(|| DeviceError::Buffer(format!("{d} values are not whole blocks of {fmt:?}")))?;
+    need(dev, table, vocab * row, "embedding table")?;
+    need(dev, tokens, n * 4, "tokens")?;
+    need(dev, streams, n * hc * d * 4, "streams")?;
+    dev.launch(
+        &plan,
+        &[
+            Arg::Buf(table),
+            Arg::I32(fmt as i32),
+            Arg::I64(row as i64),
+            Arg::Buf(tokens),
+            Arg::Buf(streams),
+            Arg::I32(i32v(d, "d")?),
+            Arg::I32(i32v(hc, "hc")?),
+            Arg::I32(i32v(n, "rows")?),
+        ],
+    )
+}
+
 /// mHC `pre` (`n × hc`) and `post`+`comb` (`n × (hc + hc²)`) of `n` rows of `mix` (row stride `mix_stride`); `base`
 /// (`(2 + hc)·hc`) and `scale` (3) f32 (one launch).
 #[allow(clippy::too_many_arguments)]

@@ -103,6 +103,7 @@ pub const KERNELS: &[KernelInfo] = &[
     k("ds4_hc_head_weights", true),
     k("ds4_hc_collapse", true),
     k("ds4_hc_post", true),
+    k("ds4_embed", true),
 ];
 
 /// Weight types the kernels multiply.
@@ -418,6 +419,15 @@ impl Plan {
         Ok(Plan {
             kernel: kernel("ds4_top_candidates"),
             dims: Dims { grid: [grid_x(n, 1, "rows")?, 1, 1], block: [CTA_THREADS, 1, 1] },
+        })
+    }
+
+    /// The embedding rows of `n` tokens (`d` values) into every stream of their rows.
+    pub fn embed(d: usize, n: usize) -> Result<Plan, PlanError> {
+        i32_fits(d, "d")?;
+        Ok(Plan {
+            kernel: kernel("ds4_embed"),
+            dims: Dims { grid: [grid_x(d, CTA_THREADS as usize, "d")?, yz(n, "rows")?, 1], block: [CTA_THREADS, 1, 1] },
         })
     }
 

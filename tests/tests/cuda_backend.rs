@@ -143,9 +143,19 @@ fn every_cuda_node_matches_the_cpu_kernel_on_its_inputs() {
         }
         eprintln!("{recipe}: (nodes checked, worst |Δ| as a fraction of the tolerance) {checked:?}");
         let kinds: &[&str] = if moe {
-            &["matmul", "rms_norm", "rope", "moe_combine", "readback", "hc_sinkhorn", "hc_collapse", "hc_post"]
+            &["matmul", "rms_norm", "rope", "moe_combine", "readback", "hc_sinkhorn", "hc_collapse", "hc_post", "embed"]
         } else {
-            &["matmul", "rms_norm", "rope", "readback", "hc_sinkhorn", "hc_collapse", "hc_post", "hc_head_weights"]
+            &[
+                "matmul",
+                "rms_norm",
+                "rope",
+                "readback",
+                "hc_sinkhorn",
+                "hc_collapse",
+                "hc_post",
+                "hc_head_weights",
+                "embed",
+            ]
         };
         for kind in kinds {
             assert!(checked.get(kind).map_or(0, |c| c.0) > 0, "{recipe}: no {kind} node ran on cuda");

@@ -299,6 +299,8 @@ SHIM(ds4_moe_route,
      (logits, bias, table, tokens, ids, rw, n, ne, k, norm, scale))
 SHIM(ds4_add, (float* y, const float* x, i64 n), (y, x, n))
 SHIM(ds4_gather_rows, (const float* x, const i32* rows, float* y, int width, int n), (x, rows, y, width, n))
+SHIM(ds4_embed, (const u8* table, int ty, i64 row_bytes, const i32* tokens, float* streams, int d, int hc, int n),
+     (table, ty, row_bytes, tokens, streams, d, hc, n))
 SHIM(ds4_hc_weights,
      (const float* mix, int mix_stride, const float* base, const float* scale, int hc, float eps, int iters, float* pre,
       float* postcomb, int n),

@@ -140,6 +140,18 @@ impl Device for ShimDevice {
                 "ds4_swiglu" => shim_ds4_swiglu(&g, &b, a[0].p(), a[1].p(), a[2].l(), a[3].f()),
                 "ds4_add" => shim_ds4_add(&g, &b, a[0].p(), a[1].p(), a[2].l()),
                 "ds4_gather_rows" => shim_ds4_gather_rows(&g, &b, a[0].p(), a[1].p(), a[2].p(), a[3].i(), a[4].i()),
+                "ds4_embed" => shim_ds4_embed(
+                    &g,
+                    &b,
+                    a[0].p(),
+                    a[1].i(),
+                    a[2].l(),
+                    a[3].p(),
+                    a[4].p(),
+                    a[5].i(),
+                    a[6].i(),
+                    a[7].i(),
+                ),
                 "ds4_hc_weights" => shim_ds4_hc_weights(
                     &g,
                     &b,

@@ -78,6 +78,7 @@ shims! {
     shim_ds4_add(*mut f32, *const f32, i64);
     shim_ds4_gather_rows(*const f32, *const i32, *mut f32, i32, i32);
     shim_ds4_top_candidates(*const f32, i32, i32, *mut u32, *mut f32);
+    shim_ds4_embed(*const u8, i32, i64, *const i32, *mut f32, i32, i32, i32);
     shim_ds4_hc_weights(*const f32, i32, *const f32, *const f32, i32, f32, i32, *mut f32, *mut f32, i32);
     shim_ds4_hc_head_weights(*const f32, *const f32, f32, i32, f32, *mut f32, i32);
     shim_ds4_hc_collapse(*const f32, *const f32, *mut f32, i32, i32);

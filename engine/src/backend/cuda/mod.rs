@@ -7,7 +7,7 @@
 //! ([`Op::MatMul`] over Q8_0, F16, IQ2_XXS, Q2_K, Q4_K: activations quantized once per product, exactly the CPU's
 //! Q8_0 / Q8_K rows), [`Op::RmsNorm`], [`Op::Rope`], the MoE layer (routing, routed experts through the fused
 //! kernels, shared expert: [`moe`]) when the model's experts fit its kernels, mHC ([`hc`]: the residual streams
-//! stay on the device) and the head (output projection, sampling candidates, the tick's readback: [`head`]); [`Backend::supports`] says no to every
+//! stay on the device, from the embeddings on) and the head (output projection, sampling candidates, the tick's readback: [`head`]); [`Backend::supports`] says no to every
 //! other op, and the engine runs those on a CPU backend beside it (the registry's host fallback,
 //! [`super::registry::needs_host_fallback`]). The session KV stays in host memory ([`Backend::kv_on_device`] is
 //! false), so the attention ops, whose KV pages never cross, run there too; the executor's residency copies move
@@ -362,6 +362,7 @@ impl Backend for CudaBackend {
             Op::Logits | Op::Readback { buf: BufId::Logits | BufId::Candidates } => head::head_ok(model, None),
             Op::LogitCandidates { k } => head::head_ok(model, Some(k)),
             Op::HcSinkhorn { .. } | Op::HcHeadWeights | Op::HcCollapse { .. } | Op::HcPost => hc::hc_ok(model),
+            Op::Embed => hc::hc_ok(model) && hc::embed_format(model).is_some(),
             _ => false,
         }
     }
@@ -398,6 +399,7 @@ impl Backend for CudaBackend {
             Op::HcHeadWeights => st.hc_head_weights(cx),
             Op::HcCollapse { out } => st.hc_collapse(cx, out),
             Op::HcPost => st.hc_post(cx),
+            Op::Embed => st.embed(cx),
             Op::RmsNorm { x, y, w, width, heads } => st.rms_norm(cx, x, y, w, width, heads),
             Op::Rope { x, layer, width, heads, inverse } => st.rope(cx, x, layer, width, heads, inverse),
             _ => Err(err(format!("no CUDA kernel for {}", op.name()))),

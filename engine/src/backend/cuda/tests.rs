@@ -93,6 +93,11 @@ fn takes_products_norms_and_ropes_and_leaves_the_rest_with_the_kv_to_the_cpu() {
                     true
                 }
                 Op::HcCollapse { .. } | Op::HcPost => true,
+                Op::Embed => {
+                    let e = model.global.embed;
+                    weights.insert(e.0, model.mat(e).data.len() as u64);
+                    true
+                }
                 Op::Logits | Op::LogitCandidates { .. } | Op::Readback { .. } => {
                     let ok = super::head::head_ok(&model, None);
                     if ok {
@@ -121,7 +126,8 @@ fn takes_products_norms_and_ropes_and_leaves_the_rest_with_the_kv_to_the_cpu() {
     assert!(kinds("ds4_matvec_") > 0 && kinds("ds4_quantize_") > 0 && kinds("ds4_rms_norm") > 0);
     assert!(kinds("ds4_rope") > 0 && kinds("ds4_gather_rows") == 3, "the head's rows gathered once a tick");
     assert!(kinds("ds4_hc_weights") > 0 && kinds("ds4_hc_post") > 0 && kinds("ds4_hc_collapse") > 0);
-    let known = ["ds4_matvec_", "ds4_quantize_", "ds4_rms_norm", "ds4_rope", "ds4_gather_rows", "ds4_hc_"];
+    assert_eq!(kinds("ds4_embed"), 3, "one embedding launch a tick");
+    let known = ["ds4_matvec_", "ds4_quantize_", "ds4_rms_norm", "ds4_rope", "ds4_gather_rows", "ds4_hc_", "ds4_embed"];
     assert_eq!(known.iter().map(|k| kinds(k)).sum::<usize>(), dev.launches.len());
     let c = be.device_counters().unwrap();
     assert_eq!(c.dispatches, dev.launches.len() as u64);
@@ -142,8 +148,9 @@ fn refuses_what_it_cannot_run() {
     let mut kv = vec![crate::tables::SessionKv::new(&model.config, 8)];
     let mut cx =
         crate::backend::StepCtx { model: &model, rope: &rope, batch: &batch, kv: &mut kv, act: &mut act, sim: false };
-    assert!(!be.supports(&Op::Embed, &model));
-    let e = be.run_node(&Op::Embed, &mut cx).unwrap_err().to_string();
+    let attn = Op::SparseAttention { layer: 0 };
+    assert!(!be.supports(&attn, &model));
+    let e = be.run_node(&attn, &mut cx).unwrap_err().to_string();
     assert!(e.contains("no CUDA kernel for"), "{e}");
     let w = model.layers[0].wq_a;
     let op = Op::MatMul { w, x: BufId::Normed, y: BufId::QLow };
