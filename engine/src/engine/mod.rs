@@ -529,7 +529,13 @@ impl Engine {
         } else if r.is_ok() && keep_hidden {
             // The streams after the last layer are still in place (the head reads them, writes elsewhere).
             hidden_out.resize(self.batch.rows.len() * hcd, 0.0);
-            r = self.backend.download(BufId::Streams, &mut cx, &mut hidden_out);
+            r = self.exec.download_final(
+                BufId::Streams,
+                self.backend.as_ref(),
+                self.second.as_deref(),
+                &mut cx,
+                &mut hidden_out,
+            );
         }
         self.act.hidden_out = hidden_out;
         for (run, kv) in self.batch.runs.iter().zip(self.kv_tmp.drain(..)) {

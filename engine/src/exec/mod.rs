@@ -246,6 +246,22 @@ impl Executor {
         self.res.bytes
     }
 
+    /// Copies the last run's final value of tensor `id` (one with a host layout) into `out`, from the backend that
+    /// holds it: the primary, or the fallback when the run's last writer of `id` was placed there.
+    pub fn download_final(
+        &self,
+        id: BufId,
+        primary: &dyn Backend,
+        fallback: Option<&dyn Backend>,
+        cx: &mut StepCtx<'_>,
+        out: &mut [f32],
+    ) -> Result<()> {
+        match fallback {
+            Some(f) if self.res.only_on_fallback(id) => f.download(id, cx, out),
+            _ => primary.download(id, cx, out),
+        }
+    }
+
     /// How many times a placement was computed (a run reuses the last one when its signature is unchanged).
     pub fn placements(&self) -> u64 {
         self.placements

@@ -105,6 +105,11 @@ impl Residency {
         Ok(())
     }
 
+    /// Whether the current value of `b` lives on the fallback only (written there, never copied back).
+    pub(super) fn only_on_fallback(&self, b: BufId) -> bool {
+        self.valid.get(b.index()).is_some_and(|&v| v == 2)
+    }
+
     /// Records that `op` ran on side `s`: what it wrote now lives there only.
     pub(super) fn wrote(&mut self, op: &Op, s: usize) {
         let (valid, host_kv) = (&mut self.valid, self.host_kv);

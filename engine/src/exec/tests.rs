@@ -301,3 +301,36 @@ fn stops_at_the_first_error_and_detects_cycles() {
     cyc.finish();
     assert!(ex.run_with(&cyc, |_, _| Ok(())).is_err());
 }
+
+/// After a run with a fallback, a tensor's final value is read from the side that wrote it last: the streams of a
+/// run whose post-mixes and every later reader of the streams ran on the fallback come from the fallback (the
+/// primary's copy is the embeddings it wrote).
+#[test]
+fn final_values_come_from_the_side_that_wrote_them() {
+    use crate::backend::{Activations, Backend, RopeSet, StepCtx};
+    use crate::graph::Batch;
+    use crate::tables::SessionKv;
+    let model = demo();
+    let rope = RopeSet::new(&model);
+    let (primary, fallback) = (crate::backend::cpu::CpuBackend::new(1), crate::backend::cpu::CpuBackend::new(1));
+    let mut kv = vec![SessionKv::new(&model.config, 16)];
+    let mut batch = Batch::default();
+    batch.push_run(0, 0, [3, 4, 5], true);
+    let mut act = Activations::default();
+    act.ensure(&model, 3, 3);
+    let mut g = Graph::default();
+    crate::model::recipe::build(&mut g, &model, &batch, false);
+    let mut ex = Executor::default();
+    for kind in [crate::graph::OpKind::HcPost, crate::graph::OpKind::HcCollapse, crate::graph::OpKind::RmsNorm] {
+        ex.force_fallback(kind as usize, true);
+    }
+    let mut cx = StepCtx { model: &model, rope: &rope, batch: &batch, kv: &mut kv, act: &mut act, sim: false };
+    ex.run_on(&g, &primary, Some(&fallback), &mut cx).unwrap();
+    let n = 3 * model.config.hc_dim();
+    let (mut got, mut on_fallback, mut on_primary) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
+    ex.download_final(BufId::Streams, &primary, Some(&fallback), &mut cx, &mut got).unwrap();
+    fallback.download(BufId::Streams, &mut cx, &mut on_fallback).unwrap();
+    primary.download(BufId::Streams, &mut cx, &mut on_primary).unwrap();
+    assert!(got == on_fallback, "the final streams are the fallback's");
+    assert!(got != on_primary, "the primary holds an older value of the streams");
+}
