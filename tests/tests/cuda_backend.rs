@@ -164,7 +164,11 @@ fn every_cuda_node_matches_the_cpu_kernel_on_its_inputs() {
 }
 
 fn engine(path: &std::path::Path, cuda: bool) -> Engine {
-    let opts = EngineOptions { exact: true, threads: 2, max_batch_tokens: 16, ..EngineOptions::default() };
+    engine_with(path, cuda, ds4_engine::exec::Placement::default())
+}
+
+fn engine_with(path: &std::path::Path, cuda: bool, placement: ds4_engine::exec::Placement) -> Engine {
+    let opts = EngineOptions { exact: true, threads: 2, max_batch_tokens: 16, placement, ..EngineOptions::default() };
     let model = Model::load(ds4_engine::gguf::GgufFile::open(path).unwrap()).unwrap();
     if !cuda {
         return Engine::from_model(model, opts).unwrap();
@@ -235,4 +239,31 @@ fn products_the_kernels_cannot_take_run_on_the_cpu() {
     assert!(d <= 1e-3, "f32 recipe: {d}");
     let rep = e.placement_report();
     assert!(rep.nodes.iter().all(|n| n.key.op.name() != "matmul" || n.backend == BackendKind::Cpu), "{rep}");
+}
+
+/// `--backend cuda --placement experts=cpu` (a GPU smaller than the model): the MoE layers on the CPU, everything
+/// else the cuda backend takes on the device (mHC included); the logits agree with the CPU's as the all-cuda run's
+/// do, and the bytes crossing each way per token are counted.
+#[test]
+fn experts_on_the_cpu_beside_the_cuda_backend() {
+    let Some(sh) = shared() else { return };
+    let g = read_json(&sh.join("golden/tiny-a/golden.json"));
+    let gguf = synthetic("q4");
+    let prompt: Vec<u32> = ids(&g["prompt_tokens"])[..16].iter().map(|&t| t % 1024).collect();
+    let (want, _) = run(&mut engine(&gguf, false), &prompt, 0);
+    let mut e = engine_with(&gguf, true, ds4_engine::exec::Placement::EXPERTS_ON_CPU);
+    let (got, greedy) = run(&mut e, &prompt, 2);
+    let d = max_abs_diff(&got, &want);
+    assert!(d.is_finite() && d <= 1.0, "max |Δlogit| {d}");
+    assert_eq!(greedy.len(), 2);
+    let rep = e.placement_report();
+    let side = |op: &str| rep.nodes.iter().filter(|n| n.key.op.name() == op).map(|n| n.backend).collect::<Vec<_>>();
+    for op in ["moe_route", "expert_up", "swiglu", "expert_down", "moe_combine"] {
+        assert!(side(op).iter().all(|&b| b == BackendKind::Cpu) && !side(op).is_empty(), "{op}:\n{rep}");
+    }
+    assert!(side("hc_post").iter().all(|&b| b == BackendKind::Cuda), "{rep}");
+    let c = e.copied_bytes();
+    let (up, down) = c.per_row();
+    assert!(up > 0.0 && down > 0.0, "{c:?}");
+    eprintln!("experts=cpu beside cuda: max |Δlogit| {d}; per token {down} B down, {up} B up");
 }
