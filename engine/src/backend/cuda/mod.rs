@@ -6,14 +6,15 @@
 //! What runs where. The backend has device kernels for the weight products of the supported formats
 //! ([`Op::MatMul`] over Q8_0, F16, IQ2_XXS, Q2_K, Q4_K: activations quantized once per product, exactly the CPU's
 //! Q8_0 / Q8_K rows), [`Op::RmsNorm`], [`Op::Rope`], the MoE layer (routing, routed experts through the fused
-//! kernels, shared expert: [`moe`]) when the model's experts fit its kernels, mHC ([`hc`]: the residual streams
-//! stay on the device, from the embeddings on) and the head (output projection, sampling candidates, the tick's readback: [`head`]); [`Backend::supports`] says no to every
-//! other op, and the engine runs those on a CPU backend beside it (the registry's host fallback,
-//! [`super::registry::needs_host_fallback`]). The session KV stays in host memory ([`Backend::kv_on_device`] is
-//! false), so the attention ops, whose KV pages never cross, run there too; the executor's residency copies move
-//! the host-layout tensors between the two ([`crate::exec`]), and [`crate::exec::PlacementReport`] shows which
-//! side ran each node. Each further kernel is a match arm in [`CudaBackend::run_node`] and a line in
-//! [`CudaBackend::supports`]; the ops still on the CPU are listed in `docs/cuda.md`.
+//! kernels, shared expert: [`moe`]) when the model's experts fit its kernels, mHC and the embeddings ([`hc`]: the
+//! residual streams live on the device) and the head (output projection, sampling candidates, the tick's readback:
+//! [`head`]); [`Backend::supports`] says no to every other op, and the engine runs those on a CPU backend beside it
+//! (the registry's host fallback, [`super::registry::needs_host_fallback`]). The session KV stays in host memory
+//! ([`Backend::kv_on_device`] is false), so the attention ops, whose KV pages never cross, run there too; the
+//! executor's residency copies move the host-layout tensors between the two ([`crate::exec`]), and
+//! [`crate::exec::PlacementReport`] shows which side ran each node. Each further kernel is a match arm in
+//! [`CudaBackend::run_node`] and a line in [`CudaBackend::supports`]; the ops still on the CPU are listed in
+//! `docs/cuda.md`.
 //!
 //! Memory. Weights are uploaded on first use and stay (their file encoding, no dequantized copy; norm vectors as
 //! f32). A tick's tensors live in one device buffer per [`BufId`], grown when a tick needs more and kept across
