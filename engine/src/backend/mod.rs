@@ -1,5 +1,6 @@
 //! Backends: kernel providers for the node graph ([`crate::graph`], built by [`crate::model::recipe`]). `cpu` is
-//! the reference backend; `wgpu` runs WGSL compute shaders.
+//! the reference backend; `wgpu` runs WGSL compute shaders; `cuda` runs the CUDA kernels of `ds4_kernels_native`
+//! on an NVIDIA GPU, with a CPU backend beside it for the ops it has no kernel for yet.
 //!
 //! A backend owns the tick's tensors (a [`crate::graph::BufId`] resolves to a buffer of its own) and offers a
 //! kernel per op kind it supports ([`Backend::supports`], [`Backend::run_node`]); it may also host native
@@ -9,7 +10,8 @@
 //! A second backend (the CPU, as host fallback) can take nodes the first has no kernel for, or op kinds forced
 //! there; the executor then copies tensors between the two through [`Backend::download`] / [`Backend::upload`]
 //! where their residency changes (only tensors with one host layout, [`BufId::host_width`]; the KV pages never
-//! move). The only host tensor every backend fills is [`Activations::logits`] (by [`crate::graph::Op::Readback`]
+//! move: nodes touching them stay with the primary when it keeps the KV on its device, [`Backend::kv_on_device`],
+//! and may run on the fallback when the KV is host memory). The only host tensor every backend fills is [`Activations::logits`] (by [`crate::graph::Op::Readback`]
 //! on a device backend).
 //!
 //! Device-resident backends (wgpu): the executor brackets every tick with [`Backend::begin_tick`] /
